@@ -1,0 +1,28 @@
+"""warp-decode lab's library: the data contract, shapes, routing, the NumPy reference, and the kernels.
+
+Import-light: nothing here touches a GPU until a GPU entry point is called.
+"""
+
+from kernels.api import expert_centric, warp_decode
+from kernels.contract import BF16, Dims, check_inputs
+from kernels.problem import Problem, make_problem, make_weights
+from kernels.routing import ROUTINGS, make_routing, route
+from kernels.shapes import DEFAULT_MODEL, PRESETS, MoEShape, get_shape
+
+__all__ = [
+    "BF16",
+    "DEFAULT_MODEL",
+    "PRESETS",
+    "ROUTINGS",
+    "Dims",
+    "MoEShape",
+    "Problem",
+    "check_inputs",
+    "expert_centric",
+    "get_shape",
+    "make_problem",
+    "make_routing",
+    "make_weights",
+    "route",
+    "warp_decode",
+]

@@ -1,0 +1,47 @@
+"""Public GPU entry points. Each dispatches to its backend module, imported on first use."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+BACKENDS = {"cupy": "kernels.warp_decode_cupy", "numba": "kernels.warp_decode_numba"}
+
+
+def warp_decode(
+    x: Any,
+    w13: Any,
+    w2: Any,
+    topk_ids: Any,
+    topk_weights: Any,
+    backend: str = "cupy",
+    out: Any = None,
+    workspace: Any = None,
+    **params: Any,
+) -> Any:
+    """One MoE decode layer by warp decode: ``moe_gate_up_3d_batched`` then ``moe_down_3d_batched``.
+
+    Inputs follow :mod:`kernels.contract`; returns ``out`` [T, H] (bf16 unless ``out`` is float32) on the
+    GPU. With ``out`` and ``workspace`` given the call allocates nothing and never syncs with the host
+    (CUDA-graph capturable). ``params`` are the backend's compile-time knobs.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    module = importlib.import_module(BACKENDS[backend])
+    return module.warp_decode(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace, **params)
+
+
+def expert_centric(
+    x: Any,
+    w13: Any,
+    w2: Any,
+    topk_ids: Any,
+    topk_weights: Any,
+    quant: str | None = None,
+    out: Any = None,
+    workspace: Any = None,
+    **params: Any,
+) -> Any:
+    """The conventional expert-centric decode path (align, gather, [quant], GEMM, SiLU, GEMM, scatter, combine)."""
+    module = importlib.import_module("kernels.expert_centric")
+    return module.expert_centric(x, w13, w2, topk_ids, topk_weights, quant=quant, out=out, workspace=workspace, **params)

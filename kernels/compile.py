@@ -1,0 +1,231 @@
+"""The one place CUDA C sources are compiled and cached.
+
+A kernel family is a :class:`CudaSource`: CUDA C text whose knobs are preprocessor macros (``WARPS``,
+``UNROLL``, ...). ``get_kernel(source, "name", WARPS=8)`` compiles that combination once through CuPy's
+``RawModule`` (NVRTC), keeps the module in memory, and CuPy keeps the cubin on disk
+(``$CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``; delete that folder to clear it).
+
+``offline_report(source, **defines)`` compiles the same text for sm_90 with NVRTC directly
+(``cuda.bindings.nvrtc``) -- no driver, no GPU -- and parses ptxas' resource report (registers, shared
+memory, stack frame, spill bytes). ``ptx_report(ptx)`` does the same for PTX from other front ends
+(Numba) through nvJitLink. Sources register themselves in :data:`SOURCES` so ``tools.inspect`` finds them.
+
+Edit-and-rerun from IPython: change ``source.code`` (or build a new ``CudaSource``) and call
+``get_kernel`` again -- the cache key is the text itself, so the edited kernel is compiled afresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_ARCH = "sm_90"
+NVRTC_OPTIONS = ("-std=c++17",)
+
+
+@dataclass
+class CudaSource:
+    """CUDA C text with compile-time knobs. ``defaults`` are the macros a call does not override."""
+
+    name: str
+    code: str
+    kernels: tuple[str, ...]
+    defaults: dict[str, int] = field(default_factory=dict)
+    # parameter sets the offline report compiles besides the defaults (e.g. the tuned presets)
+    variants: list[dict[str, int]] = field(default_factory=list)
+    description: str = ""
+
+    def render(self, **defines: int) -> str:
+        """The full text NVRTC sees: ``#define`` lines for every knob, then the code."""
+        unknown = set(defines) - set(self.defaults)
+        if unknown:
+            raise ValueError(
+                f"{self.name}: unknown compile-time parameter(s) {sorted(unknown)}; known: {sorted(self.defaults)}"
+            )
+        values = {**self.defaults, **defines}
+        lines = [f"#define {key} {int(value)}" for key, value in sorted(values.items())]
+        return "\n".join(lines) + "\n" + self.code
+
+    def params(self, **defines: int) -> dict[str, int]:
+        return {**self.defaults, **defines}
+
+
+SOURCES: dict[str, CudaSource] = {}
+
+
+def register_source(source: CudaSource) -> CudaSource:
+    """Make ``source`` known to ``tools.inspect`` (re-registering a name replaces it)."""
+    SOURCES[source.name] = source
+    return source
+
+
+# ---------------------------------------------------------------------------------------------------
+# On the GPU: CuPy RawModule, cached in memory by the rendered text.
+# ---------------------------------------------------------------------------------------------------
+_MODULES: dict[tuple[str, str], Any] = {}
+
+
+def _key(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def get_module(source: CudaSource, **defines: int) -> Any:
+    """The compiled ``cupy.RawModule`` for ``source`` with these knobs (compiled on first use)."""
+    import cupy
+
+    text = source.render(**defines)
+    device = cupy.cuda.Device().id
+    key = (_key(text), str(device))
+    module = _MODULES.get(key)
+    if module is None:
+        module = cupy.RawModule(code=text, options=NVRTC_OPTIONS, name_expressions=None)
+        module.compile()
+        _MODULES[key] = module
+    return module
+
+
+def get_kernel(source: CudaSource, kernel: str, **defines: int) -> Any:
+    """One ``cupy.RawKernel`` of ``source`` (see :func:`get_module`)."""
+    if kernel not in source.kernels:
+        raise ValueError(f"{source.name} has no kernel {kernel!r}; it has {source.kernels}")
+    return get_module(source, **defines).get_function(kernel)
+
+
+def clear_memory_cache() -> None:
+    """Forget compiled modules held in this process (CuPy's disk cache is untouched)."""
+    _MODULES.clear()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Offline: NVRTC / nvJitLink for sm_90 with ptxas' resource report, no GPU needed.
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KernelResources:
+    """ptxas' report for one kernel."""
+
+    kernel: str
+    registers: int
+    shared_bytes: int
+    stack_bytes: int
+    spill_stores: int
+    spill_loads: int
+    arch: str = DEFAULT_ARCH
+
+    @property
+    def spills(self) -> int:
+        return self.spill_stores + self.spill_loads
+
+
+class OfflineCompileError(RuntimeError):
+    """NVRTC or nvJitLink rejected the source; the message carries the compiler log."""
+
+
+_PROPS = re.compile(r"Function properties for '?([\w$]+)'?:?")
+_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS = re.compile(r"[Uu]sed (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+_JIT_STACK = re.compile(r"(\d+) stack")
+_JIT_LMEM = re.compile(r"(\d+) bytes lmem")
+
+
+def parse_ptxas_log(log: str, arch: str = DEFAULT_ARCH) -> list[KernelResources]:
+    """Parse ``ptxas -v`` (NVRTC) or nvJitLink ``-verbose`` output into one record per kernel."""
+    reports: list[KernelResources] = []
+    current: dict[str, Any] | None = None
+    for line in log.splitlines():
+        match = _PROPS.search(line)
+        if match:
+            if current is not None and "registers" in current:
+                reports.append(KernelResources(arch=arch, **current))
+            current = {"kernel": match.group(1), "shared_bytes": 0, "stack_bytes": 0, "spill_stores": 0, "spill_loads": 0}
+            jit_regs = _REGS.search(line)  # nvJitLink puts everything on the next line
+            if jit_regs:
+                current["registers"] = int(jit_regs.group(1))
+            continue
+        if current is None:
+            continue
+        stack = _STACK.search(line)
+        if stack:
+            current["stack_bytes"], current["spill_stores"], current["spill_loads"] = (int(g) for g in stack.groups())
+        regs = _REGS.search(line)
+        if regs:
+            current["registers"] = int(regs.group(1))
+            smem = _SMEM.search(line)
+            if smem:
+                current["shared_bytes"] = int(smem.group(1))
+            jit_stack = _JIT_STACK.search(line)
+            if jit_stack and "stack frame" not in line:
+                current["stack_bytes"] = int(jit_stack.group(1))
+            lmem = _JIT_LMEM.search(line)
+            if lmem and int(lmem.group(1)):
+                current["spill_stores"] = current["spill_loads"] = int(lmem.group(1))
+    if current is not None and "registers" in current:
+        reports.append(KernelResources(arch=arch, **current))
+    return list({report.kernel: report for report in reports}.values())  # one per kernel, last wins
+
+
+def _nvrtc() -> Any:
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as exc:  # pragma: no cover - installed with numba-cuda[cu12]
+        raise OfflineCompileError("cuda.bindings (pip install 'numba-cuda[cu12]') is needed for offline compiles") from exc
+    return nvrtc
+
+
+def _check(result: Any, what: str, log: str = "") -> None:
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) != 0:
+        raise OfflineCompileError(f"{what} failed ({err}):\n{log}")
+
+
+def offline_compile(text: str, arch: str = DEFAULT_ARCH, name: str = "kernel.cu") -> tuple[bytes, str]:
+    """NVRTC ``text`` to a cubin for ``arch`` with ``-Xptxas=-v``; returns ``(cubin, log)``."""
+    nvrtc = _nvrtc()
+    err, prog = nvrtc.nvrtcCreateProgram(text.encode(), name.encode(), 0, [], [])
+    _check(err, "nvrtcCreateProgram")
+    try:
+        options = [f"-arch={arch}".encode(), b"-Xptxas=-v", *(o.encode() for o in NVRTC_OPTIONS)]
+        compiled = nvrtc.nvrtcCompileProgram(prog, len(options), options)
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        log_text = log.decode(errors="replace").rstrip("\x00 ")
+        _check(compiled, f"NVRTC compile of {name}", log_text)
+        _, size = nvrtc.nvrtcGetCUBINSize(prog)
+        cubin = b" " * size
+        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        return cubin, log_text
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def offline_report(source: CudaSource, arch: str = DEFAULT_ARCH, **defines: int) -> list[KernelResources]:
+    """Resource report of every kernel in ``source`` compiled with these knobs for ``arch``."""
+    _, log = offline_compile(source.render(**defines), arch, f"{source.name}.cu")
+    reports = parse_ptxas_log(log, arch)
+    if not reports:
+        raise OfflineCompileError(f"no ptxas report found for {source.name}:\n{log}")
+    return reports
+
+
+def ptx_report(ptx: str | bytes, arch: str = DEFAULT_ARCH) -> list[KernelResources]:
+    """Assemble PTX (e.g. from ``numba.cuda.compile_ptx``) for ``arch`` with nvJitLink; parse its report."""
+    try:
+        from cuda.bindings import nvjitlink
+    except ImportError as exc:  # pragma: no cover
+        raise OfflineCompileError("cuda.bindings with nvJitLink is needed for PTX reports") from exc
+    data = ptx.encode() if isinstance(ptx, str) else ptx
+    handle = nvjitlink.create(2, [f"-arch={arch}", "-verbose"])
+    try:
+        nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel.ptx")
+        try:
+            nvjitlink.complete(handle)
+        finally:
+            size = nvjitlink.get_info_log_size(handle)
+            log = bytearray(size)
+            nvjitlink.get_info_log(handle, log)
+        return parse_ptxas_log(log.decode(errors="replace"), arch)
+    finally:
+        nvjitlink.destroy(handle)

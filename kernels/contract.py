@@ -1,0 +1,153 @@
+"""The data contract every backend shares, and the one place its inputs are checked.
+
+    x             [T, H]      bf16     activations of the T decode tokens
+    w13           [E, 2I, H]  bf16     per expert: gate rows 0..I-1, then up rows I..2I-1
+                                       (vLLM's ``w1`` / Hugging Face's ``gate_up_proj`` layout)
+    w2            [E, H, I]   bf16     per expert: down projection
+    topk_ids      [T, K]      int32    routed experts of each token (duplicates legal: contributions add)
+    topk_weights  [T, K]      float32  routing weight of each (token, slot)
+    out           [T, H]      bf16 (float32 on request)
+
+    out[t] = sum_k topk_weights[t, k] * w2[e] @ (SiLU(w13[e, :I] @ x[t]) * (w13[e, I:] @ x[t])),  e = topk_ids[t, k]
+
+H and I must be multiples of 8: the kernels load 16 bytes (8 bf16) per lane.
+
+Arrays may be NumPy or CuPy (all of one kind). Checks that need the *values* of ``topk_ids`` and
+``topk_weights`` (ids in range, weights finite) read them back; on a GPU that is a host sync, so they are
+skipped while a CUDA graph is being captured, and the kernels instead guard every expert id (an
+out-of-range id makes that token's output NaN, never an illegal access).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FP8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+OUT_DTYPES = (BF16, np.dtype(np.float32))
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes one call works on."""
+
+    tokens: int  # T
+    hidden: int  # H
+    intermediate: int  # I
+    experts: int  # E
+    top_k: int  # K
+
+
+def array_module(arr: Any) -> Any:
+    """``numpy`` or ``cupy``, whichever owns ``arr``; anything else is a TypeError."""
+    if isinstance(arr, np.ndarray):
+        return np
+    if type(arr).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    raise TypeError(f"expected a numpy.ndarray or cupy.ndarray, got {type(arr).__name__}")
+
+
+def is_capturing() -> bool:
+    """True while the current CuPy stream is being captured into a CUDA graph."""
+    try:
+        import cupy
+    except ImportError:  # pragma: no cover - cupy is a dependency
+        return False
+    stream = cupy.cuda.get_current_stream()
+    try:
+        return bool(stream.is_capturing())
+    except Exception:  # noqa: BLE001 - older CuPy / no device: not capturing
+        return False
+
+
+def _check_array(name: str, arr: Any, xp: Any, dtype: np.dtype, ndim: int, what: str) -> None:
+    if array_module(arr) is not xp:
+        raise TypeError(f"{name} must be a {xp.__name__} array like x, got {type(arr).__module__}.{type(arr).__name__}")
+    if arr.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions {what}, got shape {tuple(arr.shape)}")
+    if arr.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype.name}, got {arr.dtype}")
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (call .copy() or ascontiguousarray first)")
+
+
+def check_inputs(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, *, check_values: bool = True) -> Dims:
+    """Validate the five inputs of an MoE decode call against the contract; return their sizes.
+
+    Raises ``TypeError`` for a wrong array kind or dtype and ``ValueError`` for a wrong shape or value,
+    naming the argument and what was expected. ``check_values`` reads ``topk_ids`` / ``topk_weights``
+    (skipped automatically during CUDA-graph capture).
+    """
+    xp = array_module(x)
+    _check_array("x", x, xp, BF16, 2, "[T, H]")
+    _check_array("w13", w13, xp, BF16, 3, "[E, 2I, H]")
+    _check_array("w2", w2, xp, BF16, 3, "[E, H, I]")
+    _check_array("topk_ids", topk_ids, xp, np.dtype(np.int32), 2, "[T, K]")
+    _check_array("topk_weights", topk_weights, xp, np.dtype(np.float32), 2, "[T, K]")
+
+    tokens, hidden = (int(d) for d in x.shape)
+    experts, two_i, w13_hidden = (int(d) for d in w13.shape)
+    if tokens < 1:
+        raise ValueError(f"x must hold at least one token (T >= 1), got shape {tuple(x.shape)}")
+    if experts < 1:
+        raise ValueError(f"w13 must hold at least one expert (E >= 1), got shape {tuple(w13.shape)}")
+    if w13_hidden != hidden:
+        raise ValueError(f"w13 is [E, 2I, H] with H = {hidden} (from x), got shape {tuple(w13.shape)}")
+    if two_i < 2 or two_i % 2:
+        raise ValueError(f"w13's second dimension is 2I (gate then up rows), must be even, got {two_i}")
+    intermediate = two_i // 2
+    if tuple(int(d) for d in w2.shape) != (experts, hidden, intermediate):
+        raise ValueError(
+            f"w2 must be [E, H, I] = [{experts}, {hidden}, {intermediate}] to match w13 and x, "
+            f"got shape {tuple(w2.shape)}"
+        )
+    if hidden % 8:
+        raise ValueError(f"H (x.shape[1]) must be a multiple of 8 for 16-byte loads, got {hidden}")
+    if intermediate % 8:
+        raise ValueError(f"I (w2.shape[2]) must be a multiple of 8 for 16-byte loads, got {intermediate}")
+    if int(topk_ids.shape[0]) != tokens:
+        raise ValueError(f"topk_ids must be [T, K] with T = {tokens} (from x), got shape {tuple(topk_ids.shape)}")
+    top_k = int(topk_ids.shape[1])
+    if top_k < 1:
+        raise ValueError(f"topk_ids must route each token to at least one expert (K >= 1), got shape {tuple(topk_ids.shape)}")
+    if tuple(int(d) for d in topk_weights.shape) != (tokens, top_k):
+        raise ValueError(
+            f"topk_weights must be [T, K] = [{tokens}, {top_k}] like topk_ids, got shape {tuple(topk_weights.shape)}"
+        )
+
+    if check_values and not (xp is not np and is_capturing()):
+        low, high = int(topk_ids.min()), int(topk_ids.max())
+        if low < 0 or high >= experts:
+            raise ValueError(f"topk_ids must lie in [0, E) = [0, {experts}), found values in [{low}, {high}]")
+        if not bool(xp.isfinite(topk_weights).all()):
+            raise ValueError("topk_weights must be finite, found NaN or inf")
+    return Dims(tokens, hidden, intermediate, experts, top_k)
+
+
+def check_out(out: Any, dims: Dims, xp: Any, name: str = "out") -> None:
+    """``out`` must be a contiguous [T, H] bf16 or float32 array of the inputs' kind."""
+    if array_module(out) is not xp:
+        raise TypeError(f"{name} must be a {xp.__name__} array like x")
+    if tuple(int(d) for d in out.shape) != (dims.tokens, dims.hidden):
+        raise ValueError(f"{name} must be [T, H] = [{dims.tokens}, {dims.hidden}], got shape {tuple(out.shape)}")
+    if out.dtype not in OUT_DTYPES:
+        raise TypeError(f"{name} must have dtype bfloat16 or float32, got {out.dtype}")
+    if not out.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+
+
+def check_out_dtype(out_dtype: Any) -> np.dtype:
+    """Normalise an ``out_dtype`` argument to bf16 or float32."""
+    try:
+        dtype = np.dtype(out_dtype)
+    except TypeError:
+        raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype!r}") from None
+    if dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be bfloat16 or float32, got {dtype}")
+    return dtype

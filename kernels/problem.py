@@ -1,0 +1,125 @@
+"""Input generation: one MoE decode problem (activations, weights, routing) for a shape and a batch.
+
+Weights are random normal scaled like trained checkpoints (std 1/sqrt(fan-in): ``w13`` ~ N(0, 1/H),
+``w2`` ~ N(0, 1/I)), activations ~ N(0, 1); never zeros. NumPy problems are generated on the CPU; CuPy
+problems are generated on the GPU directly (a 20 GB layer takes milliseconds there, minutes here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kernels.contract import BF16
+from kernels.routing import make_routing, unique_experts
+from kernels.shapes import MoEShape, get_shape
+
+
+@dataclass
+class Problem:
+    """The five inputs of one MoE decode call, plus where they came from."""
+
+    shape: MoEShape
+    tokens: int
+    seed: int
+    routing: str
+    x: Any  # [T, H] bf16
+    w13: Any  # [E, 2I, H] bf16
+    w2: Any  # [E, H, I] bf16
+    topk_ids: Any  # [T, K] int32
+    topk_weights: Any  # [T, K] float32
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def arrays(self) -> tuple[Any, Any, Any, Any, Any]:
+        """``(x, w13, w2, topk_ids, topk_weights)``, the positional arguments of every entry point."""
+        return self.x, self.w13, self.w2, self.topk_ids, self.topk_weights
+
+    @property
+    def xp(self) -> Any:
+        from kernels.contract import array_module
+
+        return array_module(self.x)
+
+    @property
+    def unique_experts(self) -> int:
+        return unique_experts(_to_numpy(self.topk_ids))
+
+    def to_numpy(self) -> Problem:
+        """The same problem with every array on the host."""
+        return self._with_arrays(_to_numpy)
+
+    def to_cupy(self) -> Problem:
+        """The same problem with every array on the current GPU."""
+        import cupy
+
+        return self._with_arrays(cupy.asarray)
+
+    def _with_arrays(self, convert: Any) -> Problem:
+        return Problem(
+            self.shape, self.tokens, self.seed, self.routing,
+            *(convert(a) for a in self.arrays), meta=dict(self.meta),
+        )
+
+
+def _to_numpy(arr: Any) -> np.ndarray:
+    return arr.get() if hasattr(arr, "get") else np.asarray(arr)
+
+
+def _normal_bf16_numpy(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> np.ndarray:
+    values = rng.standard_normal(shape, dtype=np.float32)
+    values *= np.float32(std)
+    return values.astype(BF16)
+
+
+def _normal_bf16_cupy(seed: int, shape: tuple[int, ...], std: float) -> Any:
+    """N(0, std^2) rounded to bf16 on the GPU, by integer round-to-nearest-even on the fp32 bits."""
+    import cupy
+
+    rng = cupy.random.default_rng(seed)
+    values = rng.standard_normal(shape, dtype=cupy.float32)
+    values *= cupy.float32(std)
+    bits = values.view(cupy.uint32)
+    rounded = (bits + cupy.uint32(0x7FFF) + ((bits >> 16) & cupy.uint32(1))) >> 16
+    del values, bits
+    return rounded.astype(cupy.uint16).view(BF16)
+
+
+def make_weights(shape: MoEShape | str, seed: int = 0, xp: Any = np) -> tuple[Any, Any]:
+    """``(w13 [E, 2I, H], w2 [E, H, I])`` in bf16 on NumPy or CuPy, deterministic by seed."""
+    shape = get_shape(shape)
+    H, I, E = shape.hidden, shape.intermediate, shape.experts
+    if xp is np:
+        rng = np.random.default_rng([seed, 1])
+        return (
+            _normal_bf16_numpy(rng, (E, 2 * I, H), H**-0.5),
+            _normal_bf16_numpy(rng, (E, H, I), I**-0.5),
+        )
+    return _normal_bf16_cupy(seed * 2 + 1, (E, 2 * I, H), H**-0.5), _normal_bf16_cupy(seed * 2 + 2, (E, H, I), I**-0.5)
+
+
+def make_problem(
+    shape: MoEShape | str,
+    tokens: int,
+    seed: int = 0,
+    routing: Any = "uniform",
+    xp: Any = np,
+) -> Problem:
+    """A fresh problem: ``tokens`` decode tokens through one layer of ``shape``.
+
+    ``routing`` is a generator name ("uniform", "zipf", "same") or fixed ids (see ``make_routing``);
+    ``xp`` is ``numpy`` or ``cupy`` (the latter generates weights on the GPU).
+    """
+    shape = get_shape(shape)
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        raise ValueError(f"tokens must be an int >= 1, got {tokens!r}")
+    topk_ids, topk_weights = make_routing(tokens, shape.experts, shape.top_k, routing, seed)
+    rng = np.random.default_rng([seed, 0])
+    x = _normal_bf16_numpy(rng, (tokens, shape.hidden), 1.0)
+    w13, w2 = make_weights(shape, seed, xp)
+    if xp is not np:
+        x, topk_ids, topk_weights = (xp.asarray(a) for a in (x, topk_ids, topk_weights))
+    name = routing if isinstance(routing, str) else "fixed"
+    return Problem(shape, tokens, seed, name, x, w13, w2, topk_ids, topk_weights)

@@ -1,0 +1,104 @@
+"""Routing: the router's softmax + top-k (Qwen3 semantics) and generators of test routings.
+
+Every generator returns ``(topk_ids [T, K] int32, topk_weights [T, K] float32)`` on NumPy, deterministic
+by seed. The ids come from the generator's rule; the weights are a softmax over random logits of the
+chosen slots (renormalised to sum to 1, as ``norm_topk_prob`` models do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+ROUTINGS = ("uniform", "zipf", "same", "fixed")
+ZIPF_EXPONENT = 1.2  # hot-expert skew of the "zipf" generator: p(rank r) ~ 1 / r**1.2
+
+
+def route(logits: np.ndarray, top_k: int, renormalize: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Router logits [T, E] -> (topk_ids [T, K] int32, topk_weights [T, K] float32).
+
+    Softmax over all experts in float32, take the ``top_k`` largest (ties to the lower expert id),
+    and with ``renormalize`` divide the chosen probabilities by their sum (Qwen3's ``norm_topk_prob``).
+    """
+    logits = np.asarray(logits)
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [T, E], got shape {logits.shape}")
+    if not isinstance(top_k, int) or not 1 <= top_k <= logits.shape[1]:
+        raise ValueError(f"top_k must be an int in [1, E={logits.shape[1]}], got {top_k!r}")
+    if not np.all(np.isfinite(logits)):
+        raise ValueError("logits must be finite")
+    logits = logits.astype(np.float32)
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    probs = np.exp(shifted)
+    probs /= probs.sum(axis=1, keepdims=True)
+    topk_ids = np.argsort(-probs, axis=1, kind="stable")[:, :top_k]
+    topk_weights = np.take_along_axis(probs, topk_ids, axis=1)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(axis=1, keepdims=True)
+    return topk_ids.astype(np.int32), topk_weights.astype(np.float32)
+
+
+def _slot_weights(rng: np.random.Generator, tokens: int, top_k: int) -> np.ndarray:
+    logits = rng.standard_normal((tokens, top_k)).astype(np.float32)
+    weights = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return (weights / weights.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def make_routing(
+    tokens: int,
+    experts: int,
+    top_k: int,
+    routing: str | Sequence[int] | Sequence[Sequence[int]] | np.ndarray = "uniform",
+    seed: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Generate a routing for ``tokens`` tokens over ``experts`` experts, ``top_k`` slots each.
+
+    routing:
+      "uniform"  each token picks ``top_k`` distinct experts uniformly at random (the bench's default);
+      "zipf"     distinct experts drawn with hot experts favoured, p(rank r) ~ 1/r**1.2, ranks shuffled;
+      "same"     every token on the same ``top_k`` experts (the worst case for weight sharing);
+      "fixed"    not a string: a list of ``top_k`` ids for every token, or a [T, K] array of ids
+                 (duplicates allowed: their contributions add).
+    """
+    if not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"tokens must be an int >= 1, got {tokens!r}")
+    if not isinstance(experts, int) or experts < 1:
+        raise ValueError(f"experts must be an int >= 1, got {experts!r}")
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
+    rng = np.random.default_rng(seed)
+    if isinstance(routing, str):
+        if routing in ("uniform", "zipf", "same") and top_k > experts:
+            raise ValueError(f"routing {routing!r} picks distinct experts: top_k ({top_k}) must be <= experts ({experts})")
+        if routing == "uniform":
+            # top-k of i.i.d. keys is a uniformly random k-subset
+            topk_ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
+        elif routing == "zipf":
+            popularity = 1.0 / np.arange(1, experts + 1) ** ZIPF_EXPONENT
+            log_p = np.log(popularity[rng.permutation(experts)])
+            # Gumbel-top-k: distinct draws without replacement, proportional to popularity
+            keys = log_p[None, :] + rng.gumbel(size=(tokens, experts))
+            topk_ids = np.argsort(-keys, axis=1)[:, :top_k]
+        elif routing == "same":
+            chosen = rng.choice(experts, size=top_k, replace=False)
+            topk_ids = np.broadcast_to(chosen, (tokens, top_k))
+        else:
+            raise ValueError(f"routing must be one of {ROUTINGS[:3]} or a list of expert ids, got {routing!r}")
+    else:
+        ids = np.asarray(routing)
+        if ids.ndim == 1:
+            ids = np.broadcast_to(ids, (tokens, ids.shape[0]))
+        if ids.shape != (tokens, top_k):
+            raise ValueError(f"a fixed routing must be {top_k} ids or a [T, K] = [{tokens}, {top_k}] array, got {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"a fixed routing must hold integer expert ids, got {ids.dtype}")
+        if ids.min() < 0 or ids.max() >= experts:
+            raise ValueError(f"a fixed routing's ids must lie in [0, {experts}), got [{ids.min()}, {ids.max()}]")
+        topk_ids = ids
+    return np.ascontiguousarray(topk_ids, dtype=np.int32), _slot_weights(rng, tokens, top_k)
+
+
+def unique_experts(topk_ids: np.ndarray) -> int:
+    """How many distinct experts a routing touches (what the weight-bytes accounting counts)."""
+    return int(np.unique(np.asarray(topk_ids)).size)

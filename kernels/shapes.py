@@ -1,0 +1,156 @@
+"""MoE layer shapes of real models, and the arithmetic of what one decode step must move.
+
+Every preset's numbers are copied from the model's published ``config.json`` (field names in the comment
+beside each). Only *shapes* come from there: the toolkit never downloads weights, it generates them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+BF16_BYTES = 2
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """One MoE layer: ``experts`` FFNs of ``hidden -> 2 * intermediate -> hidden``, ``top_k`` per token."""
+
+    name: str
+    hidden: int  # H
+    intermediate: int  # I, the per-expert (moe_)intermediate size
+    experts: int  # E, routed experts
+    top_k: int  # K, routed experts per token
+    layers: int = 1  # MoE-bearing decoder layers in the model (for whole-model figures)
+    shared_experts: int = 0
+    shared_intermediate: int = 0  # intermediate size of each shared expert
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    activation: str = "silu"  # the model's own activation; the kernels implement SiLU(gate) * up
+    source: str = ""  # where the numbers come from
+
+    def __post_init__(self) -> None:
+        for field in ("hidden", "intermediate", "experts", "top_k", "layers"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoEShape.{field} must be a positive int, got {value!r}")
+        if self.hidden % 8 or self.intermediate % 8:
+            raise ValueError(
+                f"MoEShape hidden ({self.hidden}) and intermediate ({self.intermediate}) must be multiples of 8 "
+                "(the kernels load 16 bytes = 8 bf16 per lane)"
+            )
+
+    # -- bytes -------------------------------------------------------------------------------------
+    @property
+    def expert_bytes(self) -> int:
+        """bf16 bytes of one routed expert: gate + up rows (2*I x H) and down (H x I)."""
+        return 3 * self.hidden * self.intermediate * BF16_BYTES
+
+    @property
+    def layer_bytes(self) -> int:
+        """bf16 bytes of all routed experts of one layer (what must sit in HBM)."""
+        return self.experts * self.expert_bytes
+
+    @property
+    def shared_bytes(self) -> int:
+        return self.shared_experts * 3 * self.hidden * self.shared_intermediate * BF16_BYTES
+
+    def expected_unique_experts(self, tokens: int) -> float:
+        """E[experts touched] when each of ``tokens`` tokens picks ``top_k`` distinct experts uniformly."""
+        _check_tokens(tokens)
+        return self.experts * (1.0 - (1.0 - self.top_k / self.experts) ** tokens)
+
+    def weight_bytes(self, tokens: int | None = None, unique_experts: float | None = None) -> float:
+        """Routed-expert weight bytes one layer must read at batch ``tokens``: each touched expert once.
+
+        Give ``unique_experts`` when the routing is known (the bench counts it from ``topk_ids``);
+        otherwise the expectation under uniform routing is used.
+        """
+        if unique_experts is None:
+            if tokens is None:
+                raise ValueError("weight_bytes needs tokens or unique_experts")
+            unique_experts = self.expected_unique_experts(tokens)
+        return unique_experts * self.expert_bytes
+
+    def activation_bytes(self, tokens: int) -> int:
+        """Bytes of x [T, H] read, the [T, K, I] bf16 intermediate written and read, out [T, H] written."""
+        _check_tokens(tokens)
+        x = tokens * self.hidden * BF16_BYTES
+        intermediate = 2 * tokens * self.top_k * self.intermediate * BF16_BYTES
+        out = tokens * self.hidden * BF16_BYTES
+        return x + intermediate + out
+
+    def flops(self, tokens: int) -> int:
+        """Multiply-adds x 2 of the routed experts at batch ``tokens`` (gate, up and down GEMVs)."""
+        _check_tokens(tokens)
+        return 2 * tokens * self.top_k * 3 * self.hidden * self.intermediate
+
+    def with_(self, **changes: object) -> MoEShape:
+        """A copy with some fields changed (e.g. fewer experts for a quick CPU check)."""
+        return replace(self, **changes)
+
+
+def _check_tokens(tokens: int) -> None:
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        raise ValueError(f"tokens must be an int >= 1, got {tokens!r}")
+
+
+PRESETS: dict[str, MoEShape] = {
+    s.name: s
+    for s in (
+        # Qwen/Qwen3-30B-A3B config.json: hidden_size 2048, moe_intermediate_size 768, num_experts 128,
+        # num_experts_per_tok 8, num_hidden_layers 48, norm_topk_prob true, hidden_act "silu".
+        MoEShape("qwen3-30b-a3b", 2048, 768, 128, 8, layers=48, source="Qwen/Qwen3-30B-A3B config.json"),
+        # Qwen/Qwen3-235B-A22B config.json: hidden_size 4096, moe_intermediate_size 1536, num_experts 128,
+        # num_experts_per_tok 8, num_hidden_layers 94, norm_topk_prob true, hidden_act "silu".
+        MoEShape("qwen3-235b-a22b", 4096, 1536, 128, 8, layers=94, source="Qwen/Qwen3-235B-A22B config.json"),
+        # Qwen/Qwen3-Coder-480B-A35B-Instruct config.json: hidden_size 6144, moe_intermediate_size 2560,
+        # num_experts 160, num_experts_per_tok 8, num_hidden_layers 62, norm_topk_prob true.
+        MoEShape(
+            "qwen3-coder-480b-a35b", 6144, 2560, 160, 8, layers=62,
+            source="Qwen/Qwen3-Coder-480B-A35B-Instruct config.json",
+        ),
+        # Qwen/Qwen3-Next-80B-A3B-Instruct config.json: hidden_size 2048, moe_intermediate_size 512,
+        # num_experts 512, num_experts_per_tok 10, shared_expert_intermediate_size 512 (one shared expert),
+        # num_hidden_layers 48, norm_topk_prob true.
+        MoEShape(
+            "qwen3-next-80b-a3b", 2048, 512, 512, 10, layers=48, shared_experts=1, shared_intermediate=512,
+            source="Qwen/Qwen3-Next-80B-A3B-Instruct config.json",
+        ),
+        # mistralai/Mixtral-8x7B-v0.1 config.json: hidden_size 4096, intermediate_size 14336,
+        # num_local_experts 8, num_experts_per_tok 2, num_hidden_layers 32 (top-2 weights renormalised).
+        MoEShape("mixtral-8x7b", 4096, 14336, 8, 2, layers=32, source="mistralai/Mixtral-8x7B-v0.1 config.json"),
+        # deepseek-ai/DeepSeek-V3 config.json: hidden_size 7168, moe_intermediate_size 2048,
+        # n_routed_experts 256, num_experts_per_tok 8, n_shared_experts 1, num_hidden_layers 61
+        # (first_k_dense_replace 3, so 58 of them are MoE), norm_topk_prob true, routed_scaling_factor 2.5.
+        MoEShape(
+            "deepseek-v3", 7168, 2048, 256, 8, layers=61, shared_experts=1, shared_intermediate=2048,
+            source="deepseek-ai/DeepSeek-V3 config.json",
+        ),
+        # openai/gpt-oss-120b config.json: hidden_size 2880, intermediate_size 2880, num_local_experts 128,
+        # experts_per_token 4, num_hidden_layers 36. Its experts use a clamped SwiGLU with biases and ship
+        # as MXFP4; here the shape is measured with bf16 weights and SiLU(gate)*up (same bytes per bf16).
+        MoEShape(
+            "gpt-oss-120b", 2880, 2880, 128, 4, layers=36, activation="swiglu-oai",
+            source="openai/gpt-oss-120b config.json",
+        ),
+        # Small enough for the CUDA simulator and the CPU tests; H not a multiple of 256 on purpose.
+        MoEShape("tiny", 136, 48, 6, 2, layers=4, source="synthetic"),
+    )
+}
+
+DEFAULT_MODEL = "qwen3-30b-a3b"
+
+
+def get_shape(shape: str | MoEShape) -> MoEShape:
+    """A preset by name (or pass a shape through)."""
+    if isinstance(shape, MoEShape):
+        return shape
+    if not isinstance(shape, str):
+        raise TypeError(f"shape must be a preset name or a MoEShape, got {type(shape).__name__}")
+    try:
+        return PRESETS[shape]
+    except KeyError:
+        raise ValueError(f"unknown model {shape!r}; presets: {', '.join(PRESETS)}") from None
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,76 @@
+"""The registry every measured implementation joins: the bench, the sweep and the tests read it.
+
+A :class:`Variant` is a named way to compute one MoE decode layer. ``build(dims, **params)`` does all
+allocation and compilation up front and returns a *launch* function::
+
+    launch(x, w13, w2, topk_ids, topk_weights, out) -> None
+
+which writes ``out`` [T, H], allocates nothing, never synchronises with the host, and is therefore safe
+to capture in a CUDA graph (CuPy variants) -- the bench times exactly that. A launch may also carry a
+``stages`` attribute: ``launch.stages(x, w13, w2, topk_ids, topk_weights, out)`` returning
+``[(stage name, zero-argument callable), ...]`` that together do the same work, so each stage can be
+timed alone.
+
+Library kernels register themselves when their module is imported (``load_builtin()`` imports them);
+``prototypes/`` files register theirs the same way. Nothing else is needed for the bench to find one.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kernels.contract import Dims
+
+Launch = Callable[..., None]
+
+# library modules whose import registers variants (kernels never imports tools/ or prototypes/)
+BUILTIN_MODULES = ("kernels.warp_decode_cupy", "kernels.warp_decode_numba", "kernels.expert_centric")
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str  # unique, "backend:what", e.g. "cupy:warp-decode"
+    backend: str  # "cupy" or "numba"
+    family: str  # "warp-decode", "warp-decode-batched", "expert-centric", or a prototype's name
+    build: Callable[..., Launch]  # build(dims: Dims, **params) -> launch
+    reference_mode: str = "warp_decode"  # the reference.moe_decode mode it must reproduce
+    quant: str | None = None  # for reference_mode="classical"
+    params: dict[str, Any] = field(default_factory=dict)  # the knobs build() is called with
+    description: str = ""
+    baseline: bool = False  # the expert-centric path speedups are measured against
+
+    def make(self, dims: Dims, **overrides: Any) -> Launch:
+        return self.build(dims, **{**self.params, **overrides})
+
+
+REGISTRY: dict[str, Variant] = {}
+
+
+def register(variant: Variant) -> Variant:
+    """Add (or replace) a variant; returns it so modules can write ``X = register(Variant(...))``."""
+    if not isinstance(variant, Variant):
+        raise TypeError(f"register() takes a Variant, got {type(variant).__name__}")
+    REGISTRY[variant.name] = variant
+    return variant
+
+
+def load_builtin() -> dict[str, Variant]:
+    """Import the library's kernel modules (each registers its variants); returns the registry."""
+    for module in BUILTIN_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:  # a real missing dependency, not a backend that isn't written yet
+                raise
+    return REGISTRY
+
+
+def get_variant(name: str) -> Variant:
+    load_builtin()
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown variant {name!r}; registered: {', '.join(sorted(REGISTRY))}") from None
