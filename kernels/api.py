@@ -44,4 +44,6 @@ def expert_centric(
 ) -> Any:
     """The conventional expert-centric decode path (align, gather, [quant], GEMM, SiLU, GEMM, scatter, combine)."""
     module = importlib.import_module("kernels.expert_centric")
-    return module.expert_centric(x, w13, w2, topk_ids, topk_weights, quant=quant, out=out, workspace=workspace, **params)
+    return module.expert_centric(
+        x, w13, w2, topk_ids, topk_weights, quant=quant, out=out, workspace=workspace, **params
+    )

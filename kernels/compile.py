@@ -139,7 +139,13 @@ def parse_ptxas_log(log: str, arch: str = DEFAULT_ARCH) -> list[KernelResources]
         if match:
             if current is not None and "registers" in current:
                 reports.append(KernelResources(arch=arch, **current))
-            current = {"kernel": match.group(1), "shared_bytes": 0, "stack_bytes": 0, "spill_stores": 0, "spill_loads": 0}
+            current = {
+                "kernel": match.group(1),
+                "shared_bytes": 0,
+                "stack_bytes": 0,
+                "spill_stores": 0,
+                "spill_loads": 0,
+            }
             jit_regs = _REGS.search(line)  # nvJitLink puts everything on the next line
             if jit_regs:
                 current["registers"] = int(jit_regs.group(1))
@@ -170,7 +176,9 @@ def _nvrtc() -> Any:
     try:
         from cuda.bindings import nvrtc
     except ImportError as exc:  # pragma: no cover - installed with numba-cuda[cu12]
-        raise OfflineCompileError("cuda.bindings (pip install 'numba-cuda[cu12]') is needed for offline compiles") from exc
+        raise OfflineCompileError(
+            "cuda.bindings (pip install 'numba-cuda[cu12]') is needed for offline compiles"
+        ) from exc
     return nvrtc
 
 

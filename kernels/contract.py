@@ -115,7 +115,9 @@ def check_inputs(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, *,
         raise ValueError(f"topk_ids must be [T, K] with T = {tokens} (from x), got shape {tuple(topk_ids.shape)}")
     top_k = int(topk_ids.shape[1])
     if top_k < 1:
-        raise ValueError(f"topk_ids must route each token to at least one expert (K >= 1), got shape {tuple(topk_ids.shape)}")
+        raise ValueError(
+            f"topk_ids must route each token to at least one expert (K >= 1), got shape {tuple(topk_ids.shape)}"
+        )
     if tuple(int(d) for d in topk_weights.shape) != (tokens, top_k):
         raise ValueError(
             f"topk_weights must be [T, K] = [{tokens}, {top_k}] like topk_ids, got shape {tuple(topk_weights.shape)}"

@@ -70,7 +70,9 @@ def make_routing(
     rng = np.random.default_rng(seed)
     if isinstance(routing, str):
         if routing in ("uniform", "zipf", "same") and top_k > experts:
-            raise ValueError(f"routing {routing!r} picks distinct experts: top_k ({top_k}) must be <= experts ({experts})")
+            raise ValueError(
+                f"routing {routing!r} picks distinct experts: top_k ({top_k}) must be <= experts ({experts})"
+            )
         if routing == "uniform":
             # top-k of i.i.d. keys is a uniformly random k-subset
             topk_ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
@@ -90,7 +92,9 @@ def make_routing(
         if ids.ndim == 1:
             ids = np.broadcast_to(ids, (tokens, ids.shape[0]))
         if ids.shape != (tokens, top_k):
-            raise ValueError(f"a fixed routing must be {top_k} ids or a [T, K] = [{tokens}, {top_k}] array, got {ids.shape}")
+            raise ValueError(
+                f"a fixed routing must be {top_k} ids or a [T, K] = [{tokens}, {top_k}] array, got {ids.shape}"
+            )
         if not np.issubdtype(ids.dtype, np.integer):
             raise TypeError(f"a fixed routing must hold integer expert ids, got {ids.dtype}")
         if ids.min() < 0 or ids.max() >= experts:

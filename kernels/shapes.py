@@ -105,14 +105,26 @@ PRESETS: dict[str, MoEShape] = {
         # Qwen/Qwen3-Coder-480B-A35B-Instruct config.json: hidden_size 6144, moe_intermediate_size 2560,
         # num_experts 160, num_experts_per_tok 8, num_hidden_layers 62, norm_topk_prob true.
         MoEShape(
-            "qwen3-coder-480b-a35b", 6144, 2560, 160, 8, layers=62,
+            "qwen3-coder-480b-a35b",
+            6144,
+            2560,
+            160,
+            8,
+            layers=62,
             source="Qwen/Qwen3-Coder-480B-A35B-Instruct config.json",
         ),
         # Qwen/Qwen3-Next-80B-A3B-Instruct config.json: hidden_size 2048, moe_intermediate_size 512,
         # num_experts 512, num_experts_per_tok 10, shared_expert_intermediate_size 512 (one shared expert),
         # num_hidden_layers 48, norm_topk_prob true.
         MoEShape(
-            "qwen3-next-80b-a3b", 2048, 512, 512, 10, layers=48, shared_experts=1, shared_intermediate=512,
+            "qwen3-next-80b-a3b",
+            2048,
+            512,
+            512,
+            10,
+            layers=48,
+            shared_experts=1,
+            shared_intermediate=512,
             source="Qwen/Qwen3-Next-80B-A3B-Instruct config.json",
         ),
         # mistralai/Mixtral-8x7B-v0.1 config.json: hidden_size 4096, intermediate_size 14336,
@@ -122,14 +134,27 @@ PRESETS: dict[str, MoEShape] = {
         # n_routed_experts 256, num_experts_per_tok 8, n_shared_experts 1, num_hidden_layers 61
         # (first_k_dense_replace 3, so 58 of them are MoE), norm_topk_prob true, routed_scaling_factor 2.5.
         MoEShape(
-            "deepseek-v3", 7168, 2048, 256, 8, layers=61, shared_experts=1, shared_intermediate=2048,
+            "deepseek-v3",
+            7168,
+            2048,
+            256,
+            8,
+            layers=61,
+            shared_experts=1,
+            shared_intermediate=2048,
             source="deepseek-ai/DeepSeek-V3 config.json",
         ),
         # openai/gpt-oss-120b config.json: hidden_size 2880, intermediate_size 2880, num_local_experts 128,
         # experts_per_token 4, num_hidden_layers 36. Its experts use a clamped SwiGLU with biases and ship
         # as MXFP4; here the shape is measured with bf16 weights and SiLU(gate)*up (same bytes per bf16).
         MoEShape(
-            "gpt-oss-120b", 2880, 2880, 128, 4, layers=36, activation="swiglu-oai",
+            "gpt-oss-120b",
+            2880,
+            2880,
+            128,
+            4,
+            layers=36,
+            activation="swiglu-oai",
             source="openai/gpt-oss-120b config.json",
         ),
         # Small enough for the CUDA simulator and the CPU tests; H not a multiple of 256 on purpose.

@@ -41,6 +41,10 @@ class Variant:
     params: dict[str, Any] = field(default_factory=dict)  # the knobs build() is called with
     description: str = ""
     baseline: bool = False  # the expert-centric path speedups are measured against
+    grid: dict[str, list[Any]] = field(default_factory=dict)  # default sweep grid over build() params
+    # optional one-time weight transform run outside the timing: prepack(w13, w2) -> (w13', w2');
+    # launch then receives the prepacked weights in place of w13 and w2
+    prepack: Callable[[Any, Any], tuple[Any, Any]] | None = None
 
     def make(self, dims: Dims, **overrides: Any) -> Launch:
         return self.build(dims, **{**self.params, **overrides})

@@ -1,0 +1,24 @@
+"""The tree is ruff clean (pyproject.toml holds the rules)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_ruff_clean() -> None:
+    if (
+        shutil.which("ruff") is None
+        and subprocess.run([sys.executable, "-m", "ruff", "--version"], capture_output=True).returncode
+    ):
+        pytest.skip("ruff is not installed (pip install '.[test]')")
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
