@@ -1,0 +1,463 @@
+"""CUDA C of the expert-centric (vLLM-style fused-MoE) decode path; compiled through kernels.compile.
+
+Knobs (``#define``): ``BLOCK_N`` output features per GEMM block (multiple of 8), ``WARPS`` warps per GEMM
+block (split-K inside the block), ``M_TILES`` 16-row MMA tiles per GEMM block (``BLOCK_M = 16 * M_TILES``,
+also the padding unit of the routing metadata), ``UNROLL`` 32-wide K chunks each warp loads before its MMAs.
+
+bf16 values travel as raw ``unsigned short`` bits (no cuda_bf16.h); conversions are bit-exact RNE.
+"""
+
+from __future__ import annotations
+
+from kernels.compile import CudaSource, register_source
+
+CODE = r"""
+#define BLOCK_M (16 * M_TILES)
+#define NT (BLOCK_N / 8)
+typedef unsigned short bf16;
+
+// ---------------------------------------------------------------- number helpers ------------------
+__device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(unsigned w) { return __uint_as_float(w & 0xFFFF0000u); }
+__device__ __forceinline__ unsigned f32_to_bf16_bits(float f) {    // round to nearest even, NaN stays NaN
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return ((u >> 16) | 0x40u) & 0xFFFFu;
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+    return f32_to_bf16_bits(lo) | (f32_to_bf16_bits(hi) << 16);
+}
+__device__ __forceinline__ float round_bf16(float f) { return __uint_as_float(f32_to_bf16_bits(f) << 16); }
+__device__ __forceinline__ void unpack8(uint4 v, float* f) {
+    f[0] = bf16_lo(v.x); f[1] = bf16_hi(v.x); f[2] = bf16_lo(v.y); f[3] = bf16_hi(v.y);
+    f[4] = bf16_lo(v.z); f[5] = bf16_hi(v.z); f[6] = bf16_lo(v.w); f[7] = bf16_hi(v.w);
+}
+__device__ __forceinline__ uint4 pack8(const float* f) {
+    return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]),
+                      pack_bf16x2(f[6], f[7]));
+}
+// FP8 e4m3fn round to nearest even of a value already clipped to [-448, 448] (NaN passes through):
+// below 2^-6 the grid is the subnormal step 2^-9, above it 3 mantissa bits are kept.
+__device__ __forceinline__ float round_e4m3(float v) {
+    float a = fabsf(v);
+    if (!(a == a)) return v;
+    float r;
+    if (a < 0.015625f) {
+        r = rintf(a * 512.0f) * 0.001953125f;
+    } else {
+        unsigned u = __float_as_uint(a);
+        r = __uint_as_float((u + 0x7FFFFu + ((u >> 20) & 1u)) & 0xFFF00000u);
+    }
+    return copysignf(r, v);
+}
+__device__ __forceinline__ float clip448(float v) { return v > 448.0f ? 448.0f : (v < -448.0f ? -448.0f : v); }
+__device__ __forceinline__ float nanmax(float m, float a) { return (a > m || a != a) ? a : m; }
+
+// Quantize the 8 values one lane holds (chunk ``chunk`` of a row); groups of lanes share a scale.
+// quant 1 = fp8 (scale amax/448 per 128 elements = 16 lanes; writes bf16(q) and the fp32 scale),
+// quant 2 = mxfp8 (scale 2^(floor(log2 amax) - 8) per 32 elements = 4 lanes; writes bf16(q * scale), exact).
+// Every lane of the warp must call this (shuffles); ``active`` lanes store.
+__device__ __forceinline__ void quantize_store(float* v, bool active, int chunk, int quant, bf16* dst_row,
+                                               float* scale_row) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = nanmax(amax, fabsf(v[i]));
+    const int lanes = quant == 1 ? 16 : 4;
+    for (int off = lanes / 2; off > 0; off >>= 1) amax = nanmax(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+    float scale;
+    if (quant == 1) {
+        scale = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
+    } else {
+        int e = amax > 0.0f ? ilogbf(amax) - 8 : 0;
+        scale = ldexpf(1.0f, e);
+    }
+    float q[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        q[i] = round_e4m3(clip448(__fdiv_rn(v[i], scale)));
+        if (quant == 2) q[i] = __fmul_rn(q[i], scale);
+    }
+    if (active) {
+        *reinterpret_cast<uint4*>(dst_row + (size_t)chunk * 8) = pack8(q);
+        if (quant == 1 && (chunk & 15) == 0) scale_row[chunk >> 4] = scale;
+    }
+}
+
+// ---------------------------------------------------------------- stage 1: routing metadata -------
+// One block (1024 threads). Count pairs per expert (shared atomics: integer, order-free), exclusive scan of
+// tiles per expert = ceil(count / BLOCK_M), then one warp per expert writes that expert's pair ids in pair
+// order (ballot + popc: deterministic) and pads its last tile with the sentinel P.
+// Out: sorted_ids[max_tiles*BLOCK_M] (pair id or P), tile_expert[max_tiles] (-1 past the real tiles),
+// meta[0] = real tile count, row_of_pair[P] (padded row of each pair, -1 for an out-of-range expert id).
+extern "C" __global__ void __launch_bounds__(1024) moe_align(
+    const int* __restrict__ topk_ids, int P, int E, int max_tiles,
+    int* __restrict__ sorted_ids, int* __restrict__ tile_expert, int* __restrict__ meta, int* __restrict__ row_of_pair)
+{
+    extern __shared__ int smem[];
+    int* counts = smem;              // [E]
+    int* tile_off = smem + E;        // [E]
+    __shared__ int warp_sums[32];
+    __shared__ int total_tiles;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    for (int e = tid; e < E; e += blockDim.x) counts[e] = 0;
+    __syncthreads();
+    for (int i = tid; i < P; i += blockDim.x) {
+        int e = topk_ids[i];
+        if (e >= 0 && e < E) atomicAdd(&counts[e], 1); else row_of_pair[i] = -1;
+    }
+    __syncthreads();
+    // block exclusive scan of tiles per expert: each thread owns a run of `per` experts
+    const int per = (E + blockDim.x - 1) / blockDim.x;
+    const int e0 = tid * per;
+    int local = 0;
+    for (int e = e0; e < min(E, e0 + per); ++e) local += (counts[e] + BLOCK_M - 1) / BLOCK_M;
+    int incl = local;
+    for (int off = 1; off < 32; off <<= 1) {
+        const int y = __shfl_up_sync(0xFFFFFFFFu, incl, off);
+        if (lane >= off) incl += y;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        int w = lane < nwarps ? warp_sums[lane] : 0, wi = w;
+        for (int off = 1; off < 32; off <<= 1) {
+            const int y = __shfl_up_sync(0xFFFFFFFFu, wi, off);
+            if (lane >= off) wi += y;
+        }
+        warp_sums[lane] = wi - w;                     // exclusive prefix of each warp
+        if (lane == 31) { meta[0] = wi; total_tiles = wi; }   // real tile count
+    }
+    __syncthreads();
+    int run = warp_sums[warp] + incl - local;
+    for (int e = e0; e < min(E, e0 + per); ++e) { tile_off[e] = run; run += (counts[e] + BLOCK_M - 1) / BLOCK_M; }
+    __syncthreads();
+    const int total = total_tiles;
+    for (int e = tid; e < E; e += blockDim.x) {
+        const int n = (counts[e] + BLOCK_M - 1) / BLOCK_M;
+        for (int j = 0; j < n; ++j) tile_expert[tile_off[e] + j] = e;
+    }
+    for (int j = total + tid; j < max_tiles; j += blockDim.x) tile_expert[j] = -1;
+    // placement: warp per expert, pairs in ascending order
+    for (int e = warp; e < E; e += nwarps) {
+        const int count = counts[e];
+        if (count == 0) continue;
+        const int base = tile_off[e] * BLOCK_M;
+        int pos = 0;
+        for (int i0 = 0; i0 < P; i0 += 32) {
+            const int i = i0 + lane;
+            const bool match = i < P && topk_ids[i] == e;
+            const unsigned mask = __ballot_sync(0xFFFFFFFFu, match);
+            if (match) {
+                const int r = base + pos + __popc(mask & ((1u << lane) - 1u));
+                sorted_ids[r] = i;
+                row_of_pair[i] = r;
+            }
+            pos += __popc(mask);
+        }
+        const int padded = ((count + BLOCK_M - 1) / BLOCK_M) * BLOCK_M;
+        for (int r = count + lane; r < padded; r += 32) sorted_ids[base + r] = P;
+    }
+}
+
+// ---------------------------------------------------------------- stage 3a: quantize x ------------
+// Block per token row; each lane owns 8 consecutive elements (one 16-byte chunk) per iteration.
+extern "C" __global__ void quantize_rows(const bf16* __restrict__ src, int H, int quant, int scale_groups,
+                                         bf16* __restrict__ dst, float* __restrict__ dst_scale)
+{
+    const int row = blockIdx.x, chunks = H / 8;
+    for (int base = 0; base < chunks; base += blockDim.x) {
+        const int c = base + threadIdx.x;
+        const bool active = c < chunks;
+        float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if (active) unpack8(*reinterpret_cast<const uint4*>(src + (size_t)row * H + (size_t)c * 8), v);
+        quantize_store(v, active, c, quant, dst + (size_t)row * H, dst_scale + (size_t)row * scale_groups);
+    }
+}
+
+// ---------------------------------------------------------------- stage 2: gather / permute -------
+// Block per padded tile (blocks past the real tile count exit). Row r of the tile copies token
+// sorted_ids[r] / K of src (16-byte chunks), padding rows get zeros; fp32 group scales follow (0 for padding).
+extern "C" __global__ void gather_rows(const bf16* __restrict__ src, const float* __restrict__ src_scale,
+                                       int scale_groups, const int* __restrict__ sorted_ids,
+                                       const int* __restrict__ meta, int P, int K, int H,
+                                       bf16* __restrict__ dst, float* __restrict__ dst_scale)
+{
+    const int tile = blockIdx.x;
+    if (tile >= meta[0]) return;
+    const int chunks = H / 8;
+    for (int idx = threadIdx.x; idx < BLOCK_M * chunks; idx += blockDim.x) {
+        const int r = idx / chunks, c = idx - r * chunks;
+        const int row = tile * BLOCK_M + r;
+        const int pair = sorted_ids[row];
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (pair >= 0 && pair < P) v = *reinterpret_cast<const uint4*>(src + (size_t)(pair / K) * H + (size_t)c * 8);
+        *reinterpret_cast<uint4*>(dst + (size_t)row * H + (size_t)c * 8) = v;
+    }
+    if (src_scale != nullptr) {
+        for (int idx = threadIdx.x; idx < BLOCK_M * scale_groups; idx += blockDim.x) {
+            const int r = idx / scale_groups, g = idx - r * scale_groups;
+            const int row = tile * BLOCK_M + r;
+            const int pair = sorted_ids[row];
+            dst_scale[(size_t)row * scale_groups + g] =
+                (pair >= 0 && pair < P) ? src_scale[(size_t)(pair / K) * scale_groups + g] : 0.0f;
+        }
+    }
+}
+
+// ---------------------------------------------------------------- stages 4 & 6: grouped GEMM ------
+// C[row, n] = sum_k A[row, k] * W[expert, n, k] over one padded tile of BLOCK_M rows (one expert) and
+// BLOCK_N output features. mma.sync m16n8k16 bf16 -> fp32. Warps split K: warp w takes the 32-wide chunks
+// (it * WARPS + w) * UNROLL + u, so at each step the block streams WARPS*UNROLL*64 contiguous bytes of every
+// weight row. Lane (g = lane/4, t = lane%4) loads 16 bytes = k in [8t, 8t+8) of a 32-chunk, for weight row
+// n0 + g of each n8 tile (B) and activation rows g, g+8 of each m16 tile (A, from L2 into registers).
+// The MMA's k order is permuted identically for A and B (step s uses k 8t+4s..8t+4s+3), so each lane's
+// 16 bytes feed two m16n8k16 steps without shuffles. FP32 accumulators acc[m][j][4] live in registers;
+// warps 1..WARPS-1 hand theirs to warp 0 through shared memory (fixed order: deterministic), which
+// rounds to bf16 and stores. SCALED (fp8): A holds e4m3 values, each 32-chunk's MMA result is multiplied by
+// the row's fp32 group scale (group 128 = 4 chunks) before it joins the accumulator.
+__device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint4 load_weights(const bf16* p) {   // streamed once: skip L1
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+template <bool SCALED>
+__device__ __forceinline__ void grouped_gemm(const bf16* __restrict__ A, const float* __restrict__ A_scale,
+                                             int scale_groups, const bf16* __restrict__ W,
+                                             const int* __restrict__ tile_expert, const int* __restrict__ meta,
+                                             int N, int Kd, int E, bf16* __restrict__ C)
+{
+    __shared__ float partial[M_TILES * NT * 4 * 32];
+    const int tile = blockIdx.x;
+    if (tile >= meta[0]) return;
+    const int expert = tile_expert[tile];
+    if (expert < 0 || expert >= E) return;                       // guard (cannot happen for real tiles)
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.y * BLOCK_N;
+    const size_t row0 = (size_t)tile * BLOCK_M;
+    const int chunks = (Kd + 31) / 32;
+    const bf16* Wexp = W + (size_t)expert * N * Kd;
+
+    float acc[M_TILES][NT][4];
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.0f;
+
+    for (int c0 = warp * UNROLL; c0 < chunks; c0 += WARPS * UNROLL) {
+        uint4 b[UNROLL][NT];
+        uint4 a[UNROLL][M_TILES][2];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {                       // issue every load of this step first
+            const int k = (c0 + u) * 32 + 8 * t;
+            const bool kin = k < Kd;
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                const int n = n0 + 8 * j;
+                b[u][j] = (kin && n < N) ? load_weights(Wexp + (size_t)(n + g) * Kd + k) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int m = 0; m < M_TILES; ++m) {
+                const bf16* ar = A + (row0 + 16 * m + g) * Kd + k;
+                a[u][m][0] = kin ? *reinterpret_cast<const uint4*>(ar) : make_uint4(0, 0, 0, 0);
+                a[u][m][1] = kin ? *reinterpret_cast<const uint4*>(ar + (size_t)8 * Kd) : make_uint4(0, 0, 0, 0);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+            for (int m = 0; m < M_TILES; ++m) {
+                const uint4 lo = a[u][m][0], hi = a[u][m][1];      // rows g and g+8
+                if (!SCALED) {
+#pragma unroll
+                    for (int j = 0; j < NT; ++j) {
+                        mma_bf16(acc[m][j], lo.x, hi.x, lo.y, hi.y, b[u][j].x, b[u][j].y);
+                        mma_bf16(acc[m][j], lo.z, hi.z, lo.w, hi.w, b[u][j].z, b[u][j].w);
+                    }
+                } else {
+                    const int c = c0 + u;
+                    float s_lo = 0.0f, s_hi = 0.0f;
+                    if (c < chunks) {
+                        const int grp = c >> 2;
+                        s_lo = A_scale[(row0 + 16 * m + g) * scale_groups + grp];
+                        s_hi = A_scale[(row0 + 16 * m + g + 8) * scale_groups + grp];
+                    }
+#pragma unroll
+                    for (int j = 0; j < NT; ++j) {
+                        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                        mma_bf16(part, lo.x, hi.x, lo.y, hi.y, b[u][j].x, b[u][j].y);
+                        mma_bf16(part, lo.z, hi.z, lo.w, hi.w, b[u][j].z, b[u][j].w);
+                        acc[m][j][0] += part[0] * s_lo;
+                        acc[m][j][1] += part[1] * s_lo;
+                        acc[m][j][2] += part[2] * s_hi;
+                        acc[m][j][3] += part[3] * s_hi;
+                    }
+                }
+            }
+        }
+    }
+    // split-K reduction, one warp at a time through one shared slab (lane-major, conflict-free): warp w
+    // stores, warp 0 adds, in warp order w = 1..WARPS-1 (deterministic)
+    for (int w = 1; w < WARPS; ++w) {
+        if (warp == w) {
+#pragma unroll
+            for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) partial[((m * NT + j) * 4 + q) * 32 + lane] = acc[m][j][q];
+        }
+        __syncthreads();
+        if (warp == 0) {
+#pragma unroll
+            for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) acc[m][j][q] += partial[((m * NT + j) * 4 + q) * 32 + lane];
+        }
+        __syncthreads();
+    }
+    if (warp != 0) return;
+    // epilogue: lane holds rows g, g+8 and columns 2t, 2t+1 of each n8 tile -> bf16x2 stores
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const int n = n0 + 8 * j + 2 * t;
+            if (n0 + 8 * j >= N) continue;
+            const size_t r = row0 + 16 * m + g;
+            *reinterpret_cast<unsigned*>(C + r * N + n) = pack_bf16x2(acc[m][j][0], acc[m][j][1]);
+            *reinterpret_cast<unsigned*>(C + (r + 8) * N + n) = pack_bf16x2(acc[m][j][2], acc[m][j][3]);
+        }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) gemm_bf16(
+    const bf16* __restrict__ A, const bf16* __restrict__ W, const int* __restrict__ tile_expert,
+    const int* __restrict__ meta, int N, int Kd, int E, bf16* __restrict__ C)
+{
+    grouped_gemm<false>(A, nullptr, 0, W, tile_expert, meta, N, Kd, E, C);
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) gemm_fp8_scaled(
+    const bf16* __restrict__ A, const float* __restrict__ A_scale, int scale_groups, const bf16* __restrict__ W,
+    const int* __restrict__ tile_expert, const int* __restrict__ meta, int N, int Kd, int E, bf16* __restrict__ C)
+{
+    grouped_gemm<true>(A, A_scale, scale_groups, W, tile_expert, meta, N, Kd, E, C);
+}
+
+// ---------------------------------------------------------------- stage 5: SiLU(gate) * up --------
+// Block per padded tile; rows one after another, each lane owns 8 consecutive intermediate features.
+// Reads the bf16 gate/up GEMM output, h = bf16(SiLU(g) * u) in fp32 (no FMA contraction: numpy's order),
+// then stores h (quant 0) or its fp8 / mxfp8 quantization (quant 1 / 2).
+extern "C" __global__ void silu_mul(const bf16* __restrict__ gate_up, const int* __restrict__ meta, int I, int quant,
+                                    int scale_groups, bf16* __restrict__ inter, float* __restrict__ inter_scale)
+{
+    const int tile = blockIdx.x;
+    if (tile >= meta[0]) return;
+    const int chunks = I / 8;
+    for (int r = 0; r < BLOCK_M; ++r) {
+        const size_t row = (size_t)tile * BLOCK_M + r;
+        for (int base = 0; base < chunks; base += blockDim.x) {
+            const int c = base + threadIdx.x;
+            const bool active = c < chunks;
+            float gate[8], up[8], h[8];
+            for (int i = 0; i < 8; ++i) h[i] = 0.0f;
+            if (active) {
+                unpack8(*reinterpret_cast<const uint4*>(gate_up + row * 2 * I + (size_t)c * 8), gate);
+                unpack8(*reinterpret_cast<const uint4*>(gate_up + row * 2 * I + I + (size_t)c * 8), up);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const float silu = __fdiv_rn(gate[i], __fadd_rn(1.0f, expf(-gate[i])));
+                    h[i] = round_bf16(__fmul_rn(silu, up[i]));
+                }
+            }
+            if (quant == 0) {
+                if (active) *reinterpret_cast<uint4*>(inter + row * I + (size_t)c * 8) = pack8(h);
+            } else {
+                quantize_store(h, active, c, quant, inter + row * I, inter_scale + row * scale_groups);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- stage 7: scatter / un-permute ---
+// Block per (token, slot) pair: copy its padded down-GEMM row back to pair order; NaN for a bad expert id.
+extern "C" __global__ void scatter_rows(const bf16* __restrict__ down, const int* __restrict__ row_of_pair, int H,
+                                        bf16* __restrict__ pair_out)
+{
+    const int pair = blockIdx.x, row = row_of_pair[pair];
+    for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
+        uint4 v = make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u);
+        if (row >= 0) v = *reinterpret_cast<const uint4*>(down + (size_t)row * H + (size_t)c * 8);
+        *reinterpret_cast<uint4*>(pair_out + (size_t)pair * H + (size_t)c * 8) = v;
+    }
+}
+
+// ---------------------------------------------------------------- stage 8: combine ----------------
+// Block per token; lane owns 8 hidden features, one fp32 accumulator each, slots k = 0..K-1 in order,
+// acc = acc + w * v with separate roundings (numpy's order). rows == nullptr: src is [T*K, H] in pair order
+// (after scatter); otherwise src is the padded down buffer read through rows (scatter fused; -1 -> NaN).
+extern "C" __global__ void combine(const bf16* __restrict__ src, const int* __restrict__ rows,
+                                   const float* __restrict__ topk_weights, int K, int H, int out_f32,
+                                   void* __restrict__ out)
+{
+    const int token = blockIdx.x;
+    for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int k = 0; k < K; ++k) {
+            const int pair = token * K + k;
+            const int row = rows == nullptr ? pair : rows[pair];
+            const float w = topk_weights[pair];
+            float v[8];
+            if (row >= 0) {
+                unpack8(*reinterpret_cast<const uint4*>(src + (size_t)row * H + (size_t)c * 8), v);
+            } else {
+                for (int i = 0; i < 8; ++i) v[i] = __int_as_float(0x7FC00000);
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, v[i]));
+        }
+        if (out_f32) {
+            float4* o = reinterpret_cast<float4*>(static_cast<float*>(out) + (size_t)token * H + (size_t)c * 8);
+            o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+            o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+        } else {
+            *reinterpret_cast<uint4*>(static_cast<bf16*>(out) + (size_t)token * H + (size_t)c * 8) = pack8(acc);
+        }
+    }
+}
+"""
+
+KERNELS = (
+    "moe_align", "quantize_rows", "gather_rows", "gemm_bf16", "gemm_fp8_scaled", "silu_mul", "scatter_rows", "combine",
+)
+DEFAULTS = {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 2}
+VARIANTS = [
+    {"BLOCK_N": 32, "WARPS": 4, "M_TILES": 1, "UNROLL": 2},
+    {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 4},
+    {"BLOCK_N": 128, "WARPS": 4, "M_TILES": 1, "UNROLL": 2},
+    {"BLOCK_N": 64, "WARPS": 8, "M_TILES": 1, "UNROLL": 2},
+    {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 2, "UNROLL": 2},
+]
+
+EXPERT_CENTRIC_SOURCE = register_source(
+    CudaSource(
+        name="expert_centric",
+        code=CODE,
+        kernels=KERNELS,
+        defaults=dict(DEFAULTS),
+        variants=[dict(v) for v in VARIANTS],
+        description=(
+            "expert-centric MoE decode: align, quantize, gather, mma.sync grouped GEMMs, SiLU, scatter, combine"
+        ),
+    )
+)

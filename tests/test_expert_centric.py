@@ -1,0 +1,453 @@
+"""The expert-centric baseline (kernels.expert_centric): CPU checks of its logic, GPU checks of its results.
+
+Tolerance vs reference.moe_decode(mode="classical", quant=q): both compute the same chain of bf16 buffers
+(gate/up, activation, per-expert down output) and the same fp32 combine (slots in order, separate multiply
+and add); the only difference is the fp32 summation order inside the GEMMs (tensor-core MMA + split-K vs
+BLAS; for fp8 also scale-per-32-chunk vs (q*s)*w). That moves a GEMM output by ~1e-7 relative, which now
+and then flips its bf16 rounding by one ulp; a flipped down output reaches ``out`` scaled by its routing
+weight (<= 1) and the output's own rounding may flip. So each element may differ by at most
+2 bf16 ulps of its token's largest |out| (a flip of an intermediate element is ~100x smaller than that),
+most elements must be bitwise equal, and the relative L2 error must stay at rounding level.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kernels.compile import offline_report
+from kernels.contract import BF16, Dims
+from kernels.expert_centric import (
+    GRID,
+    GRID_FP8,
+    align_metadata_numpy,
+    check_params,
+    expert_centric,
+    max_tiles,
+    quantize_rows_numpy,
+    round_e4m3_numpy,
+)
+from kernels.expert_centric_cuda import DEFAULTS, EXPERT_CENTRIC_SOURCE, KERNELS, VARIANTS
+from kernels.numerics import bf16_to_f32, bf16_ulp, quantize, rel_l2
+from kernels.problem import make_problem
+from kernels.reference import expert_groups, moe_decode
+from kernels.routing import make_routing
+from kernels.shapes import PRESETS, MoEShape
+from kernels.variants import REGISTRY, load_builtin
+
+QUANTS = (None, "fp8", "mxfp8")
+
+
+# =============================================================================================== CPU
+def test_registered_variants() -> None:
+    load_builtin()
+    base = REGISTRY["cupy:expert-centric"]
+    assert base.baseline and base.reference_mode == "classical" and base.quant is None and base.grid
+    for name, quant in (("cupy:expert-centric-fp8", "fp8"), ("cupy:expert-centric-mxfp8", "mxfp8")):
+        assert REGISTRY[name].quant == quant and not REGISTRY[name].baseline
+        assert REGISTRY[name].reference_mode == "classical"
+
+
+def test_offline_compile_zero_spills() -> None:
+    """Every kernel compiles for sm_90 without spills, at the defaults and every listed variant."""
+    for params in [{}, *VARIANTS]:
+        reports = {r.kernel: r for r in offline_report(EXPERT_CENTRIC_SOURCE, **params)}
+        assert set(reports) == set(KERNELS), params
+        for report in reports.values():
+            assert report.spills == 0 and report.stack_bytes == 0, (params, report)
+            assert report.registers <= 255
+
+
+@pytest.mark.parametrize("grid, kernel", [(GRID, "gemm_bf16"), (GRID_FP8, "gemm_fp8_scaled")])
+def test_sweep_grid_zero_spills(grid: dict, kernel: str) -> None:
+    """The GEMM of every tile combination in the variants' sweep grid compiles without spills."""
+    keys = [k for k in ("BLOCK_N", "WARPS", "M_TILES", "UNROLL")]
+    for values in itertools.product(*(grid[k] for k in keys)):
+        params = dict(zip(keys, values, strict=True))
+        check_params(**params)
+        report = {r.kernel: r for r in offline_report(EXPERT_CENTRIC_SOURCE, **params)}[kernel]
+        assert report.spills == 0, (params, report)
+
+
+def test_input_errors() -> None:
+    p = make_problem("tiny", 3, seed=1)
+    with pytest.raises(ValueError, match="quant"):
+        expert_centric(*p.arrays, quant="int4")
+    with pytest.raises(ValueError, match="BLOCK_N"):
+        expert_centric(*p.arrays, BLOCK_N=12)
+    with pytest.raises(ValueError, match="unknown"):
+        expert_centric(*p.arrays, BLOCK_K=32)
+    with pytest.raises(ValueError, match="shared memory"):
+        check_params(BLOCK_N=256, M_TILES=4)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        expert_centric(p.x.astype(np.float32), *p.arrays[1:])
+    with pytest.raises(ValueError, match="topk_ids must lie"):
+        bad = p.topk_ids.copy()
+        bad[0, 0] = p.shape.experts
+        expert_centric(p.x, p.w13, p.w2, bad, p.topk_weights)
+    with pytest.raises(TypeError, match="cupy"):
+        expert_centric(*p.arrays)  # NumPy inputs: this path runs on the GPU only
+
+
+def test_max_tiles_bound_is_tight() -> None:
+    """max_tiles covers every routing and is reached: each pair on its own expert (E >= T*K)."""
+    rng = np.random.default_rng(0)
+    for tokens, experts, top_k, bm in [(1, 128, 8, 16), (64, 128, 8, 16), (5, 3, 2, 16), (7, 512, 10, 32)]:
+        dims = Dims(tokens, 8, 8, experts, top_k)
+        bound = max_tiles(dims, bm)
+        for _ in range(20):
+            ids = rng.integers(0, experts, (tokens, top_k))
+            assert align_metadata_numpy(ids, experts, bm)["num_tiles"] <= bound
+        spread = np.arange(tokens * top_k).reshape(tokens, top_k) % experts
+        worst = align_metadata_numpy(spread, experts, bm)["num_tiles"]
+        assert worst <= bound and (experts < tokens * top_k or worst == bound)
+
+
+@pytest.mark.parametrize("routing", ["uniform", "zipf", "same", "fixed"])
+def test_align_model_format(routing: str) -> None:
+    """The NumPy model of moe_align: expert-major, pair order inside an expert, sentinel padding, tile table."""
+    tokens, experts, top_k, bm = 9, 6, 3, 4
+    fixed = np.array([[2, 2, 5]] * tokens)
+    ids, _ = make_routing(tokens, experts, top_k, fixed if routing == "fixed" else routing, seed=3)
+    meta = align_metadata_numpy(ids, experts, bm)
+    sorted_ids, tile_expert, pairs = meta["sorted_ids"], meta["tile_expert"], tokens * top_k
+    assert sorted_ids.size == meta["num_tiles"] * bm
+    expected = []
+    for expert, members in expert_groups(ids):  # the reference's grouping, in expert order
+        expected.append(members)
+        rows = np.flatnonzero(np.isin(sorted_ids, members))
+        assert np.all(tile_expert[rows // bm] == expert)
+        np.testing.assert_array_equal(sorted_ids[rows], members)
+        np.testing.assert_array_equal(meta["row_of_pair"][members], rows)
+    real = sorted_ids[sorted_ids < pairs]
+    np.testing.assert_array_equal(real, np.concatenate(expected))
+    assert np.all(np.diff(tile_expert) >= 0)
+    for tile in range(meta["num_tiles"]):  # padding only at the end of an expert's last tile
+        block = sorted_ids[tile * bm : (tile + 1) * bm]
+        pad = block == pairs
+        assert not np.any(pad[:-1] & ~pad[1:])
+    bad = ids.copy()
+    bad[1, 0] = -1
+    bad[2, 2] = experts
+    meta_bad = align_metadata_numpy(bad, experts, bm)
+    assert meta_bad["row_of_pair"][1 * top_k] == -1 and meta_bad["row_of_pair"][2 * top_k + 2] == -1
+
+
+def test_e4m3_rounding_twin_matches_ml_dtypes() -> None:
+    """The kernels' bit-level e4m3 RNE equals ml_dtypes on every bf16 value, random floats and all ties."""
+    bf16_all = (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
+    rng = np.random.default_rng(0)
+    randoms = np.concatenate([rng.standard_normal(100_000).astype(np.float32) * s for s in (1e-3, 0.1, 1, 30)])
+    grid = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    grid = np.sort(grid[np.isfinite(grid)])
+    ties = ((grid[1:].astype(np.float64) + grid[:-1]) / 2).astype(np.float32)  # exact midpoints
+    for values in (bf16_all, randoms, ties, grid):
+        values = np.clip(values[~np.isnan(values)], -448, 448).astype(np.float32)
+        mine = round_e4m3_numpy(values)
+        theirs = values.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        np.testing.assert_array_equal(mine.view(np.uint32), theirs.view(np.uint32))
+
+
+@pytest.mark.parametrize("quant", ["fp8", "mxfp8"])
+@pytest.mark.parametrize("width", [136, 256, 48, 2880])
+def test_quantize_twin_matches_numerics(quant: str, width: int, rng: np.random.Generator) -> None:
+    """What the kernels store (fp8: e4m3 + fp32 group scale; mxfp8: q * 2^e as bf16) dequantizes to exactly
+    numerics.quantize of the same bf16 rows, including rows with huge / tiny / zero groups."""
+    rows = rng.standard_normal((6, width)).astype(np.float32) * np.float32(3.0)
+    rows[1] *= np.float32(1e4)
+    rows[2] *= np.float32(1e-5)
+    rows[3, :40] = 0.0
+    rows[4] = 0.0
+    rows = bf16_to_f32(rows.astype(BF16))
+    values, scales = quantize_rows_numpy(rows, quant)
+    if quant == "fp8":
+        assert np.array_equal(values, bf16_to_f32(values.astype(BF16)))  # e4m3 values are exact in bf16
+        deq = values * np.repeat(scales, 128, axis=1)[:, :width]
+    else:
+        assert np.array_equal(values, bf16_to_f32(values.astype(BF16)))  # q * 2^e is exact in bf16
+        deq = values
+    np.testing.assert_array_equal(deq.view(np.uint32), quantize(rows, quant).view(np.uint32))
+
+
+# =============================================================================================== GPU
+def _poisoned_out(cp, tokens: int, hidden: int, dtype=BF16):
+    out = cp.empty((tokens, hidden), dtype)
+    out.view(cp.uint16 if dtype == BF16 else cp.uint32).fill(0x7FC0 if dtype == BF16 else 0x7FC00000)
+    return out
+
+
+def _run(p, quant=None, out=None, **params) -> np.ndarray:
+    import cupy as cp
+
+    out = _poisoned_out(cp, p.tokens, p.shape.hidden) if out is None else out
+    expert_centric(*p.arrays, quant=quant, out=out, **params)
+    cp.cuda.runtime.deviceSynchronize()
+    return out.get()
+
+
+def _f32(arr: np.ndarray) -> np.ndarray:
+    return bf16_to_f32(arr) if arr.dtype == BF16 else arr.astype(np.float32)
+
+
+def _check_close(result: np.ndarray, ref: np.ndarray, min_equal: float = 0.8) -> None:
+    result, ref = _f32(result), _f32(ref)
+    assert np.isfinite(result).all(), "output not fully written (NaN poison left) or non-finite"
+    token_max = np.abs(ref).max(axis=1, keepdims=True)
+    err = np.abs(result - ref)
+    tol = 2 * bf16_ulp(token_max)
+    worst = float((err / tol).max())
+    assert worst <= 1.0, f"max error {worst:.2f} x tolerance (2 bf16 ulps of the token's max |out|)"
+    equal = float(np.mean(result == ref))
+    assert equal >= min_equal, f"only {equal:.1%} of elements bitwise equal to the classical reference"
+    assert rel_l2(result, ref) < 4e-3
+
+
+def _check_vs_reference(p, result: np.ndarray, quant=None, oracle: bool = False) -> None:
+    host = p.compact()
+    ref = moe_decode(*host.arrays, mode="classical", quant=quant)
+    _check_close(result, ref)
+    if oracle:
+        exact = moe_decode(*host.arrays, mode="fp64")
+        assert rel_l2(_f32(result), exact) < 1.5e-2
+
+
+def _free() -> None:
+    import cupy as cp
+
+    gc.collect()
+    cp.get_default_memory_pool().free_all_blocks()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_qwen3_preset(tokens: int) -> None:
+    import cupy as cp
+
+    p = make_problem("qwen3-30b-a3b", tokens, seed=10 + tokens, xp=cp)
+    result = _run(p)
+    _check_vs_reference(p, result, oracle=tokens <= 8)
+    del p
+    _free()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", ["fp8", "mxfp8"])
+def test_qwen3_quant_t64(quant: str) -> None:
+    import cupy as cp
+
+    p = make_problem("qwen3-30b-a3b", 64, seed=7, xp=cp)
+    _check_vs_reference(p, _run(p, quant=quant), quant=quant)
+    del p
+    _free()
+
+
+@pytest.mark.gpu
+def test_qwen3_next_many_experts() -> None:
+    import cupy as cp
+
+    p = make_problem("qwen3-next-80b-a3b", 8, seed=3, xp=cp)  # E = 512, K = 10
+    _check_vs_reference(p, _run(p))
+    del p
+    _free()
+
+
+ODD_SHAPES = [
+    MoEShape("h8", 8, 8, 4, 2),
+    MoEShape("k1", 264, 40, 5, 1),
+    MoEShape("e1", 136, 48, 1, 1),
+    MoEShape("h2880", 2880, 360, 16, 4),  # H not a multiple of 256, I not a multiple of 128
+    PRESETS["tiny"],
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ODD_SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("quant", QUANTS)
+def test_odd_shapes(shape: MoEShape, quant) -> None:
+    import cupy as cp
+
+    p = make_problem(shape, 5, seed=2, xp=cp)
+    _check_vs_reference(p, _run(p, quant=quant), quant=quant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", ["uniform", "zipf", "same", "fixed"])
+@pytest.mark.parametrize("quant", QUANTS)
+def test_routings(routing: str, quant) -> None:
+    import cupy as cp
+
+    shape = PRESETS["qwen3-30b-a3b"].with_(experts=32)
+    fixed = np.array([[3, 3, 3, 7, 7, 0, 31, 3]] * 40)  # duplicates: contributions add
+    p = make_problem(shape, 40, seed=5, routing=fixed if routing == "fixed" else routing, xp=cp)
+    _check_vs_reference(p, _run(p, quant=quant), quant=quant)
+    del p
+    _free()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "params",
+    [dict(fuse_scatter=True), dict(BLOCK_N=32, UNROLL=4), dict(BLOCK_N=128, WARPS=8), dict(M_TILES=2),
+     dict(WARPS=1, UNROLL=1), *VARIANTS],
+    ids=str,
+)
+def test_tile_params(params: dict) -> None:
+    import cupy as cp
+
+    p = make_problem(PRESETS["qwen3-30b-a3b"].with_(experts=24), 20, seed=4, routing="zipf", xp=cp)
+    base = _run(p)
+    other = _run(p, **params)
+    _check_close(other, base, min_equal=0.95)  # same numerics; split-K order may differ with WARPS/UNROLL
+    if params.get("WARPS", DEFAULTS["WARPS"]) == DEFAULTS["WARPS"] and params.get("UNROLL", 2) == 2:
+        np.testing.assert_array_equal(other.view(np.uint16), base.view(np.uint16))
+
+
+@pytest.mark.gpu
+def test_device_metadata_and_quant_match_numpy_models() -> None:
+    """The align kernel's buffers equal the NumPy model exactly; quantize_rows equals its twin exactly."""
+    import cupy as cp
+
+    from kernels.variants import get_variant
+
+    shape = PRESETS["qwen3-30b-a3b"].with_(experts=40)
+    p = make_problem(shape, 33, seed=6, routing="zipf", xp=cp)
+    dims = Dims(33, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
+    for quant_name, quant in (("cupy:expert-centric-fp8", "fp8"), ("cupy:expert-centric-mxfp8", "mxfp8")):
+        launch = get_variant(quant_name).make(dims)
+        out = _poisoned_out(cp, 33, shape.hidden)
+        stages = dict(launch.stages(*p.arrays, out))
+        stages["align"]()
+        stages["quant_x"]()
+        cp.cuda.runtime.deviceSynchronize()
+        ws = launch.workspace
+        model = align_metadata_numpy(p.topk_ids.get(), shape.experts, 16)
+        tiles = int(ws.meta[0].get())
+        assert tiles == model["num_tiles"]
+        np.testing.assert_array_equal(ws.sorted_ids[: tiles * 16].get(), model["sorted_ids"])
+        np.testing.assert_array_equal(ws.tile_expert[:tiles].get(), model["tile_expert"])
+        assert np.all(ws.tile_expert[tiles:].get() == -1)
+        np.testing.assert_array_equal(ws.row_of_pair.get(), model["row_of_pair"])
+        values, scales = quantize_rows_numpy(bf16_to_f32(p.x.get()), quant)
+        np.testing.assert_array_equal(bf16_to_f32(ws.x_q.get()), values)
+        if quant == "fp8":
+            np.testing.assert_array_equal(ws.x_scale.get(), scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", QUANTS)
+def test_stages_equal_launch_and_determinism(quant) -> None:
+    import cupy as cp
+
+    from kernels.variants import get_variant
+
+    name = {None: "cupy:expert-centric", "fp8": "cupy:expert-centric-fp8", "mxfp8": "cupy:expert-centric-mxfp8"}[quant]
+    p = make_problem(PRESETS["qwen3-30b-a3b"].with_(experts=32), 16, seed=8, xp=cp)
+    dims = Dims(16, p.shape.hidden, p.shape.intermediate, 32, p.shape.top_k)
+    launch = get_variant(name).make(dims)
+    runs = []
+    for _ in range(3):
+        out = _poisoned_out(cp, 16, p.shape.hidden)
+        launch(*p.arrays, out)
+        cp.cuda.runtime.deviceSynchronize()
+        runs.append(out.get())
+    for r in runs[1:]:
+        np.testing.assert_array_equal(r.view(np.uint16), runs[0].view(np.uint16))
+    out = _poisoned_out(cp, 16, p.shape.hidden)
+    names = []
+    for stage, run in launch.stages(*p.arrays, out):
+        names.append(stage)
+        run()
+    cp.cuda.runtime.deviceSynchronize()
+    np.testing.assert_array_equal(out.get().view(np.uint16), runs[0].view(np.uint16))
+    assert names[0] == "align" and names[-1] == "combine" and len(names) == (8 if quant else 7)
+    _check_vs_reference(p, runs[0], quant=quant)
+
+
+@pytest.mark.gpu
+def test_float32_out() -> None:
+    import cupy as cp
+
+    p = make_problem("tiny", 7, seed=9, xp=cp)
+    out = _poisoned_out(cp, 7, p.shape.hidden, np.float32)
+    result = _run(p, out=out)
+    host = p.compact()
+    ref = moe_decode(*host.arrays, mode="classical", out_dtype=np.float32)
+    assert np.isfinite(result).all()
+    np.testing.assert_allclose(result, ref, rtol=0, atol=float(2 * bf16_ulp(np.abs(ref).max())))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", QUANTS)
+def test_graph_capture_replay(quant) -> None:
+    import cupy as cp
+
+    from kernels.expert_centric import make_workspace
+
+    p = make_problem(PRESETS["qwen3-30b-a3b"].with_(experts=20), 12, seed=11, routing="zipf", xp=cp)
+    dims = Dims(12, p.shape.hidden, p.shape.intermediate, 20, p.shape.top_k)
+    ws = make_workspace(dims, quant)
+    eager = _run(p, quant=quant, workspace=ws)
+    out = _poisoned_out(cp, 12, p.shape.hidden)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        expert_centric(*p.arrays, quant=quant, out=out, workspace=ws)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+    np.testing.assert_array_equal(out.get().view(np.uint16), eager.view(np.uint16))
+    # new routing, same graph: the metadata is recomputed on the device
+    ids, weights = make_routing(12, 20, p.shape.top_k, "uniform", seed=12)
+    p.topk_ids[...] = cp.asarray(ids)
+    p.topk_weights[...] = cp.asarray(weights)
+    out.view(cp.uint16).fill(0x7FC0)
+    with stream:
+        graph.launch(stream)
+        stream.synchronize()
+    _check_vs_reference(p, out.get(), quant=quant)
+    np.testing.assert_array_equal(out.get().view(np.uint16), _run(p, quant=quant, workspace=ws).view(np.uint16))
+
+
+@pytest.mark.gpu
+def test_bad_expert_ids_give_nan_rows() -> None:
+    """Out-of-range ids (not checkable during capture) poison only their token; no illegal access."""
+    import cupy as cp
+
+    from kernels.variants import get_variant
+
+    p = make_problem(PRESETS["qwen3-30b-a3b"].with_(experts=16), 6, seed=13, xp=cp)
+    dims = Dims(6, p.shape.hidden, p.shape.intermediate, 16, p.shape.top_k)
+    for fuse in (False, True):
+        launch = get_variant("cupy:expert-centric").make(dims, fuse_scatter=fuse)
+        good = _poisoned_out(cp, 6, p.shape.hidden)
+        launch(*p.arrays, good)
+        bad_ids = p.topk_ids.copy()
+        bad_ids[1, 3] = 16
+        bad_ids[4, 0] = -7
+        bad_ids[5, 7] = 1 << 30
+        out = _poisoned_out(cp, 6, p.shape.hidden)
+        launch(p.x, p.w13, p.w2, bad_ids, p.topk_weights, out)
+        cp.cuda.runtime.deviceSynchronize()
+        result, expected = _f32(out.get()), _f32(good.get())
+        assert np.isnan(result[[1, 4, 5]]).all()
+        np.testing.assert_array_equal(result[[0, 2, 3]], expected[[0, 2, 3]])
+
+
+@pytest.mark.gpu
+def test_workspace_mismatch_and_gpu_input_errors() -> None:
+    import cupy as cp
+
+    from kernels.expert_centric import make_workspace
+
+    p = make_problem("tiny", 4, seed=14, xp=cp)
+    ws = make_workspace(Dims(5, 136, 48, 6, 2), None)
+    with pytest.raises(ValueError, match="workspace"):
+        expert_centric(*p.arrays, out=cp.empty((4, 136), BF16), workspace=ws)
+    with pytest.raises(ValueError, match="out must be"):
+        expert_centric(*p.arrays, out=cp.empty((3, 136), BF16))
+    with pytest.raises(TypeError, match="cupy"):
+        expert_centric(p.x.get(), *p.arrays[1:])
