@@ -1,0 +1,493 @@
+"""The bench without a GPU: bytes accounting, roofline arithmetic, harness helpers, CLI errors, the CPU path.
+GPU tests (``-m gpu``) run the harness for real on the ``tiny`` shape, including a captured fallback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kernels.contract import BF16
+from kernels.routing import make_routing
+from kernels.shapes import get_shape
+from tools import harness, roofline, sweep
+from tools.bench import _as_list, build_parser, main, select_variants
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+# -- bytes accounting --------------------------------------------------------------------------------
+def test_bytes_counts_unique_experts_of_this_routing():
+    shape = get_shape("qwen3-30b-a3b")
+    ids = np.array([[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 8, 9, 10, 11]], np.int32)
+    b = harness.bytes_breakdown(shape, ids)
+    assert b["unique_experts"] == 12
+    assert b["weights"] == 12 * 3 * 2048 * 768 * 2
+    assert b["activation"] == 2 * 2048 * 2 and b["output"] == 2 * 2048 * 2
+    assert b["intermediate"] == 2 * 2 * 8 * 768 * 2
+    assert b["activation"] + b["intermediate"] + b["output"] == shape.activation_bytes(2)
+    assert b["total"] == b["weights"] + shape.activation_bytes(2)
+    assert b["divisor"] == "weights"
+
+
+@pytest.mark.parametrize("routing", ["uniform", "zipf", "same"])
+def test_bytes_follow_the_routing(routing):
+    shape = get_shape("tiny")
+    ids, _ = make_routing(5, shape.experts, shape.top_k, routing, 3)
+    b = harness.bytes_breakdown(shape, ids)
+    assert b["unique_experts"] == len(np.unique(ids))
+    assert b["weights"] == b["unique_experts"] * shape.expert_bytes
+    if routing == "same":
+        assert b["unique_experts"] == shape.top_k
+
+
+# -- roofline arithmetic -------------------------------------------------------------------------------
+def test_tbps_and_percent():
+    assert roofline.tbps(4.56e12 * 1e-3, 1000.0) == pytest.approx(4.56)
+    assert roofline.percent(2.28, 4.56) == pytest.approx(50.0)
+    assert roofline.percent(None, 4.56) is None and roofline.percent(1.0, None) is None
+    assert roofline.percent(1.0, 0.0) is None
+    with pytest.raises(ValueError):
+        roofline.tbps(1.0, 0.0)
+
+
+def test_bar_widths_and_fill():
+    assert roofline.bar(0, 10) == " " * 10
+    assert roofline.bar(100, 10) == "█" * 10
+    assert roofline.bar(150, 10) == "█" * 10  # clamped
+    assert roofline.bar(50, 10) == "█" * 5 + " " * 5
+    assert roofline.bar(55, 10) == "█" * 5 + "▌" + " " * 4
+    assert all(len(roofline.bar(p, 16)) == 16 for p in np.linspace(0, 100, 41))
+    assert roofline.bar(None, 7) == " " * 7
+
+
+def test_datasheet_table():
+    assert roofline.datasheet_tbps("NVIDIA H200") == 4.8
+    assert roofline.datasheet_tbps("NVIDIA H100 80GB HBM3") == 3.35
+    assert roofline.datasheet_tbps("NVIDIA H100 PCIe") == 2.0
+    assert roofline.datasheet_tbps("Some Future GPU") is None
+
+
+def test_roofline_source_is_registered_for_inspect():
+    from kernels.compile import SOURCES
+
+    assert SOURCES["roofline"] is roofline.ROOFLINE_SOURCE
+    assert set(roofline.ROOFLINE_SOURCE.kernels) == {"stream_read", "copy16"}
+
+
+# -- harness helpers ------------------------------------------------------------------------------------
+def test_summarize():
+    s = harness.summarize([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (s["median_us"], s["min_us"], s["max_us"]) == (3.0, 1.0, 5.0)
+    assert s["iqr_us"] == pytest.approx(2.0)
+    assert harness.summarize([7.0])["iqr_us"] == 0.0
+    with pytest.raises(ValueError):
+        harness.summarize([])
+
+
+def test_copies_needed_covers_three_l2():
+    l2 = 60 << 20
+    assert harness.copies_needed(10 << 30, l2) == 2  # never fewer than two
+    assert harness.copies_needed(75 << 20, l2) == 3
+    assert harness.copies_needed(9 << 20, l2) == 20
+    for unique in (1 << 20, 7 << 20, 100 << 20):
+        n = harness.copies_needed(unique, l2)
+        assert n * unique >= 3 * l2
+
+
+@pytest.mark.parametrize("copies", [2, 3, 7])
+def test_copy_shift_keeps_copies_disjoint(rng, copies):
+    for _ in range(20):
+        experts = int(rng.integers(4, 200))
+        touched = np.unique(rng.integers(0, experts, size=int(rng.integers(1, experts))))
+        shift = harness.copy_shift(touched, experts, copies)
+        assert 1 <= shift <= experts
+        sets = [set((touched + c * shift).tolist()) for c in range(copies)]
+        for a in range(copies):
+            for b in range(a + 1, copies):
+                assert not sets[a] & sets[b]
+    assert harness.copy_shift(np.arange(10), 10, 2) == 10  # every expert touched: full copies
+
+
+def test_check_tokens_fit_the_host_budget(rng):
+    ids = np.stack([rng.permutation(256)[:8] for _ in range(64)]).astype(np.int32)
+    assert harness.check_tokens(ids, 1, limit=10**9).size == 64
+    chosen = harness.check_tokens(ids, expert_bytes=100, limit=100 * 32)
+    assert 1 <= chosen.size < 64 and 0 in chosen
+    assert np.unique(ids[chosen]).size <= 32
+    assert harness.check_tokens(ids, expert_bytes=10**9, limit=1).size == 1  # always at least one
+
+
+def test_compare_catches_unwritten_and_wrong_outputs(rng):
+    ref = rng.standard_normal((4, 64)).astype(np.float32).astype(BF16)
+    ok = harness.compare(ref.copy(), ref, None)
+    assert ok["ok"] and ok["max_ulp"] == 0 and ok["all_written"]
+    poisoned = ref.copy()
+    poisoned[2, 5] = np.nan
+    bad = harness.compare(poisoned, ref, None)
+    assert not bad["ok"] and not bad["all_written"]
+    wrong = (ref.astype(np.float32) * 1.1).astype(BF16)
+    assert not harness.compare(wrong, ref, None)["ok"]
+
+
+def test_environment_without_gpu_never_imports_numba():
+    code = ("import sys; from tools import harness, bench, report, sweep; "
+            "print(harness.environment(False)['numba'] is not None, 'numba' in sys.modules)")
+    result = _run("-c", code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "False"]
+
+
+# -- CLI ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "0"], "batch sizes must be ints >= 1"),
+    (["--batch", "1,x"], "comma list of ints"),
+    (["--model", "nope"], "unknown preset"),
+    (["--routing", "random"], "invalid choice"),
+    (["--repeats", "0"], "expected an int >= 1"),
+])
+def test_cli_argument_errors_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_unknown_variant_exits_2():
+    result = _run("-m", "tools.bench", "--variants", "no-such-variant*", "--batch", "1")
+    assert result.returncode == 2
+    assert "no registered variant matches 'no-such-variant*'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_parser_defaults():
+    args = build_parser().parse_args([])
+    assert args.model == "qwen3-30b-a3b" and args.batch == [1, 2, 4, 8, 16, 32, 64] and args.routing == "uniform"
+    assert _as_list("a,b,,c") == ["a", "b", "c"]
+
+
+def test_select_variants_by_name_and_glob():
+    registry = {"cupy:a": "A", "cupy:b": "B", "numba:a": "C"}
+    assert select_variants(registry, None) == ["A", "B", "C"]
+    assert select_variants(registry, ["cupy:*"]) == ["A", "B"]
+    assert select_variants(registry, ["*:a", "cupy:a"]) == ["A", "C"]
+    with pytest.raises(ValueError, match="registered: cupy:a"):
+        select_variants(registry, ["x"])
+
+
+# -- the CPU path end to end -----------------------------------------------------------------------------
+def test_cpu_path_end_to_end(tmp_path):
+    out = tmp_path / "cpu.json"
+    started = time.perf_counter()
+    result = _run("-m", "tools.bench", "--batch", "1,4", "--json", str(out))
+    elapsed = time.perf_counter() - started
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "NO TIMING TAKEN" in result.stdout
+    assert elapsed < 60
+    data = json.loads(out.read_text())
+    assert data["results"] == [] and data["rooflines"] is None and data["environment"]["gpu"] is None
+    cpu = data["cpu"]
+    assert {r["mode"] for r in cpu["reference"]} == {"warp_decode", "classical", "classical+fp8", "classical+mxfp8"}
+    assert all(r["rel_l2"] < 0.1 for r in cpu["reference"])
+    assert [r["batch"] for r in cpu["expected_bytes"]] == [1, 4]
+    assert cpu["simulator"]["status"] in ("ok", "absent")
+    rendered = _run("-m", "tools.report", str(out))
+    assert rendered.returncode == 0 and "NO TIMING TAKEN" in rendered.stdout
+
+
+# -- sweep helpers ----------------------------------------------------------------------------------------
+def test_sweep_grid_parsing():
+    grid = sweep.parse_grid(["WARPS=4,8", "FUSE=true,false", "NAME=a"])
+    assert grid == {"WARPS": [4, 8], "FUSE": [True, False], "NAME": ["a"]}
+    assert len(sweep.points(grid)) == 4 and sweep.points({}) == [{}]
+    for bad in (["WARPS"], ["=4"], ["WARPS="]):
+        with pytest.raises(ValueError, match="KEY=v1,v2"):
+            sweep.parse_grid(bad)
+
+
+def test_sweep_cli_errors():
+    result = _run("-m", "tools.sweep", "no:such-variant", "--batch", "1")
+    assert result.returncode == 2 and "unknown variant 'no:such-variant'" in result.stderr
+    result = _run("-m", "tools.sweep", "x", "--grid", "WARPS")
+    assert result.returncode == 2 and "KEY=v1,v2" in result.stderr
+
+
+# -- GPU ------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_gpu_rooflines_are_plausible():
+    record = roofline.measure(repeats=3)
+    assert 0.2 < record["read_tbps"] < 20 and 0.1 < record["d2d_memcpy_tbps"] < 20
+    assert "copy16_error" not in record
+
+
+@pytest.mark.gpu
+def test_gpu_bench_tiny_every_variant_checks_and_times():
+    from tools import bench
+
+    result = bench.run("tiny", batch=[1, 3], repeats=3, progress=False)
+    rows = result.rows
+    assert rows, "no variants registered"
+    for row in rows:
+        assert row["status"] == "ok", (row["variant"], row["batch"], row.get("error"), row.get("check"))
+        assert len(row["samples_us"]) == 3 and row["median_us"] > 0
+        assert row["check"]["ok"] and row["check"]["all_written"]
+        assert row["copies"] >= 2 and row["rotation"]["footprint_ok"]
+    json.loads(result.to_json())
+
+
+@pytest.mark.gpu
+def test_gpu_wrong_and_captured_fallback_variants_do_not_pass():
+    from kernels.contract import is_capturing
+    from kernels.variants import Variant
+    from tools import bench
+
+    registry, _ = bench.load_registry()
+    real = registry.get("cupy:warp-decode")
+
+    def build_nothing(dims, **params):
+        return lambda x, w13, w2, topk_ids, topk_weights, out: None
+
+    wrong = Variant(name="test:writes-nothing", backend="cupy", family="test", build=build_nothing)
+    variants = [wrong]
+    if real is not None:
+        def build_fallback(dims, **params):
+            launch = real.make(dims)
+
+            def fallback(*args):
+                if not is_capturing():  # correct when eager, nothing inside the graph
+                    launch(*args)
+            return fallback
+
+        variants.append(Variant(name="test:captured-fallback", backend="cupy", family="test", build=build_fallback))
+    result = bench.run("tiny", batch=[2], variants=variants, repeats=2, progress=False)
+    by_name = {r["variant"]: r for r in result.rows}
+    assert by_name["test:writes-nothing"]["status"] == "wrong"
+    assert by_name["test:writes-nothing"]["samples_us"] == []  # never timed
+    if real is not None:
+        fallback = by_name["test:captured-fallback"]
+        assert fallback["precheck"]["ok"] and fallback["status"] == "wrong"
+        assert not fallback["check"]["all_written"]
+
+
+# -- the harness's control flow on a NumPy-backed stand-in for CuPy (no GPU) --------------------------------
+# The stand-in executes "launches" at once, or records them while its stream captures, and replays them when
+# the "graph" is launched; events read the host clock. It checks the harness's plumbing (copies, views,
+# pre-check, capture, replay, post-check, stages, JSON), not CUDA: the GPU tests above do that on the H200.
+class _FakeStream:
+    current = None
+
+    def __init__(self, non_blocking=False):
+        self.recording = None
+        self.ptr = id(self)
+
+    def run(self, fn):  # what a "kernel launch" does in the stand-in
+        if self.recording is not None:
+            self.recording.append(fn)
+        else:
+            fn()
+
+    def begin_capture(self, mode=None):
+        self.recording = []
+
+    def end_capture(self):
+        calls, self.recording = self.recording, None
+        return _FakeGraph(calls)
+
+    def is_capturing(self):
+        return self.recording is not None
+
+    def synchronize(self):
+        pass
+
+    def __enter__(self):
+        self._previous, _FakeStream.current = _FakeStream.current, self
+        return self
+
+    def __exit__(self, *exc):
+        _FakeStream.current = self._previous
+
+
+class _FakeGraph:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def launch(self, stream=None):
+        for call in self.calls:
+            call()
+
+
+def _fake_cupy():
+    import time as _time
+    import types
+
+    cupy = types.ModuleType("cupy")
+    for name in ("uint16", "uint32", "uint64", "int64", "float32", "empty", "zeros", "empty_like", "asarray", "random"):
+        setattr(cupy, name, getattr(np, name))
+    runtime = types.SimpleNamespace(
+        getDeviceCount=lambda: 1,
+        getDeviceProperties=lambda d: {"name": b"Fake H200", "multiProcessorCount": 4, "l2CacheSize": 1 << 16,
+                                       "totalGlobalMem": 1 << 30, "major": 9, "minor": 0, "memoryBusWidth": 64},
+        deviceGetAttribute=lambda attr, d: 1_000_000, cudaDevAttrClockRate=13, cudaDevAttrMemoryClockRate=36,
+        cudaDevAttrGlobalMemoryBusWidth=37, memGetInfo=lambda: (8 << 30, 8 << 30), driverGetVersion=lambda: 13000,
+        runtimeGetVersion=lambda: 13000, memcpyDeviceToDevice=3, memcpyAsync=lambda *a: None,
+    )
+
+    class Event:
+        def record(self, stream=None):
+            self.t = _time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+    default = _FakeStream()
+    cupy.cuda = types.SimpleNamespace(
+        runtime=runtime, Stream=_FakeStream, Event=Event, Device=lambda *a: types.SimpleNamespace(id=0),
+        get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3,
+        get_current_stream=lambda: _FakeStream.current or default,
+    )
+    cupy.get_default_memory_pool = lambda: types.SimpleNamespace(total_bytes=lambda: 0, used_bytes=lambda: 0,
+                                                                 free_all_blocks=lambda: None)
+    return cupy
+
+
+def _reference_variant(name, capture_fallback=False, wrong=False, stages=False):
+    from kernels.reference import moe_decode
+    from kernels.variants import Variant
+
+    def build(dims, **params):
+        import cupy
+
+        def compute(x, w13, w2, ids, weights, out):
+            result = moe_decode(x, w13, w2, ids, weights, mode="warp_decode")
+            out[...] = (result.astype(np.float32) * (1.5 if wrong else 1.0)).astype(BF16)
+
+        def launch(*args):
+            stream = cupy.cuda.get_current_stream()
+            if capture_fallback and stream.is_capturing():
+                return  # "a captured fallback": correct when eager, nothing in the graph
+            stream.run(lambda: compute(*args))
+
+        if stages:
+            launch.stages = lambda *args: [("all", lambda: launch(*args)), ("again", lambda: launch(*args))]
+        return launch
+
+    return Variant(name=name, backend="cupy", family="warp-decode", build=build)
+
+
+def test_harness_flow_on_a_numpy_stand_in(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    monkeypatch.setattr(harness, "TARGET_SAMPLE_US", 1.0)  # the stand-in's "kernels" are slow NumPy
+    from kernels.shapes import get_shape
+
+    shape = get_shape("tiny")
+    work = harness.Workbench(shape, 5, "uniform", seed=1)
+    assert work.copies >= 2 and work.info["copies_needed"] == work.copies
+    touched = np.unique(work.host["topk_ids"])
+    rows = [set((touched + c * work.shift).tolist()) for c in range(work.copies)]
+    assert all(not rows[a] & rows[b] for a in range(len(rows)) for b in range(a + 1, len(rows)))
+    assert work.weights(work.copies - 1)[0].shape == (shape.experts, 2 * shape.intermediate, shape.hidden)
+
+    good = work.measure(_reference_variant("fake:good", stages=True), repeats=4)
+    assert good["status"] == "ok", good["error"]
+    assert good["timing_mode"] == "graph" and len(good["samples_us"]) == 4 and good["median_us"] > 0
+    assert good["check"]["ok"] and good["check"]["max_ulp"] == 0 and good["check"]["copy"] == work.copies - 1
+    assert good["error_vs_fp64"]["rel_l2"] < 5e-3
+    assert [s["name"] for s in good["stages"]] == ["all", "again"]
+    assert good["tbps"] == pytest.approx(good["bytes"]["weights"] / good["median_us"] / 1e6)
+
+    fallback = work.measure(_reference_variant("fake:fallback", capture_fallback=True), repeats=2)
+    assert fallback["precheck"]["ok"] and fallback["status"] == "wrong"
+    assert not fallback["check"]["all_written"]
+
+    wrong = work.measure(_reference_variant("fake:wrong", wrong=True), repeats=2)
+    assert wrong["status"] == "wrong" and wrong["samples_us"] == []  # never timed
+
+    def broken(dims, **params):
+        raise RuntimeError("does not compile")
+
+    from kernels.variants import Variant
+
+    error = work.measure(Variant(name="fake:broken", backend="cupy", family="x", build=broken))
+    assert error["status"] == "error" and "does not compile" in error["error"]
+    work.free()
+
+    from tools import report
+
+    data = {"environment": harness.environment(True), "rooflines": {"read_tbps": 1.0},
+            "results": [good, fallback, wrong, error]}
+    json.dumps(data)
+    assert data["environment"]["gpu"]["sm_clock_mhz"] == 1000.0
+    assert "fake:fallback" in report.markdown(data)
+
+
+def test_roofline_flow_on_a_numpy_stand_in(monkeypatch):
+    fake = _fake_cupy()
+
+    class RawModule:
+        def __init__(self, code, options=(), name_expressions=None):
+            assert "stream_read" in code
+
+        def compile(self):
+            pass
+
+        def get_function(self, name):
+            def kernel(grid, block, args):
+                if name == "copy16":
+                    args[1][...] = args[0]
+            return kernel
+
+    fake.RawModule = RawModule
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(roofline, "_ptr", lambda arr: arr.ctypes.data)
+    from kernels.compile import clear_memory_cache
+
+    record = roofline.measure(repeats=2, read_bytes=1 << 20, copy_bytes=1 << 20)
+    clear_memory_cache()
+    assert record["datasheet_tbps"] == 4.8 and record["grid"] == [4 * 8, 512]
+    assert len(record["read_samples_us"]) == 2 and record["read_tbps"] > 0
+    assert record["d2d_memcpy_tbps"] > 0 and record["copy16_tbps"] > 0 and "copy16_error" not in record
+
+
+def test_bench_run_flow_on_a_numpy_stand_in(monkeypatch):
+    """bench.run end to end (rooflines, workbenches, variants, crossover, result object) on the stand-in."""
+    from tools import bench
+
+    test_roofline_flow_on_a_numpy_stand_in(monkeypatch)  # installs the stand-in with RawModule
+    monkeypatch.setattr(bench, "load_registry", lambda: ({}, []))
+    monkeypatch.setattr(harness, "TARGET_SAMPLE_US", 1.0)
+    small = roofline.measure
+    monkeypatch.setattr(roofline, "measure", lambda: small(repeats=2, read_bytes=1 << 20, copy_bytes=1 << 20))
+    fast = _reference_variant("fake:warp")
+    base = _reference_variant("fake:base")
+    base = type(base)(**{**base.__dict__, "baseline": True, "family": "expert-centric",
+                         "reference_mode": "warp_decode"})
+    checkpoints = []
+    original = bench.BenchResult.to_json
+
+    def counting(self, path=None):
+        if path is not None:
+            checkpoints.append(len(self.data["results"]))
+            return original(self)
+        return original(self)
+
+    monkeypatch.setattr(bench.BenchResult, "to_json", counting)
+    result = bench.run("tiny", batch=[1, 2], variants=[fast, base], repeats=2, progress=False, json_path="x.json")
+    assert checkpoints == [2, 4, 4]  # rewritten after every batch, and at the end
+    assert result.data["complete"] is True
+    assert [r["status"] for r in result.rows] == ["ok"] * 4
+    assert result.data["rooflines"]["read_tbps"] > 0
+    assert result.data["crossover"]["tiny"]["baseline"] == "fake:base"
+    assert json.loads(result.to_json())["environment"]["gpu"]["name"] == "Fake H200"
+    assert "fake:warp" in result._repr_html_()

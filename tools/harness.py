@@ -1,0 +1,513 @@
+"""The timing harness: one MoE layer problem on the GPU, every registered variant timed the same way.
+
+How a point (model, batch, variant) is measured:
+
+1. The routing and activations are generated on the host (``kernels.routing.make_routing``, seeded), the
+   weights on the GPU (``kernels.problem.make_weights``). The weights live in a *pool* of
+   ``E + (copies - 1) * S`` experts; copy ``c`` is the contiguous view ``pool[c*S : c*S + E]``, with the
+   shift ``S`` the smallest for which the experts this routing touches never overlap between copies
+   (``S = E`` means full separate copies). ``copies = max(2, ceil(3 * L2 / unique weight bytes))``, capped
+   by free memory; the JSON records both the copies needed and the copies used.
+2. ``variant.make(dims)`` compiles (fresh every run: nothing is cached here across runs, so an edited
+   ``CudaSource.code`` is recompiled by ``kernels.compile``); ``prepack`` runs once per copy; every copy is
+   launched once eagerly (JIT compile, first touch), outside the timing.
+3. Pre-check: ``out`` poisoned with NaN, one eager launch, compared with the reference. A wrong variant is
+   reported and never timed.
+4. One CUDA graph per copy is captured on a non-default stream; each sample is CUDA events around
+   ``inner`` replays cycling through the copies (``inner`` a multiple of the copies, sized so a sample lasts
+   ~``TARGET_SAMPLE_US``); a sample is the mean time of one replay, in microseconds.
+5. Post-check: ``out`` poisoned again, the timed graph of one copy replayed, its output compared with
+   ``kernels.reference.moe_decode`` in the variant's mode on a compact host copy of THAT copy's touched
+   experts (a captured fallback or an empty graph fails), and its error against the fp64 oracle.
+6. Per-stage times when the launch has ``.stages``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+
+from kernels.contract import BF16, Dims
+from kernels.routing import make_routing
+from kernels.shapes import BF16_BYTES, MoEShape
+
+L2_FACTOR = 3  # the bytes the timed replays read must cover >= 3x the L2
+TARGET_SAMPLE_US = 2000.0  # one sample's replays last about this long
+MEMORY_RESERVE = 2 << 30  # leave this much device memory free besides the pool
+CHECK_HOST_BYTES = 1 << 30  # at most this many weight bytes copied to the host per check
+CHUNK_BYTES = 512 << 20  # weights are generated in chunks of about this size (generation needs ~5x temp)
+# check tolerances against the variant's reference mode: rel-L2 vs that mode and max bf16 ulps, measured at
+# max(|ref|, rms(ref) / 8) as kernels.warp_decode_numba does (near-zero outputs carry cancellation noise).
+# Looser than the kernels' own tests: the bench's check exists to catch a wrong or empty timed graph.
+ULP_FLOOR_OF_RMS = 1.0 / 8.0
+TOLERANCES = {None: {"rel_l2": 4e-3, "ulp": 8.0}, "quant": {"rel_l2": 3e-2, "ulp": 128.0}}
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure helpers (no GPU)
+# ------------------------------------------------------------------------------------------------
+def bytes_breakdown(shape: MoEShape, topk_ids: np.ndarray) -> dict[str, Any]:
+    """What one layer call must move for this routing; TB/s in the report divides ``weights`` by time."""
+    ids = np.asarray(topk_ids)
+    tokens, top_k = (int(d) for d in ids.shape)
+    unique = int(np.unique(ids).size)
+    record = {
+        "unique_experts": unique,
+        "expected_unique_uniform": shape.expected_unique_experts(tokens),
+        "weights": unique * shape.expert_bytes,
+        "activation": tokens * shape.hidden * BF16_BYTES,
+        "intermediate": 2 * tokens * top_k * shape.intermediate * BF16_BYTES,
+        "output": tokens * shape.hidden * BF16_BYTES,
+    }
+    record["total"] = record["weights"] + record["activation"] + record["intermediate"] + record["output"]
+    record["divisor"] = "weights"
+    return record
+
+
+def summarize(samples: list[float]) -> dict[str, float]:
+    """median / min / max / quartiles / IQR of a list of microsecond samples."""
+    if not samples:
+        raise ValueError("summarize needs at least one sample")
+    ordered = sorted(samples)
+    if len(ordered) >= 2:
+        q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+    else:
+        q1 = q3 = ordered[0]
+    return {
+        "median_us": statistics.median(ordered),
+        "min_us": ordered[0],
+        "max_us": ordered[-1],
+        "q1_us": q1,
+        "q3_us": q3,
+        "iqr_us": q3 - q1,
+    }
+
+
+def copies_needed(unique_weight_bytes: int, l2_bytes: int) -> int:
+    """``max(2, ceil(3 * L2 / unique weight bytes per call))``."""
+    return max(2, math.ceil(L2_FACTOR * l2_bytes / max(1, unique_weight_bytes)))
+
+
+def copy_shift(touched: np.ndarray, experts: int, copies: int) -> int:
+    """Smallest expert shift ``S`` so ``touched + c*S`` (c < copies) are pairwise disjoint; ``experts`` works always."""
+    touched = np.unique(np.asarray(touched))
+    if copies <= 1:
+        return 0
+    differences = set(np.abs(np.subtract.outer(touched, touched)).ravel().tolist()) - {0}
+    for shift in range(1, experts):
+        if all(c * shift not in differences for c in range(1, copies)):
+            return shift
+    return experts
+
+
+def check_tokens(topk_ids: np.ndarray, expert_bytes: int, limit: int = CHECK_HOST_BYTES, seed: int = 0) -> np.ndarray:
+    """Tokens whose outputs are compared with the reference: all of them if their experts fit ``limit``
+    bytes on the host, else first, last and a seeded spread of others while they fit (at least one)."""
+    ids = np.asarray(topk_ids)
+    tokens = ids.shape[0]
+    if np.unique(ids).size * expert_bytes <= limit:
+        return np.arange(tokens)
+    rest = np.random.default_rng(seed).permutation(np.arange(1, tokens - 1)) if tokens > 2 else np.array([], int)
+    order = [0] + ([tokens - 1] if tokens > 1 else []) + rest.tolist()
+    chosen: list[int] = []
+    touched: set[int] = set()
+    for token in order:
+        union = touched | set(ids[token].tolist())
+        if chosen and len(union) * expert_bytes > limit:
+            continue
+        chosen.append(token)
+        touched = union
+    return np.array(sorted(chosen))
+
+
+def compare(result: np.ndarray, reference: np.ndarray, quant: str | None) -> dict[str, Any]:
+    """Result (bf16 or float) vs the variant's reference mode: all written, rel-L2, max bf16 ulps, ok.
+
+    A bf16 NaN poison left anywhere in ``result`` (an element the timed graph never wrote) fails.
+    """
+    from kernels.numerics import bf16_ulp, rel_l2
+
+    res = np.asarray(result.astype(np.float64) if result.dtype != BF16 else result.astype(np.float32), np.float64)
+    ref = np.asarray(reference.astype(np.float32), np.float64)
+    written = bool(np.isfinite(res).all())
+    tol = TOLERANCES["quant" if quant else None]
+    record: dict[str, Any] = {"all_written": written, "tolerance": tol}
+    if not written:
+        record.update(ok=False, max_ulp=None, rel_l2=None, nonfinite=int((~np.isfinite(res)).sum()))
+        return record
+    floor = math.sqrt(float(np.mean(ref * ref))) * ULP_FLOOR_OF_RMS
+    ulps = np.abs(res - ref) / bf16_ulp(np.maximum(np.abs(ref), floor))
+    record["max_ulp"] = float(ulps.max()) if ulps.size else 0.0
+    record["rel_l2"] = rel_l2(res, ref)
+    record["ok"] = bool(record["rel_l2"] <= tol["rel_l2"] and record["max_ulp"] <= tol["ulp"])
+    return record
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU presence and the environment header
+# ------------------------------------------------------------------------------------------------
+def gpu_available() -> tuple[bool, str]:
+    """``(True, name)`` when CuPy sees a CUDA device, else ``(False, why not)``. Never raises; no numba import."""
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - no driver / no device / no CuPy
+        return False, f"{type(exc).__name__}: {exc}"
+    if count < 1:
+        return False, "no CUDA device"
+    return True, f"{count} device(s)"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cupy_dist() -> str | None:
+    for name in ("cupy-cuda13x", "cupy-cuda12x", "cupy"):
+        if _version(name):
+            return name
+    return None
+
+
+def environment(gpu: bool) -> dict[str, Any]:
+    """The JSON header: date (UTC ISO), host, package versions and, with a GPU, the device's properties."""
+    cupy_dist = _cupy_dist()
+    env: dict[str, Any] = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "numpy": np.__version__,
+        "cupy": _version(cupy_dist) if cupy_dist else None,
+        "cupy_dist": cupy_dist,
+        "numba": _version("numba"),  # metadata only: importing numba here would fix CUDASIM too early
+        "numba_cuda": _version("numba-cuda"),
+        "rich": _version("rich"),
+        "gpu": None,
+    }
+    if not gpu:
+        return env
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    device = cupy.cuda.Device().id
+    props = runtime.getDeviceProperties(device)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+
+    def attribute(prop: str, attr: str) -> int | None:
+        # CUDA 13 removed clockRate / memoryClockRate from cudaDeviceProp: fall back to the attribute
+        if prop in props:
+            return int(props[prop])
+        try:
+            return int(runtime.deviceGetAttribute(getattr(runtime, attr), device))
+        except Exception:  # noqa: BLE001
+            return None
+
+    sm_khz = attribute("clockRate", "cudaDevAttrClockRate")
+    mem_khz = attribute("memoryClockRate", "cudaDevAttrMemoryClockRate")
+    env["gpu"] = {
+        "name": name,
+        "device": device,
+        "compute_capability": f"{props['major']}.{props['minor']}",
+        "sms": int(props["multiProcessorCount"]),
+        "l2_bytes": int(props["l2CacheSize"]),
+        "memory_bytes": int(props["totalGlobalMem"]),
+        "sm_clock_mhz": sm_khz / 1000 if sm_khz else None,
+        "memory_clock_mhz": mem_khz / 1000 if mem_khz else None,
+        "memory_bus_bits": attribute("memoryBusWidth", "cudaDevAttrGlobalMemoryBusWidth"),
+        "driver": runtime.driverGetVersion(),
+        "cuda_runtime": runtime.runtimeGetVersion(),
+    }
+    return env
+
+
+# ------------------------------------------------------------------------------------------------
+# One problem on the GPU
+# ------------------------------------------------------------------------------------------------
+def _host(arr: Any) -> np.ndarray:
+    return arr.get() if hasattr(arr, "get") else np.asarray(arr)
+
+
+def _nan_fill(out: Any) -> None:
+    import cupy
+
+    if out.dtype == BF16:
+        out.view(cupy.uint16).fill(0x7FC0)
+    else:
+        out.fill(float("nan"))
+
+
+def _capture(stream: Any, fn: Any) -> Any:
+    stream.begin_capture()
+    try:
+        with stream:
+            fn()
+    finally:
+        graph = stream.end_capture()  # ends capture mode even when fn raised
+    return graph
+
+
+@dataclass
+class Workbench:
+    """The inputs of one (model, batch, routing, seed) on the GPU, shared by every variant measured on it."""
+
+    shape: MoEShape
+    tokens: int
+    routing: str = "uniform"
+    seed: int = 0
+    l2_bytes: int = 0
+    copies_cap: int | None = None  # force fewer copies (tests); None: as needed, memory permitting
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        import cupy
+
+        shape, tokens = self.shape, self.tokens
+        ids, weights = make_routing(tokens, shape.experts, shape.top_k, self.routing, self.seed)
+        rng = np.random.default_rng([self.seed, 0])
+        x = (rng.standard_normal((tokens, shape.hidden), dtype=np.float32)).astype(BF16)
+        self.host = {"x": x, "topk_ids": ids, "topk_weights": weights}
+        self.bytes = bytes_breakdown(shape, ids)
+        if not self.l2_bytes:
+            self.l2_bytes = int(cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["l2CacheSize"])
+        touched = np.unique(ids)
+        needed = copies_needed(self.bytes["weights"], self.l2_bytes)
+        free, _ = cupy.cuda.runtime.memGetInfo()
+        pool = cupy.get_default_memory_pool()
+        free += pool.total_bytes() - pool.used_bytes()
+        copies = needed if self.copies_cap is None else max(1, min(needed, self.copies_cap))
+        while True:
+            shift = copy_shift(touched, shape.experts, copies)
+            pool_experts = shape.experts + (copies - 1) * shift
+            if copies == 1 or pool_experts * shape.expert_bytes + MEMORY_RESERVE <= free:
+                break
+            copies -= 1
+        self.copies, self.shift, self.pool_experts = copies, shift, pool_experts
+        self.info = {
+            "copies": copies,
+            "copies_needed": needed,
+            "copy_shift_experts": shift,
+            "pool_experts": pool_experts,
+            "pool_bytes": pool_experts * shape.expert_bytes,
+            "rotated_weight_bytes": copies * self.bytes["weights"],
+            "l2_bytes": self.l2_bytes,
+            "footprint_ok": copies * self.bytes["weights"] >= L2_FACTOR * self.l2_bytes,
+        }
+        self.w13_pool, self.w2_pool = self._generate(pool_experts)
+        self.x, self.topk_ids, self.topk_weights = (cupy.asarray(a) for a in (x, ids, weights))
+        self.dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
+        self.check_copy = copies - 1  # the most shifted view: a wrong base pointer shows here
+        self.check_token_ids = check_tokens(ids, shape.expert_bytes, seed=self.seed)
+        self._compact: dict[int, dict[str, Any]] = {}
+        self._references: dict[tuple[str, str | None], np.ndarray] = {}
+        self._last: list[Any] = []  # the replays of the variant being measured (for the post-check)
+
+    # -- weights --------------------------------------------------------------------------------
+    def _generate(self, pool_experts: int) -> tuple[Any, Any]:
+        import cupy
+
+        from kernels.problem import make_weights
+
+        shape = self.shape
+        H, I = shape.hidden, shape.intermediate
+        w13 = cupy.empty((pool_experts, 2 * I, H), dtype=BF16)
+        w2 = cupy.empty((pool_experts, H, I), dtype=BF16)
+        chunk = max(1, CHUNK_BYTES // shape.expert_bytes)
+        for index, start in enumerate(range(0, pool_experts, chunk)):
+            stop = min(pool_experts, start + chunk)
+            a, b = make_weights(shape.with_(experts=stop - start), seed=self.seed * 100_003 + index, xp=cupy)
+            w13.view(cupy.uint16)[start:stop] = a.view(cupy.uint16)  # raw bits: no bf16 arithmetic needed
+            w2.view(cupy.uint16)[start:stop] = b.view(cupy.uint16)
+            del a, b
+        cupy.get_default_memory_pool().free_all_blocks()
+        return w13, w2
+
+    def weights(self, copy: int) -> tuple[Any, Any]:
+        """Copy ``copy``'s ``(w13, w2)``: contiguous [E, ...] views into the pool."""
+        start = copy * self.shift
+        stop = start + self.shape.experts
+        return self.w13_pool[start:stop], self.w2_pool[start:stop]
+
+    # -- reference ------------------------------------------------------------------------------
+    def _compact_copy(self, copy: int) -> dict[str, Any]:
+        """Host arrays of the checked tokens with only the experts they touch in copy ``copy``."""
+        import cupy
+
+        if copy not in self._compact:
+            tokens = self.check_token_ids
+            ids = self.host["topk_ids"][tokens]
+            touched, remapped = np.unique(ids, return_inverse=True)
+            rows = copy * self.shift + touched
+            index = cupy.asarray(rows.astype(np.int64))
+            w13 = _host(self.w13_pool.view(cupy.uint16)[index]).view(BF16)
+            w2 = _host(self.w2_pool.view(cupy.uint16)[index]).view(BF16)
+            self._compact[copy] = {
+                "x": self.host["x"][tokens], "w13": w13, "w2": w2,
+                "topk_ids": remapped.reshape(ids.shape).astype(np.int32),
+                "topk_weights": self.host["topk_weights"][tokens],
+            }
+        return self._compact[copy]
+
+    def reference(self, mode: str, quant: str | None = None) -> np.ndarray:
+        """``kernels.reference.moe_decode`` on the check copy's checked tokens (cached per mode)."""
+        key = (mode, quant)
+        if key not in self._references:
+            from kernels.reference import moe_decode
+
+            c = self._compact_copy(self.check_copy)
+            self._references[key] = moe_decode(
+                c["x"], c["w13"], c["w2"], c["topk_ids"], c["topk_weights"], mode=mode, quant=quant
+            )
+        return self._references[key]
+
+    def check_output(self, out_host: np.ndarray, variant: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(check vs the variant's reference mode, error vs fp64)`` of a [T, H] output from the check copy."""
+        from kernels.numerics import max_abs, rel_l2
+
+        tokens = self.check_token_ids
+        written = bool(np.isfinite(out_host.astype(np.float32)).all())
+        result = out_host[tokens]
+        check = compare(result, self.reference(variant.reference_mode, variant.quant), variant.quant)
+        check.update(mode=variant.reference_mode, quant=variant.quant, copy=self.check_copy,
+                     tokens_checked=int(tokens.size), all_written=written and check["all_written"])
+        check["ok"] = bool(check["ok"] and written)
+        if check["all_written"]:
+            oracle = self.reference("fp64")
+            values = result.astype(np.float32).astype(np.float64)
+            error = {"rel_l2": rel_l2(values, oracle), "max_abs": max_abs(values, oracle)}
+        else:
+            error = {"rel_l2": None, "max_abs": None}
+        return check, error
+
+    def free(self) -> None:
+        import cupy
+
+        self.w13_pool = self.w2_pool = None
+        self._compact.clear()
+        cupy.get_default_memory_pool().free_all_blocks()
+
+    # -- one variant ----------------------------------------------------------------------------
+    def measure(self, variant: Any, repeats: int = 30, params: dict[str, Any] | None = None,
+                stages: bool = True) -> dict[str, Any]:
+        """Compile, check, time and re-check one variant (with ``params`` overriding its knobs)."""
+        import cupy
+
+        record: dict[str, Any] = {
+            "variant": variant.name, "backend": variant.backend, "family": variant.family,
+            "baseline": bool(variant.baseline), "params": {**variant.params, **(params or {})},
+            "reference_mode": variant.reference_mode, "quant": variant.quant,
+            "batch": self.tokens, "model": self.shape.name, "routing": self.routing, "seed": self.seed,
+            "bytes": dict(self.bytes), "copies": self.info["copies"], "rotation": dict(self.info),
+            "status": "error", "error": None, "samples_us": [], "stages": [],
+        }
+        stream = cupy.cuda.Stream(non_blocking=True)
+        try:
+            started = time.perf_counter()
+            launch = variant.make(self.dims, **(params or {}))
+            copies = []
+            for c in range(self.copies):
+                w13, w2 = self.weights(c)
+                if variant.prepack is not None:
+                    w13, w2 = variant.prepack(w13, w2)
+                copies.append((w13, w2))
+            out = cupy.empty((self.tokens, self.shape.hidden), dtype=BF16)
+            args = [(self.x, w13, w2, self.topk_ids, self.topk_weights, out) for w13, w2 in copies]
+            with stream:
+                for a in args:  # JIT compile and first touch, outside the timing
+                    launch(*a)
+            stream.synchronize()
+            record["build_s"] = time.perf_counter() - started
+
+            # pre-check: an eager launch of the check copy; a wrong variant is never timed
+            _nan_fill(out)
+            with stream:
+                launch(*args[self.check_copy])
+            stream.synchronize()
+            check, _ = self.check_output(_host(out), variant)
+            record["precheck"] = check
+            if not check["ok"]:
+                record.update(status="wrong", check=check,
+                              error=f"eager output disagrees with reference mode {variant.reference_mode!r}")
+                return record
+
+            fns = [lambda a=a: launch(*a) for a in args]
+            samples, mode, why = self._time(stream, fns, repeats)
+            record.update(samples_us=samples, timing_mode=mode, capture_error=why, **summarize(samples))
+            record["tbps"] = self.bytes["weights"] / (record["median_us"] * 1e-6) / 1e12
+
+            # post-check: replay the TIMED graph (or launch) of the check copy into a poisoned out
+            _nan_fill(out)
+            with stream:
+                self._last[self.check_copy]()
+            stream.synchronize()
+            check, error = self.check_output(_host(out), variant)
+            record.update(check=check, error_vs_fp64=error)
+            record["status"] = "ok" if check["ok"] else "wrong"
+            if not check["ok"]:
+                record["error"] = "the timed graph's output disagrees with the reference"
+
+            if stages and hasattr(launch, "stages"):
+                record["stages"] = self._time_stages(stream, launch, args, max(5, repeats // 2))
+        except Exception as exc:  # noqa: BLE001 - one broken variant must not stop the bench
+            record.update(status="error", error=f"{type(exc).__name__}: {exc}")
+            try:
+                stream.synchronize()
+            except Exception:  # noqa: BLE001
+                pass
+        finally:
+            self._last = []
+        return record
+
+    def _time(self, stream: Any, fns: list[Any], repeats: int) -> tuple[list[float], str, str | None]:
+        """Per-call microseconds of ``fns`` (one per copy) replayed as CUDA graphs, cycling the copies."""
+        import cupy
+
+        why = None
+        try:
+            graphs = [_capture(stream, fn) for fn in fns]
+            replays = [lambda g=g: g.launch(stream) for g in graphs]
+            mode = "graph"
+        except Exception as exc:  # noqa: BLE001 - not capturable: time eager launches, say so
+            why = f"{type(exc).__name__}: {exc}"
+            replays, mode = fns, "eager"
+        self._last = replays
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        n = len(replays)
+
+        def sample(inner: int) -> float:
+            with stream:
+                start.record(stream)
+                for i in range(inner):
+                    replays[i % n]()
+                stop.record(stream)
+            stop.synchronize()
+            return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / inner
+
+        estimate = min(sample(n) for _ in range(3))  # also the warm-up of the graphs
+        inner = n * max(1, math.ceil(TARGET_SAMPLE_US / max(estimate, 1e-3) / n))
+        inner = min(inner, n * 200)
+        return [sample(inner) for _ in range(repeats)], mode, why
+
+    def _time_stages(self, stream: Any, launch: Any, args: list[tuple], repeats: int) -> list[dict[str, Any]]:
+        per_copy = [launch.stages(*a) for a in args]
+        out = []
+        for index, (name, _) in enumerate(per_copy[0]):
+            fns = [stages[index][1] for stages in per_copy]
+            try:
+                samples, mode, why = self._time(stream, fns, repeats)
+                out.append({"name": name, "samples_us": samples, "timing_mode": mode, **summarize(samples)})
+            except Exception as exc:  # noqa: BLE001
+                out.append({"name": name, "error": f"{type(exc).__name__}: {exc}", "samples_us": []})
+        self._last = []
+        return out

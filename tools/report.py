@@ -1,0 +1,356 @@
+"""Render a bench result (the JSON ``tools.bench`` writes) as rich tables or markdown; no GPU needed.
+
+    python -m tools.report results/h200.json                      # the rich report
+    python -m tools.report results/h200.json --markdown           # markdown tables for a PR
+    python -m tools.report results/h200.json --update-readme README.md
+
+``--update-readme`` replaces the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` with the
+markdown tables: the README's numbers are regenerated from committed JSON, never typed.
+
+TB/s = unique expert weight bytes of the call (experts touched by this routing x 3*H*I*2) / median time.
+"% roof" is that figure as a percentage of the streaming-read roofline measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich import box
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from tools.roofline import bar, percent
+
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+DIVISOR_NOTE = (
+    "TB/s = unique expert weight bytes touched by the routing (experts x 3*H*I*2 bytes) / median time per layer; "
+    "% roof = that / the streaming-read roofline measured in the same run."
+)
+
+
+# ------------------------------------------------------------------------------------------------
+# Derived figures
+# ------------------------------------------------------------------------------------------------
+def load(path: str | Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def models(data: dict[str, Any]) -> list[str]:
+    seen: list[str] = []
+    for row in data.get("results", []):
+        if row["model"] not in seen:
+            seen.append(row["model"])
+    return seen
+
+
+def _timed(row: dict[str, Any]) -> bool:
+    return row.get("status") == "ok" and row.get("median_us") is not None
+
+
+def baseline_name(rows: list[dict[str, Any]]) -> str | None:
+    """The variant speedups are measured against: ``baseline=True``, unquantized preferred."""
+    candidates = [r for r in rows if r.get("baseline")]
+    if not candidates:
+        return None
+    plain = [r for r in candidates if not r.get("quant")]
+    return (plain or candidates)[0]["variant"]
+
+
+def speedup(data: dict[str, Any], row: dict[str, Any]) -> float | None:
+    """baseline median / this median at the same model and batch (> 1: faster than the baseline)."""
+    rows = [r for r in data.get("results", []) if r["model"] == row["model"]]
+    base = baseline_name(rows)
+    if base is None or not _timed(row):
+        return None
+    for r in rows:
+        if r["variant"] == base and r["batch"] == row["batch"] and _timed(r):
+            return r["median_us"] / row["median_us"]
+    return None
+
+
+def _is_warp(row: dict[str, Any]) -> bool:
+    return str(row.get("family", "")).startswith("warp-decode") and not row.get("baseline")
+
+
+def crossover(data: dict[str, Any], model: str) -> dict[str, Any]:
+    """The first batch at which the baseline beats the fastest warp-decode variant, if it does."""
+    rows = [r for r in data.get("results", []) if r["model"] == model]
+    base = baseline_name(rows)
+    record: dict[str, Any] = {"model": model, "baseline": base, "batch": None, "compared": []}
+    if base is None:
+        record["text"] = f"{model}: no baseline variant measured, no crossover computed"
+        return record
+    batches = sorted({r["batch"] for r in rows})
+    for batch in batches:
+        base_row = next((r for r in rows if r["variant"] == base and r["batch"] == batch and _timed(r)), None)
+        warps = [r for r in rows if r["batch"] == batch and _is_warp(r) and _timed(r)]
+        if base_row is None or not warps:
+            continue
+        best = min(warps, key=lambda r: r["median_us"])
+        record["compared"].append({"batch": batch, "baseline_us": base_row["median_us"], "warp": best["variant"],
+                                   "warp_us": best["median_us"]})
+        if record["batch"] is None and base_row["median_us"] < best["median_us"]:
+            record["batch"] = batch
+            record["warp"] = best["variant"]
+    if not record["compared"]:
+        record["text"] = f"{model}: crossover unknown (need timed {base} and warp-decode rows at a common batch)"
+    elif record["batch"] is None:
+        last = record["compared"][-1]["batch"]
+        record["text"] = f"{model}: {base} never overtakes warp decode up to batch {last}"
+    else:
+        record["text"] = (f"{model}: {base} overtakes warp decode ({record['warp']}) at batch {record['batch']}")
+    return record
+
+
+# ------------------------------------------------------------------------------------------------
+# Cells
+# ------------------------------------------------------------------------------------------------
+def _fmt(value: float | None, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def _gb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f} GB"
+
+
+def cells(data: dict[str, Any], row: dict[str, Any], width: int = 16) -> dict[str, str]:
+    """Every table cell of one result row as text (shared by rich and markdown)."""
+    roof = (data.get("rooflines") or {}).get("read_tbps")
+    timed = _timed(row)
+    tb = row.get("tbps") if timed else None
+    pct = percent(tb, roof)
+    sp = speedup(data, row)
+    err = row.get("error_vs_fp64") or {}
+    check = row.get("check") or row.get("precheck") or {}
+    if row.get("status") == "ok":
+        check_text = f"ok {_fmt(check.get('max_ulp'), '.0f')} ulp"
+        if row.get("timing_mode") == "eager":
+            check_text += " (eager: graph capture failed)"
+    else:
+        check_text = str(row.get("status", "?")).upper()
+    return {
+        "variant": row["variant"],
+        "batch": str(row["batch"]),
+        "us": _fmt(row.get("median_us") if timed else None, ".2f"),
+        "spread": (f"{row['min_us']:.2f}–{row['max_us']:.2f} (IQR {row['iqr_us']:.2f})" if timed else "-"),
+        "tbps": _fmt(tb, ".2f"),
+        "pct": _fmt(pct, ".0f") + ("%" if pct is not None else ""),
+        "bar": bar(pct, width) if pct is not None else "",
+        "speedup": ("" if sp is None else f"{sp:.2f}x"),
+        "rel_l2": _fmt(err.get("rel_l2"), ".1e"),
+        "max_abs": _fmt(err.get("max_abs"), ".1e"),
+        "check": check_text,
+        "experts": str((row.get("bytes") or {}).get("unique_experts", "-")),
+        "weights": _gb((row.get("bytes") or {}).get("weights")),
+        "copies": f"{row.get('copies', '-')}/{(row.get('rotation') or {}).get('copies_needed', '-')}",
+        "mode": row.get("timing_mode") or "",
+    }
+
+
+COLUMNS = (
+    ("batch", "batch", "right"), ("variant", "variant", "left"), ("us", "µs/layer", "right"),
+    ("spread", "min–max", "right"), ("tbps", "TB/s", "right"), ("pct", "% roof", "right"),
+    ("bar", "", "left"), ("speedup", "vs base", "right"), ("rel_l2", "rel-L2 fp64", "right"),
+    ("max_abs", "max-abs", "right"), ("check", "check", "left"), ("experts", "experts", "right"),
+    ("weights", "weights", "right"), ("copies", "copies", "right"),
+)
+
+
+def _model_rows(data: dict[str, Any], model: str) -> list[dict[str, Any]]:
+    rows = [r for r in data.get("results", []) if r["model"] == model]
+    order = {name: i for i, name in enumerate(dict.fromkeys(r["variant"] for r in rows))}
+    return sorted(rows, key=lambda r: (r["batch"], order[r["variant"]]))
+
+
+# ------------------------------------------------------------------------------------------------
+# rich
+# ------------------------------------------------------------------------------------------------
+def header(data: dict[str, Any]) -> Table:
+    env = data.get("environment") or {}
+    gpu = env.get("gpu") or {}
+    roof = data.get("rooflines") or {}
+    table = Table(box=box.SIMPLE, show_header=False, title="warp-decode bench", title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    if data.get("synthetic"):
+        table.add_row("NOTE", Text(str(data.get("note", "synthetic data, not a measurement")), style="bold red"))
+    if gpu:
+        clocks = f"SM {_fmt(gpu.get('sm_clock_mhz'), '.0f')} MHz, memory {_fmt(gpu.get('memory_clock_mhz'), '.0f')} MHz"
+        l2_mib, mem_gib = gpu.get("l2_bytes", 0) / 2**20, gpu.get("memory_bytes", 0) / 2**30
+        table.add_row("GPU", f"{gpu.get('name')} (cc {gpu.get('compute_capability', '?')}), {gpu.get('sms')} SMs, "
+                             f"L2 {l2_mib:.0f} MiB, {mem_gib:.0f} GiB")
+        table.add_row("clocks", clocks)
+        table.add_row("CUDA", f"driver {gpu.get('driver')}, runtime {gpu.get('cuda_runtime')}")
+    else:
+        table.add_row("GPU", "none (no timing taken)")
+    table.add_row("versions", f"CuPy {env.get('cupy')} ({env.get('cupy_dist')}), Numba {env.get('numba')}, "
+                              f"numba-cuda {env.get('numba_cuda')}, NumPy {env.get('numpy')}, "
+                              f"Python {env.get('python')}")
+    if cfg := data.get("config"):
+        table.add_row("variants", ", ".join(cfg.get("variants") or []) or "none registered")
+    for warning in data.get("load_warnings") or []:
+        table.add_row("load error", Text(warning, style="red"))
+    table.add_row("date", str(env.get("date", data.get("date", "?"))))
+    cfg = data.get("config") or {}
+    if cfg:
+        table.add_row("run", f"routing {cfg.get('routing')}, seed {cfg.get('seed')}, repeats {cfg.get('repeats')}")
+    if roof:
+        ds = roof.get("datasheet_tbps")
+        table.add_row("rooflines", f"streaming read {_fmt(roof.get('read_tbps'), '.2f')} TB/s, "
+                                   f"D2D memcpy (graph, r+w) {_fmt(roof.get('d2d_memcpy_tbps'), '.2f')} TB/s, "
+                                   f"copy16 kernel (r+w) {_fmt(roof.get('copy16_tbps'), '.2f')} TB/s, "
+                                   f"datasheet {'unknown' if ds is None else f'{ds:.2f} TB/s'}")
+    table.add_row("bytes", DIVISOR_NOTE)
+    return table
+
+
+def model_table(data: dict[str, Any], model: str) -> Table:
+    table = Table(title=f"{model}", box=box.SIMPLE_HEAD, title_justify="left", title_style="bold")
+    for _, title, justify in COLUMNS:
+        table.add_column(title, justify=justify, no_wrap=True)
+    previous = None
+    for row in _model_rows(data, model):
+        if previous is not None and row["batch"] != previous:
+            table.add_section()
+        previous = row["batch"]
+        c = cells(data, row)
+        style = None if row.get("status") == "ok" else "red"
+        table.add_row(*[c[key] for key, _, _ in COLUMNS], style=style)
+        if row.get("status") != "ok" and row.get("error"):
+            table.add_row("", Text(f"  {row['error']}"[:200], style="red"), *[""] * (len(COLUMNS) - 2))
+        for stage in row.get("stages") or []:
+            text = (f"  └ {stage['name']}: {stage['median_us']:.2f} µs" if stage.get("samples_us")
+                    else f"  └ {stage['name']}: {stage.get('error', 'not timed')}")
+            table.add_row("", Text(text, style="dim"), *[""] * (len(COLUMNS) - 2))
+    return table
+
+
+def cpu_section(data: dict[str, Any]) -> list[Any]:
+    """The CPU-only run: simulator self-check, reference errors, expected bytes, compile report."""
+    cpu = data.get("cpu")
+    if not cpu:
+        return []
+    parts: list[Any] = [Text(f"NO TIMING TAKEN: {cpu.get('reason', 'no CUDA GPU')}", style="bold yellow")]
+    sim = cpu.get("simulator") or {}
+    table = Table(title="Numba kernels on the CUDA simulator", box=box.SIMPLE_HEAD, title_justify="left")
+    for col in ("case", "rel-L2 vs fp64", "ulp vs warp_decode", "ok"):
+        table.add_column(col)
+    for case in sim.get("cases") or []:
+        table.add_row(str(case.get("case", case.get("name", "?"))), _fmt(case.get("rel_l2"), ".2e"),
+                      str(case.get("ulp", case.get("max_ulp", "-"))), "ok" if case.get("ok") else "FAILED",
+                      style=None if case.get("ok") else "red")
+    if sim.get("status") != "ok" or not sim.get("cases"):
+        table.add_row(str(sim.get("status", "skipped")), "", "", str(sim.get("message", "")))
+    parts.append(table)
+    ref = Table(title="reference at the tiny shape (errors vs fp64)", box=box.SIMPLE_HEAD, title_justify="left")
+    for col in ("mode", "batch", "rel-L2", "max-abs"):
+        ref.add_column(col)
+    for case in cpu.get("reference") or []:
+        ref.add_row(case["mode"], str(case["batch"]), _fmt(case.get("rel_l2"), ".2e"), _fmt(case.get("max_abs"), ".2e"))
+    parts.append(ref)
+    expected = Table(title="bytes per layer (this routing)", box=box.SIMPLE_HEAD, title_justify="left")
+    for col in ("model", "batch", "experts", "weights", "act+inter+out", "roofline µs @ datasheet"):
+        expected.add_column(col, justify="right")
+    for case in cpu.get("expected_bytes") or []:
+        b = case["bytes"]
+        expected.add_row(case["model"], str(case["batch"]), str(b["unique_experts"]), _gb(b["weights"]),
+                         f"{(b['activation'] + b['intermediate'] + b['output']) / 1e6:.2f} MB",
+                         _fmt(case.get("us_at_4_8_tbps"), ".1f"))
+    parts.append(expected)
+    if cpu.get("inspect"):
+        parts.append(Text(cpu["inspect"]))
+    parts.append(Text("NO TIMING TAKEN (no GPU): the figures above are correctness checks and byte counts only.",
+                      style="bold yellow"))
+    return parts
+
+
+def renderables(data: dict[str, Any]) -> Group:
+    parts: list[Any] = [header(data)]
+    for model in models(data):
+        parts.append(model_table(data, model))
+        parts.append(Text(crossover(data, model)["text"], style="bold"))
+    parts.extend(cpu_section(data))
+    return Group(*parts)
+
+
+def render(data: dict[str, Any], console: Console | None = None) -> None:
+    (console or Console()).print(renderables(data))
+
+
+# ------------------------------------------------------------------------------------------------
+# markdown
+# ------------------------------------------------------------------------------------------------
+def markdown(data: dict[str, Any]) -> str:
+    """Markdown tables (one per model) with the run's header line; for PRs and the README."""
+    env = data.get("environment") or {}
+    gpu = env.get("gpu") or {}
+    roof = data.get("rooflines") or {}
+    lines = []
+    if data.get("synthetic"):
+        lines.append(f"> **{data.get('note', 'synthetic data, not a measurement')}**\n")
+    lines.append(
+        f"GPU: {gpu.get('name', 'none')}, {env.get('date', '?')}, CuPy {env.get('cupy')}, Numba {env.get('numba')}; "
+        f"streaming-read roofline {_fmt(roof.get('read_tbps'), '.2f')} TB/s "
+        f"(D2D memcpy {_fmt(roof.get('d2d_memcpy_tbps'), '.2f')} TB/s r+w, datasheet "
+        f"{_fmt(roof.get('datasheet_tbps'), '.2f', 'unknown')} TB/s). {DIVISOR_NOTE}"
+    )
+    keys = ("batch", "variant", "us", "spread", "tbps", "pct", "bar", "speedup", "rel_l2", "max_abs", "check")
+    titles = dict((k, t) for k, t, _ in COLUMNS)
+    titles["bar"] = "roofline"
+    for model in models(data):
+        lines.append(f"\n**{model}**\n")
+        lines.append("| " + " | ".join(titles[k] for k in keys) + " |")
+        lines.append("|" + "|".join("---:" if k not in ("variant", "bar", "check") else "---" for k in keys) + "|")
+        for row in _model_rows(data, model):
+            c = cells(data, row, width=10)
+            c["bar"] = c["bar"].rstrip() or " "
+            lines.append("| " + " | ".join(c[k].replace("|", "\\|") for k in keys) + " |")
+        lines.append(f"\n{crossover(data, model)['text']}")
+    if data.get("cpu"):
+        lines.append("\nNo timing taken (no GPU).")
+    return "\n".join(lines) + "\n"
+
+
+def replace_between_markers(text: str, block: str) -> str:
+    """``text`` with everything between the bench markers replaced by ``block`` (markers kept)."""
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < 0 or end < start:
+        raise ValueError(f"README markers {BEGIN} ... {END} not found (in that order)")
+    return text[: start + len(BEGIN)] + "\n" + block.strip("\n") + "\n" + text[end:]
+
+
+def update_readme(path: str | Path, block: str) -> None:
+    path = Path(path)
+    path.write_text(replace_between_markers(path.read_text(), block))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.report", description=__doc__.split("\n")[0])
+    parser.add_argument("json", help="a result file written by python -m tools.bench --json")
+    parser.add_argument("--markdown", action="store_true", help="print markdown tables instead of the rich report")
+    parser.add_argument("--update-readme", metavar="README", help="replace the bench block of this README")
+    args = parser.parse_args(argv)
+    try:
+        data = load(args.json)
+    except (OSError, json.JSONDecodeError) as exc:
+        parser.error(f"cannot read {args.json}: {exc}")
+    if args.update_readme:
+        try:
+            update_readme(args.update_readme, markdown(data))
+        except (OSError, ValueError) as exc:
+            parser.error(str(exc))
+        print(f"updated {args.update_readme} from {args.json}")
+    elif args.markdown:
+        sys.stdout.write(markdown(data))
+    else:
+        render(data, Console(width=None if sys.stdout.isatty() else 200))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""Memory rooflines measured in the bench's own process, and the arithmetic that compares against them.
+
+Three figures, every run:
+
+``read``        a streaming-read kernel: 16-byte loads, a grid of 8 blocks x 512 threads per SM striding over
+                ~4 GiB, XOR-reduced so the loads are not dead code. This is the ceiling for a decode kernel,
+                which only *reads* weights; "% of roofline" in the report means % of this figure.
+``d2d_memcpy``  ``cudaMemcpyAsync`` device-to-device captured in a CUDA graph, read + write bytes counted.
+``copy16``      the same copy with a 16-byte-per-lane kernel (read + write bytes).
+
+beside the datasheet figure for the GPU (``DATASHEET_TBPS``, matched by name; unknown GPUs say so).
+The CUDA source goes through :mod:`kernels.compile` (the one compile path) and is registered there so
+``tools.inspect`` lists it. Pure arithmetic (``percent``, ``bar``, ``tbps``) needs no GPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from kernels.compile import CudaSource, get_kernel, register_source
+
+# Peak HBM bandwidth from the vendors' datasheets, TB/s (10^12 bytes/s). First matching substring wins.
+DATASHEET_TBPS: tuple[tuple[str, float], ...] = (
+    ("GH200", 4.0),
+    ("H200", 4.8),
+    ("H100 PCIe", 2.0),
+    ("H100 NVL", 3.9),
+    ("H100", 3.35),  # SXM5 80 GB HBM3
+    ("H800", 3.35),
+    ("B200", 8.0),
+    ("A100-SXM4-80GB", 2.039),
+    ("A100 80GB PCIe", 1.935),
+    ("A100", 1.555),  # 40 GB parts
+    ("L40S", 0.864),
+)
+
+BLOCKS_PER_SM = 8
+THREADS_PER_BLOCK = 512
+READ_BYTES_TARGET = 4 << 30  # ~4 GiB streamed per read measurement
+COPY_BYTES_TARGET = 1 << 30  # 1 GiB source + 1 GiB destination per copy measurement
+
+ROOFLINE_SOURCE = register_source(
+    CudaSource(
+        name="roofline",
+        description="bench rooflines: streaming read and 16-byte copy (tools/roofline.py)",
+        kernels=("stream_read", "copy16"),
+        defaults={},
+        code=r"""
+// Each thread walks the buffer with a grid stride, one 16-byte (uint4) load per step, and XORs what
+// it loads into a register; the (practically never true) comparison at the end keeps the loads live.
+extern "C" __global__ void stream_read(const uint4* __restrict__ src, unsigned long long n16,
+                                       unsigned int* __restrict__ sink) {
+    uint4 acc = make_uint4(0u, 0u, 0u, 0u);
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += stride) {
+        const uint4 v = __ldg(src + i);
+        acc.x ^= v.x; acc.y ^= v.y; acc.z ^= v.z; acc.w ^= v.w;
+    }
+    if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9E3779B9u) atomicAdd(sink, 1u);
+}
+
+// Grid-stride copy, 16 bytes per lane per step.
+extern "C" __global__ void copy16(const uint4* __restrict__ src, uint4* __restrict__ dst, unsigned long long n16) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += stride) {
+        dst[i] = src[i];
+    }
+}
+""",
+    )
+)
+
+
+# ------------------------------------------------------------------------------------------------
+# Arithmetic (no GPU)
+# ------------------------------------------------------------------------------------------------
+def datasheet_tbps(gpu_name: str) -> float | None:
+    """The datasheet HBM bandwidth for ``gpu_name`` in TB/s, or None when the GPU is not in the table."""
+    for pattern, value in DATASHEET_TBPS:
+        if pattern.lower() in gpu_name.lower():
+            return value
+    return None
+
+
+def tbps(nbytes: float, microseconds: float) -> float:
+    """Bytes moved in ``microseconds`` -> TB/s (10^12 bytes per second)."""
+    if microseconds <= 0:
+        raise ValueError(f"microseconds must be > 0, got {microseconds}")
+    return nbytes / (microseconds * 1e-6) / 1e12
+
+
+def percent(value_tbps: float | None, roof_tbps: float | None) -> float | None:
+    """``value`` as a percentage of ``roof`` (None when either is unknown or the roof is not positive)."""
+    if value_tbps is None or roof_tbps is None or roof_tbps <= 0:
+        return None
+    return 100.0 * value_tbps / roof_tbps
+
+
+_EIGHTHS = " ▏▎▍▌▋▊▉"
+
+
+def bar(pct: float | None, width: int = 20) -> str:
+    """A bar of ``width`` cells filled to ``pct`` percent (clamped to [0, 100]) with eighth-cell resolution."""
+    if pct is None:
+        return " " * width
+    eighths = round(max(0.0, min(100.0, pct)) / 100.0 * width * 8)
+    full, part = divmod(eighths, 8)
+    text = "█" * full + (_EIGHTHS[part] if part else "")
+    return text.ljust(width)
+
+
+# ------------------------------------------------------------------------------------------------
+# Measurement (GPU)
+# ------------------------------------------------------------------------------------------------
+def _time_graph(graph: Any, stream: Any, repeats: int, inner: int) -> list[float]:
+    """Per-replay microseconds of ``graph``: ``repeats`` samples of ``inner`` back-to-back replays."""
+    import cupy
+
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    graph.launch(stream)  # warm-up
+    stream.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start.record(stream)
+        for _ in range(inner):
+            graph.launch(stream)
+        stop.record(stream)
+        stop.synchronize()
+        samples.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / inner)
+    return samples
+
+
+def _ptr(arr: Any) -> int:
+    return arr.data.ptr
+
+
+def _capture(stream: Any, fn: Any) -> Any:
+    stream.begin_capture()
+    try:
+        with stream:
+            fn()
+    finally:
+        graph = stream.end_capture()
+    return graph
+
+
+def measure(repeats: int = 10, read_bytes: int = READ_BYTES_TARGET, copy_bytes: int = COPY_BYTES_TARGET) -> dict:
+    """Measure the three rooflines on the current GPU; returns the JSON-ready ``rooflines`` record."""
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    props = runtime.getDeviceProperties(cupy.cuda.Device().id)
+    sms = int(props["multiProcessorCount"])
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    free, _ = runtime.memGetInfo()
+    read_bytes = min(read_bytes, int(free * 0.25)) // (1 << 20) * (1 << 20)
+    copy_bytes = min(copy_bytes, int(free * 0.125)) // (1 << 20) * (1 << 20)
+    grid, block = BLOCKS_PER_SM * sms, THREADS_PER_BLOCK
+    stream = cupy.cuda.Stream(non_blocking=True)
+    record: dict[str, Any] = {
+        "datasheet_tbps": datasheet_tbps(name),
+        "grid": [grid, block],
+        "read_bytes": read_bytes,
+        "copy_bytes": copy_bytes,
+    }
+
+    read_kernel = get_kernel(ROOFLINE_SOURCE, "stream_read")
+    src = cupy.empty(read_bytes // 16 * 4, dtype=cupy.uint32)
+    src.fill(0x01020304)
+    sink = cupy.zeros(1, dtype=cupy.uint32)
+    n16 = cupy.uint64(read_bytes // 16)
+    with stream:
+        read_kernel((grid,), (block,), (src, n16, sink))  # compile + first touch outside timing
+    stream.synchronize()
+    graph = _capture(stream, lambda: read_kernel((grid,), (block,), (src, n16, sink)))
+    samples = _time_graph(graph, stream, repeats, 2)
+    record["read_samples_us"] = samples
+    record["read_tbps"] = tbps(read_bytes, statistics.median(samples))
+    record["read_best_tbps"] = tbps(read_bytes, min(samples))
+    src = graph = None  # free the 4 GiB before the copy buffers
+
+    a = cupy.empty(copy_bytes // 4, dtype=cupy.uint32)
+    b = cupy.empty_like(a)
+    a.fill(7)
+    kind = runtime.memcpyDeviceToDevice
+    graph = _capture(stream, lambda: runtime.memcpyAsync(_ptr(b), _ptr(a), copy_bytes, kind, stream.ptr))
+    samples = _time_graph(graph, stream, repeats, 4)
+    record["d2d_memcpy_samples_us"] = samples
+    record["d2d_memcpy_tbps"] = tbps(2 * copy_bytes, statistics.median(samples))
+
+    copy_kernel = get_kernel(ROOFLINE_SOURCE, "copy16")
+    c16 = cupy.uint64(copy_bytes // 16)
+    graph = _capture(stream, lambda: copy_kernel((grid,), (block,), (a, b, c16)))
+    samples = _time_graph(graph, stream, repeats, 4)
+    record["copy16_samples_us"] = samples
+    record["copy16_tbps"] = tbps(2 * copy_bytes, statistics.median(samples))
+    if not bool((b[:: max(1, b.size // 4096)] == 7).all()):
+        record["copy16_error"] = "copy16 did not copy the buffer"
+    a = b = graph = None
+    cupy.get_default_memory_pool().free_all_blocks()
+    return record

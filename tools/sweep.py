@@ -1,0 +1,283 @@
+"""``python -m tools.sweep VARIANT``: compile, check and time every point of a variant's parameter grid.
+
+    python -m tools.sweep cupy:warp-decode --model qwen3-30b-a3b --batch 1,8,64
+    python -m tools.sweep proto:interleaved --grid WARPS=4,8,16 --grid UNROLL=1,2 --json results/sweep.json
+
+VARIANT is any registered name (builtin or prototype). The grid is the variant's ``grid`` unless ``--grid``
+is given (then only the ``--grid`` keys are swept; the rest keep the variant's params). Each point is
+checked against the reference before it is timed (a wrong point is reported, never timed) and timed with
+the bench's harness. The ranked table puts the offline compile report (registers, spills, theoretical
+occupancy, via NVRTC -- when the variant's source is a ``kernels.compile.CudaSource``) beside µs, TB/s
+and % of roofline. Without a GPU it prints the grid with its compile columns and says no timing was taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import math
+import os
+import sys
+from typing import Any
+
+from kernels.shapes import DEFAULT_MODEL, PRESETS, get_shape
+from tools import bench, harness
+from tools.roofline import bar, percent
+
+
+def parse_value(text: str) -> Any:
+    """``--grid`` values: ints, floats, true/false, else the string."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def parse_grid(items: list[str] | None) -> dict[str, list[Any]]:
+    grid: dict[str, list[Any]] = {}
+    for item in items or []:
+        key, sep, values = item.partition("=")
+        if not sep or not key.strip() or not values.strip():
+            raise ValueError(f"--grid takes KEY=v1,v2,..., got {item!r}")
+        grid[key.strip()] = [parse_value(v) for v in values.split(",") if v.strip()]
+    return grid
+
+
+def points(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """Every combination of the grid (one empty point for an empty grid)."""
+    keys = list(grid)
+    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(grid[k] for k in keys))]
+
+
+def source_of(variant: Any) -> Any:
+    """The variant's ``CudaSource`` if one can be found (``build.source`` or the only one in its module)."""
+    from kernels.compile import CudaSource
+
+    source = getattr(variant.build, "source", None)
+    if isinstance(source, CudaSource):
+        return source
+    module = sys.modules.get(getattr(variant.build, "__module__", ""), None)
+    found = [v for v in vars(module).values() if isinstance(v, CudaSource)] if module else []
+    if len(found) > 1:
+        named = [s for s in found if variant.family in s.name or s.name in variant.name]
+        found = named if len(named) == 1 else found
+    return found[0] if len(found) == 1 else None
+
+
+def _threads(merged: dict[str, Any], kernel: str) -> int | None:
+    """Threads per block of ``kernel`` from the knobs: ``THREADS``, the only ``*WARPS`` knob, or GU_/DN_ by name."""
+    if merged.get("THREADS"):
+        return int(merged["THREADS"])
+    warps = {k: v for k, v in merged.items() if k.endswith("WARPS")}
+    if len(warps) == 1:
+        return 32 * int(next(iter(warps.values())))
+    lowered = kernel.lower()
+    for prefix, words in (("GU", ("gate", "up")), ("DN", ("down",))):
+        if f"{prefix}_WARPS" in warps and any(w in lowered for w in words):
+            return 32 * int(warps[f"{prefix}_WARPS"])
+    return None
+
+
+def compile_columns(variant: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """Registers (max over kernels), spill bytes (sum) and theoretical occupancy (min) of one point, offline.
+
+    Knobs equal to 0 where the source's default is not (e.g. "0 = pick at run time") compile at the default.
+    """
+    source = source_of(variant)
+    if source is None:
+        return {"compile": "no CudaSource"}
+    from kernels.compile import offline_report
+
+    defines = {k: int(v) for k, v in params.items()
+               if k in source.defaults and not (int(v) == 0 and source.defaults[k] != 0)}
+    try:
+        reports = offline_report(source, **defines)
+    except Exception as exc:  # noqa: BLE001
+        return {"compile": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    merged = {**source.defaults, **defines}
+    columns: dict[str, Any] = {
+        "compile": "ok",
+        "registers": max(r.registers for r in reports),
+        "spills": sum(r.spills for r in reports),
+        "shared_bytes": max(r.shared_bytes for r in reports),
+        "occupancy": None,
+    }
+    if importlib.util.find_spec("tools.inspect") is not None:
+        try:
+            from tools import inspect as offline
+
+            values = []
+            for r in reports:
+                finder = getattr(offline, "threads_per_block", None)
+                threads = (finder(source, r.kernel, merged) if finder else None) or _threads(merged, r.kernel)
+                if not threads:
+                    continue
+                occ = offline.occupancy(r.registers, threads, r.shared_bytes)
+                if isinstance(occ, dict):
+                    occ = occ.get("fraction", occ.get("occupancy"))
+                elif not isinstance(occ, int | float):
+                    occ = getattr(occ, "fraction", None)
+                if occ is not None:
+                    values.append(float(occ))
+            columns["occupancy"] = min(values) if values else None
+        except Exception as exc:  # noqa: BLE001
+            columns["occupancy_error"] = f"{type(exc).__name__}: {exc}"
+    return columns
+
+
+def _all_compile_columns(variant: Any, grid_points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda p: compile_columns(variant, {**variant.params, **p}), grid_points))
+
+
+def sweep(name: str, model: str = DEFAULT_MODEL, batch: list[int] | None = None,
+          grid: dict[str, list[Any]] | None = None, routing: str = "uniform", repeats: int = 20, seed: int = 0,
+          progress: bool = True) -> dict[str, Any]:
+    """Run the sweep; returns the JSON record (``points`` ranked, fastest first)."""
+    batches = batch or [1, 8, 64]
+    shape = get_shape(model)
+    gpu, why = harness.gpu_available()
+    if not gpu:
+        bench._enable_simulator()
+    registry, warnings = bench.load_registry()
+    if name not in registry:
+        raise ValueError(f"unknown variant {name!r}; registered: {', '.join(registry) or 'none'}")
+    variant = registry[name]
+    grid = grid if grid else dict(variant.grid)
+    record: dict[str, Any] = {
+        "schema": "warp-decode-sweep/1", "variant": name, "model": model, "batches": batches, "grid": grid,
+        "routing": routing, "repeats": repeats, "seed": seed, "environment": harness.environment(gpu),
+        "load_warnings": warnings, "rooflines": None, "points": [],
+    }
+    grid_points = points(grid)
+    columns = _all_compile_columns(variant, grid_points)
+    entries = [{"params": p, **c, "results": {}} for p, c in zip(grid_points, columns, strict=True)]
+    record["points"] = entries
+    if not gpu:
+        record["no_timing"] = f"no CUDA GPU ({why}): compile columns only, no timing taken"
+        return record
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from tools import roofline
+
+    with Progress(console=Console(stderr=True), transient=True, disable=not progress) as bar_:
+        task = bar_.add_task("rooflines", total=len(entries) * len(batches) + 1)
+        record["rooflines"] = roofline.measure()
+        bar_.advance(task)
+        l2 = record["environment"]["gpu"]["l2_bytes"]
+        for tokens in batches:
+            work = harness.Workbench(shape, tokens, routing, seed, l2_bytes=l2)
+            try:
+                for entry in entries:
+                    bar_.update(task, description=f"T={tokens} {entry['params']}")
+                    row = work.measure(variant, repeats=repeats, params=entry["params"], stages=False)
+                    entry["results"][str(tokens)] = row
+                    bar_.advance(task)
+            finally:
+                work.free()
+    for entry in entries:
+        rows = list(entry["results"].values())
+        ok = rows and all(r.get("status") == "ok" for r in rows)
+        entry["status"] = "ok" if ok else next((r["status"] for r in rows if r.get("status") != "ok"), "not run")
+        entry["geomean_us"] = math.exp(sum(math.log(r["median_us"]) for r in rows) / len(rows)) if ok else None
+    entries.sort(key=lambda e: (e["geomean_us"] is None, e["geomean_us"] or 0.0))
+    return record
+
+
+def render(record: dict[str, Any]) -> Any:
+    from rich import box
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    roof = (record.get("rooflines") or {}).get("read_tbps")
+    table = Table(title=f"sweep {record['variant']} on {record['model']} ({record['routing']})", box=box.SIMPLE_HEAD,
+                  title_justify="left")
+    for col in ("#", "params", "regs", "spills", "occ"):
+        table.add_column(col, justify="right" if col != "params" else "left", no_wrap=True)
+    for tokens in record["batches"]:
+        table.add_column(f"T={tokens} µs", justify="right")
+        table.add_column("TB/s", justify="right")
+        table.add_column("% roof", justify="left")
+    for rank, entry in enumerate(record["points"], 1):
+        cells = [str(rank), " ".join(f"{k}={v}" for k, v in entry["params"].items()) or "(defaults)",
+                 str(entry.get("registers", "-")), str(entry.get("spills", "-")),
+                 "-" if entry.get("occupancy") is None else f"{entry['occupancy']:.0%}"
+                 if entry["occupancy"] <= 1 else f"{entry['occupancy']:.0f}"]
+        for tokens in record["batches"]:
+            row = entry["results"].get(str(tokens))
+            if row is None:
+                cells += ["-", "-", ""]
+            elif row.get("status") != "ok":
+                cells += [row.get("status", "?").upper(), "-", ""]
+            else:
+                pct = percent(row.get("tbps"), roof)
+                cells += [f"{row['median_us']:.2f}", f"{row['tbps']:.2f}",
+                          f"{bar(pct, 8)} {pct:.0f}%" if pct is not None else ""]
+        table.add_row(*cells, style=None if entry.get("status", "ok") in ("ok", None) or not entry["results"]
+                      else "red")
+    parts: list[Any] = [table]
+    for entry in record["points"]:
+        bad = [f"T={t}: {r.get('error')}" for t, r in entry["results"].items() if r.get("status") != "ok"]
+        if entry.get("compile") not in ("ok", None):
+            bad.append(f"compile: {entry['compile']}")
+        if bad:
+            parts.append(Text(f"{entry['params']}: " + "; ".join(bad), style="red"))
+    if record.get("no_timing"):
+        parts.append(Text(f"NO TIMING TAKEN: {record['no_timing']}", style="bold yellow"))
+    return Group(*parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.sweep", description="Sweep a variant's parameter grid.")
+    parser.add_argument("variant", help="a registered variant name (builtin or prototype)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"one preset; known: {', '.join(PRESETS)}")
+    parser.add_argument("--batch", type=bench._int_list, default=[1, 8, 64])
+    parser.add_argument("--grid", action="append", metavar="KEY=v1,v2", help="sweep KEY over these values (repeatable)")
+    parser.add_argument("--routing", choices=bench.ROUTINGS, default="uniform")
+    parser.add_argument("--repeats", type=bench._positive, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    if args.model not in PRESETS:
+        parser.error(f"--model: unknown preset {args.model!r}; known: {', '.join(PRESETS)}")
+    try:
+        grid = parse_grid(args.grid)
+    except ValueError as exc:
+        parser.error(str(exc))
+    gpu, _ = harness.gpu_available()
+    if not gpu:
+        bench._enable_simulator()
+    registry, _ = bench.load_registry()
+    if args.variant not in registry:
+        parser.error(f"unknown variant {args.variant!r}; registered: {', '.join(registry) or 'none'}")
+    unknown = set(grid) - set(registry[args.variant].params) - set(registry[args.variant].grid)
+    if unknown and registry[args.variant].params:
+        print(f"note: --grid keys {sorted(unknown)} are not in {args.variant}'s params; build() decides",
+              file=sys.stderr)
+    from rich.console import Console
+
+    record = sweep(args.variant, args.model, args.batch, grid, args.routing, args.repeats, args.seed)
+    if args.json:
+        from pathlib import Path
+
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(record, indent=1, default=bench._json_default))
+        print(f"wrote {args.json}", file=sys.stderr)
+    Console(width=None if sys.stdout.isatty() else 200).print(render(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
