@@ -1,0 +1,699 @@
+"""Warp decode as CuPy RawKernel CUDA C: ``moe_gate_up_3d_batched`` then ``moe_down_3d_batched``.
+
+Each warp owns one output scalar (or ``*_OUTS`` consecutive ones, reusing its activation loads):
+
+* gate_up: warp (t, k, i) reads gate row i and up row i of expert ``topk_ids[t, k]`` (``w13[e, i, :]``,
+  ``w13[e, I + i, :]``) once, streams ``x[t]`` once for both dot products, accumulates in FP32 registers,
+  reduces with shuffles and writes ``bf16(SiLU(g) * u)`` into the [T, K, I] intermediate.
+* down: warp (t, h) loops over the K routed experts, reads row h of each ``w2[e]``, dots it with
+  ``intermediate[t, k, :]`` and folds the routing weight into ONE FP32 accumulator; reduce, write once.
+
+No shared memory, no atomics, no inter-warp sync, no buffer besides the bf16 intermediate. Every expert id
+is range-checked in the kernels (bad id -> NaN for that token, no weight read).
+
+Public API: :func:`warp_decode` (what ``kernels.warp_decode(..., backend="cupy")`` calls), the stages
+:func:`gate_up` and :func:`down`, :func:`make_workspace`, :func:`resolve_params`; variant
+``"cupy:warp-decode"`` in :mod:`kernels.variants`.
+
+Loads in flight. ptxas, left alone, sinks each weight load next to its FMAs (one load in flight per lane,
+whatever the unroll). ``all_loads_arrived`` folds every loaded word into a zero that the accumulators (gate_up)
+or the intermediate addresses (down) depend on, so all of a round's weight loads are issued before the first
+FMA -- checked in the SASS (nvdisasm) of the defaults: gate_up issues 8 LDG.64 then FMAs, down 12 LDG.128.
+
+Defaults (``DEFAULTS``) and why, for qwen3-30b-a3b T=1 (the hard case: two ~10 us kernels):
+
+* gate_up: T*K*I = 6144 warps = 46.5 per SM. 4 warps / block, 8-byte loads, GU_UNROLL 4 (2 rows x 4 = 8
+  loads = 64 B per lane in flight, ~96 KB per SM) at 40 registers -> 48 warps / SM: every warp resident in
+  ONE wave, no tail wave. (16-byte loads with UNROLL 2 move the same bytes but need 46 registers -> 42
+  warps / SM -> a second, 10 % wave.)
+* down: only T*H = 2048 warps (15.5 per SM), so each lane needs many w2 loads in flight: DN_SLOTS 4 slots
+  x DN_UNROLL 3 rounds = 12 x 16 B per lane (~95 KB per SM, ~12.5 MB GPU-wide = half of all w2 bytes),
+  then the matching intermediate chunks; capped at 128 registers (DN_MIN_BLOCKS 4) -> 16 warps / SM, all
+  resident. ``DN_SLOTS / DN_UNROLL / DN_MIN_BLOCKS = 0`` (the variant's setting) pick these per problem:
+  <= 16 warps / SM -> 12 loads and <= 128 registers, else 4 loads and <= 64 registers (qwen3-235b T=1:
+  4096 warps = 31 / SM -> DN_SLOTS 1 x DN_UNROLL 4, 64 registers, 32 warps / SM).
+
+Predictions (H200, streaming-read roofline ~4.5 TB/s, T = 1, uniform routing, bf16 weights):
+
+    qwen3-30b-a3b    gate_up 8 x 2*768*2048*2 B = 50.3 MB -> 11.2 us;  down 8 x 2048*768*2 B = 25.2 MB -> 5.6 us
+                     both 75.5 MB -> 16.8 us at 100 %; expected ~19-21 us (80-88 %): each short kernel
+                     loses ~1-2 us to ramp-up and tail
+    qwen3-235b-a22b  gate_up 201 MB -> 44.7 us;  down 101 MB -> 22.4 us;  both 302 MB -> 67 us at 100 %;
+                     expected ~72-77 us (87-93 %)
+
+Not done: programmatic dependent launch (the down kernel prefetching w2 while gate_up drains).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from kernels.compile import CudaSource, get_kernel, register_source
+from kernels.contract import BF16, Dims, array_module, check_inputs, check_out
+from kernels.variants import Variant, register
+
+GATE_UP = "moe_gate_up_3d_batched"
+DOWN = "moe_down_3d_batched"
+H200_SMS = 132  # used only by the auto heuristics (the kernels never assume an SM count)
+
+CODE = r"""
+// Warp decode for MoE decode. bf16 is handled as raw 16-bit patterns: widening is a shift / mask,
+// narrowing is integer round-to-nearest-even (no cuda_bf16.h).
+// Knobs (set as #defines by kernels.compile): GU_* for gate_up, DN_* for down:
+//   *_WARPS  warps per block          *_OUTS   consecutive outputs per warp (reuse x / intermediate loads)
+//   *_UNROLL loads in flight per lane  *_BYTES  bytes per lane per load (4, 8 or 16)
+//   *_MIN_BLOCKS  __launch_bounds__ min blocks per SM (0 = let ptxas choose registers)
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+#define FULL_MASK 0xffffffffu
+#define BF16_NAN ((bf16_t)0x7fc0)
+
+static_assert(GU_WARPS >= 1 && GU_WARPS <= 32 && DN_WARPS >= 1 && DN_WARPS <= 32, "WARPS must be 1..32");
+static_assert(GU_OUTS >= 1 && GU_OUTS <= 32 && DN_OUTS >= 1 && DN_OUTS <= 32, "OUTS must be 1..32");
+static_assert(GU_UNROLL >= 1 && DN_UNROLL >= 1, "UNROLL must be >= 1");
+static_assert(DN_SLOTS >= 1 && DN_SLOTS <= 32, "DN_SLOTS must be 1..32");
+static_assert(GU_BYTES == 4 || GU_BYTES == 8 || GU_BYTES == 16, "GU_BYTES must be 4, 8 or 16");
+static_assert(DN_BYTES == 4 || DN_BYTES == 8 || DN_BYTES == 16, "DN_BYTES must be 4, 8 or 16");
+
+template <int BYTES> struct Vec;
+template <> struct Vec<16> { typedef uint4 T; };
+template <> struct Vec<8> { typedef uint2 T; };
+template <> struct Vec<4> { typedef u32 T; };
+
+// word w (0..BYTES/4-1, a compile-time constant after unrolling) of a loaded vector
+__device__ __forceinline__ u32 word(const uint4& v, int w) { return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w; }
+__device__ __forceinline__ u32 word(const uint2& v, int w) { return w == 0 ? v.x : v.y; }
+__device__ __forceinline__ u32 word(const u32& v, int) { return v; }
+
+// read-only (ld.global.nc) load of chunk c of a row, or zeros when the lane's chunk lies past the row's
+// end. Branch-free on purpose: a lane past the end loads chunk 0 (valid, and in flight for lane 0 anyway)
+// and selects zeros, so ptxas can hoist every load of a round above the first FMA.
+__device__ __forceinline__ uint4 zero_unless(bool ok, uint4 v) {
+    return make_uint4(ok ? v.x : 0u, ok ? v.y : 0u, ok ? v.z : 0u, ok ? v.w : 0u);
+}
+__device__ __forceinline__ uint2 zero_unless(bool ok, uint2 v) { return make_uint2(ok ? v.x : 0u, ok ? v.y : 0u); }
+__device__ __forceinline__ u32 zero_unless(bool ok, u32 v) { return ok ? v : 0u; }
+template <typename V>
+__device__ __forceinline__ V ldg_chunk(const V* row, int c, bool ok) {
+    return zero_unless(ok, __ldg(row + (ok ? c : 0)));
+}
+
+// "Everything loaded so far must have arrived": returns 0, but computed from every word of a round's
+// weight registers (0 * finite subnormal = +0 through an FMA the compiler cannot fold). Whatever is
+// made to depend on it (the intermediate addresses, the accumulators) waits for all loads of the round.
+// Without it ptxas sinks each weight load next to its FMAs, leaving ~1 load in flight per lane.
+template <typename V, int A, int B>
+__device__ __forceinline__ u32 all_loads_arrived(const V (&v)[A][B]) {
+    u32 sink = 0u;
+    #pragma unroll
+    for (int a = 0; a < A; ++a)
+        #pragma unroll
+        for (int b = 0; b < B; ++b)
+            #pragma unroll
+            for (int w = 0; w < (int)(sizeof(V) / 4); ++w) sink ^= word(v[a][b], w);
+    float zero;  // inline PTX so that no front end can prove the (finite) operand away
+#ifdef WD_HOST_EMULATION  // the CPU emulation in tests/test_warp_decode_cupy.py
+    zero = fmaf(0.0f, __uint_as_float(sink & 0x007fffffu), 0.0f);
+#else
+    asm("fma.rn.f32 %0, %1, 0f00000000, 0f00000000;" : "=f"(zero) : "f"(__uint_as_float(sink & 0x007fffffu)));
+#endif
+    return __float_as_uint(zero);
+}
+
+// the two bf16 halves of a 32-bit word, widened exactly to fp32 (element 2j is the low half)
+__device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+
+// fp32 -> bf16, round to nearest even; NaN stays a (quiet) NaN
+__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
+    const u32 b = __float_as_uint(f);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((b >> 16) | 0x0040u);
+    return (bf16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    #pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);
+    return v;  // every lane holds the same sum (fixed butterfly order: deterministic)
+}
+
+#if GU_MIN_BLOCKS > 0
+#define GU_BOUNDS __launch_bounds__(GU_WARPS * 32, GU_MIN_BLOCKS)
+#else
+#define GU_BOUNDS __launch_bounds__(GU_WARPS * 32)
+#endif
+#if DN_MIN_BLOCKS > 0
+#define DN_BOUNDS __launch_bounds__(DN_WARPS * 32, DN_MIN_BLOCKS)
+#else
+#define DN_BOUNDS __launch_bounds__(DN_WARPS * 32)
+#endif
+
+// ------------------------------------------------------------------------------------------------
+// moe_gate_up_3d_batched: intermediate[t, k, i] = bf16(SiLU(w13[e, i, :] . x[t]) * (w13[e, I+i, :] . x[t]))
+//   Warp g (global, blockIdx.x * GU_WARPS + warp in block) owns pair p = g / ceil(I / GU_OUTS), i.e.
+//   token t = p / K and slot k = p % K, and the GU_OUTS consecutive neurons i0 .. i0 + GU_OUTS - 1.
+//   Lane l loads chunks c = l, l + 32, ... of GU_BYTES (GU_BYTES / 2 bf16) of each owned gate row and up
+//   row and the same chunks of x[t]; GU_UNROLL chunks per row are loaded into registers before any FMA.
+//   FP32 accumulators: gate_acc[o], up_acc[o] in each lane's registers, summed over the warp by shuffles;
+//   lane o applies SiLU(g) * u and stores neuron i0 + o.
+//   An expert id outside [0, E) writes NaN to the warp's neurons and reads no weights.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void GU_BOUNDS moe_gate_up_3d_batched(
+    const bf16_t* __restrict__ x,             // [T, H]
+    const bf16_t* __restrict__ w13,           // [E, 2I, H]
+    const int* __restrict__ topk_ids,         // [T, K]
+    bf16_t* __restrict__ intermediate,        // [T, K, I]
+    int tokens, int hidden, int inter, int experts, int top_k)
+{
+    typedef typename Vec<GU_BYTES>::T vec_t;
+    constexpr int ELEMS = GU_BYTES / 2;     // bf16 per load
+    constexpr int WORDS = GU_BYTES / 4;     // 32-bit words per load
+    const int lane = threadIdx.x & 31;
+    const long long groups = (inter + GU_OUTS - 1) / GU_OUTS;    // warps per (t, k) pair
+    const long long warp = (long long)blockIdx.x * GU_WARPS + (threadIdx.x >> 5);
+    if (warp >= (long long)tokens * top_k * groups) return;    // whole warp leaves together
+    const long long pair = warp / groups;                         // t * K + k
+    const int i0 = (int)(warp - pair * groups) * GU_OUTS;
+    const long long t = pair / top_k;
+    const int e = __ldg(topk_ids + pair);
+    bf16_t* dst = intermediate + pair * inter;
+    if ((unsigned)e >= (unsigned)experts) {                       // bad id: NaN, no weight read
+        if (lane < GU_OUTS && i0 + lane < inter) dst[i0 + lane] = BF16_NAN;
+        return;
+    }
+
+    const int chunks = hidden / ELEMS;                            // H % 8 == 0: whole chunks only
+    const vec_t* x_row = reinterpret_cast<const vec_t*>(x + t * hidden);
+    const vec_t* gate_row[GU_OUTS];
+    const vec_t* up_row[GU_OUTS];
+    #pragma unroll
+    for (int o = 0; o < GU_OUTS; ++o) {
+        const int i = min(i0 + o, inter - 1);                     // past-the-end neurons re-read the last row
+        const size_t row = ((size_t)e * 2 * inter + i) * (size_t)hidden;
+        gate_row[o] = reinterpret_cast<const vec_t*>(w13 + row);
+        up_row[o] = reinterpret_cast<const vec_t*>(w13 + row + (size_t)inter * hidden);
+    }
+
+    float gate_acc[GU_OUTS], up_acc[GU_OUTS];
+    #pragma unroll
+    for (int o = 0; o < GU_OUTS; ++o) gate_acc[o] = up_acc[o] = 0.0f;
+
+    for (int base = 0; base < chunks; base += 32 * GU_UNROLL) {
+        vec_t wg[GU_UNROLL][GU_OUTS], wu[GU_UNROLL][GU_OUTS], xv[GU_UNROLL];
+        // 1) issue every weight load of this round (2 * GU_OUTS * GU_UNROLL per lane), then x (L1/L2 hits)
+        #pragma unroll
+        for (int j = 0; j < GU_UNROLL; ++j) {
+            const int c = base + j * 32 + lane;
+            const bool ok = c < chunks;
+            #pragma unroll
+            for (int o = 0; o < GU_OUTS; ++o) {
+                wg[j][o] = ldg_chunk(gate_row[o], c, ok);
+                wu[j][o] = ldg_chunk(up_row[o], c, ok);
+            }
+        }
+        #pragma unroll
+        for (int j = 0; j < GU_UNROLL; ++j) {
+            const int c = base + j * 32 + lane;
+            xv[j] = ldg_chunk(x_row, c, c < chunks);
+        }
+        gate_acc[0] += __uint_as_float(all_loads_arrived(wg) | all_loads_arrived(wu));  // += 0.0f
+        // 2) widen and accumulate in FP32 (x widened once, used for all 2 * GU_OUTS rows)
+        #pragma unroll
+        for (int j = 0; j < GU_UNROLL; ++j) {
+            #pragma unroll
+            for (int w = 0; w < WORDS; ++w) {
+                const float x_lo = bf16_lo(word(xv[j], w)), x_hi = bf16_hi(word(xv[j], w));
+                #pragma unroll
+                for (int o = 0; o < GU_OUTS; ++o) {
+                    gate_acc[o] = fmaf(bf16_lo(word(wg[j][o], w)), x_lo, gate_acc[o]);
+                    gate_acc[o] = fmaf(bf16_hi(word(wg[j][o], w)), x_hi, gate_acc[o]);
+                    up_acc[o] = fmaf(bf16_lo(word(wu[j][o], w)), x_lo, up_acc[o]);
+                    up_acc[o] = fmaf(bf16_hi(word(wu[j][o], w)), x_hi, up_acc[o]);
+                }
+            }
+        }
+    }
+    (void)ELEMS;
+
+    #pragma unroll
+    for (int o = 0; o < GU_OUTS; ++o) {
+        const float g = warp_sum(gate_acc[o]);
+        const float u = warp_sum(up_acc[o]);
+        if (lane == o && i0 + o < inter) {
+            const float silu = g / (1.0f + expf(-g));             // IEEE division (no fast-math)
+            dst[i0 + o] = f32_to_bf16(silu * u);                  // the one bf16 rounding
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// moe_down_3d_batched: out[t, h] = sum_k topk_weights[t, k] * (w2[e_k, h, :] . intermediate[t, k, :])
+//   Warp g owns token t = g / ceil(H / DN_OUTS) and the DN_OUTS consecutive hidden units h0 .. h0+DN_OUTS-1.
+//   The K x ceil(I / (32 * DN_BYTES / 2)) chunks a lane reads form one flat list of items (slot k major);
+//   lane l reads chunks c = l, l + 32, ... of each slot's w2 row(s), DN_UNROLL items loaded into
+//   registers before the first FMA, then the matching intermediate chunks (L1/L2 hits).
+//   For K <= 32, lane k holds slot k's expert id and routing weight and items get them by warp shuffle
+//   (no global load in front of a w2 address); for K > 32 they are read with __ldg.
+//   ONE FP32 accumulator per output, acc[o] in each lane's registers: acc += w2 * (weight_k * inter);
+//   summed over the warp by shuffles, lane o stores out[t, h0 + o] once (bf16 RNE, or fp32).
+//   Any expert id of token t outside [0, E) makes out[t, h0..] NaN and no weights are read.
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void down_accumulate(
+    float (&acc)[DN_OUTS], const bf16_t* __restrict__ intermediate_t, const bf16_t* __restrict__ w2,
+    const int* __restrict__ ids_t, const float* __restrict__ weights_t, int lane, int h0, int hidden, int inter,
+    int top_k)
+{
+    typedef typename Vec<DN_BYTES>::T vec_t;
+    constexpr int ELEMS = DN_BYTES / 2;
+    constexpr int WORDS = DN_BYTES / 4;
+    const int chunks = inter / ELEMS;                             // I % 8 == 0: whole chunks only
+    const vec_t* inter_t = reinterpret_cast<const vec_t*>(intermediate_t);
+    for (int k0 = 0; k0 < top_k; k0 += DN_SLOTS) {               // DN_SLOTS routed slots per batch
+        // lane s < DN_SLOTS reads slot k0 + s's (already range-checked) id and weight; items shuffle them
+        const bool lane_slot = lane < DN_SLOTS && k0 + lane < top_k;
+        const int batch_id = lane_slot ? __ldg(ids_t + k0 + lane) : 0;
+        const float batch_weight = lane_slot ? __ldg(weights_t + k0 + lane) : 0.0f;
+        const vec_t* rows[DN_SLOTS][DN_OUTS];                     // w2[e_k, h, :] of each slot and output
+        #pragma unroll
+        for (int s = 0; s < DN_SLOTS; ++s) {
+            const int e = __shfl_sync(FULL_MASK, batch_id, s);     // past-K slots: expert 0, loads masked
+            #pragma unroll
+            for (int o = 0; o < DN_OUTS; ++o) {
+                const int h = min(h0 + o, hidden - 1);            // past-the-end outputs re-read the last row
+                rows[s][o] = reinterpret_cast<const vec_t*>(w2 + ((size_t)e * hidden + h) * inter);
+            }
+        }
+        for (int c0 = 0; c0 < chunks; c0 += 32 * DN_UNROLL) {    // DN_UNROLL chunk rounds per slot
+            // 1) issue all DN_SLOTS x DN_UNROLL x DN_OUTS w2 loads (branch-free: see ldg_chunk)
+            vec_t wv[DN_SLOTS * DN_UNROLL][DN_OUTS];
+            #pragma unroll
+            for (int s = 0; s < DN_SLOTS; ++s)
+                #pragma unroll
+                for (int r = 0; r < DN_UNROLL; ++r) {
+                    const int c = c0 + r * 32 + lane;
+                    const bool ok = k0 + s < top_k && c < chunks;
+                    #pragma unroll
+                    for (int o = 0; o < DN_OUTS; ++o) wv[s * DN_UNROLL + r][o] = ldg_chunk(rows[s][o], c, ok);
+                }
+            const vec_t* inter_r = inter_t + all_loads_arrived(wv);  // + 0, after every w2 load arrived
+            // 2) per item: the intermediate chunk (L1/L2 hit, shared by all DN_OUTS rows) times the routing
+            //    weight, FMA into the one accumulator per output
+            #pragma unroll
+            for (int s = 0; s < DN_SLOTS; ++s) {
+                const bool live = k0 + s < top_k;
+                const int k = live ? k0 + s : 0;
+                const float wk = __shfl_sync(FULL_MASK, batch_weight, s);
+                #pragma unroll
+                for (int r = 0; r < DN_UNROLL; ++r) {
+                    const int c = c0 + r * 32 + lane;
+                    const bool ok = live && c < chunks;
+                    const vec_t iv = ldg_chunk(inter_r + (size_t)k * chunks, c, ok);
+                    const float weight = ok ? wk : 0.0f;
+                    #pragma unroll
+                    for (int w = 0; w < WORDS; ++w) {
+                        const float a_lo = weight * bf16_lo(word(iv, w)), a_hi = weight * bf16_hi(word(iv, w));
+                        #pragma unroll
+                        for (int o = 0; o < DN_OUTS; ++o) {
+                            acc[o] = fmaf(bf16_lo(word(wv[s * DN_UNROLL + r][o], w)), a_lo, acc[o]);
+                            acc[o] = fmaf(bf16_hi(word(wv[s * DN_UNROLL + r][o], w)), a_hi, acc[o]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void DN_BOUNDS moe_down_3d_batched(
+    const bf16_t* __restrict__ intermediate,  // [T, K, I]
+    const bf16_t* __restrict__ w2,            // [E, H, I]
+    const int* __restrict__ topk_ids,         // [T, K]
+    const float* __restrict__ topk_weights,   // [T, K]
+    void* __restrict__ out,                   // [T, H] bf16, or float32 when out_f32
+    int out_f32, int tokens, int hidden, int inter, int experts, int top_k)
+{
+    const int lane = threadIdx.x & 31;
+    const long long groups = (hidden + DN_OUTS - 1) / DN_OUTS;   // warps per token
+    const long long warp = (long long)blockIdx.x * DN_WARPS + (threadIdx.x >> 5);
+    if (warp >= (long long)tokens * groups) return;              // whole warp leaves together
+    const long long t = warp / groups;
+    const int h0 = (int)(warp - t * groups) * DN_OUTS;
+    const int* ids_t = topk_ids + t * top_k;
+    const float* weights_t = topk_weights + t * top_k;
+
+    // every expert id of the token is range-checked (lane k checks slots k, k + 32, ...) before any w2 read
+    bool bad = false;
+    for (int k = lane; k < top_k; k += 32) bad |= (unsigned)__ldg(ids_t + k) >= (unsigned)experts;
+    const bool token_bad = __any_sync(FULL_MASK, bad);
+
+    float acc[DN_OUTS];
+    #pragma unroll
+    for (int o = 0; o < DN_OUTS; ++o) acc[o] = 0.0f;
+    if (!token_bad) {
+        const bf16_t* intermediate_t = intermediate + t * top_k * (long long)inter;
+        down_accumulate(acc, intermediate_t, w2, ids_t, weights_t, lane, h0, hidden, inter, top_k);
+    }
+
+    #pragma unroll
+    for (int o = 0; o < DN_OUTS; ++o) {
+        float v = warp_sum(acc[o]);
+        if (token_bad) v = __int_as_float(0x7fc00000);
+        if (lane == o && h0 + o < hidden) {
+            const long long idx = t * hidden + h0 + o;
+            if (out_f32) reinterpret_cast<float*>(out)[idx] = v;
+            else reinterpret_cast<bf16_t*>(out)[idx] = f32_to_bf16(v);  // the one final rounding
+        }
+    }
+}
+"""
+
+# Compile-time knobs and their concrete defaults (what the offline report compiles as "defaults"; those of
+# qwen3-30b-a3b at T = 1). At run time DN_SLOTS / DN_UNROLL / DN_MIN_BLOCKS = 0 mean "auto": resolve_params()
+# picks them from the problem's dims (see _auto_down).
+DEFAULTS: dict[str, int] = {
+    "GU_WARPS": 4,  # warps per block
+    "GU_OUTS": 1,  # consecutive neurons per warp (x loads reused)
+    "GU_UNROLL": 4,  # chunks per row in flight per lane (x 2 rows x GU_OUTS): 8 x 8 B loads + 4 of x
+    "GU_BYTES": 8,  # bytes per lane per load: 4, 8 or 16 (16 with UNROLL 2 needs 46 registers)
+    "GU_MIN_BLOCKS": 0,  # __launch_bounds__ min blocks / SM (0: none; ptxas uses 40 registers -> 48 warps / SM)
+    "DN_WARPS": 4,
+    "DN_OUTS": 1,  # consecutive hidden units per warp (intermediate loads reused)
+    "DN_SLOTS": 4,  # routed slots whose w2 rows are loaded together
+    "DN_UNROLL": 3,  # 16-byte chunk rounds per slot in flight: DN_SLOTS x DN_UNROLL x DN_OUTS loads per lane
+    "DN_BYTES": 16,
+    "DN_MIN_BLOCKS": 4,  # 4 x 4 warps -> <= 128 registers, 16 warps / SM (all 2048 warps of qwen3-30b T=1);
+    # 0 = auto (from DN_SLOTS x DN_UNROLL x DN_OUTS, see _down_min_blocks); 1 = effectively no cap
+}
+AUTO_KNOBS = ("DN_SLOTS", "DN_UNROLL", "DN_MIN_BLOCKS")
+
+
+def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
+    """Validate the knobs and fill the auto ones (``DN_SLOTS`` / ``DN_UNROLL`` / ``DN_MIN_BLOCKS`` = 0) from
+    ``dims``; returns every knob as an int. Without ``dims`` auto knobs take :data:`DEFAULTS`."""
+    unknown = set(params) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown warp-decode parameter(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+    values: dict[str, int] = {**DEFAULTS, **{knob: 0 for knob in AUTO_KNOBS}}
+    for key, value in params.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{key} must be an int, got {value!r}")
+        values[key] = int(value)
+    limits = {
+        "GU_WARPS": (1, 32), "DN_WARPS": (1, 32), "GU_OUTS": (1, 32), "DN_OUTS": (1, 32),
+        "GU_UNROLL": (1, 64), "DN_UNROLL": (0, 64), "DN_SLOTS": (0, 32),
+        "GU_MIN_BLOCKS": (0, 32), "DN_MIN_BLOCKS": (0, 32),
+    }
+    for key, (low, high) in limits.items():
+        if not low <= values[key] <= high:
+            raise ValueError(f"{key} must be in {low}..{high}{' (0 = auto)' if key in AUTO_KNOBS else ''}, "
+                             f"got {values[key]}")
+    for key in ("GU_BYTES", "DN_BYTES"):
+        if values[key] not in (4, 8, 16):
+            raise ValueError(f"{key} must be 4, 8 or 16, got {values[key]}")
+    auto = _auto_down(dims, values) if dims is not None else {k: DEFAULTS[k] for k in AUTO_KNOBS}
+    for key in ("DN_SLOTS", "DN_UNROLL"):
+        if values[key] == 0:
+            values[key] = auto[key]
+    if values["DN_MIN_BLOCKS"] == 0:
+        values["DN_MIN_BLOCKS"] = _down_min_blocks(values) if dims is not None else DEFAULTS["DN_MIN_BLOCKS"]
+    return values
+
+
+def _auto_down(dims: Dims, values: dict[str, int]) -> dict[str, int]:
+    """Loads in flight per lane for the down kernel, from how many of its warps share an SM.
+
+    Few warps per SM (T*H/DN_OUTS <= 16 per SM, e.g. qwen3-30b at T=1): 12 w2 loads per lane (<= 128
+    registers); otherwise 4 loads (<= 64 registers, 32 warps / SM). Rounds of one slot first (consecutive
+    addresses of one row), then more slots.
+    """
+    rounds = math.ceil(dims.intermediate // (values["DN_BYTES"] // 2) / 32)  # chunk rounds per slot
+    warps = dims.tokens * math.ceil(dims.hidden / values["DN_OUTS"])
+    per_sm = math.ceil(warps / H200_SMS)
+    loads = max(1, (12 if per_sm <= 16 else 4) // values["DN_OUTS"])
+    unroll = min(rounds, loads)
+    slots = max(1, min(dims.top_k, loads // unroll, 32))
+    return {"DN_SLOTS": slots, "DN_UNROLL": unroll, "DN_MIN_BLOCKS": 0}
+
+
+def _down_min_blocks(values: dict[str, int]) -> int:
+    """__launch_bounds__ min blocks that caps the down kernel's registers near what its loads need.
+
+    Measured (sm_90, offline report): ~32 registers of bookkeeping plus, per item in flight, DN_OUTS w2
+    chunks and one intermediate chunk of DN_BYTES / 4 registers each (12 items x 16 B -> 128).
+    """
+    items = values["DN_SLOTS"] * values["DN_UNROLL"]
+    registers = 32 + items * (values["DN_OUTS"] + 1) * values["DN_BYTES"] // 4
+    registers = min(255, -(-registers // 8) * 8)
+    return max(1, 65536 // (registers * 32 * values["DN_WARPS"]))
+
+
+def preset_params() -> list[dict[str, int]]:
+    """The resolved knobs of every preset at T in (1, 3, 8, 64): what the offline report also compiles."""
+    from kernels.shapes import PRESETS
+
+    seen: list[dict[str, int]] = []
+    for shape in PRESETS.values():
+        for tokens in (1, 3, 8, 64):
+            dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
+            params = resolve_params(dims)
+            if params not in seen and params != DEFAULTS:
+                seen.append(params)
+    return seen
+
+
+SOURCE = register_source(
+    CudaSource(
+        name="warp_decode_cupy",
+        code=CODE,
+        kernels=(GATE_UP, DOWN),
+        defaults=dict(DEFAULTS),
+        variants=[{k: v for k, v in p.items() if DEFAULTS[k] != v} for p in preset_params()],
+        description="warp decode: one warp per output scalar (gate_up, down), CuPy RawKernel",
+    )
+)
+# which knob is each kernel's warps-per-block (tools.inspect reads this for occupancy)
+SOURCE.warps_knobs = {GATE_UP: "GU_WARPS", DOWN: "DN_WARPS"}  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernel handles and launches (no allocation, no host sync)
+# ---------------------------------------------------------------------------------------------------
+_HANDLES: dict[tuple[int, str, tuple[tuple[str, int], ...]], tuple[Any, Any]] = {}
+
+
+def kernels_for(params: dict[str, int]) -> tuple[Any, Any]:
+    """``(gate_up kernel, down kernel)`` compiled for these resolved knobs, cached per device, source text and set.
+
+    The key holds ``SOURCE.code`` itself, so editing the source string (IPython) compiles the new text.
+    """
+    import cupy
+
+    key = (cupy.cuda.Device().id, SOURCE.code, tuple(sorted(params.items())))
+    handles = _HANDLES.get(key)
+    if handles is None:
+        handles = (get_kernel(SOURCE, GATE_UP, **params), get_kernel(SOURCE, DOWN, **params))
+        _HANDLES[key] = handles
+    return handles
+
+
+def _blocks(warps: int, warps_per_block: int) -> int:
+    return max(1, -(-warps // warps_per_block))
+
+
+def _launch_gate_up(kernel: Any, params: dict[str, int], dims: Dims, x: Any, w13: Any, topk_ids: Any,
+                    intermediate: Any) -> None:
+    groups = -(-dims.intermediate // params["GU_OUTS"])
+    warps = dims.tokens * dims.top_k * groups
+    kernel(
+        (_blocks(warps, params["GU_WARPS"]),), (params["GU_WARPS"] * 32,),
+        (x, w13, topk_ids, intermediate, np.int32(dims.tokens), np.int32(dims.hidden),
+         np.int32(dims.intermediate), np.int32(dims.experts), np.int32(dims.top_k)),
+    )
+
+
+def _launch_down(kernel: Any, params: dict[str, int], dims: Dims, intermediate: Any, w2: Any, topk_ids: Any,
+                 topk_weights: Any, out: Any) -> None:
+    groups = -(-dims.hidden // params["DN_OUTS"])
+    warps = dims.tokens * groups
+    out_f32 = np.int32(1 if out.dtype == np.float32 else 0)
+    kernel(
+        (_blocks(warps, params["DN_WARPS"]),), (params["DN_WARPS"] * 32,),
+        (intermediate, w2, topk_ids, topk_weights, out, out_f32, np.int32(dims.tokens), np.int32(dims.hidden),
+         np.int32(dims.intermediate), np.int32(dims.experts), np.int32(dims.top_k)),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Input checks
+# ---------------------------------------------------------------------------------------------------
+def _require_cupy(**arrays: Any) -> Any:
+    """TypeError unless every array is a CuPy array; returns the ``cupy`` module."""
+    for name, arr in arrays.items():
+        if not type(arr).__module__.startswith("cupy"):
+            raise TypeError(
+                f"{name} must be a cupy.ndarray (the cupy backend runs on the GPU), "
+                f"got {type(arr).__module__}.{type(arr).__name__}"
+            )
+    import cupy
+
+    return cupy
+
+
+def _check_aligned(**arrays: Any) -> None:
+    for name, arr in arrays.items():
+        if int(arr.data.ptr) % 16:
+            raise ValueError(f"{name} must start on a 16-byte boundary (16-byte loads), got address {arr.data.ptr:#x}")
+
+
+def _check_stage_array(name: str, arr: Any, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+    if arr.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {arr.dtype}")
+    if tuple(int(d) for d in arr.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(arr.shape)}")
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+
+
+def make_workspace(tokens: int, top_k: int, intermediate: int) -> Any:
+    """The [T, K, I] bf16 intermediate buffer (the only buffer warp decode needs)."""
+    for name, value in (("tokens", tokens), ("top_k", top_k), ("intermediate", intermediate)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    import cupy
+
+    return cupy.empty((int(tokens), int(top_k), int(intermediate)), dtype=BF16)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public entry points
+# ---------------------------------------------------------------------------------------------------
+def warp_decode(
+    x: Any,
+    w13: Any,
+    w2: Any,
+    topk_ids: Any,
+    topk_weights: Any,
+    out: Any = None,
+    workspace: Any = None,
+    **params: Any,
+) -> Any:
+    """One MoE decode layer by warp decode on CuPy arrays; returns ``out`` [T, H] (bf16 unless given fp32).
+
+    With ``out`` and ``workspace`` (from :func:`make_workspace`) given, nothing is allocated and nothing
+    syncs with the host (value checks of ``topk_ids`` are skipped while a CUDA graph is captured; the
+    kernels guard every id). ``params`` are compile-time knobs (see :data:`DEFAULTS`; ``DN_UNROLL=0`` auto).
+    """
+    cupy = _require_cupy(x=x, w13=w13, w2=w2, topk_ids=topk_ids, topk_weights=topk_weights)
+    dims = check_inputs(x, w13, w2, topk_ids, topk_weights, check_values=False)  # kinds, dtypes, shapes
+    if out is not None:
+        _require_cupy(out=out)
+        check_out(out, dims, cupy)
+    if workspace is not None:
+        _require_cupy(workspace=workspace)
+        _check_stage_array("workspace", workspace, BF16, (dims.tokens, dims.top_k, dims.intermediate))
+    resolved = resolve_params(dims, **params)
+    check_inputs(x, w13, w2, topk_ids, topk_weights)  # ids in range, weights finite (skipped under capture)
+    _check_aligned(x=x, w13=w13, w2=w2)
+    if out is None:
+        out = cupy.empty((dims.tokens, dims.hidden), dtype=BF16)
+    if workspace is None:
+        workspace = make_workspace(dims.tokens, dims.top_k, dims.intermediate)
+    _check_aligned(workspace=workspace)
+    gate_up_kernel, down_kernel = kernels_for(resolved)
+    _launch_gate_up(gate_up_kernel, resolved, dims, x, w13, topk_ids, workspace)
+    _launch_down(down_kernel, resolved, dims, workspace, w2, topk_ids, topk_weights, out)
+    return out
+
+
+def gate_up(x: Any, w13: Any, topk_ids: Any, intermediate: Any, **params: Any) -> Any:
+    """Stage 1 alone: ``intermediate[t, k, :] = bf16(SiLU(gate) * up)``; returns ``intermediate``."""
+    _require_cupy(x=x, w13=w13, topk_ids=topk_ids, intermediate=intermediate)
+    if x.ndim != 2 or w13.ndim != 3 or topk_ids.ndim != 2:
+        raise ValueError(
+            f"x [T, H], w13 [E, 2I, H], topk_ids [T, K] expected, got {x.shape}, {w13.shape}, {topk_ids.shape}"
+        )
+    tokens, hidden = (int(d) for d in x.shape)
+    experts, two_i = int(w13.shape[0]), int(w13.shape[1])
+    top_k = int(topk_ids.shape[1])
+    dims = Dims(tokens, hidden, two_i // 2, experts, top_k)
+    if min(tokens, experts, top_k) < 1 or two_i < 2 or two_i % 2 or hidden % 8 or (two_i // 2) % 8:
+        raise ValueError(f"bad sizes: x {x.shape}, w13 {w13.shape}, topk_ids {topk_ids.shape}")
+    _check_stage_array("x", x, BF16, (tokens, hidden))
+    _check_stage_array("w13", w13, BF16, (experts, two_i, hidden))
+    _check_stage_array("topk_ids", topk_ids, np.dtype(np.int32), (tokens, top_k))
+    _check_stage_array("intermediate", intermediate, BF16, (tokens, top_k, dims.intermediate))
+    resolved = resolve_params(dims, **params)
+    _check_aligned(x=x, w13=w13, intermediate=intermediate)
+    _launch_gate_up(kernels_for(resolved)[0], resolved, dims, x, w13, topk_ids, intermediate)
+    return intermediate
+
+
+def down(intermediate: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any, **params: Any) -> Any:
+    """Stage 2 alone: ``out[t, h] = sum_k weight * w2[e, h, :] . intermediate[t, k, :]``; returns ``out``."""
+    _require_cupy(intermediate=intermediate, w2=w2, topk_ids=topk_ids, topk_weights=topk_weights, out=out)
+    if intermediate.ndim != 3 or w2.ndim != 3:
+        raise ValueError(f"intermediate [T, K, I] and w2 [E, H, I] expected, got {intermediate.shape}, {w2.shape}")
+    tokens, top_k, inter = (int(d) for d in intermediate.shape)
+    experts, hidden = int(w2.shape[0]), int(w2.shape[1])
+    dims = Dims(tokens, hidden, inter, experts, top_k)
+    if min(tokens, top_k, inter, experts, hidden) < 1 or hidden % 8 or inter % 8:
+        raise ValueError(f"bad sizes: intermediate {intermediate.shape}, w2 {w2.shape}")
+    _check_stage_array("intermediate", intermediate, BF16, (tokens, top_k, inter))
+    _check_stage_array("w2", w2, BF16, (experts, hidden, inter))
+    _check_stage_array("topk_ids", topk_ids, np.dtype(np.int32), (tokens, top_k))
+    _check_stage_array("topk_weights", topk_weights, np.dtype(np.float32), (tokens, top_k))
+    check_out(out, dims, array_module(out))
+    resolved = resolve_params(dims, **params)
+    _check_aligned(intermediate=intermediate, w2=w2)
+    _launch_down(kernels_for(resolved)[1], resolved, dims, intermediate, w2, topk_ids, topk_weights, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Variant registry
+# ---------------------------------------------------------------------------------------------------
+def build(dims: Dims, **params: Any) -> Any:
+    """Compile once, allocate the workspace once; the returned launch only launches (graph-capturable)."""
+    resolved = resolve_params(dims, **params)
+    gate_up_kernel, down_kernel = kernels_for(resolved)
+    workspace = make_workspace(dims.tokens, dims.top_k, dims.intermediate)
+
+    def launch(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> None:
+        _launch_gate_up(gate_up_kernel, resolved, dims, x, w13, topk_ids, workspace)
+        _launch_down(down_kernel, resolved, dims, workspace, w2, topk_ids, topk_weights, out)
+
+    def stages(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> list[tuple[str, Any]]:
+        return [
+            ("gate_up", lambda: _launch_gate_up(gate_up_kernel, resolved, dims, x, w13, topk_ids, workspace)),
+            ("down", lambda: _launch_down(down_kernel, resolved, dims, workspace, w2, topk_ids, topk_weights, out)),
+        ]
+
+    launch.stages = stages  # type: ignore[attr-defined]
+    launch.params = resolved  # type: ignore[attr-defined]
+    launch.workspace = workspace  # type: ignore[attr-defined]
+    return launch
+
+
+VARIANT = register(
+    Variant(
+        name="cupy:warp-decode",
+        backend="cupy",
+        family="warp-decode",
+        build=build,
+        reference_mode="warp_decode",
+        params={**DEFAULTS, **{knob: 0 for knob in AUTO_KNOBS}},
+        description="warp decode, CUDA C via CuPy RawKernel: one warp per output scalar, 16-byte loads",
+        grid={
+            "GU_WARPS": [4, 8],
+            "GU_OUTS": [1, 2],
+            "GU_UNROLL": [1, 2, 4],
+            "DN_WARPS": [2, 4, 8],
+            "DN_OUTS": [1, 2],
+            "DN_SLOTS": [0, 1, 2, 4],
+            "DN_UNROLL": [0, 2, 3, 4, 6],
+        },
+    )
+)

@@ -1,0 +1,105 @@
+"""tools.inspect: the offline compile report (CPU only: NVRTC for sm_90, no GPU)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+
+from tools import inspect as offline
+
+
+@pytest.mark.parametrize(
+    ("registers", "threads", "shared", "warps", "limiter"),
+    [
+        (40, 128, 0, 48, "registers"),  # 40 regs x 32 = 1280 per warp -> 51 warps -> 12 blocks of 4
+        (128, 128, 0, 16, "registers"),
+        (32, 1024, 0, 64, "warps"),
+        (255, 32, 0, 8, "registers"),  # 255 -> 8192 per warp (256 granularity) -> 8 warps
+        (16, 32, 0, 32, "blocks"),  # 32 blocks of one warp
+        (16, 128, 100 * 1024, 8, "shared"),  # 2 blocks of (100 KB + 1 KB reserved) in 228 KB
+        (0, 64, 0, 64, "warps"),
+        (64, 96, 0, 30, "registers"),  # 3-warp blocks: 32 warps by registers -> 10 blocks
+    ],
+)
+def test_occupancy_arithmetic(registers: int, threads: int, shared: int, warps: int, limiter: str) -> None:
+    occ = offline.occupancy(registers, threads, shared)
+    assert occ.warps_per_sm == warps
+    assert occ.limiter == limiter
+    assert float(occ) == pytest.approx(warps / 64)
+
+
+def test_occupancy_rejects_nonsense() -> None:
+    with pytest.raises(ValueError):
+        offline.occupancy(40, 0)
+    with pytest.raises(ValueError):
+        offline.occupancy(300, 128)
+
+
+def test_warp_decode_cupy_compiles_without_spills() -> None:
+    """Defaults and every parameter set the source lists (the auto choices of all presets): no spill, no stack."""
+    from kernels import warp_decode_cupy as wdc
+
+    rows = offline.collect(["warp_decode_cupy"])
+    expected = (1 + len(wdc.SOURCE.variants)) * 2
+    assert len(rows) == expected
+    for row in rows:
+        assert not row.error, row.error
+        assert row.spills == 0 and row.stack_bytes == 0, (row.kernel, row.params, row.spills, row.stack_bytes)
+        assert row.shared_bytes == 0
+        assert row.threads_per_block == 128 and row.occupancy is not None
+    defaults = {row.kernel: row for row in rows if row.is_default}
+    # gate_up must hold all 46.5 warps / SM of qwen3-30b T=1 at once; down all 15.5
+    assert defaults["moe_gate_up_3d_batched"].warps_per_sm >= 47
+    assert defaults["moe_down_3d_batched"].warps_per_sm >= 16
+
+
+def test_render_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    from rich.table import Table
+
+    rows = offline.collect(["warp_decode_cupy"], defaults_only=True)
+    table = offline.render(rows)
+    assert isinstance(table, Table) and table.row_count == len(rows) == 2
+    assert offline.main(["--json", "--source", "warp_decode_cupy", "--defaults-only", "--no-numba"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {line["kernel"] for line in lines} == {"moe_gate_up_3d_batched", "moe_down_3d_batched"}
+    assert all(line["spills"] == 0 for line in lines)
+
+
+def test_compile_errors_become_rows() -> None:
+    from kernels.compile import SOURCES, CudaSource, register_source
+
+    register_source(CudaSource("broken_for_test", "this is not CUDA", ("k",), {"WARPS": 4}))
+    try:
+        rows = offline.collect(["broken_for_test"])
+        assert len(rows) == 1 and rows[0].error
+        offline.render(rows)
+    finally:
+        SOURCES.pop("broken_for_test", None)
+    with pytest.raises(ValueError, match="unknown CUDA source"):
+        offline.collect(["no_such_source"])
+
+
+def test_numba_rows_optional(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "kernels.warp_decode_numba", types.ModuleType("kernels.warp_decode_numba"))
+    assert offline.numba_rows() == []
+    from kernels.compile import KernelResources
+
+    fake = types.ModuleType("kernels.warp_decode_numba")
+    fake.offline_reports = lambda: [KernelResources("moe_down_3d_batched[warps=8,rows=1]", 56, 0, 0, 0, 0)]
+    monkeypatch.setitem(sys.modules, "kernels.warp_decode_numba", fake)
+    rows = offline.numba_rows()
+    assert len(rows) == 1 and rows[0].registers == 56 and rows[0].source == "numba"
+    assert rows[0].threads_per_block == 256 and rows[0].warps_per_sm == 32
+
+
+def test_threads_per_block_conventions() -> None:
+    from kernels.compile import CudaSource
+
+    plain = CudaSource("s", "", ("a",), {"WARPS": 8})
+    assert offline.threads_per_block(plain, "a", {"WARPS": 8}) == 256
+    prefixed = CudaSource("s", "", ("a",), {"A_WARPS": 2})
+    assert offline.threads_per_block(prefixed, "a", {"A_WARPS": 2}) == 64
+    assert offline.threads_per_block(prefixed, "a", {"A_WARPS": 2, "B_WARPS": 4}) is None
