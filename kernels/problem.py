@@ -102,16 +102,25 @@ def _normal_bf16_numpy(rng: np.random.Generator, shape: tuple[int, ...], std: fl
 
 
 def _normal_bf16_cupy(seed: int, shape: tuple[int, ...], std: float) -> Any:
-    """N(0, std^2) rounded to bf16 on the GPU, by integer round-to-nearest-even on the fp32 bits."""
+    """N(0, std^2) rounded to bf16 on the GPU, by integer round-to-nearest-even on the fp32 bits.
+
+    Generated in slabs of the leading axis (~64 M values each) so a 22 GB layer never needs its fp32
+    temporaries all at once.
+    """
     import cupy
 
     rng = cupy.random.default_rng(seed)
-    values = rng.standard_normal(shape, dtype=cupy.float32)
-    values *= cupy.float32(std)
-    bits = values.view(cupy.uint32)
-    rounded = (bits + cupy.uint32(0x7FFF) + ((bits >> 16) & cupy.uint32(1))) >> 16
-    del values, bits
-    return rounded.astype(cupy.uint16).view(BF16)
+    out = cupy.empty(shape, dtype=cupy.uint16)
+    per_row = max(1, int(np.prod(shape[1:])))
+    rows = max(1, (64 << 20) // per_row)
+    for start in range(0, shape[0], rows):
+        slab = out[start : start + rows]
+        values = rng.standard_normal(slab.shape, dtype=cupy.float32)
+        values *= cupy.float32(std)
+        bits = values.view(cupy.uint32)
+        slab[...] = (bits + cupy.uint32(0x7FFF) + ((bits >> 16) & cupy.uint32(1))) >> 16
+        del values, bits
+    return out.view(BF16)
 
 
 def make_weights(shape: MoEShape | str, seed: int = 0, xp: Any = np) -> tuple[Any, Any]:

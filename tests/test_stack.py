@@ -1,0 +1,137 @@
+"""kernels.stack: cheap sparse problems, the any-dtype fp64 oracle, and the multi-layer stack (CPU, fast)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernels.contract import BF16
+from kernels.numerics import bf16_to_f32, rel_l2
+from kernels.problem import make_problem
+from kernels.reference import moe_decode
+from kernels.routing import make_routing
+from kernels.shapes import get_shape
+from kernels.stack import (
+    PATHS,
+    RMS_EPS,
+    Stack,
+    expert_weights,
+    moe_fp64,
+    routing_mismatch,
+    sparse_problem,
+)
+
+TINY = get_shape("tiny")
+ODD = TINY.with_(name="odd", hidden=40, intermediate=24, experts=9, top_k=3)
+
+
+@pytest.mark.parametrize("shape", [TINY, ODD])
+def test_moe_fp64_equals_reference_fp64(shape):
+    problem = make_problem(shape, 5, seed=3)
+    ours = moe_fp64(*problem.arrays)
+    ref = moe_decode(*problem.arrays, mode="fp64")
+    assert ours.dtype == np.float64
+    np.testing.assert_allclose(ours, ref, rtol=1e-13, atol=1e-13)
+
+
+def test_moe_fp64_takes_fp64_activations_and_weights():
+    problem = make_problem(TINY, 4, seed=1)
+    x64 = bf16_to_f32(problem.x).astype(np.float64)
+    w64 = problem.topk_weights.astype(np.float64)
+    np.testing.assert_allclose(
+        moe_fp64(x64, problem.w13, problem.w2, problem.topk_ids, w64),
+        moe_fp64(*problem.arrays), rtol=1e-14, atol=1e-14,
+    )
+
+
+def test_sparse_problem_is_the_full_problem_restricted_to_touched_experts():
+    shape = ODD
+    problem = sparse_problem(shape, 4, seed=5)
+    ids, weights = make_routing(4, shape.experts, shape.top_k, "uniform", 5)
+    touched = problem.meta["experts_touched"]
+    assert problem.shape.experts == touched.size == np.unique(ids).size
+    np.testing.assert_array_equal(touched[problem.topk_ids], ids)
+    np.testing.assert_array_equal(problem.topk_weights, weights)
+    np.testing.assert_array_equal(problem.x.view(np.uint16), make_problem(shape, 4, seed=5).x.view(np.uint16))
+    full = [expert_weights(shape, 5, e) for e in range(shape.experts)]
+    w13 = np.stack([w[0] for w in full])
+    w2 = np.stack([w[1] for w in full])
+    np.testing.assert_array_equal(problem.w13.view(np.uint16), w13[touched].view(np.uint16))
+    expect = moe_decode(problem.x, w13, w2, ids, weights, mode="warp_decode")
+    got = moe_decode(*problem.arrays, mode="warp_decode")
+    np.testing.assert_array_equal(got.view(np.uint16), expect.view(np.uint16))
+
+
+def test_sparse_problem_cache_is_shared_and_weights_look_right():
+    cache: dict = {}
+    a = sparse_problem(TINY, 1, seed=2, cache=cache)
+    b = sparse_problem(TINY, 8, seed=2, cache=cache)
+    assert len(cache) >= b.shape.experts >= a.shape.experts
+    w13 = bf16_to_f32(b.w13)
+    assert w13.dtype == np.float32 and b.w13.dtype == BF16
+    assert abs(float(w13.std()) - TINY.hidden**-0.5) < 0.2 * TINY.hidden**-0.5
+    with pytest.raises(ValueError, match="tokens"):
+        sparse_problem(TINY, 0)
+
+
+def test_routing_mismatch_counts_sets_not_orders():
+    a = np.array([[1, 2], [3, 4], [0, 5]], np.int32)
+    b = np.array([[2, 1], [3, 5], [0, 5]], np.int32)
+    assert routing_mismatch(a, b) == 1
+    assert routing_mismatch(a, a) == 0
+
+
+def _plain_fp64_stack(stack: Stack, x: np.ndarray) -> list[np.ndarray]:
+    """The fp64 stack written as a plain per-token, per-slot loop."""
+    shape, K, I = stack.shape, stack.shape.top_k, stack.shape.intermediate
+    h = bf16_to_f32(x).astype(np.float64)
+    outs = []
+    for index, layer in enumerate(stack.layers):
+        new = h.copy()
+        for t in range(h.shape[0]):
+            row = h[t]
+            a = row / np.sqrt(np.mean(row * row) + RMS_EPS) * bf16_to_f32(layer.gamma).astype(np.float64)
+            logits = bf16_to_f32(layer.router).astype(np.float64) @ a
+            probs = np.exp(logits - logits.max())
+            probs /= probs.sum()
+            chosen = np.argsort(-probs, kind="stable")[:K]
+            weights = probs[chosen] / probs[chosen].sum()
+            for e, w in zip(chosen, weights, strict=True):
+                w13, w2 = (
+                    bf16_to_f32(m).astype(np.float64) for m in expert_weights(shape, stack.seed, int(e), index + 1)
+                )
+                gate, up = w13[:I] @ a, w13[I:] @ a
+                new[t] += w * (w2 @ (gate / (1 + np.exp(-gate)) * up))
+        h = new
+        outs.append(h)
+    return outs
+
+
+def test_fp64_stack_equals_a_plain_loop():
+    stack = Stack(TINY, 3, seed=4)
+    x = stack.input(5)
+    trace = stack.run_fp64(x)
+    plain = _plain_fp64_stack(stack, x)
+    assert len(trace.outputs) == 3
+    for ours, ref in zip(trace.outputs, plain, strict=True):
+        np.testing.assert_allclose(ours, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_bf16_paths_run_and_stay_close_at_first_layer(path):
+    stack = Stack(TINY, 3, seed=6)
+    x = stack.input(6)
+    oracle = stack.run_fp64(x)
+    trace = stack.run_path(x, path)
+    assert [o.dtype for o in trace.outputs] == [BF16] * 3
+    assert all(np.isfinite(bf16_to_f32(o)).all() for o in trace.outputs)
+    assert rel_l2(bf16_to_f32(trace.outputs[0]), oracle.outputs[0]) < 0.05
+    # the residual stream stays bounded (the weights are scaled for that)
+    assert float(np.sqrt(np.mean(oracle.outputs[-1] ** 2))) < 10
+
+
+def test_stack_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="layers"):
+        Stack(TINY, 0)
+    with pytest.raises(ValueError, match="path"):
+        Stack(TINY, 1).run_path(Stack(TINY, 1).input(2), "nope")

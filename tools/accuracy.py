@@ -1,0 +1,677 @@
+"""How much closer to the fp64 oracle warp decode is than the expert-centric path, measured.
+
+    python -m tools.accuracy                               # all presets (minus tiny), T = 1, 8, 32
+    python -m tools.accuracy --model qwen3-30b-a3b --seeds 16 --json results/accuracy.json
+    python -m tools.accuracy --model tiny --seeds 2 --layers 3
+
+Definitions (one call = one MoE layer on T tokens; y64 = reference.moe_decode(mode="fp64"), y = a path):
+
+    rel-L2      ||y - y64||_2 / ||y64||_2 over all T x H outputs of the call
+    max-abs     max |y - y64| over all T x H outputs
+    min-cos     min over tokens t of cos(y[t], y64[t])
+    x closer    rel-L2(path) / rel-L2(warp decode), per seed (same inputs); summarised by median [min, max]
+
+Paths: warp decode (fp32 accumulation, one bf16 rounding of the intermediate and of the output),
+expert-centric with bf16 intermediates, and with FP8 e4m3 (128-element groups) or MXFP8 activation
+quantization. On a GPU the numbers come from the registered kernels (kernels.variants) where present; a
+path without a kernel, and every path on a CPU, comes from the reference's matching mode (the output says
+which). The depth study (kernels.stack) runs L layers of RMSNorm + router + MoE + residual in fp64 and per
+path with a bf16 residual stream, always through the reference's modes on the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kernels.contract import BF16, check_inputs
+from kernels.numerics import max_abs, min_cosine, rel_l2
+from kernels.reference import moe_decode
+from kernels.shapes import DEFAULT_MODEL, PRESETS, MoEShape, get_shape
+from kernels.stack import PATHS, Stack, decode_input, moe_fp64, routing_mismatch, sparse_problem
+
+LABELS = {  # EC = expert-centric
+    "warp_decode": "warp decode",
+    "classical": "EC bf16",
+    "classical+fp8": "EC fp8",
+    "classical+mxfp8": "EC mxfp8",
+}
+PREFERRED_VARIANTS = {
+    "warp_decode": "cupy:warp-decode",
+    "classical": "cupy:expert-centric",
+    "classical+fp8": "cupy:expert-centric-fp8",
+    "classical+mxfp8": "cupy:expert-centric-mxfp8",
+}
+DEFAULT_BATCH = (1, 8, 32)
+GPU_SEEDS, CPU_SEEDS = 16, 2
+CPU_EXPERTS = 8  # CPU default: routed experts per model capped at max(8, top_k) (weights cost ~2 s / 100M values)
+SMALL_DIVISOR = 4  # the one-layer table's "small" width (CPU default): H and I divided by 4 (multiples of 8)
+SMALL_STACK_WIDTH = (256, 128)  # the same for the depth study's "small" width (its default)
+DEPTH_MARKS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _host(arr: Any) -> np.ndarray:
+    return np.asarray(arr.get() if hasattr(arr, "get") and not isinstance(arr, np.ndarray) else arr)
+
+
+def gpu_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - no driver / device / CuPy
+        return False
+
+
+def summary(values: Sequence[float]) -> dict[str, float]:
+    """median, min, max of a list (NaN-free)."""
+    return {"median": float(statistics.median(values)), "min": float(min(values)), "max": float(max(values))}
+
+
+# -- result -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Cell:
+    """One (model, T, path): per-seed distances to the fp64 oracle."""
+
+    model: str
+    tokens: int
+    path: str
+    source: str  # a variant name, or "reference:<mode>"
+    run_shape: dict[str, int] = field(default_factory=dict)  # hidden, intermediate, experts actually run
+    seeds: list[int] = field(default_factory=list)
+    rel_l2: list[float] = field(default_factory=list)
+    max_abs: list[float] = field(default_factory=list)
+    min_cos: list[float] = field(default_factory=list)
+    ratio: list[float] = field(default_factory=list)  # rel_l2 / rel_l2(warp decode), same seed
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["summary"] = {
+            "rel_l2": summary(self.rel_l2), "max_abs": summary(self.max_abs), "min_cos": summary(self.min_cos),
+            "x_closer": summary(self.ratio) if self.ratio else None,
+        }
+        return d
+
+
+@dataclass
+class DepthPath:
+    """One path through one model's stack: per seed, per layer."""
+
+    path: str
+    rel_l2: list[list[float]] = field(default_factory=list)  # [seed][layer]
+    routing_diff: list[list[int]] = field(default_factory=list)  # [seed][layer] tokens whose top-k set differs
+    # [seed][layer] rel-L2 over the tokens routed like the fp64 stack at every layer so far (NaN: none left)
+    rel_l2_same_route: list[list[float]] = field(default_factory=list)
+    same_route_tokens: list[list[int]] = field(default_factory=list)  # [seed][layer] how many such tokens
+
+    def median_rel(self, layer: int) -> float:
+        return float(statistics.median(r[layer] for r in self.rel_l2))
+
+    def mean_diff(self, layer: int) -> float:
+        return float(np.mean([r[layer] for r in self.routing_diff]))
+
+    def median_same(self, layer: int) -> float:
+        values = [r[layer] for r in self.rel_l2_same_route if np.isfinite(r[layer])]
+        return float(statistics.median(values)) if values else float("nan")
+
+    def mean_same_tokens(self, layer: int) -> float:
+        return float(np.mean([r[layer] for r in self.same_route_tokens]))
+
+
+@dataclass
+class Depth:
+    model: str
+    shape: dict[str, Any]  # the shape actually run (width may be reduced)
+    tokens: int
+    layers: int
+    seeds: list[int]
+    paths: dict[str, DepthPath]
+    final_rms: float  # RMS of the fp64 residual stream after the last layer (median over seeds)
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k != "paths"}
+        d["paths"] = {
+            name: {**asdict(p), "rel_l2_same_route": [[v if np.isfinite(v) else None for v in r]
+                                                      for r in p.rel_l2_same_route]}
+            for name, p in self.paths.items()
+        }
+        return d
+
+
+@dataclass
+class AccuracyResult:
+    config: dict[str, Any]
+    cells: list[Cell]
+    depth: list[Depth]
+    notes: list[str]
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "config": self.config, "notes": self.notes, "seconds": self.seconds,
+            "layer": [c.to_json() for c in self.cells], "depth": [d.to_json() for d in self.depth],
+        }
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        yield from render(self)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"AccuracyResult(models={c['models']}, seeds={c['seeds']}, batch={c['batch']}, "
+                f"source={c['source']!r}, cells={len(self.cells)}, depth={[d.model for d in self.depth]})")
+
+    def show(self, width: int = 140) -> None:
+        """Print the tables (what the CLI prints), e.g. in IPython."""
+        from rich.console import Console
+
+        Console(width=width).print(self)
+
+
+# -- rendering --------------------------------------------------------------------------------------------
+
+
+def _ratio_text(values: list[float]) -> str:
+    if not values:
+        return "1 (ref)"
+    s = summary(values)
+    return f"{s['median']:.2f}x [{s['min']:.2f}, {s['max']:.2f}]"
+
+
+def _bar(value: float, top: float, width: int = 28) -> str:
+    if not np.isfinite(value) or top <= 0:
+        return ""
+    n = value / top * width
+    full = int(n)
+    part = " ▏▎▍▌▋▊▉"[int((n - full) * 8)]
+    return "█" * full + (part if full < width else "")
+
+
+def render(result: AccuracyResult) -> list[Any]:
+    from rich.table import Table
+
+    items: list[Any] = []
+    table = Table(
+        title="One MoE layer: distance to the fp64 oracle (median over seeds; x closer = rel-L2 / warp decode's)",
+        caption=(f"seeds per cell: {result.config['seeds']}; model (H x I, E as run); EC = expert-centric; "
+                 "source: a kernel variant, or ref = the reference's mode on the host"),
+    )
+    for col, just in (("model", "left"), ("T", "right"), ("path", "left"), ("rel-L2", "right"),
+                      ("max-abs", "right"), ("min-cos", "right"), ("x closer [min, max]", "right"),
+                      ("source", "left")):
+        table.add_column(col, justify=just, no_wrap=True)  # type: ignore[arg-type]
+    last = None
+    for cell in result.cells:
+        if last is not None and (cell.model, cell.tokens) != last:
+            table.add_section()
+        first = (cell.model, cell.tokens) != last
+        last = (cell.model, cell.tokens)
+        run = cell.run_shape
+        table.add_row(
+            (f"{cell.model} ({run['hidden']}x{run['intermediate']}, E={run['experts']})" if first else ""),
+            str(cell.tokens) if first else "", LABELS[cell.path],
+            f"{statistics.median(cell.rel_l2):.2e}", f"{max(cell.max_abs):.2e}", f"{min(cell.min_cos):.6f}",
+            _ratio_text(cell.ratio), "ref" if cell.source.startswith("reference:") else cell.source,
+        )
+    items.append(table)
+    for depth in result.depth:
+        marks = sorted({m for m in DEPTH_MARKS if m <= depth.layers} | {depth.layers})
+        t = Table(
+            title=(f"Depth: {depth.model} stack, {depth.layers} layers, T = {depth.tokens}, "
+                   f"H = {depth.shape['hidden']}, I = {depth.shape['intermediate']}, E = {depth.shape['experts']}, "
+                   f"K = {depth.shape['top_k']}; rel-L2 of the residual stream vs the fp64 stack "
+                   f"(median over {len(depth.seeds)} seeds) / tokens whose top-k differs (mean)"),
+        )
+        t.add_column("layer", justify="right")
+        for name in depth.paths:
+            t.add_column(LABELS[name], justify="right", no_wrap=True)
+        for m in marks:
+            t.add_row(str(m), *(f"{p.median_rel(m - 1):.2e} / {p.mean_diff(m - 1):.1f}" for p in depth.paths.values()))
+        items.append(t)
+        t2 = Table(
+            title=(f"{depth.model}: rel-L2 over the tokens routed like the fp64 stack at every layer so far "
+                   "(median over seeds) / how many such tokens (mean)"),
+        )
+        t2.add_column("layer", justify="right")
+        for name in depth.paths:
+            t2.add_column(LABELS[name], justify="right", no_wrap=True)
+        for m in marks:
+            t2.add_row(str(m), *(f"{p.median_same(m - 1):.2e} / {p.mean_same_tokens(m - 1):.1f}"
+                                 for p in depth.paths.values()))
+        items.append(t2)
+        plot = Table(title=f"{depth.model}: rel-L2 vs depth (bars linear, common scale)", show_lines=False)
+        plot.add_column("layer", justify="right")
+        plot.add_column("path")
+        plot.add_column("rel-L2")
+        top = max(p.median_rel(m - 1) for p in depth.paths.values() for m in marks)
+        for m in marks:
+            for i, (name, p) in enumerate(depth.paths.items()):
+                value = p.median_rel(m - 1)
+                plot.add_row(str(m) if i == 0 else "", LABELS[name], f"{_bar(value, top)} {value:.2e}")
+            plot.add_section()
+        items.append(plot)
+    for note in result.notes:
+        items.append(f"[dim]note:[/dim] {note}")
+    return items
+
+
+# -- measurement ------------------------------------------------------------------------------------------
+
+
+def find_kernels(notes: list[str]) -> dict[str, Any]:
+    """path -> registered Variant (or None) that implements it, preferring the cupy library kernels."""
+    try:
+        from kernels.variants import load_builtin
+
+        registry = load_builtin()
+    except Exception as exc:  # noqa: BLE001 - a broken kernel module must not stop the accuracy table
+        notes.append(f"kernels.variants.load_builtin() failed ({type(exc).__name__}: {exc}); using the reference")
+        return dict.fromkeys(PATHS)
+    found: dict[str, Any] = {}
+    for path, (mode, quant) in PATHS.items():
+        matches = [v for v in registry.values() if v.reference_mode == mode and (v.quant or None) == quant]
+        preferred = registry.get(PREFERRED_VARIANTS[path])
+        if preferred is not None and preferred in matches:
+            found[path] = preferred
+        elif matches:
+            found[path] = sorted(matches, key=lambda v: (v.backend != "cupy", v.name))[0]
+        else:
+            found[path] = None
+    return found
+
+
+class _KernelRunner:
+    """Builds each variant once per Dims and runs it on a CuPy problem; returns the output on the host."""
+
+    def __init__(self) -> None:
+        self.launches: dict[tuple[str, Any], Any] = {}
+
+    def __call__(self, variant: Any, problem: Any) -> np.ndarray:
+        import cupy
+
+        dims = check_inputs(*problem.arrays)
+        key = (variant.name, dims)
+        if key not in self.launches:
+            self.launches[key] = variant.make(dims)
+        w13, w2 = problem.w13, problem.w2
+        if variant.prepack is not None:
+            w13, w2 = variant.prepack(w13, w2)
+        out = cupy.empty((dims.tokens, dims.hidden), dtype=cupy.uint16)
+        out.fill(0x7FC0)  # NaN poison: every element must be written
+        out = out.view(BF16)
+        self.launches[key](problem.x, w13, w2, problem.topk_ids, problem.topk_weights, out)
+        cupy.cuda.runtime.deviceSynchronize()
+        host = _host(out)
+        if not np.isfinite(host.astype(np.float32)).all():
+            raise RuntimeError(f"{variant.name} left NaN/inf in its output (T={dims.tokens}, H={dims.hidden})")
+        return host
+
+
+def _capped(shape: MoEShape, experts: int | None) -> MoEShape:
+    if experts is None or experts >= shape.experts:
+        return shape
+    return shape.with_(experts=max(experts, shape.top_k))
+
+
+def _narrow(shape: MoEShape, caps: tuple[int, int]) -> MoEShape:
+    hidden, intermediate = min(shape.hidden, caps[0]), min(shape.intermediate, caps[1])
+    if (hidden, intermediate) == (shape.hidden, shape.intermediate):
+        return shape
+    return shape.with_(hidden=hidden, intermediate=intermediate)
+
+
+def _shrink(shape: MoEShape) -> MoEShape:
+    def div(n: int) -> int:
+        return max(8, round(n / SMALL_DIVISOR / 8) * 8)
+
+    if shape.hidden < 8 * SMALL_DIVISOR * 8:  # already small (tiny): keep
+        return shape
+    return shape.with_(hidden=div(shape.hidden), intermediate=div(shape.intermediate))
+
+
+def _gpu_problem(shape: MoEShape, tokens: int, seed: int, w13: Any, w2: Any) -> Any:
+    """``make_problem(shape, tokens, seed, xp=cupy)`` with its weights passed in (they depend on seed only)."""
+    import cupy
+
+    from kernels.problem import Problem
+    from kernels.routing import make_routing
+
+    topk_ids, topk_weights = make_routing(tokens, shape.experts, shape.top_k, "uniform", seed)
+    x = decode_input(shape.hidden, tokens, seed)
+    return Problem(shape, tokens, seed, "uniform", cupy.asarray(x), w13, w2,
+                   cupy.asarray(topk_ids), cupy.asarray(topk_weights))
+
+
+def measure_layer(
+    shape: MoEShape,
+    batch: Sequence[int],
+    seeds: Sequence[int],
+    source: str,
+    kernels: dict[str, Any],
+    notes: list[str],
+    log: Callable[[str], None],
+    paths: Sequence[str] = tuple(PATHS),
+) -> list[Cell]:
+    """Cells for one model: every T in ``batch`` x every path, each over ``seeds``."""
+    runner = _KernelRunner() if source == "kernels" else None
+    cells = {
+        (T, path): Cell(shape.name, T, path,
+                        kernels[path].name if runner and kernels.get(path) else f"reference:{path}",
+                        {"hidden": shape.hidden, "intermediate": shape.intermediate, "experts": shape.experts})
+        for T in batch for path in paths
+    }
+    for seed in seeds:
+        cache: dict[int, Any] = {}  # experts of this seed, shared by every T (CPU path)
+        weights = problem = host = None  # drop the last seed's GPU weights before generating the next
+        for T in batch:
+            if runner is not None:
+                import cupy
+
+                from kernels.problem import make_weights
+
+                if weights is None:  # the GPU weights of make_problem(shape, T, seed, xp=cupy), once per seed
+                    weights = make_weights(shape, seed, cupy)
+                problem = _gpu_problem(shape, T, seed, *weights)
+                oracle = _host(moe_fp64(*problem.arrays))
+                host = None
+            else:
+                problem = host = sparse_problem(shape, T, seed, cache=cache)
+                oracle = moe_decode(*host.arrays, mode="fp64")
+            outputs: dict[str, np.ndarray] = {}
+            for path in paths:
+                mode, quant = PATHS[path]
+                variant = kernels.get(path) if runner is not None else None
+                if variant is not None:
+                    outputs[path] = runner(variant, problem)  # type: ignore[misc]
+                else:
+                    if host is None:
+                        host = problem.compact()
+                    outputs[path] = moe_decode(*host.arrays, mode=mode, quant=quant)
+            base = rel_l2(outputs["warp_decode"], oracle)
+            for path, y in outputs.items():
+                cell = cells[(T, path)]
+                err = rel_l2(y, oracle)
+                cell.seeds.append(seed)
+                cell.rel_l2.append(err)
+                cell.max_abs.append(max_abs(y, oracle))
+                cell.min_cos.append(min_cosine(y, oracle))
+                if path != "warp_decode":
+                    cell.ratio.append(err / base if base > 0 else float("inf"))
+        log(f"{shape.name}: seed {seed} done")
+    return list(cells.values())
+
+
+def measure_depth(
+    shape: MoEShape,
+    layers: int,
+    tokens: int,
+    seeds: Sequence[int],
+    log: Callable[[str], None],
+    paths: Sequence[str] = tuple(PATHS),
+) -> Depth:
+    """Run the stack in fp64 and per path; rel-L2 of each path's residual stream and routing mismatches."""
+    traces = {name: DepthPath(name) for name in paths}
+    rms = []
+    for seed in seeds:
+        stack = Stack(shape, layers, seed)
+        x = stack.input(tokens)
+        oracle = stack.run_fp64(x)
+        rms.append(float(np.sqrt(np.mean(oracle.outputs[-1] ** 2))))
+        for name in paths:
+            trace = stack.run_path(x, name)
+            rec = traces[name]
+            rec.rel_l2.append([rel_l2(y, y64) for y, y64 in zip(trace.outputs, oracle.outputs, strict=True)])
+            rec.routing_diff.append(
+                [routing_mismatch(a, b) for a, b in zip(trace.topk_ids, oracle.topk_ids, strict=True)]
+            )
+            same = np.ones(tokens, bool)
+            rel_same, n_same = [], []
+            for y, y64, ids, ids64 in zip(trace.outputs, oracle.outputs, trace.topk_ids, oracle.topk_ids,
+                                          strict=True):
+                same &= np.all(np.sort(ids, axis=1) == np.sort(ids64, axis=1), axis=1)
+                rel_same.append(rel_l2(y[same], y64[same]) if same.any() else float("nan"))
+                n_same.append(int(same.sum()))
+            rec.rel_l2_same_route.append(rel_same)
+            rec.same_route_tokens.append(n_same)
+        log(f"{shape.name} stack: seed {seed} done")
+    shape_dict = {k: getattr(shape, k) for k in ("hidden", "intermediate", "experts", "top_k", "layers")}
+    return Depth(shape.name, shape_dict, tokens, layers, list(seeds), traces, float(statistics.median(rms)))
+
+
+def run(
+    models: Sequence[str | MoEShape] | None = None,
+    seeds: int | None = None,
+    batch: Sequence[int] = DEFAULT_BATCH,
+    layers: int | None = None,
+    experts: int | None | str = "auto",
+    stack_models: Sequence[str | MoEShape] | None = None,
+    width: str = "auto",
+    stack_width: str = "small",
+    stack_batch: int | None = None,
+    stack_seeds: int | None = None,
+    source: str = "auto",
+    paths: Sequence[str] | None = None,
+    fallback: str = "reference",
+    log: Callable[[str], None] | None = None,
+) -> AccuracyResult:
+    """Measure; returns an :class:`AccuracyResult` (``to_json()``, renders with rich).
+
+    models        presets for the one-layer table (default: every preset but ``tiny``)
+    seeds         seeds 0..seeds-1 (default 16 with a GPU, 2 without)
+    batch         the T values of the one-layer table
+    layers        depth of the stack (default: each model's real layer count; 0 = no depth study)
+    experts       cap on routed experts per model ("auto": none with a GPU, max(8, top_k) on a CPU)
+    width         "real", or "small" = H, I divided by 4 ("auto": real with a GPU, small on a CPU)
+    stack_models  models of the depth study (default: ``models`` if given, else the default model)
+    stack_width   "small" caps H, I at 256, 128 for the depth study (real E, K, layers); "full" = real width
+    stack_batch   T of the depth study (default: max(batch))
+    stack_seeds   seeds of the depth study (default: min(seeds, 4))
+    source        "auto" (kernels if a GPU is present), "kernels" or "reference"
+    paths         subset of PATHS to measure (warp decode is always included: the ratios divide by it)
+    fallback      with source "kernels", a path without a registered kernel: "reference" (its reference
+                  mode on the host, on the compacted problem: slow at large presets) or "skip"
+    """
+    start = time.perf_counter()
+    log = log or (lambda _msg: None)
+    notes: list[str] = []
+    gpu = gpu_available()
+    if source not in ("auto", "kernels", "reference"):
+        raise ValueError(f"source must be 'auto', 'kernels' or 'reference', got {source!r}")
+    if source == "auto":
+        source = "kernels" if gpu else "reference"
+    if source == "kernels" and not gpu:
+        raise ValueError("source='kernels' needs a CUDA GPU; none is present")
+    if paths is None:
+        paths = tuple(PATHS)
+    bad = [p for p in paths if p not in PATHS]
+    if bad:
+        raise ValueError(f"paths must be among {tuple(PATHS)}, got {bad}")
+    paths = ("warp_decode", *[p for p in PATHS if p in paths and p != "warp_decode"])
+    given_models = models is not None
+    shapes = [get_shape(m) for m in (models if given_models else [n for n in PRESETS if n != "tiny"])]
+    if seeds is None:
+        seeds = GPU_SEEDS if gpu else CPU_SEEDS
+        if not gpu:
+            notes.append(f"no GPU: {CPU_SEEDS} seeds by default (--seeds to change)")
+    if not isinstance(seeds, int) or isinstance(seeds, bool) or seeds < 1:
+        raise ValueError(f"seeds must be an int >= 1, got {seeds!r}")
+    batch = tuple(batch)
+    if not batch or any(not isinstance(t, int) or isinstance(t, bool) or t < 1 for t in batch):
+        raise ValueError(f"batch must be ints >= 1, got {batch!r}")
+    if experts == "auto":
+        experts = None if source == "kernels" else CPU_EXPERTS
+        if experts is not None and any(_capped(s, experts) != s for s in shapes):
+            notes.append(
+                f"no GPU: routed experts capped at max({experts}, top_k) per model (--experts 0 for the real "
+                "count); per-token numerics are unchanged, tokens just share experts more often"
+            )
+    if width == "auto":
+        width = "real" if source == "kernels" else "small"
+    if width not in ("small", "real"):
+        raise ValueError(f"width must be 'small', 'real' or 'auto', got {width!r}")
+    if width == "small" and any(_shrink(s) != s for s in shapes):
+        notes.append(
+            f"one-layer table at reduced width: H and I divided by {SMALL_DIVISOR} (rounded to multiples of 8; "
+            "real K; --width real for the real width, ~10 min on 2 CPU cores)"
+        )
+    elif experts == 0:
+        experts = None
+    if experts is not None and (not isinstance(experts, int) or experts < 1):
+        raise ValueError(f"experts must be a positive int, 0 (no cap) or 'auto', got {experts!r}")
+    if stack_width not in ("small", "real"):
+        raise ValueError(f"stack_width must be 'small' or 'real', got {stack_width!r}")
+    if layers is not None and (not isinstance(layers, int) or isinstance(layers, bool) or layers < 0):
+        raise ValueError(f"layers must be an int >= 0, got {layers!r}")
+    seed_list = list(range(seeds))
+
+    kernels = find_kernels(notes) if source == "kernels" else dict.fromkeys(PATHS)
+    if source == "kernels":
+        if fallback not in ("reference", "skip"):
+            raise ValueError(f"fallback must be 'reference' or 'skip', got {fallback!r}")
+        missing = [p for p in paths if kernels[p] is None]
+        if missing and fallback == "skip":
+            dropped = [p for p in missing if p != "warp_decode"]
+            paths = tuple(p for p in paths if p not in dropped)
+            if dropped:
+                notes.append("no registered kernel for " + ", ".join(LABELS[p] for p in dropped) + ": skipped")
+            missing = [p for p in missing if p == "warp_decode"]
+        if missing:
+            notes.append(
+                "no registered kernel for " + ", ".join(LABELS[p] for p in missing)
+                + ": those rows come from the reference's modes on the host (source column)"
+            )
+    else:
+        notes.append("one-layer numbers from the reference's modes (kernels.reference.moe_decode), not kernels")
+
+    cells: list[Cell] = []
+    for shape in shapes:
+        run_shape = _capped(shape, experts)
+        if width == "small":
+            run_shape = _shrink(run_shape)
+        cells += measure_layer(run_shape, batch, seed_list, source, kernels, notes, log, paths)
+
+    depth: list[Depth] = []
+    if layers != 0:
+        stack_shapes = [get_shape(m) for m in stack_models] if stack_models is not None else (
+            shapes if given_models else [get_shape(DEFAULT_MODEL)]
+        )
+        tokens = stack_batch or max(batch)
+        if stack_seeds is None:
+            stack_seeds = min(seeds, 4)
+        if not isinstance(stack_seeds, int) or isinstance(stack_seeds, bool) or stack_seeds < 1:
+            raise ValueError(f"stack_seeds must be an int >= 1, got {stack_seeds!r}")
+        for shape in stack_shapes:
+            run_shape = shape
+            if stack_width == "small":
+                run_shape = _narrow(shape, SMALL_STACK_WIDTH)
+                if run_shape != shape:
+                    notes.append(
+                        f"depth study of {shape.name} at reduced width H={run_shape.hidden}, "
+                        f"I={run_shape.intermediate} (real E, K and layer count; --stack-width real for real width)"
+                    )
+            depth.append(measure_depth(run_shape, layers or shape.layers, tokens, list(range(stack_seeds)), log, paths))
+        notes.append("depth study: reference modes on the host (bf16 residual stream per path vs an fp64 stack)")
+
+    config = {
+        "models": [s.name for s in shapes], "paths": list(paths), "seeds": seeds, "batch": list(batch),
+        "source": source,
+        "experts_cap": experts, "gpu": gpu, "layers": layers, "width": width, "stack_width": stack_width,
+        "kernels": {p: (v.name if v is not None else None) for p, v in kernels.items()},
+    }
+    return AccuracyResult(config, cells, depth, notes, time.perf_counter() - start)
+
+
+# -- CLI --------------------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tools.accuracy", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", action="append", help="preset (repeat or comma-separate; 'all' = every preset)")
+    p.add_argument("--seeds", type=int, help=f"seeds per cell (default {GPU_SEEDS} with a GPU, {CPU_SEEDS} without)")
+    p.add_argument("--batch", default=",".join(map(str, DEFAULT_BATCH)), help="T values, comma-separated")
+    p.add_argument("--layers", type=int, help="depth-study layers (default: the model's real count; 0 = skip)")
+    p.add_argument("--experts", type=int, help="cap routed experts per model (0 = no cap; CPU default 8)")
+    p.add_argument("--width", choices=("auto", "small", "real"), default="auto",
+                   help="one-layer table width: small caps H, I at 1024, 512 (auto: real with a GPU, small without)")
+    p.add_argument("--stack-width", choices=("small", "real"), default="small",
+                   help="depth-study width: small caps H, I at 256, 128 (default; real E, K, layers)")
+    p.add_argument("--stack-batch", type=int, help="T of the depth study (default: max of --batch)")
+    p.add_argument("--stack-seeds", type=int, help="seeds of the depth study (default: min(--seeds, 4))")
+    p.add_argument("--source", choices=("auto", "kernels", "reference"), default="auto")
+    p.add_argument("--paths", help=f"comma-separated subset of {','.join(PATHS)} (warp_decode always runs)")
+    p.add_argument("--fallback", choices=("reference", "skip"), default="reference",
+                   help="GPU: a path without a kernel runs its reference mode on the host (slow) or is skipped")
+    p.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    models = None
+    if args.model:
+        names = [n.strip() for m in args.model for n in m.split(",") if n.strip()]
+        if "all" in names:
+            names = list(PRESETS)
+        for n in names:
+            if n not in PRESETS:
+                parser.error(f"--model: unknown model {n!r}; presets: {', '.join(PRESETS)}")
+        models = names
+    try:
+        batch = tuple(int(b) for b in args.batch.split(","))
+    except ValueError:
+        parser.error(f"--batch must be comma-separated ints, got {args.batch!r}")
+    if any(b < 1 for b in batch):
+        parser.error(f"--batch values must be >= 1, got {args.batch!r}")
+    if args.seeds is not None and args.seeds < 1:
+        parser.error(f"--seeds must be >= 1, got {args.seeds}")
+    if args.layers is not None and args.layers < 0:
+        parser.error(f"--layers must be >= 0, got {args.layers}")
+    if args.experts is not None and args.experts < 0:
+        parser.error(f"--experts must be >= 0, got {args.experts}")
+    if args.stack_seeds is not None and args.stack_seeds < 1:
+        parser.error(f"--stack-seeds must be >= 1, got {args.stack_seeds}")
+    if args.stack_batch is not None and args.stack_batch < 1:
+        parser.error(f"--stack-batch must be >= 1, got {args.stack_batch}")
+    paths = None
+    if args.paths:
+        paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+        for p in paths:
+            if p not in PATHS:
+                parser.error(f"--paths: unknown path {p!r}; choose from {', '.join(PATHS)}")
+    if args.source == "kernels" and not gpu_available():
+        parser.error("--source kernels needs a CUDA GPU; none is present")
+
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:  # a file or a pipe: wide enough for the tables
+        console = Console(width=140)
+    err = Console(stderr=True)
+    log = (lambda _m: None) if args.quiet else (lambda m: err.print(f"[dim]{m}[/dim]"))
+    result = run(
+        models, args.seeds, batch, args.layers, "auto" if args.experts is None else args.experts,
+        width=args.width, stack_batch=args.stack_batch, stack_seeds=args.stack_seeds,
+        stack_width=args.stack_width, paths=paths, source=args.source, fallback=args.fallback, log=log,
+    )
+    console.print(result)
+    console.print(f"[dim]{result.seconds:.1f} s[/dim]")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result.to_json(), fh, indent=1)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: environment, GPU tests, compile report there, bench JSON. Each step has its own
+# time limit so the whole call ends inside a 10-minute device command; logs and JSON land in $OUT.
+#   usage: OUT=dir tools/gpu_session.sh [tests=FILES] [bench="ARGS"] [tests_s=N] [bench_s=N]
+set -uo pipefail
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gpu-session}
+mkdir -p "$OUT"
+tests="tests/"; bench=""; tests_s=300; bench_s=240
+for arg in "$@"; do case $arg in
+  tests=*) tests=${arg#tests=} ;; bench=*) bench=${arg#bench=} ;;
+  tests_s=*) tests_s=${arg#tests_s=} ;; bench_s=*) bench_s=${arg#bench_s=} ;;
+  *) echo "unknown argument $arg" >&2; exit 2 ;;
+esac; done
+
+{
+  date -u +%FT%TZ
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv
+  python3 -c 'import sys, numpy, cupy; print(sys.version.split()[0], "numpy", numpy.__version__, "cupy", cupy.__version__, "cuda rt", cupy.cuda.runtime.runtimeGetVersion())'
+  python3 -m pip list 2>/dev/null | grep -iE "^(cupy|numba|numpy|rich|ml.dtypes|cuda-(bindings|core)|pytest) "
+} 2>&1 | tee "$OUT/env.txt"
+
+if [ "$tests" != "none" ]; then
+  # shellcheck disable=SC2086
+  timeout "$tests_s" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=12 $tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -60
+fi
+timeout 90 python3 -m tools.inspect > "$OUT/inspect.txt" 2>&1 || echo "inspect failed (see inspect.txt)"
+if [ -n "$bench" ]; then
+  # shellcheck disable=SC2086
+  timeout "$bench_s" python3 -m tools.bench $bench --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -80
+fi
