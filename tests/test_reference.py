@@ -158,4 +158,4 @@ def test_fp64_at_qwen3_235b_t64_takes_seconds() -> None:
     out = moe_decode(x, w13, w2, ids, weights, mode="fp64")
     elapsed = time.perf_counter() - start
     assert out.shape == (64, shape.hidden) and np.isfinite(out).all()
-    assert elapsed < 12.0, f"fp64 reference took {elapsed:.1f} s"
+    assert elapsed < 20.0, f"fp64 reference took {elapsed:.1f} s"

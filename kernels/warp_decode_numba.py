@@ -1,0 +1,700 @@
+"""Warp decode in Numba CUDA: ``moe_gate_up_3d_batched`` then ``moe_down_3d_batched``, one warp per output.
+
+    gate_up  warp (t, k, i0..i0+ROWS-1): e = topk_ids[t, k]; for each of its ROWS neurons i the warp streams
+             gate row w13[e, i, :] and up row w13[e, I + i, :] once and x[t] once (shared by all rows),
+             accumulates both dot products in FP32 registers (per lane), reduces them with xor-shuffles
+             and stores bf16(SiLU(g) * u) into intermediate[t, k, i] (round to nearest even).
+    down     warp (t, h0..h0+ROWS-1): for k = 0..K-1 (SLOTS of them per round, their loads in flight
+             together) reads w2[e, h, :] and intermediate[t, k, :], folds topk_weights[t, k] * (lane's
+             partial dot) into ONE FP32 accumulator per row (slots in order k = 0, 1, ...), reduces it once
+             with xor-shuffles and writes out[t, h] once (bf16, or float32 when ``out`` is float32).
+
+An expert id outside [0, E) is never dereferenced: gate_up writes NaN into that slot's intermediate and
+down makes the whole token's output NaN.
+
+bf16 is carried as raw bits: every bf16 array is viewed as **uint64** (4 bf16 per word) and widened on the
+GPU by integer shifts (bf16 -> f32 is exact: the bits shifted left by 16, then a bitcast).
+
+Load width: **16 bytes per lane** (8 bf16), ``ld.global.nc.v2.u64``. Numba alone gives 8-byte loads at best:
+indexing a uint64 view emits ``ld.global.u64`` (it cannot prove 16-byte alignment to LLVM, so two adjacent
+loads are never merged, and it never marks arrays read-only, so no ``.nc``). The ``load16`` intrinsic below
+emits one ``<2 x i64>`` load with ``align 16`` in the global address space with ``!invariant.load``, which
+NVPTX lowers to ``ld.global.nc.v2.u64``; the host checks every base address is 16-byte aligned (rows of H or
+I bf16 are multiples of 16 bytes by the contract).
+
+Loads in flight: each lane loads ``UNROLL`` 16-byte chunks per row (times ``SLOTS`` routed slots in the
+down kernel) into fixed-size local arrays indexed by compile-time constants, which LLVM fully unrolls into
+registers (no ``ld.local``/``st.local`` in the PTX; ptxas: no stack, no spills -- ``offline_reports``).
+ptxas, left alone, sinks each load next to its first FMA (1-2 loads in flight per lane whatever the
+unroll); the ``loads_arrived`` intrinsic (inline PTX) makes every FMA of a round depend on all of its
+loads, so they are all issued first. Checked in SASS (nvdisasm of the nvJitLink cubin, default knobs):
+gate_up issues 6 LDG.E.128.CONSTANT then 33 FFMA; down 16 LDG.E.128.CONSTANT (4 slots x 2 x (w2 +
+intermediate)) then 69 FFMA, at 56 / 126 registers.
+
+Knobs (compile-time constants of a kernel factory, one compiled pair per combination): ``warps`` per block,
+``rows`` (outputs per warp: 1, 2, 4 or 8, a divisor of 8 so it divides H and I), ``unroll`` (16-byte
+loads per lane per row in flight), ``slots`` (down kernel: routed slots whose loads share one round).
+
+Runs on CuPy arrays on the GPU (launched on CuPy's current stream, no allocation and no host sync when
+``out`` and ``workspace`` are given) and on NumPy arrays under Numba's CUDA simulator
+(``NUMBA_ENABLE_CUDASIM=1`` set before numba is imported; :mod:`kernels.simt` supplies the warp shuffles).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import numpy as np
+from numba import cuda
+
+from kernels import simt
+from kernels.compile import KernelResources
+from kernels.contract import BF16, Dims, array_module, check_inputs, check_out
+from kernels.shapes import MoEShape, ceil_div, get_shape
+from kernels.variants import Variant, register
+
+simt.install()  # adds warp shuffles to the CUDA simulator; does nothing off the simulator
+
+
+# Bit casts between uint32 and float32. On the GPU these are LLVM intrinsics (a register move): a scalar
+# ``.view`` would work too, but Numba compiles it as an overload that needs a live GPU to be typed, which
+# would break offline ``compile_ptx``. Under the simulator the same names are NumPy views (kernels.simt).
+if simt.simulator_enabled():
+    as_f32, as_u32, load16, loads_arrived = simt.as_f32, simt.as_u32, simt.load16, simt.loads_arrived
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def as_f32(typingctx: Any, bits: Any) -> Any:
+        """uint32 bits -> the float32 with those bits."""
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.bitcast(args[0], ir.FloatType())
+
+        return types.float32(types.uint32), codegen
+
+    @intrinsic
+    def as_u32(typingctx: Any, value: Any) -> Any:
+        """float32 -> its uint32 bits."""
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.bitcast(args[0], ir.IntType(32))
+
+        return types.uint32(types.float32), codegen
+
+    @intrinsic
+    def load16(typingctx: Any, row: Any, word: Any) -> Any:
+        """``(row[word], row[word + 1])`` of a C-contiguous uint64 row as ONE 16-byte read-only load.
+
+        Emits ``ld.global.nc.v2.u64``: the address is 16-byte aligned because ``word`` is even and the host
+        checks every array's base address (rows of H or I bf16 are multiples of 16 bytes); the data must
+        not change during the kernel (``!invariant.load``): true of x, w13, w2 and, in the down kernel,
+        the intermediate.
+        """
+        if not (isinstance(row, types.Array) and row.ndim == 1 and row.dtype == types.uint64 and row.layout == "C"):
+            return None
+        pair = ir.VectorType(ir.IntType(64), 2)
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            address = builder.bitcast(builder.gep(data, [args[1]]), ir.PointerType(pair))
+            loaded = builder.load(builder.addrspacecast(address, ir.PointerType(pair, 1)), align=16)
+            loaded.set_metadata("invariant.load", builder.module.add_metadata([]))
+            low = builder.extract_element(loaded, ir.Constant(ir.IntType(32), 0))
+            high = builder.extract_element(loaded, ir.Constant(ir.IntType(32), 1))
+            return context.make_tuple(builder, signature.return_type, (low, high))
+
+        return types.UniTuple(types.uint64, 2)(row, types.intp), codegen
+
+    @intrinsic
+    def loads_arrived(typingctx: Any, sink: Any) -> Any:
+        """A uint64 zero that depends on ``sink`` (the XOR of a round's loaded words) through an opaque
+        ``fma.rn.f32 x, 0, 0`` in inline PTX (x = the folded sink, made finite by a mask).
+
+        ptxas otherwise sinks each load next to its first FMA, leaving one or two loads in flight per lane
+        whatever the unroll; OR-ing this zero into the activation words makes every FMA of the round wait
+        for *all* of its loads, so all of them are issued first. Nothing can fold it away: only the PTX
+        instruction knows the result is zero.
+        """
+        if sink != types.uint64:
+            return None
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            i32, i64 = ir.IntType(32), ir.IntType(64)
+            high = builder.lshr(args[0], ir.Constant(i64, 32))
+            folded = builder.xor(builder.trunc(args[0], i32), builder.trunc(high, i32))
+            finite = builder.bitcast(builder.and_(folded, ir.Constant(i32, 0x007FFFFF)), ir.FloatType())
+            zero = builder.asm(ir.FunctionType(ir.FloatType(), [ir.FloatType()]),
+                               "fma.rn.f32 $0, $1, 0f00000000, 0f00000000;", "=f,f", [finite], False)
+            return builder.zext(builder.bitcast(zero, i32), i64)
+
+        return types.uint64(types.uint64), codegen
+
+DEFAULTS: dict[str, int] = {"warps": 8, "rows": 1, "unroll": 2, "slots": 4}
+GRID: dict[str, list[int]] = {"warps": [4, 8, 16], "rows": [1, 2], "unroll": [1, 2, 4], "slots": [1, 2, 4]}
+
+FULL_MASK = 0xFFFFFFFF
+NAN_BF16 = 0x7FC0
+WORDS_PER_LOAD = 2  # uint64 words a lane loads per row per step: 16 bytes = 8 bf16
+
+
+def _check_params(warps: int, rows: int, unroll: int, slots: int = 4) -> tuple[int, int, int, int]:
+    for name, value in (("warps", warps), ("rows", rows), ("unroll", unroll), ("slots", slots)):
+        if not isinstance(value, int | np.integer) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    if not 1 <= warps <= 32:
+        raise ValueError(f"warps (warps per block) must lie in [1, 32], got {warps}")
+    if rows not in (1, 2, 4, 8):
+        raise ValueError(f"rows (outputs per warp) must be 1, 2, 4 or 8 (a divisor of 8), got {rows}")
+    if unroll not in (1, 2, 3, 4, 6, 8):
+        raise ValueError(f"unroll (16-byte loads in flight per lane per row) must be 1-4, 6 or 8, got {unroll}")
+    if not 1 <= slots <= 8:
+        raise ValueError(f"slots (routed slots per round of the down kernel) must lie in [1, 8], got {slots}")
+    return int(warps), int(rows), int(unroll), int(slots)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernel sources. One factory per parameter set: warps, rows, unroll, slots are closure constants Numba folds.
+# Every bf16 <-> f32 conversion is spelled out inline (integer shifts, then the as_f32 / as_u32 bitcasts):
+# @cuda.jit device functions need a live GPU just to be typed, which would break offline compile_ptx.
+# ---------------------------------------------------------------------------------------------------------
+def _kernel_sources(warps: int, rows: int, unroll: int, slots: int, out_f32: bool) -> tuple[Any, Any]:
+    """The two Python kernel functions for one knob set (not yet jitted)."""
+    step = 32 * WORDS_PER_LOAD * unroll  # uint64 words the warp consumes per row per step
+    lane_words = WORDS_PER_LOAD * unroll  # uint64 words one lane holds in flight per row
+    lane_row_words = lane_words * rows
+    slot_words = lane_words * slots  # down: uint64 words one lane holds in flight over SLOTS routed slots
+    slot_row_words = lane_row_words * slots
+
+    def moe_gate_up_3d_batched(x64, w13_64, topk_ids, intermediate16):
+        # x64 [T, H/4], w13_64 [E, 2I, H/4]: bf16 bits 4 to a uint64; intermediate16 [T, K, I] bf16 bits
+        lane = cuda.threadIdx.x & 31
+        warp = cuda.blockIdx.x * warps + (cuda.threadIdx.x >> 5)
+        tokens, top_k, inter = intermediate16.shape
+        experts = w13_64.shape[0]
+        words = x64.shape[1]
+        groups = inter // rows
+        if warp >= tokens * top_k * groups:  # warp-uniform exit
+            return
+        pair = warp // groups  # flat (t, k)
+        i0 = (warp - pair * groups) * rows
+        t = pair // top_k
+        k = pair - t * top_k
+        e = topk_ids[t, k]
+        if e < 0 or e >= experts:  # guard: never read out of bounds; the slot becomes NaN
+            if lane < rows:
+                intermediate16[t, k, i0 + lane] = np.uint16(NAN_BF16)
+            return
+        gate = cuda.local.array(rows, np.float32)  # per-lane FP32 partial sums, in registers
+        up = cuda.local.array(rows, np.float32)
+        for r in range(rows):
+            gate[r] = np.float32(0.0)
+            up[r] = np.float32(0.0)
+        xs = cuda.local.array(lane_words, np.uint64)  # this step's loads, all issued before any FMA
+        gs = cuda.local.array(lane_row_words, np.uint64)
+        us = cuda.local.array(lane_row_words, np.uint64)
+        for base in range(0, words, step):
+            for u in range(unroll):  # lane's 16 bytes of step u: words c, c+1 (c < words => c+1 < words)
+                c = base + (u * 32 + lane) * 2
+                if c < words:
+                    xs[2 * u], xs[2 * u + 1] = load16(x64[t], c)
+                    for r in range(rows):
+                        gs[(2 * u) * rows + r], gs[(2 * u + 1) * rows + r] = load16(w13_64[e, i0 + r], c)
+                        us[(2 * u) * rows + r], us[(2 * u + 1) * rows + r] = load16(w13_64[e, inter + i0 + r], c)
+                else:
+                    xs[2 * u] = np.uint64(0)
+                    xs[2 * u + 1] = np.uint64(0)
+                    for r in range(rows):
+                        gs[(2 * u) * rows + r] = np.uint64(0)
+                        gs[(2 * u + 1) * rows + r] = np.uint64(0)
+                        us[(2 * u) * rows + r] = np.uint64(0)
+                        us[(2 * u + 1) * rows + r] = np.uint64(0)
+            sink = np.uint64(0)  # every FMA below waits for every weight load of this step (loads_arrived)
+            for j in range(lane_row_words):
+                sink ^= gs[j] ^ us[j]
+            arrived = loads_arrived(sink)
+            for j in range(lane_words):
+                xw = xs[j] | arrived
+                for q in range(4):  # the 4 bf16 of a word: bits 16q..16q+15 -> f32 by a shift
+                    xf = np.uint32(np.uint32((xw >> np.uint64(16 * q)) & np.uint64(0xFFFF)) << np.uint32(16))
+                    xv = as_f32(xf)
+                    for r in range(rows):
+                        gw = gs[j * rows + r]
+                        uw = us[j * rows + r]
+                        gb = np.uint32(np.uint32((gw >> np.uint64(16 * q)) & np.uint64(0xFFFF)) << np.uint32(16))
+                        ub = np.uint32(np.uint32((uw >> np.uint64(16 * q)) & np.uint64(0xFFFF)) << np.uint32(16))
+                        gate[r] = np.float32(gate[r] + xv * as_f32(gb))
+                        up[r] = np.float32(up[r] + xv * as_f32(ub))
+        for r in range(rows):  # butterfly: every lane ends with the warp's sums
+            g = gate[r]
+            v = up[r]
+            offset = 16
+            while offset > 0:
+                g = np.float32(g + cuda.shfl_xor_sync(FULL_MASK, g, offset))
+                v = np.float32(v + cuda.shfl_xor_sync(FULL_MASK, v, offset))
+                offset //= 2
+            if lane == r:
+                act = np.float32(g / np.float32(np.float32(1.0) + np.float32(math.exp(-g))) * v)  # SiLU(g) * u
+                bits = as_u32(act)
+                if act != act:
+                    intermediate16[t, k, i0 + r] = np.uint16(NAN_BF16)
+                else:  # round to nearest even
+                    rounded = np.uint32(bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+                    intermediate16[t, k, i0 + r] = np.uint16(rounded >> np.uint32(16))
+
+    def moe_down_3d_batched(intermediate64, w2_64, topk_ids, topk_weights, out):
+        # intermediate64 [T, K, I/4], w2_64 [E, H, I/4]: bf16 bits 4 to a uint64; out [T, H] bf16 bits or f32
+        lane = cuda.threadIdx.x & 31
+        warp = cuda.blockIdx.x * warps + (cuda.threadIdx.x >> 5)
+        tokens, top_k, words = intermediate64.shape
+        experts, hidden = w2_64.shape[0], w2_64.shape[1]
+        groups = hidden // rows
+        if warp >= tokens * groups:  # warp-uniform exit
+            return
+        t = warp // groups
+        h0 = (warp - t * groups) * rows
+        acc = cuda.local.array(rows, np.float32)  # the ONE FP32 accumulator per output (per lane)
+        for r in range(rows):
+            acc[r] = np.float32(0.0)
+        valid = True
+        slot_k = cuda.local.array(slots, np.int64)  # this round's routed slots: k, expert, weight, loadable
+        slot_e = cuda.local.array(slots, np.int64)
+        slot_w = cuda.local.array(slots, np.float32)
+        slot_ok = cuda.local.array(slots, np.bool_)
+        hs = cuda.local.array(slot_words, np.uint64)  # per slot: the intermediate's words, then w2's
+        ws = cuda.local.array(slot_row_words, np.uint64)
+        for k0 in range(0, top_k, slots):  # SLOTS routed slots per round: their w2 loads are in flight together
+            for sl in range(slots):
+                k = k0 + sl
+                slot_ok[sl] = False
+                slot_w[sl] = np.float32(0.0)
+                slot_k[sl] = 0
+                slot_e[sl] = 0
+                if k < top_k:
+                    e = topk_ids[t, k]
+                    if e < 0 or e >= experts:  # guard: never load, poison the token
+                        valid = False
+                    else:
+                        slot_ok[sl] = True
+                        slot_k[sl] = k
+                        slot_e[sl] = e
+                        slot_w[sl] = topk_weights[t, k]
+            for base in range(0, words, step):
+                for sl in range(slots):
+                    for u in range(unroll):
+                        c = base + (u * 32 + lane) * 2
+                        j = sl * lane_words + 2 * u  # this load's slot in hs (and, times rows, in ws)
+                        if c < words and slot_ok[sl]:
+                            hs[j], hs[j + 1] = load16(intermediate64[t, slot_k[sl]], c)
+                            for r in range(rows):
+                                ws[j * rows + r], ws[(j + 1) * rows + r] = load16(w2_64[slot_e[sl], h0 + r], c)
+                        else:
+                            hs[j] = np.uint64(0)
+                            hs[j + 1] = np.uint64(0)
+                            for r in range(rows):
+                                ws[j * rows + r] = np.uint64(0)
+                                ws[(j + 1) * rows + r] = np.uint64(0)
+                sink = np.uint64(0)  # every FMA below waits for every w2 load of this step (loads_arrived)
+                for j in range(slot_row_words):
+                    sink ^= ws[j]
+                arrived = loads_arrived(sink)
+                for r in range(rows):
+                    for sl in range(slots):  # slots in order: one FP32 accumulator, weight folded per slot
+                        partial = np.float32(0.0)
+                        for jj in range(lane_words):
+                            j = sl * lane_words + jj
+                            hw = hs[j] | arrived
+                            ww = ws[j * rows + r]
+                            for q in range(4):
+                                shift = np.uint64(16 * q)
+                                hb = np.uint32(np.uint32((hw >> shift) & np.uint64(0xFFFF)) << np.uint32(16))
+                                wb = np.uint32(np.uint32((ww >> shift) & np.uint64(0xFFFF)) << np.uint32(16))
+                                partial = np.float32(partial + as_f32(hb) * as_f32(wb))
+                        acc[r] = np.float32(acc[r] + slot_w[sl] * partial)
+        for r in range(rows):
+            s = acc[r]
+            offset = 16
+            while offset > 0:
+                s = np.float32(s + cuda.shfl_xor_sync(FULL_MASK, s, offset))
+                offset //= 2
+            if not valid:
+                s = np.float32(np.nan)
+            if lane == r:
+                if out_f32:
+                    out[t, h0 + r] = s
+                else:
+                    bits = as_u32(s)
+                    if s != s:
+                        out[t, h0 + r] = np.uint16(NAN_BF16)
+                    else:  # round to nearest even
+                        rounded = np.uint32(bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+                        out[t, h0 + r] = np.uint16(rounded >> np.uint32(16))
+
+    return moe_gate_up_3d_batched, moe_down_3d_batched
+
+
+@functools.cache
+def get_kernels(
+    warps: int = 8, rows: int = 1, unroll: int = 2, slots: int = 4, out_f32: bool = False
+) -> tuple[Any, Any]:
+    """The jitted (gate_up, down) kernel pair for one knob set, compiled lazily and cached."""
+    knobs = _check_params(warps, rows, unroll, slots)
+    gate_up, down = _kernel_sources(*knobs, out_f32)
+    return cuda.jit(gate_up), cuda.jit(down)
+
+
+def _gate_up_signature() -> tuple[Any, ...]:
+    from numba import types
+
+    c = types.Array
+    return (c(types.uint64, 2, "C"), c(types.uint64, 3, "C"), c(types.int32, 2, "C"), c(types.uint16, 3, "C"))
+
+
+def _down_signature(out_f32: bool) -> tuple[Any, ...]:
+    from numba import types
+
+    c = types.Array
+    out = c(types.float32 if out_f32 else types.uint16, 2, "C")
+    return (c(types.uint64, 3, "C"), c(types.uint64, 3, "C"), c(types.int32, 2, "C"), c(types.float32, 2, "C"), out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------------------
+def _as_bits(arr: Any, dtype: Any) -> Any:
+    """A bf16 array's raw bits viewed as ``dtype`` (uint16, or uint64 = 4 bf16 per word); no copy."""
+    return arr.view(np.uint16).view(dtype)
+
+
+def _to_numba(arr: Any) -> Any:
+    """A CuPy array as a Numba device array (no copy, no stream sync); NumPy passes through (simulator)."""
+    if isinstance(arr, np.ndarray):
+        return arr
+    return cuda.from_cuda_array_interface(arr.__cuda_array_interface__, owner=arr, sync=False)
+
+
+_STREAMS: dict[int, Any] = {}
+
+
+def _current_stream() -> Any:
+    """CuPy's current stream as a Numba stream (cached per handle); 0 under the simulator."""
+    if simt.simulator_enabled():
+        return 0
+    import cupy
+
+    handle = int(cupy.cuda.get_current_stream().ptr)
+    stream = _STREAMS.get(handle)
+    if stream is None:
+        stream = cuda.default_stream() if handle == 0 else cuda.external_stream(handle)
+        _STREAMS[handle] = stream
+    return stream
+
+
+def _check_workspace(workspace: Any, dims: Dims, xp: Any) -> None:
+    if array_module(workspace) is not xp:
+        raise TypeError(f"workspace must be a {xp.__name__} array like x")
+    want = (dims.tokens, dims.top_k, dims.intermediate)
+    if tuple(int(d) for d in workspace.shape) != want:
+        raise ValueError(
+            f"workspace must be the [T, K, I] = {list(want)} bf16 intermediate, got {tuple(workspace.shape)}"
+        )
+    if workspace.dtype != BF16:
+        raise TypeError(f"workspace must have dtype bfloat16, got {workspace.dtype}")
+    if not workspace.flags.c_contiguous:
+        raise ValueError("workspace must be C-contiguous")
+
+
+def _check_alignment(**arrays: Any) -> None:
+    """16-byte loads need 16-byte aligned rows; rows are multiples of 16 bytes, so check the base addresses."""
+    for name, arr in arrays.items():
+        address = arr.ctypes.data if isinstance(arr, np.ndarray) else int(arr.data.ptr)
+        if address % 16:
+            raise ValueError(f"{name} must start on a 16-byte boundary for 16-byte loads (address {address:#x})")
+
+
+def _check_backend(xp: Any) -> None:
+    if xp is np and not simt.simulator_enabled():
+        raise TypeError(
+            "the Numba backend runs on CuPy arrays (GPU); NumPy arrays only under the CUDA simulator "
+            "(NUMBA_ENABLE_CUDASIM=1 set before numba is imported)"
+        )
+
+
+def _launch(kernels: tuple[Any, Any], dims: Dims, params: tuple[int, ...], args: tuple[Any, ...], stream: Any,
+            stage: str | None = None) -> None:
+    """Launch gate_up and/or down. ``args`` are the already-converted (bit-view, Numba) arrays."""
+    gate_up, down = kernels
+    warps, rows = params[0], params[1]
+    x64, w13_64, w2_64, topk_ids, topk_weights, inter16, inter64, out_bits = args
+    threads = warps * 32
+    if stage in (None, "gate_up"):
+        gate_up_warps = dims.tokens * dims.top_k * (dims.intermediate // rows)
+        gate_up[ceil_div(gate_up_warps, warps), threads, stream](x64, w13_64, topk_ids, inter16)
+    if stage in (None, "down"):
+        down_warps = dims.tokens * (dims.hidden // rows)
+        down[ceil_div(down_warps, warps), threads, stream](inter64, w2_64, topk_ids, topk_weights, out_bits)
+
+
+def _prepare(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any, workspace: Any) -> tuple[Any, ...]:
+    """Bit views of every array, converted for a Numba launch (host work only: no allocation, no sync)."""
+    _check_alignment(x=x, w13=w13, w2=w2, workspace=workspace)
+    out_bits = out if out.dtype == np.float32 else _as_bits(out, np.uint16)
+    views = (
+        _as_bits(x, np.uint64), _as_bits(w13, np.uint64), _as_bits(w2, np.uint64), topk_ids, topk_weights,
+        _as_bits(workspace, np.uint16), _as_bits(workspace, np.uint64), out_bits,
+    )
+    return tuple(_to_numba(v) for v in views)
+
+
+def warp_decode(
+    x: Any,
+    w13: Any,
+    w2: Any,
+    topk_ids: Any,
+    topk_weights: Any,
+    out: Any = None,
+    workspace: Any = None,
+    **params: int,
+) -> Any:
+    """One MoE decode layer by warp decode (Numba kernels); returns ``out`` [T, H].
+
+    CuPy inputs run on the GPU on CuPy's current stream; with ``out`` and ``workspace`` (the [T, K, I] bf16
+    intermediate) given nothing is allocated and the host never waits. NumPy inputs run under the CUDA
+    simulator only. ``params``: ``warps``, ``rows``, ``unroll`` (see the module docstring).
+    """
+    dims = check_inputs(x, w13, w2, topk_ids, topk_weights)
+    xp = array_module(x)
+    _check_backend(xp)
+    unknown = set(params) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+    knobs = _check_params(**{**DEFAULTS, **params})
+    if out is None:
+        out = xp.empty((dims.tokens, dims.hidden), BF16)
+    else:
+        check_out(out, dims, xp)
+    if workspace is None:
+        workspace = xp.empty((dims.tokens, dims.top_k, dims.intermediate), BF16)
+    else:
+        _check_workspace(workspace, dims, xp)
+    kernels = get_kernels(*knobs, out_f32=out.dtype == np.float32)
+    _launch(kernels, dims, knobs, _prepare(x, w13, w2, topk_ids, topk_weights, out, workspace), _current_stream())
+    return out
+
+
+def _build(dims: Dims, warps: int = DEFAULTS["warps"], rows: int = DEFAULTS["rows"], unroll: int = DEFAULTS["unroll"],
+           slots: int = DEFAULTS["slots"], out_dtype: Any = BF16) -> Any:
+    """Variant.build: compile and load both kernels and allocate the intermediate now; return ``launch``."""
+    import cupy
+
+    knobs = _check_params(warps, rows, unroll, slots)
+    workspace = cupy.empty((dims.tokens, dims.top_k, dims.intermediate), BF16)
+    compiled: dict[bool, tuple[Any, Any]] = {}
+
+    def kernels_for(out: Any) -> tuple[Any, Any]:
+        out_f32 = out.dtype == np.float32
+        pair = compiled.get(out_f32)
+        if pair is None:  # compile + load the modules outside any graph capture (build, or first launch)
+            pair = get_kernels(*knobs, out_f32=out_f32)
+            pair[0].compile(_gate_up_signature()).bind()  # bind: load the module into the context now
+            pair[1].compile(_down_signature(out_f32)).bind()
+            compiled[out_f32] = pair
+        return pair
+
+    kernels_for(cupy.empty((1, 1), np.dtype(out_dtype)))
+
+    def launch(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> None:
+        _launch(kernels_for(out), dims, knobs, _prepare(x, w13, w2, topk_ids, topk_weights, out, workspace),
+                _current_stream())
+
+    def stages(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> list[tuple[str, Any]]:
+        args = _prepare(x, w13, w2, topk_ids, topk_weights, out, workspace)
+        pair = kernels_for(out)
+        return [
+            (name, functools.partial(lambda stage: _launch(pair, dims, knobs, args, _current_stream(), stage), name))
+            for name in ("gate_up", "down")
+        ]
+
+    launch.stages = stages
+    launch.workspace = workspace
+    return launch
+
+
+VARIANT = register(
+    Variant(
+        name="numba:warp-decode",
+        backend="numba",
+        family="warp-decode",
+        build=_build,
+        reference_mode="warp_decode",
+        params=dict(DEFAULTS),
+        grid={key: list(values) for key, values in GRID.items()},
+        description="Numba CUDA warp decode: one warp per output scalar, 16-byte ld.global.nc loads, FP32 "
+        "accumulation, xor-shuffle reductions (gate_up + down kernels)",
+    )
+)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Offline compile (no GPU): PTX for sm_90 through Numba, then ptxas' resource report through nvJitLink
+# ---------------------------------------------------------------------------------------------------------
+KERNEL_NAMES = ("moe_gate_up_3d_batched", "moe_down_3d_batched")
+
+
+def compile_ptx(warps: int = DEFAULTS["warps"], rows: int = DEFAULTS["rows"], unroll: int = DEFAULTS["unroll"],
+                slots: int = DEFAULTS["slots"], out_f32: bool = False, cc: tuple[int, int] = (9, 0)) -> dict[str, str]:
+    """PTX of both kernels for one knob set, keyed by readable kernel name; needs no GPU."""
+    knobs = _check_params(warps, rows, unroll, slots)
+    gate_up, down = _kernel_sources(*knobs, out_f32)
+    return {
+        KERNEL_NAMES[0]: cuda.compile_ptx(gate_up, _gate_up_signature(), cc=cc)[0],
+        KERNEL_NAMES[1]: cuda.compile_ptx(down, _down_signature(out_f32), cc=cc)[0],
+    }
+
+
+def ptx_load_widths(ptx: str) -> dict[str, int]:
+    """Counts of each global/local load and store instruction form in ``ptx`` (e.g. ``ld.global.nc.v2.u64``)."""
+    import re
+    from collections import Counter
+
+    return dict(Counter(re.findall(r"\b((?:ld|st)\.(?:global|local)[\w.]*)", ptx)))
+
+
+@dataclasses.dataclass(frozen=True)
+class NumbaKernelResources(KernelResources):
+    """ptxas' report for one Numba kernel, with the knobs it was compiled with (for ``tools.inspect``)."""
+
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    is_default: bool = True
+    threads_per_block: int = 0
+
+
+def offline_reports(param_sets: list[dict[str, Any]] | None = None) -> list[NumbaKernelResources]:
+    """ptxas' registers / spills / stack of both kernels for sm_90, no GPU needed: the default knobs with bf16
+    and with float32 ``out``, then each of ``param_sets``. Kernels carry their readable names
+    (``moe_gate_up_3d_batched``), not Numba's mangled ones; ``params`` holds the knobs."""
+    from kernels.compile import ptx_report
+
+    sets = [dict(DEFAULTS), {**DEFAULTS, "out_f32": True}, *(param_sets or [])]
+    reports = []
+    for index, knobs in enumerate(sets):
+        knobs = {**DEFAULTS, **knobs}
+        for name, ptx in compile_ptx(**knobs).items():
+            for report in ptx_report(ptx):
+                fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(KernelResources)}
+                fields["kernel"] = name
+                reports.append(NumbaKernelResources(
+                    **fields, params=dict(knobs), is_default=index < 2, threads_per_block=32 * int(knobs["warps"])
+                ))
+    return reports
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checks against the reference (used by the simulator tests, the GPU tests and the bench's CPU path)
+# ---------------------------------------------------------------------------------------------------------
+ULP_FLOOR_OF_RMS = 1.0 / 8.0  # ulps are measured at max(|ref|, RMS(ref) / 8): near-zero outputs carry
+# absolute errors of the bf16 intermediate (one flipped rounding moves out by ~ RMS * 2**-8 / sqrt(I))
+MAX_ULP = 2.0  # a final-rounding flip (1 ulp) on top of intermediate-rounding flips (< 1 ulp at the floor)
+MAX_REL_L2 = 5e-3  # vs the fp64 oracle: bf16 output rounding alone is ~1.5e-3
+
+
+def compare(result: Any, problem: Any, out_dtype: Any = BF16) -> dict[str, Any]:
+    """rel-L2 vs the fp64 oracle, max ulp diff and bitwise fraction vs reference warp_decode mode."""
+    from kernels.numerics import bf16_ulp, rel_l2
+    from kernels.reference import moe_decode
+
+    result = np.asarray(result.get() if hasattr(result, "get") else result)
+    host = problem.compact() if not isinstance(problem.x, np.ndarray) else problem
+    faithful = moe_decode(*host.arrays, mode="warp_decode", out_dtype=out_dtype)
+    oracle = moe_decode(*host.arrays, mode="fp64")
+    got = result.astype(np.float64)
+    ref = faithful.astype(np.float64)
+    rms = float(np.sqrt(np.mean(ref * ref))) if ref.size else 0.0
+    ulp = bf16_ulp(np.maximum(np.abs(ref), rms * ULP_FLOOR_OF_RMS))
+    finite = bool(np.all(np.isfinite(got)))
+    max_ulp = float(np.max(np.abs(got - ref) / ulp)) if finite else float("inf")
+    rel = rel_l2(got, oracle)
+    as_bytes = (lambda a: a.view(np.uint8).reshape(a.shape + (-1,)))  # noqa: E731
+    bitwise = float(np.mean(np.all(as_bytes(result) == as_bytes(faithful), axis=-1)))
+    return {
+        "rel_l2_fp64": rel,
+        "max_ulp_vs_warp_decode": max_ulp,
+        "bitwise_fraction": bitwise,
+        "all_finite": finite,
+        "ok": bool(finite and max_ulp <= MAX_ULP and rel < MAX_REL_L2),
+    }
+
+
+# Cases small enough for the simulator (one Python thread per CUDA thread; rows=8 / few warps per block keep
+# the thread count down): name -> (shape, tokens, routing, knobs, out dtype)
+SIM_CASES: dict[str, tuple[MoEShape | str, int, Any, dict[str, int], Any]] = {
+    "tiny": ("tiny", 2, "uniform", {"rows": 8, "warps": 4, "slots": 2}, BF16),
+    "tiny-f32": ("tiny", 1, "zipf", {"rows": 8, "warps": 4, "unroll": 1, "slots": 3}, np.float32),
+    "h8-k1-e1": (MoEShape("h8-k1-e1", 8, 8, 1, 1), 1, "uniform", {"rows": 1, "warps": 1}, BF16),
+    "h8-k1-e1-t5": (MoEShape("h8-k1-e1", 8, 8, 1, 1), 5, "uniform", {"rows": 8, "warps": 2}, BF16),
+    # H = 40: 10 uint64 words per row, so lanes 5..31 hold no data; duplicate expert ids add
+    "odd-dup": (
+        MoEShape("odd-dup", 40, 24, 3, 2), 4, [[2, 2], [0, 1], [1, 1], [2, 0]],
+        {"rows": 4, "warps": 4, "slots": 1}, BF16,
+    ),
+    # H = 264 with unroll=1: two trips of the 256-bf16 step, the second partial
+    "h264-same": (
+        MoEShape("h264-same", 264, 16, 2, 1), 1, "same", {"rows": 8, "unroll": 1, "warps": 4, "slots": 1}, BF16
+    ),
+}
+
+
+def simulator_selfcheck(shapes: tuple[Any, ...] = ("tiny", "odd-dup"), seed: int = 0) -> list[dict[str, Any]]:
+    """Run the real kernels on the CUDA simulator and compare with the reference; one dict per case
+    (rel-L2 vs fp64, max ulp diff vs the warp_decode reference, bitwise fraction, ok).
+
+    ``shapes``: names from :data:`SIM_CASES`, or ``(shape, tokens, routing, knobs)`` tuples. Needs
+    ``NUMBA_ENABLE_CUDASIM=1`` set before numba was first imported in this process.
+    """
+    from kernels.problem import make_problem
+
+    if not simt.simulator_enabled():
+        raise RuntimeError("simulator_selfcheck needs NUMBA_ENABLE_CUDASIM=1 before numba is imported")
+    results = []
+    for case in shapes:
+        if isinstance(case, str):
+            if case not in SIM_CASES:
+                raise ValueError(f"unknown simulator case {case!r}; known: {', '.join(SIM_CASES)}")
+            name, (shape, tokens, routing, knobs, out_dtype) = case, SIM_CASES[case]
+        else:
+            shape, tokens, routing, knobs = case
+            out_dtype, name = BF16, f"{get_shape(shape).name}-T{tokens}"
+        problem = make_problem(shape, tokens, seed=seed, routing=routing)
+        out = np.full((tokens, get_shape(shape).hidden), np.nan, np.dtype(out_dtype))
+        warp_decode(*problem.arrays, out=out, **knobs)
+        results.append({"case": name, "tokens": tokens, "params": {**DEFAULTS, **knobs},
+                        "out_dtype": np.dtype(out_dtype).name, **compare(out, problem, out_dtype)})
+    return results
+
+
+def simulate_bad_ids(seed: int = 0) -> dict[str, Any]:
+    """Out-of-range expert ids on the simulator (bypassing the host check, as under graph capture):
+    the bad tokens' rows must be all NaN, the other token must match the reference."""
+    from kernels.problem import make_problem
+
+    problem = make_problem(SIM_CASES["odd-dup"][0], 3, seed=seed)
+    ids = problem.topk_ids.copy()
+    ids[0, 1] = problem.shape.experts  # one past the end
+    ids[2, 0] = -7
+    dims = check_inputs(problem.x, problem.w13, problem.w2, ids, problem.topk_weights, check_values=False)
+    out = np.full((dims.tokens, dims.hidden), 1.0, BF16)
+    workspace = np.full((dims.tokens, dims.top_k, dims.intermediate), 1.0, BF16)
+    knobs = _check_params(**{**DEFAULTS, "rows": 4, "warps": 4, "slots": 2})
+    arrays = _prepare(problem.x, problem.w13, problem.w2, ids, problem.topk_weights, out, workspace)
+    _launch(get_kernels(*knobs), dims, knobs, arrays, 0)
+    good = problem.to_numpy()
+    good.tokens = 1
+    good.x, good.topk_ids, good.topk_weights = problem.x[1:2], problem.topk_ids[1:2], problem.topk_weights[1:2]
+    result = compare(out[1:2], good)
+    rows_nan = [bool(np.all(np.isnan(out[t].astype(np.float32)))) for t in range(3)]
+    return {**result, "bad_rows_nan": rows_nan[0] and rows_nan[2], "good_row_finite": not rows_nan[1]}
