@@ -224,7 +224,7 @@ def _kernel_getter(params: dict[str, Any]) -> Callable[[str], Any]:
     tile_params = {name: params[name] for name in PARAM_NAMES}
 
     def kernel(name: str) -> Any:
-        key = (name, *tile_params.values())
+        key = (name, EXPERT_CENTRIC_SOURCE.code, *tile_params.values())  # an edited source recompiles
         found = _KERNELS.get(key)
         if found is None:
             found = _KERNELS[key] = get_kernel(EXPERT_CENTRIC_SOURCE, name, **tile_params)
@@ -279,7 +279,7 @@ def _stage_list(ws: Workspace, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_we
         gemm(ws.a_gate_up, ws.a_scale, gx, w13, 2 * I, H, ws.gate_up, n_blocks_gu)
 
     def silu_mul() -> None:
-        silu_k((tiles,), (ELEMENTWISE_THREADS,), (ws.gate_up, ws.meta, i32(I), i32(quant), i32(gi), ws.inter,
+        silu_k((tiles, block_m(p)), (ELEMENTWISE_THREADS,), (ws.gate_up, ws.meta, i32(I), i32(quant), i32(gi), ws.inter,
                                                  ws.inter_scale if ws.inter_scale is not None else null))
 
     def gemm_down() -> None:

@@ -361,30 +361,30 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) gemm_fp8_scaled(
 extern "C" __global__ void silu_mul(const bf16* __restrict__ gate_up, const int* __restrict__ meta, int I, int quant,
                                     int scale_groups, bf16* __restrict__ inter, float* __restrict__ inter_scale)
 {
+    // Block (tile, r) owns padded row tile * BLOCK_M + r; its threads own consecutive 8-element chunks, so a
+    // quantization group (16 or 4 chunks) lies within one warp. One row per block keeps every load independent.
     const int tile = blockIdx.x;
     if (tile >= meta[0]) return;
     const int chunks = I / 8;
-    for (int r = 0; r < BLOCK_M; ++r) {
-        const size_t row = (size_t)tile * BLOCK_M + r;
-        for (int base = 0; base < chunks; base += blockDim.x) {
-            const int c = base + threadIdx.x;
-            const bool active = c < chunks;
-            float gate[8], up[8], h[8];
-            for (int i = 0; i < 8; ++i) h[i] = 0.0f;
-            if (active) {
-                unpack8(*reinterpret_cast<const uint4*>(gate_up + row * 2 * I + (size_t)c * 8), gate);
-                unpack8(*reinterpret_cast<const uint4*>(gate_up + row * 2 * I + I + (size_t)c * 8), up);
+    const size_t row = (size_t)tile * BLOCK_M + blockIdx.y;
+    for (int base = 0; base < chunks; base += blockDim.x) {
+        const int c = base + threadIdx.x;
+        const bool active = c < chunks;
+        float gate[8], up[8], h[8];
+        for (int i = 0; i < 8; ++i) h[i] = 0.0f;
+        if (active) {
+            unpack8(*reinterpret_cast<const uint4*>(gate_up + row * 2 * I + (size_t)c * 8), gate);
+            unpack8(*reinterpret_cast<const uint4*>(gate_up + row * 2 * I + I + (size_t)c * 8), up);
 #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    const float silu = __fdiv_rn(gate[i], __fadd_rn(1.0f, expf(-gate[i])));
-                    h[i] = round_bf16(__fmul_rn(silu, up[i]));
-                }
+            for (int i = 0; i < 8; ++i) {
+                const float silu = __fdiv_rn(gate[i], __fadd_rn(1.0f, expf(-gate[i])));
+                h[i] = round_bf16(__fmul_rn(silu, up[i]));
             }
-            if (quant == 0) {
-                if (active) *reinterpret_cast<uint4*>(inter + row * I + (size_t)c * 8) = pack8(h);
-            } else {
-                quantize_store(h, active, c, quant, inter + row * I, inter_scale + row * scale_groups);
-            }
+        }
+        if (quant == 0) {
+            if (active) *reinterpret_cast<uint4*>(inter + row * I + (size_t)c * 8) = pack8(h);
+        } else {
+            quantize_store(h, active, c, quant, inter + row * I, inter_scale + row * scale_groups);
         }
     }
 }

@@ -133,7 +133,12 @@ def make_weights(shape: MoEShape | str, seed: int = 0, xp: Any = np) -> tuple[An
             _normal_bf16_numpy(rng, (E, 2 * I, H), H**-0.5),
             _normal_bf16_numpy(rng, (E, H, I), I**-0.5),
         )
-    return _normal_bf16_cupy(seed * 2 + 1, (E, 2 * I, H), H**-0.5), _normal_bf16_cupy(seed * 2 + 2, (E, H, I), I**-0.5)
+    w13 = _normal_bf16_cupy(seed * 2 + 1, (E, 2 * I, H), H**-0.5)
+    w2 = _normal_bf16_cupy(seed * 2 + 2, (E, H, I), I**-0.5)
+    # generation ran on the current stream: finish it, or work on another (non-blocking) stream may read
+    # the weights before they exist
+    xp.cuda.get_current_stream().synchronize()
+    return w13, w2
 
 
 def make_problem(
@@ -157,5 +162,6 @@ def make_problem(
     w13, w2 = make_weights(shape, seed, xp)
     if xp is not np:
         x, topk_ids, topk_weights = (xp.asarray(a) for a in (x, topk_ids, topk_weights))
+        xp.cuda.get_current_stream().synchronize()  # see make_weights: the copies must land before use
     name = routing if isinstance(routing, str) else "fixed"
     return Problem(shape, tokens, seed, name, x, w13, w2, topk_ids, topk_weights)

@@ -48,7 +48,10 @@ CHUNK_BYTES = 512 << 20  # weights are generated in chunks of about this size (g
 # max(|ref|, rms(ref) / 8) as kernels.warp_decode_numba does (near-zero outputs carry cancellation noise).
 # Looser than the kernels' own tests: the bench's check exists to catch a wrong or empty timed graph.
 ULP_FLOOR_OF_RMS = 1.0 / 8.0
-TOLERANCES = {None: {"rel_l2": 4e-3, "ulp": 8.0}, "quant": {"rel_l2": 3e-2, "ulp": 128.0}}
+# 32 ulps at rms/8 = 4 ulps at the output's RMS: the classical mode rounds four times (gate/up, activation,
+# per-expert output, combine), so one summation-order flip upstream moves outputs by several ulps (12 were
+# seen at qwen3-235b T=64 on the H200); garbage or a half-written output is off by orders of magnitude more.
+TOLERANCES = {None: {"rel_l2": 4e-3, "ulp": 32.0}, "quant": {"rel_l2": 3e-2, "ulp": 128.0}}
 
 
 # ------------------------------------------------------------------------------------------------
