@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 DEFAULT_ARCH = "sm_90"
 NVRTC_OPTIONS = ("-std=c++17",)
 
@@ -91,6 +93,64 @@ def get_kernel(source: CudaSource, kernel: str, **defines: int) -> Any:
     if kernel not in source.kernels:
         raise ValueError(f"{source.name} has no kernel {kernel!r}; it has {source.kernels}")
     return get_module(source, **defines).get_function(kernel)
+
+
+def launch_ex(
+    kernel: Any,
+    grid: tuple[int, ...],
+    block: tuple[int, ...],
+    args: tuple[Any, ...],
+    *,
+    shared_mem: int = 0,
+    programmatic: bool = False,
+) -> None:
+    """Launch a ``cupy.RawKernel`` on CuPy's current stream; the one launch path with launch attributes.
+
+    With ``programmatic=False`` this is ``kernel(grid, block, args)``. With ``programmatic=True`` it goes
+    through the driver's ``cuLaunchKernelEx`` with ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``
+    (programmatic dependent launch, sm_90+): the kernel may start while the previous kernel in the stream
+    drains, and must itself execute ``griddepcontrol.wait`` before reading that kernel's output. Works under
+    CUDA-graph capture (the edge becomes a programmatic dependency). ``args``: CuPy arrays and NumPy scalars.
+    """
+    if not programmatic:
+        kernel(grid, block, args, shared_mem=shared_mem)
+        return
+    import ctypes
+
+    import cupy
+    from cuda.bindings import driver
+
+    values, types = [], []
+    for arg in args:
+        if hasattr(arg, "data") and hasattr(arg.data, "ptr"):  # a CuPy array: its device pointer
+            values.append(int(arg.data.ptr))
+            types.append(ctypes.c_void_p)
+        elif isinstance(arg, np.int32):
+            values.append(int(arg))
+            types.append(ctypes.c_int32)
+        elif isinstance(arg, np.uint64):
+            values.append(int(arg))
+            types.append(ctypes.c_uint64)
+        elif isinstance(arg, np.float32):
+            values.append(float(arg))
+            types.append(ctypes.c_float)
+        else:
+            raise TypeError(f"launch_ex: unsupported kernel argument type {type(arg).__name__}")
+    grid3, block3 = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = (int(g) for g in grid3)
+    config.blockDimX, config.blockDimY, config.blockDimZ = (int(b) for b in block3)
+    config.sharedMemBytes = int(shared_mem)
+    config.hStream = driver.CUstream(int(cupy.cuda.get_current_stream().ptr))
+    attribute = driver.CUlaunchAttribute()
+    attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attribute.value.programmaticStreamSerializationAllowed = 1
+    config.attrs = [attribute]
+    config.numAttrs = 1
+    function = driver.CUfunction(int(getattr(kernel, "kernel", kernel).ptr))  # RawKernel -> its CUfunction
+    (status,) = driver.cuLaunchKernelEx(config, function, (tuple(values), tuple(types)), 0)
+    if int(status) != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed: {status}")
 
 
 def clear_memory_cache() -> None:

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels.compile import CudaSource, get_kernel, register_source
+from kernels.compile import CudaSource, get_kernel, launch_ex, register_source
 from kernels.contract import BF16, Dims, array_module, check_inputs, check_out
 from kernels.variants import Variant, register
 
@@ -134,6 +134,22 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float f) {
     return (bf16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
 
+// Programmatic dependent launch (PDL=1; the kernels are then launched with the programmatic-serialization
+// attribute, kernels.compile.launch_ex). pdl_wait: block until the previous kernel in the stream has finished
+// and its writes are visible (a no-op for an ordinary launch). pdl_release: let the next kernel's blocks start
+// early. Each kernel releases only AFTER its own wait, so the next kernel may read, before its wait, anything
+// written two or more kernels back (the routing), but nothing the kernel right before it writes.
+__device__ __forceinline__ void pdl_wait() {
+#if PDL && !defined(WD_HOST_EMULATION)
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_release() {
+#if PDL && !defined(WD_HOST_EMULATION)
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);
@@ -174,6 +190,8 @@ extern "C" __global__ void GU_BOUNDS moe_gate_up_3d_batched(
     const int lane = threadIdx.x & 31;
     const long long groups = (inter + GU_OUTS - 1) / GU_OUTS;    // warps per (t, k) pair
     const long long warp = (long long)blockIdx.x * GU_WARPS + (threadIdx.x >> 5);
+    pdl_wait();     // topk_ids and x may come from the kernel right before this one: nothing is read earlier
+    pdl_release();
     if (warp >= (long long)tokens * top_k * groups) return;    // whole warp leaves together
     const long long pair = warp / groups;                         // t * K + k
     const int i0 = (int)(warp - pair * groups) * GU_OUTS;
@@ -271,6 +289,7 @@ __device__ __forceinline__ void down_accumulate(
     constexpr int WORDS = DN_BYTES / 4;
     const int chunks = inter / ELEMS;                             // I % 8 == 0: whole chunks only
     const vec_t* inter_t = reinterpret_cast<const vec_t*>(intermediate_t);
+    bool waited = false;  // PDL: the first round's w2 loads are issued before waiting for gate_up
     for (int k0 = 0; k0 < top_k; k0 += DN_SLOTS) {               // DN_SLOTS routed slots per batch
         // lane s < DN_SLOTS reads slot k0 + s's (already range-checked) id and weight; items shuffle them
         const bool lane_slot = lane < DN_SLOTS && k0 + lane < top_k;
@@ -298,6 +317,10 @@ __device__ __forceinline__ void down_accumulate(
                     #pragma unroll
                     for (int o = 0; o < DN_OUTS; ++o) wv[s * DN_UNROLL + r][o] = ldg_chunk(rows[s][o], c, ok);
                 }
+            if (!waited) {  // the intermediate is gate_up's output: read it only after gate_up has finished
+                pdl_wait();
+                waited = true;
+            }
             const vec_t* inter_r = inter_t + all_loads_arrived(wv);  // + 0, after every w2 load arrived
             // 2) per item: the intermediate chunk (L1/L2 hit, shared by all DN_OUTS rows) times the routing
             //    weight, FMA into the one accumulator per output
@@ -356,6 +379,8 @@ extern "C" __global__ void DN_BOUNDS moe_down_3d_batched(
         const bf16_t* intermediate_t = intermediate + t * top_k * (long long)inter;
         down_accumulate(acc, intermediate_t, w2, ids_t, weights_t, lane, h0, hidden, inter, top_k);
     }
+    pdl_wait();  // (again, for bad tokens and idle lanes: a no-op once waited) before out is written
+    pdl_release();
 
     #pragma unroll
     for (int o = 0; o < DN_OUTS; ++o) {
@@ -386,6 +411,7 @@ DEFAULTS: dict[str, int] = {
     "DN_BYTES": 16,
     "DN_MIN_BLOCKS": 4,  # 4 x 4 warps -> <= 128 registers, 16 warps / SM (all 2048 warps of qwen3-30b T=1);
     # 0 = auto (from DN_SLOTS x DN_UNROLL x DN_OUTS, see _down_min_blocks); 1 = effectively no cap
+    "PDL": 0,  # 1: programmatic dependent launch -- down's first w2 loads overlap gate_up's tail (sm_90+)
 }
 AUTO_KNOBS = ("DN_SLOTS", "DN_UNROLL", "DN_MIN_BLOCKS")
 
@@ -404,7 +430,7 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
     limits = {
         "GU_WARPS": (1, 32), "DN_WARPS": (1, 32), "GU_OUTS": (1, 32), "DN_OUTS": (1, 32),
         "GU_UNROLL": (1, 64), "DN_UNROLL": (0, 64), "DN_SLOTS": (0, 32),
-        "GU_MIN_BLOCKS": (0, 32), "DN_MIN_BLOCKS": (0, 32),
+        "GU_MIN_BLOCKS": (0, 32), "DN_MIN_BLOCKS": (0, 32), "PDL": (0, 1),
     }
     for key, (low, high) in limits.items():
         if not low <= values[key] <= high:
@@ -507,10 +533,11 @@ def _launch_gate_up(kernel: Any, params: dict[str, int], dims: Dims, x: Any, w13
                     intermediate: Any) -> None:
     groups = -(-dims.intermediate // params["GU_OUTS"])
     warps = dims.tokens * dims.top_k * groups
-    kernel(
-        (_blocks(warps, params["GU_WARPS"]),), (params["GU_WARPS"] * 32,),
+    launch_ex(
+        kernel, (_blocks(warps, params["GU_WARPS"]),), (params["GU_WARPS"] * 32,),
         (x, w13, topk_ids, intermediate, np.int32(dims.tokens), np.int32(dims.hidden),
          np.int32(dims.intermediate), np.int32(dims.experts), np.int32(dims.top_k)),
+        programmatic=bool(params["PDL"]),
     )
 
 
@@ -519,10 +546,11 @@ def _launch_down(kernel: Any, params: dict[str, int], dims: Dims, intermediate: 
     groups = -(-dims.hidden // params["DN_OUTS"])
     warps = dims.tokens * groups
     out_f32 = np.int32(1 if out.dtype == np.float32 else 0)
-    kernel(
-        (_blocks(warps, params["DN_WARPS"]),), (params["DN_WARPS"] * 32,),
+    launch_ex(
+        kernel, (_blocks(warps, params["DN_WARPS"]),), (params["DN_WARPS"] * 32,),
         (intermediate, w2, topk_ids, topk_weights, out, out_f32, np.int32(dims.tokens), np.int32(dims.hidden),
          np.int32(dims.intermediate), np.int32(dims.experts), np.int32(dims.top_k)),
+        programmatic=bool(params["PDL"]),
     )
 
 

@@ -195,7 +195,7 @@ def test_cpu_path_end_to_end(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Traceback" not in result.stdout + result.stderr
     assert "NO TIMING TAKEN" in result.stdout
-    assert elapsed < 60
+    assert elapsed < 90  # ~25 s on an idle 2-core machine; CI shares its cores
     data = json.loads(out.read_text())
     assert data["results"] == [] and data["rooflines"] is None and data["environment"]["gpu"] is None
     cpu = data["cpu"]
@@ -353,7 +353,7 @@ def _fake_cupy():
 
     default = _FakeStream()
     cupy.cuda = types.SimpleNamespace(
-        runtime=runtime, Stream=_FakeStream, Event=Event, Device=lambda *a: types.SimpleNamespace(id=0),
+        runtime=runtime, Stream=_FakeStream, Event=Event, Device=lambda *a: types.SimpleNamespace(id=0, synchronize=lambda: None),
         get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3,
         get_current_stream=lambda: _FakeStream.current or default,
     )

@@ -729,3 +729,32 @@ def test_knobs_keep_results(cupy_mod: Any, rng: np.random.Generator, params: dic
     for shape, tokens in ((ODD_SHAPES["h264-i40"], 5), (ODD_SHAPES["h64-k40"], 2), (PRESETS["qwen3-30b-a3b"], 3)):
         problem = make_problem(shape, tokens, seed=_seed(rng), xp=cupy_mod)
         _run_and_check(cupy_mod, problem, f"{shape.name} {params}", **params)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model, tokens", [("qwen3-30b-a3b", 1), ("qwen3-235b-a22b", 3), ("tiny", 5)])
+def test_programmatic_dependent_launch_is_bitwise_the_same(cupy_mod: Any, rng: np.random.Generator, model: str,
+                                                           tokens: int) -> None:
+    """PDL=1 changes only when the kernels start, never what they compute: eager and graph-replayed layer
+    chains (each layer's gate_up overlapping the previous down) equal PDL=0 bitwise."""
+    cupy = cupy_mod
+    problem = make_problem(model, tokens, seed=_seed(rng), xp=cupy)
+    dims = Dims(tokens, problem.shape.hidden, problem.shape.intermediate, problem.shape.experts, problem.shape.top_k)
+    plain = wdc.build(dims)
+    pdl = wdc.build(dims, PDL=1)
+    expect = _poisoned_out(cupy, tokens, dims.hidden)
+    plain(*problem.arrays, expect)
+    got = _poisoned_out(cupy, tokens, dims.hidden)
+    pdl(*problem.arrays, got)
+    cupy.cuda.runtime.deviceSynchronize()
+    assert bool((got.view(cupy.uint16) == expect.view(cupy.uint16)).all())
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        got.view(cupy.uint16).fill(0x7FC0)
+        stream.begin_capture()
+        for _ in range(4):  # a chain of layers, as in a decode step
+            pdl(*problem.arrays, got)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+    assert bool((got.view(cupy.uint16) == expect.view(cupy.uint16)).all())

@@ -13,10 +13,11 @@ How a point (model, batch, variant) is measured:
    launched once eagerly (JIT compile, first touch), outside the timing.
 3. Pre-check: ``out`` poisoned with NaN, one eager launch, compared with the reference. A wrong variant is
    reported and never timed.
-4. One CUDA graph per copy is captured on a non-default stream; each sample is CUDA events around
-   ``inner`` replays cycling through the copies (``inner`` a multiple of the copies, sized so a sample lasts
-   ~``TARGET_SAMPLE_US``); a sample is the mean time of one replay, in microseconds.
-5. Post-check: ``out`` poisoned again, the timed graph of one copy replayed, its output compared with
+4. One CUDA graph is captured on a non-default stream holding a decode step's worth of layer calls (the
+   model's MoE layer count, at least one per copy) cycling through the copies, as a serving engine's decode
+   graph chains its layers; each sample is CUDA events around ``inner`` replays (sized so a sample lasts
+   ~``TARGET_SAMPLE_US``), divided by the layer calls: microseconds per layer.
+5. Post-check: ``out`` poisoned again, the timed graph replayed (its last call uses the check copy), compared with
    ``kernels.reference.moe_decode`` in the variant's mode on a compact host copy of THAT copy's touched
    experts (a captured fallback or an empty graph fails), and its error against the fp64 oracle.
 6. Per-stage times when the launch has ``.stages``.
@@ -309,6 +310,9 @@ class Workbench:
         }
         self.w13_pool, self.w2_pool = self._generate(pool_experts)
         self.x, self.topk_ids, self.topk_weights = (cupy.asarray(a) for a in (x, ids, weights))
+        cupy.cuda.Device().synchronize()  # generation and copies ran on the legacy stream; timing uses another
+        self.layers_per_graph = shape.layers
+        self.info["layers_per_graph"] = shape.layers
         self.dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
         self.check_copy = copies - 1  # the most shifted view: a wrong base pointer shows here
         self.check_token_ids = check_tokens(ids, shape.expert_bytes, seed=self.seed)
@@ -452,7 +456,7 @@ class Workbench:
             # post-check: replay the TIMED graph (or launch) of the check copy into a poisoned out
             _nan_fill(out)
             with stream:
-                self._last[self.check_copy]()
+                self._last[0]()  # the timed graph: its last layer call uses the check copy
             stream.synchronize()
             check, error = self.check_output(_host(out), variant)
             record.update(check=check, error_vs_fp64=error)
@@ -473,33 +477,40 @@ class Workbench:
         return record
 
     def _time(self, stream: Any, fns: list[Any], repeats: int) -> tuple[list[float], str, str | None]:
-        """Per-call microseconds of ``fns`` (one per copy) replayed as CUDA graphs, cycling the copies."""
+        """Per-layer microseconds of ``fns`` (one per weight copy), captured as one decode-step graph.
+
+        The graph holds ``layers_per_graph`` layer calls cycling through the copies and ending on the check
+        copy (the last), as a model's decode step chains its MoE layers; a sample is CUDA events around
+        replays of that graph, divided by the layer calls it ran. Launch gaps inside a graph are counted,
+        the host's graph-launch cost is amortised as it is in serving. Without capture, eager launches.
+        """
         import cupy
 
+        n = len(fns)
+        calls = n * max(1, math.ceil(self.layers_per_graph / n))
         why = None
         try:
-            graphs = [_capture(stream, fn) for fn in fns]
-            replays = [lambda g=g: g.launch(stream) for g in graphs]
+            sequence = [fns[i % n] for i in range(calls)]
+            graph = _capture(stream, lambda: [fn() for fn in sequence])
+            replays = [lambda: graph.launch(stream)]
             mode = "graph"
         except Exception as exc:  # noqa: BLE001 - not capturable: time eager launches, say so
             why = f"{type(exc).__name__}: {exc}"
-            replays, mode = fns, "eager"
+            replays, mode, calls = [lambda: [fn() for fn in fns]], "eager", n
         self._last = replays
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        n = len(replays)
 
         def sample(inner: int) -> float:
             with stream:
                 start.record(stream)
-                for i in range(inner):
-                    replays[i % n]()
+                for _ in range(inner):
+                    replays[0]()
                 stop.record(stream)
             stop.synchronize()
-            return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / inner
+            return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / (inner * calls)
 
-        estimate = min(sample(n) for _ in range(3))  # also the warm-up of the graphs
-        inner = n * max(1, math.ceil(TARGET_SAMPLE_US / max(estimate, 1e-3) / n))
-        inner = min(inner, n * 200)
+        estimate = min(sample(1) for _ in range(3))  # also the warm-up of the graph
+        inner = max(1, min(50, math.ceil(TARGET_SAMPLE_US / max(estimate * calls, 1e-3))))
         return [sample(inner) for _ in range(repeats)], mode, why
 
     def _time_stages(self, stream: Any, launch: Any, args: list[tuple], repeats: int) -> list[dict[str, Any]]:
