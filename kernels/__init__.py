@@ -3,7 +3,8 @@
 Import-light: nothing here touches a GPU until a GPU entry point is called.
 """
 
-from kernels.api import expert_centric, warp_decode
+from kernels import _compat  # noqa: F401  (first: NumPy 2.5 vs older numba-cuda, see kernels/_compat.py)
+from kernels.api import expert_centric, moe_decode, warp_decode
 from kernels.contract import BF16, Dims, check_inputs
 from kernels.problem import Problem, make_problem, make_weights
 from kernels.routing import ROUTINGS, make_routing, route
@@ -23,6 +24,7 @@ __all__ = [
     "make_problem",
     "make_routing",
     "make_weights",
+    "moe_decode",
     "route",
     "warp_decode",
 ]

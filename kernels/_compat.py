@@ -11,4 +11,4 @@ from __future__ import annotations
 import numpy as np
 
 if "row_stack" not in vars(np):
-    np.row_stack = np.vstack
+    np.row_stack = np.vstack  # noqa: NPY201

@@ -47,3 +47,18 @@ def expert_centric(
     return module.expert_centric(
         x, w13, w2, topk_ids, topk_weights, quant=quant, out=out, workspace=workspace, **params
     )
+
+
+def moe_decode(
+    x: Any,
+    w13: Any,
+    w2: Any,
+    topk_ids: Any,
+    topk_weights: Any,
+    out: Any = None,
+    workspace: Any = None,
+) -> Any:
+    """The fastest warp-decode path for (shape, T) on this GPU: strict or batched, from the committed table
+    measured on this GPU, else a documented heuristic (:mod:`kernels.dispatch`). Never syncs inside a graph."""
+    module = importlib.import_module("kernels.dispatch")
+    return module.moe_decode(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace)

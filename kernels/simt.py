@@ -22,7 +22,6 @@ simulator is enabled, and on a real GPU ``cuda.shfl_xor_sync`` is Numba's intrin
 
 from __future__ import annotations
 
-import kernels._compat  # noqa: F401  (before numba.cuda: NumPy 2.5 vs older numba-cuda)
 import os
 import threading
 from typing import Any

@@ -27,7 +27,13 @@ from kernels.contract import Dims
 Launch = Callable[..., None]
 
 # library modules whose import registers variants (kernels never imports tools/ or prototypes/)
-BUILTIN_MODULES = ("kernels.warp_decode_cupy", "kernels.warp_decode_numba", "kernels.expert_centric")
+BUILTIN_MODULES = (
+    "kernels.warp_decode_cupy",
+    "kernels.warp_decode_numba",
+    "kernels.expert_centric",
+    "kernels.warp_decode_batched",
+    "kernels.dispatch",
+)
 
 
 @dataclass(frozen=True)

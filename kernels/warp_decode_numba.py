@@ -48,8 +48,6 @@ import math
 from typing import Any
 
 import numpy as np
-
-import kernels._compat  # noqa: F401  (before numba.cuda: NumPy 2.5 vs older numba-cuda)
 from numba import cuda
 
 from kernels import simt

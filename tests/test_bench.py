@@ -353,7 +353,8 @@ def _fake_cupy():
 
     default = _FakeStream()
     cupy.cuda = types.SimpleNamespace(
-        runtime=runtime, Stream=_FakeStream, Event=Event, Device=lambda *a: types.SimpleNamespace(id=0, synchronize=lambda: None),
+        runtime=runtime, Stream=_FakeStream, Event=Event,
+        Device=lambda *a: types.SimpleNamespace(id=0, synchronize=lambda: None),
         get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3,
         get_current_stream=lambda: _FakeStream.current or default,
     )

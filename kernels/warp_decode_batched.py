@@ -1,0 +1,416 @@
+"""Batched warp decode: output-centric like strict warp decode, but each expert's weights are read once per batch.
+
+Strict warp decode (``kernels.warp_decode_cupy``) gives every (token, slot, neuron) its own warp, so an expert
+routed to n tokens has its weights streamed n times. Here the work is grouped by *expert* first:
+
+1. ``expert_lists`` (``moe_expert_lists``, one block): from ``topk_ids`` the batch's active experts in
+   ascending id, each one's offset / count into a pair list sorted by expert (pair = t*K + k, stable by pair
+   index), and the number of list slots used. Deterministic (one warp ranks the pairs in pair order with
+   __match_any_sync), no atomics. Out-of-range ids go to one extra pseudo-expert slot (E) whose pairs get NaN.
+2. ``gate_up`` (``moe_gate_up_batched``): one warp per (active expert, GB_OUTS neurons) for ALL pairs of the
+   expert: the gate/up row chunks are loaded once per round into registers, then each pair's x chunks
+   (L1 hits: the block's warps share the expert's x rows), FP32 accumulators [GB_TILE][GB_OUTS] per lane,
+   warp butterfly, ``bf16(SiLU(g) * u)`` into the [T, K, I] intermediate. Lane -> chunk map, per-lane FMA
+   order, the ``+= 0`` of ``all_loads_arrived`` and the butterfly are the strict kernel's: at equal load width
+   (GB_BYTES == strict's GU_BYTES, both 8 by default) the intermediate is BITWISE the strict kernel's.
+3. ``down`` (``moe_down_batched``): one block per DB_OUTS hidden columns for ALL tokens; its warps take the
+   list slots round-robin (fixed), read ``w2[e, h0:h0+DB_OUTS, :]`` once per tile of the expert's pairs, dot
+   with each pair's intermediate row, and add ``topk_weight * dot`` into the warp's shared-memory partial
+   [T][DB_OUTS]; the block then sums its warps' partials in warp order and writes ``out[t, h]`` once.
+
+Everything is sized from (T, K, E) only: S = min(E, T*K) + 1 list slots, gate_up grid S * ceil(I /
+(GB_WARPS*GB_OUTS)) blocks (blocks past the used slots exit at once), down grid ceil(H / DB_OUTS) blocks.
+No host sync, no allocation per call: CUDA-graph capturable. Bitwise deterministic run to run.
+
+Numerics = ``reference.moe_decode(mode="warp_decode")``: fp32 dots, the intermediate rounded once to bf16,
+fp32 weighted sum, one final rounding. The sum order over a token's K slots differs from the reference (by
+warp, then by expert id), so the output is within ~1 bf16 ulp, mostly bitwise.
+
+Traffic per layer (bf16; n = pairs per active expert; L2 = bytes served by L1/L2, not HBM):
+
+* gate_up: HBM = active * 2*I*H*2 B (once per GB_TILE pairs). x reads: each warp reads n rows of x per
+  GB_OUTS neurons -> x bytes / weight bytes = n / (2 * GB_OUTS); the block's GB_WARPS warps share them
+  in L1, so L2 sees at most ~n / (2 * GB_OUTS * GB_WARPS) of the weight bytes (qwen3-30b T=64, n ~ 4:
+  <= 0.25x = ~200 MB, L1 traffic ~1x).
+* down: HBM = active * H*I*2 B. Each block reads the intermediate row of every pair once per DB_OUTS
+  columns: intermediate bytes / weight bytes = n / DB_OUTS (qwen3-30b T=64, DB_OUTS 4: ~1x = 400 MB of
+  L1/L2 reads; the intermediate itself, T*K*I*2 = 786 KB, stays L2-resident).
+* expert_lists: a few KB; one block: T*K/32 warp steps (__match_any_sync ranks), a block scan over the
+  experts, one scatter -- ~2-3 us, mostly launch and the scan's __syncthreads.
+
+Predictions (H200; streaming-read roofline 4.5 TB/s on unique weight bytes; uniform routing, so
+E[active] = E * (1 - (1 - K/E)**T); gate_up moves 2/3 of the bytes, down 1/3; expert_lists ~2-3 us and each
+kernel boundary ~1-2 us of ramp-up / tail on top):
+
+    qwen3-30b-a3b (expert 9.44 MB)   T   active   bytes     gate_up   down     100 %     expected (% of roofline)
+                                     1     8.0    75.5 MB    11.2 us   5.6 us   16.8 us  ~24 us (70 %): strict wins
+                                     4    29.1   275 MB      40.7      20.4     61.1     ~69 us (88 %)
+                                     8    51.6   487 MB      72.2      36.1    108.3     ~118 us (92 %)
+                                    32   111.8   1.05 GB    156.3      78.1    234.4     ~252 us (93 %)
+                                    64   125.9   1.19 GB    176.1      88.0    264.1     ~283 us (93 %)
+    qwen3-235b-a22b (expert 37.7 MB) 1     8.0   302 MB      44.7      22.4     67.1     ~75 us (89 %): strict ~ equal
+                                     8    51.6   1.95 GB    288.7     144.3    433.0     ~460 us (94 %)
+                                    64   125.9   4.75 GB    704.3     352.2   1056.5     ~1.11 ms (95 %)
+
+Occupancy of the defaults (sm_90, offline report): gate_up 72-124 registers (GB_TILE 1-8) -> 16-24 warps
+per SM, 2*GB_OUTS*GB_UNROLL = 16 loads of 8 B = 128 B in flight per lane (64-96 KB per SM); down 93-126
+registers x 8 warps -> 16 warps per SM with 128 B (DB_TILE <= 4) or 64 B (DB_TILE 8) of w2 in flight per
+lane plus the tile's intermediate chunks (DB_EARLY_INTER). The risk is down at T >= 32 (32 KB of w2 per SM
+in flight): DB_OUTS / DB_UNROLL / DB_WARPS are in the sweep grid.
+
+Knobs (:data:`DEFAULTS`; 0 = chosen from the dims by :func:`resolve_params`): LIST_THREADS, LIST_PER;
+GB_WARPS / GB_OUTS / GB_TILE / GB_UNROLL / GB_BYTES / GB_MAX_REGS for gate_up; DB_* likewise for down.
+GB_TILE / DB_TILE auto = 1 at T=1, else the power of two >= 2*(T*K/E)+1 (capped at 8 and at T): the
+expected pairs per active expert plus slack, so nearly every expert takes one pass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kernels.compile import CudaSource, get_kernel, register_source
+from kernels.contract import BF16, Dims, check_inputs, check_out
+from kernels.variants import Variant, register
+from kernels.warp_decode_batched_cuda import CODE, KERNELS
+
+EXPERT_LISTS, GATE_UP, DOWN = KERNELS
+LIST_HEADER = 4  # int32s before the slot arrays in the lists buffer (must match LIST_HEADER in the CUDA C)
+SHARED_LIMIT = 48 * 1024  # dynamic shared memory without opt-in
+MAX_TILE = 8  # cap of the automatic GB_TILE / DB_TILE
+
+DEFAULTS: dict[str, int] = {
+    "LIST_THREADS": 256,  # threads of the one-block list kernel
+    "LIST_PER": 1,  # experts (+1 pseudo expert for bad ids) per list thread: (E + 1) <= THREADS * PER
+    "GB_WARPS": 4,  # warps per gate_up block (all on one expert: they share its x rows in L1)
+    "GB_OUTS": 2,  # neurons per warp: x loads reused across 2*OUTS rows
+    "GB_TILE": 8,  # pairs per pass (FP32 accumulators [TILE][OUTS] x 2 per lane)
+    "GB_UNROLL": 4,  # chunk rounds in flight per lane: 2 * OUTS * UNROLL weight loads (8 B each)
+    "GB_BYTES": 8,  # = strict's GU_BYTES: the intermediate is then bitwise the strict kernel's
+    "GB_MAX_REGS": 128,  # __maxnreg__ cap (0: __launch_bounds__ only, which spills at some tiles)
+    "DB_WARPS": 8,  # warps per down block (split the active experts round-robin)
+    "DB_OUTS": 4,  # hidden columns per block: intermediate reads reused across OUTS rows
+    "DB_TILE": 8,
+    "DB_UNROLL": 1,  # DB_UNROLL x DB_OUTS w2 loads of DB_BYTES in flight per lane (0 = auto: 2 if DB_TILE <= 4)
+    "DB_BYTES": 16,
+    "DB_MAX_REGS": 128,
+    "DB_EARLY_INTER": 1,  # 1: intermediate loads issued with the w2 loads (latencies overlap); 0: after them
+}
+AUTO_KNOBS = ("LIST_PER", "GB_TILE", "DB_TILE", "DB_UNROLL")
+LIMITS = {
+    "LIST_THREADS": (32, 1024), "LIST_PER": (0, 16),
+    "GB_WARPS": (1, 32), "GB_OUTS": (1, 32), "GB_TILE": (0, 32), "GB_UNROLL": (1, 64), "GB_MAX_REGS": (0, 255),
+    "DB_WARPS": (1, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (0, 255),
+    "DB_EARLY_INTER": (0, 1),
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Knobs
+# ---------------------------------------------------------------------------------------------------
+def auto_tile(dims: Dims) -> int:
+    """Pairs per pass: 1 at T=1; else the power of two >= 2 * (T*K/E) + 1, capped at MAX_TILE and at T."""
+    if dims.tokens == 1:
+        return 1
+    mean = dims.tokens * dims.top_k / dims.experts
+    want = math.ceil(2.0 * mean + 1.0)
+    tile = 1 << max(0, (want - 1).bit_length())
+    return max(1, min(tile, MAX_TILE, 1 << (dims.tokens - 1).bit_length()))
+
+
+def slots(dims: Dims) -> int:
+    """List slots: every active expert (<= min(E, T*K)) plus one for out-of-range ids."""
+    return min(dims.experts, dims.tokens * dims.top_k) + 1
+
+
+def lists_size(dims: Dims) -> int:
+    """int32s of the lists buffer: header, expert / offset / count per slot, the sorted pairs, rank scratch."""
+    return LIST_HEADER + 3 * slots(dims) + 2 * dims.tokens * dims.top_k
+
+
+def lists_shared_bytes(dims: Dims) -> int:
+    """Dynamic shared memory of the list kernel: one int per expert (+1 for bad ids)."""
+    return (dims.experts + 1) * 4
+
+
+def down_shared_bytes(dims: Dims, params: dict[str, int]) -> int:
+    """Dynamic shared memory of the down kernel: per warp an FP32 partial [T][DB_OUTS]."""
+    return params["DB_WARPS"] * dims.tokens * params["DB_OUTS"] * 4
+
+
+def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
+    """Validate the knobs and fill the auto ones (0) from ``dims``; returns every knob as an int.
+
+    Without ``dims`` auto knobs take :data:`DEFAULTS`. ValueError names a knob out of range, or a problem
+    these knobs cannot run (too many experts for the list kernel, too many tokens for the down kernel's
+    shared memory).
+    """
+    unknown = set(params) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown warp-decode-batched parameter(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+    values: dict[str, int] = {**DEFAULTS, **{knob: 0 for knob in AUTO_KNOBS}}
+    for key, value in params.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{key} must be an int, got {value!r}")
+        values[key] = int(value)
+    for key, (low, high) in LIMITS.items():
+        if not low <= values[key] <= high:
+            raise ValueError(f"{key} must be in {low}..{high}{' (0 = auto)' if key in AUTO_KNOBS else ''}, "
+                             f"got {values[key]}")
+    if values["LIST_THREADS"] % 32:
+        raise ValueError(f"LIST_THREADS must be a multiple of 32, got {values['LIST_THREADS']}")
+    for key in ("GB_BYTES", "DB_BYTES"):
+        if values[key] not in (4, 8, 16):
+            raise ValueError(f"{key} must be 4, 8 or 16, got {values[key]}")
+    if dims is None:
+        for key in AUTO_KNOBS:
+            if values[key] == 0:
+                values[key] = DEFAULTS[key]
+        return values
+    if values["LIST_PER"] == 0:
+        values["LIST_PER"] = -(-(dims.experts + 1) // values["LIST_THREADS"])
+    if (dims.experts + 1) > values["LIST_THREADS"] * values["LIST_PER"]:
+        raise ValueError(
+            f"the list kernel covers LIST_THREADS * LIST_PER = {values['LIST_THREADS'] * values['LIST_PER']} "
+            f"experts, needs E + 1 = {dims.experts + 1}: raise LIST_THREADS (<= 1024) or LIST_PER (<= 16)"
+        )
+    if values["LIST_PER"] > LIMITS["LIST_PER"][1]:
+        raise ValueError(f"E = {dims.experts} needs LIST_PER > 16 at LIST_THREADS {values['LIST_THREADS']}: "
+                         "raise LIST_THREADS (<= 1024)")
+    if lists_shared_bytes(dims) > SHARED_LIMIT:
+        raise ValueError(f"the list kernel keeps one int per expert in shared memory: E = {dims.experts} is too many")
+    tile = auto_tile(dims)
+    for key in ("GB_TILE", "DB_TILE"):
+        if values[key] == 0:
+            values[key] = tile
+    if values["DB_UNROLL"] == 0:  # 8 w2 loads of 16 B in flight when the accumulators leave room (128 registers)
+        values["DB_UNROLL"] = 2 if values["DB_TILE"] <= 4 else 1
+    shared = down_shared_bytes(dims, values)
+    if shared > SHARED_LIMIT:
+        raise ValueError(
+            f"the down kernel keeps DB_WARPS * T * DB_OUTS fp32 partials in shared memory: {shared} bytes > "
+            f"{SHARED_LIMIT} at T = {dims.tokens}; lower DB_WARPS / DB_OUTS (or use another path for this T)"
+        )
+    return values
+
+
+def max_tokens(top_k: int = 1, **params: Any) -> int:
+    """The largest T the down kernel's shared memory allows with these knobs."""
+    values = resolve_params(None, **params)
+    return SHARED_LIMIT // (values["DB_WARPS"] * values["DB_OUTS"] * 4)
+
+
+def preset_params() -> list[dict[str, int]]:
+    """Resolved knobs of every preset at T in (1, 3, 8, 64) (what the offline report also compiles)."""
+    from kernels.shapes import PRESETS
+
+    seen: list[dict[str, int]] = []
+    for shape in PRESETS.values():
+        for tokens in (1, 3, 8, 64):
+            dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
+            params = resolve_params(dims)
+            if params not in seen and params != DEFAULTS:
+                seen.append(params)
+    return seen
+
+
+SOURCE = register_source(
+    CudaSource(
+        name="warp_decode_batched",
+        code=CODE,
+        kernels=KERNELS,
+        defaults=dict(DEFAULTS),
+        variants=[{k: v for k, v in p.items() if DEFAULTS[k] != v} for p in preset_params()],
+        description="batched warp decode: expert lists, gate_up and down reading each expert once per batch",
+    )
+)
+SOURCE.warps_knobs = {GATE_UP: "GB_WARPS", DOWN: "DB_WARPS"}  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Workspace, kernels, launches (no allocation, no host sync)
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class Workspace:
+    """The two buffers batched warp decode needs, allocated once per dims."""
+
+    dims: Dims
+    intermediate: Any  # [T, K, I] bf16 (the same buffer as strict warp decode's)
+    lists: Any  # [lists_size(dims)] int32: routing lists written by moe_expert_lists
+
+    def matches(self, dims: Dims) -> bool:
+        return self.dims == dims
+
+
+def make_workspace(dims: Dims) -> Workspace:
+    """Allocate the intermediate and the routing-list buffer for ``dims`` (CuPy, current device)."""
+    if not isinstance(dims, Dims):
+        raise TypeError(f"dims must be a kernels.contract.Dims, got {type(dims).__name__}")
+    for name in ("tokens", "hidden", "intermediate", "experts", "top_k"):
+        value = getattr(dims, name)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"dims.{name} must be an int >= 1, got {value!r}")
+    import cupy
+
+    return Workspace(
+        dims=dims,
+        intermediate=cupy.empty((dims.tokens, dims.top_k, dims.intermediate), dtype=BF16),
+        lists=cupy.zeros(lists_size(dims), dtype=cupy.int32),
+    )
+
+
+_HANDLES: dict[tuple[int, tuple[tuple[str, int], ...]], tuple[Any, Any, Any]] = {}
+
+
+def kernels_for(params: dict[str, int]) -> tuple[Any, Any, Any]:
+    """``(lists, gate_up, down)`` kernels compiled for these resolved knobs, cached per device and set."""
+    import cupy
+
+    key = (cupy.cuda.Device().id, tuple(sorted(params.items())))
+    handles = _HANDLES.get(key)
+    if handles is None:
+        handles = tuple(get_kernel(SOURCE, name, **params) for name in KERNELS)
+        _HANDLES[key] = handles
+    return handles  # type: ignore[return-value]
+
+
+def gate_up_blocks(dims: Dims, params: dict[str, int]) -> int:
+    return slots(dims) * -(-dims.intermediate // (params["GB_WARPS"] * params["GB_OUTS"]))
+
+
+def down_blocks(dims: Dims, params: dict[str, int]) -> int:
+    return -(-dims.hidden // params["DB_OUTS"])
+
+
+def _stage_list(kernels: tuple[Any, Any, Any], params: dict[str, int], ws: Workspace, x: Any, w13: Any, w2: Any,
+                topk_ids: Any, topk_weights: Any, out: Any) -> list[tuple[str, Any]]:
+    lists_k, gate_up_k, down_k = kernels
+    d = ws.dims
+    i32 = np.int32
+    n_slots = slots(d)
+    out_f32 = i32(1 if out.dtype == np.float32 else 0)
+
+    def expert_lists() -> None:
+        lists_k((1,), (params["LIST_THREADS"],),
+                (topk_ids, i32(d.tokens * d.top_k), i32(d.experts), i32(n_slots), ws.lists),
+                shared_mem=lists_shared_bytes(d))
+
+    def gate_up() -> None:
+        gate_up_k((gate_up_blocks(d, params),), (params["GB_WARPS"] * 32,),
+                  (x, w13, ws.lists, ws.intermediate, i32(d.hidden), i32(d.intermediate), i32(d.experts),
+                   i32(d.top_k), i32(n_slots)))
+
+    def down() -> None:
+        down_k((down_blocks(d, params),), (params["DB_WARPS"] * 32,),
+               (ws.intermediate, w2, topk_ids, topk_weights, ws.lists, out, out_f32, i32(d.tokens), i32(d.hidden),
+                i32(d.intermediate), i32(d.experts), i32(d.top_k), i32(n_slots)),
+               shared_mem=down_shared_bytes(d, params))
+
+    return [("expert_lists", expert_lists), ("gate_up", gate_up), ("down", down)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public entry point
+# ---------------------------------------------------------------------------------------------------
+def _require_cupy(**arrays: Any) -> Any:
+    for name, arr in arrays.items():
+        if not type(arr).__module__.startswith("cupy"):
+            raise TypeError(
+                f"{name} must be a cupy.ndarray (the cupy backend runs on the GPU), "
+                f"got {type(arr).__module__}.{type(arr).__name__}"
+            )
+    import cupy
+
+    return cupy
+
+
+def _check_aligned(**arrays: Any) -> None:
+    for name, arr in arrays.items():
+        if int(arr.data.ptr) % 16:
+            raise ValueError(f"{name} must start on a 16-byte boundary (16-byte loads), got address {arr.data.ptr:#x}")
+
+
+def warp_decode_batched(
+    x: Any,
+    w13: Any,
+    w2: Any,
+    topk_ids: Any,
+    topk_weights: Any,
+    out: Any = None,
+    workspace: Workspace | None = None,
+    **params: Any,
+) -> Any:
+    """One MoE decode layer by batched warp decode on CuPy arrays; returns ``out`` [T, H] (bf16 unless fp32 given).
+
+    With ``out`` and ``workspace`` (``make_workspace(dims)``) given nothing is allocated and nothing syncs
+    with the host (value checks of ``topk_ids`` are skipped during CUDA-graph capture; the kernels guard
+    every id: a bad id makes that token's output NaN). ``params``: compile-time knobs (:data:`DEFAULTS`).
+    """
+    cupy = _require_cupy(x=x, w13=w13, w2=w2, topk_ids=topk_ids, topk_weights=topk_weights)
+    dims = check_inputs(x, w13, w2, topk_ids, topk_weights)
+    if out is not None:
+        _require_cupy(out=out)
+        check_out(out, dims, cupy)
+    if workspace is not None:
+        if not isinstance(workspace, Workspace):
+            raise TypeError(f"workspace must come from warp_decode_batched.make_workspace(), "
+                            f"got {type(workspace).__name__}")
+        if not workspace.matches(dims):
+            raise ValueError(f"workspace was made for {workspace.dims}, this call needs {dims}")
+    resolved = resolve_params(dims, **params)
+    _check_aligned(x=x, w13=w13, w2=w2)
+    if out is None:
+        out = cupy.empty((dims.tokens, dims.hidden), dtype=BF16)
+    if workspace is None:
+        workspace = make_workspace(dims)
+    for _, run in _stage_list(kernels_for(resolved), resolved, workspace, x, w13, w2, topk_ids, topk_weights, out):
+        run()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Variant registry
+# ---------------------------------------------------------------------------------------------------
+def build(dims: Dims, **params: Any) -> Any:
+    """Compile once, allocate the workspace once; the returned launch only launches (graph-capturable)."""
+    resolved = resolve_params(dims, **params)
+    kernels = kernels_for(resolved)
+    workspace = make_workspace(dims)
+
+    def stages(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> list[tuple[str, Any]]:
+        return _stage_list(kernels, resolved, workspace, x, w13, w2, topk_ids, topk_weights, out)
+
+    def launch(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> None:
+        for _, run in stages(x, w13, w2, topk_ids, topk_weights, out):
+            run()
+
+    launch.stages = stages  # type: ignore[attr-defined]
+    launch.params = resolved  # type: ignore[attr-defined]
+    launch.workspace = workspace  # type: ignore[attr-defined]
+    return launch
+
+
+VARIANT = register(
+    Variant(
+        name="cupy:warp-decode-batched",
+        backend="cupy",
+        family="warp-decode-batched",
+        build=build,
+        reference_mode="warp_decode",
+        params={**DEFAULTS, **{knob: 0 for knob in AUTO_KNOBS}},
+        description="batched warp decode: per-expert warps read each expert's weights once per batch",
+        grid={
+            "GB_WARPS": [4, 8],
+            "GB_OUTS": [1, 2, 4],
+            "GB_UNROLL": [1, 2, 4],
+            "GB_BYTES": [8, 16],
+            "DB_WARPS": [4, 8],
+            "DB_OUTS": [2, 4, 8],
+            "DB_UNROLL": [1, 2, 3],
+            "DB_EARLY_INTER": [0, 1],
+        },
+    )
+)

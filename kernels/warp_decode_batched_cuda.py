@@ -1,0 +1,513 @@
+"""CUDA C of batched warp decode (kernels/warp_decode_batched.py); compiled through kernels.compile.
+
+Three kernels, knobs as ``#define`` (``LIST_*`` the routing lists, ``GB_*`` gate/up, ``DB_*`` down):
+
+* ``moe_expert_lists``   one block: the batch's active experts (ascending id), each one's offset / count
+                         into a pair list sorted by expert (stable by pair index), the active count.
+* ``moe_gate_up_batched`` one warp per (active expert, GB_OUTS neurons) for ALL pairs routed to the expert.
+* ``moe_down_batched``    one block per DB_OUTS hidden columns for ALL tokens; its warps split the experts.
+
+The bf16 conventions and device helpers (``Vec``/``word``/``ldg_chunk``, ``all_loads_arrived``,
+``f32_to_bf16``, ``warp_sum``) are copies of those in kernels/warp_decode_cupy.py (same bit-level
+behaviour, so the gate/up intermediate is bitwise equal to the strict kernel's at equal load width).
+"""
+
+from __future__ import annotations
+
+CODE = r"""
+// Batched warp decode for MoE decode: every expert's weights are read ONCE per batch (per token tile).
+// bf16 travels as raw 16-bit patterns: widening is a shift / mask, narrowing is integer RNE.
+// Knobs (#defines set by kernels.compile):
+//   LIST_THREADS, LIST_PER   threads of the list kernel, experts per thread (E + 1 <= product)
+//   GB_* gate/up, DB_* down: *_WARPS warps per block, *_OUTS outputs per warp, *_TILE pairs per pass
+//   (FP32 accumulators [TILE][OUTS] in registers), *_UNROLL chunk rounds in flight per lane,
+//   *_BYTES bytes per lane per load (4, 8, 16), *_MAX_REGS register cap (0: __launch_bounds__ only),
+//   DB_EARLY_INTER 1: the down kernel issues a round's intermediate loads together with its w2 loads
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+#define FULL_MASK 0xffffffffu
+#define BF16_NAN ((bf16_t)0x7fc0)
+
+static_assert(LIST_THREADS >= 32 && LIST_THREADS <= 1024 && LIST_THREADS % 32 == 0, "LIST_THREADS: 32..1024, x32");
+static_assert(LIST_PER >= 1 && LIST_PER <= 16, "LIST_PER must be 1..16");
+static_assert(GB_WARPS >= 1 && GB_WARPS <= 32 && DB_WARPS >= 1 && DB_WARPS <= 32, "WARPS must be 1..32");
+static_assert(GB_OUTS >= 1 && GB_OUTS <= 32 && DB_OUTS >= 1 && DB_OUTS <= 32, "OUTS must be 1..32");
+static_assert(GB_TILE >= 1 && GB_TILE <= 32 && DB_TILE >= 1 && DB_TILE <= 32, "TILE must be 1..32");
+static_assert(GB_UNROLL >= 1 && DB_UNROLL >= 1, "UNROLL must be >= 1");
+static_assert(GB_BYTES == 4 || GB_BYTES == 8 || GB_BYTES == 16, "GB_BYTES must be 4, 8 or 16");
+static_assert(DB_BYTES == 4 || DB_BYTES == 8 || DB_BYTES == 16, "DB_BYTES must be 4, 8 or 16");
+static_assert(DB_EARLY_INTER == 0 || DB_EARLY_INTER == 1, "DB_EARLY_INTER must be 0 or 1");
+
+// ---------------------------------------------------------------------------- helpers ----------
+// (copied from kernels/warp_decode_cupy.py: same conventions, same rounding)
+template <int BYTES> struct Vec;
+template <> struct Vec<16> { typedef uint4 T; };
+template <> struct Vec<8> { typedef uint2 T; };
+template <> struct Vec<4> { typedef u32 T; };
+
+__device__ __forceinline__ u32 word(const uint4& v, int w) { return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w; }
+__device__ __forceinline__ u32 word(const uint2& v, int w) { return w == 0 ? v.x : v.y; }
+__device__ __forceinline__ u32 word(const u32& v, int) { return v; }
+
+// read-only load of chunk c of a row, zeros when the chunk lies past the row's end (branch-free: a lane
+// past the end loads chunk 0 and selects zeros, so every load of a round can be hoisted above the FMAs)
+__device__ __forceinline__ uint4 zero_unless(bool ok, uint4 v) {
+    return make_uint4(ok ? v.x : 0u, ok ? v.y : 0u, ok ? v.z : 0u, ok ? v.w : 0u);
+}
+__device__ __forceinline__ uint2 zero_unless(bool ok, uint2 v) { return make_uint2(ok ? v.x : 0u, ok ? v.y : 0u); }
+__device__ __forceinline__ u32 zero_unless(bool ok, u32 v) { return ok ? v : 0u; }
+template <typename V>
+__device__ __forceinline__ V ldg_chunk(const V* row, int c, bool ok) {
+    return zero_unless(ok, __ldg(row + (ok ? c : 0)));
+}
+
+// Returns 0 computed from every word of a round's weight registers (0 * finite subnormal through an FMA
+// the compiler cannot fold): whatever depends on it waits for all of the round's weight loads, so ptxas
+// issues them all before the first FMA instead of sinking each load next to its use.
+template <typename V, int A, int B>
+__device__ __forceinline__ u32 all_loads_arrived(const V (&v)[A][B]) {
+    u32 sink = 0u;
+    #pragma unroll
+    for (int a = 0; a < A; ++a)
+        #pragma unroll
+        for (int b = 0; b < B; ++b)
+            #pragma unroll
+            for (int w = 0; w < (int)(sizeof(V) / 4); ++w) sink ^= word(v[a][b], w);
+    float zero;
+#ifdef WDB_HOST_EMULATION  // the CPU emulation in tests/test_warp_decode_batched.py
+    zero = fmaf(0.0f, __uint_as_float(sink & 0x007fffffu), 0.0f);
+#else
+    asm("fma.rn.f32 %0, %1, 0f00000000, 0f00000000;" : "=f"(zero) : "f"(__uint_as_float(sink & 0x007fffffu)));
+#endif
+    return __float_as_uint(zero);
+}
+
+__device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+
+__device__ __forceinline__ bf16_t f32_to_bf16(float f) {          // RNE; NaN stays a quiet NaN
+    const u32 b = __float_as_uint(f);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((b >> 16) | 0x0040u);
+    return (bf16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    #pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);
+    return v;  // every lane holds the same sum (fixed butterfly order: deterministic)
+}
+
+// The int32 ``lists`` buffer, S = min(E, T*K) + 1 list slots (every active expert + one for bad ids):
+//   lists[0]              slots used: active experts, plus 1 when some id is out of range
+//   lists[1], lists[2]    pairs with a good id, pairs with a bad id
+//   list_expert[S]        expert of each slot, ascending; the bad-id slot (last used) holds E
+//   list_offset[S]        first index of the slot's pairs in sorted_pairs
+//   list_count[S]         number of its pairs
+//   sorted_pairs[T*K]     pair ids p = t*K + k grouped by slot, ascending p inside a slot
+//   rank_of[T*K]          scratch of moe_expert_lists
+#define LIST_HEADER 4
+__device__ __forceinline__ const int* list_expert(const int* lists) { return lists + LIST_HEADER; }
+#define SLOT_ARRAY(k) (lists + LIST_HEADER + (k) * slots)
+__device__ __forceinline__ const int* list_offset(const int* lists, int slots) { return SLOT_ARRAY(1); }
+__device__ __forceinline__ const int* list_count(const int* lists, int slots) { return SLOT_ARRAY(2); }
+__device__ __forceinline__ const int* sorted_pairs(const int* lists, int slots) { return SLOT_ARRAY(3); }
+
+// ------------------------------------------------------------------------------------------------
+// moe_expert_lists: ONE block of LIST_THREADS threads; "expert" E stands for every out-of-range id.
+//   1) warp 0 walks the pairs 32 at a time, in pair order: lanes holding the same expert find each other
+//      (__match_any_sync); a pair's rank = its expert's pairs seen so far (shared running[e]) + the lanes
+//      of its group below it; the group's lowest lane then bumps running[e]. Deterministic, no atomics,
+//      T*K/32 steps. Ranks go to a global scratch rank_of[T*K].
+//   2) thread j owns experts j*LIST_PER .. j*LIST_PER+LIST_PER-1: a block scan of (pairs, active experts)
+//      over threads gives each expert its slot and first position; the slot arrays are written and
+//      running[e] becomes expert e's first position.
+//   3) every pair p goes to sorted_pairs[first[e] + rank_of[p]]: grouped by expert, ascending p inside.
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ int expert_key(int id, int experts) {
+    return (unsigned)id >= (unsigned)experts ? experts : id;      // every bad id -> the pseudo expert E
+}
+
+extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
+    const int* __restrict__ topk_ids,   // [T*K]
+    int pairs, int experts, int slots,
+    int* __restrict__ lists)
+{
+#ifdef WDB_HOST_EMULATION
+    int* running = reinterpret_cast<int*>(wdb_dynamic_shared);      // the CPU emulation's buffer
+#else
+    extern __shared__ int running[];                                 // [E + 1]
+#endif
+    __shared__ int scan_pairs[LIST_THREADS];
+    __shared__ int scan_slots[LIST_THREADS];
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    int* expert_of = lists + LIST_HEADER;
+    int* offset_of = lists + LIST_HEADER + slots;
+    int* count_of = lists + LIST_HEADER + 2 * slots;
+    int* sorted = lists + LIST_HEADER + 3 * slots;
+    int* rank_of = sorted + pairs;                                   // scratch [T*K]
+    for (int e = tid; e <= experts; e += LIST_THREADS) running[e] = 0;
+    __syncthreads();
+
+    // 1) ranks, in pair order (warp 0); the ids of 8 rounds of 32 pairs are loaded together (one latency)
+    if (tid < 32) {
+        for (int p0 = 0; p0 < pairs; p0 += 32 * 8) {
+            int keys[8];
+            #pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int p = p0 + 32 * j + lane;
+                keys[j] = p < pairs ? expert_key(__ldg(topk_ids + p), experts) : -1;
+            }
+            #pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int p = p0 + 32 * j + lane;
+                const int key = keys[j];
+                const u32 group = __match_any_sync(FULL_MASK, key);
+                const u32 below = group & ((1u << lane) - 1u);
+                const int base = p < pairs ? running[key] : 0;
+                __syncwarp();                                        // every lane has read before any update
+                if (p < pairs) {
+                    rank_of[p] = base + __popc(below);
+                    if (below == 0u) running[key] = base + __popc(group);
+                }
+                __syncwarp();
+            }
+        }
+    }
+    __syncthreads();
+
+    // 2) block scan over experts (thread order = expert order)
+    const int e_first = tid * LIST_PER;
+    int count[LIST_PER];
+    int my_pairs = 0, my_slots = 0;
+    #pragma unroll
+    for (int j = 0; j < LIST_PER; ++j) {
+        count[j] = e_first + j <= experts ? running[e_first + j] : 0;
+        my_pairs += count[j];
+        my_slots += count[j] > 0;
+    }
+    scan_pairs[tid] = my_pairs;
+    scan_slots[tid] = my_slots;
+    __syncthreads();
+    for (int d = 1; d < LIST_THREADS; d <<= 1) {                    // Hillis-Steele inclusive scan
+        const int add_p = tid >= d ? scan_pairs[tid - d] : 0;
+        const int add_s = tid >= d ? scan_slots[tid - d] : 0;
+        __syncthreads();
+        scan_pairs[tid] += add_p;
+        scan_slots[tid] += add_s;
+        __syncthreads();
+    }
+    if (tid == LIST_THREADS - 1) {
+        lists[0] = scan_slots[tid];            // slots used (the bad-id pseudo expert E is the last, if any)
+        lists[3] = 0;
+    }
+    int slot = scan_slots[tid] - my_slots;      // exclusive prefixes: this thread's first slot
+    int position = scan_pairs[tid] - my_pairs;  // and its first position in sorted_pairs
+    #pragma unroll
+    for (int j = 0; j < LIST_PER; ++j) {
+        const int e = e_first + j;
+        if (count[j] > 0) {
+            expert_of[slot] = e;
+            offset_of[slot] = position;
+            count_of[slot] = count[j];
+            ++slot;
+        }
+        if (e == experts) {                     // the bad-id pseudo expert
+            lists[1] = pairs - count[j];
+            lists[2] = count[j];
+        }
+        if (e <= experts) running[e] = position;                    // now: expert e's first position
+        position += count[j];
+    }
+    __syncthreads();
+
+    // 3) scatter (rank_of was written by warp 0 of this block before the __syncthreads: visible)
+    for (int p = tid; p < pairs; p += LIST_THREADS)
+        sorted[running[expert_key(__ldg(topk_ids + p), experts)] + rank_of[p]] = p;
+}
+
+// Register caps: __maxnreg__(N) (CUDA >= 12.4). With only __launch_bounds__(threads) ptxas picks ~64
+// registers for mid-size tiles and spills; an explicit cap keeps every default spill-free.
+#if GB_MAX_REGS > 0
+#define GB_BOUNDS __maxnreg__(GB_MAX_REGS)
+#else
+#define GB_BOUNDS __launch_bounds__(GB_WARPS * 32)
+#endif
+#if DB_MAX_REGS > 0
+#define DB_BOUNDS __maxnreg__(DB_MAX_REGS)
+#else
+#define DB_BOUNDS __launch_bounds__(DB_WARPS * 32)
+#endif
+
+// ------------------------------------------------------------------------------------------------
+// moe_gate_up_batched: intermediate[p, i] = bf16(SiLU(w13[e, i, :] . x[t]) * (w13[e, I+i, :] . x[t]))
+//   for every pair p = t*K + k routed to expert e.
+//   Block b owns list slot a = b / ceil(I / (GB_WARPS*GB_OUTS)) (slots past lists[0] exit at once);
+//   its warp w owns neurons i0 .. i0+GB_OUTS-1, i0 = ((b mod that) * GB_WARPS + w) * GB_OUTS, so the
+//   block's warps share the expert's x rows in L1. For each tile of GB_TILE of the expert's pairs:
+//   lane l loads chunks c = l, l+32, ... (GB_BYTES each) of the gate and up rows ONCE per round
+//   (GB_UNROLL rounds of 2*GB_OUTS loads in flight), then the same chunks of x[t] of every pair of the
+//   tile, and accumulates gate_acc[tile][o] / up_acc[tile][o] in FP32 registers in strict's per-lane
+//   order; warp butterfly; lane o stores neuron i0+o of each pair. Bit-identical to the strict kernel
+//   at the same GB_BYTES (lane -> chunk map, FMA order and reduction are the same).
+//   The bad-id slot (expert E) writes NaN to its pairs' neurons and reads no weights.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
+    const bf16_t* __restrict__ x,             // [T, H]
+    const bf16_t* __restrict__ w13,           // [E, 2I, H]
+    const int* __restrict__ lists,            // from moe_expert_lists
+    bf16_t* __restrict__ intermediate,        // [T, K, I]
+    int hidden, int inter, int experts, int top_k, int slots)
+{
+    typedef typename Vec<GB_BYTES>::T vec_t;
+    constexpr int WORDS = GB_BYTES / 4;
+    const int lane = threadIdx.x & 31;
+    const int per_slot = (inter + GB_WARPS * GB_OUTS - 1) / (GB_WARPS * GB_OUTS);   // blocks per slot
+    const int a = blockIdx.x / per_slot;
+    if (a >= __ldg(lists)) return;                                   // whole block leaves together
+    const int i0 = ((blockIdx.x - a * per_slot) * GB_WARPS + (threadIdx.x >> 5)) * GB_OUTS;
+    if (i0 >= inter) return;                                         // whole warp leaves together
+    const int e = __ldg(list_expert(lists) + a);
+    const int count = __ldg(list_count(lists, slots) + a);
+    const int* pairs = sorted_pairs(lists, slots) + __ldg(list_offset(lists, slots) + a);
+    if (e >= experts) {                                              // bad ids: NaN, no weight read
+        for (int j = 0; j < count; ++j) {
+            const long long p = __ldg(pairs + j);
+            if (lane < GB_OUTS && i0 + lane < inter) intermediate[p * inter + i0 + lane] = BF16_NAN;
+        }
+        return;
+    }
+
+    const int chunks = hidden / (GB_BYTES / 2);                      // H % 8 == 0: whole chunks only
+    const vec_t* gate_row[GB_OUTS];
+    const vec_t* up_row[GB_OUTS];
+    #pragma unroll
+    for (int o = 0; o < GB_OUTS; ++o) {
+        const int i = min(i0 + o, inter - 1);                        // past-the-end neurons re-read the last row
+        const size_t row = ((size_t)e * 2 * inter + i) * (size_t)hidden;
+        gate_row[o] = reinterpret_cast<const vec_t*>(w13 + row);
+        up_row[o] = reinterpret_cast<const vec_t*>(w13 + row + (size_t)inter * hidden);
+    }
+
+    for (int tile = 0; tile < count; tile += GB_TILE) {              // usually ONE pass (count <= GB_TILE)
+        const int n = min(GB_TILE, count - tile);
+        const vec_t* x_row[GB_TILE];                                 // x[t] of each pair (past n: a valid row)
+        #pragma unroll
+        for (int tt = 0; tt < GB_TILE; ++tt) {
+            const long long p = __ldg(pairs + tile + min(tt, n - 1));
+            x_row[tt] = reinterpret_cast<const vec_t*>(x + (p / top_k) * hidden);
+        }
+        float gate_acc[GB_TILE][GB_OUTS], up_acc[GB_TILE][GB_OUTS];
+        #pragma unroll
+        for (int tt = 0; tt < GB_TILE; ++tt)
+            #pragma unroll
+            for (int o = 0; o < GB_OUTS; ++o) gate_acc[tt][o] = up_acc[tt][o] = 0.0f;
+
+        for (int base = 0; base < chunks; base += 32 * GB_UNROLL) {
+            // 1) every weight load of the round (2 * GB_OUTS * GB_UNROLL per lane): read once for the tile
+            vec_t wg[GB_UNROLL][GB_OUTS], wu[GB_UNROLL][GB_OUTS];
+            #pragma unroll
+            for (int j = 0; j < GB_UNROLL; ++j) {
+                const int c = base + j * 32 + lane;
+                const bool ok = c < chunks;
+                #pragma unroll
+                for (int o = 0; o < GB_OUTS; ++o) {
+                    wg[j][o] = ldg_chunk(gate_row[o], c, ok);
+                    wu[j][o] = ldg_chunk(up_row[o], c, ok);
+                }
+            }
+            const float zero = __uint_as_float(all_loads_arrived(wg) | all_loads_arrived(wu));
+            // 2) per pair of the tile: its x chunks (L1 hits), FMAs in the strict kernel's order
+            #pragma unroll
+            for (int tt = 0; tt < GB_TILE; ++tt) {
+                if (tt < n) {                                        // warp-uniform
+                    vec_t xv[GB_UNROLL];
+                    #pragma unroll
+                    for (int j = 0; j < GB_UNROLL; ++j) {
+                        const int c = base + j * 32 + lane;
+                        xv[j] = ldg_chunk(x_row[tt], c, c < chunks);
+                    }
+                    gate_acc[tt][0] += zero;                         // += 0.0f, as the strict kernel does
+                    #pragma unroll
+                    for (int j = 0; j < GB_UNROLL; ++j) {
+                        #pragma unroll
+                        for (int w = 0; w < WORDS; ++w) {
+                            const float x_lo = bf16_lo(word(xv[j], w)), x_hi = bf16_hi(word(xv[j], w));
+                            #pragma unroll
+                            for (int o = 0; o < GB_OUTS; ++o) {
+                                gate_acc[tt][o] = fmaf(bf16_lo(word(wg[j][o], w)), x_lo, gate_acc[tt][o]);
+                                gate_acc[tt][o] = fmaf(bf16_hi(word(wg[j][o], w)), x_hi, gate_acc[tt][o]);
+                                up_acc[tt][o] = fmaf(bf16_lo(word(wu[j][o], w)), x_lo, up_acc[tt][o]);
+                                up_acc[tt][o] = fmaf(bf16_hi(word(wu[j][o], w)), x_hi, up_acc[tt][o]);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+
+        #pragma unroll
+        for (int tt = 0; tt < GB_TILE; ++tt) {
+            if (tt < n) {                                            // warp-uniform
+                const long long p = __ldg(pairs + tile + tt);
+                #pragma unroll
+                for (int o = 0; o < GB_OUTS; ++o) {
+                    const float g = warp_sum(gate_acc[tt][o]);
+                    const float u = warp_sum(up_acc[tt][o]);
+                    if (lane == o && i0 + o < inter) {
+                        const float silu = g / (1.0f + expf(-g));    // IEEE division (no fast-math)
+                        intermediate[p * inter + i0 + o] = f32_to_bf16(silu * u);  // the one bf16 rounding
+                    }
+                }
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// moe_down_batched: out[t, h] = sum over pairs p = t*K + k of topk_weights[p] * (w2[e_p, h, :] . intermediate[p])
+//   Block b owns hidden columns h0 .. h0+DB_OUTS-1 (h0 = b * DB_OUTS) for ALL tokens. Warp w takes list
+//   slots a = w, w + DB_WARPS, ... (fixed assignment, ascending): lane l loads chunks c = l, l+32, ... of
+//   the DB_OUTS rows w2[e, h, :] ONCE per tile of DB_TILE of the expert's pairs (DB_UNROLL rounds of
+//   DB_OUTS loads in flight), then the same chunks of each pair's intermediate row (L1/L2 hits); FP32
+//   accumulators acc[tile][o] in registers; warp butterfly; lane o adds topk_weight * dot to the warp's
+//   own shared-memory partial[w][t][o] (pairs in fixed order, plain adds). After __syncthreads, thread
+//   (t, o) sums the DB_WARPS partials in warp order and writes out[t, h0+o] once: deterministic, no atomics.
+//   A token with any expert id outside [0, E) gets NaN (its good pairs are computed and ignored).
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void DB_BOUNDS moe_down_batched(
+    const bf16_t* __restrict__ intermediate,  // [T, K, I]
+    const bf16_t* __restrict__ w2,            // [E, H, I]
+    const int* __restrict__ topk_ids,         // [T, K]
+    const float* __restrict__ topk_weights,   // [T, K]
+    const int* __restrict__ lists,            // from moe_expert_lists
+    void* __restrict__ out,                   // [T, H] bf16, or float32 when out_f32
+    int out_f32, int tokens, int hidden, int inter, int experts, int top_k, int slots)
+{
+    typedef typename Vec<DB_BYTES>::T vec_t;
+    constexpr int WORDS = DB_BYTES / 4;
+#ifdef WDB_HOST_EMULATION
+    float* partial = wdb_dynamic_shared;                             // the CPU emulation's buffer
+#else
+    extern __shared__ float partial[];                               // [DB_WARPS][T][DB_OUTS]
+#endif
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int h0 = blockIdx.x * DB_OUTS;
+    float* mine = partial + (size_t)warp * tokens * DB_OUTS;
+    for (int j = lane; j < tokens * DB_OUTS; j += 32) mine[j] = 0.0f;
+    __syncwarp();
+
+    const int chunks = inter / (DB_BYTES / 2);                       // I % 8 == 0: whole chunks only
+    const int used = __ldg(lists);
+    for (int a = warp; a < used; a += DB_WARPS) {
+        const int e = __ldg(list_expert(lists) + a);
+        if (e >= experts) continue;                                  // the bad-id slot: NaN below
+        const int count = __ldg(list_count(lists, slots) + a);
+        const int* pairs = sorted_pairs(lists, slots) + __ldg(list_offset(lists, slots) + a);
+        const vec_t* rows[DB_OUTS];
+        #pragma unroll
+        for (int o = 0; o < DB_OUTS; ++o) {
+            const int h = min(h0 + o, hidden - 1);                   // past-the-end columns re-read the last row
+            rows[o] = reinterpret_cast<const vec_t*>(w2 + ((size_t)e * hidden + h) * inter);
+        }
+        for (int tile = 0; tile < count; tile += DB_TILE) {
+            const int n = min(DB_TILE, count - tile);
+            long long inter_off[DB_TILE];                            // intermediate row of each pair (in chunks)
+            #pragma unroll
+            for (int tt = 0; tt < DB_TILE; ++tt)
+                inter_off[tt] = (long long)__ldg(pairs + tile + min(tt, n - 1)) * chunks;
+            float acc[DB_TILE][DB_OUTS];
+            #pragma unroll
+            for (int tt = 0; tt < DB_TILE; ++tt)
+                #pragma unroll
+                for (int o = 0; o < DB_OUTS; ++o) acc[tt][o] = 0.0f;
+
+            for (int c0 = 0; c0 < chunks; c0 += 32 * DB_UNROLL) {
+                // 1) all DB_UNROLL x DB_OUTS w2 loads of the round (once for the whole tile)
+                vec_t wv[DB_UNROLL][DB_OUTS];
+                #pragma unroll
+                for (int r = 0; r < DB_UNROLL; ++r) {
+                    const int c = c0 + r * 32 + lane;
+                    #pragma unroll
+                    for (int o = 0; o < DB_OUTS; ++o) wv[r][o] = ldg_chunk(rows[o], c, c < chunks);
+                }
+#if DB_EARLY_INTER
+                // 2) ... and the tile's intermediate chunks in the same breath (L2 hits; pairs past n re-read
+                //    pair n-1's row, an L1 hit), so their latency overlaps the w2 loads' instead of following it
+                vec_t iv[DB_TILE][DB_UNROLL];
+                #pragma unroll
+                for (int tt = 0; tt < DB_TILE; ++tt)
+                    #pragma unroll
+                    for (int r = 0; r < DB_UNROLL; ++r) {
+                        const int c = c0 + r * 32 + lane;
+                        iv[tt][r] = ldg_chunk(reinterpret_cast<const vec_t*>(intermediate) + inter_off[tt], c,
+                                              c < chunks);
+                    }
+                acc[0][0] += __uint_as_float(all_loads_arrived(wv) | all_loads_arrived(iv));  // += 0.0f
+#else
+                // 2) the intermediate chunks only after every w2 load arrived (the strict kernel's order)
+                const vec_t* inter_r = reinterpret_cast<const vec_t*>(intermediate) + all_loads_arrived(wv);
+#endif
+                // 3) per pair: FMAs into its accumulators (the intermediate chunk shared by the DB_OUTS rows)
+                #pragma unroll
+                for (int tt = 0; tt < DB_TILE; ++tt) {
+                    if (tt < n) {                                    // warp-uniform
+                        #pragma unroll
+                        for (int r = 0; r < DB_UNROLL; ++r) {
+#if DB_EARLY_INTER
+                            const vec_t v = iv[tt][r];
+#else
+                            const int c = c0 + r * 32 + lane;
+                            const vec_t v = ldg_chunk(inter_r + inter_off[tt], c, c < chunks);
+#endif
+                            #pragma unroll
+                            for (int w = 0; w < WORDS; ++w) {
+                                const float a_lo = bf16_lo(word(v, w)), a_hi = bf16_hi(word(v, w));
+                                #pragma unroll
+                                for (int o = 0; o < DB_OUTS; ++o) {
+                                    acc[tt][o] = fmaf(bf16_lo(word(wv[r][o], w)), a_lo, acc[tt][o]);
+                                    acc[tt][o] = fmaf(bf16_hi(word(wv[r][o], w)), a_hi, acc[tt][o]);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+
+            #pragma unroll
+            for (int tt = 0; tt < DB_TILE; ++tt) {
+                if (tt < n) {                                        // warp-uniform
+                    const int p = __ldg(pairs + tile + tt);
+                    const float weight = __ldg(topk_weights + p);
+                    const int t = p / top_k;
+                    #pragma unroll
+                    for (int o = 0; o < DB_OUTS; ++o) {
+                        const float dot = warp_sum(acc[tt][o]);
+                        if (lane == o) mine[t * DB_OUTS + o] = __fadd_rn(mine[t * DB_OUTS + o], __fmul_rn(weight, dot));
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();
+
+    // every (token, column) of the block: the warps' partials in warp order, written once
+    for (int j = threadIdx.x; j < tokens * DB_OUTS; j += DB_WARPS * 32) {
+        const int t = j / DB_OUTS;
+        const int h = h0 + (j - t * DB_OUTS);
+        if (h >= hidden) continue;
+        float v = 0.0f;
+        #pragma unroll
+        for (int w = 0; w < DB_WARPS; ++w) v = __fadd_rn(v, partial[(size_t)w * tokens * DB_OUTS + j]);
+        bool bad = false;
+        for (int k = 0; k < top_k; ++k) bad |= (unsigned)__ldg(topk_ids + t * top_k + k) >= (unsigned)experts;
+        if (bad) v = __int_as_float(0x7fc00000);
+        const long long idx = (long long)t * hidden + h;
+        if (out_f32) reinterpret_cast<float*>(out)[idx] = v;
+        else reinterpret_cast<bf16_t*>(out)[idx] = f32_to_bf16(v);  // the one final rounding
+    }
+}
+"""
+
+KERNELS = ("moe_expert_lists", "moe_gate_up_batched", "moe_down_batched")

@@ -1,0 +1,774 @@
+"""Batched warp decode (kernels/warp_decode_batched.py).
+
+CPU tests: argument checks before any device call (stand-in "cupy" arrays), knob validation and the auto
+knobs, the offline compile (zero spills / stack) of the defaults and of every preset's resolved knobs, the
+variant registration, and the CUDA C itself emulated on the CPU (g++, one std::thread per thread of a
+block, shuffles and __syncthreads through barriers): the routing lists against a NumPy model, the whole
+layer against ``reference.moe_decode``, the gate/up intermediate BITWISE against the strict kernel's
+(kernels/warp_decode_cupy.py, emulated the same way), bad ids -> NaN rows.
+
+GPU tests (``-m gpu``, the H200): presets at T in {1, 3, 8, 64}, odd shapes, every routing (incl. "same" and
+fixed ids with duplicates), fp32 out, the intermediate bitwise equal to the strict kernel's, bitwise
+repeatability over 3 runs, bad ids (ValueError outside capture, NaN rows inside the kernels), CUDA-graph
+capture + replay on new routing, the stages and the variant, a sample of the knob grid.
+
+Tolerance vs ``reference.moe_decode(mode="warp_decode")``: as tests/test_warp_decode_cupy.py explains
+(|got - ref| <= ulp(|ref|) + ulp(RMS / 4), >= 95 % bitwise, rel-L2 vs fp64 < 5e-3). The sum over a token's
+K slots runs in a different order here (by down warp, then by expert id), which only moves fp32 ulps.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kernels import warp_decode_batched as wdb
+from kernels import warp_decode_cupy as wdc
+from kernels.contract import BF16, Dims
+from kernels.numerics import bf16_ulp, rel_l2
+from kernels.problem import Problem, make_problem
+from kernels.reference import moe_decode
+from kernels.routing import make_routing
+from kernels.shapes import PRESETS, MoEShape
+
+MAX_REL_L2 = 5e-3
+MIN_BITWISE = 0.95
+
+
+# ---------------------------------------------------------------------------------------------------
+# Helpers (the conventions of tests/test_warp_decode_cupy.py, kept here so the two files evolve apart)
+# ---------------------------------------------------------------------------------------------------
+class _Flags:
+    c_contiguous = True
+
+
+class FakeCupyArray:
+    """Looks like a cupy.ndarray to the checks (module name, shape, dtype, flags); has no device memory."""
+
+    __module__ = "cupy._fake"
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any) -> None:
+        self.shape = tuple(shape)
+        self.ndim = len(shape)
+        self.dtype = np.dtype(dtype)
+        self.flags = _Flags()
+
+
+def _seed(rng: np.random.Generator) -> int:
+    return int(rng.integers(1, 2**30))
+
+
+def _poisoned_out(cupy: Any, tokens: int, hidden: int, dtype: Any = BF16) -> Any:
+    out = cupy.empty((tokens, hidden), dtype=dtype)
+    if np.dtype(dtype) == BF16:
+        out.view(cupy.uint16).fill(0x7FC0)  # bf16 NaN
+    else:
+        out.fill(np.nan)
+    return out
+
+
+def _token_slice(problem: Problem, start: int, stop: int) -> Problem:
+    return Problem(problem.shape, stop - start, problem.seed, problem.routing, problem.x[start:stop], problem.w13,
+                   problem.w2, problem.topk_ids[start:stop], problem.topk_weights[start:stop])
+
+
+def _references(problem: Problem, out_dtype: Any = BF16) -> tuple[np.ndarray, np.ndarray]:
+    """(reference warp_decode mode, fp64 oracle) on the host from the touched experts only, token chunks in
+    parallel threads (NumPy releases the GIL), host copies kept under ~32 GB."""
+    tokens = problem.tokens
+    workers = max(1, min(8, os.cpu_count() or 1, tokens))
+    step = math.ceil(tokens / workers)
+    per_chunk = min(problem.shape.experts, step * problem.shape.top_k) * problem.shape.expert_bytes
+    workers = max(1, min(workers, int(32e9 // max(1, per_chunk))))
+
+    def run(start: int) -> tuple[np.ndarray, np.ndarray]:
+        host = _token_slice(problem, start, min(tokens, start + step)).compact()
+        return (moe_decode(*host.arrays, mode="warp_decode", out_dtype=out_dtype),
+                moe_decode(*host.arrays, mode="fp64"))
+
+    with ThreadPoolExecutor(workers) as pool:
+        parts = list(pool.map(run, range(0, tokens, step)))
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def write_fresh_inputs(cupy: Any, problem: Problem, seed: int, routing: str = "zipf") -> None:
+    """New x and routing (other experts, other counts) written into the problem's device buffers (no new weights)."""
+    shape = problem.shape
+    ids, weights = make_routing(problem.tokens, shape.experts, shape.top_k, routing, seed)
+    x = np.random.default_rng([seed, 0]).standard_normal((problem.tokens, shape.hidden), dtype=np.float32)
+    problem.x.view(cupy.uint16)[...] = cupy.asarray(x.astype(BF16).view(np.uint16))
+    problem.topk_ids[...] = cupy.asarray(ids)
+    problem.topk_weights[...] = cupy.asarray(weights)
+
+
+def _assert_matches(got: np.ndarray, faithful: np.ndarray, oracle: np.ndarray, what: str) -> dict[str, float]:
+    """All written; |got - ref| <= ulp(|ref|) + ulp(RMS / 4); >= 95 % bitwise (bf16); rel-L2 vs fp64 < 5e-3."""
+    assert got.shape == faithful.shape, what
+    g = got.astype(np.float64)
+    r = faithful.astype(np.float64)
+    assert np.all(np.isfinite(g)), f"{what}: {np.sum(~np.isfinite(g))} outputs not written (NaN poison) or inf"
+    rms = float(np.sqrt(np.mean(r * r)))
+    if got.dtype == BF16:
+        tol = bf16_ulp(r) + bf16_ulp(np.full_like(r, rms / 4))
+        bitwise = float(np.mean(got.view(np.uint16) == faithful.view(np.uint16)))
+    else:  # fp32 out: no final rounding; allow the pre-rounding difference only
+        tol = np.abs(r) * 2.0**-16 + rms * 2.0**-10
+        bitwise = float(np.mean(got.view(np.uint32) == faithful.view(np.uint32)))
+    excess = np.abs(g - r) - tol
+    worst = int(np.argmax(excess))
+    assert excess.flat[worst] <= 0, (
+        f"{what}: |got - ref| beyond tolerance at {np.unravel_index(worst, r.shape)}: got {g.flat[worst]!r} "
+        f"ref {r.flat[worst]!r} tol {tol.flat[worst]!r} (rms {rms:.3g})"
+    )
+    if got.dtype == BF16:
+        assert bitwise >= MIN_BITWISE, f"{what}: only {bitwise:.3%} bitwise equal to mode='warp_decode'"
+    rel = rel_l2(g, oracle)
+    assert rel < MAX_REL_L2, f"{what}: rel-L2 vs fp64 {rel:.3g}"
+    return {"bitwise": bitwise, "rel_l2": rel}
+
+
+QWEN30 = PRESETS["qwen3-30b-a3b"]
+
+
+def _dims(problem: Problem) -> Dims:
+    s = problem.shape
+    return Dims(problem.tokens, s.hidden, s.intermediate, s.experts, s.top_k)
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU: argument checks, knobs, registration, offline compile
+# ---------------------------------------------------------------------------------------------------
+def _fake_inputs(T: int = 2, H: int = 16, I: int = 8, E: int = 3, K: int = 2) -> dict[str, FakeCupyArray]:
+    return {
+        "x": FakeCupyArray((T, H), BF16),
+        "w13": FakeCupyArray((E, 2 * I, H), BF16),
+        "w2": FakeCupyArray((E, H, I), BF16),
+        "topk_ids": FakeCupyArray((T, K), np.int32),
+        "topk_weights": FakeCupyArray((T, K), np.float32),
+    }
+
+
+def _call(**arrays: Any) -> Any:
+    return wdb.warp_decode_batched(arrays["x"], arrays["w13"], arrays["w2"], arrays["topk_ids"],
+                                   arrays["topk_weights"], **arrays.get("params", {}))
+
+
+def test_numpy_inputs_are_a_type_error() -> None:
+    problem = make_problem("tiny", 2, seed=3)
+    with pytest.raises(TypeError, match="x must be a cupy"):
+        wdb.warp_decode_batched(*problem.arrays)
+
+
+@pytest.mark.parametrize(
+    ("name", "replacement", "error", "match"),
+    [
+        ("x", FakeCupyArray((2, 16), np.float32), TypeError, "x must have dtype"),
+        ("w13", FakeCupyArray((3, 15, 16), BF16), ValueError, "even"),
+        ("w2", FakeCupyArray((3, 16, 4), BF16), ValueError, "w2 must be"),
+        ("topk_ids", FakeCupyArray((2, 2), np.int64), TypeError, "topk_ids must have dtype"),
+        ("topk_weights", FakeCupyArray((2, 3), np.float32), ValueError, "topk_weights must be"),
+        ("x", FakeCupyArray((2, 12), BF16), ValueError, "w13 is"),
+    ],
+)
+def test_bad_inputs_raise_before_any_device_call(name: str, replacement: Any, error: type, match: str) -> None:
+    arrays = _fake_inputs()
+    arrays[name] = replacement
+    with pytest.raises(error, match=match):
+        _call(**arrays)
+
+
+def test_resolve_params_validates() -> None:
+    dims = Dims(8, 2048, 768, 128, 8)
+    with pytest.raises(ValueError, match="unknown"):
+        wdb.resolve_params(dims, GU_OUTS=2)
+    with pytest.raises(TypeError, match="GB_OUTS"):
+        wdb.resolve_params(dims, GB_OUTS=2.0)
+    with pytest.raises(ValueError, match="GB_BYTES"):
+        wdb.resolve_params(dims, GB_BYTES=12)
+    with pytest.raises(ValueError, match="DB_WARPS"):
+        wdb.resolve_params(dims, DB_WARPS=0)
+    with pytest.raises(ValueError, match="LIST_THREADS"):
+        wdb.resolve_params(dims, LIST_THREADS=100)
+    with pytest.raises(ValueError, match="list kernel"):
+        wdb.resolve_params(Dims(1, 8, 8, 1000, 1), LIST_THREADS=64, LIST_PER=2)
+    with pytest.raises(ValueError, match="shared memory"):
+        wdb.resolve_params(Dims(4096, 2048, 768, 128, 8))
+    resolved = wdb.resolve_params(dims)
+    assert set(resolved) == set(wdb.DEFAULTS) and all(v > 0 for k, v in resolved.items() if "MAX_REGS" not in k)
+
+
+def test_auto_knobs() -> None:
+    tiles = {t: wdb.auto_tile(Dims(t, 2048, 768, 128, 8)) for t in (1, 2, 4, 8, 16, 32, 64)}
+    assert tiles == {1: 1, 2: 2, 4: 2, 8: 2, 16: 4, 32: 8, 64: 8}
+    assert wdb.auto_tile(Dims(64, 4096, 14336, 8, 2)) == wdb.MAX_TILE  # mixtral: 16 pairs per expert
+    assert wdb.auto_tile(Dims(3, 8, 8, 1, 1)) == 4  # never above the next power of two of T
+    assert wdb.resolve_params(Dims(2, 2048, 512, 512, 10))["LIST_PER"] == 3  # (512 + 1) / 256
+    assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8))["DB_UNROLL"] == 1
+    assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8))["DB_UNROLL"] == 2
+    assert wdb.slots(Dims(2, 8, 8, 128, 8)) == 17 and wdb.slots(Dims(64, 8, 8, 128, 8)) == 129
+    assert wdb.lists_size(Dims(2, 8, 8, 128, 8)) == 4 + 3 * 17 + 2 * 16
+    assert wdb.max_tokens() == 48 * 1024 // (8 * 4 * 4)
+
+
+def test_source_and_variant_are_registered() -> None:
+    from kernels.compile import SOURCES
+    from kernels.variants import REGISTRY
+
+    assert SOURCES["warp_decode_batched"] is wdb.SOURCE
+    variant = REGISTRY["cupy:warp-decode-batched"]
+    assert variant.reference_mode == "warp_decode" and variant.family == "warp-decode-batched"
+    assert variant.grid and set(variant.grid) <= set(wdb.DEFAULTS)
+
+
+def test_offline_compile_defaults_and_presets_without_spills() -> None:
+    """Every kernel at the defaults and at every preset's resolved knobs: sm_90, zero spills, zero stack."""
+    from kernels.compile import offline_report
+
+    for params in [{}, *wdb.SOURCE.variants]:
+        reports = offline_report(wdb.SOURCE, **params)
+        assert {r.kernel for r in reports} == set(wdb.SOURCE.kernels)
+        for r in reports:
+            assert r.spills == 0 and r.stack_bytes == 0, (params, r)
+            assert r.registers <= 128, (params, r)
+
+
+def test_variant_grid_corners_compile() -> None:
+    from kernels.compile import offline_report
+
+    grid = wdb.VARIANT.grid
+    dims = Dims(64, 2048, 768, 128, 8)
+    for params in ({k: max(v) for k, v in grid.items()}, {k: min(v) for k, v in grid.items()}):
+        resolved = wdb.resolve_params(dims, **params)
+        assert {r.kernel for r in offline_report(wdb.SOURCE, **resolved)} == set(wdb.SOURCE.kernels)
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU: the routing lists, modelled in NumPy
+# ---------------------------------------------------------------------------------------------------
+def expert_lists_numpy(topk_ids: np.ndarray, experts: int) -> dict[str, Any]:
+    """What moe_expert_lists writes: slots in ascending expert id (bad ids last, as expert E), pairs stable."""
+    flat = np.asarray(topk_ids, np.int64).ravel()
+    keyed = np.where((flat < 0) | (flat >= experts), experts, flat)
+    order = np.argsort(keyed, kind="stable")
+    slot_experts, offsets, counts = np.unique(keyed[order], return_index=True, return_counts=True)
+    bad = int(np.sum(keyed == experts))
+    return {"used": int(slot_experts.size), "good": flat.size - bad, "bad": bad, "expert": slot_experts,
+            "offset": offsets, "count": counts, "sorted": order}
+
+
+def _unpack_lists(raw: np.ndarray, dims: Dims) -> dict[str, Any]:
+    s = wdb.slots(dims)
+    used = int(raw[0])
+    h = wdb.LIST_HEADER
+    return {"used": used, "good": int(raw[1]), "bad": int(raw[2]), "expert": raw[h:h + used],
+            "offset": raw[h + s:h + s + used], "count": raw[h + 2 * s:h + 2 * s + used],
+            "sorted": raw[h + 3 * s:h + 3 * s + dims.tokens * dims.top_k]}
+
+
+def _assert_lists_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
+    for key in ("used", "good", "bad"):
+        assert got[key] == want[key], key
+    for key in ("expert", "offset", "count", "sorted"):
+        assert np.array_equal(np.asarray(got[key]), np.asarray(want[key])), key
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU: the CUDA C emulated (g++; all threads of a block as std::threads, barriers for warps and blocks)
+# ---------------------------------------------------------------------------------------------------
+EMULATION_HARNESS = r"""
+#include <barrier>
+#include <math.h>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+#include <algorithm>
+#define WDB_HOST_EMULATION 1
+#define WD_HOST_EMULATION 1  // the strict kernel's switch (kernels/warp_decode_cupy.py), for its gate_up
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __maxnreg__(...)
+#define __restrict__ __restrict
+#define __shared__ static
+struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
+struct Dim3 { unsigned x = 0, y = 0, z = 0; };
+thread_local Dim3 threadIdx, blockIdx;
+struct WarpCtx { std::barrier<> bar{32}; uint32_t slots[32]; };
+thread_local WarpCtx* g_warp = nullptr;
+std::barrier<>* g_block = nullptr;
+float* wdb_dynamic_shared = nullptr;
+template <class T> inline T __ldg(const T* p) { return *p; }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+inline void __syncthreads() { g_block->arrive_and_wait(); }
+inline void __syncwarp() { g_warp->bar.arrive_and_wait(); }
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+template <class T> inline T exchange(T v, int src) {
+    const int lane = threadIdx.x & 31;
+    std::memcpy(&g_warp->slots[lane], &v, 4);
+    g_warp->bar.arrive_and_wait();
+    T r; std::memcpy(&r, &g_warp->slots[src & 31], 4);
+    g_warp->bar.arrive_and_wait();
+    return r;
+}
+template <class T> inline T __shfl_sync(unsigned, T v, int src) { return exchange(v, src); }
+inline bool __any_sync(unsigned, bool p) {
+    int any = 0;
+    for (int l = 0; l < 32; ++l) any |= exchange((int)p, l);
+    return any != 0;
+}
+template <class T> inline T __shfl_xor_sync(unsigned, T v, int m) { return exchange(v, (int)(threadIdx.x & 31) ^ m); }
+inline unsigned __match_any_sync(unsigned, int v) {
+    unsigned mask = 0;
+    for (int l = 0; l < 32; ++l) mask |= (unsigned)(exchange(v, l) == v) << l;
+    return mask;
+}
+using std::min;
+#include "kernel.cu"
+
+template <class F> void launch(long long blocks, int threads, F body) {
+    // every thread of a block is a std::thread; blocks run one after another (a block barrier between)
+    std::barrier<> block_bar(threads);
+    g_block = &block_bar;
+    std::vector<std::unique_ptr<WarpCtx>> warps;
+    for (int w = 0; w < threads / 32; ++w) warps.emplace_back(new WarpCtx);
+    std::vector<std::thread> pool;
+    for (int l = 0; l < threads; ++l)
+        pool.emplace_back([&, l] {
+            g_warp = warps[l / 32].get();
+            for (long long b = 0; b < blocks; ++b) {
+                threadIdx.x = l;
+                blockIdx.x = (unsigned)b;
+                body();
+                block_bar.arrive_and_wait();
+            }
+        });
+    for (auto& t : pool) t.join();
+}
+template <class T> std::vector<T> load(const std::string& path, size_t n) {
+    std::vector<T> v(n);
+    FILE* f = fopen(path.c_str(), "rb");
+    if (!f || fread(v.data(), sizeof(T), n, f) != n) { perror(path.c_str()); exit(2); }
+    fclose(f);
+    return v;
+}
+template <class T> void save(const std::string& path, const std::vector<T>& v) {
+    FILE* f = fopen(path.c_str(), "wb");
+    fwrite(v.data(), sizeof(T), v.size(), f);
+    fclose(f);
+}
+int main(int argc, char** argv) {
+    int T = atoi(argv[1]), H = atoi(argv[2]), I = atoi(argv[3]), E = atoi(argv[4]), K = atoi(argv[5]);
+    int f32 = atoi(argv[6]);
+    long long gu_blocks = atoll(argv[7]), dn_blocks = atoll(argv[8]);
+    int slots = atoi(argv[9]), lists_size = atoi(argv[10]);
+    std::string dir = argv[11];
+    auto x = load<uint16_t>(dir + "/x.bin", (size_t)T * H);
+    auto w13 = load<uint16_t>(dir + "/w13.bin", (size_t)E * 2 * I * H);
+    auto w2 = load<uint16_t>(dir + "/w2.bin", (size_t)E * H * I);
+    auto ids = load<int>(dir + "/ids.bin", (size_t)T * K);
+    auto wts = load<float>(dir + "/wts.bin", (size_t)T * K);
+    std::vector<int> lists(lists_size, -12345);
+    std::vector<uint16_t> inter((size_t)T * K * I, 0x7fc0);
+    std::vector<uint32_t> out((size_t)T * H, 0x7fc07fc0u);  // NaN poison in either view
+    std::vector<float> shared(std::max((size_t)DB_WARPS * T * DB_OUTS, (size_t)E + 1), __uint_as_float(0x7fc00000u));
+    wdb_dynamic_shared = shared.data();
+    launch(1, LIST_THREADS, [&] { moe_expert_lists(ids.data(), T * K, E, slots, lists.data()); });
+    launch(gu_blocks, GB_WARPS * 32,
+           [&] { moe_gate_up_batched(x.data(), w13.data(), lists.data(), inter.data(), H, I, E, K, slots); });
+    launch(dn_blocks, DB_WARPS * 32, [&] {
+        moe_down_batched(inter.data(), w2.data(), ids.data(), wts.data(), lists.data(), out.data(), f32, T, H, I, E,
+                         K, slots);
+    });
+    save(dir + "/lists.bin", lists);
+    save(dir + "/inter.bin", inter);
+    out.resize(f32 ? out.size() : (out.size() + 1) / 2);
+    FILE* f = fopen((dir + "/out.bin").c_str(), "wb");
+    fwrite(out.data(), 1, (size_t)T * H * (f32 ? 4 : 2), f);
+    fclose(f);
+    return 0;
+}
+"""
+
+# the strict kernel's gate_up alone, for the bitwise comparison of the intermediate
+STRICT_GATE_UP_MAIN = r"""
+int main(int argc, char** argv) {
+    int T = atoi(argv[1]), H = atoi(argv[2]), I = atoi(argv[3]), E = atoi(argv[4]), K = atoi(argv[5]);
+    long long gu_blocks = atoll(argv[6]);
+    std::string dir = argv[7];
+    auto x = load<uint16_t>(dir + "/x.bin", (size_t)T * H);
+    auto w13 = load<uint16_t>(dir + "/w13.bin", (size_t)E * 2 * I * H);
+    auto ids = load<int>(dir + "/ids.bin", (size_t)T * K);
+    std::vector<uint16_t> inter((size_t)T * K * I, 0x7fc0);
+    launch(gu_blocks, GU_WARPS * 32,
+           [&] { moe_gate_up_3d_batched(x.data(), w13.data(), ids.data(), inter.data(), T, H, I, E, K); });
+    FILE* f = fopen((dir + "/inter.bin").c_str(), "wb");
+    fwrite(inter.data(), 2, inter.size(), f);
+    fclose(f);
+    return 0;
+}
+"""
+
+_BINARIES: dict[str, str] = {}
+
+
+def _build(text: str, harness: str) -> str:
+    key = harness + text
+    binary = _BINARIES.get(key)
+    if binary is None:
+        if shutil.which("g++") is None:
+            pytest.skip("g++ is needed for the CPU emulation of the CUDA C")
+        build_dir = tempfile.mkdtemp(prefix="wdb_emu_")
+        with open(f"{build_dir}/kernel.cu", "w") as f:
+            f.write(text)
+        with open(f"{build_dir}/harness.cpp", "w") as f:
+            f.write(harness)
+        build = subprocess.run(
+            ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "harness.cpp", "-o", "emu"],
+            cwd=build_dir, capture_output=True, text=True, timeout=180,
+        )
+        assert build.returncode == 0, build.stderr[-3000:]
+        binary = _BINARIES[key] = f"{build_dir}/emu"
+    return binary
+
+
+def _write_inputs(tmp: str, problem: Problem, ids: np.ndarray | None) -> None:
+    problem.x.tofile(f"{tmp}/x.bin")
+    problem.w13.tofile(f"{tmp}/w13.bin")
+    problem.w2.tofile(f"{tmp}/w2.bin")
+    np.ascontiguousarray(problem.topk_ids if ids is None else ids, np.int32).tofile(f"{tmp}/ids.bin")
+    problem.topk_weights.tofile(f"{tmp}/wts.bin")
+
+
+def _emulate(problem: Problem, ids: np.ndarray | None = None, out_dtype: Any = BF16,
+             **params: int) -> dict[str, np.ndarray]:
+    """Run the three kernels' CUDA C on the CPU with the CuPy path's geometry: out, intermediate, lists."""
+    dims = _dims(problem)
+    resolved = wdb.resolve_params(dims, **params)
+    binary = _build(wdb.SOURCE.render(**resolved), EMULATION_HARNESS)
+    f32 = int(np.dtype(out_dtype) == np.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        _write_inputs(tmp, problem, ids)
+        args = [str(v) for v in (dims.tokens, dims.hidden, dims.intermediate, dims.experts, dims.top_k, f32,
+                                 wdb.gate_up_blocks(dims, resolved), wdb.down_blocks(dims, resolved),
+                                 wdb.slots(dims), wdb.lists_size(dims))]
+        run = subprocess.run([binary, *args, tmp], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        raw = np.fromfile(f"{tmp}/out.bin", np.float32 if f32 else np.uint16)
+        inter = np.fromfile(f"{tmp}/inter.bin", np.uint16).reshape(dims.tokens, dims.top_k, dims.intermediate)
+        lists = np.fromfile(f"{tmp}/lists.bin", np.int32)
+    out = raw.reshape(dims.tokens, dims.hidden) if f32 else raw.view(BF16).reshape(dims.tokens, dims.hidden)
+    return {"out": out, "inter": inter, "lists": lists}
+
+
+def _emulate_strict_gate_up(problem: Problem, ids: np.ndarray | None = None, **params: int) -> np.ndarray:
+    dims = _dims(problem)
+    resolved = wdc.resolve_params(dims, **params)
+    harness = EMULATION_HARNESS[: EMULATION_HARNESS.index("int main(")] + STRICT_GATE_UP_MAIN
+    binary = _build(wdc.SOURCE.render(**resolved), harness)
+    warps = dims.tokens * dims.top_k * -(-dims.intermediate // resolved["GU_OUTS"])
+    with tempfile.TemporaryDirectory() as tmp:
+        _write_inputs(tmp, problem, ids)
+        args = [str(v) for v in (dims.tokens, dims.hidden, dims.intermediate, dims.experts, dims.top_k,
+                                 -(-warps // resolved["GU_WARPS"]))]
+        run = subprocess.run([binary, *args, tmp], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return np.fromfile(f"{tmp}/inter.bin", np.uint16).reshape(dims.tokens, dims.top_k, dims.intermediate)
+
+
+EMULATED = [  # (shape, T, routing, knobs, also fp32 out); small: ~1 ms per warp on 2 cores
+    ("tiny", 3, "uniform", {}, True),
+    ("tiny", 6, [[5, 5], [0, 1], [2, 2], [3, 0], [1, 1], [5, 4]], {"GB_TILE": 1, "DB_TILE": 1}, False),
+    ("tiny", 5, "same", {"GB_TILE": 2, "DB_TILE": 3, "GB_OUTS": 3, "DB_OUTS": 3, "DB_WARPS": 3}, False),
+    ("tiny", 4, "zipf", {"DB_EARLY_INTER": 0, "DB_UNROLL": 2, "GB_UNROLL": 1}, False),
+    (MoEShape("h16-i8-k40", 16, 8, 44, 40), 8, "zipf", {"LIST_THREADS": 32, "LIST_PER": 0}, False),  # 320 pairs
+    (MoEShape("h8-i8-e1-k1", 8, 8, 1, 1), 3, "uniform", {}, True),
+    (MoEShape("h264-i40", 264, 40, 3, 2), 4, "zipf",
+     {"GB_BYTES": 16, "GB_UNROLL": 1, "DB_BYTES": 8, "DB_OUTS": 5, "LIST_THREADS": 32, "LIST_PER": 0}, False),
+    (MoEShape("h64-k40", 64, 24, 44, 40), 2, "uniform",
+     {"GB_BYTES": 4, "GB_OUTS": 4, "DB_BYTES": 4, "LIST_THREADS": 32, "LIST_PER": 2}, False),
+]
+
+
+@pytest.mark.parametrize(("shape", "tokens", "routing", "params", "fp32"), EMULATED,
+                         ids=[f"{getattr(c[0], 'name', c[0])}-T{c[1]}-{i}" for i, c in enumerate(EMULATED)])
+def test_cuda_source_emulated_on_cpu(rng: np.random.Generator, shape: Any, tokens: int, routing: Any,
+                                     params: dict[str, int], fp32: bool) -> None:
+    """The real kernel text: lists vs the NumPy model, out vs the reference, intermediate vs the strict kernel."""
+    problem = make_problem(shape, tokens, seed=_seed(rng), routing=routing)
+    dims = _dims(problem)
+    got = _emulate(problem, **params)
+    _assert_lists_equal(_unpack_lists(got["lists"], dims), expert_lists_numpy(problem.topk_ids, dims.experts))
+    faithful = moe_decode(*problem.arrays, mode="warp_decode")
+    oracle = moe_decode(*problem.arrays, mode="fp64")
+    _assert_matches(got["out"], faithful, oracle, f"emulated {problem.shape.name} {params}")
+    resolved = wdb.resolve_params(dims, **params)
+    strict = _emulate_strict_gate_up(problem, GU_BYTES=resolved["GB_BYTES"], GU_UNROLL=1)
+    assert np.array_equal(got["inter"], strict), "intermediate differs from the strict kernel's"
+    if fp32:
+        got32 = _emulate(problem, out_dtype=np.float32, **params)["out"]
+        faithful32 = moe_decode(*problem.arrays, mode="warp_decode", out_dtype=np.float32)
+        _assert_matches(got32, faithful32, oracle, f"emulated fp32 out {problem.shape.name}")
+
+
+def test_bad_ids_emulated_on_cpu(rng: np.random.Generator) -> None:
+    """Out-of-range ids reach the kernels (as under capture): those tokens' rows NaN, the others exact."""
+    problem = make_problem("tiny", 5, seed=_seed(rng))
+    ids = problem.topk_ids.copy()
+    ids[0, 1] = problem.shape.experts
+    ids[2, 0] = -3
+    ids[2, 1] = 2**31 - 1
+    got = _emulate(problem, ids=ids, GB_TILE=2, DB_TILE=2)
+    assert np.all(np.isnan(got["out"][[0, 2]].astype(np.float32)))
+    _assert_lists_equal(_unpack_lists(got["lists"], _dims(problem)), expert_lists_numpy(ids, problem.shape.experts))
+    inter = got["inter"]
+    assert np.all(inter[0, 1] == 0x7FC0) and np.all(inter[2] == 0x7FC0)  # bad pairs: NaN intermediate
+    good = [1, 3, 4]
+    sub = Problem(problem.shape, 3, 0, "fixed", problem.x[good], problem.w13, problem.w2, problem.topk_ids[good],
+                  problem.topk_weights[good])
+    _assert_matches(got["out"][good], moe_decode(*sub.arrays, mode="warp_decode"),
+                    moe_decode(*sub.arrays, mode="fp64"), "emulated good tokens")
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------------
+@pytest.fixture
+def cupy_mod():
+    import cupy
+
+    yield cupy
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
+def _poisoned_workspace(cupy: Any, dims: Dims) -> wdb.Workspace:
+    ws = wdb.make_workspace(dims)
+    ws.intermediate.view(cupy.uint16).fill(0x7FC0)
+    ws.lists.fill(-7)
+    return ws
+
+
+def _run_and_check(cupy: Any, problem: Problem, what: str, out_dtype: Any = BF16, strict_inter: bool = False,
+                   **params: Any) -> np.ndarray:
+    dims = _dims(problem)
+    out = _poisoned_out(cupy, dims.tokens, dims.hidden, out_dtype)
+    ws = _poisoned_workspace(cupy, dims)
+    returned = wdb.warp_decode_batched(*problem.arrays, out=out, workspace=ws, **params)
+    assert returned is out
+    cupy.cuda.runtime.deviceSynchronize()
+    got = cupy.asnumpy(out)
+    lists = _unpack_lists(cupy.asnumpy(ws.lists), dims)
+    _assert_lists_equal(lists, expert_lists_numpy(cupy.asnumpy(problem.topk_ids), dims.experts))
+    if strict_inter:
+        resolved = wdb.resolve_params(dims, **params)
+        strict = wdc.make_workspace(dims.tokens, dims.top_k, dims.intermediate)
+        wdc.gate_up(problem.x, problem.w13, problem.topk_ids, strict, GU_BYTES=resolved["GB_BYTES"])
+        cupy.cuda.runtime.deviceSynchronize()
+        assert np.array_equal(cupy.asnumpy(ws.intermediate.view(cupy.uint16)),
+                              cupy.asnumpy(strict.view(cupy.uint16))), f"{what}: intermediate != strict's"
+    faithful, oracle = _references(problem, out_dtype)
+    _assert_matches(got, faithful, oracle, what)
+    return got
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 3, 8, 64])
+@pytest.mark.parametrize("model", list(PRESETS))
+def test_presets(cupy_mod: Any, rng: np.random.Generator, model: str, tokens: int) -> None:
+    problem = make_problem(model, tokens, seed=_seed(rng), routing="uniform", xp=cupy_mod)
+    _run_and_check(cupy_mod, problem, f"{model} T={tokens}", strict_inter=True)
+    del problem
+
+
+ODD_SHAPES = {
+    "h8-i8-e1-k1": MoEShape("h8-i8-e1-k1", 8, 8, 1, 1),
+    "h136-tiny": PRESETS["tiny"],
+    "h264-i40": MoEShape("h264-i40", 264, 40, 3, 2),  # H, I not multiples of 256
+    "h2880-i264": MoEShape("h2880-i264", 2880, 264, 5, 3),
+    "h64-k40": MoEShape("h64-k40", 64, 32, 48, 40),
+    "h1032-i520-k1": MoEShape("h1032-i520-k1", 1032, 520, 4, 1),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 5, 37])
+@pytest.mark.parametrize("name", list(ODD_SHAPES))
+def test_odd_shapes(cupy_mod: Any, rng: np.random.Generator, name: str, tokens: int) -> None:
+    problem = make_problem(ODD_SHAPES[name], tokens, seed=_seed(rng), xp=cupy_mod)
+    _run_and_check(cupy_mod, problem, f"{name} T={tokens}", strict_inter=True)
+
+
+ROUTINGS = {  # name -> (routing for tiny [K=2], routing for qwen3-30b [K=8]); lists repeat ids on purpose
+    "uniform": ("uniform", "uniform"),
+    "zipf": ("zipf", "zipf"),
+    "same": ("same", "same"),
+    "fixed-dup": ([0, 0], [7, 7, 7, 1, 2, 3, 4, 7]),
+    "fixed-per-token": ([[5, 5], [0, 1], [2, 2], [3, 0], [1, 1], [4, 4]], [[127] * 8] + [list(range(8))] * 5),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+def test_routings(cupy_mod: Any, rng: np.random.Generator, routing: str) -> None:
+    for model, ids in zip(("tiny", "qwen3-30b-a3b"), ROUTINGS[routing], strict=True):
+        problem = make_problem(model, 6, seed=_seed(rng), routing=ids, xp=cupy_mod)
+        _run_and_check(cupy_mod, problem, f"{model} routing {routing}", strict_inter=True)
+    ids = ROUTINGS[routing][1]
+    if routing == "fixed-per-token":  # [6, K] ids: repeat them over 64 tokens
+        ids = np.resize(np.asarray(ids, np.int32), (64, QWEN30.top_k))
+    problem = make_problem("qwen3-30b-a3b", 64, seed=_seed(rng), routing=ids, xp=cupy_mod)
+    _run_and_check(cupy_mod, problem, f"qwen3-30b T=64 routing {routing}")  # "same": 8 passes of 8 pairs
+
+
+@pytest.mark.gpu
+def test_float32_out(cupy_mod: Any, rng: np.random.Generator) -> None:
+    for model, tokens in (("tiny", 3), ("qwen3-30b-a3b", 4)):
+        problem = make_problem(model, tokens, seed=_seed(rng), routing="zipf", xp=cupy_mod)
+        _run_and_check(cupy_mod, problem, f"{model} fp32 out", out_dtype=np.float32)
+
+
+@pytest.mark.gpu
+def test_bitwise_identical_over_three_runs(cupy_mod: Any, rng: np.random.Generator) -> None:
+    for shape, tokens in ((PRESETS["qwen3-30b-a3b"], 64), (ODD_SHAPES["h264-i40"], 5)):
+        problem = make_problem(shape, tokens, seed=_seed(rng), routing="zipf", xp=cupy_mod)
+        results = []
+        for _ in range(3):
+            out = _poisoned_out(cupy_mod, tokens, shape.hidden)
+            wdb.warp_decode_batched(*problem.arrays, out=out)
+            cupy_mod.cuda.runtime.deviceSynchronize()
+            results.append(cupy_mod.asnumpy(out).view(np.uint16))
+        assert np.array_equal(results[0], results[1]) and np.array_equal(results[0], results[2])
+
+
+@pytest.mark.gpu
+def test_out_of_range_ids_raise_outside_capture(cupy_mod: Any, rng: np.random.Generator) -> None:
+    problem = make_problem("tiny", 3, seed=_seed(rng), xp=cupy_mod)
+    for bad in (problem.shape.experts, -1):
+        ids = problem.topk_ids.copy()
+        ids[1, 0] = bad
+        with pytest.raises(ValueError, match="topk_ids"):
+            wdb.warp_decode_batched(problem.x, problem.w13, problem.w2, ids, problem.topk_weights)
+
+
+@pytest.mark.gpu
+def test_bad_ids_in_kernel_give_nan_rows(cupy_mod: Any, rng: np.random.Generator) -> None:
+    """Stages launched directly (no value checks, as under capture): bad tokens NaN, the rest still exact."""
+    cupy = cupy_mod
+    for shape, tokens in ((PRESETS["tiny"], 4), (ODD_SHAPES["h64-k40"], 3), (PRESETS["qwen3-30b-a3b"], 9)):
+        problem = make_problem(shape, tokens, seed=_seed(rng), xp=cupy)
+        ids = problem.topk_ids.copy()
+        ids[0, -1] = shape.experts
+        ids[2, 0] = -7
+        ids[2, -1] = 2**31 - 1
+        dims = _dims(problem)
+        launch = wdb.build(dims)
+        out = _poisoned_out(cupy, tokens, shape.hidden)
+        launch(problem.x, problem.w13, problem.w2, ids, problem.topk_weights, out)
+        cupy.cuda.runtime.deviceSynchronize()
+        got = cupy.asnumpy(out).astype(np.float32)
+        assert np.all(np.isnan(got[0])) and np.all(np.isnan(got[2]))
+        good = [t for t in range(tokens) if t not in (0, 2)]
+        sub = Problem(shape, len(good), 0, "fixed", problem.x[good], problem.w13, problem.w2,
+                      problem.topk_ids[good], problem.topk_weights[good])
+        faithful, oracle = _references(sub)
+        _assert_matches(cupy.asnumpy(out)[good], faithful, oracle, "good tokens beside bad ids")
+
+
+def _capture_and_replay(cupy: Any, problem: Problem, launch: Any, what: str) -> None:
+    dims = _dims(problem)
+    out = _poisoned_out(cupy, dims.tokens, dims.hidden)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        launch(*problem.arrays, out)  # compile outside the capture
+        stream.synchronize()
+        out.view(cupy.uint16).fill(0x7FC0)
+        stream.synchronize()
+        stream.begin_capture()
+        launch(*problem.arrays, out)
+        graph = stream.end_capture()
+        assert bool(np.all(np.isnan(cupy.asnumpy(out).astype(np.float32))))  # capture launched nothing
+        graph.launch(stream)
+        stream.synchronize()
+    faithful, oracle = _references(problem)
+    _assert_matches(cupy.asnumpy(out), faithful, oracle, f"{what}: graph replay")
+    # new routing (other experts, other counts) written into the same buffers, same graph
+    write_fresh_inputs(cupy, problem, problem.seed + 1)
+    out.view(cupy.uint16).fill(0x7FC0)
+    with stream:
+        graph.launch(stream)
+        stream.synchronize()
+    faithful, oracle = _references(problem)
+    _assert_matches(cupy.asnumpy(out), faithful, oracle, f"{what}: graph replay on new routing")
+
+
+@pytest.mark.gpu
+def test_graph_capture(cupy_mod: Any, rng: np.random.Generator) -> None:
+    cupy = cupy_mod
+    for tokens in (4, 33):
+        problem = make_problem("qwen3-30b-a3b", tokens, seed=_seed(rng), xp=cupy)
+        dims = _dims(problem)
+        ws = _poisoned_workspace(cupy, dims)
+
+        def launch(x: Any, w13: Any, w2: Any, ids: Any, wts: Any, out: Any, ws: Any = ws) -> None:
+            wdb.warp_decode_batched(x, w13, w2, ids, wts, out=out, workspace=ws)
+
+        _capture_and_replay(cupy, problem, launch, f"entry point T={tokens}")
+        _capture_and_replay(cupy, problem, wdb.VARIANT.make(dims), f"variant T={tokens}")
+
+
+@pytest.mark.gpu
+def test_stages_and_variant_match_the_entry_point(cupy_mod: Any, rng: np.random.Generator) -> None:
+    cupy = cupy_mod
+    problem = make_problem(ODD_SHAPES["h264-i40"], 7, seed=_seed(rng), xp=cupy)
+    dims = _dims(problem)
+    expected = cupy.asnumpy(wdb.warp_decode_batched(*problem.arrays)).view(np.uint16)
+    launch = wdb.VARIANT.make(dims)
+    out = _poisoned_out(cupy, dims.tokens, dims.hidden)
+    launch(*problem.arrays, out)
+    cupy.cuda.runtime.deviceSynchronize()
+    assert np.array_equal(cupy.asnumpy(out).view(np.uint16), expected)
+    out = _poisoned_out(cupy, dims.tokens, dims.hidden)
+    stages = launch.stages(*problem.arrays, out)
+    assert [name for name, _ in stages] == ["expert_lists", "gate_up", "down"]
+    for _, fn in stages:
+        fn()
+    cupy.cuda.runtime.deviceSynchronize()
+    assert np.array_equal(cupy.asnumpy(out).view(np.uint16), expected)
+
+
+GRID_SAMPLE = [
+    {"GB_OUTS": 1, "DB_OUTS": 2, "GB_TILE": 2, "DB_TILE": 2},
+    {"GB_OUTS": 3, "GB_UNROLL": 1, "DB_OUTS": 3, "DB_UNROLL": 3, "GB_TILE": 3, "DB_TILE": 5},
+    {"GB_BYTES": 16, "GB_UNROLL": 2, "DB_BYTES": 8, "DB_UNROLL": 4},
+    {"GB_BYTES": 4, "DB_BYTES": 4, "GB_WARPS": 1, "DB_WARPS": 1, "LIST_THREADS": 1024},
+    {"GB_WARPS": 8, "DB_WARPS": 4, "GB_MAX_REGS": 0, "DB_MAX_REGS": 0, "DB_OUTS": 8},
+    {"DB_EARLY_INTER": 0, "DB_TILE": 8, "GB_TILE": 8},
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("params", GRID_SAMPLE, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+def test_knobs_keep_results(cupy_mod: Any, rng: np.random.Generator, params: dict[str, int]) -> None:
+    for shape, tokens in ((ODD_SHAPES["h264-i40"], 5), (ODD_SHAPES["h64-k40"], 2), (PRESETS["qwen3-30b-a3b"], 19)):
+        problem = make_problem(shape, tokens, seed=_seed(rng), xp=cupy_mod)
+        _run_and_check(cupy_mod, problem, f"{shape.name} {params}", **params)
