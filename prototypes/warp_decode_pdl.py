@@ -11,7 +11,19 @@ layer at T = 1 (qwen3-30b-a3b 28 -> ~25 us), nothing at large T where the kernel
 
 Same numerics and bitwise the same outputs as ``cupy:warp-decode`` (only the launch order changes).
 
-Result on the H200: not yet measured (run ``python -m tools.bench --variants 'cupy:warp-decode*'``).
+Result on the H200 (2026-11-30, bench, 12 repeats, decode-step graph of the model's layer count, uniform
+routing; median us per layer, PDL=0 -> PDL=1; results/h200-2026-11-30-call3.json):
+
+    qwen3-30b-a3b    T=1   27.47 -> 26.10  (-5.0 %, 60 % -> 64 % of the 4.48 TB/s read roofline)
+                     T=8  145.96 -> 142.92 (-2.1 %)      T=64  1055 -> 1060 (noise: IQR 34 us)
+    qwen3-235b-a22b  T=1   82.92 -> 80.87  (-2.5 %, 80 % -> 82 %)
+                     T=8  550.7 -> 558.0   (within its 15 us IQR)   T=64  4346 -> 4355 (noise)
+
+Conclusion: PDL buys 1.4-2 us per layer at T = 1, about what down's ramp-up costs, and nothing where the
+kernels are long. Bitwise the same outputs (GPU test). It does not close the gap to the 75 % / 85 % bars at
+T = 1 on its own: gate_up alone runs at ~3.2 TB/s on qwen3-30b T=1 (50 MB in 15.8 us), so the next step is
+the kernel's own ramp and tail, not the gap between the two kernels. Not the default yet: the full GPU test
+matrix has run with PDL=0 only.
 """
 
 from __future__ import annotations
