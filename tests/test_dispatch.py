@@ -245,3 +245,27 @@ def test_capture_moe_decode_and_auto_variant(cupy_mod: Any, rng: np.random.Gener
         write_fresh_inputs(cupy, problem, _seed(rng))
         for o in outs:
             o.view(cupy.uint16).fill(0x7FC0)
+
+
+def test_table_from_a_bench_run() -> None:
+    """--from-bench turns a bench JSON into a table: the faster correct candidate per (model, batch)."""
+    from tools import dispatch_table
+
+    def row(variant: str, batch: int, median: float, status: str = "ok") -> dict:
+        return {"model": "qwen3-30b-a3b", "variant": variant, "batch": batch, "median_us": median, "status": status,
+                "tbps": 1.0, "bytes": {"unique_experts": 8}}
+
+    env = {"date": "2026-11-30T00:00:00Z", "gpu": {"name": "NVIDIA H200"}}
+    bench = {"environment": env, "config": {"routing": "uniform"}, "results": [
+        row(dispatch.STRICT, 1, 26.0), row(dispatch.BATCHED, 1, 28.0),
+        row(dispatch.STRICT, 8, 140.0), row(dispatch.BATCHED, 8, 130.0),
+        row(dispatch.STRICT, 64, 900.0), row(dispatch.BATCHED, 64, 500.0, status="wrong"),
+        row("cupy:expert-centric", 64, 400.0),  # never a candidate
+    ]}
+    table = dispatch_table.from_bench(bench)
+    points = next(iter(table["entries"].values()))["points"]
+    assert {t: p["choice"] for t, p in points.items()} == {"1": dispatch.STRICT, "8": dispatch.BATCHED,
+                                                            "64": dispatch.STRICT}
+    assert table["gpu"] == table["environment"]["gpu"]["name"] == "NVIDIA H200"
+    with pytest.raises(ValueError, match="uniform"):
+        dispatch_table.from_bench({**bench, "config": {"routing": "zipf"}})

@@ -3,6 +3,11 @@
     python -m tools.dispatch_table --json kernels/dispatch_tables/nvidia-h200.json
     python -m tools.dispatch_table --json kernels/dispatch_tables/nvidia-h200.json --model qwen3-30b-a3b --batch 1,8
     python -m tools.dispatch_table --json ... --also cupy:expert-centric      # record other paths too (never chosen)
+    python -m tools.dispatch_table --json kernels/dispatch_tables/nvidia-h200.json --from-bench results/x.json
+
+``--from-bench`` builds the table from a bench run's JSON instead of timing again (no GPU needed): every
+(model, batch) where the bench measured the candidates (uniform routing) becomes a point, with the bench's
+medians, statuses and environment -- the same measurements the README's tables come from.
 
 For every preset (``--model``, default all but ``tiny``) and T in 1, 2, 4, ..., 64 (``--batch``), each
 candidate (``kernels.dispatch.CANDIDATES``) is timed with ``tools.harness.Workbench.measure`` -- CUDA-graph
@@ -72,6 +77,29 @@ def merge(table: dict[str, Any] | None, gpu: str, env: dict[str, Any], model: st
     return table
 
 
+def from_bench(bench: dict[str, Any], table: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A dispatch table (or ``table`` updated) from a ``tools.bench`` JSON: one point per (model, batch)."""
+    env = bench["environment"]
+    gpu = env["gpu"]["name"]
+    if bench.get("config", {}).get("routing", "uniform") != "uniform":
+        raise ValueError("a dispatch table is measured with uniform routing; this bench run used another")
+    grouped: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+    for row in bench["results"]:
+        grouped.setdefault((row["model"], int(row["batch"])), {})[row["variant"]] = row
+    for (model, tokens), records in sorted(grouped.items()):
+        if not all(name in records for name in dispatch.CANDIDATES):
+            continue
+        point = point_record(records)
+        if point is None:
+            continue
+        shape = get_shape(model)
+        dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
+        table = merge(table, gpu, env, model, dims, tokens, point)
+    if table is None:
+        raise ValueError(f"the bench run measured no point with every candidate {dispatch.CANDIDATES}")
+    return dispatch.validate_table(table)
+
+
 def _parse_batches(text: str) -> list[int]:
     values = [int(v) for v in text.split(",") if v]
     if not values or min(values) < 1:
@@ -87,7 +115,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=_parse_batches, default=list(dispatch.TABLE_POINTS))
     parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
     parser.add_argument("--also", default="", help="comma-separated variants to time and record, never chosen")
+    parser.add_argument("--from-bench", metavar="BENCH_JSON", help="build the table from a bench run's JSON")
     args = parser.parse_args(argv)
+
+    if args.from_bench:
+        path = Path(args.json)
+        bench_run = json.loads(Path(args.from_bench).read_text())
+        table = from_bench(bench_run, json.loads(path.read_text()) if path.is_file() else None)
+        if path.stem != table["slug"]:
+            print(f"warning: {path.name} does not match the bench GPU's slug {table['slug']!r}", file=sys.stderr)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(table, indent=1) + "\n")
+        for entry in table["entries"].values():
+            print(entry["model"], {t: p["choice"] for t, p in entry["points"].items()})
+        return 0
 
     from tools import harness
 
