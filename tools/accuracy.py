@@ -28,6 +28,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -610,14 +611,70 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--paths", help=f"comma-separated subset of {','.join(PATHS)} (warp_decode always runs)")
     p.add_argument("--fallback", choices=("reference", "skip"), default="reference",
                    help="GPU: a path without a kernel runs its reference mode on the host (slow) or is skipped")
-    p.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    p.add_argument("--json", metavar="PATH", help="write the result as JSON (with the GPU and versions)")
+    p.add_argument("--markdown-from", metavar="JSON", help="print a recorded result as markdown tables and exit")
+    p.add_argument("--update-readme", metavar="README",
+                   help="with --markdown-from: replace the README's accuracy block with those tables")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
+
+
+MARKERS = ("<!-- accuracy:begin -->", "<!-- accuracy:end -->")
+PATH_LABELS = {"warp_decode": "warp decode", "classical": "expert-centric bf16",
+               "classical+fp8": "expert-centric FP8", "classical+mxfp8": "expert-centric MXFP8"}
+
+
+def markdown(data: dict[str, Any]) -> str:
+    """Markdown tables of a recorded result (``--json``): one row per (model, T, path), medians over seeds."""
+    env = data.get("environment") or {}
+    gpu = (env.get("gpu") or {}).get("name") or ("a GPU" if data["config"].get("gpu") else "CPU (reference modes)")
+    lines = [f"Measured on {gpu}, {env.get('date', 'date not recorded')}: {data['config']['seeds']} seeds per row, "
+             f"outputs from {'the GPU kernels' if data['config'].get('gpu') else 'the reference modes on the host'}; "
+             "error of one layer's [T, H] output against the fp64 oracle; `x closer` = rel-L2(path) / rel-L2(warp "
+             "decode) on the same seed, median [min, max] over seeds.", "",
+             "| model | T | path | rel-L2 | max-abs | min cosine | x closer | source |",
+             "|---|---|---|---|---|---|---|---|"]
+    for cell in data["layer"]:
+        summ = cell["summary"]
+        ratio = summ.get("x_closer")
+        ratio_text = (f"{ratio['median']:.2f}x [{ratio['min']:.2f}, {ratio['max']:.2f}]" if ratio
+                      else "1 (reference)")
+        lines.append(f"| {cell['model']} | {cell['tokens']} | {PATH_LABELS.get(cell['path'], cell['path'])} | "
+                     f"{summ['rel_l2']['median']:.2e} | {summ['max_abs']['median']:.2e} | "
+                     f"{summ['min_cos']['min']:.6f} | {ratio_text} | {cell['source']} |")
+    for depth in data.get("depth", []):
+        lines += ["", f"Error across depth, {depth['model']} ({depth['layers']} layers, T = {depth['tokens']}, "
+                      f"H x I = {depth['shape'].get('hidden')} x {depth['shape'].get('intermediate')}, "
+                      f"{len(depth['seeds'])} seeds, reference modes): median rel-L2 of the residual stream "
+                      "against the fp64 stack, and tokens whose top-k set differs from it.", ""]
+        names = list(depth["paths"])
+        lines.append("| layer | " + " | ".join(PATH_LABELS.get(n, n) for n in names) + " |")
+        lines.append("|---|" + "---|" * len(names))
+        for layer in sorted({0, depth["layers"] // 8, depth["layers"] // 4, depth["layers"] // 2, depth["layers"] - 1}):
+            row = []
+            for n in names:
+                path = depth["paths"][n]
+                rel = statistics.median(r[layer] for r in path["rel_l2"])
+                diff = float(np.mean([r[layer] for r in path["routing_diff"]]))
+                row.append(f"{rel:.2e} ({diff:.0f} rerouted)")
+            lines.append(f"| {layer + 1} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.markdown_from:
+        text = markdown(json.loads(Path(args.markdown_from).read_text()))
+        if args.update_readme:
+            from tools.report import update_readme
+
+            update_readme(args.update_readme, text, *MARKERS)
+        else:
+            print(text)
+        return 0
+    if args.update_readme:
+        parser.error("--update-readme goes with --markdown-from")
     models = None
     if args.model:
         names = [n.strip() for m in args.model for n in m.split(",") if n.strip()]
@@ -667,8 +724,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     console.print(result)
     console.print(f"[dim]{result.seconds:.1f} s[/dim]")
     if args.json:
+        from tools.harness import environment
+
         with open(args.json, "w") as fh:
-            json.dump(result.to_json(), fh, indent=1)
+            json.dump({**result.to_json(), "environment": environment(gpu_available())}, fh, indent=1)
         console.print(f"wrote {args.json}")
     return 0
 

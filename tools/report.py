@@ -316,17 +316,17 @@ def markdown(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def replace_between_markers(text: str, block: str) -> str:
-    """``text`` with everything between the bench markers replaced by ``block`` (markers kept)."""
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < 0 or end < start:
-        raise ValueError(f"README markers {BEGIN} ... {END} not found (in that order)")
-    return text[: start + len(BEGIN)] + "\n" + block.strip("\n") + "\n" + text[end:]
+def replace_between_markers(text: str, block: str, begin: str = BEGIN, end: str = END) -> str:
+    """``text`` with everything between the markers (default: the bench's) replaced by ``block``."""
+    start, stop = text.find(begin), text.find(end)
+    if start < 0 or stop < 0 or stop < start:
+        raise ValueError(f"README markers {begin} ... {end} not found (in that order)")
+    return text[: start + len(begin)] + "\n" + block.strip("\n") + "\n" + text[stop:]
 
 
-def update_readme(path: str | Path, block: str) -> None:
+def update_readme(path: str | Path, block: str, begin: str = BEGIN, end: str = END) -> None:
     path = Path(path)
-    path.write_text(replace_between_markers(path.read_text(), block))
+    path.write_text(replace_between_markers(path.read_text(), block, begin, end))
 
 
 def main(argv: list[str] | None = None) -> int:
