@@ -38,6 +38,8 @@ class CudaSource:
     # parameter sets the offline report compiles besides the defaults (e.g. the tuned presets)
     variants: list[dict[str, int]] = field(default_factory=list)
     description: str = ""
+    # kernel -> the knob holding its warps per block (tools.inspect's occupancy needs the block size)
+    warps_knobs: dict[str, str] = field(default_factory=dict)
 
     def render(self, **defines: int) -> str:
         """The full text NVRTC sees: ``#define`` lines for every knob, then the code."""
@@ -55,6 +57,22 @@ class CudaSource:
 
 
 SOURCES: dict[str, CudaSource] = {}
+
+
+def preset_variants(resolve: Any, defaults: dict[str, int], tokens: tuple[int, ...] = (1, 3, 8, 64)) -> list[dict]:
+    """The knobs ``resolve(dims)`` picks for every preset at these batches, as overrides of ``defaults``:
+    what a source lists in ``variants`` so the offline report compiles what the presets will run."""
+    from kernels.contract import Dims
+    from kernels.shapes import PRESETS
+
+    seen: list[dict[str, int]] = []
+    for shape in PRESETS.values():
+        for t in tokens:
+            params = resolve(Dims(t, shape.hidden, shape.intermediate, shape.experts, shape.top_k))
+            override = {key: value for key, value in params.items() if defaults.get(key) != value}
+            if override and override not in seen:
+                seen.append(override)
+    return seen
 
 
 def register_source(source: CudaSource) -> CudaSource:

@@ -72,7 +72,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels.compile import CudaSource, get_kernel, register_source
+from kernels.compile import CudaSource, get_kernel, preset_variants, register_source
 from kernels.contract import BF16, Dims, check_inputs, check_out
 from kernels.variants import Variant, register
 from kernels.warp_decode_batched_cuda import CODE, KERNELS
@@ -203,31 +203,17 @@ def max_tokens(top_k: int = 1, **params: Any) -> int:
     return SHARED_LIMIT // (values["DB_WARPS"] * values["DB_OUTS"] * 4)
 
 
-def preset_params() -> list[dict[str, int]]:
-    """Resolved knobs of every preset at T in (1, 3, 8, 64) (what the offline report also compiles)."""
-    from kernels.shapes import PRESETS
-
-    seen: list[dict[str, int]] = []
-    for shape in PRESETS.values():
-        for tokens in (1, 3, 8, 64):
-            dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
-            params = resolve_params(dims)
-            if params not in seen and params != DEFAULTS:
-                seen.append(params)
-    return seen
-
-
 SOURCE = register_source(
     CudaSource(
         name="warp_decode_batched",
         code=CODE,
         kernels=KERNELS,
         defaults=dict(DEFAULTS),
-        variants=[{k: v for k, v in p.items() if DEFAULTS[k] != v} for p in preset_params()],
+        variants=preset_variants(resolve_params, DEFAULTS),
+        warps_knobs={GATE_UP: "GB_WARPS", DOWN: "DB_WARPS"},
         description="batched warp decode: expert lists, gate_up and down reading each expert once per batch",
     )
 )
-SOURCE.warps_knobs = {GATE_UP: "GB_WARPS", DOWN: "DB_WARPS"}  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels.compile import CudaSource, get_kernel, launch_ex, register_source
+from kernels.compile import CudaSource, get_kernel, launch_ex, preset_variants, register_source
 from kernels.contract import BF16, Dims, array_module, check_inputs, check_out
 from kernels.variants import Variant, register
 
@@ -476,32 +476,18 @@ def _down_min_blocks(values: dict[str, int]) -> int:
     return max(1, 65536 // (registers * 32 * values["DN_WARPS"]))
 
 
-def preset_params() -> list[dict[str, int]]:
-    """The resolved knobs of every preset at T in (1, 3, 8, 64): what the offline report also compiles."""
-    from kernels.shapes import PRESETS
-
-    seen: list[dict[str, int]] = []
-    for shape in PRESETS.values():
-        for tokens in (1, 3, 8, 64):
-            dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
-            params = resolve_params(dims)
-            if params not in seen and params != DEFAULTS:
-                seen.append(params)
-    return seen
-
-
 SOURCE = register_source(
     CudaSource(
         name="warp_decode_cupy",
         code=CODE,
         kernels=(GATE_UP, DOWN),
         defaults=dict(DEFAULTS),
-        variants=[{k: v for k, v in p.items() if DEFAULTS[k] != v} for p in preset_params()],
+        variants=preset_variants(resolve_params, DEFAULTS),
+        warps_knobs={GATE_UP: "GU_WARPS", DOWN: "DN_WARPS"},
         description="warp decode: one warp per output scalar (gate_up, down), CuPy RawKernel",
     )
 )
 # which knob is each kernel's warps-per-block (tools.inspect reads this for occupancy)
-SOURCE.warps_knobs = {GATE_UP: "GU_WARPS", DOWN: "DN_WARPS"}  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------------------------------
