@@ -20,33 +20,30 @@ whatever the unroll). ``all_loads_arrived`` folds every loaded word into a zero 
 or the intermediate addresses (down) depend on, so all of a round's weight loads are issued before the first
 FMA -- checked in the SASS (nvdisasm) of the defaults: gate_up issues 8 LDG.64 then FMAs, down 12 LDG.128.
 
-Defaults (``DEFAULTS``) and why, for qwen3-30b-a3b T=1 (the hard case: two ~10 us kernels):
+Defaults (``DEFAULTS``) and why. First version (reasoned, for qwen3-30b-a3b T = 1): gate_up 4 warps /
+block, 8-byte loads, GU_UNROLL 4 (40 registers, all 6144 warps resident in one wave); down DN_SLOTS 4 x
+DN_UNROLL 3 = 12 x 16 B loads per lane at <= 128 registers. Then measured on the H200 (tools.sweep, T = 1,
+decode-step graphs; results/sweep-gu-*.json, results/sweep-dn-*.json), and changed to what won there:
 
-* gate_up: T*K*I = 6144 warps = 46.5 per SM. 4 warps / block, 8-byte loads, GU_UNROLL 4 (2 rows x 4 = 8
-  loads = 64 B per lane in flight, ~96 KB per SM) at 40 registers -> 48 warps / SM: every warp resident in
-  ONE wave, no tail wave. (16-byte loads with UNROLL 2 move the same bytes but need 46 registers -> 42
-  warps / SM -> a second, 10 % wave.)
-* down: only T*H = 2048 warps (15.5 per SM), so each lane needs many w2 loads in flight: DN_SLOTS 4 slots
-  x DN_UNROLL 3 rounds = 12 x 16 B per lane (~95 KB per SM, ~12.5 MB GPU-wide = half of all w2 bytes),
-  then the matching intermediate chunks; capped at 128 registers (DN_MIN_BLOCKS 4) -> 16 warps / SM, all
-  resident. ``DN_SLOTS / DN_UNROLL / DN_MIN_BLOCKS = 0`` (the variant's setting) pick these per problem:
-  <= 16 warps / SM -> 12 loads and <= 128 registers, else 4 loads and <= 64 registers (qwen3-235b T=1:
-  4096 warps = 31 / SM -> DN_SLOTS 1 x DN_UNROLL 4, 64 registers, 32 warps / SM).
+* gate_up: GU_UNROLL 8, GU_WARPS 2 (16 x 8-byte loads per lane in flight): qwen3-30b-a3b 28.5 us vs 29.5,
+  qwen3-235b-a22b 81.8 vs 84.8 (the other kernel at its old default in both sweeps).
+* down: DN_SLOTS 4 x DN_UNROLL 1 (4 x 16 B per lane, 64 registers, 32 warps / SM): 28.0 vs 29.5 and 81.3
+  vs 92.7 -- occupancy beat a deeper queue of loads per warp (see ``_auto_down``).
 
-Predictions (H200, streaming-read roofline ~4.5 TB/s, T = 1, uniform routing, bf16 weights):
+Predictions before measuring (H200, streaming-read roofline ~4.5 TB/s, T = 1, uniform routing):
 
     qwen3-30b-a3b    gate_up 8 x 2*768*2048*2 B = 50.3 MB -> 11.2 us;  down 8 x 2048*768*2 B = 25.2 MB -> 5.6 us
-                     both 75.5 MB -> 16.8 us at 100 %; expected ~19-21 us (80-88 %): each short kernel
-                     loses ~1-2 us to ramp-up and tail
+                     both 75.5 MB -> 16.8 us at 100 %; expected ~19-21 us (80-88 %)
     qwen3-235b-a22b  gate_up 201 MB -> 44.7 us;  down 101 MB -> 22.4 us;  both 302 MB -> 67 us at 100 %;
                      expected ~72-77 us (87-93 %)
 
-Not done: programmatic dependent launch (the down kernel prefetching w2 while gate_up drains).
+Measured (H200, old defaults): 27.5 us (60 %) and 82.9 us (80 %): each kernel loses more to ramp-up and
+tail than predicted (gate_up alone moves 50 MB in 15.8 us = 3.2 TB/s). PDL=1 (programmatic dependent
+launch, prototypes/warp_decode_pdl.py) saves a further 1.4-2 us per layer at T = 1.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -399,17 +396,17 @@ extern "C" __global__ void DN_BOUNDS moe_down_3d_batched(
 # qwen3-30b-a3b at T = 1). At run time DN_SLOTS / DN_UNROLL / DN_MIN_BLOCKS = 0 mean "auto": resolve_params()
 # picks them from the problem's dims (see _auto_down).
 DEFAULTS: dict[str, int] = {
-    "GU_WARPS": 4,  # warps per block
+    "GU_WARPS": 2,  # warps per block
     "GU_OUTS": 1,  # consecutive neurons per warp (x loads reused)
-    "GU_UNROLL": 4,  # chunks per row in flight per lane (x 2 rows x GU_OUTS): 8 x 8 B loads + 4 of x
+    "GU_UNROLL": 8,  # chunks per row in flight per lane (x 2 rows x GU_OUTS): 16 x 8 B loads + 8 of x
     "GU_BYTES": 8,  # bytes per lane per load: 4, 8 or 16 (16 with UNROLL 2 needs 46 registers)
     "GU_MIN_BLOCKS": 0,  # __launch_bounds__ min blocks / SM (0: none; ptxas uses 40 registers -> 48 warps / SM)
     "DN_WARPS": 4,
     "DN_OUTS": 1,  # consecutive hidden units per warp (intermediate loads reused)
     "DN_SLOTS": 4,  # routed slots whose w2 rows are loaded together
-    "DN_UNROLL": 3,  # 16-byte chunk rounds per slot in flight: DN_SLOTS x DN_UNROLL x DN_OUTS loads per lane
+    "DN_UNROLL": 1,  # 16-byte chunk rounds per slot in flight: DN_SLOTS x DN_UNROLL x DN_OUTS loads per lane
     "DN_BYTES": 16,
-    "DN_MIN_BLOCKS": 4,  # 4 x 4 warps -> <= 128 registers, 16 warps / SM (all 2048 warps of qwen3-30b T=1);
+    "DN_MIN_BLOCKS": 8,  # 8 x 4 warps -> <= 64 registers, 32 warps / SM (what 4 x 16-byte loads need);
     # 0 = auto (from DN_SLOTS x DN_UNROLL x DN_OUTS, see _down_min_blocks); 1 = effectively no cap
     "PDL": 0,  # 1: programmatic dependent launch -- down's first w2 loads overlap gate_up's tail (sm_90+)
 }
@@ -449,19 +446,15 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
 
 
 def _auto_down(dims: Dims, values: dict[str, int]) -> dict[str, int]:
-    """Loads in flight per lane for the down kernel, from how many of its warps share an SM.
+    """Loads in flight per lane for the down kernel: one chunk round of up to 4 routed slots.
 
-    Few warps per SM (T*H/DN_OUTS <= 16 per SM, e.g. qwen3-30b at T=1): 12 w2 loads per lane (<= 128
-    registers); otherwise 4 loads (<= 64 registers, 32 warps / SM). Rounds of one slot first (consecutive
-    addresses of one row), then more slots.
+    Measured on the H200 (tools.sweep, T = 1, results/sweep-dn-*.json): DN_SLOTS 4 x DN_UNROLL 1 beat every
+    deeper setting -- qwen3-30b-a3b 28.0 us vs 29.5 (4 x 3) and 31.1 (8 x 1); qwen3-235b-a22b 81.3 us vs 92.7
+    (1 x 4, the earlier auto choice) and 90.2 (8 x 1). Fewer registers (64) keep 32 warps per SM resident,
+    which matters more than a deeper queue of loads per warp.
     """
-    rounds = math.ceil(dims.intermediate // (values["DN_BYTES"] // 2) / 32)  # chunk rounds per slot
-    warps = dims.tokens * math.ceil(dims.hidden / values["DN_OUTS"])
-    per_sm = math.ceil(warps / H200_SMS)
-    loads = max(1, (12 if per_sm <= 16 else 4) // values["DN_OUTS"])
-    unroll = min(rounds, loads)
-    slots = max(1, min(dims.top_k, loads // unroll, 32))
-    return {"DN_SLOTS": slots, "DN_UNROLL": unroll, "DN_MIN_BLOCKS": 0}
+    slots = max(1, min(dims.top_k, 4 // values["DN_OUTS"] or 1, 32))
+    return {"DN_SLOTS": slots, "DN_UNROLL": 1, "DN_MIN_BLOCKS": 0}
 
 
 def _down_min_blocks(values: dict[str, int]) -> int:
