@@ -54,7 +54,6 @@ from kernels.variants import Variant, register
 
 GATE_UP = "moe_gate_up_3d_batched"
 DOWN = "moe_down_3d_batched"
-H200_SMS = 132  # used only by the auto heuristics (the kernels never assume an SM count)
 
 CODE = r"""
 // Warp decode for MoE decode. bf16 is handled as raw 16-bit patterns: widening is a shift / mask,
