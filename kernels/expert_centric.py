@@ -30,6 +30,30 @@ Predictions (H200, ~4.5 TB/s streaming reads), qwen3-30b-a3b at T=64 (uniform ro
   ~3-5 us each (launch + a few MB).  Whole path ~310-330 us (bar: <= 375 us), five of eight stages doing
   no FLOPs but costing ~15-20 us together. At T=1 (8 experts, 75 MB) the GEMMs have only 8 tiles x N/BLOCK_N
   blocks: ~25-35 us of GEMM + ~15-20 us for the six small launches -> ~45-60 us.
+  MEASURED (first H200 run, BLOCK_N=64 defaults, old silu): T=64 511 us (GEMMs 3.4-3.5 TB/s), T=1 75 us.
+
+Second round (changes and their predicted effect, to be checked on the H200; qwen3-30b-a3b):
+  * tiles from the dims (auto_params): T*K <= 64 -> BLOCK_N=32 / WARPS=8, else BLOCK_N=128 / WARPS=4, and
+    fuse_scatter=True: the sweep's winners (T=64 446 us, T=1 44 us, both with the old 31 us silu).
+  * silu_mul one row per block (lead's fix): 31 -> ~3-4 us.
+  * align: warp 0 ranks pairs with __match_any_sync (one pass, no atomics) and every thread places its
+    own pair, instead of a warp per expert scanning all T*K ids (E/32 x T*K/32 dependent L1 round trips):
+    T=64 9.8 -> ~5 us, T=1 3.4 -> ~3 us (launch-bound).
+  * GEMM prologue reads tile_expert only (it is -1 past the real tiles), not meta[0] then tile_expert: one
+    dependent global load (~1 us) less per block before its first weight load: 1-3 % on the GEMMs.
+  * split-K reduction: up to 24 KB of slabs, warps 1..3 store at once, one barrier instead of 2*(WARPS-1)
+    (same summation order, same bits); < 1 us per block saved at block end: ~1-2 %.
+  * PREFETCH=d (knob, default 0): prefetch.global.L2 of the weights d steps ahead, no registers held.
+    Unknown sign: helps if the step's "issue all, wait for the slowest load" leaves HBM idle; hurts if it
+    only adds L2 traffic. BLOCK_N=128 compiles to 154 registers with it (3 blocks/SM instead of 2).
+  * STAGES>=2 (knob, default 0): cp.async ring, STAGES-1 steps in flight per warp, the warp waits for the
+    oldest step only. Per-SM bytes in flight are then bounded by shared memory, e.g. BLOCK_N=64 WARPS=4
+    UNROLL=1 STAGES=4: 92 KB per block, 2 blocks/SM, ~120 KB in flight continuously. +5-15 % on the GEMMs
+    if latency x bytes in flight is the limit; nothing if HBM is already saturated by this access pattern
+    (at 3.5 TB/s and ~128 KB/SM in flight, Little gives ~4.8 us per step, far above the unloaded latency:
+    that points at the memory system's efficiency for 512 B row pieces, which no knob here changes).
+  Predicted with the defaults (STAGES=0, PREFETCH=0): T=64 ~446 - 31 + 4 - 5 - ~8 = ~405 us (bar 380 us:
+  not yet met); T=8 ~150 us; T=1 ~40 us. With a ring/prefetch point that wins the sweep: T=64 ~360-390 us.
 """
 
 from __future__ import annotations
@@ -51,21 +75,62 @@ ALIGN_THREADS = 1024
 ELEMENTWISE_THREADS = 256
 STATIC_SMEM_LIMIT = 48 * 1024
 MAX_EXPERTS = 6144
-PARAM_NAMES = ("BLOCK_N", "WARPS", "M_TILES", "UNROLL")
+PARAM_NAMES = ("BLOCK_N", "WARPS", "M_TILES", "UNROLL", "STAGES", "PREFETCH")
+NON_NEGATIVE = ("STAGES", "PREFETCH")
+BLOCK_SMEM_LIMIT = 227 * 1024  # sm_90 opt-in maximum per block
+DYNAMIC_SMEM_LIMIT = 200 * 1024  # cp.async ring per block (H200: 227 KiB per block opt-in, 228 KiB per SM)
+SMALL_BATCH_PAIRS = 64  # T*K at or below this: small GEMM tiles (more blocks for the few experts touched)
 
 
-def check_params(**params: Any) -> dict[str, Any]:
-    """Validate the tile knobs; returns the full set (defaults filled in, plus ``fuse_scatter``)."""
+def auto_params(dims: Dims | None) -> dict[str, Any]:
+    """The tile knobs a call gets when it names none, from the dims alone (no host sync, fixed per build).
+
+    From the H200 sweep of the whole path (weights rotated past L2, CUDA-graph replay): T*K <= 64 (T=1: 8
+    experts x few N tiles) wants many small blocks, BLOCK_N=32 / WARPS=8 (44 us vs 57 us with 128-wide
+    tiles at T=1); larger batches want BLOCK_N=128 / WARPS=4 (446 us vs 463 us with 64-wide at T=64).
+    fuse_scatter=True (combine reads the padded down rows through row_of_pair, as vLLM does) saves a launch
+    and a [T*K, H] round trip at every T."""
+    chosen: dict[str, Any] = {**DEFAULTS, "fuse_scatter": True}
+    if dims is not None and dims.tokens * dims.top_k <= SMALL_BATCH_PAIRS:
+        chosen.update(BLOCK_N=32, WARPS=8)
+    return chosen
+
+
+def ring_bytes(params: dict[str, Any]) -> int:
+    """Dynamic shared memory of the GEMMs' cp.async ring (0 for STAGES=0): [STAGES][WARPS][UNROLL]
+    [BLOCK_N/8 + 2*M_TILES][32] 16-byte slots."""
+    if not params["STAGES"]:
+        return 0
+    slots = params["BLOCK_N"] // 8 + 2 * params["M_TILES"]
+    return params["STAGES"] * params["WARPS"] * 32 * params["UNROLL"] * slots * 16
+
+
+def reduce_bytes(params: dict[str, Any]) -> int:
+    """Static shared memory of the GEMMs' split-K reduction (mirrors REDUCE_SLABS in the CUDA source)."""
+    slab = 16 * params["M_TILES"] * params["BLOCK_N"] * 4
+    if params["WARPS"] > 4:
+        return slab
+    return max(1, min(params["WARPS"] - 1, (24 * 1024) // slab)) * slab
+
+
+def check_params(dims: Dims | None = None, **params: Any) -> dict[str, Any]:
+    """Validate the tile knobs; returns the full set (``auto_params(dims)`` filled in, plus ``fuse_scatter``)."""
     unknown = set(params) - set(PARAM_NAMES) - {"fuse_scatter"}
     if unknown:
         known = [*PARAM_NAMES, "fuse_scatter"]
         raise ValueError(f"unknown expert_centric parameter(s) {sorted(unknown)}; known: {known}")
-    full = {**DEFAULTS, "fuse_scatter": False, **params}
+    full = {**auto_params(dims), **params}
     for name in PARAM_NAMES:
         value = full[name]
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        lowest = 0 if name in NON_NEGATIVE else 1
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < lowest:
+            raise ValueError(f"{name} must be an int >= {lowest}, got {value!r}")
         full[name] = int(value)
+    if full["STAGES"] == 1 or full["STAGES"] > 8:
+        raise ValueError(f"STAGES must be 0 (register loads) or 2..8 (cp.async ring), got {full['STAGES']}")
+    if full["PREFETCH"] > 8 or (full["PREFETCH"] and full["STAGES"]):
+        raise ValueError(f"PREFETCH (L2 prefetch distance in steps, 0..8) is for the register path (STAGES=0) only, "
+                         f"got PREFETCH={full['PREFETCH']} with STAGES={full['STAGES']}")
     if full["BLOCK_N"] % 8:
         raise ValueError(f"BLOCK_N must be a multiple of 8 (n8 MMA tiles), got {full['BLOCK_N']}")
     if full["WARPS"] > 32:
@@ -76,6 +141,13 @@ def check_params(**params: Any) -> dict[str, Any]:
             f"16*M_TILES * BLOCK_N * 4 = {smem} bytes of split-K shared memory exceeds 48 KiB; "
             "lower M_TILES or BLOCK_N"
         )
+    ring = ring_bytes(full)
+    if ring + reduce_bytes(full) > BLOCK_SMEM_LIMIT:
+        raise ValueError(f"the cp.async ring ({ring} B) and the split-K slabs ({reduce_bytes(full)} B) exceed "
+                         f"{BLOCK_SMEM_LIMIT} bytes of shared memory per block; lower STAGES, UNROLL or BLOCK_N")
+    if ring > DYNAMIC_SMEM_LIMIT:
+        raise ValueError(f"the cp.async ring needs {ring} bytes of shared memory per block (limit "
+                         f"{DYNAMIC_SMEM_LIMIT}); lower STAGES, UNROLL, WARPS or BLOCK_N")
     full["fuse_scatter"] = bool(full["fuse_scatter"])
     return full
 
@@ -191,7 +263,7 @@ def make_workspace(dims: Dims, quant: str | None = None, **params: Any) -> Works
     if dims.experts > MAX_EXPERTS:
         raise ValueError(f"the align kernel keeps 2 ints per expert in shared memory: E <= {MAX_EXPERTS}, "
                          f"got {dims.experts}")
-    params = check_params(**params)
+    params = check_params(dims, **params)
     bm = block_m(params)
     tiles = max_tiles(dims, bm)
     rows = tiles * bm
@@ -223,11 +295,16 @@ def _kernel_getter(params: dict[str, Any]) -> Callable[[str], Any]:
     """RawKernel lookup by name for these tile params, memoised (no module work at launch time)."""
     tile_params = {name: params[name] for name in PARAM_NAMES}
 
+    ring = ring_bytes(params)
+
     def kernel(name: str) -> Any:
         key = (name, EXPERT_CENTRIC_SOURCE.code, *tile_params.values())  # an edited source recompiles
         found = _KERNELS.get(key)
         if found is None:
-            found = _KERNELS[key] = get_kernel(EXPERT_CENTRIC_SOURCE, name, **tile_params)
+            found = get_kernel(EXPERT_CENTRIC_SOURCE, name, **tile_params)
+            if name.startswith("gemm") and ring:  # opt in (function attribute): static + dynamic may pass 48 KiB
+                found.max_dynamic_shared_size_bytes = ring
+            _KERNELS[key] = found
         return found
 
     return kernel
@@ -265,15 +342,15 @@ def _stage_list(ws: Workspace, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_we
         src = ws.x_q if quant else x
         src_scale = ws.x_scale if ws.x_scale is not None else null
         dst_scale = ws.a_scale if ws.a_scale is not None else null
-        gather_k((tiles,), (ELEMENTWISE_THREADS,), (src, src_scale, i32(gx), ws.sorted_ids, ws.meta, i32(P), i32(K),
-                                                   i32(H), ws.a_gate_up, dst_scale))
+        gather_k((tiles, block_m(p)), (ELEMENTWISE_THREADS,),
+                 (src, src_scale, i32(gx), ws.sorted_ids, ws.meta, i32(P), i32(K), i32(H), ws.a_gate_up, dst_scale))
 
     def gemm(a: Any, a_scale: Any, groups: int, w: Any, n: int, kd: int, c: Any, n_blocks: int) -> None:
         if ws.quant == "fp8":
-            args = (a, a_scale, i32(groups), w, ws.tile_expert, ws.meta, i32(n), i32(kd), i32(E), c)
+            args = (a, a_scale, i32(groups), w, ws.tile_expert, i32(n), i32(kd), i32(E), c)
         else:
-            args = (a, w, ws.tile_expert, ws.meta, i32(n), i32(kd), i32(E), c)
-        gemm_k((tiles, n_blocks), (gemm_threads,), args)
+            args = (a, w, ws.tile_expert, i32(n), i32(kd), i32(E), c)
+        gemm_k((tiles, n_blocks), (gemm_threads,), args, shared_mem=ring_bytes(p))
 
     def gemm_gate_up() -> None:
         gemm(ws.a_gate_up, ws.a_scale, gx, w13, 2 * I, H, ws.gate_up, n_blocks_gu)
@@ -322,12 +399,13 @@ def expert_centric(
 
     Inputs follow :mod:`kernels.contract` (CuPy arrays). With ``out`` and a matching ``workspace``
     (``make_workspace(dims, quant, **params)``) the call allocates nothing and never syncs with the host.
-    ``params``: BLOCK_N, WARPS, M_TILES, UNROLL (compile-time tile knobs), fuse_scatter.
+    ``params``: BLOCK_N, WARPS, M_TILES, UNROLL, STAGES, PREFETCH (compile-time knobs), fuse_scatter; any not
+    given come from :func:`auto_params` of the dims.
     """
     if quant not in QUANT_MODES:
         raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
-    params = check_params(**params)
     dims = check_inputs(x, w13, w2, topk_ids, topk_weights)
+    params = check_params(dims, **params)
     xp = array_module(x)
     if xp is np:
         raise TypeError("expert_centric runs on the GPU: pass cupy arrays (reference.moe_decode is the host version)")
@@ -370,21 +448,25 @@ def _build(quant: str | None) -> Callable[..., Any]:
 
 
 # sweep grids: every combination compiles for sm_90 with zero spills (tests/test_expert_centric.py checks it)
-GRID = {"BLOCK_N": [32, 64, 128], "WARPS": [4, 8], "M_TILES": [1], "UNROLL": [2, 4], "fuse_scatter": [False, True]}
-GRID_FP8 = {"BLOCK_N": [32, 64], "WARPS": [4, 8], "M_TILES": [1], "UNROLL": [2, 4], "fuse_scatter": [False, True]}
+# (UNROLL=4 and fuse_scatter=False lost everywhere in the first sweep; STAGES adds the cp.async ring)
+# (points with PREFETCH > 0 and STAGES > 0, or a ring over 200 KB, are rejected by check_params: no timing)
+GRID = {"BLOCK_N": [32, 64, 128], "WARPS": [4, 8], "M_TILES": [1], "UNROLL": [1, 2], "STAGES": [0, 2, 4],
+        "PREFETCH": [0, 2], "fuse_scatter": [True]}
+GRID_FP8 = {"BLOCK_N": [32, 64], "WARPS": [4, 8], "M_TILES": [1], "UNROLL": [1, 2], "STAGES": [0, 2, 4],
+            "PREFETCH": [0, 2], "fuse_scatter": [True]}
 
 EXPERT_CENTRIC = register(Variant(
     name="cupy:expert-centric", backend="cupy", family="expert-centric", build=_build(None),
-    reference_mode="classical", quant=None, params=dict(DEFAULTS), baseline=True, grid=GRID,
+    reference_mode="classical", quant=None, params={}, baseline=True, grid=GRID,
     description="vLLM-style expert-centric path: align, gather, mma.sync grouped GEMMs, SiLU, scatter, combine",
 ))
 EXPERT_CENTRIC_FP8 = register(Variant(
     name="cupy:expert-centric-fp8", backend="cupy", family="expert-centric", build=_build("fp8"),
-    reference_mode="classical", quant="fp8", params=dict(DEFAULTS), grid=GRID_FP8,
+    reference_mode="classical", quant="fp8", params={}, grid=GRID_FP8,
     description="expert-centric path with e4m3 activations, fp32 scale per 128 elements (bf16 weights)",
 ))
 EXPERT_CENTRIC_MXFP8 = register(Variant(
     name="cupy:expert-centric-mxfp8", backend="cupy", family="expert-centric", build=_build("mxfp8"),
-    reference_mode="classical", quant="mxfp8", params=dict(DEFAULTS), grid=GRID,
+    reference_mode="classical", quant="mxfp8", params={}, grid=GRID,
     description="expert-centric path with MXFP8 activations (power-of-two scale per 32 elements, bf16 weights)",
 ))

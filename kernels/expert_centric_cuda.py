@@ -2,7 +2,10 @@
 
 Knobs (``#define``): ``BLOCK_N`` output features per GEMM block (multiple of 8), ``WARPS`` warps per GEMM
 block (split-K inside the block), ``M_TILES`` 16-row MMA tiles per GEMM block (``BLOCK_M = 16 * M_TILES``,
-also the padding unit of the routing metadata), ``UNROLL`` 32-wide K chunks each warp loads before its MMAs.
+also the padding unit of the routing metadata), ``UNROLL`` 32-wide K chunks each warp loads before its MMAs
+(one "step"), ``STAGES`` 0 = a step's loads go to registers, >= 2 = cp.async ring of STAGES steps in dynamic
+shared memory (``ring_bytes`` in kernels.expert_centric; STAGES-1 steps in flight per warp), ``PREFETCH``
+(register path only) 0 = off, d >= 1 = each lane prefetches into L2 the weights it will load d steps later.
 
 bf16 values travel as raw ``unsigned short`` bits (no cuda_bf16.h); conversions are bit-exact RNE.
 """
@@ -84,9 +87,12 @@ __device__ __forceinline__ void quantize_store(float* v, bool active, int chunk,
 }
 
 // ---------------------------------------------------------------- stage 1: routing metadata -------
-// One block (1024 threads). Count pairs per expert (shared atomics: integer, order-free), exclusive scan of
-// tiles per expert = ceil(count / BLOCK_M), then one warp per expert writes that expert's pair ids in pair
-// order (ballot + popc: deterministic) and pads its last tile with the sentinel P.
+// One block (1024 threads). Warp 0 walks the pairs in order, 32 at a time: lanes holding the same expert
+// find each other (__match_any_sync), each pair's rank inside its expert = pairs of that expert in earlier
+// chunks (counts[e], shared) + lower lanes of its group, and the group's lowest lane adds the group size to
+// counts[e]; the rank parks in row_of_pair[i] (deterministic: pair order, no atomics). Then the block does
+// an exclusive scan of tiles per expert = ceil(count / BLOCK_M), every pair writes its padded row
+// tile_off[e] * BLOCK_M + rank, and a thread per expert pads that expert's last tile with the sentinel P.
 // Out: sorted_ids[max_tiles*BLOCK_M] (pair id or P), tile_expert[max_tiles] (-1 past the real tiles),
 // meta[0] = real tile count, row_of_pair[P] (padded row of each pair, -1 for an out-of-range expert id).
 extern "C" __global__ void __launch_bounds__(1024) moe_align(
@@ -101,9 +107,18 @@ extern "C" __global__ void __launch_bounds__(1024) moe_align(
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
     for (int e = tid; e < E; e += blockDim.x) counts[e] = 0;
     __syncthreads();
-    for (int i = tid; i < P; i += blockDim.x) {
-        int e = topk_ids[i];
-        if (e >= 0 && e < E) atomicAdd(&counts[e], 1); else row_of_pair[i] = -1;
+    if (warp == 0) {
+        for (int i0 = 0; i0 < P; i0 += 32) {
+            const int i = i0 + lane;
+            const int e = i < P ? topk_ids[i] : -1;
+            const bool valid = e >= 0 && e < E;
+            const unsigned group = __match_any_sync(0xFFFFFFFFu, e);   // lanes with the same id (valid or not)
+            const int before = valid ? counts[e] : 0;
+            __syncwarp();
+            if (valid && (group & ((1u << lane) - 1u)) == 0) counts[e] = before + __popc(group);   // group leader
+            if (i < P) row_of_pair[i] = valid ? before + __popc(group & ((1u << lane) - 1u)) : -1;
+            __syncwarp();
+        }
     }
     __syncthreads();
     // block exclusive scan of tiles per expert: each thread owns a run of `per` experts
@@ -137,25 +152,20 @@ extern "C" __global__ void __launch_bounds__(1024) moe_align(
         for (int j = 0; j < n; ++j) tile_expert[tile_off[e] + j] = e;
     }
     for (int j = total + tid; j < max_tiles; j += blockDim.x) tile_expert[j] = -1;
-    // placement: warp per expert, pairs in ascending order
-    for (int e = warp; e < E; e += nwarps) {
+    // placement: thread per pair (its rank was parked in row_of_pair by warp 0 before the barriers above),
+    // then thread per expert for the padding
+    for (int i = tid; i < P; i += blockDim.x) {
+        const int rank = row_of_pair[i];
+        if (rank < 0) continue;
+        const int r = tile_off[topk_ids[i]] * BLOCK_M + rank;
+        sorted_ids[r] = i;
+        row_of_pair[i] = r;
+    }
+    for (int e = tid; e < E; e += blockDim.x) {
         const int count = counts[e];
-        if (count == 0) continue;
         const int base = tile_off[e] * BLOCK_M;
-        int pos = 0;
-        for (int i0 = 0; i0 < P; i0 += 32) {
-            const int i = i0 + lane;
-            const bool match = i < P && topk_ids[i] == e;
-            const unsigned mask = __ballot_sync(0xFFFFFFFFu, match);
-            if (match) {
-                const int r = base + pos + __popc(mask & ((1u << lane) - 1u));
-                sorted_ids[r] = i;
-                row_of_pair[i] = r;
-            }
-            pos += __popc(mask);
-        }
         const int padded = ((count + BLOCK_M - 1) / BLOCK_M) * BLOCK_M;
-        for (int r = count + lane; r < padded; r += 32) sorted_ids[base + r] = P;
+        for (int r = count; r < padded; ++r) sorted_ids[base + r] = P;
     }
 }
 
@@ -175,8 +185,9 @@ extern "C" __global__ void quantize_rows(const bf16* __restrict__ src, int H, in
 }
 
 // ---------------------------------------------------------------- stage 2: gather / permute -------
-// Block per padded tile (blocks past the real tile count exit). Row r of the tile copies token
-// sorted_ids[r] / K of src (16-byte chunks), padding rows get zeros; fp32 group scales follow (0 for padding).
+// Block (tile, r) per padded row tile * BLOCK_M + r (blocks past the real tile count exit): it copies token
+// sorted_ids[row] / K of src (16-byte chunks, one per thread), a padding row gets zeros; fp32 group scales
+// follow (0 for padding). One row per block: one sorted_ids load, then independent copies (no serial walk).
 extern "C" __global__ void gather_rows(const bf16* __restrict__ src, const float* __restrict__ src_scale,
                                        int scale_groups, const int* __restrict__ sorted_ids,
                                        const int* __restrict__ meta, int P, int K, int H,
@@ -185,22 +196,18 @@ extern "C" __global__ void gather_rows(const bf16* __restrict__ src, const float
     const int tile = blockIdx.x;
     if (tile >= meta[0]) return;
     const int chunks = H / 8;
-    for (int idx = threadIdx.x; idx < BLOCK_M * chunks; idx += blockDim.x) {
-        const int r = idx / chunks, c = idx - r * chunks;
-        const int row = tile * BLOCK_M + r;
-        const int pair = sorted_ids[row];
+    const size_t row = (size_t)tile * BLOCK_M + blockIdx.y;
+    const int pair = sorted_ids[row];
+    const bool real = pair >= 0 && pair < P;
+    const size_t token = real ? (size_t)(pair / K) : 0;
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
         uint4 v = make_uint4(0, 0, 0, 0);
-        if (pair >= 0 && pair < P) v = *reinterpret_cast<const uint4*>(src + (size_t)(pair / K) * H + (size_t)c * 8);
-        *reinterpret_cast<uint4*>(dst + (size_t)row * H + (size_t)c * 8) = v;
+        if (real) v = *reinterpret_cast<const uint4*>(src + token * H + (size_t)c * 8);
+        *reinterpret_cast<uint4*>(dst + row * H + (size_t)c * 8) = v;
     }
     if (src_scale != nullptr) {
-        for (int idx = threadIdx.x; idx < BLOCK_M * scale_groups; idx += blockDim.x) {
-            const int r = idx / scale_groups, g = idx - r * scale_groups;
-            const int row = tile * BLOCK_M + r;
-            const int pair = sorted_ids[row];
-            dst_scale[(size_t)row * scale_groups + g] =
-                (pair >= 0 && pair < P) ? src_scale[(size_t)(pair / K) * scale_groups + g] : 0.0f;
-        }
+        for (int g = threadIdx.x; g < scale_groups; g += blockDim.x)
+            dst_scale[row * scale_groups + g] = real ? src_scale[token * scale_groups + g] : 0.0f;
     }
 }
 
@@ -229,17 +236,100 @@ __device__ __forceinline__ uint4 load_weights(const bf16* p) {   // streamed onc
     return v;
 }
 
+// cp.async of 16 bytes global -> shared, L2 only (weights are streamed once); src_bytes 0 zero-fills the slot
+// (used for k or n past the edge; the source address is then still a valid one but is not read).
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* src, int src_bytes) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem_dst);
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N_PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N_PENDING) : "memory");
+}
+
+// Prefetch into L2 the weight bytes this lane would load for the step starting at chunk c0 (in range only).
+__device__ __forceinline__ void prefetch_step(const bf16* Wexp, int c0, int n0, int g, int t, int N, int Kd) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int k = (c0 + u) * 32 + 8 * t;
+        if (k >= Kd) continue;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const int n = n0 + 8 * j;
+            if (n < N) asm volatile("prefetch.global.L2 [%0];" :: "l"(Wexp + (size_t)(n + g) * Kd + k));
+        }
+    }
+}
+
+// The MMAs of one 32-wide K chunk c (chunk index, for the fp8 scales) with fragments already in registers.
+template <bool SCALED>
+__device__ __forceinline__ void chunk_mma(float (*acc)[NT][4], const uint4 (*a)[2], const uint4* b, int c,
+                                          int chunks, const float* __restrict__ A_scale, int scale_groups,
+                                          size_t row0, int g) {
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m) {
+        const uint4 lo = a[m][0], hi = a[m][1];      // rows g and g+8
+        if (!SCALED) {
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                mma_bf16(acc[m][j], lo.x, hi.x, lo.y, hi.y, b[j].x, b[j].y);
+                mma_bf16(acc[m][j], lo.z, hi.z, lo.w, hi.w, b[j].z, b[j].w);
+            }
+        } else {
+            float s_lo = 0.0f, s_hi = 0.0f;
+            if (c < chunks) {
+                const int grp = c >> 2;
+                s_lo = A_scale[(row0 + 16 * m + g) * scale_groups + grp];
+                s_hi = A_scale[(row0 + 16 * m + g + 8) * scale_groups + grp];
+            }
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                mma_bf16(part, lo.x, hi.x, lo.y, hi.y, b[j].x, b[j].y);
+                mma_bf16(part, lo.z, hi.z, lo.w, hi.w, b[j].z, b[j].w);
+                acc[m][j][0] += part[0] * s_lo;
+                acc[m][j][1] += part[1] * s_lo;
+                acc[m][j][2] += part[2] * s_hi;
+                acc[m][j][3] += part[3] * s_hi;
+            }
+        }
+    }
+}
+
+// STAGES == 0: each step's loads go to registers, then its MMAs run (one step in flight per warp).
+// STAGES >= 2: a ring of STAGES steps in dynamic shared memory filled by cp.async, STAGES-1 steps in flight
+// per warp while one is multiplied. Every lane reads back only the 16-byte slots it copied itself (the same
+// lane -> (row, k) map as the register path), so cp.async.wait_group alone orders it: no barrier, and the
+// MMA order (hence every bit of the result) is that of the register path with the same WARPS / UNROLL.
+// Ring layout: [STAGES][WARPS][UNROLL][SLOT_VECS][32 lanes] uint4, SLOT_VECS = NT weight vectors then
+// 2 * M_TILES activation vectors (rows g, g+8 of each m16 tile); lanes are contiguous: conflict-free.
+#define SLOT_VECS (NT + 2 * M_TILES)
+// split-K reduction slabs: one warp's accumulators (lane-major); as many as fit in 24 KiB, at least one
+#define SLAB_FLOATS (M_TILES * NT * 4 * 32)
+#define SLABS_FIT (6144 / SLAB_FLOATS)
+// (WARPS > 4 keeps one slab: the multi-slab form cost those builds registers, e.g. 64 -> 70 at BLOCK_N=32)
+#define REDUCE_SLABS \
+    (WARPS - 1 < 1 || WARPS > 4 ? 1 : (SLABS_FIT < 1 ? 1 : (SLABS_FIT < WARPS - 1 ? SLABS_FIT : WARPS - 1)))
+// (an explicit min-blocks of 1 for the ring and UNROLL=1: without it ptxas capped some of those builds at 64-80
+// registers and spilled; the measured register-path builds keep their bounds, hence their register counts)
+#if STAGES == 0 && UNROLL > 1
+#define GEMM_BOUNDS __launch_bounds__(WARPS * 32)
+#else
+#define GEMM_BOUNDS __launch_bounds__(WARPS * 32, 1)
+#endif
 template <bool SCALED>
 __device__ __forceinline__ void grouped_gemm(const bf16* __restrict__ A, const float* __restrict__ A_scale,
                                              int scale_groups, const bf16* __restrict__ W,
-                                             const int* __restrict__ tile_expert, const int* __restrict__ meta,
+                                             const int* __restrict__ tile_expert,
                                              int N, int Kd, int E, bf16* __restrict__ C)
 {
-    __shared__ float partial[M_TILES * NT * 4 * 32];
+    __shared__ float partial[REDUCE_SLABS * SLAB_FLOATS];
     const int tile = blockIdx.x;
-    if (tile >= meta[0]) return;
+    // tile_expert is -1 past the real tile count (align writes it), so one load decides the block's fate
     const int expert = tile_expert[tile];
-    if (expert < 0 || expert >= E) return;                       // guard (cannot happen for real tiles)
+    if (expert < 0 || expert >= E) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.y * BLOCK_N;
     const size_t row0 = (size_t)tile * BLOCK_M;
@@ -252,7 +342,16 @@ __device__ __forceinline__ void grouped_gemm(const bf16* __restrict__ A, const f
 #pragma unroll
         for (int j = 0; j < NT; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.0f;
 
+#if STAGES == 0
+#if PREFETCH > 0
+    // L2 prefetches of the weights PREFETCH steps ahead (no registers held, results unchanged): the steps
+    // 1..PREFETCH-1 here, step s + PREFETCH at the top of step s
+    for (int d = 1; d < PREFETCH; ++d) prefetch_step(Wexp, (d * WARPS + warp) * UNROLL, n0, g, t, N, Kd);
+#endif
     for (int c0 = warp * UNROLL; c0 < chunks; c0 += WARPS * UNROLL) {
+#if PREFETCH > 0
+        prefetch_step(Wexp, c0 + PREFETCH * WARPS * UNROLL, n0, g, t, N, Kd);
+#endif
         uint4 b[UNROLL][NT];
         uint4 a[UNROLL][M_TILES][2];
 #pragma unroll
@@ -272,59 +371,96 @@ __device__ __forceinline__ void grouped_gemm(const bf16* __restrict__ A, const f
             }
         }
 #pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+            chunk_mma<SCALED>(acc, a[u], b[u], c0 + u, chunks, A_scale, scale_groups, row0, g);
+    }
+#else
+    extern __shared__ uint4 ring[];
+    // step s of this warp covers chunks (s * WARPS + warp) * UNROLL + u; every warp runs the same step count
+    // (a step wholly past K copies zeros and skips its MMAs, as the register path skips it)
+    const int nsteps = (chunks + WARPS * UNROLL - 1) / (WARPS * UNROLL);
+    auto slot_of = [&](int stage, int u, int v) -> uint4* {
+        return ring + ((((size_t)stage * WARPS + warp) * UNROLL + u) * SLOT_VECS + v) * 32 + lane;
+    };
+    auto issue = [&](int s) {                                    // cp.async every 16 bytes of step s
+        const int stage = s % STAGES;
+#pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
+            const int k = ((s * WARPS + warp) * UNROLL + u) * 32 + 8 * t;
+            const bool kin = k < Kd;
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                const int n = n0 + 8 * j;
+                const bool in = kin && n < N;
+                cp_async16(slot_of(stage, u, j), in ? Wexp + (size_t)(n + g) * Kd + k : Wexp, in ? 16 : 0);
+            }
 #pragma unroll
             for (int m = 0; m < M_TILES; ++m) {
-                const uint4 lo = a[u][m][0], hi = a[u][m][1];      // rows g and g+8
-                if (!SCALED) {
-#pragma unroll
-                    for (int j = 0; j < NT; ++j) {
-                        mma_bf16(acc[m][j], lo.x, hi.x, lo.y, hi.y, b[u][j].x, b[u][j].y);
-                        mma_bf16(acc[m][j], lo.z, hi.z, lo.w, hi.w, b[u][j].z, b[u][j].w);
-                    }
-                } else {
-                    const int c = c0 + u;
-                    float s_lo = 0.0f, s_hi = 0.0f;
-                    if (c < chunks) {
-                        const int grp = c >> 2;
-                        s_lo = A_scale[(row0 + 16 * m + g) * scale_groups + grp];
-                        s_hi = A_scale[(row0 + 16 * m + g + 8) * scale_groups + grp];
-                    }
-#pragma unroll
-                    for (int j = 0; j < NT; ++j) {
-                        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                        mma_bf16(part, lo.x, hi.x, lo.y, hi.y, b[u][j].x, b[u][j].y);
-                        mma_bf16(part, lo.z, hi.z, lo.w, hi.w, b[u][j].z, b[u][j].w);
-                        acc[m][j][0] += part[0] * s_lo;
-                        acc[m][j][1] += part[1] * s_lo;
-                        acc[m][j][2] += part[2] * s_hi;
-                        acc[m][j][3] += part[3] * s_hi;
-                    }
-                }
+                const bf16* ar = A + (row0 + 16 * m + g) * Kd + (kin ? k : 0);
+                cp_async16(slot_of(stage, u, NT + 2 * m), ar, kin ? 16 : 0);
+                cp_async16(slot_of(stage, u, NT + 2 * m + 1), ar + (size_t)8 * Kd, kin ? 16 : 0);
             }
         }
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {                       // prologue: steps 0..STAGES-2 in flight
+        if (s < nsteps) issue(s);
+        cp_async_commit();                                       // (empty groups keep the count uniform)
     }
-    // split-K reduction, one warp at a time through one shared slab (lane-major, conflict-free): warp w
-    // stores, warp 0 adds, in warp order w = 1..WARPS-1 (deterministic)
-    for (int w = 1; w < WARPS; ++w) {
-        if (warp == w) {
+    for (int s = 0; s < nsteps; ++s) {
+        // refill the slot step s-1 used (this lane read it last iteration, before its MMAs), then wait for
+        // step s: groups committed so far = STAGES + s, the newest STAGES-1 may still be pending
+        if (s + STAGES - 1 < nsteps) issue(s + STAGES - 1);
+        cp_async_commit();
+        cp_async_wait<STAGES - 1>();
+        const int c0 = (s * WARPS + warp) * UNROLL;
+        if (c0 >= chunks) continue;                              // warp-uniform
+        const int stage = s % STAGES;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            uint4 b[NT];
+            uint4 a[M_TILES][2];
+#pragma unroll
+            for (int j = 0; j < NT; ++j) b[j] = *slot_of(stage, u, j);
+#pragma unroll
+            for (int m = 0; m < M_TILES; ++m) {
+                a[m][0] = *slot_of(stage, u, NT + 2 * m);
+                a[m][1] = *slot_of(stage, u, NT + 2 * m + 1);
+            }
+            chunk_mma<SCALED>(acc, a, b, c0 + u, chunks, A_scale, scale_groups, row0, g);
+        }
+    }
+    cp_async_wait<0>();                                          // nothing left in flight at exit
+#endif
+    // split-K reduction through shared slabs (lane-major, conflict-free), REDUCE_SLABS warps per round:
+    // warps w0..w0+REDUCE_SLABS-1 store at once, then warp 0 adds them in warp order; the sum is
+    // ((acc_0 + acc_1) + acc_2) + ... in every configuration (deterministic, same bits as one warp per round)
+    for (int w0 = 1; w0 < WARPS; w0 += REDUCE_SLABS) {
+        if (warp >= w0 && warp < w0 + REDUCE_SLABS) {
+            float* slab = partial + (warp - w0) * SLAB_FLOATS;
 #pragma unroll
             for (int m = 0; m < M_TILES; ++m)
 #pragma unroll
                 for (int j = 0; j < NT; ++j)
 #pragma unroll
-                    for (int q = 0; q < 4; ++q) partial[((m * NT + j) * 4 + q) * 32 + lane] = acc[m][j][q];
+                    for (int q = 0; q < 4; ++q) slab[((m * NT + j) * 4 + q) * 32 + lane] = acc[m][j][q];
         }
         __syncthreads();
         if (warp == 0) {
+            const int n_slabs = min(REDUCE_SLABS, WARPS - w0);
 #pragma unroll
-            for (int m = 0; m < M_TILES; ++m)
+            for (int sl = 0; sl < REDUCE_SLABS; ++sl) {
+                if (sl >= n_slabs) break;
+                const float* slab = partial + sl * SLAB_FLOATS;
 #pragma unroll
-                for (int j = 0; j < NT; ++j)
+                for (int m = 0; m < M_TILES; ++m)
 #pragma unroll
-                    for (int q = 0; q < 4; ++q) acc[m][j][q] += partial[((m * NT + j) * 4 + q) * 32 + lane];
+                    for (int j = 0; j < NT; ++j)
+#pragma unroll
+                        for (int q = 0; q < 4; ++q) acc[m][j][q] += slab[((m * NT + j) * 4 + q) * 32 + lane];
+            }
         }
-        __syncthreads();
+        if (w0 + REDUCE_SLABS < WARPS) __syncthreads();          // the slabs are reused by the next round
     }
     if (warp != 0) return;
     // epilogue: lane holds rows g, g+8 and columns 2t, 2t+1 of each n8 tile -> bf16x2 stores
@@ -340,18 +476,18 @@ __device__ __forceinline__ void grouped_gemm(const bf16* __restrict__ A, const f
         }
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32) gemm_bf16(
+extern "C" __global__ void GEMM_BOUNDS gemm_bf16(
     const bf16* __restrict__ A, const bf16* __restrict__ W, const int* __restrict__ tile_expert,
-    const int* __restrict__ meta, int N, int Kd, int E, bf16* __restrict__ C)
+    int N, int Kd, int E, bf16* __restrict__ C)
 {
-    grouped_gemm<false>(A, nullptr, 0, W, tile_expert, meta, N, Kd, E, C);
+    grouped_gemm<false>(A, nullptr, 0, W, tile_expert, N, Kd, E, C);
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32) gemm_fp8_scaled(
+extern "C" __global__ void GEMM_BOUNDS gemm_fp8_scaled(
     const bf16* __restrict__ A, const float* __restrict__ A_scale, int scale_groups, const bf16* __restrict__ W,
-    const int* __restrict__ tile_expert, const int* __restrict__ meta, int N, int Kd, int E, bf16* __restrict__ C)
+    const int* __restrict__ tile_expert, int N, int Kd, int E, bf16* __restrict__ C)
 {
-    grouped_gemm<true>(A, A_scale, scale_groups, W, tile_expert, meta, N, Kd, E, C);
+    grouped_gemm<true>(A, A_scale, scale_groups, W, tile_expert, N, Kd, E, C);
 }
 
 // ---------------------------------------------------------------- stage 5: SiLU(gate) * up --------
@@ -403,6 +539,7 @@ extern "C" __global__ void scatter_rows(const bf16* __restrict__ down, const int
 }
 
 // ---------------------------------------------------------------- stage 8: combine ----------------
+#define COMBINE_GROUP 4
 // Block per token; lane owns 8 hidden features, one fp32 accumulator each, slots k = 0..K-1 in order,
 // acc = acc + w * v with separate roundings (numpy's order). rows == nullptr: src is [T*K, H] in pair order
 // (after scatter); otherwise src is the padded down buffer read through rows (scatter fused; -1 -> NaN).
@@ -413,18 +550,31 @@ extern "C" __global__ void combine(const bf16* __restrict__ src, const int* __re
     const int token = blockIdx.x;
     for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int k = 0; k < K; ++k) {
-            const int pair = token * K + k;
-            const int row = rows == nullptr ? pair : rows[pair];
-            const float w = topk_weights[pair];
-            float v[8];
-            if (row >= 0) {
-                unpack8(*reinterpret_cast<const uint4*>(src + (size_t)row * H + (size_t)c * 8), v);
-            } else {
-                for (int i = 0; i < 8; ++i) v[i] = __int_as_float(0x7FC00000);
+        // slots in groups of COMBINE_GROUP: every row index, weight and 16-byte load of a group is issued
+        // before its adds (independent loads in flight), the adds stay in slot order k = 0..K-1
+        for (int k0 = 0; k0 < K; k0 += COMBINE_GROUP) {
+            int row[COMBINE_GROUP];
+            float w[COMBINE_GROUP];
+            uint4 v[COMBINE_GROUP];
+#pragma unroll
+            for (int u = 0; u < COMBINE_GROUP; ++u) {
+                const int pair = token * K + k0 + u;
+                const bool in = k0 + u < K;
+                row[u] = in ? (rows == nullptr ? pair : rows[pair]) : -1;
+                w[u] = in ? topk_weights[pair] : 0.0f;
             }
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, v[i]));
+            for (int u = 0; u < COMBINE_GROUP; ++u)
+                v[u] = row[u] >= 0 ? *reinterpret_cast<const uint4*>(src + (size_t)row[u] * H + (size_t)c * 8)
+                                   : make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u);   // NaN
+#pragma unroll
+            for (int u = 0; u < COMBINE_GROUP; ++u) {
+                if (k0 + u >= K) break;
+                float f[8];
+                unpack8(v[u], f);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w[u], f[i]));
+            }
         }
         if (out_f32) {
             float4* o = reinterpret_cast<float4*>(static_cast<float*>(out) + (size_t)token * H + (size_t)c * 8);
@@ -440,13 +590,21 @@ extern "C" __global__ void combine(const bf16* __restrict__ src, const int* __re
 KERNELS = (
     "moe_align", "quantize_rows", "gather_rows", "gemm_bf16", "gemm_fp8_scaled", "silu_mul", "scatter_rows", "combine",
 )
-DEFAULTS = {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 2}
+# DEFAULTS are the compile-time knobs of the large-batch tiles (kernels.expert_centric.auto_params picks per
+# dims; the sweep on the H200 favoured BLOCK_N=128 at T=64 and BLOCK_N=32 / WARPS=8 at T=1).
+DEFAULTS = {"BLOCK_N": 128, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 0, "PREFETCH": 0}
 VARIANTS = [
-    {"BLOCK_N": 32, "WARPS": 4, "M_TILES": 1, "UNROLL": 2},
-    {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 4},
-    {"BLOCK_N": 128, "WARPS": 4, "M_TILES": 1, "UNROLL": 2},
-    {"BLOCK_N": 64, "WARPS": 8, "M_TILES": 1, "UNROLL": 2},
-    {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 2, "UNROLL": 2},
+    {"BLOCK_N": 32, "WARPS": 8, "M_TILES": 1, "UNROLL": 2, "STAGES": 0, "PREFETCH": 0},
+    {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 0, "PREFETCH": 0},
+    {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 4, "STAGES": 0, "PREFETCH": 0},
+    {"BLOCK_N": 64, "WARPS": 8, "M_TILES": 1, "UNROLL": 2, "STAGES": 0, "PREFETCH": 0},
+    {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 2, "UNROLL": 2, "STAGES": 0, "PREFETCH": 0},
+    {"BLOCK_N": 128, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 0, "PREFETCH": 2},
+    {"BLOCK_N": 32, "WARPS": 8, "M_TILES": 1, "UNROLL": 2, "STAGES": 0, "PREFETCH": 1},
+    {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 1, "STAGES": 4, "PREFETCH": 0},
+    {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 2, "PREFETCH": 0},
+    {"BLOCK_N": 128, "WARPS": 4, "M_TILES": 1, "UNROLL": 1, "STAGES": 3, "PREFETCH": 0},
+    {"BLOCK_N": 32, "WARPS": 8, "M_TILES": 1, "UNROLL": 1, "STAGES": 4, "PREFETCH": 0},
 ]
 
 EXPERT_CENTRIC_SOURCE = register_source(

@@ -22,13 +22,16 @@ import pytest
 from kernels.compile import offline_report
 from kernels.contract import BF16, Dims
 from kernels.expert_centric import (
+    DYNAMIC_SMEM_LIMIT,
     GRID,
     GRID_FP8,
     align_metadata_numpy,
+    auto_params,
     check_params,
     expert_centric,
     max_tiles,
     quantize_rows_numpy,
+    ring_bytes,
     round_e4m3_numpy,
 )
 from kernels.expert_centric_cuda import DEFAULTS, EXPERT_CENTRIC_SOURCE, KERNELS, VARIANTS
@@ -65,10 +68,15 @@ def test_offline_compile_zero_spills() -> None:
 @pytest.mark.parametrize("grid, kernel", [(GRID, "gemm_bf16"), (GRID_FP8, "gemm_fp8_scaled")])
 def test_sweep_grid_zero_spills(grid: dict, kernel: str) -> None:
     """The GEMM of every tile combination in the variants' sweep grid compiles without spills."""
-    keys = [k for k in ("BLOCK_N", "WARPS", "M_TILES", "UNROLL")]
+    keys = [k for k in ("BLOCK_N", "WARPS", "M_TILES", "UNROLL", "STAGES", "PREFETCH")]
     for values in itertools.product(*(grid[k] for k in keys)):
         params = dict(zip(keys, values, strict=True))
-        check_params(**params)
+        try:
+            check_params(**params)
+        except ValueError:
+            # the reasons allowed: a ring too large, or a prefetch distance on the ring
+            assert ring_bytes({**DEFAULTS, **params}) > DYNAMIC_SMEM_LIMIT or params["STAGES"] * params["PREFETCH"]
+            continue
         report = {r.kernel: r for r in offline_report(EXPERT_CENTRIC_SOURCE, **params)}[kernel]
         assert report.spills == 0, (params, report)
 
@@ -83,6 +91,16 @@ def test_input_errors() -> None:
         expert_centric(*p.arrays, BLOCK_K=32)
     with pytest.raises(ValueError, match="shared memory"):
         check_params(BLOCK_N=256, M_TILES=4)
+    with pytest.raises(ValueError, match="STAGES"):
+        check_params(STAGES=1)
+    with pytest.raises(ValueError, match="STAGES"):
+        check_params(STAGES=-1)
+    with pytest.raises(ValueError, match="PREFETCH"):
+        check_params(STAGES=2, PREFETCH=1)
+    with pytest.raises(ValueError, match="PREFETCH"):
+        check_params(PREFETCH=-1)
+    with pytest.raises(ValueError, match="cp.async ring"):
+        check_params(BLOCK_N=128, WARPS=8, UNROLL=2, STAGES=4)
     with pytest.raises(TypeError, match="x must have dtype"):
         expert_centric(p.x.astype(np.float32), *p.arrays[1:])
     with pytest.raises(ValueError, match="topk_ids must lie"):
@@ -91,6 +109,57 @@ def test_input_errors() -> None:
         expert_centric(p.x, p.w13, p.w2, bad, p.topk_weights)
     with pytest.raises(TypeError, match="cupy"):
         expert_centric(*p.arrays)  # NumPy inputs: this path runs on the GPU only
+
+
+def test_auto_params() -> None:
+    """Tiles follow the dims (decided at build time, never from the routing): small batches small tiles."""
+    small = check_params(Dims(1, 2048, 768, 128, 8))
+    large = check_params(Dims(64, 2048, 768, 128, 8))
+    assert (small["BLOCK_N"], small["WARPS"]) == (32, 8) and (large["BLOCK_N"], large["WARPS"]) == (128, 4)
+    assert small["fuse_scatter"] and large["fuse_scatter"] and large["STAGES"] == 0
+    assert check_params(Dims(1, 2048, 768, 128, 8), BLOCK_N=64)["BLOCK_N"] == 64  # explicit knobs win
+    assert auto_params(None) == {**DEFAULTS, "fuse_scatter": True}
+
+
+def _ring_schedule(chunks: int, warps: int, unroll: int, stages: int) -> list[tuple[int, int, int]]:
+    """Replays one warp's cp.async ring loop of grouped_gemm (STAGES >= 2) on the host: returns, per warp,
+    the (step, chunk, stage) it multiplies, asserting at each multiply that the step's copy group has
+    completed under wait_group(STAGES-1) and that its slot was not refilled by a later step meanwhile."""
+    used = []
+    nsteps = -(-chunks // (warps * unroll))
+    for warp in range(warps):
+        committed: list[int | None] = []  # step of each commit group (None: empty group)
+        slot_owner: dict[int, int] = {}  # ring slot -> the step whose copies were issued into it last
+        for s in range(stages - 1):
+            if s < nsteps:
+                slot_owner[s % stages] = s
+            committed.append(s if s < nsteps else None)
+        for s in range(nsteps):
+            if s + stages - 1 < nsteps:
+                slot_owner[(s + stages - 1) % stages] = s + stages - 1
+                committed.append(s + stages - 1)
+            else:
+                committed.append(None)
+            done = committed[: len(committed) - (stages - 1)]  # wait_group(STAGES-1)
+            assert s in done, (warp, s)
+            assert slot_owner[s % stages] == s, (warp, s)  # not overwritten before its MMAs
+            c0 = (s * warps + warp) * unroll
+            if c0 >= chunks:
+                continue
+            used += [(s, c0 + u, s % stages) for u in range(unroll)]
+    return used
+
+
+@pytest.mark.parametrize("chunks", [1, 5, 24, 64, 90])
+@pytest.mark.parametrize("warps, unroll, stages", [(4, 1, 4), (4, 2, 2), (8, 1, 4), (4, 1, 3), (1, 1, 2), (8, 2, 8)])
+def test_cp_async_ring_schedule(chunks: int, warps: int, unroll: int, stages: int) -> None:
+    """The ring visits every K chunk exactly once, the same chunks as the register path's loop, and never
+    reads a step whose copies may be pending or whose slot was refilled."""
+    ring = sorted(c for _, c, _ in _ring_schedule(chunks, warps, unroll, stages))
+    register_path = sorted(c0 + u for w in range(warps) for c0 in range(w * unroll, chunks, warps * unroll)
+                           for u in range(unroll))
+    assert ring == register_path
+    assert [c for c in ring if c < chunks] == list(range(chunks))
 
 
 def test_max_tiles_bound_is_tight() -> None:
@@ -135,6 +204,70 @@ def test_align_model_format(routing: str) -> None:
     bad[2, 2] = experts
     meta_bad = align_metadata_numpy(bad, experts, bm)
     assert meta_bad["row_of_pair"][1 * top_k] == -1 and meta_bad["row_of_pair"][2 * top_k + 2] == -1
+
+
+def _align_kernel_replay(ids: np.ndarray, experts: int, bm: int, tiles: int) -> dict[str, np.ndarray]:
+    """moe_align's algorithm step by step on the host (warp 0's match_any walk, the scan, the placement)."""
+    flat = np.asarray(ids).ravel().astype(np.int64)
+    pairs = flat.size
+    counts = np.zeros(experts, np.int64)
+    row_of_pair = np.empty(pairs, np.int64)
+    for i0 in range(0, pairs, 32):
+        lanes = [flat[i] if i < pairs else -1 for i in range(i0, i0 + 32)]
+        before = [counts[e] if 0 <= e < experts else 0 for e in lanes]  # every lane reads, then leaders write
+        for lane, e in enumerate(lanes):
+            group = [other for other in range(32) if lanes[other] == e]  # __match_any_sync
+            lower = sum(1 for other in group if other < lane)
+            valid = 0 <= e < experts
+            if valid and lower == 0:
+                counts[e] = before[lane] + len(group)
+            if i0 + lane < pairs:
+                row_of_pair[i0 + lane] = before[lane] + lower if valid else -1
+    per_expert_tiles = -(-counts // bm)
+    tile_off = np.concatenate([[0], np.cumsum(per_expert_tiles)[:-1]])
+    total = int(per_expert_tiles.sum())
+    sorted_ids = np.full(tiles * bm, -99, np.int64)  # -99: never written
+    tile_expert = np.full(tiles, -99, np.int64)
+    for e in range(experts):
+        tile_expert[tile_off[e] : tile_off[e] + per_expert_tiles[e]] = e
+    tile_expert[total:] = -1
+    for i in range(pairs):
+        if row_of_pair[i] >= 0:
+            r = tile_off[flat[i]] * bm + row_of_pair[i]
+            sorted_ids[r] = i
+            row_of_pair[i] = r
+    for e in range(experts):
+        base = tile_off[e] * bm
+        sorted_ids[base + counts[e] : base + per_expert_tiles[e] * bm] = pairs
+    return {"sorted_ids": sorted_ids, "tile_expert": tile_expert, "num_tiles": total, "row_of_pair": row_of_pair}
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, bm", [(1, 128, 8, 16), (64, 128, 8, 16), (5, 3, 2, 16),
+                                                        (33, 40, 8, 16), (8, 512, 10, 16), (7, 6, 3, 32)])
+def test_align_kernel_replay_matches_model(tokens: int, experts: int, top_k: int, bm: int) -> None:
+    """The kernel's rank-by-match_any algorithm (replayed on the host) writes exactly the NumPy model's
+    metadata, including out-of-range ids (-1 rows, not counted) and skewed routings."""
+    rng = np.random.default_rng(tokens * 1000 + experts)
+    dims = Dims(tokens, 8, 8, experts, top_k)
+    tiles = max_tiles(dims, bm)
+    for trial in range(4):
+        if trial == 0:
+            ids = rng.integers(0, experts, (tokens, top_k))
+        elif trial == 1:
+            ids = np.minimum(rng.zipf(1.5, (tokens, top_k)) - 1, experts - 1)
+        elif trial == 2:
+            ids = np.zeros((tokens, top_k), np.int64) + experts // 2
+        else:
+            ids = rng.integers(0, experts, (tokens, top_k))
+            ids.flat[rng.integers(0, ids.size, 3)] = [-1, experts, 1 << 30][: min(3, ids.size)]
+        model = align_metadata_numpy(ids, experts, bm)
+        got = _align_kernel_replay(ids, experts, bm, tiles)
+        n = model["num_tiles"]
+        assert got["num_tiles"] == n
+        np.testing.assert_array_equal(got["sorted_ids"][: n * bm], model["sorted_ids"])
+        np.testing.assert_array_equal(got["tile_expert"][:n], model["tile_expert"])
+        assert np.all(got["tile_expert"][n:] == -1)
+        np.testing.assert_array_equal(got["row_of_pair"], model["row_of_pair"])
 
 
 def test_e4m3_rounding_twin_matches_ml_dtypes() -> None:
@@ -291,8 +424,10 @@ def test_routings(routing: str, quant) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "params",
-    [dict(fuse_scatter=True), dict(BLOCK_N=32, UNROLL=4), dict(BLOCK_N=128, WARPS=8), dict(M_TILES=2),
-     dict(WARPS=1, UNROLL=1), *VARIANTS],
+    [dict(fuse_scatter=False), dict(BLOCK_N=32, UNROLL=4), dict(BLOCK_N=128, WARPS=8), dict(M_TILES=2),
+     dict(WARPS=1, UNROLL=1), dict(STAGES=2), dict(STAGES=3, BLOCK_N=64), dict(STAGES=2, WARPS=1, UNROLL=1),
+     dict(STAGES=8, BLOCK_N=32, UNROLL=1), dict(STAGES=4, M_TILES=2, BLOCK_N=64), dict(PREFETCH=1),
+     dict(PREFETCH=3, BLOCK_N=64), *VARIANTS],
     ids=str,
 )
 def test_tile_params(params: dict) -> None:
@@ -301,6 +436,8 @@ def test_tile_params(params: dict) -> None:
     p = make_problem(PRESETS["qwen3-30b-a3b"].with_(experts=24), 20, seed=4, routing="zipf", xp=cp)
     base = _run(p)
     other = _run(p, **params)
+    for quant in ("fp8", "mxfp8") if params.get("STAGES") or params.get("PREFETCH") else ():  # (new GEMM paths)
+        _check_vs_reference(p, _run(p, quant=quant, **params), quant=quant)
     _check_close(other, base, min_equal=0.95)  # same numerics; split-K order may differ with WARPS/UNROLL
     if params.get("WARPS", DEFAULTS["WARPS"]) == DEFAULTS["WARPS"] and params.get("UNROLL", 2) == 2:
         np.testing.assert_array_equal(other.view(np.uint16), base.view(np.uint16))
@@ -363,7 +500,7 @@ def test_stages_equal_launch_and_determinism(quant) -> None:
         run()
     cp.cuda.runtime.deviceSynchronize()
     np.testing.assert_array_equal(out.get().view(np.uint16), runs[0].view(np.uint16))
-    assert names[0] == "align" and names[-1] == "combine" and len(names) == (8 if quant else 7)
+    assert names[0] == "align" and names[-1] == "scatter+combine" and len(names) == (7 if quant else 6)
     _check_vs_reference(p, runs[0], quant=quant)
 
 
