@@ -133,3 +133,16 @@ def test_bench_result_object_renders_and_serialises(data):
     assert "numba:warp-decode" in printed[0]
     assert json.loads(result.to_json()) == data
     assert "| batch |" in result.markdown()
+
+
+def test_ratio_markdown_pairs_variants_of_the_same_run_point():
+    from tools.report import ratio_markdown
+
+    def row(variant, batch, median, status="ok"):
+        return {"model": "qwen3-30b-a3b", "variant": variant, "batch": batch, "median_us": median, "status": status}
+
+    runs = [{"results": [row("numba:warp-decode", 1, 30.0), row("cupy:warp-decode", 1, 24.0),
+                         row("numba:warp-decode", 8, 180.0), row("cupy:warp-decode", 8, 120.0, status="wrong")]}]
+    text = ratio_markdown(runs)
+    assert "| qwen3-30b-a3b | 1.25 |" in text and "T=8" not in text  # a wrong point is never compared
+    assert ratio_markdown([{"results": []}]) == ""

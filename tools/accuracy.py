@@ -613,6 +613,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="GPU: a path without a kernel runs its reference mode on the host (slow) or is skipped")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON (with the GPU and versions)")
     p.add_argument("--markdown-from", metavar="JSON", help="print a recorded result as markdown tables and exit")
+    p.add_argument("--depth-from", metavar="JSON", help="with --markdown-from: append this result's depth study")
     p.add_argument("--update-readme", metavar="README",
                    help="with --markdown-from: replace the README's accuracy block with those tables")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -624,8 +625,9 @@ PATH_LABELS = {"warp_decode": "warp decode", "classical": "expert-centric bf16",
                "classical+fp8": "expert-centric FP8", "classical+mxfp8": "expert-centric MXFP8"}
 
 
-def markdown(data: dict[str, Any]) -> str:
-    """Markdown tables of a recorded result (``--json``): one row per (model, T, path), medians over seeds."""
+def markdown(data: dict[str, Any], layer: bool = True) -> str:
+    """Markdown tables of a recorded result (``--json``): one row per (model, T, path), medians over seeds,
+    then the depth study if it ran (only the depth study with ``layer=False``)."""
     env = data.get("environment") or {}
     gpu = (env.get("gpu") or {}).get("name") or ("a GPU" if data["config"].get("gpu") else "CPU (reference modes)")
     lines = [f"Measured on {gpu}, {env.get('date', 'date not recorded')}: {data['config']['seeds']} seeds per row, "
@@ -634,7 +636,9 @@ def markdown(data: dict[str, Any]) -> str:
              "decode) on the same seed, median [min, max] over seeds.", "",
              "| model | T | path | rel-L2 | max-abs | min cosine | x closer | source |",
              "|---|---|---|---|---|---|---|---|"]
-    for cell in data["layer"]:
+    if not layer:
+        lines = []
+    for cell in data["layer"] if layer else []:
         summ = cell["summary"]
         ratio = summ.get("x_closer")
         ratio_text = (f"{ratio['median']:.2f}x [{ratio['min']:.2f}, {ratio['max']:.2f}]" if ratio
@@ -666,6 +670,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.markdown_from:
         text = markdown(json.loads(Path(args.markdown_from).read_text()))
+        if args.depth_from:
+            text += markdown(json.loads(Path(args.depth_from).read_text()), layer=False)
         if args.update_readme:
             from tools.report import update_readme
 

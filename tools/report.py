@@ -316,6 +316,25 @@ def markdown(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def ratio_markdown(datas: list[dict[str, Any]], slow: str = "numba:warp-decode", fast: str = "cupy:warp-decode") -> str:
+    """Markdown table of median-time ratios ``slow / fast`` per (model, batch) over several runs; "" if none."""
+    medians: dict[tuple[str, int], dict[str, float]] = {}
+    for data in datas:
+        for row in data.get("results", []):
+            if row.get("status") == "ok" and row.get("median_us") and row["variant"] in (slow, fast):
+                medians.setdefault((row["model"], int(row["batch"])), {})[row["variant"]] = row["median_us"]
+    points = {key: m[slow] / m[fast] for key, m in medians.items() if slow in m and fast in m}
+    if not points:
+        return ""
+    batches = sorted({b for _, b in points})
+    lines = [f"Time of `{slow}` / time of `{fast}` (median µs per layer, same run):", "",
+             "| model | " + " | ".join(f"T={b}" for b in batches) + " |", "|---|" + "---:|" * len(batches)]
+    for model in dict.fromkeys(m for m, _ in sorted(points)):
+        lines.append(f"| {model} | " + " | ".join(f"{points[(model, b)]:.2f}" if (model, b) in points else "-"
+                                                 for b in batches) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def replace_between_markers(text: str, block: str, begin: str = BEGIN, end: str = END) -> str:
     """``text`` with everything between the markers (default: the bench's) replaced by ``block``."""
     start, stop = text.find(begin), text.find(end)
@@ -331,24 +350,31 @@ def update_readme(path: str | Path, block: str, begin: str = BEGIN, end: str = E
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.report", description=__doc__.split("\n")[0])
-    parser.add_argument("json", help="a result file written by python -m tools.bench --json")
+    parser.add_argument("json", nargs="+", help="result files written by python -m tools.bench --json (in order)")
     parser.add_argument("--markdown", action="store_true", help="print markdown tables instead of the rich report")
     parser.add_argument("--update-readme", metavar="README", help="replace the bench block of this README")
     args = parser.parse_args(argv)
-    try:
-        data = load(args.json)
-    except (OSError, json.JSONDecodeError) as exc:
-        parser.error(f"cannot read {args.json}: {exc}")
-    if args.update_readme:
+    datas = []
+    for path in args.json:
         try:
-            update_readme(args.update_readme, markdown(data))
+            datas.append(load(path))
+        except (OSError, json.JSONDecodeError) as exc:
+            parser.error(f"cannot read {path}: {exc}")
+    if args.update_readme:
+        block = "\n".join(f"From `{path}`:\n\n{markdown(data)}" for path, data in zip(args.json, datas, strict=True))
+        ratios = ratio_markdown(datas)
+        if ratios:
+            block += "\n### Numba vs CuPy, strict warp decode\n\n" + ratios
+        try:
+            update_readme(args.update_readme, block)
         except (OSError, ValueError) as exc:
             parser.error(str(exc))
-        print(f"updated {args.update_readme} from {args.json}")
+        print(f"updated {args.update_readme} from {', '.join(args.json)}")
     elif args.markdown:
-        sys.stdout.write(markdown(data))
+        sys.stdout.write("\n".join(markdown(data) for data in datas))
     else:
-        render(data, Console(width=None if sys.stdout.isatty() else 200))
+        for data in datas:
+            render(data, Console(width=None if sys.stdout.isatty() else 200))
     return 0
 
 
