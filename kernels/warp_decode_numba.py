@@ -583,6 +583,8 @@ def offline_reports(param_sets: list[dict[str, Any]] | None = None) -> list[Numb
     (``moe_gate_up_3d_batched``), not Numba's mangled ones; ``params`` holds the knobs."""
     from kernels.compile import ptx_report
 
+    if simt.simulator_enabled():  # the simulator cannot emit PTX: compile in a process without it
+        return _offline_reports_without_simulator(param_sets)
     sets = [dict(DEFAULTS), {**DEFAULTS, "out_f32": True}, *(param_sets or [])]
     reports = []
     for index, knobs in enumerate(sets):
@@ -595,6 +597,28 @@ def offline_reports(param_sets: list[dict[str, Any]] | None = None) -> list[Numb
                     **fields, params=dict(knobs), is_default=index < 2, threads_per_block=32 * int(knobs["warps"])
                 ))
     return reports
+
+
+def _offline_reports_without_simulator(param_sets: list[dict[str, Any]] | None) -> list[NumbaKernelResources]:
+    """:func:`offline_reports` run in a child Python without ``NUMBA_ENABLE_CUDASIM`` (the bench's CPU path
+    simulates the kernels and reports their registers in the same run)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    code = ("import dataclasses, json, sys\n"
+            "from kernels.warp_decode_numba import offline_reports\n"
+            "print(json.dumps([dataclasses.asdict(r) for r in offline_reports(json.loads(sys.argv[1]))]))")
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(param_sets or [])], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode:
+        raise RuntimeError(f"offline Numba compile failed: {done.stderr.strip()[-400:]}")
+    return [NumbaKernelResources(**fields) for fields in json.loads(done.stdout.strip().splitlines()[-1])]
 
 
 # ---------------------------------------------------------------------------------------------------------
