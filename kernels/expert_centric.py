@@ -87,12 +87,15 @@ def auto_params(dims: Dims | None) -> dict[str, Any]:
 
     From the H200 sweep of the whole path (weights rotated past L2, CUDA-graph replay): T*K <= 64 (T=1: 8
     experts x few N tiles) wants many small blocks, BLOCK_N=32 / WARPS=8 (44 us vs 57 us with 128-wide
-    tiles at T=1); larger batches want BLOCK_N=128 / WARPS=4 (446 us vs 463 us with 64-wide at T=64).
+    tiles at T=1, register loads); larger batches (and no dims: ``DEFAULTS``) want BLOCK_N=64 / WARPS=4 with
+    the two-stage cp.async ring (STAGES=2): qwen3-30b-a3b T=64 350 us vs 372 (BLOCK_N=128, STAGES=2), 386
+    (64, STAGES=4), 433 (128, register loads: the earlier choice) and 683 (L2 prefetch, PREFETCH=2), from
+    results/sweep-ec-stages.json.
     fuse_scatter=True (combine reads the padded down rows through row_of_pair, as vLLM does) saves a launch
     and a [T*K, H] round trip at every T."""
     chosen: dict[str, Any] = {**DEFAULTS, "fuse_scatter": True}
     if dims is not None and dims.tokens * dims.top_k <= SMALL_BATCH_PAIRS:
-        chosen.update(BLOCK_N=32, WARPS=8)
+        chosen.update(BLOCK_N=32, WARPS=8, STAGES=0)  # register loads: the ring was not timed at T*K <= 64
     return chosen
 
 

@@ -592,8 +592,9 @@ KERNELS = (
 )
 # DEFAULTS are the compile-time knobs of the large-batch tiles (kernels.expert_centric.auto_params picks per
 # dims; the sweep on the H200 favoured BLOCK_N=128 at T=64 and BLOCK_N=32 / WARPS=8 at T=1).
-DEFAULTS = {"BLOCK_N": 128, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 0, "PREFETCH": 0}
+DEFAULTS = {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 2, "PREFETCH": 0}
 VARIANTS = [
+    {"BLOCK_N": 128, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 0, "PREFETCH": 0},
     {"BLOCK_N": 32, "WARPS": 8, "M_TILES": 1, "UNROLL": 2, "STAGES": 0, "PREFETCH": 0},
     {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 0, "PREFETCH": 0},
     {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 4, "STAGES": 0, "PREFETCH": 0},
@@ -602,7 +603,6 @@ VARIANTS = [
     {"BLOCK_N": 128, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 0, "PREFETCH": 2},
     {"BLOCK_N": 32, "WARPS": 8, "M_TILES": 1, "UNROLL": 2, "STAGES": 0, "PREFETCH": 1},
     {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 1, "STAGES": 4, "PREFETCH": 0},
-    {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 2, "PREFETCH": 0},
     {"BLOCK_N": 128, "WARPS": 4, "M_TILES": 1, "UNROLL": 1, "STAGES": 3, "PREFETCH": 0},
     {"BLOCK_N": 32, "WARPS": 8, "M_TILES": 1, "UNROLL": 1, "STAGES": 4, "PREFETCH": 0},
 ]

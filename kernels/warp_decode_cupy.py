@@ -71,6 +71,7 @@ static_assert(GU_WARPS >= 1 && GU_WARPS <= 32 && DN_WARPS >= 1 && DN_WARPS <= 32
 static_assert(GU_OUTS >= 1 && GU_OUTS <= 32 && DN_OUTS >= 1 && DN_OUTS <= 32, "OUTS must be 1..32");
 static_assert(GU_UNROLL >= 1 && DN_UNROLL >= 1, "UNROLL must be >= 1");
 static_assert(DN_SLOTS >= 1 && DN_SLOTS <= 32, "DN_SLOTS must be 1..32");
+static_assert(DN_EARLY_INTER == 0 || DN_EARLY_INTER == 1, "DN_EARLY_INTER must be 0 or 1");
 static_assert(GU_BYTES == 4 || GU_BYTES == 8 || GU_BYTES == 16, "GU_BYTES must be 4, 8 or 16");
 static_assert(DN_BYTES == 4 || DN_BYTES == 8 || DN_BYTES == 16, "DN_BYTES must be 4, 8 or 16");
 
@@ -268,7 +269,7 @@ extern "C" __global__ void GU_BOUNDS moe_gate_up_3d_batched(
 //   Warp g owns token t = g / ceil(H / DN_OUTS) and the DN_OUTS consecutive hidden units h0 .. h0+DN_OUTS-1.
 //   The K x ceil(I / (32 * DN_BYTES / 2)) chunks a lane reads form one flat list of items (slot k major);
 //   lane l reads chunks c = l, l + 32, ... of each slot's w2 row(s), DN_UNROLL items loaded into
-//   registers before the first FMA, then the matching intermediate chunks (L1/L2 hits).
+//   registers before the first FMA, with the matching intermediate chunks (L2 hits) in the same batch.
 //   For K <= 32, lane k holds slot k's expert id and routing weight and items get them by warp shuffle
 //   (no global load in front of a w2 address); for K > 32 they are read with __ldg.
 //   ONE FP32 accumulator per output, acc[o] in each lane's registers: acc += w2 * (weight_k * inter);
@@ -317,23 +318,40 @@ __device__ __forceinline__ void down_accumulate(
                 pdl_wait();
                 waited = true;
             }
+            // the matching intermediate chunks (L2 hits, shared by all DN_OUTS rows). DN_EARLY_INTER=1: issued
+            // now, in the same batch as the w2 loads, so a round costs one memory latency; 0: issued after
+            // every w2 load has arrived (a DRAM latency, then an L2 latency, per round)
+            vec_t iv[DN_SLOTS * DN_UNROLL][1];
+#if DN_EARLY_INTER
+            const vec_t* inter_r = inter_t;
+#else
             const vec_t* inter_r = inter_t + all_loads_arrived(wv);  // + 0, after every w2 load arrived
-            // 2) per item: the intermediate chunk (L1/L2 hit, shared by all DN_OUTS rows) times the routing
-            //    weight, FMA into the one accumulator per output
+#endif
+            #pragma unroll
+            for (int s = 0; s < DN_SLOTS; ++s)
+                #pragma unroll
+                for (int r = 0; r < DN_UNROLL; ++r) {
+                    const int c = c0 + r * 32 + lane;
+                    const bool ok = k0 + s < top_k && c < chunks;
+                    iv[s * DN_UNROLL + r][0] = ldg_chunk(inter_r + (size_t)(ok ? k0 + s : 0) * chunks, c, ok);
+                }
+#if DN_EARLY_INTER
+            acc[0] += __uint_as_float(all_loads_arrived(wv) | all_loads_arrived(iv));  // += 0.0f, after all
+#endif
+            // 2) per item: intermediate chunk times the routing weight, FMA into the one accumulator per output
             #pragma unroll
             for (int s = 0; s < DN_SLOTS; ++s) {
                 const bool live = k0 + s < top_k;
-                const int k = live ? k0 + s : 0;
                 const float wk = __shfl_sync(FULL_MASK, batch_weight, s);
                 #pragma unroll
                 for (int r = 0; r < DN_UNROLL; ++r) {
                     const int c = c0 + r * 32 + lane;
                     const bool ok = live && c < chunks;
-                    const vec_t iv = ldg_chunk(inter_r + (size_t)k * chunks, c, ok);
+                    const vec_t iv_r = iv[s * DN_UNROLL + r][0];
                     const float weight = ok ? wk : 0.0f;
                     #pragma unroll
                     for (int w = 0; w < WORDS; ++w) {
-                        const float a_lo = weight * bf16_lo(word(iv, w)), a_hi = weight * bf16_hi(word(iv, w));
+                        const float a_lo = weight * bf16_lo(word(iv_r, w)), a_hi = weight * bf16_hi(word(iv_r, w));
                         #pragma unroll
                         for (int o = 0; o < DN_OUTS; ++o) {
                             acc[o] = fmaf(bf16_lo(word(wv[s * DN_UNROLL + r][o], w)), a_lo, acc[o]);
@@ -407,7 +425,8 @@ DEFAULTS: dict[str, int] = {
     "DN_BYTES": 16,
     "DN_MIN_BLOCKS": 8,  # 8 x 4 warps -> <= 64 registers, 32 warps / SM (what 4 x 16-byte loads need);
     # 0 = auto (from DN_SLOTS x DN_UNROLL x DN_OUTS, see _down_min_blocks); 1 = effectively no cap
-    "PDL": 0,  # 1: programmatic dependent launch -- down's first w2 loads overlap gate_up's tail (sm_90+)
+    "DN_EARLY_INTER": 1,  # 1: intermediate chunks loaded in the same batch as w2 (one latency per round)
+    "PDL": 1,  # programmatic dependent launch: down's first w2 loads overlap gate_up's tail (sm_90+; 0 before)
 }
 AUTO_KNOBS = ("DN_SLOTS", "DN_UNROLL", "DN_MIN_BLOCKS")
 
@@ -426,7 +445,7 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
     limits = {
         "GU_WARPS": (1, 32), "DN_WARPS": (1, 32), "GU_OUTS": (1, 32), "DN_OUTS": (1, 32),
         "GU_UNROLL": (1, 64), "DN_UNROLL": (0, 64), "DN_SLOTS": (0, 32),
-        "GU_MIN_BLOCKS": (0, 32), "DN_MIN_BLOCKS": (0, 32), "PDL": (0, 1),
+        "GU_MIN_BLOCKS": (0, 32), "DN_MIN_BLOCKS": (0, 32), "PDL": (0, 1), "DN_EARLY_INTER": (0, 1),
     }
     for key, (low, high) in limits.items():
         if not low <= values[key] <= high:
@@ -444,28 +463,50 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
     return values
 
 
-def _auto_down(dims: Dims, values: dict[str, int]) -> dict[str, int]:
-    """Loads in flight per lane for the down kernel: one chunk round of up to 4 routed slots.
+# down warps that fit in one wave at ~104 registers (8 slots x 16 B in flight): 16 warps x 132 SMs on the H200
+ONE_WAVE_DOWN_WARPS = 2048
 
-    Measured on the H200 (tools.sweep, T = 1, results/sweep-dn-*.json): DN_SLOTS 4 x DN_UNROLL 1 beat every
-    deeper setting -- qwen3-30b-a3b 28.0 us vs 29.5 (4 x 3) and 31.1 (8 x 1); qwen3-235b-a22b 81.3 us vs 92.7
-    (1 x 4, the earlier auto choice) and 90.2 (8 x 1). Fewer registers (64) keep 32 warps per SM resident,
-    which matters more than a deeper queue of loads per warp.
+
+def _auto_down(dims: Dims, values: dict[str, int]) -> dict[str, int]:
+    """Loads in flight per lane for the down kernel: one chunk round of up to 4 routed slots, or 8 when the
+    down grid is small enough to be one wave even at the registers 8 slots need.
+
+    Measured on the H200 (tools.sweep, decode-step graphs, results/sweep-dn-*-early-inter.json, DN_EARLY_INTER=1,
+    PDL=1): qwen3-30b-a3b T = 1 (2048 down warps) 8 x 1 23.1 us vs 4 x 1 23.8 (22.4 with DN_EARLY_INTER=0);
+    T = 8 (16384 warps) 4 x 1 136 us vs 8 x 1 154; qwen3-235b-a22b T = 1 (4096 warps) 4 x 1 74.7 us, 2 x 2
+    73.4, 8 x 1 80.6. More loads per warp only pay while every warp is resident anyway; otherwise 4 loads at
+    64 registers (32 warps / SM) win on occupancy (the first sweep, results/sweep-dn-*.json, said the same).
     """
-    slots = max(1, min(dims.top_k, 4 // values["DN_OUTS"] or 1, 32))
+    warps = dims.tokens * -(-dims.hidden // values["DN_OUTS"])
+    wanted = 8 if warps <= ONE_WAVE_DOWN_WARPS else 4
+    slots = max(1, min(dims.top_k, wanted // values["DN_OUTS"] or 1, 32))
     return {"DN_SLOTS": slots, "DN_UNROLL": 1, "DN_MIN_BLOCKS": 0}
 
 
 def _down_min_blocks(values: dict[str, int]) -> int:
     """__launch_bounds__ min blocks that caps the down kernel's registers near what its loads need.
 
-    Measured (sm_90, offline report): ~32 registers of bookkeeping plus, per item in flight, DN_OUTS w2
-    chunks and one intermediate chunk of DN_BYTES / 4 registers each (12 items x 16 B -> 128).
+    Fitted to the offline report (sm_90, DN_BYTES 16): ~24 registers of bookkeeping, a 64-bit w2 row pointer
+    per slot and output, and per item in flight DN_OUTS w2 chunks plus one intermediate chunk of DN_BYTES / 4
+    registers each (4 x 1 -> 64, 8 x 1 -> 104, 4 x 3 -> 128). A cap below that spills: the first H200 sweep
+    timed DN_SLOTS 8 with spills under an older formula (tests/test_warp_decode_cupy.py now compiles the
+    sweep grid's auto caps and asserts zero spills).
     """
     items = values["DN_SLOTS"] * values["DN_UNROLL"]
-    registers = 32 + items * (values["DN_OUTS"] + 1) * values["DN_BYTES"] // 4
+    per_item = (values["DN_OUTS"] + 1) * values["DN_BYTES"] // 4
+    registers = 24 + 2 * values["DN_SLOTS"] * values["DN_OUTS"] + items * per_item
     registers = min(255, -(-registers // 8) * 8)
     return max(1, 65536 // (registers * 32 * values["DN_WARPS"]))
+
+
+def for_device(params: dict[str, int]) -> dict[str, int]:
+    """``params`` for the current device: PDL needs sm_90+ (``griddepcontrol``), so it is 0 on older GPUs."""
+    if params["PDL"]:
+        import cupy
+
+        if int(cupy.cuda.Device().compute_capability) < 90:
+            return {**params, "PDL": 0}
+    return params
 
 
 SOURCE = register_source(
@@ -600,7 +641,7 @@ def warp_decode(
     if workspace is not None:
         _require_cupy(workspace=workspace)
         _check_stage_array("workspace", workspace, BF16, (dims.tokens, dims.top_k, dims.intermediate))
-    resolved = resolve_params(dims, **params)
+    resolved = for_device(resolve_params(dims, **params))
     check_inputs(x, w13, w2, topk_ids, topk_weights)  # ids in range, weights finite (skipped under capture)
     _check_aligned(x=x, w13=w13, w2=w2)
     if out is None:
@@ -631,7 +672,7 @@ def gate_up(x: Any, w13: Any, topk_ids: Any, intermediate: Any, **params: Any) -
     _check_stage_array("w13", w13, BF16, (experts, two_i, hidden))
     _check_stage_array("topk_ids", topk_ids, np.dtype(np.int32), (tokens, top_k))
     _check_stage_array("intermediate", intermediate, BF16, (tokens, top_k, dims.intermediate))
-    resolved = resolve_params(dims, **params)
+    resolved = for_device(resolve_params(dims, **params))
     _check_aligned(x=x, w13=w13, intermediate=intermediate)
     _launch_gate_up(kernels_for(resolved)[0], resolved, dims, x, w13, topk_ids, intermediate)
     return intermediate
@@ -652,7 +693,7 @@ def down(intermediate: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any,
     _check_stage_array("topk_ids", topk_ids, np.dtype(np.int32), (tokens, top_k))
     _check_stage_array("topk_weights", topk_weights, np.dtype(np.float32), (tokens, top_k))
     check_out(out, dims, array_module(out))
-    resolved = resolve_params(dims, **params)
+    resolved = for_device(resolve_params(dims, **params))
     _check_aligned(intermediate=intermediate, w2=w2)
     _launch_down(kernels_for(resolved)[1], resolved, dims, intermediate, w2, topk_ids, topk_weights, out)
     return out
@@ -663,7 +704,7 @@ def down(intermediate: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any,
 # ---------------------------------------------------------------------------------------------------
 def build(dims: Dims, **params: Any) -> Any:
     """Compile once, allocate the workspace once; the returned launch only launches (graph-capturable)."""
-    resolved = resolve_params(dims, **params)
+    resolved = for_device(resolve_params(dims, **params))
     gate_up_kernel, down_kernel = kernels_for(resolved)
     workspace = make_workspace(dims.tokens, dims.top_k, dims.intermediate)
 
@@ -682,6 +723,8 @@ def build(dims: Dims, **params: Any) -> Any:
     launch.workspace = workspace  # type: ignore[attr-defined]
     return launch
 
+
+build.resolve = resolve_params  # type: ignore[attr-defined]  # tools.sweep resolves auto knobs with it
 
 VARIANT = register(
     Variant(

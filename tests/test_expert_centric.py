@@ -115,8 +115,9 @@ def test_auto_params() -> None:
     """Tiles follow the dims (decided at build time, never from the routing): small batches small tiles."""
     small = check_params(Dims(1, 2048, 768, 128, 8))
     large = check_params(Dims(64, 2048, 768, 128, 8))
-    assert (small["BLOCK_N"], small["WARPS"]) == (32, 8) and (large["BLOCK_N"], large["WARPS"]) == (128, 4)
-    assert small["fuse_scatter"] and large["fuse_scatter"] and large["STAGES"] == 0
+    assert (small["BLOCK_N"], small["WARPS"], small["STAGES"]) == (32, 8, 0)
+    assert (large["BLOCK_N"], large["WARPS"], large["STAGES"]) == (64, 4, 2)  # the H200 sweep's T=64 winner
+    assert small["fuse_scatter"] and large["fuse_scatter"]
     assert check_params(Dims(1, 2048, 768, 128, 8), BLOCK_N=64)["BLOCK_N"] == 64  # explicit knobs win
     assert auto_params(None) == {**DEFAULTS, "fuse_scatter": True}
 

@@ -164,9 +164,11 @@ def test_auto_params_are_what_the_h200_sweep_chose() -> None:
         p = wdc.resolve_params(Dims(tokens, s.hidden, s.intermediate, s.experts, s.top_k))
         return p["DN_SLOTS"], p["DN_UNROLL"], p["DN_MIN_BLOCKS"]
 
-    # one round of 4 slots (4 x 16 B per lane), <= 64 registers (8 blocks of 4 warps): fastest in the T=1 sweep
-    assert auto("qwen3-30b-a3b", 1) == (4, 1, 8)
-    assert auto("qwen3-235b-a22b", 1) == (4, 1, 8)
+    # one round of 4 slots (4 x 16 B per lane), <= 64 registers (8 blocks of 4 warps), or of 8 slots at <= 128
+    # registers when the down grid (T x H warps) is one wave anyway: the fastest in the H200 sweeps
+    assert auto("qwen3-30b-a3b", 1) == (8, 1, 4)  # 2048 down warps
+    assert auto("qwen3-30b-a3b", 8) == (4, 1, 8)
+    assert auto("qwen3-235b-a22b", 1) == (4, 1, 8)  # 4096 down warps
     assert auto("mixtral-8x7b", 1)[:2] == (2, 1)  # K = 2
     for shape in PRESETS.values():
         for tokens in (1, 3, 8, 64, 512):
@@ -177,6 +179,28 @@ def test_auto_params_are_what_the_h200_sweep_chose() -> None:
     assert (explicit["DN_SLOTS"], explicit["DN_UNROLL"], explicit["DN_MIN_BLOCKS"]) == (2, 6, 1)
     # explicit loads, auto register cap sized for them: 2 x 6 items -> 128 registers -> 4 blocks of 4 warps
     assert wdc.resolve_params(Dims(1, 2048, 768, 128, 8), DN_SLOTS=2, DN_UNROLL=6)["DN_MIN_BLOCKS"] == 4
+
+
+def test_auto_register_caps_never_spill() -> None:
+    """The auto __launch_bounds__ cap (_down_min_blocks) leaves room for the loads it was sized for: every
+    point of the down sweep grids compiles for sm_90 with zero spill bytes (an older formula capped 8 slots
+    at 96 registers and spilled 40 bytes, which the first H200 sweep timed without noticing)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kernels.compile import offline_report
+
+    dims = Dims(1, 2048, 768, 128, 8)
+    points = [dict(DN_SLOTS=s, DN_UNROLL=u, DN_OUTS=o) for s in (1, 2, 4, 8) for u in (1, 2) for o in (1, 2)
+              if s * u * o <= 8]
+
+    def spills(point: dict) -> tuple[dict, int, int]:
+        resolved = wdc.resolve_params(dims, **point)
+        down = next(r for r in offline_report(wdc.SOURCE, **resolved) if r.kernel == wdc.DOWN)
+        return point, down.spills, down.registers
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(spills, points))
+    assert [(p, s, r) for p, s, r in results if s] == []
 
 
 def test_source_and_variant_are_registered() -> None:

@@ -22,6 +22,7 @@ import os
 import sys
 from typing import Any
 
+from kernels.contract import Dims
 from kernels.shapes import DEFAULT_MODEL, PRESETS, get_shape
 from tools import bench, harness
 from tools.roofline import bar, percent
@@ -85,16 +86,25 @@ def _threads(merged: dict[str, Any], kernel: str) -> int | None:
     return None
 
 
-def compile_columns(variant: Any, params: dict[str, Any]) -> dict[str, Any]:
-    """Registers (max over kernels), spill bytes (sum) and theoretical occupancy (min) of one point, offline.
+def compile_columns(variant: Any, params: dict[str, Any], dims: Any = None) -> dict[str, Any]:
+    """Registers (max over kernels, and per kernel), spill bytes (sum) and theoretical occupancy (min) of one
+    point, offline.
 
-    Knobs equal to 0 where the source's default is not (e.g. "0 = pick at run time") compile at the default.
+    Knobs a variant fills at run time from the problem (``build.resolve(dims, **params)``, e.g. the strict
+    kernels' auto DN_* knobs) are resolved for ``dims`` first, so the report is of what actually runs;
+    otherwise knobs equal to 0 where the source's default is not compile at the default.
     """
     source = source_of(variant)
     if source is None:
         return {"compile": "no CudaSource"}
     from kernels.compile import offline_report
 
+    resolve = getattr(variant.build, "resolve", None)
+    if resolve is not None and dims is not None:
+        try:
+            params = {**params, **resolve(dims, **{k: v for k, v in params.items() if k in source.defaults})}
+        except (TypeError, ValueError) as exc:
+            return {"compile": f"{type(exc).__name__}: {str(exc)[:200]}"}
     defines = {k: int(v) for k, v in params.items()
                if k in source.defaults and not (int(v) == 0 and source.defaults[k] != 0)}
     try:
@@ -105,6 +115,7 @@ def compile_columns(variant: Any, params: dict[str, Any]) -> dict[str, Any]:
     columns: dict[str, Any] = {
         "compile": "ok",
         "registers": max(r.registers for r in reports),
+        "registers_per_kernel": {r.kernel: r.registers for r in reports},
         "spills": sum(r.spills for r in reports),
         "shared_bytes": max(r.shared_bytes for r in reports),
         "occupancy": None,
@@ -132,11 +143,18 @@ def compile_columns(variant: Any, params: dict[str, Any]) -> dict[str, Any]:
     return columns
 
 
-def _all_compile_columns(variant: Any, grid_points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _all_compile_columns(variant: Any, grid_points: list[dict[str, Any]], dims: Any = None) -> list[dict[str, Any]]:
+    """Compile columns of every point, in threads; a point whose report came back empty is compiled again on
+    its own (on the H200 image some NVRTC compiles run in threads returned no ptxas report)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    def one(point: dict[str, Any]) -> dict[str, Any]:
+        return compile_columns(variant, {**variant.params, **point}, dims)
+
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        return list(pool.map(lambda p: compile_columns(variant, {**variant.params, **p}), grid_points))
+        columns = list(pool.map(one, grid_points))
+    return [one(p) if "no ptxas report" in str(c.get("compile", "")) else c
+            for p, c in zip(grid_points, columns, strict=True)]
 
 
 def sweep(name: str, model: str = DEFAULT_MODEL, batch: list[int] | None = None,
@@ -159,7 +177,8 @@ def sweep(name: str, model: str = DEFAULT_MODEL, batch: list[int] | None = None,
         "load_warnings": warnings, "rooflines": None, "points": [],
     }
     grid_points = points(grid)
-    columns = _all_compile_columns(variant, grid_points)
+    dims = Dims(batches[0], shape.hidden, shape.intermediate, shape.experts, shape.top_k)
+    columns = _all_compile_columns(variant, grid_points, dims)  # auto knobs resolved for the first batch
     entries = [{"params": p, **c, "results": {}} for p, c in zip(grid_points, columns, strict=True)]
     record["points"] = entries
     if not gpu:
@@ -212,7 +231,9 @@ def render(record: dict[str, Any]) -> Any:
         table.add_column("% roof", justify="left")
     for rank, entry in enumerate(record["points"], 1):
         cells = [str(rank), " ".join(f"{k}={v}" for k, v in entry["params"].items()) or "(defaults)",
-                 str(entry.get("registers", "-")), str(entry.get("spills", "-")),
+                 "/".join(str(r) for r in entry["registers_per_kernel"].values())
+                 if entry.get("registers_per_kernel") else str(entry.get("registers", "-")),
+                 str(entry.get("spills", "-")),
                  "-" if entry.get("occupancy") is None else f"{entry['occupancy']:.0%}"
                  if entry["occupancy"] <= 1 else f"{entry['occupancy']:.0f}"]
         for tokens in record["batches"]:
