@@ -72,6 +72,8 @@ static_assert(GU_OUTS >= 1 && GU_OUTS <= 32 && DN_OUTS >= 1 && DN_OUTS <= 32, "O
 static_assert(GU_UNROLL >= 1 && DN_UNROLL >= 1, "UNROLL must be >= 1");
 static_assert(DN_SLOTS >= 1 && DN_SLOTS <= 32, "DN_SLOTS must be 1..32");
 static_assert(DN_EARLY_INTER == 0 || DN_EARLY_INTER == 1, "DN_EARLY_INTER must be 0 or 1");
+static_assert(GU_PREFETCH == 0 || (GU_PREFETCH == 1 && GU_OUTS <= 16), "GU_PREFETCH 0 or 1 (1 needs GU_OUTS <= 16)");
+static_assert(DN_PREFETCH == 0 || DN_PREFETCH == 1, "DN_PREFETCH must be 0 or 1");
 static_assert(GU_BYTES == 4 || GU_BYTES == 8 || GU_BYTES == 16, "GU_BYTES must be 4, 8 or 16");
 static_assert(DN_BYTES == 4 || DN_BYTES == 8 || DN_BYTES == 16, "DN_BYTES must be 4, 8 or 16");
 
@@ -147,6 +149,15 @@ __device__ __forceinline__ void pdl_release() {
 #endif
 }
 
+// *_PREFETCH=1: one Hopper bulk prefetch (cp.async.bulk.prefetch.L2, sm_90+) asks the copy engine to bring
+// `bytes` (a multiple of 16, 16-byte aligned) at `p` into L2 -- no registers held, nothing waited on; the
+// ordinary loads that follow then hit L2 (or an in-flight miss) instead of each paying a DRAM round trip.
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+#if !defined(WD_HOST_EMULATION)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes));
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);
@@ -211,6 +222,16 @@ extern "C" __global__ void GU_BOUNDS moe_gate_up_3d_batched(
         gate_row[o] = reinterpret_cast<const vec_t*>(w13 + row);
         up_row[o] = reinterpret_cast<const vec_t*>(w13 + row + (size_t)inter * hidden);
     }
+#if GU_PREFETCH  // lane o: gate row o, lane 16 + o: up row o, past what the first round loads anyway
+    {
+        const unsigned first = 32u * GU_UNROLL * GU_BYTES, row_bytes = 2u * (unsigned)hidden;
+        #pragma unroll
+        for (int o = 0; o < GU_OUTS; ++o) {
+            if (row_bytes > first && lane == o) prefetch_l2((const char*)gate_row[o] + first, row_bytes - first);
+            if (row_bytes > first && lane == 16 + o) prefetch_l2((const char*)up_row[o] + first, row_bytes - first);
+        }
+    }
+#endif
 
     float gate_acc[GU_OUTS], up_acc[GU_OUTS];
     #pragma unroll
@@ -390,6 +411,15 @@ extern "C" __global__ void DN_BOUNDS moe_down_3d_batched(
     #pragma unroll
     for (int o = 0; o < DN_OUTS; ++o) acc[o] = 0.0f;
     if (!token_bad) {
+#if DN_PREFETCH  // item (slot k, output o) -> lane item % 32: its w2 row, past what the first round loads
+        for (int item = lane; item < top_k * DN_OUTS; item += 32) {
+            const int k = item / DN_OUTS, o = item - k * DN_OUTS;
+            const unsigned row_bytes = 2u * (unsigned)inter;
+            const unsigned skip = k < DN_SLOTS ? min(row_bytes, 32u * DN_UNROLL * DN_BYTES) : 0u;
+            const bf16_t* row = w2 + ((size_t)__ldg(ids_t + k) * hidden + min(h0 + o, hidden - 1)) * inter;
+            if (row_bytes > skip) prefetch_l2((const char*)row + skip, row_bytes - skip);
+        }
+#endif
         const bf16_t* intermediate_t = intermediate + t * top_k * (long long)inter;
         down_accumulate(acc, intermediate_t, w2, ids_t, weights_t, lane, h0, hidden, inter, top_k);
     }
@@ -425,6 +455,8 @@ DEFAULTS: dict[str, int] = {
     "DN_BYTES": 16,
     "DN_MIN_BLOCKS": 8,  # 8 x 4 warps -> <= 64 registers, 32 warps / SM (what 4 x 16-byte loads need);
     # 0 = auto (from DN_SLOTS x DN_UNROLL x DN_OUTS, see _down_min_blocks); 1 = effectively no cap
+    "GU_PREFETCH": 0,  # 1: bulk L2 prefetch of the rest of each owned row at the start (sm_90+)
+    "DN_PREFETCH": 0,  # 1: bulk L2 prefetch of every routed w2 row of the warp at the start (sm_90+)
     "DN_EARLY_INTER": 1,  # 1: intermediate chunks loaded in the same batch as w2 (one latency per round)
     "PDL": 1,  # programmatic dependent launch: down's first w2 loads overlap gate_up's tail (sm_90+; 0 before)
 }
@@ -446,6 +478,7 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
         "GU_WARPS": (1, 32), "DN_WARPS": (1, 32), "GU_OUTS": (1, 32), "DN_OUTS": (1, 32),
         "GU_UNROLL": (1, 64), "DN_UNROLL": (0, 64), "DN_SLOTS": (0, 32),
         "GU_MIN_BLOCKS": (0, 32), "DN_MIN_BLOCKS": (0, 32), "PDL": (0, 1), "DN_EARLY_INTER": (0, 1),
+        "GU_PREFETCH": (0, 1), "DN_PREFETCH": (0, 1),
     }
     for key, (low, high) in limits.items():
         if not low <= values[key] <= high:

@@ -632,6 +632,8 @@ GRID_SAMPLE = [
     {"GU_BYTES": 4, "DN_BYTES": 4, "GU_WARPS": 1, "DN_WARPS": 1},
     {"GU_WARPS": 8, "DN_WARPS": 8, "DN_SLOTS": 8, "DN_UNROLL": 1, "DN_MIN_BLOCKS": 1},
     {"DN_SLOTS": 1, "DN_UNROLL": 6, "GU_MIN_BLOCKS": 8},
+    {"GU_PREFETCH": 1, "DN_PREFETCH": 1, "DN_EARLY_INTER": 0, "PDL": 0},
+    {"GU_PREFETCH": 1, "GU_OUTS": 2, "GU_UNROLL": 1, "DN_PREFETCH": 1, "DN_OUTS": 2, "DN_SLOTS": 2},
 ]
 
 
@@ -665,7 +667,7 @@ def test_programmatic_dependent_launch_is_bitwise_the_same(cupy_mod: Any, rng: n
     cupy = cupy_mod
     problem = make_problem(model, tokens, seed=_seed(rng), xp=cupy)
     dims = Dims(tokens, problem.shape.hidden, problem.shape.intermediate, problem.shape.experts, problem.shape.top_k)
-    plain = wdc.build(dims)
+    plain = wdc.build(dims, PDL=0)
     pdl = wdc.build(dims, PDL=1)
     expect = _poisoned_out(cupy, tokens, dims.hidden)
     plain(*problem.arrays, expect)
