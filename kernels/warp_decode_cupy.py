@@ -100,6 +100,45 @@ __device__ __forceinline__ V ldg_chunk(const V* row, int c, bool ok) {
     return zero_unless(ok, __ldg(row + (ok ? c : 0)));
 }
 
+// Loads of data the kernel right before may have written (x, topk_ids in gate_up; the intermediate in down).
+// With PDL that kernel can still be running while this one starts, so these loads must stay behind
+// pdl_wait(). __ldg (ld.global.nc on const __restrict__ data) is an invariant load the compiler may hoist
+// above the wait -- the H200 caught it: down's intermediate loads were scheduled before griddepcontrol.wait
+// and read gate_up's output before it was written. A volatile asm load (plain, coherent ld.global) keeps
+// its place after the volatile asm wait.
+__device__ __forceinline__ uint4 ld_dep(const uint4* p) {
+#ifdef WD_HOST_EMULATION
+    return *p;
+#else
+    uint4 v;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+#endif
+}
+__device__ __forceinline__ uint2 ld_dep(const uint2* p) {
+#ifdef WD_HOST_EMULATION
+    return *p;
+#else
+    uint2 v;
+    asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+#endif
+}
+__device__ __forceinline__ u32 ld_dep(const u32* p) {
+#ifdef WD_HOST_EMULATION
+    return *p;
+#else
+    u32 v;
+    asm volatile("ld.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+#endif
+}
+__device__ __forceinline__ int ld_dep(const int* p) { return (int)ld_dep(reinterpret_cast<const u32*>(p)); }
+template <typename V>
+__device__ __forceinline__ V ld_dep_chunk(const V* row, int c, bool ok) {
+    return zero_unless(ok, ld_dep(row + (ok ? c : 0)));
+}
+
 // "Everything loaded so far must have arrived": returns 0, but computed from every word of a round's
 // weight registers (0 * finite subnormal = +0 through an FMA the compiler cannot fold). Whatever is
 // made to depend on it (the intermediate addresses, the accumulators) waits for all loads of the round.
@@ -204,7 +243,7 @@ extern "C" __global__ void GU_BOUNDS moe_gate_up_3d_batched(
     const long long pair = warp / groups;                         // t * K + k
     const int i0 = (int)(warp - pair * groups) * GU_OUTS;
     const long long t = pair / top_k;
-    const int e = __ldg(topk_ids + pair);
+    const int e = ld_dep(topk_ids + pair);                        // after pdl_wait: the router may write it
     bf16_t* dst = intermediate + pair * inter;
     if ((unsigned)e >= (unsigned)experts) {                       // bad id: NaN, no weight read
         if (lane < GU_OUTS && i0 + lane < inter) dst[i0 + lane] = BF16_NAN;
@@ -253,7 +292,7 @@ extern "C" __global__ void GU_BOUNDS moe_gate_up_3d_batched(
         #pragma unroll
         for (int j = 0; j < GU_UNROLL; ++j) {
             const int c = base + j * 32 + lane;
-            xv[j] = ldg_chunk(x_row, c, c < chunks);
+            xv[j] = ld_dep_chunk(x_row, c, c < chunks);         // x: the previous layer's output
         }
         gate_acc[0] += __uint_as_float(all_loads_arrived(wg) | all_loads_arrived(wu));  // += 0.0f
         // 2) widen and accumulate in FP32 (x widened once, used for all 2 * GU_OUTS rows)
@@ -354,7 +393,7 @@ __device__ __forceinline__ void down_accumulate(
                 for (int r = 0; r < DN_UNROLL; ++r) {
                     const int c = c0 + r * 32 + lane;
                     const bool ok = k0 + s < top_k && c < chunks;
-                    iv[s * DN_UNROLL + r][0] = ldg_chunk(inter_r + (size_t)(ok ? k0 + s : 0) * chunks, c, ok);
+                    iv[s * DN_UNROLL + r][0] = ld_dep_chunk(inter_r + (size_t)(ok ? k0 + s : 0) * chunks, c, ok);
                 }
 #if DN_EARLY_INTER
             acc[0] += __uint_as_float(all_loads_arrived(wv) | all_loads_arrived(iv));  // += 0.0f, after all
