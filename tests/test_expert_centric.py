@@ -425,10 +425,10 @@ def test_routings(routing: str, quant) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "params",
-    [dict(fuse_scatter=False), dict(BLOCK_N=32, UNROLL=4), dict(BLOCK_N=128, WARPS=8), dict(M_TILES=2),
-     dict(WARPS=1, UNROLL=1), dict(STAGES=2), dict(STAGES=3, BLOCK_N=64), dict(STAGES=2, WARPS=1, UNROLL=1),
-     dict(STAGES=8, BLOCK_N=32, UNROLL=1), dict(STAGES=4, M_TILES=2, BLOCK_N=64), dict(PREFETCH=1),
-     dict(PREFETCH=3, BLOCK_N=64), *VARIANTS],
+    [dict(fuse_scatter=False), dict(BLOCK_N=32, UNROLL=4), dict(BLOCK_N=128, WARPS=8, STAGES=0), dict(M_TILES=2),
+     dict(WARPS=1, UNROLL=1), dict(STAGES=0), dict(STAGES=3, BLOCK_N=64), dict(STAGES=2, WARPS=1, UNROLL=1),
+     dict(STAGES=8, BLOCK_N=32, UNROLL=1), dict(STAGES=4, M_TILES=2, BLOCK_N=64), dict(PREFETCH=1, STAGES=0),
+     dict(PREFETCH=3, BLOCK_N=64, STAGES=0), *VARIANTS],
     ids=str,
 )
 def test_tile_params(params: dict) -> None:
