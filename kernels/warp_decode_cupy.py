@@ -74,6 +74,7 @@ static_assert(DN_SLOTS >= 1 && DN_SLOTS <= 32, "DN_SLOTS must be 1..32");
 static_assert(DN_EARLY_INTER == 0 || DN_EARLY_INTER == 1, "DN_EARLY_INTER must be 0 or 1");
 static_assert(GU_PREFETCH == 0 || (GU_PREFETCH == 1 && GU_OUTS <= 16), "GU_PREFETCH 0 or 1 (1 needs GU_OUTS <= 16)");
 static_assert(DN_PREFETCH == 0 || DN_PREFETCH == 1, "DN_PREFETCH must be 0 or 1");
+static_assert(DN_BULK == 0 || (DN_BULK == 1 && DN_OUTS == 1 && DN_BYTES == 16), "DN_BULK=1: DN_OUTS 1, DN_BYTES 16");
 static_assert(GU_BYTES == 4 || GU_BYTES == 8 || GU_BYTES == 16, "GU_BYTES must be 4, 8 or 16");
 static_assert(DN_BYTES == 4 || DN_BYTES == 8 || DN_BYTES == 16, "DN_BYTES must be 4, 8 or 16");
 
@@ -424,6 +425,68 @@ __device__ __forceinline__ void down_accumulate(
     }
 }
 
+#if DN_BULK
+// DN_BULK=1: the warp's K w2 rows land in its OWN slice of the block's dynamic shared memory through the
+// copy engine (cp.async.bulk, one instruction per row, completion counted in bytes on a per-warp mbarrier).
+// The whole row set is requested at once without holding registers, so a small down grid (T = 1) keeps all
+// of its bytes in flight in one round instead of DN_SLOTS x 16 B per lane per round. No warp reads another
+// warp's slice; there is no block-level synchronisation.
+extern __shared__ __align__(16) unsigned char dn_smem[];  // [DN_WARPS] barriers (16 B each), then slices
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void down_accumulate_bulk(
+    float (&acc)[DN_OUTS], const bf16_t* __restrict__ intermediate_t, const bf16_t* __restrict__ w2,
+    const int* __restrict__ ids_t, const float* __restrict__ weights_t, int lane, int h0, int hidden, int inter,
+    int top_k)
+{
+    const int warp_in_block = threadIdx.x >> 5;
+    const unsigned row_bytes = 2u * (unsigned)inter;              // I % 8 == 0: a multiple of 16
+    const unsigned bar = smem_u32(dn_smem + 16 * warp_in_block);
+    const uint4* rows = reinterpret_cast<const uint4*>(
+        dn_smem + 16 * DN_WARPS + (size_t)warp_in_block * top_k * row_bytes);  // [K][I] bf16, this warp's
+    if (lane == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar));
+        asm volatile("fence.mbarrier_init.release.cluster;\n\tfence.proxy.async.shared::cta;" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                     :: "r"(bar), "r"(row_bytes * (unsigned)top_k) : "memory");
+    }
+    __syncwarp();
+    for (int k = lane; k < top_k; k += 32) {                      // lane k: row h0 of expert e_k (range-checked)
+        const bf16_t* src = w2 + ((size_t)__ldg(ids_t + k) * hidden + h0) * inter;
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     :: "r"(smem_u32(rows) + (unsigned)k * row_bytes), "l"(src), "r"(row_bytes), "r"(bar)
+                     : "memory");
+    }
+    pdl_wait();  // w2 is requested; the intermediate is gate_up's output
+    unsigned done = 0;
+    while (!done) {
+        asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n\t"
+                     "selp.u32 %0, 1, 0, p;\n\t}" : "=r"(done) : "r"(bar) : "memory");
+    }
+    // same per-lane order as the register path with DN_UNROLL 1: slot groups of DN_SLOTS, chunk rounds, slots
+    const int chunks = inter / 8;
+    const uint4* inter_t = reinterpret_cast<const uint4*>(intermediate_t);
+    for (int k0 = 0; k0 < top_k; k0 += DN_SLOTS)
+        for (int c = lane; c < chunks; c += 32)
+            #pragma unroll
+            for (int s = 0; s < DN_SLOTS; ++s) {
+                const int k = k0 + s;
+                if (k < top_k) {
+                    const uint4 wv = rows[(size_t)k * chunks + c];
+                    const uint4 iv = ld_dep(inter_t + (size_t)k * chunks + c);  // L1/L2 hit, after pdl_wait
+                    const float wk = __ldg(weights_t + k);
+                    #pragma unroll
+                    for (int w = 0; w < 4; ++w) {
+                        const float a_lo = wk * bf16_lo(word(iv, w)), a_hi = wk * bf16_hi(word(iv, w));
+                        acc[0] = fmaf(bf16_lo(word(wv, w)), a_lo, acc[0]);
+                        acc[0] = fmaf(bf16_hi(word(wv, w)), a_hi, acc[0]);
+                    }
+                }
+            }
+}
+#endif
+
 extern "C" __global__ void DN_BOUNDS moe_down_3d_batched(
     const bf16_t* __restrict__ intermediate,  // [T, K, I]
     const bf16_t* __restrict__ w2,            // [E, H, I]
@@ -460,7 +523,11 @@ extern "C" __global__ void DN_BOUNDS moe_down_3d_batched(
         }
 #endif
         const bf16_t* intermediate_t = intermediate + t * top_k * (long long)inter;
+#if DN_BULK
+        down_accumulate_bulk(acc, intermediate_t, w2, ids_t, weights_t, lane, h0, hidden, inter, top_k);
+#else
         down_accumulate(acc, intermediate_t, w2, ids_t, weights_t, lane, h0, hidden, inter, top_k);
+#endif
     }
     pdl_wait();  // (again, for bad tokens and idle lanes: a no-op once waited) before out is written
     pdl_release();
@@ -496,6 +563,7 @@ DEFAULTS: dict[str, int] = {
     # 0 = auto (from DN_SLOTS x DN_UNROLL x DN_OUTS, see _down_min_blocks); 1 = effectively no cap
     "GU_PREFETCH": 0,  # 1: bulk L2 prefetch of the rest of each owned row at the start (sm_90+)
     "DN_PREFETCH": 0,  # 1: bulk L2 prefetch of every routed w2 row of the warp at the start (sm_90+)
+    "DN_BULK": 0,  # 1: each warp's w2 rows copied into its shared-memory slice by cp.async.bulk (sm_90+)
     "DN_EARLY_INTER": 1,  # 1: intermediate chunks loaded in the same batch as w2 (one latency per round)
     "PDL": 1,  # programmatic dependent launch: down's first w2 loads overlap gate_up's tail (sm_90+; 0 before)
 }
@@ -517,7 +585,7 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
         "GU_WARPS": (1, 32), "DN_WARPS": (1, 32), "GU_OUTS": (1, 32), "DN_OUTS": (1, 32),
         "GU_UNROLL": (1, 64), "DN_UNROLL": (0, 64), "DN_SLOTS": (0, 32),
         "GU_MIN_BLOCKS": (0, 32), "DN_MIN_BLOCKS": (0, 32), "PDL": (0, 1), "DN_EARLY_INTER": (0, 1),
-        "GU_PREFETCH": (0, 1), "DN_PREFETCH": (0, 1),
+        "GU_PREFETCH": (0, 1), "DN_PREFETCH": (0, 1), "DN_BULK": (0, 1),
     }
     for key, (low, high) in limits.items():
         if not low <= values[key] <= high:
@@ -532,6 +600,15 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
             values[key] = auto[key]
     if values["DN_MIN_BLOCKS"] == 0:
         values["DN_MIN_BLOCKS"] = _down_min_blocks(values) if dims is not None else DEFAULTS["DN_MIN_BLOCKS"]
+    if values["DN_BULK"]:
+        if values["DN_OUTS"] != 1 or values["DN_BYTES"] != 16:
+            raise ValueError(
+                f"DN_BULK=1 needs DN_OUTS=1 and DN_BYTES=16, got {values['DN_OUTS']} and {values['DN_BYTES']}"
+            )
+        shared = down_shared_bytes(values, dims) if dims is not None else 0
+        if shared > SHARED_LIMIT:
+            raise ValueError(f"DN_BULK=1 needs DN_WARPS x (16 + K x I x 2) = {shared} bytes of shared memory per "
+                             f"block, over {SHARED_LIMIT}: lower DN_WARPS or use DN_BULK=0")
     return values
 
 
@@ -569,6 +646,17 @@ def _down_min_blocks(values: dict[str, int]) -> int:
     registers = 24 + 2 * values["DN_SLOTS"] * values["DN_OUTS"] + items * per_item
     registers = min(255, -(-registers // 8) * 8)
     return max(1, 65536 // (registers * 32 * values["DN_WARPS"]))
+
+
+SHARED_LIMIT = 227 * 1024  # dynamic shared memory one block may opt into on sm_90
+
+
+def down_shared_bytes(params: dict[str, int], dims: Dims) -> int:
+    """Dynamic shared memory of the down kernel: 0, or with DN_BULK a 16-byte barrier and a K x I bf16 landing
+    slice per warp."""
+    if not params["DN_BULK"]:
+        return 0
+    return params["DN_WARPS"] * (16 + dims.top_k * dims.intermediate * 2)
 
 
 def for_device(params: dict[str, int]) -> dict[str, int]:
@@ -637,10 +725,14 @@ def _launch_down(kernel: Any, params: dict[str, int], dims: Dims, intermediate: 
     groups = -(-dims.hidden // params["DN_OUTS"])
     warps = dims.tokens * groups
     out_f32 = np.int32(1 if out.dtype == np.float32 else 0)
+    shared = down_shared_bytes(params, dims)
+    if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:  # opt in above 48 KB, once
+        kernel.max_dynamic_shared_size_bytes = shared
     launch_ex(
         kernel, (_blocks(warps, params["DN_WARPS"]),), (params["DN_WARPS"] * 32,),
         (intermediate, w2, topk_ids, topk_weights, out, out_f32, np.int32(dims.tokens), np.int32(dims.hidden),
          np.int32(dims.intermediate), np.int32(dims.experts), np.int32(dims.top_k)),
+        shared_mem=shared,
         programmatic=bool(params["PDL"]),
     )
 

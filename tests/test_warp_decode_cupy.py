@@ -181,6 +181,16 @@ def test_auto_params_are_what_the_h200_sweep_chose() -> None:
     assert wdc.resolve_params(Dims(1, 2048, 768, 128, 8), DN_SLOTS=2, DN_UNROLL=6)["DN_MIN_BLOCKS"] == 4
 
 
+def test_bulk_down_checks_its_shared_memory() -> None:
+    """DN_BULK=1 lands K rows of I bf16 per warp in shared memory: the size is checked up front, by name."""
+    dims = Dims(1, 2048, 768, 128, 8)
+    assert wdc.down_shared_bytes(wdc.resolve_params(dims, DN_BULK=1), dims) == 4 * (16 + 8 * 768 * 2)
+    with pytest.raises(ValueError, match="DN_BULK"):
+        wdc.resolve_params(Dims(1, 7168, 2048, 256, 8), DN_BULK=1, DN_WARPS=8)  # 8 x 32 KB > 227 KB
+    with pytest.raises(ValueError, match="DN_BULK"):
+        wdc.resolve_params(Dims(1, 2048, 768, 128, 8), DN_BULK=1, DN_OUTS=2)
+
+
 def test_auto_register_caps_never_spill() -> None:
     """The auto __launch_bounds__ cap (_down_min_blocks) leaves room for the loads it was sized for: every
     point of the down sweep grids compiles for sm_90 with zero spill bytes (an older formula capped 8 slots
@@ -223,7 +233,11 @@ def test_source_and_variant_are_registered() -> None:
 
 def test_kernel_source_guards_and_comments() -> None:
     code = wdc.CODE
-    assert "#include" not in code and "__shared__" not in code and "atomic" not in code
+    # the opt-in DN_BULK path (off by default) is the one place that uses shared memory: a per-warp landing slice
+    start, end = code.index("#if DN_BULK\n// DN_BULK=1"), code.index("#endif", code.index("#if DN_BULK\n// DN_BULK=1"))
+    strict = code[:start] + code[end:]
+    assert "__shared__" in code[start:end] and "__syncthreads" not in code
+    assert "#include" not in code and "__shared__" not in strict and "atomic" not in code
     assert code.count("(unsigned)experts") >= 2  # both kernels range-check ids
     assert "__ldg" in code and "uint4" in code
 
@@ -634,6 +648,8 @@ GRID_SAMPLE = [
     {"DN_SLOTS": 1, "DN_UNROLL": 6, "GU_MIN_BLOCKS": 8},
     {"GU_PREFETCH": 1, "DN_PREFETCH": 1, "DN_EARLY_INTER": 0, "PDL": 0},
     {"GU_PREFETCH": 1, "GU_OUTS": 2, "GU_UNROLL": 1, "DN_PREFETCH": 1, "DN_OUTS": 2, "DN_SLOTS": 2},
+    {"DN_BULK": 1},
+    {"DN_BULK": 1, "DN_WARPS": 1, "DN_SLOTS": 3, "PDL": 0},
 ]
 
 
@@ -688,7 +704,8 @@ def test_programmatic_dependent_launch_is_bitwise_the_same(cupy_mod: Any, rng: n
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("params", [{}, {"GU_UNROLL": 4, "GU_BYTES": 8}, {"DN_EARLY_INTER": 0, "DN_SLOTS": 8}],
+@pytest.mark.parametrize("params", [{}, {"GU_UNROLL": 4, "GU_BYTES": 8}, {"DN_EARLY_INTER": 0, "DN_SLOTS": 8},
+                                    {"DN_BULK": 1}],
                          ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()) or "defaults")
 def test_pdl_chain_where_each_layer_reads_the_last(cupy_mod: Any, rng: np.random.Generator,
                                                    params: dict[str, int]) -> None:
