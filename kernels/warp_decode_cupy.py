@@ -567,7 +567,7 @@ DEFAULTS: dict[str, int] = {
     "DN_EARLY_INTER": 1,  # 1: intermediate chunks loaded in the same batch as w2 (one latency per round)
     "PDL": 1,  # programmatic dependent launch: down's first w2 loads overlap gate_up's tail (sm_90+; 0 before)
 }
-AUTO_KNOBS = ("DN_SLOTS", "DN_UNROLL", "DN_MIN_BLOCKS")
+AUTO_KNOBS = ("DN_SLOTS", "DN_UNROLL", "DN_MIN_BLOCKS", "DN_WARPS")
 
 
 def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
@@ -582,7 +582,7 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
             raise TypeError(f"{key} must be an int, got {value!r}")
         values[key] = int(value)
     limits = {
-        "GU_WARPS": (1, 32), "DN_WARPS": (1, 32), "GU_OUTS": (1, 32), "DN_OUTS": (1, 32),
+        "GU_WARPS": (1, 32), "DN_WARPS": (0, 32), "GU_OUTS": (1, 32), "DN_OUTS": (1, 32),
         "GU_UNROLL": (1, 64), "DN_UNROLL": (0, 64), "DN_SLOTS": (0, 32),
         "GU_MIN_BLOCKS": (0, 32), "DN_MIN_BLOCKS": (0, 32), "PDL": (0, 1), "DN_EARLY_INTER": (0, 1),
         "GU_PREFETCH": (0, 1), "DN_PREFETCH": (0, 1), "DN_BULK": (0, 1),
@@ -595,7 +595,7 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
         if values[key] not in (4, 8, 16):
             raise ValueError(f"{key} must be 4, 8 or 16, got {values[key]}")
     auto = _auto_down(dims, values) if dims is not None else {k: DEFAULTS[k] for k in AUTO_KNOBS}
-    for key in ("DN_SLOTS", "DN_UNROLL"):
+    for key in ("DN_SLOTS", "DN_UNROLL", "DN_WARPS"):
         if values[key] == 0:
             values[key] = auto[key]
     if values["DN_MIN_BLOCKS"] == 0:
@@ -625,11 +625,14 @@ def _auto_down(dims: Dims, values: dict[str, int]) -> dict[str, int]:
     T = 8 (16384 warps) 4 x 1 136 us vs 8 x 1 154; qwen3-235b-a22b T = 1 (4096 warps) 4 x 1 74.7 us, 2 x 2
     73.4, 8 x 1 80.6. More loads per warp only pay while every warp is resident anyway; otherwise 4 loads at
     64 registers (32 warps / SM) win on occupancy (the first sweep, results/sweep-dn-*.json, said the same).
+    One-wave grids also get one-warp blocks (DN_WARPS 1): 2048 warps spread 16 / 15 per SM instead of 4- or
+    3-block lumps -- qwen3-30b-a3b T = 1 21.8 us vs 23.0 (DN_WARPS 4) and 23.2 (2); at T = 2 (4096 warps)
+    4-warp blocks stay ahead, 37.8 vs 39.7 us (results/sweep-bulk-*.json).
     """
     warps = dims.tokens * -(-dims.hidden // values["DN_OUTS"])
-    wanted = 8 if warps <= ONE_WAVE_DOWN_WARPS else 4
-    slots = max(1, min(dims.top_k, wanted // values["DN_OUTS"] or 1, 32))
-    return {"DN_SLOTS": slots, "DN_UNROLL": 1, "DN_MIN_BLOCKS": 0}
+    one_wave = warps <= ONE_WAVE_DOWN_WARPS
+    slots = max(1, min(dims.top_k, (8 if one_wave else 4) // values["DN_OUTS"] or 1, 32))
+    return {"DN_SLOTS": slots, "DN_UNROLL": 1, "DN_MIN_BLOCKS": 0, "DN_WARPS": 1 if one_wave else DEFAULTS["DN_WARPS"]}
 
 
 def _down_min_blocks(values: dict[str, int]) -> int:
@@ -644,8 +647,9 @@ def _down_min_blocks(values: dict[str, int]) -> int:
     items = values["DN_SLOTS"] * values["DN_UNROLL"]
     per_item = (values["DN_OUTS"] + 1) * values["DN_BYTES"] // 4
     registers = 24 + 2 * values["DN_SLOTS"] * values["DN_OUTS"] + items * per_item
-    registers = min(255, -(-registers // 8) * 8)
-    return max(1, 65536 // (registers * 32 * values["DN_WARPS"]))
+    # with 4+ warps per block the floor below leaves headroom; small blocks get 16 registers of it explicitly
+    registers = min(255, -(-registers // 8) * 8 + (16 if values["DN_WARPS"] < 4 else 0))
+    return max(1, min(32, 65536 // (registers * 32 * values["DN_WARPS"])))  # 32: resident blocks per SM
 
 
 SHARED_LIMIT = 227 * 1024  # dynamic shared memory one block may opt into on sm_90

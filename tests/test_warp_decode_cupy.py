@@ -164,9 +164,14 @@ def test_auto_params_are_what_the_h200_sweep_chose() -> None:
         p = wdc.resolve_params(Dims(tokens, s.hidden, s.intermediate, s.experts, s.top_k))
         return p["DN_SLOTS"], p["DN_UNROLL"], p["DN_MIN_BLOCKS"]
 
+    def warps(name: str, tokens: int) -> int:
+        s = PRESETS[name]
+        return wdc.resolve_params(Dims(tokens, s.hidden, s.intermediate, s.experts, s.top_k))["DN_WARPS"]
+
+    assert (warps("qwen3-30b-a3b", 1), warps("qwen3-30b-a3b", 2), warps("qwen3-235b-a22b", 1)) == (1, 4, 4)
     # one round of 4 slots (4 x 16 B per lane), <= 64 registers (8 blocks of 4 warps), or of 8 slots at <= 128
     # registers when the down grid (T x H warps) is one wave anyway: the fastest in the H200 sweeps
-    assert auto("qwen3-30b-a3b", 1) == (8, 1, 4)  # 2048 down warps
+    assert auto("qwen3-30b-a3b", 1) == (8, 1, 17)  # 2048 down warps in one-warp blocks: 17 blocks -> 120 regs
     assert auto("qwen3-30b-a3b", 8) == (4, 1, 8)
     assert auto("qwen3-235b-a22b", 1) == (4, 1, 8)  # 4096 down warps
     assert auto("mixtral-8x7b", 1)[:2] == (2, 1)  # K = 2
@@ -178,13 +183,13 @@ def test_auto_params_are_what_the_h200_sweep_chose() -> None:
     explicit = wdc.resolve_params(Dims(1, 2048, 768, 128, 8), DN_SLOTS=2, DN_UNROLL=6, DN_MIN_BLOCKS=1)
     assert (explicit["DN_SLOTS"], explicit["DN_UNROLL"], explicit["DN_MIN_BLOCKS"]) == (2, 6, 1)
     # explicit loads, auto register cap sized for them: 2 x 6 items -> 128 registers -> 4 blocks of 4 warps
-    assert wdc.resolve_params(Dims(1, 2048, 768, 128, 8), DN_SLOTS=2, DN_UNROLL=6)["DN_MIN_BLOCKS"] == 4
+    assert wdc.resolve_params(Dims(1, 2048, 768, 128, 8), DN_SLOTS=2, DN_UNROLL=6, DN_WARPS=4)["DN_MIN_BLOCKS"] == 4
 
 
 def test_bulk_down_checks_its_shared_memory() -> None:
     """DN_BULK=1 lands K rows of I bf16 per warp in shared memory: the size is checked up front, by name."""
     dims = Dims(1, 2048, 768, 128, 8)
-    assert wdc.down_shared_bytes(wdc.resolve_params(dims, DN_BULK=1), dims) == 4 * (16 + 8 * 768 * 2)
+    assert wdc.down_shared_bytes(wdc.resolve_params(dims, DN_BULK=1, DN_WARPS=4), dims) == 4 * (16 + 8 * 768 * 2)
     with pytest.raises(ValueError, match="DN_BULK"):
         wdc.resolve_params(Dims(1, 7168, 2048, 256, 8), DN_BULK=1, DN_WARPS=8)  # 8 x 32 KB > 227 KB
     with pytest.raises(ValueError, match="DN_BULK"):
