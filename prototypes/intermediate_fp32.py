@@ -1,0 +1,429 @@
+"""Prototype: warp decode with an FP32 [T, K, I] intermediate instead of the bf16 one (``INTER_F32``).
+
+Hypothesis. The bf16 intermediate is warp decode's only rounding besides the output's: SiLU(g) * u is rounded
+to 8 mantissa bits before down reads it. Keeping it in fp32 (``INTER_F32=1``: not rounded, down reads it with
+16-byte loads of 4 floats, two per 16-byte w2 chunk) removes that error at the price of a 2x bigger
+intermediate (T * K * I * 4 bytes written by gate_up and read by down instead of * 2) and twice the
+intermediate load instructions in down. At decode the intermediate is tiny next to the weights, so the bytes
+cost should be invisible and the accuracy gain free.
+
+Prediction with arithmetic (H200, streaming-read roofline ~4.5 TB/s; strict defaults measured 25 us (qwen3-30b-a3b)
+and 78 us (qwen3-235b-a22b) per layer at T = 1):
+
+    intermediate bytes (written + read)      bf16           fp32          weights read     extra / weights
+    qwen3-30b-a3b    T=1  8 x 768            2 x 12.3 KB    2 x 24.6 KB   75.5 MB          0.03 %
+                     T=8  64 x 768           2 x 98 KB      2 x 197 KB    ~487 MB (51.6 experts)  0.04 %
+    qwen3-235b-a22b  T=1  8 x 1536           2 x 24.6 KB    2 x 49 KB     302 MB           0.02 %
+                     T=8  64 x 1536          2 x 197 KB     2 x 393 KB    ~1.95 GB         0.02 %
+
+The intermediate stays in L2 between the kernels, so even those bytes are L2 traffic, not HBM: predicted time
+difference INTER_F32 1 vs 0 within noise (< 1 %, i.e. < 0.3 us at 30b T=1, < 0.8 us at 235b T=1). The one
+real cost is down's issue slots and registers: per 16-byte w2 chunk it loads 32 bytes of fp32 intermediate (2
+loads, 8 registers) instead of 16 (1 load, 4 registers); with DN_UNROLL 3 that is 12 more registers per lane:
+the offline report (sm_90) gives down 47 -> 59 registers (40 -> 32 resident warps per SM with 4-warp blocks;
+gate_up 64 in both), so a second-order occupancy cost on top of the bytes.
+Accuracy (NumPy, tests/test_prototypes_mapping.py): the bf16 intermediate adds an error about as large as the final
+output rounding, so rel-L2 vs fp64 should drop by ~sqrt(2). Measured in NumPy (random-normal problems, T = 8,
+qwen3-30b / qwen3-235b H and I with 8 experts, seeds 1-2): rel-L2 vs fp64 2.3e-3 (bf16 intermediate) -> 1.66e-3
+(fp32), -28 %. The fp32 result differs from ``moe_decode(mode="warp_decode")`` by rel-L2 2.5e-3 and at most 7-9.5
+ulps at RMS / 8: inside the harness tolerance (4e-3, 32 ulps) but using ~63 % of its rel-L2 budget. The sweep
+records ``error_vs_fp64``.
+
+This kernel pair is not the strict kernel: it is written for the comparison, with the strict kernel's summation
+order at ``GU_BYTES=8, DN_SLOTS=1`` (one routed slot per batch, ``DN_UNROLL`` 16-byte chunks in flight per lane),
+so ``INTER_F32=0`` is bitwise equal to ``cupy:warp-decode`` built with ``GU_BYTES=8, DN_SLOTS=1,
+DN_UNROLL=<same>`` (a GPU test checks this). Sweep it beside ``cupy:warp-decode`` at its defaults to see what the
+DN_SLOTS batching of the strict kernel is worth on top.
+
+Accuracy rule for INTER_F32=1 (stated and tested in tests/test_prototypes_mapping.py): the harness checks it
+against ``reference.moe_decode(mode="warp_decode")`` (bf16 intermediate) within ``TOLERANCES`` -- it differs from
+that reference by about one rounding of the intermediate, well inside rel-L2 4e-3 / 32 ulps at RMS / 8 (checked in
+NumPy on several seeds); on the GPU it is compared with a NumPy fp32-intermediate reference by the strict kernel's
+rule (``tests.warp_checks._assert_matches``) and must be closer to fp64 than INTER_F32=0 on the same problem.
+
+Result on the H200 (2026-11-30, NVIDIA H200, cupy-cuda13x 14.2.0; results/sweep-proto-intermediate-fp32.json;
+qwen3-30b-a3b only -- qwen3-235b-a22b was not swept; uniform routing, decode-step CUDA graphs (this pair has no
+PDL), weights rotated past 3x L2, 8 repeats). Median us per layer, % of the run's 4.49 TB/s read roofline; T = 1 / 8
+IQRs <= 0.1 us; registers gate_up / down from the JSON (spill-free):
+
+    INTER_F32      registers   T = 1 us       T = 8 us       T = 32 us (IQR)
+    0 (bf16)       64 / 47     25.3 (67 %)    136.4 (77 %)   524.5 (0.6)
+    1 (fp32)       64 / 59     25.7 (66 %)    140.5 (75 %)   543.8 (0.2)
+
+Accuracy from the same JSON (``error_vs_fp64``: rel-L2 / max_abs against ``moe_decode(mode="fp64")``):
+
+    INTER_F32      T = 1                T = 8                T = 32
+    0 (bf16)       2.45e-3 / 2.70e-3    2.33e-3 / 4.54e-3    2.37e-3 / 5.14e-3
+    1 (fp32)       1.67e-3 / 1.95e-3    1.67e-3 / 3.75e-3    1.67e-3 / 3.82e-3
+
+so rel-L2 vs fp64 drops by 32 / 28 / 30 %. The harness check against ``moe_decode(mode="warp_decode")`` passed at
+every batch: INTER_F32=1 rel-L2 2.78e-3 / 2.52e-3 / 2.59e-3 and at most 5.5 / 9.75 / 9.0 ulps (63-69 % of the 4e-3
+rel-L2 budget, well inside 32 ulps); INTER_F32=0 1.3e-6 / 1.7e-4 / 7.6e-5 and <= 1 ulp.
+
+Against the prediction: accuracy as predicted (-28 to -32 % vs the NumPy estimate of -28 %; the distance to the
+bf16 reference matches the NumPy 2.5e-3 and 7-9.5 ulps). Time contradicted: predicted < 1 % (< 0.3 us at T = 1),
+measured +0.4 us (+1.6 %) at T = 1, +4.1 us (+3.0 %) at T = 8 and +19.3 us (+3.7 %) at T = 32, far beyond the
+within-run IQRs (both settings in one run). The extra bytes are < 0.05 % of the weights, so the cost is down's
+doubled intermediate loads and 47 -> 59 registers (40 -> 32 resident warps per SM): first-order, and growing with T.
+INTER_F32=0 (DN_SLOTS 1, no PDL) at 25.3 us sits among the PDL-free strict points at T = 1 (24.4-25.7 us,
+results/sweep-dn-qwen3-30b-a3b-after-race-fix.json); the strict kernels with PDL run 23.2 / 134.3 / 530.0 us.
+
+Conclusion: an fp32 intermediate buys ~30 % lower error vs fp64 (rel-L2 2.4e-3 -> 1.7e-3) for 1.6-3.7 % more time
+per layer. The library keeps the bf16 intermediate: it is faster, it is what ``moe_decode(mode="warp_decode")``
+and the bitwise tests specify, and the error it removes is of the order of the final bf16 rounding that stays.
+fp32 is a candidate for an opt-in accuracy mode; worth trying first is cutting its cost in down (the extra
+registers and load instructions), not its bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kernels.compile import CudaSource, get_kernel, launch_ex, register_source
+from kernels.contract import BF16, Dims
+from kernels.variants import Variant, register
+
+GATE_UP = "proto_inter_gate_up"
+DOWN = "proto_inter_down"
+
+CODE = r"""
+// Warp decode with a selectable intermediate type: INTER_F32 = 0 -> bf16 [T, K, I] (as the strict kernel),
+// 1 -> fp32 [T, K, I], never rounded. bf16 is handled as raw 16-bit patterns (no cuda_bf16.h).
+// Knobs: GU_WARPS / DN_WARPS warps per block, GU_UNROLL 8-byte chunks per row in flight per lane (gate_up),
+// DN_UNROLL 16-byte w2 chunks in flight per lane (down), DN_MIN_BLOCKS __launch_bounds__ min blocks (0 = none).
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+#define FULL_MASK 0xffffffffu
+
+static_assert(INTER_F32 == 0 || INTER_F32 == 1, "INTER_F32 must be 0 or 1");
+static_assert(GU_WARPS >= 1 && GU_WARPS <= 32 && DN_WARPS >= 1 && DN_WARPS <= 32, "WARPS must be 1..32");
+static_assert(GU_UNROLL >= 1 && DN_UNROLL >= 1, "UNROLL must be >= 1");
+
+#if INTER_F32
+typedef float inter_t;                       // the [T, K, I] intermediate element
+#define INTER_WORDS_PER_CHUNK 8              // 8 fp32 per 8-element chunk: two 16-byte loads
+#else
+typedef bf16_t inter_t;
+#define INTER_WORDS_PER_CHUNK 4              // 8 bf16 per 8-element chunk: one 16-byte load
+#endif
+#define INTER_LOADS (INTER_WORDS_PER_CHUNK / 4)
+
+__device__ __forceinline__ u32 word(const uint4& v, int w) { return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w; }
+__device__ __forceinline__ u32 word(const uint2& v, int w) { return w == 0 ? v.x : v.y; }
+__device__ __forceinline__ uint4 zero_unless(bool ok, uint4 v) {
+    return make_uint4(ok ? v.x : 0u, ok ? v.y : 0u, ok ? v.z : 0u, ok ? v.w : 0u);
+}
+__device__ __forceinline__ uint2 zero_unless(bool ok, uint2 v) { return make_uint2(ok ? v.x : 0u, ok ? v.y : 0u); }
+// read-only load of vector c of a row, zeros when !ok (then vector 0 is read: valid, branch-free)
+template <typename V>
+__device__ __forceinline__ V ldg_chunk(const V* row, int c, bool ok) {
+    return zero_unless(ok, __ldg(row + (ok ? c : 0)));
+}
+
+// returns 0 computed from every loaded word, so whatever depends on it waits for all of a round's loads
+// (keeps ptxas from sinking each load next to its FMA; see kernels/warp_decode_cupy.py)
+template <typename V, int A, int B>
+__device__ __forceinline__ u32 all_loads_arrived(const V (&v)[A][B]) {
+    u32 sink = 0u;
+    #pragma unroll
+    for (int a = 0; a < A; ++a)
+        #pragma unroll
+        for (int b = 0; b < B; ++b)
+            #pragma unroll
+            for (int w = 0; w < (int)(sizeof(V) / 4); ++w) sink ^= word(v[a][b], w);
+    float zero;  // inline PTX so that no front end can prove the (finite) operand away
+#ifdef WD_HOST_EMULATION  // the CPU emulation in tests/test_prototypes_mapping.py
+    zero = fmaf(0.0f, __uint_as_float(sink & 0x007fffffu), 0.0f);
+#else
+    asm("fma.rn.f32 %0, %1, 0f00000000, 0f00000000;" : "=f"(zero) : "f"(__uint_as_float(sink & 0x007fffffu)));
+#endif
+    return __float_as_uint(zero);
+}
+
+__device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ bf16_t f32_to_bf16(float f) {            // round to nearest even; NaN stays NaN
+    const u32 b = __float_as_uint(f);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((b >> 16) | 0x0040u);
+    return (bf16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ float warp_sum(float v) {
+    #pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);
+    return v;
+}
+__device__ __forceinline__ inter_t to_inter(float v) {
+#if INTER_F32
+    return v;                                                      // no rounding
+#else
+    return f32_to_bf16(v);                                         // the strict kernel's one bf16 rounding
+#endif
+}
+
+#if DN_MIN_BLOCKS > 0
+#define DN_BOUNDS __launch_bounds__(DN_WARPS * 32, DN_MIN_BLOCKS)
+#else
+#define DN_BOUNDS __launch_bounds__(DN_WARPS * 32)
+#endif
+
+// ------------------------------------------------------------------------------------------------
+// gate_up: intermediate[t, k, i] = to_inter(SiLU(w13[e, i, :] . x[t]) * (w13[e, I + i, :] . x[t]))
+//   Warp g = blockIdx.x * GU_WARPS + warp-in-block owns ONE output: pair p = g / I (t = p / K, k = p % K)
+//   and neuron i = g % I. Lane l loads 8-byte chunks (4 bf16) c = l, l + 32, ... of the gate row, the up
+//   row and x[t]; GU_UNROLL chunks per row are in registers before the first FMA.
+//   FP32 accumulators gate_acc / up_acc live in each lane's registers; warp_sum folds the lanes; lane 0
+//   applies SiLU(g) * u and stores it (fp32 as is, or bf16 RNE).
+//   Expert id outside [0, E): lane 0 stores NaN, no weight is read.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(GU_WARPS * 32) proto_inter_gate_up(
+    const bf16_t* __restrict__ x,             // [T, H]
+    const bf16_t* __restrict__ w13,           // [E, 2I, H]
+    const int* __restrict__ topk_ids,         // [T, K]
+    inter_t* __restrict__ intermediate,       // [T, K, I]
+    int tokens, int hidden, int inter, int experts, int top_k)
+{
+    const int lane = threadIdx.x & 31;
+    const long long warp = (long long)blockIdx.x * GU_WARPS + (threadIdx.x >> 5);
+    if (warp >= (long long)tokens * top_k * inter) return;        // whole warp leaves together
+    const long long pair = warp / inter;                          // t * K + k
+    const int i = (int)(warp - pair * inter);
+    const long long t = pair / top_k;
+    const int e = __ldg(topk_ids + pair);
+    inter_t* dst = intermediate + pair * inter + i;
+    if ((unsigned)e >= (unsigned)experts) {                       // bad id: NaN, no weight read
+        if (lane == 0) *dst = to_inter(__int_as_float(0x7fc00000));
+        return;
+    }
+    const int chunks = hidden / 4;                                // H % 8 == 0: whole 8-byte chunks
+    const size_t row = ((size_t)e * 2 * inter + i) * (size_t)hidden;
+    const uint2* gate_row = reinterpret_cast<const uint2*>(w13 + row);
+    const uint2* up_row = reinterpret_cast<const uint2*>(w13 + row + (size_t)inter * hidden);
+    const uint2* x_row = reinterpret_cast<const uint2*>(x + t * hidden);
+
+    float gate_acc = 0.0f, up_acc = 0.0f;
+    for (int base = 0; base < chunks; base += 32 * GU_UNROLL) {
+        uint2 wg[GU_UNROLL][1], wu[GU_UNROLL][1], xv[GU_UNROLL];
+        #pragma unroll
+        for (int j = 0; j < GU_UNROLL; ++j) {                     // 1) every weight load of the round, then x
+            const int c = base + j * 32 + lane;
+            wg[j][0] = ldg_chunk(gate_row, c, c < chunks);
+            wu[j][0] = ldg_chunk(up_row, c, c < chunks);
+        }
+        #pragma unroll
+        for (int j = 0; j < GU_UNROLL; ++j) {
+            const int c = base + j * 32 + lane;
+            xv[j] = ldg_chunk(x_row, c, c < chunks);
+        }
+        gate_acc += __uint_as_float(all_loads_arrived(wg) | all_loads_arrived(wu));  // += 0.0f
+        #pragma unroll
+        for (int j = 0; j < GU_UNROLL; ++j) {                     // 2) widen and FMA in element order
+            #pragma unroll
+            for (int w = 0; w < 2; ++w) {
+                const float x_lo = bf16_lo(word(xv[j], w)), x_hi = bf16_hi(word(xv[j], w));
+                gate_acc = fmaf(bf16_lo(word(wg[j][0], w)), x_lo, gate_acc);
+                gate_acc = fmaf(bf16_hi(word(wg[j][0], w)), x_hi, gate_acc);
+                up_acc = fmaf(bf16_lo(word(wu[j][0], w)), x_lo, up_acc);
+                up_acc = fmaf(bf16_hi(word(wu[j][0], w)), x_hi, up_acc);
+            }
+        }
+    }
+    const float g = warp_sum(gate_acc);
+    const float u = warp_sum(up_acc);
+    if (lane == 0) {
+        const float silu = g / (1.0f + expf(-g));                 // IEEE division (no fast-math)
+        *dst = to_inter(silu * u);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// down: out[t, h] = sum_k topk_weights[t, k] * (w2[e_k, h, :] . intermediate[t, k, :])
+//   Warp g owns ONE output: token t = g / H, hidden unit h = g % H. Slots k = 0 .. K-1 in order; per slot
+//   lane l reads 16-byte w2 chunks (8 bf16) c = l, l + 32, ... of row w2[e_k, h, :] -- DN_UNROLL of them in
+//   registers before the first FMA -- and the matching 8 intermediate elements: one 16-byte load (bf16) or
+//   two 16-byte loads of 4 floats (fp32), L2 hits.
+//   ONE FP32 accumulator acc in each lane's registers: acc += w2 * (weight_k * intermediate); warp_sum folds
+//   the lanes, lane 0 stores out[t, h] once (bf16 RNE, or fp32 when out_f32).
+//   Any expert id of token t outside [0, E): out[t, h] = NaN, no w2 or intermediate read.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void DN_BOUNDS proto_inter_down(
+    const inter_t* __restrict__ intermediate, // [T, K, I]
+    const bf16_t* __restrict__ w2,            // [E, H, I]
+    const int* __restrict__ topk_ids,         // [T, K]
+    const float* __restrict__ topk_weights,   // [T, K]
+    void* __restrict__ out,                   // [T, H] bf16, or float32 when out_f32
+    int out_f32, int tokens, int hidden, int inter, int experts, int top_k)
+{
+    const int lane = threadIdx.x & 31;
+    const long long warp = (long long)blockIdx.x * DN_WARPS + (threadIdx.x >> 5);
+    if (warp >= (long long)tokens * hidden) return;              // whole warp leaves together
+    const long long t = warp / hidden;
+    const int h = (int)(warp - t * hidden);
+    const int* ids_t = topk_ids + t * top_k;
+    const float* weights_t = topk_weights + t * top_k;
+
+    bool bad = false;                                             // every id of the token, before any w2 read
+    for (int k = lane; k < top_k; k += 32) bad |= (unsigned)__ldg(ids_t + k) >= (unsigned)experts;
+    const bool token_bad = __any_sync(FULL_MASK, bad);
+
+    float acc = 0.0f;
+    if (!token_bad) {
+        const int chunks = inter / 8;                             // I % 8 == 0: whole 8-element chunks
+        for (int k = 0; k < top_k; ++k) {
+            const int e = __ldg(ids_t + k);
+            const float wk = __ldg(weights_t + k);
+            const uint4* w2_row = reinterpret_cast<const uint4*>(w2 + ((size_t)e * hidden + h) * inter);
+            const uint4* inter_row = reinterpret_cast<const uint4*>(intermediate + (t * top_k + k) * (long long)inter);
+            for (int c0 = 0; c0 < chunks; c0 += 32 * DN_UNROLL) {
+                uint4 wv[DN_UNROLL][1], iv[DN_UNROLL][INTER_LOADS];
+                #pragma unroll
+                for (int r = 0; r < DN_UNROLL; ++r) {             // 1) w2 chunks and their intermediate
+                    const int c = c0 + r * 32 + lane;
+                    const bool ok = c < chunks;
+                    wv[r][0] = ldg_chunk(w2_row, c, ok);
+                    #pragma unroll
+                    for (int q = 0; q < INTER_LOADS; ++q) iv[r][q] = ldg_chunk(inter_row, c * INTER_LOADS + q, ok);
+                }
+                acc += __uint_as_float(all_loads_arrived(wv) | all_loads_arrived(iv));  // += 0.0f
+                #pragma unroll
+                for (int r = 0; r < DN_UNROLL; ++r) {             // 2) element order 0..7 of each chunk
+                    const float weight = c0 + r * 32 + lane < chunks ? wk : 0.0f;
+                    #pragma unroll
+                    for (int w = 0; w < 4; ++w) {
+#if INTER_F32
+                        const float i_lo = __uint_as_float(word(iv[r][w / 2], (w % 2) * 2));
+                        const float i_hi = __uint_as_float(word(iv[r][w / 2], (w % 2) * 2 + 1));
+#else
+                        const float i_lo = bf16_lo(word(iv[r][0], w)), i_hi = bf16_hi(word(iv[r][0], w));
+#endif
+                        const float a_lo = weight * i_lo, a_hi = weight * i_hi;
+                        acc = fmaf(bf16_lo(word(wv[r][0], w)), a_lo, acc);
+                        acc = fmaf(bf16_hi(word(wv[r][0], w)), a_hi, acc);
+                    }
+                }
+            }
+        }
+    }
+    float v = warp_sum(acc);
+    if (token_bad) v = __int_as_float(0x7fc00000);
+    if (lane == 0) {
+        const long long idx = t * hidden + h;
+        if (out_f32) reinterpret_cast<float*>(out)[idx] = v;
+        else reinterpret_cast<bf16_t*>(out)[idx] = f32_to_bf16(v);  // the one final rounding
+    }
+}
+"""
+
+DEFAULTS: dict[str, int] = {
+    "INTER_F32": 0,  # 0: bf16 intermediate (strict numerics), 1: fp32 intermediate (not rounded)
+    "GU_WARPS": 4,
+    "GU_UNROLL": 8,  # 8-byte chunks per row in flight per lane: 16 weight loads + 8 of x
+    "DN_WARPS": 4,
+    "DN_UNROLL": 3,  # 16-byte w2 chunks in flight per lane (3 x 32 x 8 = 768 = qwen3-30b's I in one round)
+    "DN_MIN_BLOCKS": 0,  # __launch_bounds__ min blocks per SM for down (0: none)
+}
+LIMITS: dict[str, tuple[int, int]] = {
+    "INTER_F32": (0, 1),
+    "GU_WARPS": (1, 32),
+    "GU_UNROLL": (1, 32),
+    "DN_WARPS": (1, 32),
+    "DN_UNROLL": (1, 32),
+    "DN_MIN_BLOCKS": (0, 32),
+}
+
+
+def resolve_params(**params: Any) -> dict[str, int]:
+    """Validate the knobs (ValueError / TypeError naming the knob); returns every knob as an int."""
+    unknown = set(params) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown intermediate-fp32 parameter(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+    values = dict(DEFAULTS)
+    for key, value in params.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{key} must be an int, got {value!r}")
+        low, high = LIMITS[key]
+        if not low <= int(value) <= high:
+            raise ValueError(f"{key} must be in {low}..{high}, got {value}")
+        values[key] = int(value)
+    return values
+
+
+SOURCE = register_source(
+    CudaSource(
+        name="proto_intermediate_fp32",
+        code=CODE,
+        kernels=(GATE_UP, DOWN),
+        defaults=dict(DEFAULTS),
+        variants=[{"INTER_F32": 1}],
+        warps_knobs={GATE_UP: "GU_WARPS", DOWN: "DN_WARPS"},
+        description="prototype: warp decode with a bf16 or fp32 (INTER_F32) intermediate",
+    )
+)
+
+
+def intermediate_dtype(params: dict[str, int]) -> np.dtype:
+    return np.dtype(np.float32) if params["INTER_F32"] else BF16
+
+
+def build(dims: Dims, **params: Any) -> Any:
+    """Compile both kernels and allocate the [T, K, I] intermediate (fp32 or bf16 by ``INTER_F32``) once;
+    the returned launch only launches (no allocation, no host sync: graph-capturable)."""
+    import cupy
+
+    resolved = resolve_params(**params)
+    gate_up_kernel = get_kernel(SOURCE, GATE_UP, **resolved)
+    down_kernel = get_kernel(SOURCE, DOWN, **resolved)
+    workspace = cupy.empty((dims.tokens, dims.top_k, dims.intermediate), dtype=intermediate_dtype(resolved))
+    sizes = (
+        np.int32(dims.tokens),
+        np.int32(dims.hidden),
+        np.int32(dims.intermediate),
+        np.int32(dims.experts),
+        np.int32(dims.top_k),
+    )
+    gu_blocks = -(-dims.tokens * dims.top_k * dims.intermediate // resolved["GU_WARPS"])
+    dn_blocks = -(-dims.tokens * dims.hidden // resolved["DN_WARPS"])
+
+    def run_gate_up(x: Any, w13: Any, topk_ids: Any) -> None:
+        launch_ex(gate_up_kernel, (gu_blocks,), (32 * resolved["GU_WARPS"],), (x, w13, topk_ids, workspace, *sizes))
+
+    def run_down(w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> None:
+        out_f32 = np.int32(1 if out.dtype == np.float32 else 0)
+        launch_ex(
+            down_kernel,
+            (dn_blocks,),
+            (32 * resolved["DN_WARPS"],),
+            (workspace, w2, topk_ids, topk_weights, out, out_f32, *sizes),
+        )
+
+    def launch(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> None:
+        run_gate_up(x, w13, topk_ids)
+        run_down(w2, topk_ids, topk_weights, out)
+
+    def stages(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> list[tuple[str, Any]]:
+        return [
+            ("gate_up", lambda: run_gate_up(x, w13, topk_ids)),
+            ("down", lambda: run_down(w2, topk_ids, topk_weights, out)),
+        ]
+
+    launch.stages = stages  # type: ignore[attr-defined]
+    launch.params = resolved  # type: ignore[attr-defined]
+    launch.workspace = workspace  # type: ignore[attr-defined]
+    return launch
+
+
+build.source = SOURCE  # type: ignore[attr-defined]  # tools.sweep's compile columns
+
+VARIANT = register(
+    Variant(
+        name="proto:intermediate-fp32",
+        backend="cupy",
+        family="intermediate-fp32",
+        build=build,
+        reference_mode="warp_decode",
+        params=dict(DEFAULTS),
+        description="warp decode with an fp32 (INTER_F32=1) vs bf16 [T, K, I] intermediate: bytes vs accuracy",
+        grid={"INTER_F32": [0, 1]},
+    )
+)
