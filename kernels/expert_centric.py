@@ -54,6 +54,13 @@ Second round (changes and their predicted effect, to be checked on the H200; qwe
     that points at the memory system's efficiency for 512 B row pieces, which no knob here changes).
   Predicted with the defaults (STAGES=0, PREFETCH=0): T=64 ~446 - 31 + 4 - 5 - ~8 = ~405 us (bar 380 us:
   not yet met); T=8 ~150 us; T=1 ~40 us. With a ring/prefetch point that wins the sweep: T=64 ~360-390 us.
+  MEASURED (second H200 round): register loads 429 us at T=64 (60 %); the sweep (results/sweep-ec-stages.json)
+  put BLOCK_N=64 + STAGES=2 first at 350 us, PREFETCH=2 last at 683 us (L2 prefetch instructions hurt here).
+  With that as the T*K > 64 default the bench gives T=64 349.7 us = 3.37 TB/s = 75 % of the read roofline,
+  T=32 313.7 us, T=1 40.8 us (results/h200-2026-11-30-evening.json). A diagnostic of the whole path
+  (align .. combine as graph prefixes, T=64, register loads) found gemm_down taking ~184 us inside the path
+  but 122 us alone, and gemm_gate_up + gemm_down 403 us together vs 341 us apart: something the two GEMMs
+  leave to each other (DRAM page or TLB state, not L2 residency at 1.2 GB per layer) -- not investigated.
 """
 
 from __future__ import annotations

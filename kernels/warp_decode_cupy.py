@@ -40,6 +40,24 @@ Predictions before measuring (H200, streaming-read roofline ~4.5 TB/s, T = 1, un
 Measured (H200, old defaults): 27.5 us (60 %) and 82.9 us (80 %): each kernel loses more to ramp-up and
 tail than predicted (gate_up alone moves 50 MB in 15.8 us = 3.2 TB/s). PDL=1 (programmatic dependent
 launch, prototypes/warp_decode_pdl.py) saves a further 1.4-2 us per layer at T = 1.
+
+Second round (same day, tools.sweep then the bench; JSON under results/):
+
+* The down kernel paid a DRAM latency and then an L2 latency per round (the intermediate loads waited for
+  the w2 loads). DN_EARLY_INTER=1 issues them in the same batch: qwen3-235b T = 1 78.9 -> 76.7 us (PDL=0),
+  qwen3-30b T = 8 166 -> 141 us (sweep-dn-*-early-inter.json).
+* PDL is on by default (sm_90+; ``for_device`` turns it off before): -2.0 to -2.1 us per layer at T = 1.
+  Turning it on exposed a race that the tests then caught on the H200: the compiler hoisted the
+  intermediate's ``__ldg`` loads above ``griddepcontrol.wait`` (seen in the SASS: LDG.E.128.CONSTANT before
+  ACQBULK). Loads of the previous kernel's output now go through ``ld_dep`` (a volatile asm load), and a GPU
+  test replays a six-layer chain, each layer reading the last one's output, 20 times against PDL=0.
+* One-wave down grids (T x H <= 2048 warps) load 8 slots per round in one-warp blocks (``_auto_down``).
+* Measured and left off: bulk L2 prefetch of the owned rows (GU_PREFETCH / DN_PREFETCH: 1-15 us slower) and
+  cp.async.bulk of each warp's w2 rows into shared memory (DN_BULK: 27 vs 23 us at qwen3-30b T = 1).
+
+Final (results/h200-2026-11-30-final.json): qwen3-30b-a3b T = 1 22.0 us (3.43 TB/s, 76 % of the 4.49 TB/s
+read roofline measured in that run; gate_up ~14 us, down ~9.7 us alone), qwen3-235b-a22b T = 1 74.2 us
+(4.07 TB/s, 91 %).
 """
 
 from __future__ import annotations

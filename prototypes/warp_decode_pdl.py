@@ -22,8 +22,17 @@ routing; median us per layer, PDL=0 -> PDL=1; results/h200-2026-11-30-call3.json
 Conclusion: PDL buys 1.4-2 us per layer at T = 1, about what down's ramp-up costs, and nothing where the
 kernels are long. Bitwise the same outputs (GPU test). It does not close the gap to the 75 % / 85 % bars at
 T = 1 on its own: gate_up alone runs at ~3.2 TB/s on qwen3-30b T=1 (50 MB in 15.8 us), so the next step is
-the kernel's own ramp and tail, not the gap between the two kernels. Not the default yet: the full GPU test
-matrix has run with PDL=0 only.
+the kernel's own ramp and tail, not the gap between the two kernels.
+
+Later the same day PDL became the library default (``PDL=1`` in ``kernels.warp_decode_cupy.DEFAULTS``), after
+the whole strict GPU test matrix ran with it -- and only after a race it exposed was fixed: with some knob
+sets the compiler scheduled down's ``__ldg`` loads of the intermediate above ``griddepcontrol.wait`` (SASS:
+LDG.E.128.CONSTANT before ACQBULK), so down read gate_up's output before it was written (NaN from a poisoned
+workspace in two GPU tests). Loads of the previous kernel's output now go through a volatile asm load that
+stays behind the wait. With the second-round kernels PDL is worth 2.1 us at qwen3-30b T = 1 (25.1 -> 23.0,
+results/sweep-dn-qwen3-30b-a3b-after-race-fix.json) and 2.0 us at qwen3-235b T = 1 (76.7 -> 74.7, 4 slots,
+results/sweep-dn-qwen3-235b-a22b-early-inter.json, measured before the race fix). This variant now differs
+from ``cupy:warp-decode`` only in naming PDL explicitly; its grid still compares PDL 0 and 1.
 """
 
 from __future__ import annotations

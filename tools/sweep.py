@@ -145,7 +145,8 @@ def compile_columns(variant: Any, params: dict[str, Any], dims: Any = None) -> d
 
 def _all_compile_columns(variant: Any, grid_points: list[dict[str, Any]], dims: Any = None) -> list[dict[str, Any]]:
     """Compile columns of every point, in threads; a point whose report came back empty is compiled again on
-    its own (on the H200 image some NVRTC compiles run in threads returned no ptxas report)."""
+    its own. (On the H200 image a few points come back without ptxas' report even then -- cause not found;
+    their compile columns show "-" and the error line says so. The same text reports fine on a CPU machine.)"""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(point: dict[str, Any]) -> dict[str, Any]:
