@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -289,8 +290,15 @@ def offline_compile(text: str, arch: str = DEFAULT_ARCH, name: str = "kernel.cu"
 
 def offline_report(source: CudaSource, arch: str = DEFAULT_ARCH, **defines: int) -> list[KernelResources]:
     """Resource report of every kernel in ``source`` compiled with these knobs for ``arch``."""
-    _, log = offline_compile(source.render(**defines), arch, f"{source.name}.cu")
+    text = source.render(**defines)
+    _, log = offline_compile(text, arch, f"{source.name}.cu")
     reports = parse_ptxas_log(log, arch)
+    if not reports:
+        # Newer NVRTC serves a text it has compiled before from the CUDA compute cache without running ptxas,
+        # so `-Xptxas=-v` prints nothing (NVIDIA/cuda-python issue 1124; seen on the H200 image for points an
+        # earlier process had compiled). A comment unique to this call changes the cache key, not the code.
+        _, log = offline_compile(f"{text}\n// offline report {uuid.uuid4().hex}\n", arch, f"{source.name}.cu")
+        reports = parse_ptxas_log(log, arch)
     if not reports:
         raise OfflineCompileError(f"no ptxas report found for {source.name}:\n{log}")
     return reports

@@ -106,3 +106,23 @@ def test_threads_per_block_conventions() -> None:
     prefixed = CudaSource("s", "", ("a",), {"A_WARPS": 2})
     assert offline.threads_per_block(prefixed, "a", {"A_WARPS": 2}) == 64
     assert offline.threads_per_block(prefixed, "a", {"A_WARPS": 2, "B_WARPS": 4}) is None
+
+
+def test_offline_report_recompiles_when_the_compute_cache_swallowed_ptxas_report(monkeypatch) -> None:
+    """NVRTC may serve a text from the CUDA compute cache without running ptxas (no -v report): the report is
+    then taken from a compile of the same code with a unique trailing comment (a new cache key)."""
+    import kernels.compile as compile_mod
+    import kernels.warp_decode_cupy as wdc
+
+    real = compile_mod.offline_compile
+    texts: list[str] = []
+
+    def cached_first(text: str, arch: str = "sm_90", name: str = "kernel.cu") -> tuple[bytes, str]:
+        texts.append(text)
+        cubin, log = real(text, arch, name)
+        return (cubin, "") if len(texts) == 1 else (cubin, log)
+
+    monkeypatch.setattr(compile_mod, "offline_compile", cached_first)
+    reports = compile_mod.offline_report(wdc.SOURCE, **wdc.DEFAULTS)
+    assert {r.kernel for r in reports} == set(wdc.SOURCE.kernels) and len(texts) == 2
+    assert texts[1].startswith(texts[0]) and "// offline report" in texts[1][len(texts[0]):]

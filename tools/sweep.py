@@ -144,9 +144,8 @@ def compile_columns(variant: Any, params: dict[str, Any], dims: Any = None) -> d
 
 
 def _all_compile_columns(variant: Any, grid_points: list[dict[str, Any]], dims: Any = None) -> list[dict[str, Any]]:
-    """Compile columns of every point, in threads; a point whose report came back empty is compiled again on
-    its own. (On the H200 image a few points come back without ptxas' report even then -- cause not found;
-    their compile columns show "-" and the error line says so. The same text reports fine on a CPU machine.)"""
+    """Compile columns of every point, in threads; a point whose report still came back empty (see
+    ``kernels.compile.offline_report`` on NVRTC's cache) is compiled again on its own."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(point: dict[str, Any]) -> dict[str, Any]:
