@@ -8,13 +8,15 @@ Three kernels, knobs as ``#define`` (``LIST_*`` the routing lists, ``GB_*`` gate
 * ``moe_down_batched``    one block per DB_OUTS hidden columns for ALL tokens; its warps split the experts.
 
 The bf16 conventions and device helpers (``Vec``/``word``/``ldg_chunk``, ``all_loads_arrived``,
-``f32_to_bf16``, ``warp_sum``) are copies of those in kernels/warp_decode_cupy.py (same bit-level
-behaviour, so the gate/up intermediate is bitwise equal to the strict kernel's at equal load width).
+``f32_to_bf16``, ``warp_sum``) are the strict kernel's, from kernels/device_helpers.py (so the gate/up
+intermediate is bitwise equal to the strict kernel's at equal load width).
 """
 
 from __future__ import annotations
 
-CODE = r"""
+from kernels.device_helpers import WARP_HELPERS
+
+CODE = WARP_HELPERS + r"""
 // Batched warp decode for MoE decode: every expert's weights are read ONCE per batch (per token tile).
 // bf16 travels as raw 16-bit patterns: widening is a shift / mask, narrowing is integer RNE.
 // Knobs (#defines set by kernels.compile):
@@ -23,11 +25,6 @@ CODE = r"""
 //   (FP32 accumulators [TILE][OUTS] in registers), *_UNROLL chunk rounds in flight per lane,
 //   *_BYTES bytes per lane per load (4, 8, 16), *_MAX_REGS register cap (0: __launch_bounds__ only),
 //   DB_EARLY_INTER 1: the down kernel issues a round's intermediate loads together with its w2 loads
-typedef unsigned short bf16_t;
-typedef unsigned int u32;
-#define FULL_MASK 0xffffffffu
-#define BF16_NAN ((bf16_t)0x7fc0)
-
 static_assert(LIST_THREADS >= 32 && LIST_THREADS <= 1024 && LIST_THREADS % 32 == 0, "LIST_THREADS: 32..1024, x32");
 static_assert(LIST_PER >= 1 && LIST_PER <= 16, "LIST_PER must be 1..16");
 static_assert(GB_WARPS >= 1 && GB_WARPS <= 32 && DB_WARPS >= 1 && DB_WARPS <= 32, "WARPS must be 1..32");
@@ -37,65 +34,6 @@ static_assert(GB_UNROLL >= 1 && DB_UNROLL >= 1, "UNROLL must be >= 1");
 static_assert(GB_BYTES == 4 || GB_BYTES == 8 || GB_BYTES == 16, "GB_BYTES must be 4, 8 or 16");
 static_assert(DB_BYTES == 4 || DB_BYTES == 8 || DB_BYTES == 16, "DB_BYTES must be 4, 8 or 16");
 static_assert(DB_EARLY_INTER == 0 || DB_EARLY_INTER == 1, "DB_EARLY_INTER must be 0 or 1");
-
-// ---------------------------------------------------------------------------- helpers ----------
-// (copied from kernels/warp_decode_cupy.py: same conventions, same rounding)
-template <int BYTES> struct Vec;
-template <> struct Vec<16> { typedef uint4 T; };
-template <> struct Vec<8> { typedef uint2 T; };
-template <> struct Vec<4> { typedef u32 T; };
-
-__device__ __forceinline__ u32 word(const uint4& v, int w) { return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w; }
-__device__ __forceinline__ u32 word(const uint2& v, int w) { return w == 0 ? v.x : v.y; }
-__device__ __forceinline__ u32 word(const u32& v, int) { return v; }
-
-// read-only load of chunk c of a row, zeros when the chunk lies past the row's end (branch-free: a lane
-// past the end loads chunk 0 and selects zeros, so every load of a round can be hoisted above the FMAs)
-__device__ __forceinline__ uint4 zero_unless(bool ok, uint4 v) {
-    return make_uint4(ok ? v.x : 0u, ok ? v.y : 0u, ok ? v.z : 0u, ok ? v.w : 0u);
-}
-__device__ __forceinline__ uint2 zero_unless(bool ok, uint2 v) { return make_uint2(ok ? v.x : 0u, ok ? v.y : 0u); }
-__device__ __forceinline__ u32 zero_unless(bool ok, u32 v) { return ok ? v : 0u; }
-template <typename V>
-__device__ __forceinline__ V ldg_chunk(const V* row, int c, bool ok) {
-    return zero_unless(ok, __ldg(row + (ok ? c : 0)));
-}
-
-// Returns 0 computed from every word of a round's weight registers (0 * finite subnormal through an FMA
-// the compiler cannot fold): whatever depends on it waits for all of the round's weight loads, so ptxas
-// issues them all before the first FMA instead of sinking each load next to its use.
-template <typename V, int A, int B>
-__device__ __forceinline__ u32 all_loads_arrived(const V (&v)[A][B]) {
-    u32 sink = 0u;
-    #pragma unroll
-    for (int a = 0; a < A; ++a)
-        #pragma unroll
-        for (int b = 0; b < B; ++b)
-            #pragma unroll
-            for (int w = 0; w < (int)(sizeof(V) / 4); ++w) sink ^= word(v[a][b], w);
-    float zero;
-#ifdef WDB_HOST_EMULATION  // the CPU emulation in tests/test_warp_decode_batched.py
-    zero = fmaf(0.0f, __uint_as_float(sink & 0x007fffffu), 0.0f);
-#else
-    asm("fma.rn.f32 %0, %1, 0f00000000, 0f00000000;" : "=f"(zero) : "f"(__uint_as_float(sink & 0x007fffffu)));
-#endif
-    return __float_as_uint(zero);
-}
-
-__device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
-
-__device__ __forceinline__ bf16_t f32_to_bf16(float f) {          // RNE; NaN stays a quiet NaN
-    const u32 b = __float_as_uint(f);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((b >> 16) | 0x0040u);
-    return (bf16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-    #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);
-    return v;  // every lane holds the same sum (fixed butterfly order: deterministic)
-}
 
 // The int32 ``lists`` buffer, S = min(E, T*K) + 1 list slots (every active expert + one for bad ids):
 //   lists[0]              slots used: active experts, plus 1 when some id is out of range
@@ -132,7 +70,7 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
     int pairs, int experts, int slots,
     int* __restrict__ lists)
 {
-#ifdef WDB_HOST_EMULATION
+#ifdef WD_HOST_EMULATION
     int* running = reinterpret_cast<int*>(wdb_dynamic_shared);      // the CPU emulation's buffer
 #else
     extern __shared__ int running[];                                 // [E + 1]
@@ -386,7 +324,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
 {
     typedef typename Vec<DB_BYTES>::T vec_t;
     constexpr int WORDS = DB_BYTES / 4;
-#ifdef WDB_HOST_EMULATION
+#ifdef WD_HOST_EMULATION
     float* partial = wdb_dynamic_shared;                             // the CPU emulation's buffer
 #else
     extern __shared__ float partial[];                               // [DB_WARPS][T][DB_OUTS]

@@ -68,23 +68,19 @@ import numpy as np
 
 from kernels.compile import CudaSource, get_kernel, launch_ex, preset_variants, register_source
 from kernels.contract import BF16, Dims, array_module, check_inputs, check_out
+from kernels.device_helpers import WARP_HELPERS
 from kernels.variants import Variant, register
 
 GATE_UP = "moe_gate_up_3d_batched"
 DOWN = "moe_down_3d_batched"
 
-CODE = r"""
+CODE = WARP_HELPERS + r"""
 // Warp decode for MoE decode. bf16 is handled as raw 16-bit patterns: widening is a shift / mask,
 // narrowing is integer round-to-nearest-even (no cuda_bf16.h).
 // Knobs (set as #defines by kernels.compile): GU_* for gate_up, DN_* for down:
 //   *_WARPS  warps per block          *_OUTS   consecutive outputs per warp (reuse x / intermediate loads)
 //   *_UNROLL loads in flight per lane  *_BYTES  bytes per lane per load (4, 8 or 16)
 //   *_MIN_BLOCKS  __launch_bounds__ min blocks per SM (0 = let ptxas choose registers)
-typedef unsigned short bf16_t;
-typedef unsigned int u32;
-#define FULL_MASK 0xffffffffu
-#define BF16_NAN ((bf16_t)0x7fc0)
-
 static_assert(GU_WARPS >= 1 && GU_WARPS <= 32 && DN_WARPS >= 1 && DN_WARPS <= 32, "WARPS must be 1..32");
 static_assert(GU_OUTS >= 1 && GU_OUTS <= 32 && DN_OUTS >= 1 && DN_OUTS <= 32, "OUTS must be 1..32");
 static_assert(GU_UNROLL >= 1 && DN_UNROLL >= 1, "UNROLL must be >= 1");
@@ -95,29 +91,6 @@ static_assert(DN_PREFETCH == 0 || DN_PREFETCH == 1, "DN_PREFETCH must be 0 or 1"
 static_assert(DN_BULK == 0 || (DN_BULK == 1 && DN_OUTS == 1 && DN_BYTES == 16), "DN_BULK=1: DN_OUTS 1, DN_BYTES 16");
 static_assert(GU_BYTES == 4 || GU_BYTES == 8 || GU_BYTES == 16, "GU_BYTES must be 4, 8 or 16");
 static_assert(DN_BYTES == 4 || DN_BYTES == 8 || DN_BYTES == 16, "DN_BYTES must be 4, 8 or 16");
-
-template <int BYTES> struct Vec;
-template <> struct Vec<16> { typedef uint4 T; };
-template <> struct Vec<8> { typedef uint2 T; };
-template <> struct Vec<4> { typedef u32 T; };
-
-// word w (0..BYTES/4-1, a compile-time constant after unrolling) of a loaded vector
-__device__ __forceinline__ u32 word(const uint4& v, int w) { return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w; }
-__device__ __forceinline__ u32 word(const uint2& v, int w) { return w == 0 ? v.x : v.y; }
-__device__ __forceinline__ u32 word(const u32& v, int) { return v; }
-
-// read-only (ld.global.nc) load of chunk c of a row, or zeros when the lane's chunk lies past the row's
-// end. Branch-free on purpose: a lane past the end loads chunk 0 (valid, and in flight for lane 0 anyway)
-// and selects zeros, so ptxas can hoist every load of a round above the first FMA.
-__device__ __forceinline__ uint4 zero_unless(bool ok, uint4 v) {
-    return make_uint4(ok ? v.x : 0u, ok ? v.y : 0u, ok ? v.z : 0u, ok ? v.w : 0u);
-}
-__device__ __forceinline__ uint2 zero_unless(bool ok, uint2 v) { return make_uint2(ok ? v.x : 0u, ok ? v.y : 0u); }
-__device__ __forceinline__ u32 zero_unless(bool ok, u32 v) { return ok ? v : 0u; }
-template <typename V>
-__device__ __forceinline__ V ldg_chunk(const V* row, int c, bool ok) {
-    return zero_unless(ok, __ldg(row + (ok ? c : 0)));
-}
 
 // Loads of data the kernel right before may have written (x, topk_ids in gate_up; the intermediate in down).
 // With PDL that kernel can still be running while this one starts, so these loads must stay behind
@@ -158,39 +131,6 @@ __device__ __forceinline__ V ld_dep_chunk(const V* row, int c, bool ok) {
     return zero_unless(ok, ld_dep(row + (ok ? c : 0)));
 }
 
-// "Everything loaded so far must have arrived": returns 0, but computed from every word of a round's
-// weight registers (0 * finite subnormal = +0 through an FMA the compiler cannot fold). Whatever is
-// made to depend on it (the intermediate addresses, the accumulators) waits for all loads of the round.
-// Without it ptxas sinks each weight load next to its FMAs, leaving ~1 load in flight per lane.
-template <typename V, int A, int B>
-__device__ __forceinline__ u32 all_loads_arrived(const V (&v)[A][B]) {
-    u32 sink = 0u;
-    #pragma unroll
-    for (int a = 0; a < A; ++a)
-        #pragma unroll
-        for (int b = 0; b < B; ++b)
-            #pragma unroll
-            for (int w = 0; w < (int)(sizeof(V) / 4); ++w) sink ^= word(v[a][b], w);
-    float zero;  // inline PTX so that no front end can prove the (finite) operand away
-#ifdef WD_HOST_EMULATION  // the CPU emulation in tests/test_warp_decode_cupy.py
-    zero = fmaf(0.0f, __uint_as_float(sink & 0x007fffffu), 0.0f);
-#else
-    asm("fma.rn.f32 %0, %1, 0f00000000, 0f00000000;" : "=f"(zero) : "f"(__uint_as_float(sink & 0x007fffffu)));
-#endif
-    return __float_as_uint(zero);
-}
-
-// the two bf16 halves of a 32-bit word, widened exactly to fp32 (element 2j is the low half)
-__device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
-
-// fp32 -> bf16, round to nearest even; NaN stays a (quiet) NaN
-__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
-    const u32 b = __float_as_uint(f);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((b >> 16) | 0x0040u);
-    return (bf16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
-
 // Programmatic dependent launch (PDL=1; the kernels are then launched with the programmatic-serialization
 // attribute, kernels.compile.launch_ex). pdl_wait: block until the previous kernel in the stream has finished
 // and its writes are visible (a no-op for an ordinary launch). pdl_release: let the next kernel's blocks start
@@ -214,12 +154,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
 #if !defined(WD_HOST_EMULATION)
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes));
 #endif
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-    #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);
-    return v;  // every lane holds the same sum (fixed butterfly order: deterministic)
 }
 
 #if GU_MIN_BLOCKS > 0

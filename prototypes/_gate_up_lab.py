@@ -24,11 +24,12 @@ import numpy as np
 from kernels import warp_decode_cupy as wdc
 from kernels.compile import CudaSource, get_kernel, launch_ex, register_source
 from kernels.contract import Dims
+from kernels.device_helpers import WARP_HELPERS
 
 KERNEL = "moe_gate_up_lab"
 PIECE = 8  # interleave granularity of the prepacked layout, in bf16 elements (16 bytes)
 
-CODE = r"""
+CODE = WARP_HELPERS + r"""
 // proto_gate_up_lab: the gate_up stage of warp decode with the load shape exposed (prototypes/_gate_up_lab.py).
 //   intermediate[t, k, i] = bf16(SiLU(gate_i . x[t]) * (up_i . x[t])), gate_i / up_i rows of expert topk_ids[t, k]
 // bf16 is handled as raw 16-bit patterns: widening is a shift / mask, narrowing integer round-to-nearest-even.
@@ -44,10 +45,6 @@ CODE = r"""
 //                    row i = gate[0:8] up[0:8] gate[8:16] up[8:16] ... (16-byte pieces, PIECE elements)
 //   LAB_SPLIT        warps sharing one output (split-K over H); partial sums combined through shared memory
 //                    in a fixed order (deterministic, no atomics). LAB_WARPS % LAB_SPLIT == 0.
-typedef unsigned short bf16_t;
-typedef unsigned int u32;
-#define FULL_MASK 0xffffffffu
-#define BF16_NAN ((bf16_t)0x7fc0)
 #define PIECE 8
 
 static_assert(LAB_WARPS >= 1 && LAB_WARPS <= 32, "LAB_WARPS must be 1..32");
@@ -62,17 +59,7 @@ static_assert(LAB_SPLIT >= 1 && LAB_WARPS % LAB_SPLIT == 0, "LAB_WARPS must be a
 #define VEC_ELEMS (VEC_BYTES / 2)                      // bf16 per load instruction
 #define VEC_WORDS (VEC_BYTES / 4)                      // 32-bit words per load instruction
 
-template <int BYTES> struct Vec;
-template <> struct Vec<16> { typedef uint4 T; };
-template <> struct Vec<8> { typedef uint2 T; };
 typedef Vec<VEC_BYTES>::T vec_t;
-
-__device__ __forceinline__ u32 word(const uint4& v, int w) { return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w; }
-__device__ __forceinline__ u32 word(const uint2& v, int w) { return w == 0 ? v.x : v.y; }
-__device__ __forceinline__ uint4 zero_unless(bool ok, uint4 v) {
-    return make_uint4(ok ? v.x : 0u, ok ? v.y : 0u, ok ? v.z : 0u, ok ? v.w : 0u);
-}
-__device__ __forceinline__ uint2 zero_unless(bool ok, uint2 v) { return make_uint2(ok ? v.x : 0u, ok ? v.y : 0u); }
 
 // element offset, inside a weight row, of hidden position p (p a multiple of VEC_ELEMS)
 __device__ __forceinline__ int row_offset(int p) {
@@ -91,43 +78,6 @@ __device__ __forceinline__ vec_t ldg_row(const bf16_t* row, int p, bool ok) {
 }
 __device__ __forceinline__ vec_t ldg_x(const bf16_t* x_row, int p, bool ok) {
     return zero_unless(ok, __ldg(reinterpret_cast<const vec_t*>(x_row + (ok ? p : 0))));
-}
-
-// "Every load of the round has arrived": returns 0, computed from every loaded word (0 * finite subnormal
-// through an FMA no front end can fold). Adding it to an accumulator makes the first FMA wait for all of
-// the round's loads, so ptxas issues them all first instead of sinking each next to its FMAs.
-template <int A, int B>
-__device__ __forceinline__ u32 all_loads_arrived(const vec_t (&v)[A][B]) {
-    u32 sink = 0u;
-    #pragma unroll
-    for (int a = 0; a < A; ++a)
-        #pragma unroll
-        for (int b = 0; b < B; ++b)
-            #pragma unroll
-            for (int w = 0; w < VEC_WORDS; ++w) sink ^= word(v[a][b], w);
-    float zero;  // inline PTX so that no front end can prove the (finite) operand away
-#ifdef LAB_HOST_EMULATION  // the g++ emulation in tests/test_prototypes_gate_up.py
-    zero = fmaf(0.0f, __uint_as_float(sink & 0x007fffffu), 0.0f);
-#else
-    asm("fma.rn.f32 %0, %1, 0f00000000, 0f00000000;" : "=f"(zero) : "f"(__uint_as_float(sink & 0x007fffffu)));
-#endif
-    return __float_as_uint(zero);
-}
-
-__device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
-
-// fp32 -> bf16, round to nearest even; NaN stays a (quiet) NaN
-__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
-    const u32 b = __float_as_uint(f);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((b >> 16) | 0x0040u);
-    return (bf16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-    #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);
-    return v;  // every lane holds the same sum (fixed butterfly order: deterministic)
 }
 
 // gate += w_gate . x, up += w_up . x over one vector of each (FP32 FMAs, element order lo, hi per word)

@@ -83,19 +83,17 @@ import numpy as np
 
 from kernels.compile import CudaSource, get_kernel, launch_ex, register_source
 from kernels.contract import BF16, Dims
+from kernels.device_helpers import WARP_HELPERS
 from kernels.variants import Variant, register
 
 GATE_UP = "proto_inter_gate_up"
 DOWN = "proto_inter_down"
 
-CODE = r"""
+CODE = WARP_HELPERS + r"""
 // Warp decode with a selectable intermediate type: INTER_F32 = 0 -> bf16 [T, K, I] (as the strict kernel),
 // 1 -> fp32 [T, K, I], never rounded. bf16 is handled as raw 16-bit patterns (no cuda_bf16.h).
 // Knobs: GU_WARPS / DN_WARPS warps per block, GU_UNROLL 8-byte chunks per row in flight per lane (gate_up),
 // DN_UNROLL 16-byte w2 chunks in flight per lane (down), DN_MIN_BLOCKS __launch_bounds__ min blocks (0 = none).
-typedef unsigned short bf16_t;
-typedef unsigned int u32;
-#define FULL_MASK 0xffffffffu
 
 static_assert(INTER_F32 == 0 || INTER_F32 == 1, "INTER_F32 must be 0 or 1");
 static_assert(GU_WARPS >= 1 && GU_WARPS <= 32 && DN_WARPS >= 1 && DN_WARPS <= 32, "WARPS must be 1..32");
@@ -110,50 +108,6 @@ typedef bf16_t inter_t;
 #endif
 #define INTER_LOADS (INTER_WORDS_PER_CHUNK / 4)
 
-__device__ __forceinline__ u32 word(const uint4& v, int w) { return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w; }
-__device__ __forceinline__ u32 word(const uint2& v, int w) { return w == 0 ? v.x : v.y; }
-__device__ __forceinline__ uint4 zero_unless(bool ok, uint4 v) {
-    return make_uint4(ok ? v.x : 0u, ok ? v.y : 0u, ok ? v.z : 0u, ok ? v.w : 0u);
-}
-__device__ __forceinline__ uint2 zero_unless(bool ok, uint2 v) { return make_uint2(ok ? v.x : 0u, ok ? v.y : 0u); }
-// read-only load of vector c of a row, zeros when !ok (then vector 0 is read: valid, branch-free)
-template <typename V>
-__device__ __forceinline__ V ldg_chunk(const V* row, int c, bool ok) {
-    return zero_unless(ok, __ldg(row + (ok ? c : 0)));
-}
-
-// returns 0 computed from every loaded word, so whatever depends on it waits for all of a round's loads
-// (keeps ptxas from sinking each load next to its FMA; see kernels/warp_decode_cupy.py)
-template <typename V, int A, int B>
-__device__ __forceinline__ u32 all_loads_arrived(const V (&v)[A][B]) {
-    u32 sink = 0u;
-    #pragma unroll
-    for (int a = 0; a < A; ++a)
-        #pragma unroll
-        for (int b = 0; b < B; ++b)
-            #pragma unroll
-            for (int w = 0; w < (int)(sizeof(V) / 4); ++w) sink ^= word(v[a][b], w);
-    float zero;  // inline PTX so that no front end can prove the (finite) operand away
-#ifdef WD_HOST_EMULATION  // the CPU emulation in tests/test_prototypes_mapping.py
-    zero = fmaf(0.0f, __uint_as_float(sink & 0x007fffffu), 0.0f);
-#else
-    asm("fma.rn.f32 %0, %1, 0f00000000, 0f00000000;" : "=f"(zero) : "f"(__uint_as_float(sink & 0x007fffffu)));
-#endif
-    return __float_as_uint(zero);
-}
-
-__device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
-__device__ __forceinline__ bf16_t f32_to_bf16(float f) {            // round to nearest even; NaN stays NaN
-    const u32 b = __float_as_uint(f);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((b >> 16) | 0x0040u);
-    return (bf16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
-__device__ __forceinline__ float warp_sum(float v) {
-    #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);
-    return v;
-}
 __device__ __forceinline__ inter_t to_inter(float v) {
 #if INTER_F32
     return v;                                                      // no rounding

@@ -88,71 +88,24 @@ import numpy as np
 
 from kernels.compile import CudaSource, get_kernel, launch_ex, register_source
 from kernels.contract import BF16, Dims
+from kernels.device_helpers import WARP_HELPERS
 from kernels.variants import Variant, register
 
 GATE_UP = "proto_persist_gate_up"
 DOWN = "proto_persist_down"
 
-CODE = r"""
+CODE = WARP_HELPERS + r"""
 // Persistent-grid warp decode: SMs x PERSIST_BLOCKS blocks, each warp loops over outputs with a grid stride.
 // Knobs: PERSIST_BLOCKS blocks per SM (also __launch_bounds__ min blocks), ORDER output-to-warp mapping,
 // GU_WARPS / DN_WARPS warps per block, GU_UNROLL 8-byte chunks per row in flight per lane (gate_up),
 // DN_SLOTS routed slots whose 16-byte w2 chunks are in flight together (down).
 // bf16 is handled as raw 16-bit patterns (no cuda_bf16.h).
-typedef unsigned short bf16_t;
-typedef unsigned int u32;
-#define FULL_MASK 0xffffffffu
-#define BF16_NAN ((bf16_t)0x7fc0)
 
 static_assert(PERSIST_BLOCKS >= 1 && PERSIST_BLOCKS <= 32, "PERSIST_BLOCKS must be 1..32");
 static_assert(ORDER == 0 || ORDER == 1, "ORDER must be 0 or 1");
 static_assert(GU_WARPS >= 1 && GU_WARPS <= 32 && DN_WARPS >= 1 && DN_WARPS <= 32, "WARPS must be 1..32");
 static_assert(GU_UNROLL >= 1 && DN_SLOTS >= 1 && DN_SLOTS <= 32, "GU_UNROLL >= 1, DN_SLOTS 1..32");
 
-__device__ __forceinline__ u32 word(const uint4& v, int w) { return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w; }
-__device__ __forceinline__ u32 word(const uint2& v, int w) { return w == 0 ? v.x : v.y; }
-__device__ __forceinline__ uint4 zero_unless(bool ok, uint4 v) {
-    return make_uint4(ok ? v.x : 0u, ok ? v.y : 0u, ok ? v.z : 0u, ok ? v.w : 0u);
-}
-__device__ __forceinline__ uint2 zero_unless(bool ok, uint2 v) { return make_uint2(ok ? v.x : 0u, ok ? v.y : 0u); }
-// read-only load of vector c of a row, zeros when !ok (then vector 0 is read: valid, branch-free)
-template <typename V>
-__device__ __forceinline__ V ldg_chunk(const V* row, int c, bool ok) {
-    return zero_unless(ok, __ldg(row + (ok ? c : 0)));
-}
-
-// returns 0 computed from every loaded word, so whatever depends on it waits for all of a round's loads
-// (keeps ptxas from sinking each load next to its FMA; see kernels/warp_decode_cupy.py)
-template <typename V, int A, int B>
-__device__ __forceinline__ u32 all_loads_arrived(const V (&v)[A][B]) {
-    u32 sink = 0u;
-    #pragma unroll
-    for (int a = 0; a < A; ++a)
-        #pragma unroll
-        for (int b = 0; b < B; ++b)
-            #pragma unroll
-            for (int w = 0; w < (int)(sizeof(V) / 4); ++w) sink ^= word(v[a][b], w);
-    float zero;  // inline PTX so that no front end can prove the (finite) operand away
-#ifdef WD_HOST_EMULATION  // the CPU emulation in tests/test_prototypes_mapping.py
-    zero = fmaf(0.0f, __uint_as_float(sink & 0x007fffffu), 0.0f);
-#else
-    asm("fma.rn.f32 %0, %1, 0f00000000, 0f00000000;" : "=f"(zero) : "f"(__uint_as_float(sink & 0x007fffffu)));
-#endif
-    return __float_as_uint(zero);
-}
-
-__device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
-__device__ __forceinline__ bf16_t f32_to_bf16(float f) {            // round to nearest even; NaN stays NaN
-    const u32 b = __float_as_uint(f);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((b >> 16) | 0x0040u);
-    return (bf16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
-__device__ __forceinline__ float warp_sum(float v) {
-    #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);
-    return v;
-}
 
 // The first output of this warp and the stride: ORDER 1 -> a block's warps take consecutive outputs;
 // ORDER 0 -> a block's warps take outputs gridDim.x apart. The stride is the grid's warp count either way.

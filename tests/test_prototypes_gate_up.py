@@ -242,7 +242,7 @@ EMULATION_HARNESS = r"""
 #include <string>
 #include <thread>
 #include <vector>
-#define LAB_HOST_EMULATION 1
+#define WD_HOST_EMULATION 1
 #define __global__
 #define __device__
 #define __forceinline__ inline

@@ -225,8 +225,7 @@ EMULATION_HARNESS = r"""
 #include <thread>
 #include <vector>
 #include <algorithm>
-#define WDB_HOST_EMULATION 1
-#define WD_HOST_EMULATION 1  // the strict kernel's switch (kernels/warp_decode_cupy.py), for its gate_up
+#define WD_HOST_EMULATION 1  // the sources' emulation switch (kernels/device_helpers.py and the kernels)
 #define __global__
 #define __device__
 #define __forceinline__ inline

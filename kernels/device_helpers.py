@@ -1,0 +1,82 @@
+"""The CUDA C device helpers every warp-decode source starts with: one copy, prepended as text.
+
+``WARP_HELPERS`` is placed at the top of the strict (``kernels/warp_decode_cupy.py``), batched
+(``kernels/warp_decode_batched_cuda.py``) and prototype sources: bf16 as raw 16-bit patterns (widening is a
+shift / mask, narrowing integer round-to-nearest-even; no ``cuda_bf16.h``), 4/8/16-byte vector loads with
+branch-free masking, ``all_loads_arrived`` (the trick that makes ptxas issue a round's loads before its first
+FMA) and the deterministic shuffle sum. ``WD_HOST_EMULATION`` (defined by the g++ emulations in the tests)
+swaps the one inline-PTX instruction for plain C++.
+"""
+
+from __future__ import annotations
+
+WARP_HELPERS = r"""
+// ---- shared device helpers (kernels/device_helpers.py) ----
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+#define FULL_MASK 0xffffffffu
+#define BF16_NAN ((bf16_t)0x7fc0)
+
+template <int BYTES> struct Vec;
+template <> struct Vec<16> { typedef uint4 T; };
+template <> struct Vec<8> { typedef uint2 T; };
+template <> struct Vec<4> { typedef u32 T; };
+
+// word w (0..BYTES/4-1, a compile-time constant after unrolling) of a loaded vector
+__device__ __forceinline__ u32 word(const uint4& v, int w) { return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w; }
+__device__ __forceinline__ u32 word(const uint2& v, int w) { return w == 0 ? v.x : v.y; }
+__device__ __forceinline__ u32 word(const u32& v, int) { return v; }
+
+// read-only (ld.global.nc) load of chunk c of a row, or zeros when the lane's chunk lies past the row's
+// end. Branch-free on purpose: a lane past the end loads chunk 0 (valid, and in flight for lane 0 anyway)
+// and selects zeros, so ptxas can hoist every load of a round above the first FMA.
+__device__ __forceinline__ uint4 zero_unless(bool ok, uint4 v) {
+    return make_uint4(ok ? v.x : 0u, ok ? v.y : 0u, ok ? v.z : 0u, ok ? v.w : 0u);
+}
+__device__ __forceinline__ uint2 zero_unless(bool ok, uint2 v) { return make_uint2(ok ? v.x : 0u, ok ? v.y : 0u); }
+__device__ __forceinline__ u32 zero_unless(bool ok, u32 v) { return ok ? v : 0u; }
+template <typename V>
+__device__ __forceinline__ V ldg_chunk(const V* row, int c, bool ok) {
+    return zero_unless(ok, __ldg(row + (ok ? c : 0)));
+}
+
+// "Everything loaded so far must have arrived": returns 0, but computed from every word of a round's
+// registers (0 * finite subnormal = +0 through an FMA the compiler cannot fold). Whatever is made to
+// depend on it (an accumulator, an address) waits for all loads of the round. Without it ptxas sinks each
+// weight load next to its FMAs, leaving ~1 load in flight per lane.
+template <typename V, int A, int B>
+__device__ __forceinline__ u32 all_loads_arrived(const V (&v)[A][B]) {
+    u32 sink = 0u;
+    #pragma unroll
+    for (int a = 0; a < A; ++a)
+        #pragma unroll
+        for (int b = 0; b < B; ++b)
+            #pragma unroll
+            for (int w = 0; w < (int)(sizeof(V) / 4); ++w) sink ^= word(v[a][b], w);
+    float zero;  // inline PTX so that no front end can prove the (finite) operand away
+#ifdef WD_HOST_EMULATION  // the g++ emulations in tests/
+    zero = fmaf(0.0f, __uint_as_float(sink & 0x007fffffu), 0.0f);
+#else
+    asm("fma.rn.f32 %0, %1, 0f00000000, 0f00000000;" : "=f"(zero) : "f"(__uint_as_float(sink & 0x007fffffu)));
+#endif
+    return __float_as_uint(zero);
+}
+
+// the two bf16 halves of a 32-bit word, widened exactly to fp32 (element 2j is the low half)
+__device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+
+// fp32 -> bf16, round to nearest even; NaN stays a (quiet) NaN
+__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
+    const u32 b = __float_as_uint(f);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((b >> 16) | 0x0040u);
+    return (bf16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    #pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);
+    return v;  // every lane holds the same sum (fixed butterfly order: deterministic)
+}
+// ---- end of shared device helpers ----
+"""
