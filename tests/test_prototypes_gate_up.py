@@ -29,6 +29,8 @@ from kernels.problem import Problem, make_problem
 from kernels.shapes import PRESETS, MoEShape
 from prototypes import _gate_up_lab as lab
 from tests.warp_checks import (
+    EMULATION_LOAD,
+    EMULATION_PRELUDE,
     ODD_SHAPES,
     FakeCupyArray,
     _assert_matches,
@@ -231,56 +233,12 @@ def test_sweep_compile_columns_show_each_point() -> None:
 # ---------------------------------------------------------------------------------------------------
 # CPU: the CUDA C emulated (g++; one std::thread per CUDA thread of a block)
 # ---------------------------------------------------------------------------------------------------
-EMULATION_HARNESS = r"""
-#include <barrier>
-#include <math.h>
-#include <algorithm>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <string>
-#include <thread>
-#include <vector>
-#define WD_HOST_EMULATION 1
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __launch_bounds__(...)
-#define __restrict__ __restrict
+EMULATION_HARNESS = EMULATION_PRELUDE + r"""
 #define __shared__ static  // one block at a time: a function-static array is the block's shared memory
-struct uint4 { unsigned x, y, z, w; };
-struct uint2 { unsigned x, y; };
-inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
-inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
-struct Dim3 { unsigned x = 0, y = 0, z = 0; };
-thread_local Dim3 threadIdx, blockIdx;
-struct WarpCtx { std::barrier<> bar{32}; uint32_t slots[32]; };
-WarpCtx* g_warps = nullptr;
 std::barrier<>* g_block = nullptr;
-template <class T> inline T __ldg(const T* p) { return *p; }
-inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
-template <class T> inline T __shfl_xor_sync(unsigned, T v, int m) {
-    WarpCtx& w = g_warps[threadIdx.x >> 5];
-    const int lane = threadIdx.x & 31;
-    std::memcpy(&w.slots[lane], &v, 4);
-    w.bar.arrive_and_wait();
-    T r; std::memcpy(&r, &w.slots[lane ^ m], 4);
-    w.bar.arrive_and_wait();
-    return r;
-}
 inline void __syncthreads() { g_block->arrive_and_wait(); }
-using std::min;
 #include "kernel.cu"
-
-template <class T> std::vector<T> load(const std::string& path, size_t n) {
-    std::vector<T> v(n);
-    FILE* f = fopen(path.c_str(), "rb");
-    if (!f || fread(v.data(), sizeof(T), n, f) != n) { perror(path.c_str()); exit(2); }
-    fclose(f);
-    return v;
-}
+""" + EMULATION_LOAD + r"""
 int main(int argc, char** argv) {
     int T = atoi(argv[1]), H = atoi(argv[2]), I = atoi(argv[3]), E = atoi(argv[4]), K = atoi(argv[5]);
     long long blocks = atoll(argv[6]);
@@ -291,11 +249,11 @@ int main(int argc, char** argv) {
     std::vector<uint16_t> inter((size_t)T * K * I, 0x7fc0);  // NaN poison
     std::vector<WarpCtx> warps(LAB_WARPS);
     std::barrier<> block(LAB_WARPS * 32);
-    g_warps = warps.data();
     g_block = &block;
     std::vector<std::thread> threads;
     for (int tid = 0; tid < LAB_WARPS * 32; ++tid)
         threads.emplace_back([&, tid] {
+            g_warp = &warps[tid / 32];  // the lane's warp: shuffles exchange through it
             for (long long b = 0; b < blocks; ++b) {  // blocks in lockstep: a barrier after each
                 threadIdx.x = tid;
                 blockIdx.x = (unsigned)b;

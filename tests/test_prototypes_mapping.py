@@ -38,7 +38,16 @@ from kernels.numerics import bf16_to_f32, rel_l2, round_bf16, silu
 from kernels.problem import Problem, make_problem
 from kernels.reference import expert_groups, matmul_bf16_t, moe_decode
 from kernels.shapes import PRESETS, MoEShape
-from tests.warp_checks import ODD_SHAPES, _assert_matches, _poisoned_out, _references, _seed
+from tests.warp_checks import (
+    EMULATION_LOAD,
+    EMULATION_PRELUDE,
+    ODD_SHAPES,
+    WARP_LOCKSTEP_LAUNCH,
+    _assert_matches,
+    _poisoned_out,
+    _references,
+    _seed,
+)
 
 PROTOTYPES = ("proto:outputs-per-warp", "proto:warps-per-block", "proto:intermediate-fp32", "proto:persistent-grid")
 EXPECTED_GRIDS = {
@@ -243,80 +252,12 @@ def test_fp32_intermediate_within_harness_tolerance_and_closer_to_fp64(seed: int
 # ---------------------------------------------------------------------------------------------------
 # CPU: the new CUDA sources emulated (g++: one std::thread per lane, shuffles through a barrier)
 # ---------------------------------------------------------------------------------------------------
-EMULATION_HARNESS = r"""
-#include <barrier>
-#include <math.h>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <string>
-#include <thread>
-#include <vector>
-#include <algorithm>
-#define WD_HOST_EMULATION 1
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __launch_bounds__(...)
-#define __restrict__ __restrict
-struct uint4 { unsigned x, y, z, w; };
-struct uint2 { unsigned x, y; };
-inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
-inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
-struct Dim3 { unsigned x = 0, y = 0, z = 0; };
-thread_local Dim3 threadIdx, blockIdx;
-Dim3 gridDim;  // set by launch() before its lane threads start
-struct WarpCtx { std::barrier<> bar{32}; uint32_t slots[32]; };
-thread_local WarpCtx* g_warp = nullptr;
-template <class T> inline T __ldg(const T* p) { return *p; }
-inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
-template <class T> inline T exchange(T v, int src) {
-    const int lane = threadIdx.x & 31;
-    std::memcpy(&g_warp->slots[lane], &v, 4);
-    g_warp->bar.arrive_and_wait();
-    T r; std::memcpy(&r, &g_warp->slots[src & 31], 4);
-    g_warp->bar.arrive_and_wait();
-    return r;
-}
-template <class T> inline T __shfl_sync(unsigned, T v, int src) { return exchange(v, src); }
-template <class T> inline T __shfl_xor_sync(unsigned, T v, int m) { return exchange(v, (int)(threadIdx.x & 31) ^ m); }
-inline bool __any_sync(unsigned, bool p) {
-    int any = 0;
-    for (int l = 0; l < 32; ++l) any |= exchange((int)p, l);
-    return any != 0;
-}
+EMULATION_HARNESS = EMULATION_PRELUDE + r"""
 #include "kernel.cu"
 #ifndef EMU_INTER_T
 #define EMU_INTER_T bf16_t
 #endif
-
-template <class F> void launch(long long blocks, int threads, F body) {
-    WarpCtx ctx;  // 32 lane threads walk the warps in lockstep (a barrier after each warp)
-    gridDim.x = (unsigned)blocks;
-    std::vector<std::thread> lanes;
-    for (int l = 0; l < 32; ++l)
-        lanes.emplace_back([&, l] {
-            g_warp = &ctx;
-            for (long long b = 0; b < blocks; ++b)
-                for (int w = 0; w < threads / 32; ++w) {
-                    threadIdx.x = w * 32 + l;
-                    blockIdx.x = (unsigned)b;
-                    body();
-                    ctx.bar.arrive_and_wait();
-                }
-        });
-    for (auto& t : lanes) t.join();
-}
-template <class T> std::vector<T> load(const std::string& path, size_t n) {
-    std::vector<T> v(n);
-    FILE* f = fopen(path.c_str(), "rb");
-    if (!f || fread(v.data(), sizeof(T), n, f) != n) { perror(path.c_str()); exit(2); }
-    fclose(f);
-    return v;
-}
+""" + WARP_LOCKSTEP_LAUNCH + EMULATION_LOAD + r"""
 int main(int argc, char** argv) {
     int T = atoi(argv[1]), H = atoi(argv[2]), I = atoi(argv[3]), E = atoi(argv[4]), K = atoi(argv[5]);
     int f32 = atoi(argv[6]);

@@ -36,6 +36,8 @@ from kernels.reference import moe_decode
 from kernels.routing import make_routing
 from kernels.shapes import PRESETS, MoEShape
 from tests.warp_checks import (
+    EMULATION_LOAD,
+    EMULATION_PRELUDE,
     ODD_SHAPES,
     ROUTINGS,
     FakeCupyArray,
@@ -213,66 +215,21 @@ def _assert_lists_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------------
 # CPU: the CUDA C emulated (g++; all threads of a block as std::threads, barriers for warps and blocks)
 # ---------------------------------------------------------------------------------------------------
-EMULATION_HARNESS = r"""
-#include <barrier>
-#include <math.h>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <memory>
-#include <string>
-#include <thread>
-#include <vector>
-#include <algorithm>
-#define WD_HOST_EMULATION 1  // the sources' emulation switch (kernels/device_helpers.py and the kernels)
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __launch_bounds__(...)
+EMULATION_HARNESS = EMULATION_PRELUDE + r"""
 #define __maxnreg__(...)
-#define __restrict__ __restrict
 #define __shared__ static
-struct uint4 { unsigned x, y, z, w; };
-struct uint2 { unsigned x, y; };
-inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
-inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
-struct Dim3 { unsigned x = 0, y = 0, z = 0; };
-thread_local Dim3 threadIdx, blockIdx;
-struct WarpCtx { std::barrier<> bar{32}; uint32_t slots[32]; };
-thread_local WarpCtx* g_warp = nullptr;
 std::barrier<>* g_block = nullptr;
 float* wdb_dynamic_shared = nullptr;
-template <class T> inline T __ldg(const T* p) { return *p; }
-inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
 inline void __syncthreads() { g_block->arrive_and_wait(); }
 inline void __syncwarp() { g_warp->bar.arrive_and_wait(); }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
-template <class T> inline T exchange(T v, int src) {
-    const int lane = threadIdx.x & 31;
-    std::memcpy(&g_warp->slots[lane], &v, 4);
-    g_warp->bar.arrive_and_wait();
-    T r; std::memcpy(&r, &g_warp->slots[src & 31], 4);
-    g_warp->bar.arrive_and_wait();
-    return r;
-}
-template <class T> inline T __shfl_sync(unsigned, T v, int src) { return exchange(v, src); }
-inline bool __any_sync(unsigned, bool p) {
-    int any = 0;
-    for (int l = 0; l < 32; ++l) any |= exchange((int)p, l);
-    return any != 0;
-}
-template <class T> inline T __shfl_xor_sync(unsigned, T v, int m) { return exchange(v, (int)(threadIdx.x & 31) ^ m); }
 inline unsigned __match_any_sync(unsigned, int v) {
     unsigned mask = 0;
     for (int l = 0; l < 32; ++l) mask |= (unsigned)(exchange(v, l) == v) << l;
     return mask;
 }
-using std::min;
 #include "kernel.cu"
 
 template <class F> void launch(long long blocks, int threads, F body) {
@@ -294,13 +251,7 @@ template <class F> void launch(long long blocks, int threads, F body) {
         });
     for (auto& t : pool) t.join();
 }
-template <class T> std::vector<T> load(const std::string& path, size_t n) {
-    std::vector<T> v(n);
-    FILE* f = fopen(path.c_str(), "rb");
-    if (!f || fread(v.data(), sizeof(T), n, f) != n) { perror(path.c_str()); exit(2); }
-    fclose(f);
-    return v;
-}
+""" + EMULATION_LOAD + r"""
 template <class T> void save(const std::string& path, const std::vector<T>& v) {
     FILE* f = fopen(path.c_str(), "wb");
     fwrite(v.data(), sizeof(T), v.size(), f);

@@ -148,3 +148,91 @@ ODD_SHAPES = {
     "h64-k40": MoEShape("h64-k40", 64, 32, 48, 40),  # K > 32: several slot batches, ids beyond lane 31
     "h1032-i520-k1": MoEShape("h1032-i520-k1", 1032, 520, 4, 1),
 }
+
+
+# ------------------------------------------------------------------------------------------------
+# The g++ emulation of the CUDA C (the real kernel text run on a CPU): what every harness shares.
+# One std::thread per lane, shuffles through a per-warp barrier; each test file adds its kernels' extras
+# (block barrier, shared memory, ...) after EMULATION_PRELUDE, then '#include "kernel.cu"', then its launch
+# and main. WD_HOST_EMULATION swaps the sources' inline PTX for plain C++ (kernels/device_helpers.py).
+# ------------------------------------------------------------------------------------------------
+EMULATION_PRELUDE = r"""
+#include <barrier>
+#include <math.h>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+#include <algorithm>
+#define WD_HOST_EMULATION 1
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __restrict__ __restrict
+struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
+struct Dim3 { unsigned x = 0, y = 0, z = 0; };
+thread_local Dim3 threadIdx, blockIdx;
+Dim3 gridDim;  // set by launch() before its threads start
+struct WarpCtx { std::barrier<> bar{32}; uint32_t slots[32]; };
+thread_local WarpCtx* g_warp = nullptr;
+template <class T> inline T __ldg(const T* p) { return *p; }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+template <class T> inline T exchange(T v, int src) {
+    const int lane = threadIdx.x & 31;
+    std::memcpy(&g_warp->slots[lane], &v, 4);
+    g_warp->bar.arrive_and_wait();
+    T r; std::memcpy(&r, &g_warp->slots[src & 31], 4);
+    g_warp->bar.arrive_and_wait();
+    return r;
+}
+template <class T> inline T __shfl_sync(unsigned, T v, int src) { return exchange(v, src); }
+template <class T> inline T __shfl_xor_sync(unsigned, T v, int m) { return exchange(v, (int)(threadIdx.x & 31) ^ m); }
+inline bool __any_sync(unsigned, bool p) {
+    int any = 0;
+    for (int l = 0; l < 32; ++l) any |= exchange((int)p, l);
+    return any != 0;
+}
+using std::min;
+"""
+
+# after '#include "kernel.cu"': reading the inputs the Python side wrote
+EMULATION_LOAD = r"""
+template <class T> std::vector<T> load(const std::string& path, size_t n) {
+    std::vector<T> v(n);
+    FILE* f = fopen(path.c_str(), "rb");
+    if (!f || fread(v.data(), sizeof(T), n, f) != n) { perror(path.c_str()); exit(2); }
+    fclose(f);
+    return v;
+}
+"""
+
+# a launch for kernels without block-level cooperation: 32 lane threads walk the warps in lockstep
+WARP_LOCKSTEP_LAUNCH = r"""
+template <class F> void launch(long long blocks, int threads, F body) {
+    WarpCtx ctx;  // a barrier after each warp
+    gridDim.x = (unsigned)blocks;
+    std::vector<std::thread> lanes;
+    for (int l = 0; l < 32; ++l)
+        lanes.emplace_back([&, l] {
+            g_warp = &ctx;
+            for (long long b = 0; b < blocks; ++b)
+                for (int w = 0; w < threads / 32; ++w) {
+                    threadIdx.x = w * 32 + l;
+                    blockIdx.x = (unsigned)b;
+                    body();
+                    ctx.bar.arrive_and_wait();
+                }
+        });
+    for (auto& t : lanes) t.join();
+}
+"""
