@@ -53,6 +53,26 @@ def array_module(arr: Any) -> Any:
     raise TypeError(f"expected a numpy.ndarray or cupy.ndarray, got {type(arr).__name__}")
 
 
+def require_cupy(**arrays: Any) -> Any:
+    """TypeError unless every array is a CuPy array (the GPU backends); returns the ``cupy`` module."""
+    for name, arr in arrays.items():
+        if not type(arr).__module__.startswith("cupy"):
+            raise TypeError(
+                f"{name} must be a cupy.ndarray (the cupy backend runs on the GPU), "
+                f"got {type(arr).__module__}.{type(arr).__name__}"
+            )
+    import cupy
+
+    return cupy
+
+
+def check_aligned(**arrays: Any) -> None:
+    """ValueError unless every array starts on a 16-byte boundary (the kernels' 16-byte vector loads)."""
+    for name, arr in arrays.items():
+        if int(arr.data.ptr) % 16:
+            raise ValueError(f"{name} must start on a 16-byte boundary (16-byte loads), got address {arr.data.ptr:#x}")
+
+
 def is_capturing() -> bool:
     """True while the current CuPy stream is being captured into a CUDA graph."""
     try:

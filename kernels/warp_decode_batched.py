@@ -73,7 +73,7 @@ from typing import Any
 import numpy as np
 
 from kernels.compile import CudaSource, get_kernel, preset_variants, register_source
-from kernels.contract import BF16, Dims, check_inputs, check_out
+from kernels.contract import BF16, Dims, check_aligned, check_inputs, check_out, require_cupy
 from kernels.variants import Variant, register
 from kernels.warp_decode_batched_cuda import CODE, KERNELS
 
@@ -301,24 +301,6 @@ def _stage_list(kernels: tuple[Any, Any, Any], params: dict[str, int], ws: Works
 # ---------------------------------------------------------------------------------------------------
 # Public entry point
 # ---------------------------------------------------------------------------------------------------
-def _require_cupy(**arrays: Any) -> Any:
-    for name, arr in arrays.items():
-        if not type(arr).__module__.startswith("cupy"):
-            raise TypeError(
-                f"{name} must be a cupy.ndarray (the cupy backend runs on the GPU), "
-                f"got {type(arr).__module__}.{type(arr).__name__}"
-            )
-    import cupy
-
-    return cupy
-
-
-def _check_aligned(**arrays: Any) -> None:
-    for name, arr in arrays.items():
-        if int(arr.data.ptr) % 16:
-            raise ValueError(f"{name} must start on a 16-byte boundary (16-byte loads), got address {arr.data.ptr:#x}")
-
-
 def warp_decode_batched(
     x: Any,
     w13: Any,
@@ -335,10 +317,10 @@ def warp_decode_batched(
     with the host (value checks of ``topk_ids`` are skipped during CUDA-graph capture; the kernels guard
     every id: a bad id makes that token's output NaN). ``params``: compile-time knobs (:data:`DEFAULTS`).
     """
-    cupy = _require_cupy(x=x, w13=w13, w2=w2, topk_ids=topk_ids, topk_weights=topk_weights)
+    cupy = require_cupy(x=x, w13=w13, w2=w2, topk_ids=topk_ids, topk_weights=topk_weights)
     dims = check_inputs(x, w13, w2, topk_ids, topk_weights)
     if out is not None:
-        _require_cupy(out=out)
+        require_cupy(out=out)
         check_out(out, dims, cupy)
     if workspace is not None:
         if not isinstance(workspace, Workspace):
@@ -347,7 +329,7 @@ def warp_decode_batched(
         if not workspace.matches(dims):
             raise ValueError(f"workspace was made for {workspace.dims}, this call needs {dims}")
     resolved = resolve_params(dims, **params)
-    _check_aligned(x=x, w13=w13, w2=w2)
+    check_aligned(x=x, w13=w13, w2=w2)
     if out is None:
         out = cupy.empty((dims.tokens, dims.hidden), dtype=BF16)
     if workspace is None:

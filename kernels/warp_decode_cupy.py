@@ -67,7 +67,7 @@ from typing import Any
 import numpy as np
 
 from kernels.compile import CudaSource, get_kernel, launch_ex, preset_variants, register_source
-from kernels.contract import BF16, Dims, array_module, check_inputs, check_out
+from kernels.contract import BF16, Dims, array_module, check_aligned, check_inputs, check_out, require_cupy
 from kernels.device_helpers import WARP_HELPERS
 from kernels.variants import Variant, register
 
@@ -696,25 +696,6 @@ def _launch_down(kernel: Any, params: dict[str, int], dims: Dims, intermediate: 
 # ---------------------------------------------------------------------------------------------------
 # Input checks
 # ---------------------------------------------------------------------------------------------------
-def _require_cupy(**arrays: Any) -> Any:
-    """TypeError unless every array is a CuPy array; returns the ``cupy`` module."""
-    for name, arr in arrays.items():
-        if not type(arr).__module__.startswith("cupy"):
-            raise TypeError(
-                f"{name} must be a cupy.ndarray (the cupy backend runs on the GPU), "
-                f"got {type(arr).__module__}.{type(arr).__name__}"
-            )
-    import cupy
-
-    return cupy
-
-
-def _check_aligned(**arrays: Any) -> None:
-    for name, arr in arrays.items():
-        if int(arr.data.ptr) % 16:
-            raise ValueError(f"{name} must start on a 16-byte boundary (16-byte loads), got address {arr.data.ptr:#x}")
-
-
 def _check_stage_array(name: str, arr: Any, dtype: np.dtype, shape: tuple[int, ...]) -> None:
     if arr.dtype != dtype:
         raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {arr.dtype}")
@@ -753,22 +734,22 @@ def warp_decode(
     syncs with the host (value checks of ``topk_ids`` are skipped while a CUDA graph is captured; the
     kernels guard every id). ``params`` are compile-time knobs (see :data:`DEFAULTS`; ``DN_UNROLL=0`` auto).
     """
-    cupy = _require_cupy(x=x, w13=w13, w2=w2, topk_ids=topk_ids, topk_weights=topk_weights)
+    cupy = require_cupy(x=x, w13=w13, w2=w2, topk_ids=topk_ids, topk_weights=topk_weights)
     dims = check_inputs(x, w13, w2, topk_ids, topk_weights, check_values=False)  # kinds, dtypes, shapes
     if out is not None:
-        _require_cupy(out=out)
+        require_cupy(out=out)
         check_out(out, dims, cupy)
     if workspace is not None:
-        _require_cupy(workspace=workspace)
+        require_cupy(workspace=workspace)
         _check_stage_array("workspace", workspace, BF16, (dims.tokens, dims.top_k, dims.intermediate))
     resolved = for_device(resolve_params(dims, **params))
     check_inputs(x, w13, w2, topk_ids, topk_weights)  # ids in range, weights finite (skipped under capture)
-    _check_aligned(x=x, w13=w13, w2=w2)
+    check_aligned(x=x, w13=w13, w2=w2)
     if out is None:
         out = cupy.empty((dims.tokens, dims.hidden), dtype=BF16)
     if workspace is None:
         workspace = make_workspace(dims.tokens, dims.top_k, dims.intermediate)
-    _check_aligned(workspace=workspace)
+    check_aligned(workspace=workspace)
     gate_up_kernel, down_kernel = kernels_for(resolved)
     _launch_gate_up(gate_up_kernel, resolved, dims, x, w13, topk_ids, workspace)
     _launch_down(down_kernel, resolved, dims, workspace, w2, topk_ids, topk_weights, out)
@@ -777,7 +758,7 @@ def warp_decode(
 
 def gate_up(x: Any, w13: Any, topk_ids: Any, intermediate: Any, **params: Any) -> Any:
     """Stage 1 alone: ``intermediate[t, k, :] = bf16(SiLU(gate) * up)``; returns ``intermediate``."""
-    _require_cupy(x=x, w13=w13, topk_ids=topk_ids, intermediate=intermediate)
+    require_cupy(x=x, w13=w13, topk_ids=topk_ids, intermediate=intermediate)
     if x.ndim != 2 or w13.ndim != 3 or topk_ids.ndim != 2:
         raise ValueError(
             f"x [T, H], w13 [E, 2I, H], topk_ids [T, K] expected, got {x.shape}, {w13.shape}, {topk_ids.shape}"
@@ -793,14 +774,14 @@ def gate_up(x: Any, w13: Any, topk_ids: Any, intermediate: Any, **params: Any) -
     _check_stage_array("topk_ids", topk_ids, np.dtype(np.int32), (tokens, top_k))
     _check_stage_array("intermediate", intermediate, BF16, (tokens, top_k, dims.intermediate))
     resolved = for_device(resolve_params(dims, **params))
-    _check_aligned(x=x, w13=w13, intermediate=intermediate)
+    check_aligned(x=x, w13=w13, intermediate=intermediate)
     _launch_gate_up(kernels_for(resolved)[0], resolved, dims, x, w13, topk_ids, intermediate)
     return intermediate
 
 
 def down(intermediate: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any, **params: Any) -> Any:
     """Stage 2 alone: ``out[t, h] = sum_k weight * w2[e, h, :] . intermediate[t, k, :]``; returns ``out``."""
-    _require_cupy(intermediate=intermediate, w2=w2, topk_ids=topk_ids, topk_weights=topk_weights, out=out)
+    require_cupy(intermediate=intermediate, w2=w2, topk_ids=topk_ids, topk_weights=topk_weights, out=out)
     if intermediate.ndim != 3 or w2.ndim != 3:
         raise ValueError(f"intermediate [T, K, I] and w2 [E, H, I] expected, got {intermediate.shape}, {w2.shape}")
     tokens, top_k, inter = (int(d) for d in intermediate.shape)
@@ -814,7 +795,7 @@ def down(intermediate: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any,
     _check_stage_array("topk_weights", topk_weights, np.dtype(np.float32), (tokens, top_k))
     check_out(out, dims, array_module(out))
     resolved = for_device(resolve_params(dims, **params))
-    _check_aligned(intermediate=intermediate, w2=w2)
+    check_aligned(intermediate=intermediate, w2=w2)
     _launch_down(kernels_for(resolved)[1], resolved, dims, intermediate, w2, topk_ids, topk_weights, out)
     return out
 

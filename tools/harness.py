@@ -39,6 +39,7 @@ import numpy as np
 from kernels.contract import BF16, Dims
 from kernels.routing import make_routing
 from kernels.shapes import BF16_BYTES, MoEShape
+from tools.roofline import capture
 
 L2_FACTOR = 3  # the bytes the timed replays read must cover >= 3x the L2
 TARGET_SAMPLE_US = 2000.0  # one sample's replays last about this long
@@ -250,16 +251,6 @@ def _nan_fill(out: Any) -> None:
         out.view(cupy.uint16).fill(0x7FC0)
     else:
         out.fill(float("nan"))
-
-
-def _capture(stream: Any, fn: Any) -> Any:
-    stream.begin_capture()
-    try:
-        with stream:
-            fn()
-    finally:
-        graph = stream.end_capture()  # ends capture mode even when fn raised
-    return graph
 
 
 @dataclass
@@ -491,7 +482,7 @@ class Workbench:
         why = None
         try:
             sequence = [fns[i % n] for i in range(calls)]
-            graph = _capture(stream, lambda: [fn() for fn in sequence])
+            graph = capture(stream, lambda: [fn() for fn in sequence])
             replays = [lambda: graph.launch(stream)]
             mode = "graph"
         except Exception as exc:  # noqa: BLE001 - not capturable: time eager launches, say so

@@ -135,7 +135,8 @@ def _ptr(arr: Any) -> int:
     return arr.data.ptr
 
 
-def _capture(stream: Any, fn: Any) -> Any:
+def capture(stream: Any, fn: Any) -> Any:
+    """``fn()``'s launches on ``stream`` captured as a CUDA graph (capture ends even when ``fn`` raises)."""
     stream.begin_capture()
     try:
         with stream:
@@ -173,7 +174,7 @@ def measure(repeats: int = 10, read_bytes: int = READ_BYTES_TARGET, copy_bytes: 
     with stream:
         read_kernel((grid,), (block,), (src, n16, sink))  # compile + first touch outside timing
     stream.synchronize()
-    graph = _capture(stream, lambda: read_kernel((grid,), (block,), (src, n16, sink)))
+    graph = capture(stream, lambda: read_kernel((grid,), (block,), (src, n16, sink)))
     samples = _time_graph(graph, stream, repeats, 2)
     record["read_samples_us"] = samples
     record["read_tbps"] = tbps(read_bytes, statistics.median(samples))
@@ -184,14 +185,14 @@ def measure(repeats: int = 10, read_bytes: int = READ_BYTES_TARGET, copy_bytes: 
     b = cupy.empty_like(a)
     a.fill(7)
     kind = runtime.memcpyDeviceToDevice
-    graph = _capture(stream, lambda: runtime.memcpyAsync(_ptr(b), _ptr(a), copy_bytes, kind, stream.ptr))
+    graph = capture(stream, lambda: runtime.memcpyAsync(_ptr(b), _ptr(a), copy_bytes, kind, stream.ptr))
     samples = _time_graph(graph, stream, repeats, 4)
     record["d2d_memcpy_samples_us"] = samples
     record["d2d_memcpy_tbps"] = tbps(2 * copy_bytes, statistics.median(samples))
 
     copy_kernel = get_kernel(ROOFLINE_SOURCE, "copy16")
     c16 = cupy.uint64(copy_bytes // 16)
-    graph = _capture(stream, lambda: copy_kernel((grid,), (block,), (a, b, c16)))
+    graph = capture(stream, lambda: copy_kernel((grid,), (block,), (a, b, c16)))
     samples = _time_graph(graph, stream, repeats, 4)
     record["copy16_samples_us"] = samples
     record["copy16_tbps"] = tbps(2 * copy_bytes, statistics.median(samples))
