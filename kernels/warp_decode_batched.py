@@ -98,13 +98,15 @@ DEFAULTS: dict[str, int] = {
     "DB_BYTES": 16,
     "DB_MAX_REGS": 128,
     "DB_EARLY_INTER": 1,  # 1: intermediate loads issued with the w2 loads (latencies overlap); 0: after them
+    "GB_PIPE": 0,  # 1: next round's weight loads issued before this round's FMAs (two rounds of registers)
+    "DB_PIPE": 0,  # 1: next step's loads (across experts) issued before this step's FMAs; needs DB_EARLY_INTER 1
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "DB_TILE", "DB_UNROLL")
 LIMITS = {
     "LIST_THREADS": (32, 1024), "LIST_PER": (0, 16),
     "GB_WARPS": (1, 32), "GB_OUTS": (1, 32), "GB_TILE": (0, 32), "GB_UNROLL": (1, 64), "GB_MAX_REGS": (0, 255),
     "DB_WARPS": (1, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (0, 255),
-    "DB_EARLY_INTER": (0, 1),
+    "DB_EARLY_INTER": (0, 1), "GB_PIPE": (0, 1), "DB_PIPE": (0, 1),
 }
 
 
@@ -137,8 +139,11 @@ def lists_shared_bytes(dims: Dims) -> int:
 
 
 def down_shared_bytes(dims: Dims, params: dict[str, int]) -> int:
-    """Dynamic shared memory of the down kernel: per warp an FP32 partial [T][DB_OUTS]."""
-    return params["DB_WARPS"] * dims.tokens * params["DB_OUTS"] * 4
+    """Dynamic shared memory of the down kernel: per warp an FP32 partial [T][DB_OUTS] (+ with DB_PIPE the
+    staged slot arrays and sorted pairs, int32)."""
+    partials = params["DB_WARPS"] * dims.tokens * params["DB_OUTS"] * 4
+    staged = (3 * slots(dims) + dims.tokens * dims.top_k) * 4 if params.get("DB_PIPE") else 0
+    return partials + staged
 
 
 def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
@@ -160,6 +165,8 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
         if not low <= values[key] <= high:
             raise ValueError(f"{key} must be in {low}..{high}{' (0 = auto)' if key in AUTO_KNOBS else ''}, "
                              f"got {values[key]}")
+    if values["DB_PIPE"] and not values["DB_EARLY_INTER"]:
+        raise ValueError("DB_PIPE 1 issues the intermediate loads with the w2 loads: it needs DB_EARLY_INTER 1")
     if values["LIST_THREADS"] % 32:
         raise ValueError(f"LIST_THREADS must be a multiple of 32, got {values['LIST_THREADS']}")
     for key in ("GB_BYTES", "DB_BYTES"):

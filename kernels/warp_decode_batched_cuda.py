@@ -25,6 +25,8 @@ CODE = WARP_HELPERS + r"""
 //   (FP32 accumulators [TILE][OUTS] in registers), *_UNROLL chunk rounds in flight per lane,
 //   *_BYTES bytes per lane per load (4, 8, 16), *_MAX_REGS register cap (0: __launch_bounds__ only),
 //   DB_EARLY_INTER 1: the down kernel issues a round's intermediate loads together with its w2 loads
+//   GB_PIPE / DB_PIPE 1: software pipelining -- the next round's (down: the next step's, across experts)
+//   loads are issued before the current round's FMAs (two rounds of registers live)
 static_assert(LIST_THREADS >= 32 && LIST_THREADS <= 1024 && LIST_THREADS % 32 == 0, "LIST_THREADS: 32..1024, x32");
 static_assert(LIST_PER >= 1 && LIST_PER <= 16, "LIST_PER must be 1..16");
 static_assert(GB_WARPS >= 1 && GB_WARPS <= 32 && DB_WARPS >= 1 && DB_WARPS <= 32, "WARPS must be 1..32");
@@ -34,6 +36,8 @@ static_assert(GB_UNROLL >= 1 && DB_UNROLL >= 1, "UNROLL must be >= 1");
 static_assert(GB_BYTES == 4 || GB_BYTES == 8 || GB_BYTES == 16, "GB_BYTES must be 4, 8 or 16");
 static_assert(DB_BYTES == 4 || DB_BYTES == 8 || DB_BYTES == 16, "DB_BYTES must be 4, 8 or 16");
 static_assert(DB_EARLY_INTER == 0 || DB_EARLY_INTER == 1, "DB_EARLY_INTER must be 0 or 1");
+static_assert(GB_PIPE == 0 || GB_PIPE == 1, "GB_PIPE must be 0 or 1");
+static_assert(DB_PIPE == 0 || DB_PIPE == 1, "DB_PIPE must be 0 or 1");
 
 // The int32 ``lists`` buffer, S = min(E, T*K) + 1 list slots (every active expert + one for bad ids):
 //   lists[0]              slots used: active experts, plus 1 when some id is out of range
@@ -178,6 +182,62 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
 #endif
 
 // ------------------------------------------------------------------------------------------------
+// gate_up's two steps of a round, shared by the plain (GB_PIPE 0) and the pipelined (GB_PIPE 1) loops.
+//   load:  lane l's chunks c = base + j*32 + l (j < GB_UNROLL) of every gate and up row it owns
+//   round: for each pair of the tile, the same chunks of x[t] (L1 hits) and the FMAs in the strict
+//          kernel's per-lane order into gate_acc[tt][o] / up_acc[tt][o] (FP32 registers)
+// ------------------------------------------------------------------------------------------------
+template <typename V>
+__device__ __forceinline__ void gate_up_load_round(V (&wg)[GB_UNROLL][GB_OUTS], V (&wu)[GB_UNROLL][GB_OUTS],
+                                                   const V* const (&gate_row)[GB_OUTS],
+                                                   const V* const (&up_row)[GB_OUTS], int base, int chunks, int lane) {
+    #pragma unroll
+    for (int j = 0; j < GB_UNROLL; ++j) {
+        const int c = base + j * 32 + lane;
+        const bool ok = c < chunks;
+        #pragma unroll
+        for (int o = 0; o < GB_OUTS; ++o) {
+            wg[j][o] = ldg_chunk(gate_row[o], c, ok);
+            wu[j][o] = ldg_chunk(up_row[o], c, ok);
+        }
+    }
+}
+
+template <typename V>
+__device__ __forceinline__ void gate_up_round(const V (&wg)[GB_UNROLL][GB_OUTS], const V (&wu)[GB_UNROLL][GB_OUTS],
+                                              const V* const (&x_row)[GB_TILE], int n, int base, int chunks, int lane,
+                                              float zero, float (&gate_acc)[GB_TILE][GB_OUTS],
+                                              float (&up_acc)[GB_TILE][GB_OUTS]) {
+    constexpr int WORDS = sizeof(V) / 4;
+    #pragma unroll
+    for (int tt = 0; tt < GB_TILE; ++tt) {
+        if (tt < n) {                                                // warp-uniform
+            V xv[GB_UNROLL];
+            #pragma unroll
+            for (int j = 0; j < GB_UNROLL; ++j) {
+                const int c = base + j * 32 + lane;
+                xv[j] = ldg_chunk(x_row[tt], c, c < chunks);
+            }
+            gate_acc[tt][0] += zero;                                 // += 0.0f, as the strict kernel does
+            #pragma unroll
+            for (int j = 0; j < GB_UNROLL; ++j) {
+                #pragma unroll
+                for (int w = 0; w < WORDS; ++w) {
+                    const float x_lo = bf16_lo(word(xv[j], w)), x_hi = bf16_hi(word(xv[j], w));
+                    #pragma unroll
+                    for (int o = 0; o < GB_OUTS; ++o) {
+                        gate_acc[tt][o] = fmaf(bf16_lo(word(wg[j][o], w)), x_lo, gate_acc[tt][o]);
+                        gate_acc[tt][o] = fmaf(bf16_hi(word(wg[j][o], w)), x_hi, gate_acc[tt][o]);
+                        up_acc[tt][o] = fmaf(bf16_lo(word(wu[j][o], w)), x_lo, up_acc[tt][o]);
+                        up_acc[tt][o] = fmaf(bf16_hi(word(wu[j][o], w)), x_hi, up_acc[tt][o]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
 // moe_gate_up_batched: intermediate[p, i] = bf16(SiLU(w13[e, i, :] . x[t]) * (w13[e, I+i, :] . x[t]))
 //   for every pair p = t*K + k routed to expert e.
 //   Block b owns list slot a = b / ceil(I / (GB_WARPS*GB_OUTS)) (slots past lists[0] exit at once);
@@ -198,7 +258,6 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
     int hidden, int inter, int experts, int top_k, int slots)
 {
     typedef typename Vec<GB_BYTES>::T vec_t;
-    constexpr int WORDS = GB_BYTES / 4;
     const int lane = threadIdx.x & 31;
     const int per_slot = (inter + GB_WARPS * GB_OUTS - 1) / (GB_WARPS * GB_OUTS);   // blocks per slot
     const int a = blockIdx.x / per_slot;
@@ -241,48 +300,32 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
             #pragma unroll
             for (int o = 0; o < GB_OUTS; ++o) gate_acc[tt][o] = up_acc[tt][o] = 0.0f;
 
-        for (int base = 0; base < chunks; base += 32 * GB_UNROLL) {
+        constexpr int STEP = 32 * GB_UNROLL;                         // chunks per round (all lanes)
+#if GB_PIPE
+        // Two rounds in flight: round r+1's weight loads are issued before round r's FMAs, so a lane always
+        // has a round of loads outstanding while it computes (the registers of two rounds are live).
+        vec_t wg[GB_UNROLL][GB_OUTS], wu[GB_UNROLL][GB_OUTS];
+        gate_up_load_round(wg, wu, gate_row, up_row, 0, chunks, lane);
+        for (int base = 0; base < chunks; base += STEP) {
+            vec_t cur_g[GB_UNROLL][GB_OUTS], cur_u[GB_UNROLL][GB_OUTS];
+            #pragma unroll
+            for (int j = 0; j < GB_UNROLL; ++j)
+                #pragma unroll
+                for (int o = 0; o < GB_OUTS; ++o) { cur_g[j][o] = wg[j][o]; cur_u[j][o] = wu[j][o]; }
+            const float zero = __uint_as_float(all_loads_arrived(cur_g) | all_loads_arrived(cur_u));
+            if (base + STEP < chunks) gate_up_load_round(wg, wu, gate_row, up_row, base + STEP, chunks, lane);
+            gate_up_round(cur_g, cur_u, x_row, n, base, chunks, lane, zero, gate_acc, up_acc);
+        }
+#else
+        for (int base = 0; base < chunks; base += STEP) {
             // 1) every weight load of the round (2 * GB_OUTS * GB_UNROLL per lane): read once for the tile
             vec_t wg[GB_UNROLL][GB_OUTS], wu[GB_UNROLL][GB_OUTS];
-            #pragma unroll
-            for (int j = 0; j < GB_UNROLL; ++j) {
-                const int c = base + j * 32 + lane;
-                const bool ok = c < chunks;
-                #pragma unroll
-                for (int o = 0; o < GB_OUTS; ++o) {
-                    wg[j][o] = ldg_chunk(gate_row[o], c, ok);
-                    wu[j][o] = ldg_chunk(up_row[o], c, ok);
-                }
-            }
+            gate_up_load_round(wg, wu, gate_row, up_row, base, chunks, lane);
             const float zero = __uint_as_float(all_loads_arrived(wg) | all_loads_arrived(wu));
             // 2) per pair of the tile: its x chunks (L1 hits), FMAs in the strict kernel's order
-            #pragma unroll
-            for (int tt = 0; tt < GB_TILE; ++tt) {
-                if (tt < n) {                                        // warp-uniform
-                    vec_t xv[GB_UNROLL];
-                    #pragma unroll
-                    for (int j = 0; j < GB_UNROLL; ++j) {
-                        const int c = base + j * 32 + lane;
-                        xv[j] = ldg_chunk(x_row[tt], c, c < chunks);
-                    }
-                    gate_acc[tt][0] += zero;                         // += 0.0f, as the strict kernel does
-                    #pragma unroll
-                    for (int j = 0; j < GB_UNROLL; ++j) {
-                        #pragma unroll
-                        for (int w = 0; w < WORDS; ++w) {
-                            const float x_lo = bf16_lo(word(xv[j], w)), x_hi = bf16_hi(word(xv[j], w));
-                            #pragma unroll
-                            for (int o = 0; o < GB_OUTS; ++o) {
-                                gate_acc[tt][o] = fmaf(bf16_lo(word(wg[j][o], w)), x_lo, gate_acc[tt][o]);
-                                gate_acc[tt][o] = fmaf(bf16_hi(word(wg[j][o], w)), x_hi, gate_acc[tt][o]);
-                                up_acc[tt][o] = fmaf(bf16_lo(word(wu[j][o], w)), x_lo, up_acc[tt][o]);
-                                up_acc[tt][o] = fmaf(bf16_hi(word(wu[j][o], w)), x_hi, up_acc[tt][o]);
-                            }
-                        }
-                    }
-                }
-            }
+            gate_up_round(wg, wu, x_row, n, base, chunks, lane, zero, gate_acc, up_acc);
         }
+#endif
 
         #pragma unroll
         for (int tt = 0; tt < GB_TILE; ++tt) {
@@ -295,6 +338,112 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
                     if (lane == o && i0 + o < inter) {
                         const float silu = g / (1.0f + expf(-g));    // IEEE division (no fast-math)
                         intermediate[p * inter + i0 + o] = f32_to_bf16(silu * u);  // the one bf16 rounding
+                    }
+                }
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The pipelined down loop's pieces (DB_PIPE 1). A step = (list slot a, first pair of the tile, round c0);
+// its registers: lane l's chunks c = c0 + r*32 + l of the DB_OUTS w2 rows and of each pair's intermediate
+// row, plus the tile's pair ids and routing weights.
+// ------------------------------------------------------------------------------------------------
+struct DownSlots {                   // the lists' slot arrays and sorted pairs, staged in shared memory
+    const int* expert; const int* offset; const int* count; const int* pairs;
+    int used, experts;
+};
+struct DownStep { int a, e, first, count, tile, n, c0; };
+
+__device__ __forceinline__ DownStep seek_down_slot(const DownSlots& m, int a) {
+    while (a < m.used && m.expert[a] >= m.experts) a += DB_WARPS;    // skip the bad-id slot (NaN later)
+    DownStep s{a, 0, 0, 0, 0, 0, 0};
+    if (a < m.used) {
+        s.e = m.expert[a];
+        s.first = m.offset[a];
+        s.count = m.count[a];
+        s.n = min(DB_TILE, s.count);
+    }
+    return s;
+}
+__device__ __forceinline__ DownStep first_down_step(const DownSlots& m, int warp) { return seek_down_slot(m, warp); }
+__device__ __forceinline__ DownStep next_down_step(DownStep s, const DownSlots& m, int chunks) {
+    s.c0 += 32 * DB_UNROLL;
+    if (s.c0 < chunks) return s;                                     // next round of the same tile
+    s.c0 = 0;
+    s.tile += DB_TILE;
+    if (s.tile < s.count) { s.n = min(DB_TILE, s.count - s.tile); return s; }   // next tile of the expert
+    return seek_down_slot(m, s.a + DB_WARPS);                        // the warp's next expert
+}
+
+template <typename V>
+struct DownRegs {
+    V w2[DB_UNROLL][DB_OUTS];
+    V inter[DB_TILE][DB_UNROLL];
+    int pair[DB_TILE];
+    float weight[DB_TILE];
+    __device__ __forceinline__ void copy_from(const DownRegs& o) {
+        #pragma unroll
+        for (int r = 0; r < DB_UNROLL; ++r)
+            #pragma unroll
+            for (int k = 0; k < DB_OUTS; ++k) w2[r][k] = o.w2[r][k];
+        #pragma unroll
+        for (int tt = 0; tt < DB_TILE; ++tt) {
+            #pragma unroll
+            for (int r = 0; r < DB_UNROLL; ++r) inter[tt][r] = o.inter[tt][r];
+            pair[tt] = o.pair[tt];
+            weight[tt] = o.weight[tt];
+        }
+    }
+};
+
+template <typename V>
+__device__ __forceinline__ void load_down_step(DownRegs<V>& regs, const DownStep& s, const DownSlots& m,
+                                               const bf16_t* __restrict__ w2, const bf16_t* __restrict__ intermediate,
+                                               const float* __restrict__ topk_weights, int h0, int hidden, int inter,
+                                               int chunks, int lane) {
+    #pragma unroll
+    for (int o = 0; o < DB_OUTS; ++o) {
+        const int h = min(h0 + o, hidden - 1);                       // past-the-end columns re-read the last row
+        const V* row = reinterpret_cast<const V*>(w2 + ((size_t)s.e * hidden + h) * inter);
+        #pragma unroll
+        for (int r = 0; r < DB_UNROLL; ++r) {
+            const int c = s.c0 + r * 32 + lane;
+            regs.w2[r][o] = ldg_chunk(row, c, c < chunks);
+        }
+    }
+    #pragma unroll
+    for (int tt = 0; tt < DB_TILE; ++tt) {
+        const int p = m.pairs[s.first + s.tile + min(tt, s.n - 1)];  // pairs past n re-read pair n-1 (L1 hit)
+        regs.pair[tt] = p;
+        regs.weight[tt] = __ldg(topk_weights + p);
+        const V* row = reinterpret_cast<const V*>(intermediate) + (long long)p * chunks;
+        #pragma unroll
+        for (int r = 0; r < DB_UNROLL; ++r) {
+            const int c = s.c0 + r * 32 + lane;
+            regs.inter[tt][r] = ldg_chunk(row, c, c < chunks);
+        }
+    }
+}
+
+// acc[tt][o] += w2 chunk . intermediate chunk of pair tt, in the DB_PIPE 0 loop's order
+template <typename V>
+__device__ __forceinline__ void down_fmas(float (&acc)[DB_TILE][DB_OUTS], const V (&w2)[DB_UNROLL][DB_OUTS],
+                                          const V (&iv)[DB_TILE][DB_UNROLL], int n) {
+    constexpr int WORDS = sizeof(V) / 4;
+    #pragma unroll
+    for (int tt = 0; tt < DB_TILE; ++tt) {
+        if (tt < n) {                                                // warp-uniform
+            #pragma unroll
+            for (int r = 0; r < DB_UNROLL; ++r) {
+                #pragma unroll
+                for (int w = 0; w < WORDS; ++w) {
+                    const float a_lo = bf16_lo(word(iv[tt][r], w)), a_hi = bf16_hi(word(iv[tt][r], w));
+                    #pragma unroll
+                    for (int o = 0; o < DB_OUTS; ++o) {
+                        acc[tt][o] = fmaf(bf16_lo(word(w2[r][o], w)), a_lo, acc[tt][o]);
+                        acc[tt][o] = fmaf(bf16_hi(word(w2[r][o], w)), a_hi, acc[tt][o]);
                     }
                 }
             }
@@ -337,6 +486,57 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
     __syncwarp();
 
     const int chunks = inter / (DB_BYTES / 2);                       // I % 8 == 0: whole chunks only
+#if DB_PIPE
+    // Pipelined: this warp's work is one stream of steps (slot a, tile of pairs, round c0) -- slots
+    // a = warp, warp + DB_WARPS, ... as above. Step s+1's w2 and intermediate loads (and its pairs' ids and
+    // weights) are issued before step s's FMAs, across expert boundaries, so a lane always has a step of
+    // loads in flight. The slot arrays and the sorted pairs are staged in shared memory first (behind the
+    // partials), so finding the next step costs no global round trip. Same FMA order, same partial order:
+    // bitwise the DB_PIPE 0 result (with DB_EARLY_INTER 1, which the pipeline implies).
+    int* staged = reinterpret_cast<int*>(partial + (size_t)DB_WARPS * tokens * DB_OUTS);
+    const int staged_ints = 3 * slots + tokens * top_k;              // expert, offset, count per slot; pairs
+    for (int j = threadIdx.x; j < staged_ints; j += DB_WARPS * 32) staged[j] = __ldg(lists + LIST_HEADER + j);
+    __syncthreads();
+    const DownSlots meta{staged, staged + slots, staged + 2 * slots, staged + 3 * slots, __ldg(lists), experts};
+    constexpr int STEP = 32 * DB_UNROLL;
+
+    DownStep cur = first_down_step(meta, warp);
+    DownRegs<vec_t> next;
+    if (cur.a < meta.used)
+        load_down_step(next, cur, meta, w2, intermediate, topk_weights, h0, hidden, inter, chunks, lane);
+    float acc[DB_TILE][DB_OUTS];
+    while (cur.a < meta.used) {                                      // warp-uniform
+        DownRegs<vec_t> now;
+        now.copy_from(next);                                         // waits for step cur's loads
+        const float zero = __uint_as_float(all_loads_arrived(now.w2) | all_loads_arrived(now.inter));
+        const DownStep following = next_down_step(cur, meta, chunks);
+        if (following.a < meta.used)
+            load_down_step(next, following, meta, w2, intermediate, topk_weights, h0, hidden, inter, chunks, lane);
+        if (cur.c0 == 0) {
+            #pragma unroll
+            for (int tt = 0; tt < DB_TILE; ++tt)
+                #pragma unroll
+                for (int o = 0; o < DB_OUTS; ++o) acc[tt][o] = 0.0f;
+        }
+        acc[0][0] += zero;                                           // += 0.0f, as the DB_PIPE 0 loop
+        down_fmas(acc, now.w2, now.inter, cur.n);
+        if (cur.c0 + STEP >= chunks) {                               // the tile's last round: into the partials
+            #pragma unroll
+            for (int tt = 0; tt < DB_TILE; ++tt) {
+                if (tt < cur.n) {                                    // warp-uniform
+                    const int t = now.pair[tt] / top_k;
+                    #pragma unroll
+                    for (int o = 0; o < DB_OUTS; ++o) {
+                        const float dot = warp_sum(acc[tt][o]);
+                        if (lane == o)
+                            mine[t * DB_OUTS + o] = __fadd_rn(mine[t * DB_OUTS + o], __fmul_rn(now.weight[tt], dot));
+                    }
+                }
+            }
+        }
+        cur = following;
+    }
+#else
     const int used = __ldg(lists);
     for (int a = warp; a < used; a += DB_WARPS) {
         const int e = __ldg(list_expert(lists) + a);
@@ -428,6 +628,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
             }
         }
     }
+#endif
     __syncthreads();
 
     // every (token, column) of the block: the warps' partials in warp order, written once

@@ -133,8 +133,12 @@ def test_resolve_params_validates() -> None:
         wdb.resolve_params(Dims(1, 8, 8, 1000, 1), LIST_THREADS=64, LIST_PER=2)
     with pytest.raises(ValueError, match="shared memory"):
         wdb.resolve_params(Dims(4096, 2048, 768, 128, 8))
+    with pytest.raises(ValueError, match="DB_EARLY_INTER"):
+        wdb.resolve_params(dims, DB_PIPE=1, DB_EARLY_INTER=0)
     resolved = wdb.resolve_params(dims)
-    assert set(resolved) == set(wdb.DEFAULTS) and all(v > 0 for k, v in resolved.items() if "MAX_REGS" not in k)
+    switches = ("MAX_REGS", "PIPE")  # 0 is a meaningful value for these
+    assert set(resolved) == set(wdb.DEFAULTS)
+    assert all(v > 0 for k, v in resolved.items() if not any(s in k for s in switches))
 
 
 def test_auto_knobs() -> None:
@@ -271,7 +275,9 @@ int main(int argc, char** argv) {
     std::vector<int> lists(lists_size, -12345);
     std::vector<uint16_t> inter((size_t)T * K * I, 0x7fc0);
     std::vector<uint32_t> out((size_t)T * H, 0x7fc07fc0u);  // NaN poison in either view
-    std::vector<float> shared(std::max((size_t)DB_WARPS * T * DB_OUTS, (size_t)E + 1), __uint_as_float(0x7fc00000u));
+    // the larger of the list kernel's and the down kernel's (partials + DB_PIPE's staged lists) dynamic shared memory
+    std::vector<float> shared(std::max((size_t)DB_WARPS * T * DB_OUTS + 3 * slots + (size_t)T * K, (size_t)E + 1),
+                              __uint_as_float(0x7fc00000u));
     wdb_dynamic_shared = shared.data();
     launch(1, LIST_THREADS, [&] { moe_expert_lists(ids.data(), T * K, E, slots, lists.data()); });
     launch(gu_blocks, GB_WARPS * 32,
@@ -390,6 +396,32 @@ EMULATED = [  # (shape, T, routing, knobs, also fp32 out); small: ~1 ms per warp
 ]
 
 
+# The pipelined loops (GB_PIPE / DB_PIPE): several rounds per row (4-byte chunks, one 32-chunk round per
+# step), several tiles per expert (TILE 2) and several experts per down warp (DB_WARPS 2), so the prefetch
+# crosses round, tile and expert boundaries; the bad-id slot must be skipped inside the step stream.
+PIPE_SHAPE = MoEShape("h200-i136", 200, 136, 5, 3)
+PIPE_KNOBS = {"GB_BYTES": 4, "GB_UNROLL": 1, "GB_TILE": 2, "DB_BYTES": 4, "DB_UNROLL": 1, "DB_TILE": 2, "DB_WARPS": 2,
+              "DB_OUTS": 3, "LIST_THREADS": 32, "LIST_PER": 0}
+EMULATED += [
+    (PIPE_SHAPE, 7, "zipf", {**PIPE_KNOBS, "GB_PIPE": 1, "DB_PIPE": 1}, True),
+    (PIPE_SHAPE, 9, "uniform", {**PIPE_KNOBS, "GB_PIPE": 1, "DB_PIPE": 1, "GB_UNROLL": 2, "DB_TILE": 3}, False),
+    ("tiny", 5, "same", {"GB_PIPE": 1, "DB_PIPE": 1, "GB_TILE": 2, "DB_TILE": 2, "DB_WARPS": 3}, False),
+]
+
+
+def test_pipelined_loops_are_bitwise_the_plain_ones_on_cpu(rng: np.random.Generator) -> None:
+    """GB_PIPE / DB_PIPE reorder loads, never FMAs or partial sums: outputs bitwise equal, bad ids included."""
+    problem = make_problem(PIPE_SHAPE, 8, seed=_seed(rng), routing="zipf")
+    ids = problem.topk_ids.copy()
+    ids[3, 2] = PIPE_SHAPE.experts  # a bad-id slot in the lists: the pipelined down loop must step over it
+    plain = _emulate(problem, ids=ids, **PIPE_KNOBS)
+    piped = _emulate(problem, ids=ids, **PIPE_KNOBS, GB_PIPE=1, DB_PIPE=1)
+    assert np.array_equal(plain["inter"], piped["inter"])
+    assert np.array_equal(plain["out"].view(np.uint16), piped["out"].view(np.uint16))
+    assert np.all(np.isnan(piped["out"][3].astype(np.float32)))
+    assert np.all(np.isfinite(np.delete(piped["out"], 3, axis=0).astype(np.float32)))
+
+
 @pytest.mark.parametrize(("shape", "tokens", "routing", "params", "fp32"), EMULATED,
                          ids=[f"{getattr(c[0], 'name', c[0])}-T{c[1]}-{i}" for i, c in enumerate(EMULATED)])
 def test_cuda_source_emulated_on_cpu(rng: np.random.Generator, shape: Any, tokens: int, routing: Any,
@@ -480,6 +512,17 @@ def test_presets(cupy_mod: Any, rng: np.random.Generator, model: str, tokens: in
     del problem
 
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("model", "tokens"), [("qwen3-30b-a3b", 64), ("qwen3-30b-a3b", 5), ("qwen3-235b-a22b", 16)])
+def test_pipelined_knobs_bitwise_equal_plain(cupy_mod: Any, rng: np.random.Generator, model: str, tokens: int) -> None:
+    """GB_PIPE / DB_PIPE on real shapes: checked against the references, and bitwise the plain loops' output."""
+    problem = make_problem(model, tokens, seed=_seed(rng), routing="zipf", xp=cupy_mod)
+    knobs = {"GB_TILE": 4, "DB_TILE": 4, "DB_UNROLL": 1, "GB_UNROLL": 2}
+    plain = _run_and_check(cupy_mod, problem, f"{model} T={tokens} plain", **knobs)
+    piped = _run_and_check(cupy_mod, problem, f"{model} T={tokens} pipelined", GB_PIPE=1, DB_PIPE=1, **knobs)
+    assert np.array_equal(plain.view(np.uint16), piped.view(np.uint16))
 
 
 @pytest.mark.gpu
