@@ -59,9 +59,16 @@ lane plus the tile's intermediate chunks (DB_EARLY_INTER). The risk is down at T
 in flight): DB_OUTS / DB_UNROLL / DB_WARPS are in the sweep grid.
 
 Knobs (:data:`DEFAULTS`; 0 = chosen from the dims by :func:`resolve_params`): LIST_THREADS, LIST_PER;
-GB_WARPS / GB_OUTS / GB_TILE / GB_UNROLL / GB_BYTES / GB_MAX_REGS for gate_up; DB_* likewise for down.
-GB_TILE / DB_TILE auto = 1 at T=1, else the power of two >= 2*(T*K/E)+1 (capped at 8 and at T): the
-expected pairs per active expert plus slack, so nearly every expert takes one pass.
+GB_WARPS / GB_OUTS / GB_TILE / GB_UNROLL / GB_BYTES / GB_MAX_REGS / GB_PIPE for gate_up; DB_* likewise for
+down. The auto rules (:func:`auto_tile`, :func:`auto_down_tile`, :func:`auto_down_unroll`, GB_UNROLL 2 at
+tile 4) come from the H200 sweep of session 3 (results/sweep-batched-*.json): they gain 3-5 % over the
+previous rules at T = 16-64 and leave T <= 8 as it was.
+
+Measured and left off (H200, results/sweep-batched-*.json): GB_PIPE / DB_PIPE, software pipelining that
+keeps the next round's (down: the next step's, across experts) loads in flight during this round's FMAs.
+Both are SLOWER at every swept point (down 5-10 %, gate_up 10-60 %): holding two rounds of registers costs
+spills or fewer loads per round under the 128-register cap, and the 16 resident warps per SM already overlap
+one warp's FMAs with the others' loads. Kept as knobs, bitwise equal to the plain loops (tests).
 """
 
 from __future__ import annotations
@@ -88,23 +95,23 @@ DEFAULTS: dict[str, int] = {
     "GB_WARPS": 4,  # warps per gate_up block (all on one expert: they share its x rows in L1)
     "GB_OUTS": 2,  # neurons per warp: x loads reused across 2*OUTS rows
     "GB_TILE": 8,  # pairs per pass (FP32 accumulators [TILE][OUTS] x 2 per lane)
-    "GB_UNROLL": 4,  # chunk rounds in flight per lane: 2 * OUTS * UNROLL weight loads (8 B each)
+    "GB_UNROLL": 4,  # chunk rounds in flight per lane: 2 * OUTS * UNROLL weight loads (8 B each); auto: 2 at tile 4
     "GB_BYTES": 8,  # = strict's GU_BYTES: the intermediate is then bitwise the strict kernel's
     "GB_MAX_REGS": 128,  # __maxnreg__ cap (0: __launch_bounds__ only, which spills at some tiles)
     "DB_WARPS": 8,  # warps per down block (split the active experts round-robin)
     "DB_OUTS": 4,  # hidden columns per block: intermediate reads reused across OUTS rows
     "DB_TILE": 8,
-    "DB_UNROLL": 1,  # DB_UNROLL x DB_OUTS w2 loads of DB_BYTES in flight per lane (0 = auto: 2 if DB_TILE <= 4)
+    "DB_UNROLL": 1,  # DB_UNROLL x DB_OUTS w2 loads of DB_BYTES in flight per lane (0 = auto: auto_down_unroll)
     "DB_BYTES": 16,
     "DB_MAX_REGS": 128,
     "DB_EARLY_INTER": 1,  # 1: intermediate loads issued with the w2 loads (latencies overlap); 0: after them
     "GB_PIPE": 0,  # 1: next round's weight loads issued before this round's FMAs (two rounds of registers)
     "DB_PIPE": 0,  # 1: next step's loads (across experts) issued before this step's FMAs; needs DB_EARLY_INTER 1
 }
-AUTO_KNOBS = ("LIST_PER", "GB_TILE", "DB_TILE", "DB_UNROLL")
+AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL")
 LIMITS = {
     "LIST_THREADS": (32, 1024), "LIST_PER": (0, 16),
-    "GB_WARPS": (1, 32), "GB_OUTS": (1, 32), "GB_TILE": (0, 32), "GB_UNROLL": (1, 64), "GB_MAX_REGS": (0, 255),
+    "GB_WARPS": (1, 32), "GB_OUTS": (1, 32), "GB_TILE": (0, 32), "GB_UNROLL": (0, 64), "GB_MAX_REGS": (0, 255),
     "DB_WARPS": (1, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (0, 255),
     "DB_EARLY_INTER": (0, 1), "GB_PIPE": (0, 1), "DB_PIPE": (0, 1),
 }
@@ -114,13 +121,30 @@ LIMITS = {
 # Knobs
 # ---------------------------------------------------------------------------------------------------
 def auto_tile(dims: Dims) -> int:
-    """Pairs per pass: 1 at T=1; else the power of two >= 2 * (T*K/E) + 1, capped at MAX_TILE and at T."""
+    """gate_up's pairs per pass: 1 at T=1; else the power of two >= 2*m + 1 (m = T*K/E < 1) or >= m + 2
+    (m >= 1), capped at MAX_TILE and at T. H200 sweep (results/sweep-batched-*.json): at qwen3-30b T=32
+    (m = 2) tile 4 beats 8 by 5 %; at T=64 (m = 4) and at qwen3-235b T=16 / 64 the rule's 4 / 8 win."""
     if dims.tokens == 1:
         return 1
     mean = dims.tokens * dims.top_k / dims.experts
-    want = math.ceil(2.0 * mean + 1.0)
+    want = math.ceil(2.0 * mean + 1.0) if mean < 1.0 else math.ceil(mean + 2.0)
     tile = 1 << max(0, (want - 1).bit_length())
     return max(1, min(tile, MAX_TILE, 1 << (dims.tokens - 1).bit_length()))
+
+
+def auto_down_tile(dims: Dims) -> int:
+    """down's pairs per pass: gate_up's tile capped at 4 (the H200 sweep: 4 beats 8 at T = 32 and 64 on both
+    qwen3 models -- fewer accumulators and intermediate registers per warp, the w2 rows of a second tile are
+    L1 hits)."""
+    return min(auto_tile(dims), 4)
+
+
+def auto_down_unroll(dims: Dims, params: dict[str, int]) -> int:
+    """Rounds of w2 loads in flight: 2 when the tile leaves room (<= 4 pairs) and the row splits into whole
+    rounds of 2 (no half-masked last round: qwen3-235b, I = 1536, 192 chunks of 16 B); else 1 (qwen3-30b,
+    I = 768, 96 chunks: 1 round of 3 beats 2 rounds of 2 by 3 % at T = 32)."""
+    chunks = dims.intermediate // (params["DB_BYTES"] // 2)
+    return 2 if params["DB_TILE"] <= 4 and chunks % (32 * 2) == 0 else 1
 
 
 def slots(dims: Dims) -> int:
@@ -189,12 +213,14 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
                          "raise LIST_THREADS (<= 1024)")
     if lists_shared_bytes(dims) > SHARED_LIMIT:
         raise ValueError(f"the list kernel keeps one int per expert in shared memory: E = {dims.experts} is too many")
-    tile = auto_tile(dims)
-    for key in ("GB_TILE", "DB_TILE"):
-        if values[key] == 0:
-            values[key] = tile
-    if values["DB_UNROLL"] == 0:  # 8 w2 loads of 16 B in flight when the accumulators leave room (128 registers)
-        values["DB_UNROLL"] = 2 if values["DB_TILE"] <= 4 else 1
+    if values["GB_TILE"] == 0:
+        values["GB_TILE"] = auto_tile(dims)
+    if values["GB_UNROLL"] == 0:  # the sweep: 2 rounds with 4-pair tiles (3 % at qwen3-235b T=16), else 4
+        values["GB_UNROLL"] = 2 if values["GB_TILE"] == 4 else 4
+    if values["DB_TILE"] == 0:
+        values["DB_TILE"] = auto_down_tile(dims)
+    if values["DB_UNROLL"] == 0:
+        values["DB_UNROLL"] = auto_down_unroll(dims, values)
     shared = down_shared_bytes(dims, values)
     if shared > SHARED_LIMIT:
         raise ValueError(

@@ -143,12 +143,15 @@ def test_resolve_params_validates() -> None:
 
 def test_auto_knobs() -> None:
     tiles = {t: wdb.auto_tile(Dims(t, 2048, 768, 128, 8)) for t in (1, 2, 4, 8, 16, 32, 64)}
-    assert tiles == {1: 1, 2: 2, 4: 2, 8: 2, 16: 4, 32: 8, 64: 8}
+    assert tiles == {1: 1, 2: 2, 4: 2, 8: 2, 16: 4, 32: 4, 64: 8}
+    assert wdb.auto_down_tile(Dims(64, 2048, 768, 128, 8)) == 4  # down's tile is capped at 4
     assert wdb.auto_tile(Dims(64, 4096, 14336, 8, 2)) == wdb.MAX_TILE  # mixtral: 16 pairs per expert
     assert wdb.auto_tile(Dims(3, 8, 8, 1, 1)) == 4  # never above the next power of two of T
     assert wdb.resolve_params(Dims(2, 2048, 512, 512, 10))["LIST_PER"] == 3  # (512 + 1) / 256
-    assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8))["DB_UNROLL"] == 1
-    assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8))["DB_UNROLL"] == 2
+    assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8))["DB_UNROLL"] == 1  # 96 chunks: no whole rounds of 2
+    assert wdb.resolve_params(Dims(64, 4096, 1536, 128, 8))["DB_UNROLL"] == 2  # 192 chunks
+    assert wdb.resolve_params(Dims(32, 2048, 768, 128, 8))["GB_UNROLL"] == 2  # tile 4
+    assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8))["GB_UNROLL"] == 4  # tile 8
     assert wdb.slots(Dims(2, 8, 8, 128, 8)) == 17 and wdb.slots(Dims(64, 8, 8, 128, 8)) == 129
     assert wdb.lists_size(Dims(2, 8, 8, 128, 8)) == 4 + 3 * 17 + 2 * 16
     assert wdb.max_tokens() == 48 * 1024 // (8 * 4 * 4)
