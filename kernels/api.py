@@ -57,8 +57,11 @@ def moe_decode(
     topk_weights: Any,
     out: Any = None,
     workspace: Any = None,
+    policy: str = "fastest",
 ) -> Any:
-    """The fastest warp-decode path for (shape, T) on this GPU: strict or batched, from the committed table
-    measured on this GPU, else a documented heuristic (:mod:`kernels.dispatch`). Never syncs inside a graph."""
+    """The fastest path for (shape, T) on this GPU, from the committed table measured on this GPU, else a
+    documented heuristic (:mod:`kernels.dispatch`). ``policy="fastest"``: strict warp decode, batched warp
+    decode or the expert-centric path; ``policy="warp_decode"``: the two warp-decode paths only (warp decode's
+    numerics). ``workspace``: ``kernels.dispatch.make_workspace(dims, policy=policy)``. Never syncs inside a graph."""
     module = importlib.import_module("kernels.dispatch")
-    return module.moe_decode(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace)
+    return module.moe_decode(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace, policy=policy)

@@ -1,30 +1,59 @@
-"""Auto-dispatch: the fastest warp-decode path for (shape, T) on this GPU, decided without looking at the routing.
+"""Auto-dispatch: the fastest MoE decode path for (shape, T) on this GPU, decided without looking at the routing.
 
-    out = kernels.dispatch.moe_decode(x, w13, w2, topk_ids, topk_weights, out=None, workspace=None)
+    ws = kernels.dispatch.make_workspace(dims, policy="fastest")
+    out = kernels.dispatch.moe_decode(x, w13, w2, topk_ids, topk_weights, out=out, workspace=ws, policy="fastest")
 
-Paths (both reproduce ``reference.moe_decode(mode="warp_decode")``):
+Paths (candidates):
 
-* ``"cupy:warp-decode"``          strict: one warp per (token, slot, neuron); best when few pairs share an expert
-* ``"cupy:warp-decode-batched"``  batched: each active expert's weights read once per batch
+* ``"cupy:warp-decode"``          strict warp decode: one warp per (token, slot, neuron); best when few pairs
+                                  share an expert. Reproduces ``reference.moe_decode(mode="warp_decode")``.
+* ``"cupy:warp-decode-batched"``  batched warp decode: each active expert's weights read once per batch.
+                                  Same numerics (mode "warp_decode").
+* ``"cupy:expert-centric"``       the conventional path (``kernels/expert_centric.py``: align, gather, grouped
+                                  mma.sync GEMMs, SiLU, combine), bf16, no quantization. Reproduces
+                                  ``reference.moe_decode(mode="classical")``: bf16 GEMM outputs, four roundings,
+                                  about 1.65x further from the fp64 oracle than warp decode (README, accuracy).
 
-The choice depends only on the shape (H, I, E, K), T and the GPU -- never on ``topk_ids``' values -- so it
-never syncs with the host and a captured CUDA graph stays valid for any routing.
+Policies (``policy=``, :data:`POLICIES`; candidates per policy in :data:`POLICY_CANDIDATES`):
+
+* ``"fastest"`` (the default)  the fastest of the three paths.
+* ``"warp_decode"``            strict or batched only: keeps warp decode's numerics (fp32 dots, one bf16
+                               rounding of the intermediate) whatever the speed.
+
+The choice depends only on the shape (H, I, E, K), T, the GPU and the policy -- never on ``topk_ids``'
+values -- so it never syncs with the host and a captured CUDA graph stays valid for any routing.
 
 1. A table measured on the GPU (``python -m tools.dispatch_table --json kernels/dispatch_tables/<slug>.json``,
-   slug = the device name lowercased with non-alphanumerics as '-', e.g. ``nvidia-h200``) gives, per shape
-   and T in 1, 2, 4, ..., 64, the measured winner. T between table points uses the nearest LOWER point
-   (above the last point: the last point).
-2. No table for this GPU, or no entry for this shape: the heuristic :func:`heuristic` -- strict at T = 1
-   and when ``T * K <= E / 8`` (few pairs, almost every expert touched once: strict reads about the same
-   bytes with one launch fewer), else batched; strict also whenever the batched knobs cannot run the dims
-   (e.g. T too large for the down kernel's shared memory).
+   slug = the device name lowercased with non-alphanumerics as '-', e.g. ``nvidia-h200``) holds, per shape
+   and T in 1, 2, 4, ..., 64, every candidate's median time and check status. The choice under a policy is
+   the fastest of that policy's candidates with status "ok" and a median (and that can run the dims). T
+   between table points uses the nearest LOWER point (below the first point: the first; above the last:
+   the last). Older tables whose points hold only a ``choice`` are still read: that choice is used when it
+   belongs to the policy, else the heuristic.
+2. No table for this GPU, or no entry for this shape: the heuristic :func:`heuristic`:
 
-Variant ``"cupy:auto"``: ``build(dims)`` decides once and returns that path's launch, with
-``launch.choice`` (the variant name) and ``launch.choice_source`` ("table" or "heuristic").
+   * policy "fastest": expert-centric when ``T * K >= 2 * E`` (two or more pairs per expert on average).
+     Evidence: the H200 evening run (``results/h200-2026-11-30-evening.json``, 2026-11-30) has the
+     expert-centric path fastest at T >= 32 on both qwen3-30b-a3b and qwen3-235b-a22b (E = 128, K = 8:
+     T*K/E >= 2; e.g. 313.7 vs 368.5 us batched at 30b T=32, 1207 vs 1340 us at 235b T=32) and within 3 %
+     of batched at 30b T=16 (T*K/E = 1: 220.5 vs 213.9 us), behind it at 235b T=16 (821.6 vs 772.4 us).
+     Other (E, K) are extrapolated from that ratio, not measured.
+   * otherwise (and always under "warp_decode"): strict at T = 1 and when ``T * K <= E / 8`` (few pairs,
+     almost every expert touched once: strict reads about the same bytes with one launch fewer), else batched.
+   * a path whose kernels cannot run the dims is never chosen: batched needs T small enough for its down
+     kernel's shared memory and E for its list kernel (:func:`batched_supported`); expert-centric needs E
+     <= ``expert_centric.MAX_EXPERTS`` and valid tile knobs (:func:`expert_centric_supported`). Strict runs
+     everything.
+
+Variants ``"cupy:auto"`` (policy "fastest") and ``"cupy:auto-warp-decode"`` (policy "warp_decode"):
+``build(dims)`` decides once and returns that path's launch, with ``launch.choice`` (the variant name),
+``launch.choice_source`` ("table" or "heuristic"), ``launch.policy`` and the numerics the output must match,
+``launch.reference_mode`` / ``launch.quant`` (the chosen variant's: the bench harness checks against those).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 from dataclasses import dataclass
@@ -37,13 +66,29 @@ from kernels import warp_decode_cupy as wdc
 from kernels.contract import Dims, array_module, check_inputs
 from kernels.variants import Variant, get_variant, register
 
+# the module (``from kernels import expert_centric`` may give kernels.api's function of that name)
+ec = importlib.import_module("kernels.expert_centric")
+
 STRICT = "cupy:warp-decode"
 BATCHED = "cupy:warp-decode-batched"
-CANDIDATES = (STRICT, BATCHED)
+EXPERT_CENTRIC = "cupy:expert-centric"
+CANDIDATES = (STRICT, BATCHED, EXPERT_CENTRIC)
+FASTEST = "fastest"
+WARP_DECODE = "warp_decode"
+POLICIES = (FASTEST, WARP_DECODE)
+POLICY_CANDIDATES: dict[str, tuple[str, ...]] = {FASTEST: CANDIDATES, WARP_DECODE: (STRICT, BATCHED)}
 TABLE_POINTS = (1, 2, 4, 8, 16, 32, 64)
 TABLE_DIR = Path(__file__).resolve().parent / "dispatch_tables"
 SCHEMA = "warp-decode-dispatch/1"
 STRICT_PAIRS_PER_EXPERT = 0.125  # heuristic: strict while T*K <= E/8 (and at T = 1)
+EXPERT_CENTRIC_PAIRS_PER_EXPERT = 2  # heuristic, policy "fastest": expert-centric from T*K >= 2E
+
+
+def check_policy(policy: Any) -> str:
+    """``policy`` if it is one of :data:`POLICIES`, else ValueError naming it and the allowed values."""
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    return policy
 
 
 def gpu_slug(name: str) -> str:
@@ -59,10 +104,59 @@ def shape_key(dims: Dims) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
+# What each path can run
+# ---------------------------------------------------------------------------------------------------
+def batched_supported(dims: Dims) -> bool:
+    """Whether the batched kernels (default knobs) can run ``dims``."""
+    try:
+        wdb.resolve_params(dims)
+    except ValueError:
+        return False
+    return True
+
+
+def expert_centric_supported(dims: Dims) -> bool:
+    """Whether the expert-centric path (bf16, auto tile knobs) can run ``dims``: the checks of its
+    ``make_workspace`` (E within the align kernel's shared memory, valid tile knobs for the dims)."""
+    if dims.experts > ec.MAX_EXPERTS:
+        return False
+    try:
+        ec.check_params(dims)
+    except ValueError:
+        return False
+    return True
+
+
+def supported(name: str, dims: Dims) -> bool:
+    """Whether candidate ``name`` can run ``dims`` (strict runs every dims)."""
+    if name == BATCHED:
+        return batched_supported(dims)
+    if name == EXPERT_CENTRIC:
+        return expert_centric_supported(dims)
+    return name == STRICT
+
+
+# ---------------------------------------------------------------------------------------------------
 # Tables
 # ---------------------------------------------------------------------------------------------------
+def point_choice(point: dict[str, Any], policy: str = FASTEST, dims: Dims | None = None) -> str | None:
+    """The choice of one table point under ``policy``: the fastest of the policy's candidates with status
+    "ok" and a median (among those that can run ``dims`` when given; ties -> the alphabetically first).
+    An old-format point (``choice`` only) gives its choice if it belongs to the policy (and can run the dims).
+    None when the point offers nothing for this policy."""
+    candidates = [n for n in POLICY_CANDIDATES[check_policy(policy)] if dims is None or supported(n, dims)]
+    medians = point.get("median_us")
+    if isinstance(medians, dict):
+        status = point.get("status") or {}
+        ok = {n: medians[n] for n in candidates if status.get(n) == "ok" and medians.get(n) is not None}
+        return min(sorted(ok), key=lambda n: ok[n]) if ok else None
+    choice = point.get("choice")
+    return choice if choice in candidates else None
+
+
 def validate_table(table: Any) -> dict[str, Any]:
-    """ValueError unless ``table`` has the layout tools.dispatch_table writes; returns it."""
+    """ValueError unless ``table`` has the layout tools.dispatch_table writes (or the older choice-only
+    layout); returns it."""
     if not isinstance(table, dict) or table.get("schema") != SCHEMA:
         raise ValueError(f"a dispatch table must be a JSON object with schema {SCHEMA!r}")
     for key in ("gpu", "date", "entries"):
@@ -73,11 +167,26 @@ def validate_table(table: Any) -> dict[str, Any]:
         if not isinstance(points, dict) or not points:
             raise ValueError(f"dispatch table entry {key!r} has no points")
         for tokens, point in points.items():
+            where = f"dispatch table entry {key!r} T={tokens}"
             if not str(tokens).isdigit() or int(tokens) < 1:
                 raise ValueError(f"dispatch table entry {key!r}: point {tokens!r} is not a batch size")
-            if point.get("choice") not in CANDIDATES:
-                raise ValueError(f"dispatch table entry {key!r} T={tokens}: choice {point.get('choice')!r} "
-                                 f"is not one of {CANDIDATES}")
+            if not isinstance(point, dict):
+                raise ValueError(f"{where}: a point must be an object")
+            if "choice" in point and point["choice"] not in CANDIDATES:
+                raise ValueError(f"{where}: choice {point['choice']!r} is not one of {CANDIDATES}")
+            medians = point.get("median_us")
+            if medians is None:
+                if "choice" not in point:
+                    raise ValueError(f"{where}: a point needs median_us and status (or an old-format choice)")
+                continue
+            if not isinstance(medians, dict) or not isinstance(point.get("status"), dict):
+                raise ValueError(f"{where}: median_us and status must be objects keyed by variant name")
+            for name, median in medians.items():
+                if median is not None and (isinstance(median, bool) or not isinstance(median, (int, float))
+                                           or not median > 0):
+                    raise ValueError(f"{where}: median_us[{name!r}] must be a positive number or null, got {median!r}")
+            if point_choice(point, FASTEST) is None:
+                raise ValueError(f"{where}: no candidate of {CANDIDATES} was measured correctly (status 'ok')")
     return table
 
 
@@ -105,51 +214,62 @@ def current_gpu() -> str:
     return _device_name(cupy.cuda.Device().id)
 
 
-def table_choice(table: dict[str, Any], dims: Dims) -> str | None:
-    """The table's winner for ``dims`` (nearest lower measured T), or None without an entry for the shape."""
+def table_point(table: dict[str, Any], dims: Dims) -> dict[str, Any] | None:
+    """The table's point for ``dims`` (nearest lower measured T), or None without an entry for the shape."""
     entry = table["entries"].get(shape_key(dims))
     if entry is None:
         return None
     points = sorted(int(t) for t in entry["points"])
     lower = [t for t in points if t <= dims.tokens]
     point = lower[-1] if lower else points[0]
-    return entry["points"][str(point)]["choice"]
+    return entry["points"][str(point)]
 
 
-def batched_supported(dims: Dims) -> bool:
-    """Whether the batched kernels (default knobs) can run ``dims``."""
-    try:
-        wdb.resolve_params(dims)
-    except ValueError:
-        return False
-    return True
+def table_choice(table: dict[str, Any], dims: Dims, policy: str = FASTEST) -> str | None:
+    """The table's choice for ``dims`` under ``policy`` (a path that can run the dims), or None (no entry for
+    the shape, or the point offers no runnable candidate of the policy)."""
+    point = table_point(table, dims)
+    return None if point is None else point_choice(point, policy, dims)
 
 
-def heuristic(dims: Dims) -> str:
-    """Strict at T = 1, when ``T * K <= E / 8`` or when the batched kernels cannot run the dims; else batched.
+def heuristic(dims: Dims, policy: str = FASTEST) -> str:
+    """The path for ``dims`` without a measurement (see the module docstring for the evidence):
+
+    * policy "fastest": expert-centric when ``T * K >= 2 * E`` and it can run the dims;
+    * strict at T = 1, when ``T * K <= E / 8`` or when the batched kernels cannot run the dims; else batched.
 
     Why E/8: strict reads every pair's expert, batched each active expert once but launches one more kernel
     (~2-3 us). Under uniform routing strict's extra bytes are T*K - E*(1 - (1 - K/E)**T) experts: at
     qwen3-30b T=2 ~0.5 expert (~1 us) -- strict; at T=4 ~3.4 experts (~7 us; ~28 us at qwen3-235b) -- batched.
+    Why 2E: on the H200 the expert-centric path (tensor-core GEMMs over BLOCK_M-row tiles, cp.async ring)
+    overtakes batched warp decode once experts hold two or more pairs on average (T >= 32 at E=128, K=8).
     """
-    few_pairs = dims.tokens == 1 or dims.tokens * dims.top_k <= STRICT_PAIRS_PER_EXPERT * dims.experts
+    check_policy(policy)
+    pairs = dims.tokens * dims.top_k
+    if (policy == FASTEST and pairs >= EXPERT_CENTRIC_PAIRS_PER_EXPERT * dims.experts
+            and expert_centric_supported(dims)):
+        return EXPERT_CENTRIC
+    few_pairs = dims.tokens == 1 or pairs <= STRICT_PAIRS_PER_EXPERT * dims.experts
     if few_pairs or not batched_supported(dims):
         return STRICT
     return BATCHED
 
 
-def choose(dims: Dims, gpu: str | None = None, table_dir: str | Path = TABLE_DIR) -> tuple[str, str]:
-    """``(variant name, "table" | "heuristic")`` for ``dims`` on ``gpu`` (default: the current device)."""
+def choose(dims: Dims, gpu: str | None = None, table_dir: str | Path = TABLE_DIR,
+           policy: str = FASTEST) -> tuple[str, str]:
+    """``(variant name, "table" | "heuristic")`` for ``dims`` on ``gpu`` (default: the current device) under
+    ``policy``."""
+    check_policy(policy)
     if not isinstance(dims, Dims):
         raise TypeError(f"dims must be a kernels.contract.Dims, got {type(dims).__name__}")
     if gpu is None:
         gpu = current_gpu()
     table = load_table(gpu_slug(gpu), str(table_dir))
     if table is not None:
-        choice = table_choice(table, dims)
-        if choice is not None and (choice != BATCHED or batched_supported(dims)):
+        choice = table_choice(table, dims, policy)
+        if choice is not None:
             return choice, "table"
-    return heuristic(dims), "heuristic"
+    return heuristic(dims, policy), "heuristic"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -157,59 +277,85 @@ def choose(dims: Dims, gpu: str | None = None, table_dir: str | Path = TABLE_DIR
 # ---------------------------------------------------------------------------------------------------
 @dataclass
 class Workspace:
-    """The chosen path and its workspace, for one dims (``make_workspace``)."""
+    """The chosen path and its workspace, for one dims and policy (``make_workspace``)."""
 
     dims: Dims
     choice: str
     source: str
     inner: Any
+    policy: str = FASTEST
 
 
-def make_workspace(dims: Dims, gpu: str | None = None) -> Workspace:
-    """Decide the path for ``dims`` and allocate its workspace (CuPy, current device)."""
-    choice, source = choose(dims, gpu)
-    if choice == BATCHED:
+def make_workspace(dims: Dims, gpu: str | None = None, policy: str = FASTEST,
+                   table_dir: str | Path = TABLE_DIR) -> Workspace:
+    """Decide the path for ``dims`` under ``policy`` and allocate its workspace (CuPy, current device)."""
+    choice, source = choose(dims, gpu, table_dir, policy)
+    if choice == EXPERT_CENTRIC:
+        inner = ec.make_workspace(dims, None)
+    elif choice == BATCHED:
         inner = wdb.make_workspace(dims)
     else:
         inner = wdc.make_workspace(dims.tokens, dims.top_k, dims.intermediate)
-    return Workspace(dims, choice, source, inner)
+    return Workspace(dims, choice, source, inner, policy)
 
 
 def moe_decode(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any = None,
-               workspace: Workspace | None = None) -> Any:
-    """One MoE decode layer by the fastest warp-decode path for this shape and T; returns ``out`` [T, H].
+               workspace: Workspace | None = None, policy: str = FASTEST) -> Any:
+    """One MoE decode layer by the fastest path of ``policy`` for this shape and T; returns ``out`` [T, H].
 
-    With ``out`` and ``workspace`` (``make_workspace(dims)``) nothing is allocated and nothing syncs with the
-    host (graph-capturable); the chosen path checks the inputs (kernels.contract).
+    ``policy="fastest"``: strict, batched or expert-centric (the last reproduces mode "classical");
+    ``policy="warp_decode"``: strict or batched (mode "warp_decode"). With ``out`` and ``workspace``
+    (``make_workspace(dims, policy=policy)``, same policy) nothing is allocated and nothing syncs with the host
+    during CUDA-graph capture (outside capture the chosen path checks the ids' range, as every path does).
     """
+    check_policy(policy)
     xp = array_module(x)
     if xp.__name__ == "numpy":
         raise TypeError("x must be a cupy.ndarray (moe_decode runs on the GPU; reference.moe_decode is the host "
                         "version)")
     dims = check_inputs(x, w13, w2, topk_ids, topk_weights, check_values=False)
     if workspace is None:
-        workspace = make_workspace(dims)
+        workspace = make_workspace(dims, policy=policy)
     elif not isinstance(workspace, Workspace):
         raise TypeError(f"workspace must come from kernels.dispatch.make_workspace(), got {type(workspace).__name__}")
     elif workspace.dims != dims:
         raise ValueError(f"workspace was made for {workspace.dims}, this call needs {dims}")
+    elif workspace.policy != policy:
+        raise ValueError(f"workspace was made under policy {workspace.policy!r}, this call uses policy {policy!r}: "
+                         "pass the same policy to make_workspace and moe_decode")
+    if workspace.choice == EXPERT_CENTRIC:
+        return ec.expert_centric(x, w13, w2, topk_ids, topk_weights, quant=None, out=out, workspace=workspace.inner)
     if workspace.choice == BATCHED:
         return wdb.warp_decode_batched(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace.inner)
     return wdc.warp_decode(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace.inner)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Variant
+# Variants
 # ---------------------------------------------------------------------------------------------------
-def build(dims: Dims, **params: Any) -> Any:
-    """Decide once for ``dims`` and return the chosen variant's launch (``launch.choice`` says which)."""
+def build(dims: Dims, policy: str = FASTEST, **params: Any) -> Any:
+    """Decide once for ``dims`` under ``policy`` and return the chosen variant's launch, carrying ``choice``,
+    ``choice_source``, ``policy`` and the chosen path's ``reference_mode`` / ``quant`` (what its output must
+    match: the bench harness checks against these)."""
+    check_policy(policy)
     if params:
-        raise ValueError(f"cupy:auto takes no knobs (it picks a path and uses its defaults), got {sorted(params)}")
-    choice, source = choose(dims)
-    launch = get_variant(choice).make(dims)
+        raise ValueError(f"auto-dispatch takes no knobs (it picks a path and uses its defaults), got {sorted(params)}")
+    choice, source = choose(dims, policy=policy)
+    chosen = get_variant(choice)
+    launch = chosen.make(dims)
     launch.choice = choice  # type: ignore[attr-defined]
     launch.choice_source = source  # type: ignore[attr-defined]
+    launch.policy = policy  # type: ignore[attr-defined]
+    launch.reference_mode = chosen.reference_mode  # type: ignore[attr-defined]
+    launch.quant = chosen.quant  # type: ignore[attr-defined]
     return launch
+
+
+def _build_for(policy: str) -> Any:
+    def build_policy(dims: Dims, **params: Any) -> Any:
+        return build(dims, policy, **params)
+
+    return build_policy
 
 
 VARIANT = register(
@@ -217,9 +363,22 @@ VARIANT = register(
         name="cupy:auto",
         backend="cupy",
         family="auto",
-        build=build,
+        build=_build_for(FASTEST),
+        reference_mode="warp_decode",  # at T where the expert-centric path is chosen: "classical" (launch says)
+        params={},
+        description="auto-dispatch, policy fastest: strict, batched warp decode or expert-centric from a per-GPU "
+                    "measured table (or a heuristic)",
+    )
+)
+VARIANT_WARP_DECODE = register(
+    Variant(
+        name="cupy:auto-warp-decode",
+        backend="cupy",
+        family="auto",
+        build=_build_for(WARP_DECODE),
         reference_mode="warp_decode",
         params={},
-        description="auto-dispatch: strict or batched warp decode from a per-GPU measured table (or a heuristic)",
+        description="auto-dispatch, policy warp_decode: strict or batched warp decode (warp decode's numerics) "
+                    "from a per-GPU measured table (or a heuristic)",
     )
 )

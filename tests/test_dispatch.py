@@ -1,15 +1,22 @@
 """Auto-dispatch (kernels/dispatch.py) and the table tool (tools/dispatch_table.py).
 
-CPU: slugs, the heuristic, table lookup (nearest lower point, unknown shape / GPU -> heuristic), table
-validation, the tool's winner / merge logic, that the H200 uses the heuristic until a measured table is
-committed, input errors before any device call, the variant registration.
-GPU: moe_decode equals the chosen path bitwise; capture of moe_decode and of the ``cupy:auto`` variant
-(a decision that synced with the host would break the capture); replay on new routing.
+CPU: slugs, policies, the heuristic and its boundaries (T*K vs E/8 and 2E, paths that cannot run the dims),
+table lookup per policy (nearest lower point, a point where expert-centric is fastest, old choice-only points,
+missing candidates, bad statuses, unknown shape / GPU -> heuristic), table validation, the tool's winner /
+point / merge logic and ``--from-bench`` over several runs, the committed H200 table (valid, its choices the
+fastest candidate of each policy at every point), input / policy / workspace errors before any device call,
+the variants' registration, and the bench harness checking a launch against its own ``reference_mode`` /
+``quant`` (on the NumPy stand-in for CuPy of tests/test_bench.py).
+GPU: moe_decode equals the chosen path bitwise and matches the chosen path's reference mode, per policy
+(expert-centric chosen by a fabricated table and by the heuristic); bitwise repeatable over 3 runs; capture of
+moe_decode and of the auto variants (a decision that synced with the host would break the capture); replay on
+new routing.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +38,8 @@ from tests.test_warp_decode_batched import (
 from tools import dispatch_table
 
 QWEN30 = PRESETS["qwen3-30b-a3b"]
+TINY = PRESETS["tiny"]
+S, B, EC = dispatch.STRICT, dispatch.BATCHED, dispatch.EXPERT_CENTRIC
 
 
 def _dims(shape: Any, tokens: int) -> Dims:
@@ -41,17 +50,35 @@ def _record(median: float | None, status: str = "ok") -> dict[str, Any]:
     return {"median_us": median, "status": status, "tbps": None, "bytes": {"unique_experts": 8}}
 
 
-def _write_table(directory: Path, gpu: str, shape: Any, choices: dict[int, str]) -> Path:
+def _write_points(directory: Path, gpu: str, shape: Any, points: dict[int, dict[str, Any]]) -> Path:
+    """A table file of raw points (any format) for ``shape``."""
+    table = {"schema": dispatch.SCHEMA, "gpu": gpu, "slug": dispatch.gpu_slug(gpu), "date": "2026-11-30",
+             "entries": {dispatch.shape_key(_dims(shape, 1)): {"model": shape.name, "points": {
+                 str(t): p for t, p in points.items()}}}}
+    path = directory / f"{dispatch.gpu_slug(gpu)}.json"
+    path.write_text(json.dumps(table))
+    dispatch.load_table.cache_clear()
+    return path
+
+
+def _write_table(directory: Path, gpu: str, shape: Any, medians: dict[int, dict[str, float]]) -> Path:
+    """A table file as the tool writes it: per T, each candidate's median (all status "ok")."""
     table = None
-    for tokens, choice in choices.items():
-        other = dispatch.BATCHED if choice == dispatch.STRICT else dispatch.STRICT
-        point = dispatch_table.point_record({choice: _record(10.0), other: _record(11.0)})
+    for tokens, by_name in medians.items():
+        point = dispatch_table.point_record({name: _record(us) for name, us in by_name.items()})
         table = dispatch_table.merge(table, gpu, {"date": "2026-11-30T00:00:00+00:00"}, shape.name,
                                      _dims(shape, tokens), tokens, point)
     path = directory / f"{dispatch.gpu_slug(gpu)}.json"
     path.write_text(json.dumps(table))
     dispatch.load_table.cache_clear()
     return path
+
+
+def _fastest(point: dict[str, Any], policy: str) -> str | None:
+    """The fastest "ok" candidate of ``policy`` in a point, computed here independently of kernels.dispatch."""
+    ok = [(t, n) for n, t in point["median_us"].items()
+          if n in dispatch.POLICY_CANDIDATES[policy] and t is not None and point["status"].get(n) == "ok"]
+    return min(ok)[1] if ok else None
 
 
 def test_gpu_slug() -> None:
@@ -61,85 +88,185 @@ def test_gpu_slug() -> None:
         dispatch.gpu_slug("  ")
 
 
-def test_heuristic() -> None:
-    choices = {t: dispatch.heuristic(_dims(QWEN30, t)) for t in (1, 2, 3, 4, 8, 64)}
-    assert choices == {1: dispatch.STRICT, 2: dispatch.STRICT, 3: dispatch.BATCHED, 4: dispatch.BATCHED,
-                       8: dispatch.BATCHED, 64: dispatch.BATCHED}
+def test_policies_and_candidates() -> None:
+    assert dispatch.POLICIES == ("fastest", "warp_decode")
+    assert dispatch.CANDIDATES == (S, B, EC) and EC == "cupy:expert-centric"
+    assert dispatch.POLICY_CANDIDATES == {"fastest": (S, B, EC), "warp_decode": (S, B)}
+    for bad in ("Fastest", "classical", None, 3):
+        with pytest.raises(ValueError, match=r"policy must be one of \('fastest', 'warp_decode'\)"):
+            dispatch.check_policy(bad)
+
+
+def test_heuristic_warp_decode_policy() -> None:
+    choices = {t: dispatch.heuristic(_dims(QWEN30, t), "warp_decode") for t in (1, 2, 3, 4, 8, 32, 64)}
+    assert choices == {1: S, 2: S, 3: B, 4: B, 8: B, 32: B, 64: B}
     big = _dims(QWEN30, 4096)  # beyond the batched down kernel's shared memory
-    assert not dispatch.batched_supported(big) and dispatch.heuristic(big) == dispatch.STRICT
+    assert not dispatch.batched_supported(big) and dispatch.heuristic(big, "warp_decode") == S
     mixtral = PRESETS["mixtral-8x7b"]  # E = 8, K = 2: T=1 shares nothing, T=2 already does
-    assert dispatch.heuristic(_dims(mixtral, 1)) == dispatch.STRICT
-    assert dispatch.heuristic(_dims(mixtral, 2)) == dispatch.BATCHED
+    assert dispatch.heuristic(_dims(mixtral, 1), "warp_decode") == S
+    assert dispatch.heuristic(_dims(mixtral, 2), "warp_decode") == B
+
+
+def test_heuristic_fastest_policy_boundaries() -> None:
+    # qwen3 (E = 128, K = 8): expert-centric from T*K >= 2E, i.e. T >= 32 (the H200 evening run's crossover)
+    choices = {t: dispatch.heuristic(_dims(QWEN30, t)) for t in (1, 2, 3, 4, 8, 16, 31, 32, 64, 4096)}
+    assert choices == {1: S, 2: S, 3: B, 4: B, 8: B, 16: B, 31: B, 32: EC, 64: EC, 4096: EC}
+    assert dispatch.heuristic(_dims(PRESETS["qwen3-235b-a22b"], 32)) == EC
+    mixtral = PRESETS["mixtral-8x7b"]  # E = 8, K = 2: 2E = 16 pairs at T = 8
+    assert [dispatch.heuristic(_dims(mixtral, t)) for t in (1, 2, 7, 8)] == [S, B, B, EC]
+    assert [dispatch.heuristic(_dims(TINY, t)) for t in (1, 5, 6)] == [S, B, EC]  # E = 6, K = 2
+
+
+def test_heuristic_skips_paths_that_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    ec = dispatch.ec
+    many = Dims(4096, 64, 64, ec.MAX_EXPERTS + 8, 8)  # T*K >= 2E, but too many experts for the align kernel
+    assert not dispatch.expert_centric_supported(many) and dispatch.heuristic(many) != EC
+    dims = _dims(QWEN30, 64)
+    assert dispatch.expert_centric_supported(dims)
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise ValueError("no tile knobs for these dims")
+
+    monkeypatch.setattr(ec, "check_params", refuse)
+    assert not dispatch.expert_centric_supported(dims)
+    assert dispatch.heuristic(dims) == B
+    assert dispatch.supported(S, dims) and not dispatch.supported(EC, dims) and not dispatch.supported("x", dims)
 
 
 def test_table_lookup(tmp_path: Path) -> None:
     gpu = "Fake GPU 9000"
-    _write_table(tmp_path, gpu, QWEN30, {1: dispatch.STRICT, 2: dispatch.BATCHED, 8: dispatch.STRICT,
-                                         64: dispatch.BATCHED})
-    want = {1: dispatch.STRICT, 2: dispatch.BATCHED, 3: dispatch.BATCHED, 7: dispatch.BATCHED,
-            8: dispatch.STRICT, 63: dispatch.STRICT, 64: dispatch.BATCHED, 200: dispatch.BATCHED}
+    _write_table(tmp_path, gpu, QWEN30, {
+        1: {S: 10.0, B: 11.0, EC: 12.0},
+        2: {S: 11.0, B: 10.0, EC: 12.0},
+        8: {S: 10.0, B: 11.0, EC: 12.0},
+        32: {S: 30.0, B: 12.0, EC: 10.0},  # expert-centric fastest, batched second
+        64: {S: 30.0, B: 10.0, EC: 11.0},
+    })
+    want = {1: S, 2: B, 3: B, 7: B, 8: S, 31: S, 32: EC, 63: EC, 64: B, 200: B}
     for tokens, choice in want.items():
         assert dispatch.choose(_dims(QWEN30, tokens), gpu, tmp_path) == (choice, "table"), tokens
-    # batched chosen by the table but impossible at this T: heuristic (strict)
-    assert dispatch.choose(_dims(QWEN30, 4096), gpu, tmp_path) == (dispatch.STRICT, "heuristic")
+    want_wd = {1: S, 2: B, 8: S, 32: B, 63: B, 64: B}
+    for tokens, choice in want_wd.items():
+        assert dispatch.choose(_dims(QWEN30, tokens), gpu, tmp_path, "warp_decode") == (choice, "table"), tokens
+    # batched fastest at the point but impossible at this T: the next fastest runnable candidate of the policy
+    assert dispatch.choose(_dims(QWEN30, 4096), gpu, tmp_path) == (EC, "table")
+    assert dispatch.choose(_dims(QWEN30, 4096), gpu, tmp_path, "warp_decode") == (S, "table")
     # a shape the table does not hold, or a GPU without a table: heuristic
     other = PRESETS["qwen3-235b-a22b"]
-    assert dispatch.choose(_dims(other, 64), gpu, tmp_path) == (dispatch.BATCHED, "heuristic")
-    assert dispatch.choose(_dims(QWEN30, 1), "Other GPU", tmp_path) == (dispatch.STRICT, "heuristic")
+    assert dispatch.choose(_dims(other, 64), gpu, tmp_path) == (EC, "heuristic")
+    assert dispatch.choose(_dims(other, 64), gpu, tmp_path, "warp_decode") == (B, "heuristic")
+    assert dispatch.choose(_dims(QWEN30, 1), "Other GPU", tmp_path) == (S, "heuristic")
+    with pytest.raises(ValueError, match="policy"):
+        dispatch.choose(_dims(QWEN30, 1), gpu, tmp_path, "classical")
 
 
 def test_table_lower_bound_below_first_point(tmp_path: Path) -> None:
     gpu = "Fake GPU 2"
-    _write_table(tmp_path, gpu, QWEN30, {4: dispatch.BATCHED, 16: dispatch.STRICT})
-    assert dispatch.choose(_dims(QWEN30, 1), gpu, tmp_path) == (dispatch.BATCHED, "table")  # first point
+    _write_table(tmp_path, gpu, QWEN30, {4: {S: 11.0, B: 10.0, EC: 12.0}, 16: {S: 10.0, B: 11.0, EC: 12.0}})
+    assert dispatch.choose(_dims(QWEN30, 1), gpu, tmp_path) == (B, "table")  # first point
 
 
-def test_h200_uses_the_heuristic_until_a_measured_table_exists() -> None:
-    """No table is ever written by hand: the H200 uses the heuristic until tools.dispatch_table has run there."""
-    dispatch.load_table.cache_clear()
-    measured = (dispatch.TABLE_DIR / "nvidia-h200.json").is_file()
-    for tokens in (1, 8, 64):
-        choice, source = dispatch.choose(_dims(QWEN30, tokens), "NVIDIA H200")
-        assert source == ("table" if measured else "heuristic")
-        if not measured:
-            assert choice == dispatch.heuristic(_dims(QWEN30, tokens))
+def test_table_points_missing_candidates_and_bad_status(tmp_path: Path) -> None:
+    gpu = "Fake GPU 3"
+    _write_points(tmp_path, gpu, QWEN30, {
+        1: {"median_us": {S: 10.0, B: 11.0}, "status": {S: "ok", B: "ok"}},  # expert-centric not measured
+        2: {"median_us": {S: 12.0, B: 11.0, EC: None}, "status": {S: "ok", B: "ok", EC: "unsupported"}},
+        4: {"median_us": {S: 12.0, B: 11.0, EC: 5.0}, "status": {S: "ok", B: "ok", EC: "wrong"}},
+        8: {"median_us": {S: 12.0, B: 11.0, EC: 5.0}, "status": {S: "ok", B: "error", EC: "ok"}},
+        16: {"median_us": {S: 12.0, B: 11.0, EC: 5.0}, "status": {S: "wrong", B: "error", EC: "ok"}},
+        32: {"median_us": {EC: 5.0, "numba:warp-decode": 1.0}, "status": {EC: "ok", "numba:warp-decode": "ok"}},
+    })
+    fastest = {t: dispatch.choose(_dims(QWEN30, t), gpu, tmp_path) for t in (1, 2, 4, 8, 16, 32)}
+    assert fastest == {1: (S, "table"), 2: (B, "table"), 4: (B, "table"), 8: (EC, "table"), 16: (EC, "table"),
+                       32: (EC, "table")}  # a non-candidate (numba) is never chosen
+    warp = {t: dispatch.choose(_dims(QWEN30, t), gpu, tmp_path, "warp_decode") for t in (1, 2, 4, 8, 16, 32)}
+    assert warp == {1: (S, "table"), 2: (B, "table"), 4: (B, "table"), 8: (S, "table"),
+                    16: (B, "heuristic"), 32: (B, "heuristic")}  # nothing "ok" for the policy: heuristic
 
 
-def test_committed_tables_are_valid_measurements() -> None:
-    for path in sorted(dispatch.TABLE_DIR.glob("*.json")):
+def test_old_format_points(tmp_path: Path) -> None:
+    """Tables written before the expert-centric candidate hold only ``choice``: used when in the policy."""
+    gpu = "Fake GPU 4"
+    _write_points(tmp_path, gpu, QWEN30, {1: {"choice": S}, 8: {"choice": B}, 64: {"choice": EC}})
+    assert dispatch.choose(_dims(QWEN30, 1), gpu, tmp_path) == (S, "table")
+    assert dispatch.choose(_dims(QWEN30, 8), gpu, tmp_path, "warp_decode") == (B, "table")
+    assert dispatch.choose(_dims(QWEN30, 64), gpu, tmp_path) == (EC, "table")
+    assert dispatch.choose(_dims(QWEN30, 64), gpu, tmp_path, "warp_decode") == (B, "heuristic")
+    assert dispatch.choose(_dims(QWEN30, 4096), gpu, tmp_path, "warp_decode") == (S, "heuristic")
+    # an old batched choice that cannot run the dims: the heuristic
+    _write_points(tmp_path, gpu, QWEN30, {64: {"choice": B}})
+    assert dispatch.choose(_dims(QWEN30, 4096), gpu, tmp_path) == (EC, "heuristic")
+
+
+def test_committed_h200_table_choices() -> None:
+    """The committed tables validate, were measured on their GPU, and each point's choice under each policy is
+    that policy's fastest "ok" candidate (also what the tool recorded in ``choices`` / ``choice``)."""
+    paths = sorted(dispatch.TABLE_DIR.glob("*.json"))
+    assert dispatch.TABLE_DIR / "nvidia-h200.json" in paths
+    for path in paths:
         table = dispatch.validate_table(json.loads(path.read_text()))
         assert path.stem == dispatch.gpu_slug(table["gpu"]) == table["slug"], path
         assert table["environment"]["gpu"]["name"] == table["gpu"], f"{path}: not measured on {table['gpu']}"
+        assert table["candidates"] == list(dispatch.CANDIDATES) and table["sources"], path
         for key, entry in table["entries"].items():
             for tokens, point in entry["points"].items():
-                medians = {n: t for n, t in point["median_us"].items() if n in dispatch.CANDIDATES and t}
-                assert point["choice"] == min(medians, key=medians.get), (path, key, tokens)
+                assert set(dispatch.CANDIDATES) <= set(point["median_us"]), (path, key, tokens)
+                for policy in dispatch.POLICIES:
+                    want = _fastest(point, policy)
+                    assert want is not None
+                    assert dispatch.point_choice(point, policy) == want == point["choices"][policy], (key, tokens)
+                assert point["choice"] == point["choices"]["fastest"]
+    # what the H200 table says today (results/h200-2026-11-30-evening.json + -final.json)
+    dispatch.load_table.cache_clear()
+    for model in ("qwen3-30b-a3b", "qwen3-235b-a22b"):
+        shape = PRESETS[model]
+        for tokens in (32, 64):
+            assert dispatch.choose(_dims(shape, tokens), "NVIDIA H200") == (EC, "table")
+            assert dispatch.choose(_dims(shape, tokens), "NVIDIA H200", policy="warp_decode") == (B, "table")
+        assert dispatch.choose(_dims(shape, 1), "NVIDIA H200") == (S, "table")
 
 
 def test_validate_table_rejects_bad_tables() -> None:
     with pytest.raises(ValueError, match="schema"):
         dispatch.validate_table({"gpu": "x"})
     good = {"schema": dispatch.SCHEMA, "gpu": "g", "date": "d",
-            "entries": {"k": {"points": {"1": {"choice": dispatch.STRICT}}}}}
+            "entries": {"k": {"points": {"1": {"choice": S}, "2": {"choice": EC},
+                                         "4": {"median_us": {S: 2.0, EC: None}, "status": {S: "ok", EC: "error"}}}}}}
     assert dispatch.validate_table(good) is good
-    bad = json.loads(json.dumps(good))
-    bad["entries"]["k"]["points"]["1"]["choice"] = "cupy:expert-centric"
+
+    def broken(**point: Any) -> dict[str, Any]:
+        bad = json.loads(json.dumps(good))
+        bad["entries"]["k"]["points"]["1"] = point
+        return bad
+
     with pytest.raises(ValueError, match="choice"):
-        dispatch.validate_table(bad)
-    bad["entries"]["k"]["points"] = {"zero": {"choice": dispatch.STRICT}}
+        dispatch.validate_table(broken(choice="cupy:auto"))
+    with pytest.raises(ValueError, match="median_us and status"):
+        dispatch.validate_table(broken(tbps={S: 1.0}))
+    with pytest.raises(ValueError, match="objects"):
+        dispatch.validate_table(broken(median_us={S: 1.0}))
+    with pytest.raises(ValueError, match="positive number"):
+        dispatch.validate_table(broken(median_us={S: -1.0}, status={S: "ok"}))
+    with pytest.raises(ValueError, match="measured correctly"):
+        dispatch.validate_table(broken(median_us={S: 1.0, B: 2.0}, status={S: "wrong", B: "error"}))
+    bad = json.loads(json.dumps(good))
+    bad["entries"]["k"]["points"] = {"zero": {"choice": S}}
     with pytest.raises(ValueError, match="batch size"):
         dispatch.validate_table(bad)
 
 
 def test_tool_winner_and_point() -> None:
-    records = {dispatch.STRICT: _record(12.0), dispatch.BATCHED: _record(10.0, "wrong"),
-               "cupy:expert-centric": _record(5.0)}
-    assert dispatch_table.winner(records) == dispatch.STRICT  # wrong results and non-candidates never win
-    records[dispatch.BATCHED]["status"] = "ok"
+    records = {S: _record(12.0), B: _record(10.0, "wrong"), EC: _record(5.0, "error"),
+               "numba:warp-decode": _record(1.0)}
+    assert dispatch_table.winner(records) == S  # wrong / failed results and non-candidates never win
+    records[EC]["status"] = "ok"
+    assert dispatch_table.winner(records) == EC
+    assert dispatch_table.winner(records, "warp_decode") == S
+    records[B]["status"] = "ok"
     point = dispatch_table.point_record(records)
-    assert point["choice"] == dispatch.BATCHED
-    assert point["slowdown_of_others"][dispatch.STRICT] == pytest.approx(1.2)
-    assert dispatch_table.point_record({dispatch.STRICT: _record(None, "error")}) is None
+    assert point["choice"] == EC and point["choices"] == {"fastest": EC, "warp_decode": B}
+    assert point["slowdown_of_others"][S] == pytest.approx(12.0 / 5.0)
+    assert dispatch_table.point_record({S: _record(None, "error")}) is None
 
 
 def test_tool_refuses_without_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -151,6 +278,70 @@ def test_tool_refuses_without_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert not (tmp_path / "x.json").exists()
 
 
+def _bench_row(variant: str, batch: int, median: float, status: str = "ok", routing: str | None = None) -> dict:
+    row = {"model": "qwen3-30b-a3b", "variant": variant, "batch": batch, "median_us": median, "status": status,
+           "tbps": 1.0, "bytes": {"unique_experts": 8}}
+    if routing is not None:
+        row["routing"] = routing
+    return row
+
+
+def _bench(date: str, rows: list[dict], routing: str = "uniform", gpu: str = "NVIDIA H200") -> dict:
+    return {"environment": {"date": date, "gpu": {"name": gpu}}, "config": {"routing": routing}, "results": rows}
+
+
+def test_table_from_a_bench_run() -> None:
+    """--from-bench turns a bench JSON into a table: per (model, batch) the fastest correct candidate per policy."""
+    bench = _bench("2026-11-30T00:00:00Z", [
+        _bench_row(S, 1, 26.0), _bench_row(B, 1, 28.0), _bench_row(EC, 1, 40.0),
+        _bench_row(S, 8, 140.0), _bench_row(B, 8, 130.0), _bench_row(EC, 8, 150.0),
+        _bench_row(S, 64, 900.0), _bench_row(B, 64, 500.0, status="wrong"), _bench_row(EC, 64, 400.0),
+        _bench_row(S, 2, 30.0), _bench_row(B, 2, 31.0),  # expert-centric not measured: no point
+        _bench_row("numba:warp-decode", 1, 1.0), _bench_row("cupy:auto", 1, 1.0),  # never candidates
+    ])
+    table = dispatch_table.from_bench(bench, name="run.json")
+    points = next(iter(table["entries"].values()))["points"]
+    assert {t: p["choices"] for t, p in points.items()} == {
+        "1": {"fastest": S, "warp_decode": S}, "8": {"fastest": B, "warp_decode": B},
+        "64": {"fastest": EC, "warp_decode": S}}
+    assert set(points["1"]["median_us"]) == set(dispatch.CANDIDATES)
+    assert table["gpu"] == table["environment"]["gpu"]["name"] == "NVIDIA H200"
+    assert table["sources"] == [{"file": "run.json", "date": "2026-11-30T00:00:00Z", "gpu": "NVIDIA H200"}]
+    with pytest.raises(ValueError, match="uniform"):
+        dispatch_table.from_bench({**bench, "config": {"routing": "zipf"}})
+
+
+def test_table_from_several_bench_runs(tmp_path: Path) -> None:
+    """Later files override the same variant at the same (model, batch); only uniform-routing rows count."""
+    evening = _bench("2026-11-30T18:58:00Z", [
+        _bench_row(S, 1, 23.0), _bench_row(B, 1, 28.0), _bench_row(EC, 1, 40.0),
+        _bench_row(S, 32, 530.0), _bench_row(B, 32, 368.0), _bench_row(EC, 32, 314.0),
+    ])
+    final = _bench("2026-11-30T19:08:00Z", [
+        _bench_row(S, 1, 22.0), _bench_row(B, 1, 20.0),
+        _bench_row(B, 32, 300.0), _bench_row(EC, 32, 1.0, routing="zipf"),  # a zipf row never counts
+    ])
+    zipf_run = _bench("2026-11-30T19:09:00Z", [_bench_row(EC, 1, 1.0)], routing="zipf")
+    paths = []
+    for name, run in (("evening.json", evening), ("final.json", final), ("zipf.json", zipf_run)):
+        paths.append(tmp_path / name)
+        paths[-1].write_text(json.dumps(run))
+    out = tmp_path / "nvidia-h200.json"
+    assert dispatch_table.main(["--json", str(out), "--from-bench", *map(str, paths)]) == 0
+    table = dispatch.validate_table(json.loads(out.read_text()))
+    points = next(iter(table["entries"].values()))["points"]
+    assert points["1"]["median_us"] == {S: 22.0, B: 20.0, EC: 40.0}
+    assert points["1"]["sources"] == {S: "final.json", B: "final.json", EC: "evening.json"}
+    assert points["1"]["choices"] == {"fastest": B, "warp_decode": B}
+    assert points["32"]["median_us"] == {S: 530.0, B: 300.0, EC: 314.0}
+    assert points["32"]["choices"] == {"fastest": B, "warp_decode": B}
+    assert [s["file"] for s in table["sources"]] == ["evening.json", "final.json", "zipf.json"]
+    assert table["date"] == "2026-11-30T19:08:00Z"  # the latest run that gave rows (zipf.json gave none)
+    other = _bench("2026-12-01T00:00:00Z", evening["results"], gpu="NVIDIA B200")
+    with pytest.raises(ValueError, match="different GPUs"):
+        dispatch_table.from_benches([("a.json", evening), ("b.json", other)])
+
+
 def test_input_errors_before_any_device_call() -> None:
     problem = make_problem("tiny", 2, seed=1)
     with pytest.raises(TypeError, match="cupy"):
@@ -158,9 +349,16 @@ def test_input_errors_before_any_device_call() -> None:
     fakes = [FakeCupyArray(a.shape, a.dtype) for a in problem.arrays]
     with pytest.raises(TypeError, match="workspace"):
         dispatch.moe_decode(*fakes, workspace=object())
-    ws = dispatch.Workspace(_dims(problem.shape, 3), dispatch.STRICT, "heuristic", None)
+    ws = dispatch.Workspace(_dims(problem.shape, 3), S, "heuristic", None)
     with pytest.raises(ValueError, match="workspace was made for"):
         dispatch.moe_decode(*fakes, workspace=ws)
+    ws = dispatch.Workspace(_dims(problem.shape, 2), B, "heuristic", None, policy="warp_decode")
+    with pytest.raises(ValueError, match="policy 'warp_decode', this call uses policy 'fastest'"):
+        dispatch.moe_decode(*fakes, workspace=ws)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        dispatch.moe_decode(*fakes, workspace=ws, policy="accurate")
+    with pytest.raises(ValueError, match="policy must be one of"):
+        dispatch.make_workspace(_dims(problem.shape, 2), "NVIDIA H200", policy="accurate")
     fakes[3] = FakeCupyArray((2, 2), np.int64)
     with pytest.raises(TypeError, match="topk_ids"):
         dispatch.moe_decode(*fakes)
@@ -168,13 +366,92 @@ def test_input_errors_before_any_device_call() -> None:
         dispatch.choose((1, 2, 3, 4, 5), "NVIDIA H200")
 
 
-def test_variant_registered() -> None:
-    from kernels.variants import REGISTRY
+def test_api_moe_decode_passes_the_policy() -> None:
+    import inspect
 
-    variant = REGISTRY["cupy:auto"]
-    assert variant.reference_mode == "warp_decode" and variant.params == {}
-    with pytest.raises(ValueError, match="no knobs"):
-        variant.build(_dims(QWEN30, 1), GB_OUTS=2)
+    from kernels import api
+
+    assert inspect.signature(api.moe_decode).parameters["policy"].default == "fastest"
+    fakes = [FakeCupyArray(a.shape, a.dtype) for a in make_problem("tiny", 2, seed=1).arrays]
+    with pytest.raises(ValueError, match="policy must be one of"):
+        api.moe_decode(*fakes, policy="nope")
+
+
+def test_variants_registered() -> None:
+    from kernels.variants import REGISTRY, load_builtin
+
+    load_builtin()
+    for name in ("cupy:auto", "cupy:auto-warp-decode"):
+        variant = REGISTRY[name]
+        assert variant.family == "auto" and variant.params == {}
+        with pytest.raises(ValueError, match="no knobs"):
+            variant.build(_dims(QWEN30, 1), GB_OUTS=2)
+    with pytest.raises(ValueError, match="policy"):
+        dispatch.build(_dims(QWEN30, 1), "nope")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The bench harness checks a launch against its own numerics (NumPy stand-in for CuPy, no GPU)
+# ---------------------------------------------------------------------------------------------------
+def test_harness_checked_as() -> None:
+    from kernels.variants import Variant
+    from tools import harness
+
+    variant = Variant(name="fake:v", backend="cupy", family="x", build=lambda dims: None, quant=None)
+
+    def launch() -> None:
+        pass
+
+    assert harness.checked_as(variant, launch) is variant
+    launch.reference_mode = "classical"  # type: ignore[attr-defined]
+    assert (harness.checked_as(variant, launch).reference_mode, harness.checked_as(variant, launch).quant) == (
+        "classical", None)
+    launch.quant = "fp8"  # type: ignore[attr-defined]
+    assert harness.checked_as(variant, launch).quant == "fp8"
+
+
+def _auto_like_variant(announce: bool) -> Any:
+    """A stand-in 'auto' variant (reference_mode warp_decode) whose launch computes the classical fp8 path and,
+    with ``announce``, says so (``launch.reference_mode`` / ``quant``) with a choice, as dispatch.build does."""
+    from kernels.reference import moe_decode
+    from kernels.variants import Variant
+
+    def build(dims: Dims, **params: Any) -> Any:
+        import cupy
+
+        def compute(x: Any, w13: Any, w2: Any, ids: Any, weights: Any, out: Any) -> None:
+            out[...] = moe_decode(x, w13, w2, ids, weights, mode="classical", quant="fp8")
+
+        def launch(*args: Any) -> None:
+            cupy.cuda.get_current_stream().run(lambda: compute(*args))
+
+        if announce:
+            launch.reference_mode, launch.quant = "classical", "fp8"  # type: ignore[attr-defined]
+            launch.choice, launch.choice_source = "cupy:expert-centric-fp8", "table"  # type: ignore[attr-defined]
+        return launch
+
+    return Variant(name="fake:auto", backend="cupy", family="auto", build=build, reference_mode="warp_decode")
+
+
+def test_harness_honours_launch_reference_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.test_bench import _fake_cupy
+    from tools import harness
+
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    monkeypatch.setattr(harness, "TARGET_SAMPLE_US", 1.0)
+    work = harness.Workbench(TINY, 5, "uniform", seed=1)
+    try:
+        row = work.measure(_auto_like_variant(announce=True), repeats=2, stages=False)
+        assert row["status"] == "ok", row["error"]
+        assert (row["reference_mode"], row["quant"]) == ("classical", "fp8")
+        assert (row["check"]["mode"], row["check"]["quant"], row["check"]["max_ulp"]) == ("classical", "fp8", 0)
+        assert (row["choice"], row["choice_source"]) == ("cupy:expert-centric-fp8", "table")
+        # the same output checked against the variant's own mode (warp_decode) is wrong: the check is real
+        silent = work.measure(_auto_like_variant(announce=False), repeats=2, stages=False)
+        assert silent["status"] == "wrong" and silent["reference_mode"] == "warp_decode"
+        assert "choice" not in silent
+    finally:
+        work.free()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -188,26 +465,114 @@ def cupy_mod():
     cupy.get_default_memory_pool().free_all_blocks()
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 3, 8, 64])
-def test_moe_decode_equals_chosen_path(cupy_mod: Any, rng: np.random.Generator, tokens: int) -> None:
-    from kernels import warp_decode_batched as wdb
-    from kernels import warp_decode_cupy as wdc
+def _path_call(choice: str) -> Any:
+    return {S: dispatch.wdc.warp_decode, B: dispatch.wdb.warp_decode_batched, EC: dispatch.ec.expert_centric}[choice]
 
+
+def _check_chosen_mode(cupy: Any, got: np.ndarray, problem: Any, choice: str, what: str) -> None:
+    """``got`` against reference.moe_decode in the chosen path's mode (and the fp64 oracle)."""
+    from kernels.numerics import rel_l2
+    from kernels.reference import moe_decode
+    from kernels.variants import get_variant
+
+    mode = get_variant(choice).reference_mode
+    if mode == "warp_decode":
+        faithful, oracle = _references(problem)
+        _assert_matches(got, faithful, oracle, what)
+        return
+    from tests.test_expert_centric import _check_close, _f32
+
+    assert (mode, get_variant(choice).quant) == ("classical", None), what
+    host = problem.compact()
+    _check_close(got, moe_decode(*host.arrays, mode="classical"))
+    assert rel_l2(_f32(got), moe_decode(*host.arrays, mode="fp64")) < 1.5e-2, what
+
+
+def _run_three_times(cupy: Any, problem: Any, ws: dispatch.Workspace, policy: str) -> np.ndarray:
+    """Three poisoned runs with out + workspace; bitwise identical; returns the first."""
+    runs = []
+    for _ in range(3):
+        out = _poisoned_out(cupy, problem.tokens, problem.shape.hidden)
+        assert dispatch.moe_decode(*problem.arrays, out=out, workspace=ws, policy=policy) is out
+        cupy.cuda.runtime.deviceSynchronize()
+        runs.append(cupy.asnumpy(out))
+    for run in runs[1:]:
+        assert np.array_equal(run.view(np.uint16), runs[0].view(np.uint16)), f"{ws.choice}: not repeatable"
+    return runs[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, policy", [(1, "fastest"), (3, "fastest"), (8, "fastest"), (64, "fastest"),
+                                            (64, "warp_decode")])
+def test_moe_decode_equals_chosen_path(cupy_mod: Any, rng: np.random.Generator, tokens: int, policy: str) -> None:
+    """qwen3-30b on this GPU's table: at T=64 policy fastest picks expert-centric on the H200."""
     cupy = cupy_mod
     problem = make_problem("qwen3-30b-a3b", tokens, seed=_seed(rng), xp=cupy)
     dims = _dims(problem.shape, tokens)
-    ws = dispatch.make_workspace(dims)
-    out = _poisoned_out(cupy, tokens, dims.hidden)
-    assert dispatch.moe_decode(*problem.arrays, out=out, workspace=ws) is out
-    cupy.cuda.runtime.deviceSynchronize()
-    path = wdb.warp_decode_batched if ws.choice == dispatch.BATCHED else wdc.warp_decode
-    expected = cupy.asnumpy(path(*problem.arrays)).view(np.uint16)
-    assert np.array_equal(cupy.asnumpy(out).view(np.uint16), expected), ws.choice
-    faithful, oracle = _references(problem)
-    _assert_matches(cupy.asnumpy(out), faithful, oracle, f"auto T={tokens} ({ws.choice}, {ws.source})")
-    allocating = dispatch.moe_decode(*problem.arrays)
+    ws = dispatch.make_workspace(dims, policy=policy)
+    assert ws.policy == policy and ws.choice in dispatch.POLICY_CANDIDATES[policy]
+    got = _run_three_times(cupy, problem, ws, policy)
+    expected = cupy.asnumpy(_path_call(ws.choice)(*problem.arrays)).view(np.uint16)
+    assert np.array_equal(got.view(np.uint16), expected), ws.choice
+    _check_chosen_mode(cupy, got, problem, ws.choice, f"auto T={tokens} {policy} ({ws.choice}, {ws.source})")
+    allocating = dispatch.moe_decode(*problem.arrays, policy=policy)
     assert allocating.dtype == BF16 and np.array_equal(cupy.asnumpy(allocating).view(np.uint16), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy, expected", [("fastest", EC), ("warp_decode", B)], ids=["fastest", "warp_decode"])
+def test_fabricated_table_picks_expert_centric(cupy_mod: Any, rng: np.random.Generator, tmp_path: Path,
+                                               policy: str, expected: str) -> None:
+    """A table saying expert-centric is fastest at tiny T=4 (where the heuristic says batched)."""
+    cupy = cupy_mod
+    gpu = "Fabricated GPU"
+    _write_table(tmp_path, gpu, TINY, {4: {S: 12.0, B: 11.0, EC: 10.0}})
+    problem = make_problem("tiny", 4, seed=_seed(rng), routing="zipf", xp=cupy)
+    dims = _dims(TINY, 4)
+    assert dispatch.heuristic(dims) == B
+    ws = dispatch.make_workspace(dims, gpu, policy=policy, table_dir=tmp_path)
+    assert (ws.choice, ws.source, ws.policy) == (expected, "table", policy)
+    got = _run_three_times(cupy, problem, ws, policy)
+    assert np.array_equal(got.view(np.uint16), cupy.asnumpy(_path_call(expected)(*problem.arrays)).view(np.uint16))
+    _check_chosen_mode(cupy, got, problem, expected, f"fabricated table, {policy}")
+    other = "warp_decode" if policy == "fastest" else "fastest"
+    with pytest.raises(ValueError, match="policy"):
+        dispatch.moe_decode(*problem.arrays, out=_poisoned_out(cupy, 4, TINY.hidden), workspace=ws, policy=other)
+
+
+def _capture_and_replay(cupy: Any, rng: np.random.Generator, problem: Any, ws: dispatch.Workspace, launch: Any,
+                        policy: str, what: str) -> None:
+    """Capture moe_decode (out + workspace) and the auto variant's launch in one graph, replay it twice with new
+    routing and inputs written into the same buffers, check both outputs against the chosen path's mode."""
+    dims = ws.dims
+    outs = [_poisoned_out(cupy, dims.tokens, dims.hidden) for _ in range(2)]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        dispatch.moe_decode(*problem.arrays, out=outs[0], workspace=ws, policy=policy)  # compile outside capture
+        launch(*problem.arrays, outs[1])
+        stream.synchronize()
+        for o in outs:
+            o.view(cupy.uint16).fill(0x7FC0)
+        stream.synchronize()
+        dispatch.load_table.cache_clear()
+        dispatch._device_name.cache_clear()
+        stream.begin_capture()
+        assert dispatch.choose(dims, policy=policy) == (ws.choice, ws.source)  # the decision is capture-safe
+        dispatch.moe_decode(*problem.arrays, out=outs[0], workspace=ws, policy=policy)  # no host sync
+        launch(*problem.arrays, outs[1])
+        graph = stream.end_capture()
+    for round_ in range(2):
+        with stream:
+            graph.launch(stream)
+            stream.synchronize()
+        cupy.cuda.runtime.deviceSynchronize()
+        results = [cupy.asnumpy(o) for o in outs]
+        assert np.array_equal(results[0].view(np.uint16), results[1].view(np.uint16)), f"{what} replay {round_}"
+        for result, name in zip(results, ("moe_decode", "variant"), strict=True):
+            _check_chosen_mode(cupy, result, problem, ws.choice, f"{what} {name} replay {round_}")
+        write_fresh_inputs(cupy, problem, _seed(rng))
+        for o in outs:
+            o.view(cupy.uint16).fill(0x7FC0)
 
 
 @pytest.mark.gpu
@@ -218,54 +583,25 @@ def test_capture_moe_decode_and_auto_variant(cupy_mod: Any, rng: np.random.Gener
     dims = _dims(problem.shape, tokens)
     ws = dispatch.make_workspace(dims)
     launch = dispatch.VARIANT.make(dims)
-    assert launch.choice == ws.choice and launch.choice_source == ws.source
-    outs = [_poisoned_out(cupy, tokens, dims.hidden) for _ in range(2)]
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        dispatch.moe_decode(*problem.arrays, out=outs[0], workspace=ws)  # compile outside the capture
-        launch(*problem.arrays, outs[1])
-        stream.synchronize()
-        for o in outs:
-            o.view(cupy.uint16).fill(0x7FC0)
-        stream.synchronize()
-        dispatch.load_table.cache_clear()
-        dispatch._device_name.cache_clear()
-        stream.begin_capture()
-        assert dispatch.choose(dims) == (ws.choice, ws.source)  # the decision itself is capture-safe
-        dispatch.moe_decode(*problem.arrays, out=outs[0], workspace=ws)  # no host sync
-        launch(*problem.arrays, outs[1])
-        graph = stream.end_capture()
-    for round_ in range(2):
-        with stream:
-            graph.launch(stream)
-            stream.synchronize()
-        faithful, oracle = _references(problem)
-        for o, what in zip(outs, ("moe_decode", "cupy:auto"), strict=True):
-            _assert_matches(cupy.asnumpy(o), faithful, oracle, f"{what} replay {round_} T={tokens}")
-        write_fresh_inputs(cupy, problem, _seed(rng))
-        for o in outs:
-            o.view(cupy.uint16).fill(0x7FC0)
+    assert (launch.choice, launch.choice_source, launch.policy) == (ws.choice, ws.source, "fastest")
+    _capture_and_replay(cupy, rng, problem, ws, launch, "fastest", f"qwen3-30b T={tokens}")
 
 
-def test_table_from_a_bench_run() -> None:
-    """--from-bench turns a bench JSON into a table: the faster correct candidate per (model, batch)."""
-    from tools import dispatch_table
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy, variant, expected", [("fastest", "cupy:auto", EC),
+                                                       ("warp_decode", "cupy:auto-warp-decode", B)],
+                         ids=["fastest", "warp_decode"])
+def test_capture_policies_tiny(cupy_mod: Any, rng: np.random.Generator, policy: str, variant: str,
+                               expected: str) -> None:
+    """tiny T=8 (T*K = 16 >= 2E = 12, no table entry): the heuristic picks expert-centric under "fastest"."""
+    from kernels.variants import get_variant
 
-    def row(variant: str, batch: int, median: float, status: str = "ok") -> dict:
-        return {"model": "qwen3-30b-a3b", "variant": variant, "batch": batch, "median_us": median, "status": status,
-                "tbps": 1.0, "bytes": {"unique_experts": 8}}
-
-    env = {"date": "2026-11-30T00:00:00Z", "gpu": {"name": "NVIDIA H200"}}
-    bench = {"environment": env, "config": {"routing": "uniform"}, "results": [
-        row(dispatch.STRICT, 1, 26.0), row(dispatch.BATCHED, 1, 28.0),
-        row(dispatch.STRICT, 8, 140.0), row(dispatch.BATCHED, 8, 130.0),
-        row(dispatch.STRICT, 64, 900.0), row(dispatch.BATCHED, 64, 500.0, status="wrong"),
-        row("cupy:expert-centric", 64, 400.0),  # never a candidate
-    ]}
-    table = dispatch_table.from_bench(bench)
-    points = next(iter(table["entries"].values()))["points"]
-    assert {t: p["choice"] for t, p in points.items()} == {"1": dispatch.STRICT, "8": dispatch.BATCHED,
-                                                            "64": dispatch.STRICT}
-    assert table["gpu"] == table["environment"]["gpu"]["name"] == "NVIDIA H200"
-    with pytest.raises(ValueError, match="uniform"):
-        dispatch_table.from_bench({**bench, "config": {"routing": "zipf"}})
+    cupy = cupy_mod
+    problem = make_problem("tiny", 8, seed=_seed(rng), xp=cupy)
+    dims = _dims(TINY, 8)
+    ws = dispatch.make_workspace(dims, policy=policy)
+    assert (ws.choice, ws.source) == (expected, "heuristic")
+    launch = get_variant(variant).make(dims)
+    assert (launch.choice, launch.policy) == (expected, policy)
+    assert (launch.reference_mode, launch.quant) == (get_variant(expected).reference_mode, None)
+    _capture_and_replay(cupy, rng, problem, ws, launch, policy, f"tiny T=8 {policy}")

@@ -1,20 +1,28 @@
-"""``python -m tools.dispatch_table``: measure which warp-decode path wins per (shape, T) on this GPU.
+"""``python -m tools.dispatch_table``: measure which MoE decode path wins per (shape, T) on this GPU.
 
     python -m tools.dispatch_table --json kernels/dispatch_tables/nvidia-h200.json
     python -m tools.dispatch_table --json kernels/dispatch_tables/nvidia-h200.json --model qwen3-30b-a3b --batch 1,8
-    python -m tools.dispatch_table --json ... --also cupy:expert-centric      # record other paths too (never chosen)
-    python -m tools.dispatch_table --json kernels/dispatch_tables/nvidia-h200.json --from-bench results/x.json
+    python -m tools.dispatch_table --json ... --also numba:warp-decode     # record other paths too (never chosen)
+    python -m tools.dispatch_table --json kernels/dispatch_tables/nvidia-h200.json --from-bench a.json b.json
 
-``--from-bench`` builds the table from a bench run's JSON instead of timing again (no GPU needed): every
-(model, batch) where the bench measured the candidates (uniform routing) becomes a point, with the bench's
-medians, statuses and environment -- the same measurements the README's tables come from.
+Every point records each candidate's (``kernels.dispatch.CANDIDATES``: strict, batched, expert-centric) median,
+status and TB/s; ``kernels.dispatch`` picks, per policy ("fastest": all three; "warp_decode": strict and
+batched), the fastest candidate of the policy with status "ok". The point's ``choices`` (per policy) and
+``choice`` (policy "fastest") say what that gives, for people reading the file.
 
-For every preset (``--model``, default all but ``tiny``) and T in 1, 2, 4, ..., 64 (``--batch``), each
-candidate (``kernels.dispatch.CANDIDATES``) is timed with ``tools.harness.Workbench.measure`` -- CUDA-graph
-replays, weights rotated past 3x L2, uniform routing, output checked against the reference before and
-after timing -- and the fastest correct one is recorded as the point's ``choice``. An existing file for the
-same GPU is updated in place (entries of other shapes / points kept), so a long sweep can be split into
-several commands (``--model`` one at a time). The file records the GPU's name, the date and the environment.
+``--from-bench`` builds the table from one or more bench runs' JSON instead of timing again (no GPU needed):
+rows of the candidates measured with uniform routing (the row's ``routing``, else the run's config) are
+collected per (model, batch) in file order -- a later file overrides the same variant at the same model and
+batch -- and every (model, batch) where all three candidates have a row becomes a point, with the bench's
+medians and statuses. The files must come from one GPU; each file's name and date is recorded (``sources``,
+and per point which file each candidate's row came from).
+
+Measuring (no ``--from-bench``): for every preset (``--model``, default all but ``tiny``) and T in 1, 2, 4,
+..., 64 (``--batch``), each candidate is timed with ``tools.harness.Workbench.measure`` -- CUDA-graph replays,
+weights rotated past 3x L2, uniform routing, output checked against the reference before and after timing --
+a candidate that cannot run the dims is recorded as "unsupported". An existing file for the same GPU is
+updated in place (entries of other shapes / points kept), so a long sweep can be split into several commands
+(``--model`` one at a time). The file records the GPU's name, the date and the environment.
 ``kernels.dispatch`` reads it at run time (``kernels/dispatch_tables/<gpu slug>.json``).
 """
 
@@ -35,23 +43,25 @@ DEFAULT_MODELS = tuple(name for name in PRESETS if name != "tiny")
 DEFAULT_REPEATS = 15
 
 
-def winner(records: dict[str, dict[str, Any]]) -> str | None:
-    """The candidate with the lowest median among those measured correctly (status "ok"), or None."""
-    ok = {name: r["median_us"] for name, r in records.items()
-          if name in dispatch.CANDIDATES and r.get("status") == "ok" and r.get("median_us") is not None}
-    if not ok:
-        return None
-    return min(sorted(ok), key=lambda name: ok[name])  # ties -> the alphabetically first name (stable)
+def winner(records: dict[str, dict[str, Any]], policy: str = dispatch.FASTEST) -> str | None:
+    """The candidate of ``policy`` with the lowest median among those measured correctly (status "ok"), or
+    None (ties -> the alphabetically first name); the same rule ``kernels.dispatch`` applies to a point."""
+    point = {"median_us": {n: r.get("median_us") for n, r in records.items()},
+             "status": {n: r.get("status") for n, r in records.items()}}
+    return dispatch.point_choice(point, policy)
 
 
-def point_record(records: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """One table point from the measurements of a (shape, T): choice, medians, status of every path."""
-    choice = winner(records)
+def point_record(records: dict[str, dict[str, Any]], sources: dict[str, str] | None = None) -> dict[str, Any] | None:
+    """One table point from the measurements of a (shape, T): every path's median, status and TB/s, the choice
+    per policy (``choices``; ``choice`` = policy "fastest"); None when no candidate was measured correctly."""
+    choices = {policy: winner(records, policy) for policy in dispatch.POLICIES}
+    choice = choices[dispatch.FASTEST]
     if choice is None:
         return None
     best = records[choice]["median_us"]
-    return {
+    point = {
         "choice": choice,
+        "choices": choices,
         "median_us": {name: r.get("median_us") for name, r in records.items()},
         "status": {name: r.get("status") for name, r in records.items()},
         "tbps": {name: r.get("tbps") for name, r in records.items()},
@@ -59,14 +69,18 @@ def point_record(records: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         "slowdown_of_others": {name: (r["median_us"] / best if r.get("median_us") else None)
                                for name, r in records.items() if name != choice},
     }
+    if sources is not None:
+        point["sources"] = dict(sources)
+    return point
 
 
 def merge(table: dict[str, Any] | None, gpu: str, env: dict[str, Any], model: str, dims: Dims,
           tokens: int, point: dict[str, Any]) -> dict[str, Any]:
     """``table`` (or a new one) with ``point`` written at (shape of ``dims``, ``tokens``)."""
     if table is None or table.get("gpu") != gpu:
-        table = {"schema": dispatch.SCHEMA, "gpu": gpu, "slug": dispatch.gpu_slug(gpu),
-                 "candidates": list(dispatch.CANDIDATES), "entries": {}}
+        table = {"schema": dispatch.SCHEMA, "gpu": gpu, "slug": dispatch.gpu_slug(gpu), "entries": {}}
+    table["candidates"] = list(dispatch.CANDIDATES)
+    table["policies"] = {policy: list(names) for policy, names in dispatch.POLICY_CANDIDATES.items()}
     table["date"] = env.get("date")
     table["environment"] = env
     key = dispatch.shape_key(dims)
@@ -77,27 +91,62 @@ def merge(table: dict[str, Any] | None, gpu: str, env: dict[str, Any], model: st
     return table
 
 
-def from_bench(bench: dict[str, Any], table: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A dispatch table (or ``table`` updated) from a ``tools.bench`` JSON: one point per (model, batch)."""
-    env = bench["environment"]
-    gpu = env["gpu"]["name"]
-    if bench.get("config", {}).get("routing", "uniform") != "uniform":
-        raise ValueError("a dispatch table is measured with uniform routing; this bench run used another")
+def _env_order(env: dict[str, Any]) -> str:
+    return str(env.get("date") or "")
+
+
+def from_benches(benches: list[tuple[str, dict[str, Any]]], table: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A dispatch table (or ``table`` updated) from ``[(file name, tools.bench JSON), ...]``: uniform-routing
+    rows of the candidates, later files overriding the same variant at the same (model, batch); one point per
+    (model, batch) where every candidate has a row. ValueError for runs of different GPUs, or no such point."""
+    if not benches:
+        raise ValueError("from_benches needs at least one bench run")
+    gpu: str | None = None
     grouped: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
-    for row in bench["results"]:
-        grouped.setdefault((row["model"], int(row["batch"])), {})[row["variant"]] = row
+    origin: dict[tuple[str, int], dict[str, str]] = {}
+    sources = []
+    contributed: list[dict[str, Any]] = []  # environments of the runs that gave at least one row
+    for name, bench in benches:
+        env = bench["environment"]
+        run_gpu = env["gpu"]["name"]
+        if gpu is None:
+            gpu = run_gpu
+        elif run_gpu != gpu:
+            raise ValueError(f"bench runs of different GPUs: {name} on {run_gpu!r}, {benches[0][0]} on {gpu!r}")
+        sources.append({"file": name, "date": env.get("date"), "gpu": run_gpu})
+        run_routing = bench.get("config", {}).get("routing", "uniform")
+        for row in bench["results"]:
+            if row.get("routing", run_routing) != "uniform" or row["variant"] not in dispatch.CANDIDATES:
+                continue
+            key = (row["model"], int(row["batch"]))
+            grouped.setdefault(key, {})[row["variant"]] = row
+            origin.setdefault(key, {})[row["variant"]] = name
+            if not contributed or contributed[-1] is not env:
+                contributed.append(env)
+    env = max(contributed, key=_env_order) if contributed else {}  # the header of the latest run that counted
+    written = 0
     for (model, tokens), records in sorted(grouped.items()):
         if not all(name in records for name in dispatch.CANDIDATES):
             continue
-        point = point_record(records)
+        ordered = {name: records[name] for name in dispatch.CANDIDATES}
+        point = point_record(ordered, {name: origin[(model, tokens)][name] for name in dispatch.CANDIDATES})
         if point is None:
             continue
         shape = get_shape(model)
         dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
-        table = merge(table, gpu, env, model, dims, tokens, point)
-    if table is None:
-        raise ValueError(f"the bench run measured no point with every candidate {dispatch.CANDIDATES}")
+        table = merge(table, str(gpu), env, model, dims, tokens, point)
+        written += 1
+    if table is None or not written:
+        raise ValueError(f"the bench run(s) measured no point with every candidate {dispatch.CANDIDATES} under "
+                         "uniform routing")
+    new_files = {s["file"] for s in sources}
+    table["sources"] = [s for s in table.get("sources", []) if s.get("file") not in new_files] + sources
     return dispatch.validate_table(table)
+
+
+def from_bench(bench: dict[str, Any], table: dict[str, Any] | None = None, name: str = "bench.json") -> dict[str, Any]:
+    """:func:`from_benches` of one bench run (recorded as ``name``)."""
+    return from_benches([(name, bench)], table)
 
 
 def _parse_batches(text: str) -> list[int]:
@@ -105,6 +154,13 @@ def _parse_batches(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"--batch needs positive ints, got {text!r}")
     return values
+
+
+def _print_choices(table: dict[str, Any]) -> None:
+    for entry in table["entries"].values():
+        for policy in dispatch.POLICIES:
+            print(f"{entry['model']:24s} {policy:12s}",
+                  {t: dispatch.point_choice(p, policy) for t, p in entry["points"].items()})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,19 +171,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=_parse_batches, default=list(dispatch.TABLE_POINTS))
     parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
     parser.add_argument("--also", default="", help="comma-separated variants to time and record, never chosen")
-    parser.add_argument("--from-bench", metavar="BENCH_JSON", help="build the table from a bench run's JSON")
+    parser.add_argument("--from-bench", metavar="BENCH_JSON", nargs="+",
+                        help="build the table from bench runs' JSON (later files override earlier ones)")
     args = parser.parse_args(argv)
 
     if args.from_bench:
         path = Path(args.json)
-        bench_run = json.loads(Path(args.from_bench).read_text())
-        table = from_bench(bench_run, json.loads(path.read_text()) if path.is_file() else None)
+        runs = [(Path(f).name, json.loads(Path(f).read_text())) for f in args.from_bench]
+        table = from_benches(runs, json.loads(path.read_text()) if path.is_file() else None)
         if path.stem != table["slug"]:
             print(f"warning: {path.name} does not match the bench GPU's slug {table['slug']!r}", file=sys.stderr)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(table, indent=1) + "\n")
-        for entry in table["entries"].values():
-            print(entry["model"], {t: p["choice"] for t, p in entry["points"].items()})
+        _print_choices(table)
         return 0
 
     from tools import harness
@@ -143,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {path.name} does not match this GPU's slug {dispatch.gpu_slug(gpu)!r}; "
               "kernels.dispatch will not find it", file=sys.stderr)
     table = json.loads(path.read_text()) if path.is_file() else None
-    names = list(dispatch.CANDIDATES) + [n for n in args.also.split(",") if n]
+    names = list(dispatch.CANDIDATES) + [n for n in args.also.split(",") if n and n not in dispatch.CANDIDATES]
     variants = {name: get_variant(name) for name in names}
     for model in [m for m in args.model.split(",") if m]:
         shape = get_shape(model)
@@ -153,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 records = {}
                 for name, variant in variants.items():
-                    if name == dispatch.BATCHED and not dispatch.batched_supported(dims):
+                    if name in dispatch.CANDIDATES and not dispatch.supported(name, dims):
                         records[name] = {"status": "unsupported", "median_us": None}
                         continue
                     records[name] = bench.measure(variant, repeats=args.repeats, stages=False)
@@ -162,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             point = point_record(records)
             line = "  ".join(f"{n}: {r.get('median_us') or float('nan'):9.1f} us ({r.get('status')})"
                              for n, r in records.items())
-            print(f"{model:24s} T={tokens:3d}  -> {point['choice'] if point else 'NO CORRECT PATH'}   {line}",
-                  flush=True)
+            choices = point["choices"] if point else "NO CORRECT PATH"
+            print(f"{model:24s} T={tokens:3d}  -> {choices}   {line}", flush=True)
             if point is None:
                 continue
             table = merge(table, gpu, env, model, dims, tokens, point)

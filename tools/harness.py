@@ -20,6 +20,9 @@ How a point (model, batch, variant) is measured:
 5. Post-check: ``out`` poisoned again, the timed graph replayed (its last call uses the check copy), compared with
    ``kernels.reference.moe_decode`` in the variant's mode on a compact host copy of THAT copy's touched
    experts (a captured fallback or an empty graph fails), and its error against the fp64 oracle.
+   A launch may name its own numerics (``launch.reference_mode`` / ``launch.quant``, as auto-dispatch does
+   for the path it chose: :func:`checked_as`); the row then records those, and ``launch.choice`` /
+   ``launch.choice_source`` when it has them (keys ``choice`` / ``choice_source``).
 6. Per-stage times when the launch has ``.stages``.
 """
 
@@ -32,6 +35,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -154,6 +158,16 @@ def compare(result: np.ndarray, reference: np.ndarray, quant: str | None) -> dic
     record["rel_l2"] = rel_l2(res, ref)
     record["ok"] = bool(record["rel_l2"] <= tol["rel_l2"] and record["max_ulp"] <= tol["ulp"])
     return record
+
+
+def checked_as(variant: Any, launch: Any) -> Any:
+    """What a launch's output is checked against: ``variant`` itself, or -- when the launch carries
+    ``reference_mode`` and/or ``quant`` (auto-dispatch: the numerics of the path it chose for these dims) --
+    an object with those two attributes, each taken from the launch when it has it, else from the variant."""
+    if not hasattr(launch, "reference_mode") and not hasattr(launch, "quant"):
+        return variant
+    return SimpleNamespace(reference_mode=getattr(launch, "reference_mode", variant.reference_mode),
+                           quant=getattr(launch, "quant", variant.quant))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -413,6 +427,10 @@ class Workbench:
         try:
             started = time.perf_counter()
             launch = variant.make(self.dims, **(params or {}))
+            checked = checked_as(variant, launch)
+            record.update(reference_mode=checked.reference_mode, quant=checked.quant)
+            if hasattr(launch, "choice"):
+                record.update(choice=launch.choice, choice_source=getattr(launch, "choice_source", None))
             copies = []
             for c in range(self.copies):
                 w13, w2 = self.weights(c)
@@ -432,11 +450,11 @@ class Workbench:
                 _nan_fill(out)
                 launch(*args[self.check_copy])
             stream.synchronize()
-            check, _ = self.check_output(_host(out), variant)
+            check, _ = self.check_output(_host(out), checked)
             record["precheck"] = check
             if not check["ok"]:
                 record.update(status="wrong", check=check,
-                              error=f"eager output disagrees with reference mode {variant.reference_mode!r}")
+                              error=f"eager output disagrees with reference mode {checked.reference_mode!r}")
                 return record
 
             fns = [lambda a=a: launch(*a) for a in args]
@@ -449,7 +467,7 @@ class Workbench:
                 _nan_fill(out)
                 self._last[0]()  # the timed graph: its last layer call uses the check copy
             stream.synchronize()
-            check, error = self.check_output(_host(out), variant)
+            check, error = self.check_output(_host(out), checked)
             record.update(check=check, error_vs_fp64=error)
             record["status"] = "ok" if check["ok"] else "wrong"
             if not check["ok"]:
