@@ -84,7 +84,8 @@ def test_cells_percent_and_bar(data):
 
 def test_markdown_tables(data):
     md = report.markdown(data)
-    lines = md.splitlines()
+    assert "#### Crossover: qwen3-30b-a3b, uniform routing" in md  # strict + expert-centric: one crossover table
+    lines = md[: md.index("#### Crossover")].splitlines()  # the per-model table before it
     header = next(line for line in lines if line.startswith("| batch"))
     assert "µs/layer" in header and "TB/s" in header and "% roof" in header and "vs base" in header
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| batch")]
@@ -146,3 +147,213 @@ def test_ratio_markdown_pairs_variants_of_the_same_run_point():
     text = ratio_markdown(runs)
     assert "| qwen3-30b-a3b | 1.25 |" in text and "T=8" not in text  # a wrong point is never compared
     assert ratio_markdown([{"results": []}]) == ""
+
+
+# ------------------------------------------------------------------------------------------------
+# The crossover table (strict / batched / expert-centric / auto over several runs)
+# ------------------------------------------------------------------------------------------------
+STRICT, BATCHED, EC, AUTO = "cupy:warp-decode", "cupy:warp-decode-batched", "cupy:expert-centric", "cupy:auto"
+MODEL = "qwen3-30b-a3b"
+
+
+def _row(variant, batch, us, status="ok", routing="uniform", model=MODEL, tbps=None, **extra):
+    row = {"model": model, "variant": variant, "family": "x", "batch": batch, "routing": routing, "status": status,
+           "median_us": us if status == "ok" else None, "tbps": (tbps if tbps is not None else 100.0 / us)
+           if status == "ok" else None, "samples_us": [us] * 3, "min_us": us, "max_us": us, "iqr_us": 0.0}
+    if routing is None:
+        del row["routing"]
+    row.update(extra)
+    return row
+
+
+def _run(rows, read_tbps=4.0, routing="uniform"):
+    return {"schema": "warp-decode-bench/1", "config": {"routing": routing}, "rooflines": {"read_tbps": read_tbps},
+            "results": rows}
+
+
+def _point(record, batch):
+    return next(p for p in record["points"] if p["batch"] == batch)
+
+
+def test_crossover_table_best_path_auto_and_flag():
+    run = _run([_row(STRICT, 1, 20.0), _row(BATCHED, 1, 25.0), _row(EC, 1, 40.0), _row(AUTO, 1, 20.08),
+                _row(STRICT, 8, 130.0), _row(BATCHED, 8, 100.0), _row(EC, 8, 120.0), _row(AUTO, 8, 103.5),
+                _row(STRICT, 64, 1000.0), _row(BATCHED, 64, 500.0), _row(EC, 64, 350.0), _row(AUTO, 64, 500.0)])
+    record = report.crossover_table([run], MODEL, "uniform")
+    assert record["batches"] == [1, 8, 64]
+    p1, p8, p64 = (_point(record, b) for b in (1, 8, 64))
+    assert (p1["best"], p8["best"], p64["best"]) == ("strict", "batched", "expert-centric")
+    assert p1["best_us"] == 20.0 and p1["auto_vs_best"] == pytest.approx(0.004) and not p1["flag"]
+    assert p8["auto_vs_best"] == pytest.approx(0.035) and p8["flag"]  # 3.5 % > the 3 % bar
+    assert p64["auto_vs_best"] == pytest.approx(500 / 350 - 1) and p64["flag"]
+    assert p1["choice"] is None  # rows without a recorded choice
+    c1, c8 = report.crossover_cells(p1), report.crossover_cells(p8)
+    assert c1["vs_best"] == "+0.4 %" and c1["choice"] == "-" and c1["best"] == "strict"
+    assert c8["vs_best"] == "+3.5 % ⚠" and "†" not in c8["vs_best"]
+    assert record["fastest"] == {"strict": [1], "batched": [8], "expert-centric": [64]}
+    assert (record["auto_within"], record["auto_compared"]) == (1, 3)
+    assert record["summary"] == ("qwen3-30b-a3b, uniform routing: strict T=1, batched T=8, expert-centric T=64; "
+                                 "auto within 3 % of the best at 1/3 points (slower at T=8: +3.5 %, T=64: +42.9 %)")
+
+
+def test_crossover_records_auto_choice_when_present():
+    run = _run([_row(STRICT, 4, 70.0), _row(BATCHED, 4, 72.0), _row(AUTO, 4, 69.0, choice=STRICT),
+                _row(STRICT, 16, 266.0), _row(BATCHED, 16, 214.0), _row(AUTO, 16, 214.5, choice=BATCHED,
+                                                                     choice_source="table")])
+    record = report.crossover_table([run], MODEL, "uniform")
+    assert _point(record, 4)["choice"] == STRICT and _point(record, 16)["choice"] == BATCHED
+    assert report.crossover_cells(_point(record, 4))["choice"] == "strict"
+    assert report.crossover_cells(_point(record, 4))["vs_best"] == "-1.4 %"  # auto faster than the best: no flag
+    assert report.crossover_cells(_point(record, 16))["choice"] == "batched (table)"
+    assert "auto within 3 % of the best at 2/2 points" in record["summary"]
+    assert "expert-centric not measured" in record["summary"]
+
+
+def test_crossover_later_file_wins_and_per_file_roofline():
+    early = _run([_row(STRICT, 1, 30.0, tbps=2.0), _row(BATCHED, 1, 28.0, tbps=2.2), _row(EC, 1, 40.0, tbps=1.5)],
+                 read_tbps=4.0)
+    late = _run([_row(STRICT, 1, 20.0, tbps=3.0), _row(AUTO, 1, 20.2, tbps=2.97)], read_tbps=5.0)
+    record = report.crossover_table([early, late], MODEL, "uniform")
+    point = _point(record, 1)
+    strict, batched, auto = point["cells"]["strict"], point["cells"]["batched"], point["cells"]["auto"]
+    assert strict["us"] == 20.0 and strict["source"] == 1  # the later file's strict row replaced the earlier one
+    assert strict["pct"] == pytest.approx(100 * 3.0 / 5.0)  # % of the later run's roofline
+    assert batched["source"] == 0 and batched["pct"] == pytest.approx(100 * 2.2 / 4.0)  # the earlier run's
+    assert auto["pct"] == pytest.approx(100 * 2.97 / 5.0)
+    assert point["best"] == "strict" and point["mixed_runs"]
+    cells = report.crossover_cells(point)
+    assert cells["strict"] == "20.00 (60%)" and cells["batched"] == "28.00 (55%)" and cells["vs_best"].endswith("†")
+    # the other order: the earlier strict timing wins now
+    reverse = report.crossover_table([late, early], MODEL, "uniform")
+    assert _point(reverse, 1)["cells"]["strict"]["us"] == 30.0 and _point(reverse, 1)["best"] == "batched"
+
+
+def test_crossover_missing_variants_and_failed_rows():
+    run = _run([_row(STRICT, 1, 20.0), _row(BATCHED, 1, 10.0, status="wrong"), _row(AUTO, 1, 10.0, status="error"),
+                _row(STRICT, 2, 40.0), _row(BATCHED, 2, 45.0),
+                _row("numba:warp-decode", 2, 5.0), _row("cupy:warp-decode-pdl", 2, 5.0)])  # not crossover columns
+    record = report.crossover_table([run], MODEL, "uniform")
+    p1, p2 = _point(record, 1), _point(record, 2)
+    assert p1["best"] == "strict" and p1["auto_vs_best"] is None and not p1["flag"]  # failed rows never compared
+    c1 = report.crossover_cells(p1)
+    assert c1["batched"] == "WRONG" and c1["auto"] == "ERROR" and c1["expert-centric"] == "-"
+    assert c1["vs_best"] == "-"
+    c2 = report.crossover_cells(p2)
+    assert c2["expert-centric"] == "-" and c2["auto"] == "-" and c2["choice"] == "-" and c2["best"] == "strict"
+    assert record["summary"].startswith("qwen3-30b-a3b, uniform routing: strict T=1-2 (expert-centric not measured)")
+    assert "auto not compared" in record["summary"]
+    # a later failure hides an earlier timing: that kernel changed since
+    later = _run([_row(STRICT, 2, 40.0, status="wrong")])
+    again = report.crossover_table([run, later], MODEL, "uniform")
+    assert _point(again, 2)["best"] == "batched" and report.crossover_cells(_point(again, 2))["strict"] == "WRONG"
+    # nothing timed at all
+    empty = report.crossover_table([_run([_row(STRICT, 1, 1.0, status="error")])], MODEL, "uniform")
+    assert "no timed strict / batched / expert-centric rows" in empty["summary"]
+
+
+def test_crossover_keeps_routings_and_models_apart():
+    uniform = _run([_row(STRICT, 1, 20.0), _row(BATCHED, 1, 25.0), _row(AUTO, 1, 20.0),
+                    _row(STRICT, 1, 70.0, model="qwen3-235b-a22b"), _row(BATCHED, 1, 80.0, model="qwen3-235b-a22b")])
+    zipf = _run([_row(STRICT, 1, 15.0, routing=None), _row(BATCHED, 1, 12.0, routing=None),
+                 _row(AUTO, 1, 15.0, routing=None)], routing="zipf")  # no row key: the config's routing
+    assert report.crossover_keys([uniform, zipf]) == [(MODEL, "uniform"), ("qwen3-235b-a22b", "uniform"),
+                                                     (MODEL, "zipf")]
+    u, z = report.crossover_table([uniform, zipf], MODEL, "uniform"), report.crossover_table([uniform, zipf], MODEL,
+                                                                                             "zipf")
+    assert _point(u, 1)["best"] == "strict" and not _point(u, 1)["flag"] and not _point(u, 1)["mixed_runs"]
+    assert _point(z, 1)["best"] == "batched" and _point(z, 1)["auto_vs_best"] == pytest.approx(0.25)
+    assert _point(z, 1)["flag"] and _point(z, 1)["cells"]["strict"]["source"] == 1
+    # a (model, routing) with one path only gets no table
+    only_strict = _run([_row(STRICT, 1, 20.0, model="deepseek-v3"), _row("numba:warp-decode", 1, 25.0,
+                                                                         model="deepseek-v3")])
+    assert report.crossover_keys([only_strict]) == []
+    assert report.crossover_markdown([only_strict]) == ""
+
+
+def test_crossover_t_ranges_in_the_summary():
+    batches = (1, 2, 4, 8, 16, 32, 64)
+    best = {1: STRICT, 2: STRICT, 4: STRICT, 8: BATCHED, 16: BATCHED, 32: EC, 64: EC}
+    rows = []
+    for batch in batches:
+        for variant in (STRICT, BATCHED, EC):
+            rows.append(_row(variant, batch, 10.0 * batch * (1.0 if variant == best[batch] else 1.5)))
+        rows.append(_row(AUTO, batch, 10.0 * batch * 1.01))
+    record = report.crossover_table([_run(rows)], MODEL, "uniform")
+    assert record["summary"] == ("qwen3-30b-a3b, uniform routing: strict T=1-4, batched T=8-16, "
+                                 "expert-centric T=32-64; auto within 3 % of the best at 7/7 points")
+    assert report._t_ranges([1, 2, 16], [1, 2, 4, 8, 16]) == "1-2, 16"
+
+
+def test_crossover_markdown_and_rich():
+    uniform = _run([_row(STRICT, 1, 20.0), _row(BATCHED, 1, 25.0), _row(EC, 1, 40.0), _row(AUTO, 1, 21.0),
+                    _row(STRICT, 64, 1000.0), _row(BATCHED, 64, 500.0), _row(EC, 64, 350.0), _row(AUTO, 64, 351.0)])
+    zipf = _run([_row(STRICT, 1, 18.0, routing="zipf"), _row(BATCHED, 1, 22.0, routing="zipf")], routing="zipf")
+    md = report.crossover_markdown([uniform, zipf], names=["u.json", "z.json"])
+    assert "### Crossover: qwen3-30b-a3b, uniform routing" in md and "### Crossover: qwen3-30b-a3b, zipf routing" in md
+    assert md.index("uniform routing") < md.index("zipf routing")
+    lines = md.splitlines()
+    header = next(line for line in lines if line.startswith("| T |"))
+    assert "strict µs (% roof)" in header and "auto vs best" in header and "auto's choice" in header
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| T |")]
+    assert len(rows) == 3 and all(line.count("|") == header.count("|") for line in rows)
+    assert "| 1 | **20.00 (125%)** | 25.00 (100%) | 40.00 (62%) | 21.00 (119%) | strict | - | +5.0 % ⚠ |" in rows
+    assert "`u.json`: strict, batched, expert-centric, auto" in md and "`z.json`: strict, batched" in md
+    assert "⚠ auto more than 3 % slower" in md and "†" not in md
+    assert "auto within 3 % of the best at 1/2 points (slower at T=1: +5.0 %)" in md
+    text = _text(report.crossover_rich(report.crossover_table([uniform, zipf], MODEL, "uniform"), names=["u.json"]))
+    for needle in ("Crossover: qwen3-30b-a3b, uniform routing", "expert-centric", "+5.0 % ⚠", "+0.3 %",
+                   "u.json: strict", "within 3 % of the best at 1/2"):
+        assert needle in text, needle
+    # one run: the rich report and its markdown carry its own crossover table (the bench's end-of-run output)
+    assert "Crossover: qwen3-30b-a3b, uniform routing" in _text(report.renderables(uniform))
+    assert "Crossover" not in _text(report.renderables(uniform, crossovers=False))
+    assert "#### Crossover: qwen3-30b-a3b, uniform routing" in report.markdown(uniform)
+    assert "Crossover" not in report.markdown(uniform, crossovers=False)
+
+
+def test_crossover_readme_update_round_trips(tmp_path):
+    uniform = _run([_row(STRICT, 1, 20.0), _row(BATCHED, 1, 25.0), _row(AUTO, 1, 20.1)])
+    zipf = _run([_row(STRICT, 1, 18.0, routing="zipf"), _row(BATCHED, 1, 15.0, routing="zipf"),
+                 _row(AUTO, 1, 18.0, routing="zipf")], routing="zipf")
+    paths = [tmp_path / "uniform.json", tmp_path / "zipf.json"]
+    for path, run in zip(paths, (uniform, zipf), strict=True):
+        path.write_text(json.dumps(run))
+    readme = tmp_path / "README.md"
+    readme.write_text("# t\n\n<!-- bench:begin -->\nold\n<!-- bench:end -->\n\ntail\n")
+    command = [sys.executable, "-m", "tools.report", *map(str, paths), "--update-readme", str(readme)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    first = readme.read_text()
+    block = first[first.index(report.BEGIN):first.index(report.END)]
+    assert "old" not in block and first.endswith("<!-- bench:end -->\n\ntail\n")
+    assert block.count("| batch |") == 2  # the per-model tables of both files, then the crossover tables
+    assert block.index("| batch |") < block.index("### Crossover: qwen3-30b-a3b, uniform routing")
+    assert block.index("uniform routing") < block.index("### Crossover: qwen3-30b-a3b, zipf routing")
+    assert "#### Crossover" not in block  # the per-file sections leave the crossover to the combined tables
+    assert "+20.0 % ⚠" in block and f"`{paths[1]}`: strict, batched, auto" in block
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and readme.read_text() == first  # idempotent
+    result = subprocess.run([sys.executable, "-m", "tools.report", *map(str, paths), "--markdown"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.count("### Crossover") == 2
+    result = subprocess.run([sys.executable, "-m", "tools.report", *map(str, paths)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.count("Crossover: qwen3-30b-a3b") == 2
+
+
+BENCH_RESULTS = sorted(p for p in (ROOT / "results").glob("*.json")
+                       if json.loads(p.read_text()).get("schema") == "warp-decode-bench/1")
+
+
+def test_committed_bench_results_render():
+    assert BENCH_RESULTS, "no committed bench JSON in results/"
+    datas = [report.load(path) for path in BENCH_RESULTS]
+    for data in datas:
+        assert "Crossover" in _text(report.renderables(data)) or not report.crossover_keys([data])
+        report.markdown(data)
+    md = report.crossover_markdown(datas, names=[str(p.relative_to(ROOT)) for p in BENCH_RESULTS])
+    assert "### Crossover: qwen3-30b-a3b, uniform routing" in md
+    for record in report.crossover_tables(datas):
+        assert record["points"] and record["summary"].startswith(f"{record['model']}, {record['routing']} routing: ")
+        _text(report.crossover_rich(record))
+    assert report.main([str(p) for p in BENCH_RESULTS] + ["--markdown"]) == 0

@@ -3,12 +3,17 @@
     python -m tools.report results/h200.json                      # the rich report
     python -m tools.report results/h200.json --markdown           # markdown tables for a PR
     python -m tools.report results/h200.json --update-readme README.md
+    python -m tools.report results/uniform.json results/zipf.json  # several runs: + crossover tables over all
 
 ``--update-readme`` replaces the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` with the
 markdown tables: the README's numbers are regenerated from committed JSON, never typed.
 
 TB/s = unique expert weight bytes of the call (experts touched by this routing x 3*H*I*2) / median time.
 "% roof" is that figure as a percentage of the streaming-read roofline measured in the same run.
+
+Given several files (say a uniform and a Zipf run), the report also prints one crossover table per (model, routing):
+strict warp decode, batched warp decode, expert-centric and ``cupy:auto`` per batch, the fastest single path, and
+how far auto is from it (``crossover_table``).
 """
 
 from __future__ import annotations
@@ -105,6 +110,224 @@ def crossover(data: dict[str, Any], model: str) -> dict[str, Any]:
     else:
         record["text"] = (f"{model}: {base} overtakes warp decode ({record['warp']}) at batch {record['batch']}")
     return record
+
+
+# ------------------------------------------------------------------------------------------------
+# The crossover table: strict vs batched vs expert-centric vs auto, per model and routing, over several runs
+# ------------------------------------------------------------------------------------------------
+CROSSOVER_PATHS = {"strict": "cupy:warp-decode", "batched": "cupy:warp-decode-batched",
+                   "expert-centric": "cupy:expert-centric"}
+CROSSOVER_AUTO = "cupy:auto"
+CROSSOVER_COLUMNS = (*CROSSOVER_PATHS, "auto")
+AUTO_SLACK = 0.03  # the issue's bar: auto may be at most 3 % slower than the best single path
+_CROSSOVER_VARIANTS = {**{v: k for k, v in CROSSOVER_PATHS.items()}, CROSSOVER_AUTO: "auto"}
+
+
+def row_routing(data: dict[str, Any], row: dict[str, Any]) -> str:
+    """The routing a row was measured with: the row's own key, else the run's config, else "unknown"."""
+    return str(row.get("routing") or (data.get("config") or {}).get("routing") or "unknown")
+
+
+def crossover_keys(datasets: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """Every (model, routing) with rows of at least two of strict / batched / expert-centric / auto (first-seen order).
+
+    One path alone has no crossover, so a run of the strict kernel only over many presets adds no table.
+    """
+    columns: dict[tuple[str, str], set[str]] = {}
+    for data in datasets:
+        for row in data.get("results", []):
+            if row.get("variant") in _CROSSOVER_VARIANTS:
+                key = (row["model"], row_routing(data, row))
+                columns.setdefault(key, set()).add(_CROSSOVER_VARIANTS[row["variant"]])
+    return [key for key, seen in columns.items() if len(seen) >= 2]
+
+
+def _short(variant: str | None) -> str | None:
+    return None if variant is None else _CROSSOVER_VARIANTS.get(variant, variant)
+
+
+def _signed_percent(fraction: float) -> str:
+    """0.004 -> "+0.4 %" (never "-0.0 %")."""
+    text = f"{100 * fraction:+.1f} %"
+    return "+0.0 %" if text == "-0.0 %" else text
+
+
+def _t_ranges(batches: list[int], everything: list[int]) -> str:
+    """``[1, 2, 4, 16]`` within ``[1, 2, 4, 8, 16]`` -> "1-4, 16": runs of consecutive measured batches."""
+    runs: list[list[int]] = []
+    for batch in batches:
+        if runs and everything.index(batch) == everything.index(runs[-1][-1]) + 1:
+            runs[-1].append(batch)
+        else:
+            runs.append([batch])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def crossover_table(datasets: list[dict[str, Any]], model: str, routing: str) -> dict[str, Any]:
+    """Strict, batched, expert-centric and auto per batch for ``model`` under ``routing``, over several bench runs.
+
+    ``datasets``: bench JSON records in order. When several of them measured the same (variant, model, batch,
+    routing), the LATER one wins, whatever its status (a later failure hides an older timing: the kernel changed).
+    Each cell's "% roof" uses the read roofline of the run that measured that row. Only status-"ok" timed rows are
+    compared: ``best`` is the fastest of strict / batched / expert-centric at that batch, ``auto_vs_best`` =
+    auto / best - 1 and ``flag`` is set when that exceeds ``AUTO_SLACK`` (3 %). ``choice`` is the variant auto
+    picked when its row records one (key ``choice``; ``choice_source``: "table" / "heuristic"), else None.
+    ``mixed_runs``: the timed cells of that batch come from different files. ``summary``: the batch ranges where
+    each path is fastest and how often auto is within 3 % of the best.
+    """
+    found: dict[tuple[str, int], dict[str, Any]] = {}
+    for index, data in enumerate(datasets):
+        roof = (data.get("rooflines") or {}).get("read_tbps")
+        for row in data.get("results", []):
+            column = _CROSSOVER_VARIANTS.get(row.get("variant"))
+            if column is None or row["model"] != model or row_routing(data, row) != routing:
+                continue
+            timed = _timed(row)
+            tbps = row.get("tbps") if timed else None
+            found[(column, int(row["batch"]))] = {
+                "variant": row["variant"], "status": row.get("status"), "source": index,
+                "us": row["median_us"] if timed else None, "tbps": tbps, "pct": percent(tbps, roof),
+                "choice": row.get("choice"), "choice_source": row.get("choice_source"),
+            }
+    batches = sorted({batch for _, batch in found})
+    points = []
+    for batch in batches:
+        point_cells = {column: found.get((column, batch)) for column in CROSSOVER_COLUMNS}
+        timed = {c: cell for c, cell in point_cells.items() if cell is not None and cell["us"] is not None}
+        singles = {c: cell for c, cell in timed.items() if c in CROSSOVER_PATHS}
+        best = min(singles, key=lambda c: singles[c]["us"]) if singles else None
+        auto = timed.get("auto")
+        auto_cell = point_cells["auto"]
+        vs_best = auto["us"] / singles[best]["us"] - 1.0 if auto is not None and best is not None else None
+        points.append({
+            "batch": batch, "cells": point_cells, "best": best,
+            "best_us": singles[best]["us"] if best is not None else None,
+            "choice": auto_cell.get("choice") if auto_cell is not None else None,
+            "choice_source": auto_cell.get("choice_source") if auto_cell is not None else None,
+            "auto_vs_best": vs_best, "flag": vs_best is not None and vs_best > AUTO_SLACK,
+            "mixed_runs": len({cell["source"] for cell in timed.values()}) > 1,
+        })
+    fastest = {c: [p["batch"] for p in points if p["best"] == c] for c in CROSSOVER_PATHS}
+    compared = [p for p in points if p["auto_vs_best"] is not None]
+    record: dict[str, Any] = {
+        "model": model, "routing": routing, "paths": dict(CROSSOVER_PATHS), "auto": CROSSOVER_AUTO,
+        "batches": batches, "points": points, "fastest": fastest,
+        "auto_compared": len(compared), "auto_within": sum(not p["flag"] for p in compared),
+        "sources": sorted({cell["source"] for cell in found.values()}),
+    }
+    record["summary"] = _crossover_summary(record)
+    return record
+
+
+def _crossover_summary(record: dict[str, Any]) -> str:
+    timed_batches = [p["batch"] for p in record["points"] if p["best"] is not None]
+    if not timed_batches:
+        parts = ["no timed strict / batched / expert-centric rows"]
+    else:
+        order = sorted((b, c) for c, b in ((c, bs[0]) for c, bs in record["fastest"].items() if bs))
+        parts = [", ".join(f"{c} T={_t_ranges(record['fastest'][c], timed_batches)}" for _, c in order)]
+    measured = {column for p in record["points"] for column, cell in p["cells"].items() if cell is not None}
+    missing = [c for c in CROSSOVER_COLUMNS if c not in measured]
+    if missing:
+        parts[0] += f" ({', '.join(missing)} not measured)"
+    if record["auto_compared"]:
+        text = (f"auto within {100 * AUTO_SLACK:.0f} % of the best at {record['auto_within']}/"
+                f"{record['auto_compared']} points")
+        slow = [p for p in record["points"] if p["flag"]]
+        if slow:
+            slower = ", ".join(f"T={p['batch']}: {_signed_percent(p['auto_vs_best'])}" for p in slow)
+            text += f" (slower at {slower})"
+        parts.append(text)
+    elif "auto" not in missing:
+        parts.append("auto not compared (no timed auto and single-path rows at a common T)")
+    return f"{record['model']}, {record['routing']} routing: " + "; ".join(parts)
+
+
+def crossover_tables(datasets: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``crossover_table`` for every (model, routing) of ``crossover_keys``."""
+    return [crossover_table(datasets, model, routing) for model, routing in crossover_keys(datasets)]
+
+
+def crossover_cells(point: dict[str, Any]) -> dict[str, str]:
+    """One crossover row as text (shared by rich and markdown): "µs (% roof)" per path, best, choice, vs best."""
+    out = {"batch": str(point["batch"])}
+    for column in CROSSOVER_COLUMNS:
+        cell = point["cells"][column]
+        if cell is None:
+            out[column] = "-"
+        elif cell["us"] is None:
+            out[column] = str(cell["status"] or "?").upper()
+        else:
+            pct = "" if cell["pct"] is None else f" ({cell['pct']:.0f}%)"
+            out[column] = f"{cell['us']:.2f}{pct}"
+    out["best"] = point["best"] or "-"
+    out["choice"] = _short(point["choice"]) or "-"
+    if point["choice"] and point.get("choice_source"):
+        out["choice"] += f" ({point['choice_source']})"
+    vs = point["auto_vs_best"]
+    out["vs_best"] = "-" if vs is None else _signed_percent(vs) + (" ⚠" if point["flag"] else "")
+    if point["mixed_runs"]:
+        out["vs_best"] += " †"
+    return out
+
+
+CROSSOVER_TITLES = (("batch", "T"), ("strict", "strict µs (% roof)"), ("batched", "batched µs (% roof)"),
+                    ("expert-centric", "expert-centric µs (% roof)"), ("auto", "auto µs (% roof)"),
+                    ("best", "best single path"), ("choice", "auto's choice"), ("vs_best", "auto vs best"))
+
+
+def crossover_title(record: dict[str, Any]) -> str:
+    return f"Crossover: {record['model']}, {record['routing']} routing"
+
+
+def crossover_notes(record: dict[str, Any], names: list[str] | None = None, code: bool = True) -> list[str]:
+    """Where the cells come from (file -> columns; ``names``: the files, else "run 1"...) and what the marks mean."""
+    quote = "`" if code else ""
+    label = (lambda i: f"{quote}{names[i]}{quote}") if names else (lambda i: f"run {i + 1}")
+    by_source: dict[int, list[str]] = {}
+    for point in record["points"]:
+        for column, cell in point["cells"].items():
+            if cell is not None and column not in by_source.setdefault(cell["source"], []):
+                by_source[cell["source"]].append(column)
+    notes = ["Cells: median µs per layer (% of the read roofline of the run that measured the cell); "
+             + "; ".join(f"{label(i)}: {', '.join(cols)}" for i, cols in sorted(by_source.items())) + "."]
+    marks = []
+    if any(p["flag"] for p in record["points"]):
+        marks.append(f"⚠ auto more than {100 * AUTO_SLACK:.0f} % slower than the best single path")
+    if any(p["mixed_runs"] for p in record["points"]):
+        marks.append("† this T's cells come from different runs")
+    if marks:
+        notes.append("; ".join(marks) + ".")
+    return notes
+
+
+def crossover_rich(record: dict[str, Any], names: list[str] | None = None) -> Group:
+    table = Table(title=crossover_title(record), box=box.SIMPLE_HEAD, title_justify="left", title_style="bold")
+    for key, title in CROSSOVER_TITLES:
+        table.add_column(title, justify="left" if key in ("best", "choice") else "right", no_wrap=True)
+    for point in record["points"]:
+        c = crossover_cells(point)
+        texts = [Text(c[key], style="bold" if key == point["best"] else "") for key, _ in CROSSOVER_TITLES]
+        table.add_row(*texts, style="red" if point["flag"] else None)
+    notes = [Text(note, style="dim") for note in crossover_notes(record, names, code=False)]
+    return Group(table, *notes, Text(record["summary"], style="bold"))
+
+
+def crossover_markdown(datasets: list[dict[str, Any]], names: list[str] | None = None, level: str = "###") -> str:
+    """One markdown table per (model, routing) with a summary line; "" when no run has two of the paths."""
+    blocks = []
+    for record in crossover_tables(datasets):
+        lines = [f"{level} {crossover_title(record)}", "",
+                 "| " + " | ".join(title for _, title in CROSSOVER_TITLES) + " |",
+                 "|" + "|".join("---" if key in ("best", "choice") else "---:" for key, _ in CROSSOVER_TITLES) + "|"]
+        for point in record["points"]:
+            c = crossover_cells(point)
+            if point["best"] is not None:
+                c[point["best"]] = f"**{c[point['best']]}**"
+            lines.append("| " + " | ".join(c[key].replace("|", "\\|") for key, _ in CROSSOVER_TITLES) + " |")
+        lines += ["", *crossover_notes(record, names), "", record["summary"]]
+        blocks.append("\n".join(lines) + "\n")
+    return "\n".join(blocks)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -269,24 +492,30 @@ def cpu_section(data: dict[str, Any]) -> list[Any]:
     return parts
 
 
-def renderables(data: dict[str, Any]) -> Group:
+def renderables(data: dict[str, Any], crossovers: bool = True) -> Group:
+    """The rich report of one run; ``crossovers``: append its crossover tables (``crossover_rich``)."""
     parts: list[Any] = [header(data)]
     for model in models(data):
         parts.append(model_table(data, model))
         parts.append(Text(crossover(data, model)["text"], style="bold"))
+    if crossovers:
+        parts.extend(crossover_rich(record) for record in crossover_tables([data]))
     parts.extend(cpu_section(data))
     return Group(*parts)
 
 
-def render(data: dict[str, Any], console: Console | None = None) -> None:
-    (console or Console()).print(renderables(data))
+def render(data: dict[str, Any], console: Console | None = None, crossovers: bool = True) -> None:
+    (console or Console()).print(renderables(data, crossovers))
 
 
 # ------------------------------------------------------------------------------------------------
 # markdown
 # ------------------------------------------------------------------------------------------------
-def markdown(data: dict[str, Any]) -> str:
-    """Markdown tables (one per model) with the run's header line; for PRs and the README."""
+def markdown(data: dict[str, Any], crossovers: bool = True) -> str:
+    """Markdown tables (one per model) with the run's header line; for PRs and the README.
+
+    ``crossovers``: append the run's crossover tables (``crossover_markdown``; off when several runs are combined).
+    """
     env = data.get("environment") or {}
     gpu = env.get("gpu") or {}
     roof = data.get("rooflines") or {}
@@ -311,6 +540,8 @@ def markdown(data: dict[str, Any]) -> str:
             c["bar"] = c["bar"].rstrip() or " "
             lines.append("| " + " | ".join(c[k].replace("|", "\\|") for k in keys) + " |")
         lines.append(f"\n{crossover(data, model)['text']}")
+    if crossovers and (cross := crossover_markdown([data], level="####")):
+        lines.append("\n" + cross.rstrip("\n"))
     if data.get("cpu"):
         lines.append("\nNo timing taken (no GPU).")
     return "\n".join(lines) + "\n"
@@ -360,8 +591,12 @@ def main(argv: list[str] | None = None) -> int:
             datas.append(load(path))
         except (OSError, json.JSONDecodeError) as exc:
             parser.error(f"cannot read {path}: {exc}")
+    crossovers = crossover_markdown(datas, names=args.json)
     if args.update_readme:
-        block = "\n".join(f"From `{path}`:\n\n{markdown(data)}" for path, data in zip(args.json, datas, strict=True))
+        block = "\n".join(f"From `{path}`:\n\n{markdown(data, crossovers=False)}"
+                          for path, data in zip(args.json, datas, strict=True))
+        if crossovers:
+            block += "\n" + crossovers
         ratios = ratio_markdown(datas)
         if ratios:
             block += "\n### Numba vs CuPy, strict warp decode\n\n" + ratios
@@ -371,10 +606,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(exc))
         print(f"updated {args.update_readme} from {', '.join(args.json)}")
     elif args.markdown:
-        sys.stdout.write("\n".join(markdown(data) for data in datas))
+        sys.stdout.write("\n".join([*(markdown(data, crossovers=False) for data in datas), crossovers]))
     else:
+        console = Console(width=None if sys.stdout.isatty() else 200)
         for data in datas:
-            render(data, Console(width=None if sys.stdout.isatty() else 200))
+            render(data, console, crossovers=False)
+        for record in crossover_tables(datas):
+            console.print(crossover_rich(record, names=args.json))
     return 0
 
 
