@@ -82,9 +82,10 @@ import numpy as np
 from kernels.compile import CudaSource, get_kernel, preset_variants, register_source
 from kernels.contract import BF16, Dims, check_aligned, check_inputs, check_out, require_cupy
 from kernels.variants import Variant, register
-from kernels.warp_decode_batched_cuda import CODE, KERNELS
+from kernels.warp_decode_batched_cuda import CODE, KERNELS, MMA_KERNELS
 
 EXPERT_LISTS, GATE_UP, DOWN = KERNELS
+GATE_UP_MMA, DOWN_MMA = MMA_KERNELS
 LIST_HEADER = 4  # int32s before the slot arrays in the lists buffer (must match LIST_HEADER in the CUDA C)
 SHARED_LIMIT = 48 * 1024  # dynamic shared memory without opt-in
 MAX_TILE = 8  # cap of the automatic GB_TILE / DB_TILE
@@ -107,6 +108,10 @@ DEFAULTS: dict[str, int] = {
     "DB_EARLY_INTER": 1,  # 1: intermediate loads issued with the w2 loads (latencies overlap); 0: after them
     "GB_PIPE": 0,  # 1: next round's weight loads issued before this round's FMAs (two rounds of registers)
     "DB_PIPE": 0,  # 1: next step's loads (across experts) issued before this step's FMAs; needs DB_EARLY_INTER 1
+    "GB_MMA": 0,  # 1: gate_up on tensor cores (moe_gate_up_mma: 8 neurons x 8-pair blocks per warp, mma.sync)
+    "DB_MMA": 0,  # 1: down on tensor cores (moe_down_mma: 16 hidden columns per block)
+    "GB_NBLK": 1,  # MMA: blocks of 8 pairs per pass (the A fragment shared by NBLK mma per k step)
+    "DB_NBLK": 1,
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL")
 LIMITS = {
@@ -114,6 +119,7 @@ LIMITS = {
     "GB_WARPS": (1, 32), "GB_OUTS": (1, 32), "GB_TILE": (0, 32), "GB_UNROLL": (0, 64), "GB_MAX_REGS": (0, 255),
     "DB_WARPS": (1, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (0, 255),
     "DB_EARLY_INTER": (0, 1), "GB_PIPE": (0, 1), "DB_PIPE": (0, 1),
+    "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (1, 4), "DB_NBLK": (1, 4),
 }
 
 
@@ -162,10 +168,15 @@ def lists_shared_bytes(dims: Dims) -> int:
     return (dims.experts + 1) * 4
 
 
+def down_columns(params: dict[str, int]) -> int:
+    """Hidden columns per down block: DB_OUTS, or 16 (the mma's M) with DB_MMA."""
+    return 16 if params.get("DB_MMA") else params["DB_OUTS"]
+
+
 def down_shared_bytes(dims: Dims, params: dict[str, int]) -> int:
-    """Dynamic shared memory of the down kernel: per warp an FP32 partial [T][DB_OUTS] (+ with DB_PIPE the
+    """Dynamic shared memory of the down kernel: per warp an FP32 partial [T][columns] (+ with DB_PIPE the
     staged slot arrays and sorted pairs, int32)."""
-    partials = params["DB_WARPS"] * dims.tokens * params["DB_OUTS"] * 4
+    partials = params["DB_WARPS"] * dims.tokens * down_columns(params) * 4
     staged = (3 * slots(dims) + dims.tokens * dims.top_k) * 4 if params.get("DB_PIPE") else 0
     return partials + staged
 
@@ -189,6 +200,10 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
         if not low <= values[key] <= high:
             raise ValueError(f"{key} must be in {low}..{high}{' (0 = auto)' if key in AUTO_KNOBS else ''}, "
                              f"got {values[key]}")
+    if values["DB_PIPE"] and values["DB_MMA"]:
+        raise ValueError("DB_PIPE applies to the FMA down kernel only: DB_MMA 1 takes DB_PIPE 0")
+    if values["GB_PIPE"] and values["GB_MMA"]:
+        raise ValueError("GB_PIPE applies to the FMA gate_up kernel only: GB_MMA 1 takes GB_PIPE 0")
     if values["DB_PIPE"] and not values["DB_EARLY_INTER"]:
         raise ValueError("DB_PIPE 1 issues the intermediate loads with the w2 loads: it needs DB_EARLY_INTER 1")
     if values["LIST_THREADS"] % 32:
@@ -216,15 +231,15 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
     if values["GB_TILE"] == 0:
         values["GB_TILE"] = auto_tile(dims)
     if values["GB_UNROLL"] == 0:  # the sweep: 2 rounds with 4-pair tiles (3 % at qwen3-235b T=16), else 4
-        values["GB_UNROLL"] = 2 if values["GB_TILE"] == 4 else 4
+        values["GB_UNROLL"] = 4 if values["GB_MMA"] else (2 if values["GB_TILE"] == 4 else 4)
     if values["DB_TILE"] == 0:
         values["DB_TILE"] = auto_down_tile(dims)
     if values["DB_UNROLL"] == 0:
-        values["DB_UNROLL"] = auto_down_unroll(dims, values)
+        values["DB_UNROLL"] = 4 if values["DB_MMA"] else auto_down_unroll(dims, values)
     shared = down_shared_bytes(dims, values)
     if shared > SHARED_LIMIT:
         raise ValueError(
-            f"the down kernel keeps DB_WARPS * T * DB_OUTS fp32 partials in shared memory: {shared} bytes > "
+            f"the down kernel keeps DB_WARPS * T * columns fp32 partials in shared memory: {shared} bytes > "
             f"{SHARED_LIMIT} at T = {dims.tokens}; lower DB_WARPS / DB_OUTS (or use another path for this T)"
         )
     return values
@@ -233,17 +248,17 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
 def max_tokens(top_k: int = 1, **params: Any) -> int:
     """The largest T the down kernel's shared memory allows with these knobs."""
     values = resolve_params(None, **params)
-    return SHARED_LIMIT // (values["DB_WARPS"] * values["DB_OUTS"] * 4)
+    return SHARED_LIMIT // (values["DB_WARPS"] * down_columns(values) * 4)
 
 
 SOURCE = register_source(
     CudaSource(
         name="warp_decode_batched",
         code=CODE,
-        kernels=KERNELS,
+        kernels=KERNELS + MMA_KERNELS,
         defaults=dict(DEFAULTS),
         variants=preset_variants(resolve_params, DEFAULTS),
-        warps_knobs={GATE_UP: "GB_WARPS", DOWN: "DB_WARPS"},
+        warps_knobs={GATE_UP: "GB_WARPS", DOWN: "DB_WARPS", GATE_UP_MMA: "GB_WARPS", DOWN_MMA: "DB_WARPS"},
         description="batched warp decode: expert lists, gate_up and down reading each expert once per batch",
     )
 )
@@ -284,6 +299,12 @@ def make_workspace(dims: Dims) -> Workspace:
 _HANDLES: dict[tuple[int, tuple[tuple[str, int], ...]], tuple[Any, Any, Any]] = {}
 
 
+def kernel_names(params: dict[str, int]) -> tuple[str, str, str]:
+    """The (lists, gate_up, down) kernels these knobs compile: the FMA kernels or, with GB_MMA / DB_MMA, the
+    tensor-core ones."""
+    return (EXPERT_LISTS, GATE_UP_MMA if params.get("GB_MMA") else GATE_UP, DOWN_MMA if params.get("DB_MMA") else DOWN)
+
+
 def kernels_for(params: dict[str, int]) -> tuple[Any, Any, Any]:
     """``(lists, gate_up, down)`` kernels compiled for these resolved knobs, cached per device and set."""
     import cupy
@@ -291,17 +312,18 @@ def kernels_for(params: dict[str, int]) -> tuple[Any, Any, Any]:
     key = (cupy.cuda.Device().id, tuple(sorted(params.items())))
     handles = _HANDLES.get(key)
     if handles is None:
-        handles = tuple(get_kernel(SOURCE, name, **params) for name in KERNELS)
+        handles = tuple(get_kernel(SOURCE, name, **params) for name in kernel_names(params))
         _HANDLES[key] = handles
     return handles  # type: ignore[return-value]
 
 
 def gate_up_blocks(dims: Dims, params: dict[str, int]) -> int:
-    return slots(dims) * -(-dims.intermediate // (params["GB_WARPS"] * params["GB_OUTS"]))
+    neurons_per_warp = 8 if params["GB_MMA"] else params["GB_OUTS"]
+    return slots(dims) * -(-dims.intermediate // (params["GB_WARPS"] * neurons_per_warp))
 
 
 def down_blocks(dims: Dims, params: dict[str, int]) -> int:
-    return -(-dims.hidden // params["DB_OUTS"])
+    return -(-dims.hidden // down_columns(params))
 
 
 def _stage_list(kernels: tuple[Any, Any, Any], params: dict[str, int], ws: Workspace, x: Any, w13: Any, w2: Any,
@@ -412,6 +434,26 @@ VARIANT = register(
             "DB_OUTS": [2, 4, 8],
             "DB_UNROLL": [1, 2, 3],
             "DB_EARLY_INTER": [0, 1],
+        },
+    )
+)
+
+MMA_VARIANT = register(
+    Variant(
+        name="cupy:warp-decode-mma",
+        backend="cupy",
+        family="warp-decode-batched",
+        build=build,
+        reference_mode="warp_decode",
+        params={**DEFAULTS, **{knob: 0 for knob in AUTO_KNOBS}, "GB_MMA": 1, "DB_MMA": 1},
+        description="batched warp decode on tensor cores: mma.sync m16n8k16, bf16 in, FP32 accumulators",
+        grid={
+            "GB_WARPS": [2, 4, 8],
+            "GB_UNROLL": [4, 8],
+            "GB_NBLK": [1, 2],
+            "DB_WARPS": [4, 8],
+            "DB_UNROLL": [4, 8],
+            "DB_NBLK": [1, 2],
         },
     )
 )

@@ -27,6 +27,8 @@ CODE = WARP_HELPERS + r"""
 //   DB_EARLY_INTER 1: the down kernel issues a round's intermediate loads together with its w2 loads
 //   GB_PIPE / DB_PIPE 1: software pipelining -- the next round's (down: the next step's, across experts)
 //   loads are issued before the current round's FMAs (two rounds of registers live)
+//   GB_MMA / DB_MMA 1: the tensor-core kernels moe_gate_up_mma / moe_down_mma instead (16-byte loads; *_UNROLL
+//   = 32-wide k blocks in flight, *_NBLK = blocks of 8 pairs per pass; *_OUTS / *_TILE / *_BYTES unused)
 static_assert(LIST_THREADS >= 32 && LIST_THREADS <= 1024 && LIST_THREADS % 32 == 0, "LIST_THREADS: 32..1024, x32");
 static_assert(LIST_PER >= 1 && LIST_PER <= 16, "LIST_PER must be 1..16");
 static_assert(GB_WARPS >= 1 && GB_WARPS <= 32 && DB_WARPS >= 1 && DB_WARPS <= 32, "WARPS must be 1..32");
@@ -38,6 +40,8 @@ static_assert(DB_BYTES == 4 || DB_BYTES == 8 || DB_BYTES == 16, "DB_BYTES must b
 static_assert(DB_EARLY_INTER == 0 || DB_EARLY_INTER == 1, "DB_EARLY_INTER must be 0 or 1");
 static_assert(GB_PIPE == 0 || GB_PIPE == 1, "GB_PIPE must be 0 or 1");
 static_assert(DB_PIPE == 0 || DB_PIPE == 1, "DB_PIPE must be 0 or 1");
+static_assert((GB_MMA == 0 || GB_MMA == 1) && (DB_MMA == 0 || DB_MMA == 1), "GB_MMA / DB_MMA must be 0 or 1");
+static_assert(GB_NBLK >= 1 && GB_NBLK <= 4 && DB_NBLK >= 1 && DB_NBLK <= 4, "NBLK must be 1..4");
 
 // The int32 ``lists`` buffer, S = min(E, T*K) + 1 list slots (every active expert + one for bad ids):
 //   lists[0]              slots used: active experts, plus 1 when some id is out of range
@@ -181,6 +185,7 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
 #define DB_BOUNDS __launch_bounds__(DB_WARPS * 32)
 #endif
 
+#if !GB_MMA  // the FMA gate_up (moe_gate_up_batched); GB_MMA 1 compiles moe_gate_up_mma instead
 // ------------------------------------------------------------------------------------------------
 // gate_up's two steps of a round, shared by the plain (GB_PIPE 0) and the pipelined (GB_PIPE 1) loops.
 //   load:  lane l's chunks c = base + j*32 + l (j < GB_UNROLL) of every gate and up row it owns
@@ -345,6 +350,9 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
     }
 }
 
+#endif  // !GB_MMA
+
+#if !DB_MMA  // the FMA down (moe_down_batched); DB_MMA 1 compiles moe_down_mma instead
 // ------------------------------------------------------------------------------------------------
 // The pipelined down loop's pieces (DB_PIPE 1). A step = (list slot a, first pair of the tile, round c0);
 // its registers: lane l's chunks c = c0 + r*32 + l of the DB_OUTS w2 rows and of each pair's intermediate
@@ -647,6 +655,226 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
         else reinterpret_cast<bf16_t*>(out)[idx] = f32_to_bf16(v);  // the one final rounding
     }
 }
+
+#endif  // !DB_MMA
+
+#if GB_MMA || DB_MMA
+// ------------------------------------------------------------------------------------------------
+// Tensor-core variants (GB_MMA / DB_MMA 1; sm_80+): the same ownership -- a warp owns output rows of ONE
+// expert for ALL its pairs -- but the dots run on mma.sync.m16n8k16 (bf16 x bf16 products, FP32
+// accumulation in the tensor core; no intermediate quantization beyond the one bf16 rounding of the
+// intermediate, as in the FMA kernels; the summation order inside an mma differs from a lane's FMA chain).
+//   A = 16 weight rows x 16 k, B = 16 k x 8 pairs, C = 16 x 8 FP32 accumulators, 4 per lane.
+//   k is permuted so that every lane loads 16 contiguous bytes: in 32-wide k block j, lane l (g = l / 4,
+//   q = l % 4) loads elements 32j + 8q .. 32j + 8q + 7 (16-byte chunk 4j + q) of its two A rows and of
+//   the row of B column g. Words 0, 1 feed the block's first mma (a0/a2 and b0/b1: logical k 2q, 2q+1 and
+//   2q+8, 2q+9), words 2, 3 the second: every lane maps logical k to physical k the same way for A and
+//   B, so each mma sums the products of matching elements.
+//   C: lane (g, q) holds rows g and g + 8 of columns 2q and 2q + 1.
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void mma_16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#ifdef WD_HOST_EMULATION
+    emulated_mma_16816(d, a0, a1, a2, a3, b0, b1);   // the g++ emulation in tests/ (gathers the fragments)
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// one 32-wide k block: rows_lo / rows_hi are the lane's chunks of A rows g and g + 8, col its chunk of B
+__device__ __forceinline__ void mma_k32(float (&d)[4], const uint4& rows_lo, const uint4& rows_hi, const uint4& col) {
+    mma_16816(d, rows_lo.x, rows_hi.x, rows_lo.y, rows_hi.y, col.x, col.y);
+    mma_16816(d, rows_lo.z, rows_hi.z, rows_lo.w, rows_hi.w, col.z, col.w);
+}
+#endif
+
+#if GB_MMA
+// ------------------------------------------------------------------------------------------------
+// moe_gate_up_mma: block b owns list slot a (as moe_gate_up_batched); its warp w owns neurons i0 .. i0+7,
+//   i0 = ((b mod per_slot) * GB_WARPS + w) * 8: A rows 0..7 = gate rows i0+g, rows 8..15 = up rows i0+g, so
+//   lane (g, q) ends with gate AND up of neuron i0+g for pairs 2q, 2q+1 of each 8-pair block -- SiLU(g) * u
+//   and the one bf16 rounding happen in the lane, no shuffle. B column g = x[token of pair g] (L1 hits).
+//   GB_NBLK blocks of 8 pairs per pass (A shared), GB_UNROLL k blocks of loads in flight per lane.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
+    const bf16_t* __restrict__ x,             // [T, H]
+    const bf16_t* __restrict__ w13,           // [E, 2I, H]
+    const int* __restrict__ lists,            // from moe_expert_lists
+    bf16_t* __restrict__ intermediate,        // [T, K, I]
+    int hidden, int inter, int experts, int top_k, int slots)
+{
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int per_slot = (inter + GB_WARPS * 8 - 1) / (GB_WARPS * 8);
+    const int a = blockIdx.x / per_slot;
+    if (a >= __ldg(lists)) return;                                   // whole block leaves together
+    const int i0 = ((blockIdx.x - a * per_slot) * GB_WARPS + (threadIdx.x >> 5)) * 8;
+    if (i0 >= inter) return;                                         // whole warp leaves together
+    const int e = __ldg(list_expert(lists) + a);
+    const int count = __ldg(list_count(lists, slots) + a);
+    const int* pairs = sorted_pairs(lists, slots) + __ldg(list_offset(lists, slots) + a);
+    if (e >= experts) {                                              // bad ids: NaN, no weight read
+        for (int j = 0; j < count; ++j) {
+            const long long p = __ldg(pairs + j);
+            if (lane < 8 && i0 + lane < inter) intermediate[p * inter + i0 + lane] = BF16_NAN;
+        }
+        return;
+    }
+    const int i = min(i0 + g, inter - 1);                            // past-the-end neurons re-read the last row
+    const uint4* gate_row = reinterpret_cast<const uint4*>(w13 + ((size_t)e * 2 * inter + i) * (size_t)hidden);
+    const uint4* up_row = reinterpret_cast<const uint4*>(w13 + ((size_t)e * 2 * inter + inter + i) * (size_t)hidden);
+    const int chunks = hidden / 8;                                   // 16-byte chunks (H % 8 == 0)
+
+    for (int tile = 0; tile < count; tile += 8 * GB_NBLK) {
+        const int n = min(8 * GB_NBLK, count - tile);
+        const uint4* x_row[GB_NBLK];                                 // B column g of each 8-pair block
+        #pragma unroll
+        for (int nb = 0; nb < GB_NBLK; ++nb) {
+            const long long p = __ldg(pairs + tile + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
+            x_row[nb] = reinterpret_cast<const uint4*>(x + (p / top_k) * hidden);
+        }
+        float acc[GB_NBLK][4];
+        #pragma unroll
+        for (int nb = 0; nb < GB_NBLK; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
+        for (int c0 = 0; c0 < chunks; c0 += 4 * GB_UNROLL) {
+            uint4 wg[GB_UNROLL][1], wu[GB_UNROLL][1], xv[GB_UNROLL][GB_NBLK];
+            #pragma unroll
+            for (int j = 0; j < GB_UNROLL; ++j) {
+                const int c = c0 + 4 * j + q;
+                const bool ok = c < chunks;
+                wg[j][0] = ldg_chunk(gate_row, c, ok);
+                wu[j][0] = ldg_chunk(up_row, c, ok);
+                #pragma unroll
+                for (int nb = 0; nb < GB_NBLK; ++nb) xv[j][nb] = ldg_chunk(x_row[nb], c, ok);
+            }
+            acc[0][0] += __uint_as_float(all_loads_arrived(wg) | all_loads_arrived(wu));   // += 0.0f
+            #pragma unroll
+            for (int j = 0; j < GB_UNROLL; ++j)
+                #pragma unroll
+                for (int nb = 0; nb < GB_NBLK; ++nb) mma_k32(acc[nb], wg[j][0], wu[j][0], xv[j][nb]);
+        }
+        #pragma unroll
+        for (int nb = 0; nb < GB_NBLK; ++nb)
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int pp = nb * 8 + 2 * q + h;
+                if (pp < n && i0 + g < inter) {
+                    const long long p = __ldg(pairs + tile + pp);
+                    const float gate = acc[nb][h], up = acc[nb][2 + h];
+                    const float silu = gate / (1.0f + expf(-gate));  // IEEE division (no fast-math)
+                    intermediate[p * inter + i0 + g] = f32_to_bf16(silu * up);  // the one bf16 rounding
+                }
+            }
+    }
+}
+#endif
+
+#if DB_MMA
+// ------------------------------------------------------------------------------------------------
+// moe_down_mma: block b owns hidden columns h0 .. h0+15 (h0 = 16 b) for ALL tokens; warps take the list slots
+//   round-robin as in moe_down_batched. A = w2[e, h0 .. h0+15, :], B column g = the intermediate row of pair
+//   g of the tile; lane (g, q) ends with columns h0+g and h0+g+8 of pairs 2q, 2q+1. The tile's pairs are
+//   then added into the warp's shared partial[w][t][16] ONE pair at a time (the 8 lanes holding it write
+//   distinct columns; __syncwarp between pairs), so a token routed twice to one expert cannot race.
+//   After __syncthreads the warps' partials are summed in warp order: deterministic, no atomics.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void DB_BOUNDS moe_down_mma(
+    const bf16_t* __restrict__ intermediate,  // [T, K, I]
+    const bf16_t* __restrict__ w2,            // [E, H, I]
+    const int* __restrict__ topk_ids,         // [T, K]
+    const float* __restrict__ topk_weights,   // [T, K]
+    const int* __restrict__ lists,            // from moe_expert_lists
+    void* __restrict__ out,                   // [T, H] bf16, or float32 when out_f32
+    int out_f32, int tokens, int hidden, int inter, int experts, int top_k, int slots)
+{
+#ifdef WD_HOST_EMULATION
+    float* partial = wdb_dynamic_shared;                             // the CPU emulation's buffer
+#else
+    extern __shared__ float partial[];                               // [DB_WARPS][T][16]
+#endif
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int warp = threadIdx.x >> 5;
+    const int h0 = blockIdx.x * 16;
+    float* mine = partial + (size_t)warp * tokens * 16;
+    for (int j = lane; j < tokens * 16; j += 32) mine[j] = 0.0f;
+    __syncwarp();
+
+    const int chunks = inter / 8;                                    // 16-byte chunks (I % 8 == 0)
+    const int used = __ldg(lists);
+    const int h_lo = min(h0 + g, hidden - 1), h_hi = min(h0 + g + 8, hidden - 1);   // past the end: last row
+    for (int a = warp; a < used; a += DB_WARPS) {
+        const int e = __ldg(list_expert(lists) + a);
+        if (e >= experts) continue;                                  // the bad-id slot: NaN below
+        const int count = __ldg(list_count(lists, slots) + a);
+        const int* pairs = sorted_pairs(lists, slots) + __ldg(list_offset(lists, slots) + a);
+        const uint4* row_lo = reinterpret_cast<const uint4*>(w2 + ((size_t)e * hidden + h_lo) * inter);
+        const uint4* row_hi = reinterpret_cast<const uint4*>(w2 + ((size_t)e * hidden + h_hi) * inter);
+        for (int tile = 0; tile < count; tile += 8 * DB_NBLK) {
+            const int n = min(8 * DB_NBLK, count - tile);
+            const uint4* inter_row[DB_NBLK];
+            #pragma unroll
+            for (int nb = 0; nb < DB_NBLK; ++nb) {
+                const long long p = __ldg(pairs + tile + min(nb * 8 + g, n - 1));
+                inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + p * inter);
+            }
+            float acc[DB_NBLK][4];
+            #pragma unroll
+            for (int nb = 0; nb < DB_NBLK; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
+            for (int c0 = 0; c0 < chunks; c0 += 4 * DB_UNROLL) {
+                uint4 wl[DB_UNROLL][1], wh[DB_UNROLL][1], iv[DB_UNROLL][DB_NBLK];
+                #pragma unroll
+                for (int j = 0; j < DB_UNROLL; ++j) {
+                    const int c = c0 + 4 * j + q;
+                    const bool ok = c < chunks;
+                    wl[j][0] = ldg_chunk(row_lo, c, ok);
+                    wh[j][0] = ldg_chunk(row_hi, c, ok);
+                    #pragma unroll
+                    for (int nb = 0; nb < DB_NBLK; ++nb) iv[j][nb] = ldg_chunk(inter_row[nb], c, ok);
+                }
+                acc[0][0] += __uint_as_float(all_loads_arrived(wl) | all_loads_arrived(wh));   // += 0.0f
+                #pragma unroll
+                for (int j = 0; j < DB_UNROLL; ++j)
+                    #pragma unroll
+                    for (int nb = 0; nb < DB_NBLK; ++nb) mma_k32(acc[nb], wl[j][0], wh[j][0], iv[j][nb]);
+            }
+            #pragma unroll
+            for (int nb = 0; nb < DB_NBLK; ++nb)
+                #pragma unroll
+                for (int pp = 0; pp < 8; ++pp) {
+                    if (nb * 8 + pp < n) {                           // warp-uniform
+                        const int p = __ldg(pairs + tile + nb * 8 + pp);
+                        const float weight = __ldg(topk_weights + p);
+                        float* row = mine + (p / top_k) * 16;
+                        if (q == pp / 2) {                           // the 8 lanes holding pair pp
+                            const float lo = acc[nb][pp & 1], hi = acc[nb][2 + (pp & 1)];
+                            row[g] = __fadd_rn(row[g], __fmul_rn(weight, lo));
+                            row[g + 8] = __fadd_rn(row[g + 8], __fmul_rn(weight, hi));
+                        }
+                        __syncwarp();
+                    }
+                }
+        }
+    }
+    __syncthreads();
+
+    for (int j = threadIdx.x; j < tokens * 16; j += DB_WARPS * 32) {
+        const int t = j / 16;
+        const int h = h0 + (j - t * 16);
+        if (h >= hidden) continue;
+        float v = 0.0f;
+        #pragma unroll
+        for (int w = 0; w < DB_WARPS; ++w) v = __fadd_rn(v, partial[(size_t)w * tokens * 16 + j]);
+        bool bad = false;
+        for (int k = 0; k < top_k; ++k) bad |= (unsigned)__ldg(topk_ids + t * top_k + k) >= (unsigned)experts;
+        if (bad) v = __int_as_float(0x7fc00000);
+        const long long idx = (long long)t * hidden + h;
+        if (out_f32) reinterpret_cast<float*>(out)[idx] = v;
+        else reinterpret_cast<bf16_t*>(out)[idx] = f32_to_bf16(v);  // the one final rounding
+    }
+}
+#endif
 """
 
 KERNELS = ("moe_expert_lists", "moe_gate_up_batched", "moe_down_batched")
+MMA_KERNELS = ("moe_gate_up_mma", "moe_down_mma")  # compiled only with GB_MMA / DB_MMA 1

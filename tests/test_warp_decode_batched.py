@@ -136,7 +136,7 @@ def test_resolve_params_validates() -> None:
     with pytest.raises(ValueError, match="DB_EARLY_INTER"):
         wdb.resolve_params(dims, DB_PIPE=1, DB_EARLY_INTER=0)
     resolved = wdb.resolve_params(dims)
-    switches = ("MAX_REGS", "PIPE")  # 0 is a meaningful value for these
+    switches = ("MAX_REGS", "PIPE", "MMA")  # 0 is a meaningful value for these
     assert set(resolved) == set(wdb.DEFAULTS)
     assert all(v > 0 for k, v in resolved.items() if not any(s in k for s in switches))
 
@@ -171,9 +171,9 @@ def test_offline_compile_defaults_and_presets_without_spills() -> None:
     """Every kernel at the defaults and at every preset's resolved knobs: sm_90, zero spills, zero stack."""
     from kernels.compile import offline_report
 
-    for params in [{}, *wdb.SOURCE.variants]:
+    for params in [{}, {"GB_MMA": 1, "DB_MMA": 1}, *wdb.SOURCE.variants]:
         reports = offline_report(wdb.SOURCE, **params)
-        assert {r.kernel for r in reports} == set(wdb.SOURCE.kernels)
+        assert {r.kernel for r in reports} == set(wdb.kernel_names(params))
         for r in reports:
             assert r.spills == 0 and r.stack_bytes == 0, (params, r)
             assert r.registers <= 128, (params, r)
@@ -182,11 +182,12 @@ def test_offline_compile_defaults_and_presets_without_spills() -> None:
 def test_variant_grid_corners_compile() -> None:
     from kernels.compile import offline_report
 
-    grid = wdb.VARIANT.grid
     dims = Dims(64, 2048, 768, 128, 8)
-    for params in ({k: max(v) for k, v in grid.items()}, {k: min(v) for k, v in grid.items()}):
-        resolved = wdb.resolve_params(dims, **params)
-        assert {r.kernel for r in offline_report(wdb.SOURCE, **resolved)} == set(wdb.SOURCE.kernels)
+    for variant in (wdb.VARIANT, wdb.MMA_VARIANT):
+        grid = variant.grid
+        for corner in ({k: max(v) for k, v in grid.items()}, {k: min(v) for k, v in grid.items()}):
+            resolved = wdb.resolve_params(dims, **{**variant.params, **corner})
+            assert {r.kernel for r in offline_report(wdb.SOURCE, **resolved)} == set(wdb.kernel_names(resolved))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -237,6 +238,26 @@ inline unsigned __match_any_sync(unsigned, int v) {
     for (int l = 0; l < 32; ++l) mask |= (unsigned)(exchange(v, l) == v) << l;
     return mask;
 }
+// mma.sync.m16n8k16 (bf16 in, fp32 accumulate) for the GB_MMA / DB_MMA kernels: every lane's fragments are
+// gathered through the warp's exchange slots; lane (g, q) computes D rows g, g+8 x columns 2q, 2q+1
+inline void emulated_mma_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                               unsigned b1) {
+    unsigned A[32][4], B[32][2];
+    for (int l = 0; l < 32; ++l) {
+        A[l][0] = exchange(a0, l); A[l][1] = exchange(a1, l); A[l][2] = exchange(a2, l); A[l][3] = exchange(a3, l);
+        B[l][0] = exchange(b0, l); B[l][1] = exchange(b1, l);
+    }
+    auto half = [](unsigned w, int k) { return __uint_as_float(k % 2 ? (w & 0xffff0000u) : (w << 16)); };
+    auto a_el = [&](int m, int k) { return half(A[(m % 8) * 4 + (k % 8) / 2][(m < 8 ? 0 : 1) + (k < 8 ? 0 : 2)], k); };
+    auto b_el = [&](int k, int n) { return half(B[n * 4 + (k % 8) / 2][k < 8 ? 0 : 1], k); };
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    for (int r = 0; r < 4; ++r) {
+        const int m = g + (r >= 2 ? 8 : 0), n = 2 * q + (r & 1);
+        float sum = 0.0f;
+        for (int k = 0; k < 16; ++k) sum = fmaf(a_el(m, k), b_el(k, n), sum);
+        d[r] += sum;
+    }
+}
 #include "kernel.cu"
 
 template <class F> void launch(long long blocks, int threads, F body) {
@@ -279,15 +300,25 @@ int main(int argc, char** argv) {
     std::vector<uint16_t> inter((size_t)T * K * I, 0x7fc0);
     std::vector<uint32_t> out((size_t)T * H, 0x7fc07fc0u);  // NaN poison in either view
     // the larger of the list kernel's and the down kernel's (partials + DB_PIPE's staged lists) dynamic shared memory
-    std::vector<float> shared(std::max((size_t)DB_WARPS * T * DB_OUTS + 3 * slots + (size_t)T * K, (size_t)E + 1),
-                              __uint_as_float(0x7fc00000u));
+    const size_t down_shared = (size_t)DB_WARPS * T * (DB_OUTS + 16) + 3 * slots + (size_t)T * K;  // (DB_MMA: 16)
+    std::vector<float> shared(std::max(down_shared, (size_t)E + 1), __uint_as_float(0x7fc00000u));
     wdb_dynamic_shared = shared.data();
     launch(1, LIST_THREADS, [&] { moe_expert_lists(ids.data(), T * K, E, slots, lists.data()); });
+#if GB_MMA
+#define GATE_UP_KERNEL moe_gate_up_mma
+#else
+#define GATE_UP_KERNEL moe_gate_up_batched
+#endif
+#if DB_MMA
+#define DOWN_KERNEL moe_down_mma
+#else
+#define DOWN_KERNEL moe_down_batched
+#endif
     launch(gu_blocks, GB_WARPS * 32,
-           [&] { moe_gate_up_batched(x.data(), w13.data(), lists.data(), inter.data(), H, I, E, K, slots); });
+           [&] { GATE_UP_KERNEL(x.data(), w13.data(), lists.data(), inter.data(), H, I, E, K, slots); });
     launch(dn_blocks, DB_WARPS * 32, [&] {
-        moe_down_batched(inter.data(), w2.data(), ids.data(), wts.data(), lists.data(), out.data(), f32, T, H, I, E,
-                         K, slots);
+        DOWN_KERNEL(inter.data(), w2.data(), ids.data(), wts.data(), lists.data(), out.data(), f32, T, H, I, E, K,
+                    slots);
     });
     save(dir + "/lists.bin", lists);
     save(dir + "/inter.bin", inter);
@@ -409,6 +440,13 @@ EMULATED += [
     (PIPE_SHAPE, 7, "zipf", {**PIPE_KNOBS, "GB_PIPE": 1, "DB_PIPE": 1}, True),
     (PIPE_SHAPE, 9, "uniform", {**PIPE_KNOBS, "GB_PIPE": 1, "DB_PIPE": 1, "GB_UNROLL": 2, "DB_TILE": 3}, False),
     ("tiny", 5, "same", {"GB_PIPE": 1, "DB_PIPE": 1, "GB_TILE": 2, "DB_TILE": 2, "DB_WARPS": 3}, False),
+    # tensor-core kernels: masked k tails (25 / 17 chunks), experts with more than 8 (NBLK 1) pairs, 16 columns
+    # per block over H = 200 (a partial last block), several experts per down warp, duplicate ids in a token
+    (PIPE_SHAPE, 9, "zipf", {"GB_MMA": 1, "DB_MMA": 1, "GB_WARPS": 2, "DB_WARPS": 2, "GB_UNROLL": 2,
+                             "DB_UNROLL": 3, "LIST_THREADS": 32, "LIST_PER": 0}, True),
+    (PIPE_SHAPE, 12, "same", {"GB_MMA": 1, "DB_MMA": 1, "GB_NBLK": 2, "DB_NBLK": 2, "DB_WARPS": 3,
+                              "LIST_THREADS": 32, "LIST_PER": 0}, False),
+    ("tiny", 6, [[5, 5], [0, 1], [2, 2], [3, 0], [1, 1], [5, 4]], {"GB_MMA": 1, "DB_MMA": 1}, False),
 ]
 
 
@@ -438,8 +476,9 @@ def test_cuda_source_emulated_on_cpu(rng: np.random.Generator, shape: Any, token
     oracle = moe_decode(*problem.arrays, mode="fp64")
     _assert_matches(got["out"], faithful, oracle, f"emulated {problem.shape.name} {params}")
     resolved = wdb.resolve_params(dims, **params)
-    strict = _emulate_strict_gate_up(problem, GU_BYTES=resolved["GB_BYTES"], GU_UNROLL=1)
-    assert np.array_equal(got["inter"], strict), "intermediate differs from the strict kernel's"
+    if not resolved["GB_MMA"]:  # the tensor core sums in its own order: compared through the output only
+        strict = _emulate_strict_gate_up(problem, GU_BYTES=resolved["GB_BYTES"], GU_UNROLL=1)
+        assert np.array_equal(got["inter"], strict), "intermediate differs from the strict kernel's"
     if fp32:
         got32 = _emulate(problem, out_dtype=np.float32, **params)["out"]
         faithful32 = moe_decode(*problem.arrays, mode="warp_decode", out_dtype=np.float32)
@@ -526,6 +565,32 @@ def test_pipelined_knobs_bitwise_equal_plain(cupy_mod: Any, rng: np.random.Gener
     plain = _run_and_check(cupy_mod, problem, f"{model} T={tokens} plain", **knobs)
     piped = _run_and_check(cupy_mod, problem, f"{model} T={tokens} pipelined", GB_PIPE=1, DB_PIPE=1, **knobs)
     assert np.array_equal(plain.view(np.uint16), piped.view(np.uint16))
+
+
+MMA = {"GB_MMA": 1, "DB_MMA": 1}
+MMA_CASES = [("qwen3-30b-a3b", 1, "uniform"), ("qwen3-30b-a3b", 37, "uniform"), ("qwen3-30b-a3b", 64, "zipf"),
+             ("qwen3-235b-a22b", 16, "uniform"), ("mixtral-8x7b", 8, "uniform"), ("qwen3-30b-a3b", 6, "same")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("model", "tokens", "routing"), MMA_CASES)
+def test_mma_kernels(cupy_mod: Any, rng: np.random.Generator, model: str, tokens: int, routing: str) -> None:
+    """The tensor-core kernels against the references (NaN-poisoned buffers), then bitwise over two more runs."""
+    problem = make_problem(model, tokens, seed=_seed(rng), routing=routing, xp=cupy_mod)
+    first = _run_and_check(cupy_mod, problem, f"mma {model} T={tokens} {routing}", **MMA)
+    for _ in range(2):
+        out = _poisoned_out(cupy_mod, tokens, problem.shape.hidden)
+        wdb.warp_decode_batched(*problem.arrays, out=out, **MMA)
+        cupy_mod.cuda.runtime.deviceSynchronize()
+        assert np.array_equal(cupy_mod.asnumpy(out).view(np.uint16), first.view(np.uint16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(ODD_SHAPES))
+def test_mma_odd_shapes(cupy_mod: Any, rng: np.random.Generator, name: str) -> None:
+    for tokens, knobs in ((5, {}), (37, {"GB_NBLK": 2, "DB_NBLK": 2, "GB_UNROLL": 8, "DB_UNROLL": 2})):
+        problem = make_problem(ODD_SHAPES[name], tokens, seed=_seed(rng), routing="zipf", xp=cupy_mod)
+        _run_and_check(cupy_mod, problem, f"mma {name} T={tokens} {knobs}", **MMA, **knobs)
 
 
 @pytest.mark.gpu
