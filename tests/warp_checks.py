@@ -106,17 +106,26 @@ def _references(problem: Problem, out_dtype: Any = BF16) -> tuple[np.ndarray, np
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
-def _assert_matches(got: np.ndarray, faithful: np.ndarray, oracle: np.ndarray, what: str) -> dict[str, float]:
+def _assert_matches(got: np.ndarray, faithful: np.ndarray, oracle: np.ndarray, what: str,
+                    own_order: bool = False) -> dict[str, float]:
+    """The comparison rule (module docstring). ``own_order``: for kernels that sum in an order of their own
+    (the tensor-core kernels: an mma adds 16 products at once). Their fp32 dots differ from the reference's by
+    a few fp32 ulps, so some intermediate elements round to the neighbouring bf16 value; such flips, summed
+    over I*K terms, move an output by up to a few ulp(RMS/4) (2.8 ulp(RMS/4) measured on the H200 at
+    h2880-i264 T=37) and lower the bitwise fraction on long sums. The rule then is: within
+    ``ulp(|ref|) + ulp(RMS)`` of the faithful mode, no bitwise floor, and -- the point of warp decode -- as
+    close to fp64 as the faithful mode (rel-L2 at most 2 % above it)."""
     assert got.shape == faithful.shape, what
     g = got.astype(np.float64)
     r = faithful.astype(np.float64)
     assert np.all(np.isfinite(g)), f"{what}: {np.sum(~np.isfinite(g))} outputs not written (NaN poison) or inf"
     rms = float(np.sqrt(np.mean(r * r)))
+    spread = rms if own_order else rms / 4
     if got.dtype == BF16:
-        tol = bf16_ulp(r) + bf16_ulp(np.full_like(r, rms / 4))
+        tol = bf16_ulp(r) + bf16_ulp(np.full_like(r, spread))
         bitwise = float(np.mean(got.view(np.uint16) == faithful.view(np.uint16)))
     else:  # fp32 out: no final rounding; allow the pre-rounding difference only
-        tol = np.abs(r) * 2.0**-16 + rms * 2.0**-9
+        tol = np.abs(r) * 2.0**-16 + spread * 2.0**-7
         bitwise = float(np.mean(got.view(np.uint32) == faithful.view(np.uint32)))
     excess = np.abs(g - r) - tol
     worst = int(np.argmax(excess))
@@ -124,10 +133,14 @@ def _assert_matches(got: np.ndarray, faithful: np.ndarray, oracle: np.ndarray, w
         f"{what}: |got - ref| beyond tolerance at {np.unravel_index(worst, r.shape)}: got {g.flat[worst]!r} "
         f"ref {r.flat[worst]!r} tol {tol.flat[worst]!r} (rms {rms:.3g})"
     )
-    if got.dtype == BF16:
+    if got.dtype == BF16 and not own_order:
         assert bitwise >= MIN_BITWISE, f"{what}: only {bitwise:.3%} bitwise equal to mode='warp_decode'"
     rel = rel_l2(g, oracle)
     assert rel < MAX_REL_L2, f"{what}: rel-L2 vs fp64 {rel:.3g}"
+    if own_order:
+        faithful_rel = rel_l2(r, oracle)
+        assert rel <= 1.02 * faithful_rel + 1e-6, (
+            f"{what}: rel-L2 vs fp64 {rel:.4g}, the faithful mode's {faithful_rel:.4g}: less accurate than warp decode")
     return {"bitwise": bitwise, "rel_l2": rel}
 
 
