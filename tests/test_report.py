@@ -329,7 +329,7 @@ def test_crossover_readme_update_round_trips(tmp_path):
     block = first[first.index(report.BEGIN):first.index(report.END)]
     assert "old" not in block and first.endswith("<!-- bench:end -->\n\ntail\n")
     assert block.count("| batch |") == 2  # the per-model tables of both files, then the crossover tables
-    assert block.index("| batch |") < block.index("### Crossover: qwen3-30b-a3b, uniform routing")
+    assert block.index("### Crossover: qwen3-30b-a3b, uniform routing") < block.index("| batch |")  # crossovers first
     assert block.index("uniform routing") < block.index("### Crossover: qwen3-30b-a3b, zipf routing")
     assert "#### Crossover" not in block  # the per-file sections leave the crossover to the combined tables
     assert "+20.0 % ⚠" in block and f"`{paths[1]}`: strict, batched, auto" in block

@@ -594,10 +594,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"cannot read {path}: {exc}")
     crossovers = crossover_markdown(datas, names=args.json)
     if args.update_readme:
-        block = "\n".join(f"From `{path}`:\n\n{markdown(data, crossovers=False)}"
-                          for path, data in zip(args.json, datas, strict=True))
-        if crossovers:
-            block += "\n" + crossovers
+        # the crossover tables first (the answer: which path where), then every run's full tables
+        per_run = "\n".join(f"From `{path}`:\n\n{markdown(data, crossovers=False)}"
+                             for path, data in zip(args.json, datas, strict=True))
+        block = (crossovers + "\n### Every run in full\n\n" + per_run) if crossovers else per_run
         ratios = ratio_markdown(datas)
         if ratios:
             block += "\n### Numba vs CuPy, strict warp decode\n\n" + ratios
