@@ -61,7 +61,8 @@ def moe_decode(
 ) -> Any:
     """The fastest path for (shape, T) on this GPU, from the committed table measured on this GPU, else a
     documented heuristic (:mod:`kernels.dispatch`). ``policy="fastest"``: strict warp decode, batched warp
-    decode or the expert-centric path; ``policy="warp_decode"``: the two warp-decode paths only (warp decode's
-    numerics). ``workspace``: ``kernels.dispatch.make_workspace(dims, policy=policy)``. Never syncs inside a graph."""
+    decode (FMA or tensor-core MMA) or the expert-centric path; ``policy="warp_decode"``: the warp-decode paths
+    only (warp decode's numerics). ``workspace``: ``kernels.dispatch.make_workspace(dims, policy=policy)``.
+    Never syncs inside a graph."""
     module = importlib.import_module("kernels.dispatch")
     return module.moe_decode(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace, policy=policy)

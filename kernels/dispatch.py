@@ -9,6 +9,10 @@ Paths (candidates):
                                   share an expert. Reproduces ``reference.moe_decode(mode="warp_decode")``.
 * ``"cupy:warp-decode-batched"``  batched warp decode: each active expert's weights read once per batch.
                                   Same numerics (mode "warp_decode").
+* ``"cupy:warp-decode-mma"``      batched warp decode on tensor cores (``GB_MMA`` / ``DB_MMA``: mma.sync
+                                  m16n8k16, bf16 in, FP32 accumulators, one bf16 rounding of the intermediate):
+                                  warp decode's numerics with the tensor core's summation order -- as close to
+                                  fp64 as the FMA paths (same rel-L2 on the H200), not bitwise the same.
 * ``"cupy:expert-centric"``       the conventional path (``kernels/expert_centric.py``: align, gather, grouped
                                   mma.sync GEMMs, SiLU, combine), bf16, no quantization. Reproduces
                                   ``reference.moe_decode(mode="classical")``: bf16 GEMM outputs, four roundings,
@@ -16,8 +20,8 @@ Paths (candidates):
 
 Policies (``policy=``, :data:`POLICIES`; candidates per policy in :data:`POLICY_CANDIDATES`):
 
-* ``"fastest"`` (the default)  the fastest of the three paths.
-* ``"warp_decode"``            strict or batched only: keeps warp decode's numerics (fp32 dots, one bf16
+* ``"fastest"`` (the default)  the fastest of the four paths.
+* ``"warp_decode"``            strict, batched or MMA only: keeps warp decode's numerics (fp32 dots, one bf16
                                rounding of the intermediate) whatever the speed.
 
 The choice depends only on the shape (H, I, E, K), T, the GPU and the policy -- never on ``topk_ids``'
@@ -30,20 +34,22 @@ values -- so it never syncs with the host and a captured CUDA graph stays valid 
    between table points uses the nearest LOWER point (below the first point: the first; above the last:
    the last). Older tables whose points hold only a ``choice`` are still read: that choice is used when it
    belongs to the policy, else the heuristic.
-2. No table for this GPU, or no entry for this shape: the heuristic :func:`heuristic`:
+2. No table for this GPU, or no entry for this shape: the heuristic :func:`heuristic` (both policies):
 
-   * policy "fastest": expert-centric when ``T * K >= 2 * E`` (two or more pairs per expert on average).
-     Evidence: the H200 evening run (``results/h200-2026-11-30-evening.json``, 2026-11-30) has the
-     expert-centric path fastest at T >= 32 on both qwen3-30b-a3b and qwen3-235b-a22b (E = 128, K = 8:
-     T*K/E >= 2; e.g. 313.7 vs 368.5 us batched at 30b T=32, 1207 vs 1340 us at 235b T=32) and within 3 %
-     of batched at 30b T=16 (T*K/E = 1: 220.5 vs 213.9 us), behind it at 235b T=16 (821.6 vs 772.4 us).
-     Other (E, K) are extrapolated from that ratio, not measured.
-   * otherwise (and always under "warp_decode"): strict at T = 1 and when ``T * K <= E / 8`` (few pairs,
-     almost every expert touched once: strict reads about the same bytes with one launch fewer), else batched.
-   * a path whose kernels cannot run the dims is never chosen: batched needs T small enough for its down
-     kernel's shared memory and E for its list kernel (:func:`batched_supported`); expert-centric needs E
-     <= ``expert_centric.MAX_EXPERTS`` and valid tile knobs (:func:`expert_centric_supported`). Strict runs
-     everything.
+   * strict at T = 1 and when ``T * K <= E / 8`` (few pairs, almost every expert touched once: strict reads
+     about the same bytes with one launch fewer);
+   * the MMA path when ``T * K >= E`` (one or more pairs per expert on average). Evidence: the H200 run of
+     2026-12-01 (call 2 of that session, ``notes/H200-LOG.md``): at qwen3-30b T = 16 / 32 / 64 (T*K/E = 1, 2,
+     4) the MMA path took 205 / 291 / 334 us against 211 / 333 / 524 us (batched) and 221 / 315 / 349 us
+     (expert-centric); at T = 8 (T*K/E = 0.5) batched won, 134.5 vs 142.8 us; at qwen3-235b T = 16 the two
+     batched paths tied (732 vs 735 us) and MMA won from T = 32. Other (E, K) are extrapolated from that
+     ratio, not measured;
+   * else batched;
+   * a path whose kernels cannot run the dims is never chosen: the batched and MMA kernels need T small
+     enough for the down kernel's shared memory and E for the list kernel (:func:`batched_supported`);
+     expert-centric needs E <= ``expert_centric.MAX_EXPERTS`` and valid tile knobs
+     (:func:`expert_centric_supported`). Strict runs everything. The heuristic never picks expert-centric:
+     it was measured slower than the MMA path at every qwen3 point from T = 8 up.
 
 Variants ``"cupy:auto"`` (policy "fastest") and ``"cupy:auto-warp-decode"`` (policy "warp_decode"):
 ``build(dims)`` decides once and returns that path's launch, with ``launch.choice`` (the variant name),
@@ -71,17 +77,19 @@ ec = importlib.import_module("kernels.expert_centric")
 
 STRICT = "cupy:warp-decode"
 BATCHED = "cupy:warp-decode-batched"
+MMA = "cupy:warp-decode-mma"
 EXPERT_CENTRIC = "cupy:expert-centric"
-CANDIDATES = (STRICT, BATCHED, EXPERT_CENTRIC)
+CANDIDATES = (STRICT, BATCHED, MMA, EXPERT_CENTRIC)
+MMA_KNOBS = {"GB_MMA": 1, "DB_MMA": 1}  # the batched module's tensor-core kernels (the MMA variant's params)
 FASTEST = "fastest"
 WARP_DECODE = "warp_decode"
 POLICIES = (FASTEST, WARP_DECODE)
-POLICY_CANDIDATES: dict[str, tuple[str, ...]] = {FASTEST: CANDIDATES, WARP_DECODE: (STRICT, BATCHED)}
+POLICY_CANDIDATES: dict[str, tuple[str, ...]] = {FASTEST: CANDIDATES, WARP_DECODE: (STRICT, BATCHED, MMA)}
 TABLE_POINTS = (1, 2, 4, 8, 16, 32, 64)
 TABLE_DIR = Path(__file__).resolve().parent / "dispatch_tables"
 SCHEMA = "warp-decode-dispatch/1"
 STRICT_PAIRS_PER_EXPERT = 0.125  # heuristic: strict while T*K <= E/8 (and at T = 1)
-EXPERT_CENTRIC_PAIRS_PER_EXPERT = 2  # heuristic, policy "fastest": expert-centric from T*K >= 2E
+MMA_PAIRS_PER_EXPERT = 1  # heuristic: the tensor-core batched kernels from T*K >= E (one pair per expert on average)
 
 
 def check_policy(policy: Any) -> str:
@@ -106,10 +114,10 @@ def shape_key(dims: Dims) -> str:
 # ---------------------------------------------------------------------------------------------------
 # What each path can run
 # ---------------------------------------------------------------------------------------------------
-def batched_supported(dims: Dims) -> bool:
-    """Whether the batched kernels (default knobs) can run ``dims``."""
+def batched_supported(dims: Dims, **knobs: int) -> bool:
+    """Whether the batched kernels (default knobs, plus ``knobs``: the MMA ones) can run ``dims``."""
     try:
-        wdb.resolve_params(dims)
+        wdb.resolve_params(dims, **knobs)
     except ValueError:
         return False
     return True
@@ -131,6 +139,8 @@ def supported(name: str, dims: Dims) -> bool:
     """Whether candidate ``name`` can run ``dims`` (strict runs every dims)."""
     if name == BATCHED:
         return batched_supported(dims)
+    if name == MMA:
+        return batched_supported(dims, **MMA_KNOBS)
     if name == EXPERT_CENTRIC:
         return expert_centric_supported(dims)
     return name == STRICT
@@ -233,26 +243,24 @@ def table_choice(table: dict[str, Any], dims: Dims, policy: str = FASTEST) -> st
 
 
 def heuristic(dims: Dims, policy: str = FASTEST) -> str:
-    """The path for ``dims`` without a measurement (see the module docstring for the evidence):
-
-    * policy "fastest": expert-centric when ``T * K >= 2 * E`` and it can run the dims;
-    * strict at T = 1, when ``T * K <= E / 8`` or when the batched kernels cannot run the dims; else batched.
+    """The path for ``dims`` without a measurement (see the module docstring for the evidence), either policy:
+    strict at T = 1 or when ``T * K <= E / 8``; the MMA path when ``T * K >= E``; else batched (a path that
+    cannot run the dims is skipped; strict runs everything).
 
     Why E/8: strict reads every pair's expert, batched each active expert once but launches one more kernel
     (~2-3 us). Under uniform routing strict's extra bytes are T*K - E*(1 - (1 - K/E)**T) experts: at
     qwen3-30b T=2 ~0.5 expert (~1 us) -- strict; at T=4 ~3.4 experts (~7 us; ~28 us at qwen3-235b) -- batched.
-    Why 2E: on the H200 the expert-centric path (tensor-core GEMMs over BLOCK_M-row tiles, cp.async ring)
-    overtakes batched warp decode once experts hold two or more pairs on average (T >= 32 at E=128, K=8).
+    Why E: with a pair or more per expert the FMA kernels spend their issue slots on 2 FMAs per weight element
+    per pair; the tensor core takes that work off the lanes (H200: MMA fastest from T*K/E = 1 at qwen3-30b).
     """
     check_policy(policy)
     pairs = dims.tokens * dims.top_k
-    if (policy == FASTEST and pairs >= EXPERT_CENTRIC_PAIRS_PER_EXPERT * dims.experts
-            and expert_centric_supported(dims)):
-        return EXPERT_CENTRIC
     few_pairs = dims.tokens == 1 or pairs <= STRICT_PAIRS_PER_EXPERT * dims.experts
-    if few_pairs or not batched_supported(dims):
+    if few_pairs:
         return STRICT
-    return BATCHED
+    if pairs >= MMA_PAIRS_PER_EXPERT * dims.experts and batched_supported(dims, **MMA_KNOBS):
+        return MMA
+    return BATCHED if batched_supported(dims) else STRICT
 
 
 def choose(dims: Dims, gpu: str | None = None, table_dir: str | Path = TABLE_DIR,
@@ -292,7 +300,7 @@ def make_workspace(dims: Dims, gpu: str | None = None, policy: str = FASTEST,
     choice, source = choose(dims, gpu, table_dir, policy)
     if choice == EXPERT_CENTRIC:
         inner = ec.make_workspace(dims, None)
-    elif choice == BATCHED:
+    elif choice in (BATCHED, MMA):
         inner = wdb.make_workspace(dims)
     else:
         inner = wdc.make_workspace(dims.tokens, dims.top_k, dims.intermediate)
@@ -303,8 +311,8 @@ def moe_decode(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out:
                workspace: Workspace | None = None, policy: str = FASTEST) -> Any:
     """One MoE decode layer by the fastest path of ``policy`` for this shape and T; returns ``out`` [T, H].
 
-    ``policy="fastest"``: strict, batched or expert-centric (the last reproduces mode "classical");
-    ``policy="warp_decode"``: strict or batched (mode "warp_decode"). With ``out`` and ``workspace``
+    ``policy="fastest"``: strict, batched, MMA or expert-centric (the last reproduces mode "classical");
+    ``policy="warp_decode"``: strict, batched or MMA (warp decode's numerics). With ``out`` and ``workspace``
     (``make_workspace(dims, policy=policy)``, same policy) nothing is allocated and nothing syncs with the host
     during CUDA-graph capture (outside capture the chosen path checks the ids' range, as every path does).
     """
@@ -327,6 +335,9 @@ def moe_decode(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out:
         return ec.expert_centric(x, w13, w2, topk_ids, topk_weights, quant=None, out=out, workspace=workspace.inner)
     if workspace.choice == BATCHED:
         return wdb.warp_decode_batched(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace.inner)
+    if workspace.choice == MMA:
+        return wdb.warp_decode_batched(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace.inner,
+                                       **MMA_KNOBS)
     return wdc.warp_decode(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace.inner)
 
 
@@ -366,7 +377,7 @@ VARIANT = register(
         build=_build_for(FASTEST),
         reference_mode="warp_decode",  # at T where the expert-centric path is chosen: "classical" (launch says)
         params={},
-        description="auto-dispatch, policy fastest: strict, batched warp decode or expert-centric from a per-GPU "
+        description="auto-dispatch, policy fastest: strict, batched, MMA warp decode or expert-centric from a per-GPU "
                     "measured table (or a heuristic)",
     )
 )
@@ -378,7 +389,7 @@ VARIANT_WARP_DECODE = register(
         build=_build_for(WARP_DECODE),
         reference_mode="warp_decode",
         params={},
-        description="auto-dispatch, policy warp_decode: strict or batched warp decode (warp decode's numerics) "
+        description="auto-dispatch, policy warp_decode: strict, batched or MMA warp decode (warp decode's numerics) "
                     "from a per-GPU measured table (or a heuristic)",
     )
 )

@@ -5,15 +5,15 @@
     python -m tools.dispatch_table --json ... --also numba:warp-decode     # record other paths too (never chosen)
     python -m tools.dispatch_table --json kernels/dispatch_tables/nvidia-h200.json --from-bench a.json b.json
 
-Every point records each candidate's (``kernels.dispatch.CANDIDATES``: strict, batched, expert-centric) median,
-status and TB/s; ``kernels.dispatch`` picks, per policy ("fastest": all three; "warp_decode": strict and
-batched), the fastest candidate of the policy with status "ok". The point's ``choices`` (per policy) and
+Every point records each candidate's (``kernels.dispatch.CANDIDATES``: strict, batched, MMA, expert-centric)
+median, status and TB/s; ``kernels.dispatch`` picks, per policy ("fastest": all four; "warp_decode": strict,
+batched and MMA), the fastest candidate of the policy with status "ok". The point's ``choices`` (per policy) and
 ``choice`` (policy "fastest") say what that gives, for people reading the file.
 
 ``--from-bench`` builds the table from one or more bench runs' JSON instead of timing again (no GPU needed):
 rows of the candidates measured with uniform routing (the row's ``routing``, else the run's config) are
 collected per (model, batch) in file order -- a later file overrides the same variant at the same model and
-batch -- and every (model, batch) where all three candidates have a row becomes a point, with the bench's
+batch -- and every (model, batch) where all four candidates have a row becomes a point, with the bench's
 medians and statuses. The files must come from one GPU; each file's name and date is recorded (``sources``,
 and per point which file each candidate's row came from).
 
