@@ -194,7 +194,7 @@ inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 struct Dim3 { unsigned x = 0, y = 0, z = 0; };
 thread_local Dim3 threadIdx, blockIdx;
 Dim3 gridDim;  // set by launch() before its threads start
-struct WarpCtx { std::barrier<> bar{32}; uint32_t slots[32]; };
+struct WarpCtx { std::barrier<> bar{32}; uint32_t slots[32]; uint32_t frags[32][6]; };  // frags: emulated mma
 thread_local WarpCtx* g_warp = nullptr;
 template <class T> inline T __ldg(const T* p) { return *p; }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
