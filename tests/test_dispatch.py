@@ -602,7 +602,8 @@ def test_capture_moe_decode_and_auto_variant(cupy_mod: Any, rng: np.random.Gener
 def test_capture_policies_tiny(cupy_mod: Any, rng: np.random.Generator, policy: str, variant: str,
                                expected: str) -> None:
     """tiny T=8 (T*K = 16 >= E = 6, no table entry): the heuristic picks the MMA path under both policies;
-    captured with new routing per replay, checked by the MMA rule (tests/warp_checks.py, own_order)."""
+    equal to the MMA kernels called directly, bitwise repeatable over 3 runs, captured with new routing per
+    replay, checked by the MMA rule (tests/warp_checks.py, own_order)."""
     from kernels.variants import get_variant
 
     cupy = cupy_mod
@@ -613,4 +614,7 @@ def test_capture_policies_tiny(cupy_mod: Any, rng: np.random.Generator, policy: 
     launch = get_variant(variant).make(dims)
     assert (launch.choice, launch.policy) == (expected, policy)
     assert (launch.reference_mode, launch.quant) == (get_variant(expected).reference_mode, None)
+    got = _run_three_times(cupy, problem, ws, policy)
+    assert np.array_equal(got.view(np.uint16), cupy.asnumpy(_path_call(expected)(*problem.arrays)).view(np.uint16))
+    _check_chosen_mode(cupy, got, problem, expected, f"tiny T=8 {policy} (heuristic MMA)")
     _capture_and_replay(cupy, rng, problem, ws, launch, policy, f"tiny T=8 {policy}")
