@@ -688,6 +688,33 @@ __device__ __forceinline__ void mma_k32(float (&d)[4], const uint4& rows_lo, con
     mma_16816(d, rows_lo.x, rows_hi.x, rows_lo.y, rows_hi.y, col.x, col.y);
     mma_16816(d, rows_lo.z, rows_hi.z, rows_lo.w, rows_hi.w, col.z, col.w);
 }
+
+// A warp's whole k range, shared by both tensor-core kernels: acc[nb] (zeroed here) = A rows g / g + 8
+// (rows_lo / rows_hi) times B column g of 8-pair block nb (cols[nb]). Lane q loads chunk 4j + q of each
+// 32-wide k block j; UNROLL k blocks of loads are in flight per lane before the round's first mma.
+template <int UNROLL, int NB>
+__device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const uint4* rows_lo, const uint4* rows_hi,
+                                                    const uint4* const (&cols)[NB], int chunks, int q) {
+    #pragma unroll
+    for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
+    for (int c0 = 0; c0 < chunks; c0 += 4 * UNROLL) {
+        uint4 lo[UNROLL][1], hi[UNROLL][1], col[UNROLL][NB];
+        #pragma unroll
+        for (int j = 0; j < UNROLL; ++j) {
+            const int c = c0 + 4 * j + q;
+            const bool ok = c < chunks;
+            lo[j][0] = ldg_chunk(rows_lo, c, ok);
+            hi[j][0] = ldg_chunk(rows_hi, c, ok);
+            #pragma unroll
+            for (int nb = 0; nb < NB; ++nb) col[j][nb] = ldg_chunk(cols[nb], c, ok);
+        }
+        acc[0][0] += __uint_as_float(all_loads_arrived(lo) | all_loads_arrived(hi));   // += 0.0f
+        #pragma unroll
+        for (int j = 0; j < UNROLL; ++j)
+            #pragma unroll
+            for (int nb = 0; nb < NB; ++nb) mma_k32(acc[nb], lo[j][0], hi[j][0], col[j][nb]);
+    }
+}
 #endif
 
 #if GB_MMA
@@ -735,25 +762,7 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
             x_row[nb] = reinterpret_cast<const uint4*>(x + (p / top_k) * hidden);
         }
         float acc[GB_NBLK][4];
-        #pragma unroll
-        for (int nb = 0; nb < GB_NBLK; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
-        for (int c0 = 0; c0 < chunks; c0 += 4 * GB_UNROLL) {
-            uint4 wg[GB_UNROLL][1], wu[GB_UNROLL][1], xv[GB_UNROLL][GB_NBLK];
-            #pragma unroll
-            for (int j = 0; j < GB_UNROLL; ++j) {
-                const int c = c0 + 4 * j + q;
-                const bool ok = c < chunks;
-                wg[j][0] = ldg_chunk(gate_row, c, ok);
-                wu[j][0] = ldg_chunk(up_row, c, ok);
-                #pragma unroll
-                for (int nb = 0; nb < GB_NBLK; ++nb) xv[j][nb] = ldg_chunk(x_row[nb], c, ok);
-            }
-            acc[0][0] += __uint_as_float(all_loads_arrived(wg) | all_loads_arrived(wu));   // += 0.0f
-            #pragma unroll
-            for (int j = 0; j < GB_UNROLL; ++j)
-                #pragma unroll
-                for (int nb = 0; nb < GB_NBLK; ++nb) mma_k32(acc[nb], wg[j][0], wu[j][0], xv[j][nb]);
-        }
+        mma_rows_by_columns<GB_UNROLL, GB_NBLK>(acc, gate_row, up_row, x_row, chunks, q);
         #pragma unroll
         for (int nb = 0; nb < GB_NBLK; ++nb)
             #pragma unroll
@@ -819,25 +828,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
                 inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + p * inter);
             }
             float acc[DB_NBLK][4];
-            #pragma unroll
-            for (int nb = 0; nb < DB_NBLK; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
-            for (int c0 = 0; c0 < chunks; c0 += 4 * DB_UNROLL) {
-                uint4 wl[DB_UNROLL][1], wh[DB_UNROLL][1], iv[DB_UNROLL][DB_NBLK];
-                #pragma unroll
-                for (int j = 0; j < DB_UNROLL; ++j) {
-                    const int c = c0 + 4 * j + q;
-                    const bool ok = c < chunks;
-                    wl[j][0] = ldg_chunk(row_lo, c, ok);
-                    wh[j][0] = ldg_chunk(row_hi, c, ok);
-                    #pragma unroll
-                    for (int nb = 0; nb < DB_NBLK; ++nb) iv[j][nb] = ldg_chunk(inter_row[nb], c, ok);
-                }
-                acc[0][0] += __uint_as_float(all_loads_arrived(wl) | all_loads_arrived(wh));   // += 0.0f
-                #pragma unroll
-                for (int j = 0; j < DB_UNROLL; ++j)
-                    #pragma unroll
-                    for (int nb = 0; nb < DB_NBLK; ++nb) mma_k32(acc[nb], wl[j][0], wh[j][0], iv[j][nb]);
-            }
+            mma_rows_by_columns<DB_UNROLL, DB_NBLK>(acc, row_lo, row_hi, inter_row, chunks, q);
             #pragma unroll
             for (int nb = 0; nb < DB_NBLK; ++nb)
                 #pragma unroll
