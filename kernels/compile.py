@@ -172,6 +172,17 @@ def launch_ex(
         raise RuntimeError(f"cuLaunchKernelEx failed: {status}")
 
 
+def for_device(params: dict[str, int]) -> dict[str, int]:
+    """``params`` for the current device: a ``PDL`` knob needs sm_90+ (``griddepcontrol``), so it becomes 0 on
+    older GPUs (the kernels then wait for nothing and launch the ordinary way)."""
+    if params.get("PDL"):
+        import cupy
+
+        if int(cupy.cuda.Device().compute_capability) < 90:
+            return {**params, "PDL": 0}
+    return params
+
+
 def clear_memory_cache() -> None:
     """Forget compiled modules held in this process (CuPy's disk cache is untouched)."""
     _MODULES.clear()

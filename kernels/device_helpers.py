@@ -80,3 +80,73 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 // ---- end of shared device helpers ----
 """
+
+# The helpers of programmatic dependent launch, for sources with a ``PDL`` knob (0 or 1): the strict and the
+# batched kernels. ``prefetch_l2`` (a Hopper bulk L2 prefetch) sits here too: it is sm_90+ like PDL.
+PDL_HELPERS = r"""
+// ---- PDL helpers (kernels/device_helpers.py) ----
+// Loads of data the kernel right before may have written (x, topk_ids in gate_up; the intermediate in down).
+// With PDL that kernel can still be running while this one starts, so these loads must stay behind
+// pdl_wait(). __ldg (ld.global.nc on const __restrict__ data) is an invariant load the compiler may hoist
+// above the wait -- the H200 caught it: down's intermediate loads were scheduled before griddepcontrol.wait
+// and read gate_up's output before it was written. A volatile asm load (plain, coherent ld.global) keeps
+// its place after the volatile asm wait.
+__device__ __forceinline__ uint4 ld_dep(const uint4* p) {
+#ifdef WD_HOST_EMULATION
+    return *p;
+#else
+    uint4 v;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+#endif
+}
+__device__ __forceinline__ uint2 ld_dep(const uint2* p) {
+#ifdef WD_HOST_EMULATION
+    return *p;
+#else
+    uint2 v;
+    asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+#endif
+}
+__device__ __forceinline__ u32 ld_dep(const u32* p) {
+#ifdef WD_HOST_EMULATION
+    return *p;
+#else
+    u32 v;
+    asm volatile("ld.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+#endif
+}
+__device__ __forceinline__ int ld_dep(const int* p) { return (int)ld_dep(reinterpret_cast<const u32*>(p)); }
+template <typename V>
+__device__ __forceinline__ V ld_dep_chunk(const V* row, int c, bool ok) {
+    return zero_unless(ok, ld_dep(row + (ok ? c : 0)));
+}
+
+// Programmatic dependent launch (PDL=1; the kernels are then launched with the programmatic-serialization
+// attribute, kernels.compile.launch_ex). pdl_wait: block until the previous kernel in the stream has finished
+// and its writes are visible (a no-op for an ordinary launch). pdl_release: let the next kernel's blocks start
+// early. Each kernel releases only AFTER its own wait, so the next kernel may read, before its wait, anything
+// written two or more kernels back (the routing), but nothing the kernel right before it writes.
+__device__ __forceinline__ void pdl_wait() {
+#if PDL && !defined(WD_HOST_EMULATION)
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_release() {
+#if PDL && !defined(WD_HOST_EMULATION)
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+// *_PREFETCH=1: one Hopper bulk prefetch (cp.async.bulk.prefetch.L2, sm_90+) asks the copy engine to bring
+// `bytes` (a multiple of 16, 16-byte aligned) at `p` into L2 -- no registers held, nothing waited on; the
+// ordinary loads that follow then hit L2 (or an in-flight miss) instead of each paying a DRAM round trip.
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+#if !defined(WD_HOST_EMULATION)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes));
+#endif
+}
+// ---- end of PDL helpers ----
+"""

@@ -89,7 +89,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels.compile import CudaSource, get_kernel, preset_variants, register_source
+from kernels.compile import CudaSource, for_device, get_kernel, launch_ex, preset_variants, register_source
 from kernels.contract import BF16, Dims, check_aligned, check_inputs, check_out, require_cupy
 from kernels.variants import Variant, register
 from kernels.warp_decode_batched_cuda import CODE, KERNELS, MMA_KERNELS
@@ -97,7 +97,8 @@ from kernels.warp_decode_batched_cuda import CODE, KERNELS, MMA_KERNELS
 EXPERT_LISTS, GATE_UP, DOWN = KERNELS
 GATE_UP_MMA, DOWN_MMA = MMA_KERNELS
 LIST_HEADER = 4  # int32s before the slot arrays in the lists buffer (must match LIST_HEADER in the CUDA C)
-SHARED_LIMIT = 48 * 1024  # dynamic shared memory without opt-in
+SHARED_LIMIT = 48 * 1024  # dynamic shared memory without opt-in (the list kernel)
+DOWN_SHARED_LIMIT = 227 * 1024  # what the down kernel opts into above 48 KB (sm_90; launches set the attribute)
 MAX_TILE = 8  # cap of the automatic GB_TILE / DB_TILE
 
 DEFAULTS: dict[str, int] = {
@@ -122,6 +123,8 @@ DEFAULTS: dict[str, int] = {
     "DB_MMA": 0,  # 1: down on tensor cores (moe_down_mma: 16 hidden columns per block)
     "GB_NBLK": 1,  # MMA: blocks of 8 pairs per pass (the A fragment shared by NBLK mma per k step)
     "DB_NBLK": 1,
+    "PDL": 1,  # programmatic dependent launch of all three kernels (sm_90+; for_device turns it off before)
+    "DB_PREFETCH": 0,  # 1: down prefetches its first expert's w2 block into L2 before its wait; 2: + one ahead
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL")
 LIMITS = {
@@ -129,7 +132,7 @@ LIMITS = {
     "GB_WARPS": (1, 32), "GB_OUTS": (1, 32), "GB_TILE": (0, 32), "GB_UNROLL": (0, 64), "GB_MAX_REGS": (0, 255),
     "DB_WARPS": (1, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (0, 255),
     "DB_EARLY_INTER": (0, 1), "GB_PIPE": (0, 1), "DB_PIPE": (0, 1),
-    "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (1, 4), "DB_NBLK": (1, 4),
+    "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (1, 4), "DB_NBLK": (1, 4), "PDL": (0, 1), "DB_PREFETCH": (0, 2),
 }
 
 
@@ -247,10 +250,10 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
     if values["DB_UNROLL"] == 0:
         values["DB_UNROLL"] = 4 if values["DB_MMA"] else auto_down_unroll(dims, values)
     shared = down_shared_bytes(dims, values)
-    if shared > SHARED_LIMIT:
+    if shared > DOWN_SHARED_LIMIT:
         raise ValueError(
             f"the down kernel keeps DB_WARPS * T * columns fp32 partials in shared memory: {shared} bytes > "
-            f"{SHARED_LIMIT} at T = {dims.tokens}; lower DB_WARPS / DB_OUTS (or use another path for this T)"
+            f"{DOWN_SHARED_LIMIT} at T = {dims.tokens}; lower DB_WARPS / DB_OUTS (or use another path for this T)"
         )
     return values
 
@@ -258,7 +261,7 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
 def max_tokens(top_k: int = 1, **params: Any) -> int:
     """The largest T the down kernel's shared memory allows with these knobs."""
     values = resolve_params(None, **params)
-    return SHARED_LIMIT // (values["DB_WARPS"] * down_columns(values) * 4)
+    return DOWN_SHARED_LIMIT // (values["DB_WARPS"] * down_columns(values) * 4)
 
 
 SOURCE = register_source(
@@ -344,21 +347,26 @@ def _stage_list(kernels: tuple[Any, Any, Any], params: dict[str, int], ws: Works
     n_slots = slots(d)
     out_f32 = i32(1 if out.dtype == np.float32 else 0)
 
+    programmatic = bool(params["PDL"])
+    down_shared = down_shared_bytes(d, params)
+    if down_shared > SHARED_LIMIT and down_k.max_dynamic_shared_size_bytes < down_shared:  # opt in, once
+        down_k.max_dynamic_shared_size_bytes = down_shared
+
     def expert_lists() -> None:
-        lists_k((1,), (params["LIST_THREADS"],),
-                (topk_ids, i32(d.tokens * d.top_k), i32(d.experts), i32(n_slots), ws.lists),
-                shared_mem=lists_shared_bytes(d))
+        launch_ex(lists_k, (1,), (params["LIST_THREADS"],),
+                  (topk_ids, i32(d.tokens * d.top_k), i32(d.experts), i32(n_slots), ws.lists),
+                  shared_mem=lists_shared_bytes(d), programmatic=programmatic)
 
     def gate_up() -> None:
-        gate_up_k((gate_up_blocks(d, params),), (params["GB_WARPS"] * 32,),
+        launch_ex(gate_up_k, (gate_up_blocks(d, params),), (params["GB_WARPS"] * 32,),
                   (x, w13, ws.lists, ws.intermediate, i32(d.hidden), i32(d.intermediate), i32(d.experts),
-                   i32(d.top_k), i32(n_slots)))
+                   i32(d.top_k), i32(n_slots)), programmatic=programmatic)
 
     def down() -> None:
-        down_k((down_blocks(d, params),), (params["DB_WARPS"] * 32,),
-               (ws.intermediate, w2, topk_ids, topk_weights, ws.lists, out, out_f32, i32(d.tokens), i32(d.hidden),
-                i32(d.intermediate), i32(d.experts), i32(d.top_k), i32(n_slots)),
-               shared_mem=down_shared_bytes(d, params))
+        launch_ex(down_k, (down_blocks(d, params),), (params["DB_WARPS"] * 32,),
+                  (ws.intermediate, w2, topk_ids, topk_weights, ws.lists, out, out_f32, i32(d.tokens), i32(d.hidden),
+                   i32(d.intermediate), i32(d.experts), i32(d.top_k), i32(n_slots)),
+                  shared_mem=down_shared, programmatic=programmatic)
 
     return [("expert_lists", expert_lists), ("gate_up", gate_up), ("down", down)]
 
@@ -393,7 +401,7 @@ def warp_decode_batched(
                             f"got {type(workspace).__name__}")
         if not workspace.matches(dims):
             raise ValueError(f"workspace was made for {workspace.dims}, this call needs {dims}")
-    resolved = resolve_params(dims, **params)
+    resolved = for_device(resolve_params(dims, **params))
     check_aligned(x=x, w13=w13, w2=w2)
     if out is None:
         out = cupy.empty((dims.tokens, dims.hidden), dtype=BF16)
@@ -409,7 +417,7 @@ def warp_decode_batched(
 # ---------------------------------------------------------------------------------------------------
 def build(dims: Dims, **params: Any) -> Any:
     """Compile once, allocate the workspace once; the returned launch only launches (graph-capturable)."""
-    resolved = resolve_params(dims, **params)
+    resolved = for_device(resolve_params(dims, **params))
     kernels = kernels_for(resolved)
     workspace = make_workspace(dims)
 

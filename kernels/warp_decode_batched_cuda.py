@@ -14,9 +14,9 @@ intermediate is bitwise equal to the strict kernel's at equal load width).
 
 from __future__ import annotations
 
-from kernels.device_helpers import WARP_HELPERS
+from kernels.device_helpers import PDL_HELPERS, WARP_HELPERS
 
-CODE = WARP_HELPERS + r"""
+CODE = WARP_HELPERS + PDL_HELPERS + r"""
 // Batched warp decode for MoE decode: every expert's weights are read ONCE per batch (per token tile).
 // bf16 travels as raw 16-bit patterns: widening is a shift / mask, narrowing is integer RNE.
 // Knobs (#defines set by kernels.compile):
@@ -29,6 +29,11 @@ CODE = WARP_HELPERS + r"""
 //   loads are issued before the current round's FMAs (two rounds of registers live)
 //   GB_MMA / DB_MMA 1: the tensor-core kernels moe_gate_up_mma / moe_down_mma instead (16-byte loads; *_UNROLL
 //   = 32-wide k blocks in flight, *_NBLK = blocks of 8 pairs per pass; *_OUTS / *_TILE / *_BYTES unused)
+//   PDL 1: programmatic dependent launch (sm_90+): each kernel waits (griddepcontrol.wait) before it reads
+//   what the kernel right before it wrote, then lets the next kernel's blocks launch; down reads the lists
+//   (two kernels back) before its wait
+//   DB_PREFETCH 1: before its wait, each down warp asks for a bulk L2 prefetch of its first expert's w2 block
+//   (the block's columns of that expert: contiguous rows); 2: also of its next expert's at every expert
 static_assert(LIST_THREADS >= 32 && LIST_THREADS <= 1024 && LIST_THREADS % 32 == 0, "LIST_THREADS: 32..1024, x32");
 static_assert(LIST_PER >= 1 && LIST_PER <= 16, "LIST_PER must be 1..16");
 static_assert(GB_WARPS >= 1 && GB_WARPS <= 32 && DB_WARPS >= 1 && DB_WARPS <= 32, "WARPS must be 1..32");
@@ -42,6 +47,8 @@ static_assert(GB_PIPE == 0 || GB_PIPE == 1, "GB_PIPE must be 0 or 1");
 static_assert(DB_PIPE == 0 || DB_PIPE == 1, "DB_PIPE must be 0 or 1");
 static_assert((GB_MMA == 0 || GB_MMA == 1) && (DB_MMA == 0 || DB_MMA == 1), "GB_MMA / DB_MMA must be 0 or 1");
 static_assert(GB_NBLK >= 1 && GB_NBLK <= 4 && DB_NBLK >= 1 && DB_NBLK <= 4, "NBLK must be 1..4");
+static_assert(PDL == 0 || PDL == 1, "PDL must be 0 or 1");
+static_assert(DB_PREFETCH >= 0 && DB_PREFETCH <= 2, "DB_PREFETCH must be 0, 1 or 2");
 
 // The int32 ``lists`` buffer, S = min(E, T*K) + 1 list slots (every active expert + one for bad ids):
 //   lists[0]              slots used: active experts, plus 1 when some id is out of range
@@ -93,6 +100,8 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
     int* sorted = lists + LIST_HEADER + 3 * slots;
     int* rank_of = sorted + pairs;                                   // scratch [T*K]
     for (int e = tid; e <= experts; e += LIST_THREADS) running[e] = 0;
+    pdl_wait();     // topk_ids may come from the kernel right before (the router); lists may still be read by
+    pdl_release();  // the previous layer's down: nothing is read or written earlier
     __syncthreads();
 
     // 1) ranks, in pair order (warp 0); the ids of 8 rounds of 32 pairs are loaded together (one latency)
@@ -102,7 +111,8 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
             #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 const int p = p0 + 32 * j + lane;
-                keys[j] = p < pairs ? expert_key(__ldg(topk_ids + p), experts) : -1;
+                const int id = ld_dep(topk_ids + (p < pairs ? p : 0));  // branch-free: 8 loads in flight
+                keys[j] = p < pairs ? expert_key(id, experts) : -1;
             }
             #pragma unroll
             for (int j = 0; j < 8; ++j) {
@@ -169,7 +179,7 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
 
     // 3) scatter (rank_of was written by warp 0 of this block before the __syncthreads: visible)
     for (int p = tid; p < pairs; p += LIST_THREADS)
-        sorted[running[expert_key(__ldg(topk_ids + p), experts)] + rank_of[p]] = p;
+        sorted[running[expert_key(ld_dep(topk_ids + p), experts)] + rank_of[p]] = p;
 }
 
 // Register caps: __maxnreg__(N) (CUDA >= 12.4). With only __launch_bounds__(threads) ptxas picks ~64
@@ -266,12 +276,14 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
     const int lane = threadIdx.x & 31;
     const int per_slot = (inter + GB_WARPS * GB_OUTS - 1) / (GB_WARPS * GB_OUTS);   // blocks per slot
     const int a = blockIdx.x / per_slot;
-    if (a >= __ldg(lists)) return;                                   // whole block leaves together
+    pdl_wait();  // the lists (and x) come from the kernels before: read only after the wait, through ld_dep
+    pdl_release();
+    if (a >= ld_dep(lists)) return;                                  // whole block leaves together
     const int i0 = ((blockIdx.x - a * per_slot) * GB_WARPS + (threadIdx.x >> 5)) * GB_OUTS;
     if (i0 >= inter) return;                                         // whole warp leaves together
-    const int e = __ldg(list_expert(lists) + a);
-    const int count = __ldg(list_count(lists, slots) + a);
-    const int* pairs = sorted_pairs(lists, slots) + __ldg(list_offset(lists, slots) + a);
+    const int e = ld_dep(list_expert(lists) + a);
+    const int count = ld_dep(list_count(lists, slots) + a);
+    const int* pairs = sorted_pairs(lists, slots) + ld_dep(list_offset(lists, slots) + a);
     if (e >= experts) {                                              // bad ids: NaN, no weight read
         for (int j = 0; j < count; ++j) {
             const long long p = __ldg(pairs + j);
@@ -352,6 +364,32 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
 
 #endif  // !GB_MMA
 
+// DB_PREFETCH: lane 0 of a down warp asks the copy engine to bring w2[e, h0 .. h0+columns-1, :] of list slot a
+// (contiguous rows) into L2 -- no registers held, nothing waited on. The lists are two kernels back, so this
+// may run before pdl_wait: the first expert's bytes then stream while gate_up drains.
+__device__ __forceinline__ void prefetch_down_block(const bf16_t* __restrict__ w2, const int* __restrict__ lists,
+                                                    int a, int used, int experts, int hidden, int inter, int h0,
+                                                    int columns, int lane) {
+#if DB_PREFETCH
+    if (lane == 0 && a < used) {
+        const int e = __ldg(list_expert(lists) + a);
+        const unsigned bytes = 2u * (unsigned)inter * (unsigned)min(columns, hidden - h0);
+        if (e < experts) prefetch_l2(w2 + ((size_t)e * hidden + h0) * inter, bytes);
+    }
+#endif
+}
+
+// The start of both down kernels: zero the warp's partial, prefetch (DB_PREFETCH), wait for gate_up, release.
+__device__ __forceinline__ void down_prologue(float* mine, int partial_floats, const bf16_t* __restrict__ w2,
+                                              const int* __restrict__ lists, int warp, int experts, int hidden,
+                                              int inter, int h0, int columns, int lane) {
+    for (int j = lane; j < partial_floats; j += 32) mine[j] = 0.0f;
+    prefetch_down_block(w2, lists, warp, __ldg(lists), experts, hidden, inter, h0, columns, lane);
+    pdl_wait();     // the intermediate is gate_up's output: every read of it is an ld_dep after this
+    pdl_release();
+    __syncwarp();
+}
+
 #if !DB_MMA  // the FMA down (moe_down_batched); DB_MMA 1 compiles moe_down_mma instead
 // ------------------------------------------------------------------------------------------------
 // The pipelined down loop's pieces (DB_PIPE 1). A step = (list slot a, first pair of the tile, round c0);
@@ -430,7 +468,7 @@ __device__ __forceinline__ void load_down_step(DownRegs<V>& regs, const DownStep
         #pragma unroll
         for (int r = 0; r < DB_UNROLL; ++r) {
             const int c = s.c0 + r * 32 + lane;
-            regs.inter[tt][r] = ldg_chunk(row, c, c < chunks);
+            regs.inter[tt][r] = ld_dep_chunk(row, c, c < chunks);  // gate_up's output: after pdl_wait
         }
     }
 }
@@ -490,8 +528,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
     const int warp = threadIdx.x >> 5;
     const int h0 = blockIdx.x * DB_OUTS;
     float* mine = partial + (size_t)warp * tokens * DB_OUTS;
-    for (int j = lane; j < tokens * DB_OUTS; j += 32) mine[j] = 0.0f;
-    __syncwarp();
+    down_prologue(mine, tokens * DB_OUTS, w2, lists, warp, experts, hidden, inter, h0, DB_OUTS, lane);
 
     const int chunks = inter / (DB_BYTES / 2);                       // I % 8 == 0: whole chunks only
 #if DB_PIPE
@@ -547,6 +584,8 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
 #else
     const int used = __ldg(lists);
     for (int a = warp; a < used; a += DB_WARPS) {
+        if (DB_PREFETCH == 2)                                        // the warp's next expert, one ahead
+            prefetch_down_block(w2, lists, a + DB_WARPS, used, experts, hidden, inter, h0, DB_OUTS, lane);
         const int e = __ldg(list_expert(lists) + a);
         if (e >= experts) continue;                                  // the bad-id slot: NaN below
         const int count = __ldg(list_count(lists, slots) + a);
@@ -587,8 +626,8 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
                     #pragma unroll
                     for (int r = 0; r < DB_UNROLL; ++r) {
                         const int c = c0 + r * 32 + lane;
-                        iv[tt][r] = ldg_chunk(reinterpret_cast<const vec_t*>(intermediate) + inter_off[tt], c,
-                                              c < chunks);
+                        iv[tt][r] = ld_dep_chunk(reinterpret_cast<const vec_t*>(intermediate) + inter_off[tt], c,
+                                                 c < chunks);
                     }
                 acc[0][0] += __uint_as_float(all_loads_arrived(wv) | all_loads_arrived(iv));  // += 0.0f
 #else
@@ -605,7 +644,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
                             const vec_t v = iv[tt][r];
 #else
                             const int c = c0 + r * 32 + lane;
-                            const vec_t v = ldg_chunk(inter_r + inter_off[tt], c, c < chunks);
+                            const vec_t v = ld_dep_chunk(inter_r + inter_off[tt], c, c < chunks);
 #endif
                             #pragma unroll
                             for (int w = 0; w < WORDS; ++w) {
@@ -692,7 +731,8 @@ __device__ __forceinline__ void mma_k32(float (&d)[4], const uint4& rows_lo, con
 // A warp's whole k range, shared by both tensor-core kernels: acc[nb] (zeroed here) = A rows g / g + 8
 // (rows_lo / rows_hi) times B column g of 8-pair block nb (cols[nb]). Lane q loads chunk 4j + q of each
 // 32-wide k block j; UNROLL k blocks of loads are in flight per lane before the round's first mma.
-template <int UNROLL, int NB>
+// COLS_DEP: B is the previous kernel's output (down's intermediate), loaded through ld_dep (after pdl_wait).
+template <int UNROLL, int NB, bool COLS_DEP>
 __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const uint4* rows_lo, const uint4* rows_hi,
                                                     const uint4* const (&cols)[NB], int chunks, int q) {
     #pragma unroll
@@ -706,7 +746,8 @@ __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const u
             lo[j][0] = ldg_chunk(rows_lo, c, ok);
             hi[j][0] = ldg_chunk(rows_hi, c, ok);
             #pragma unroll
-            for (int nb = 0; nb < NB; ++nb) col[j][nb] = ldg_chunk(cols[nb], c, ok);
+            for (int nb = 0; nb < NB; ++nb)
+                col[j][nb] = COLS_DEP ? ld_dep_chunk(cols[nb], c, ok) : ldg_chunk(cols[nb], c, ok);
         }
         acc[0][0] += __uint_as_float(all_loads_arrived(lo) | all_loads_arrived(hi));   // += 0.0f
         #pragma unroll
@@ -735,12 +776,14 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int per_slot = (inter + GB_WARPS * 8 - 1) / (GB_WARPS * 8);
     const int a = blockIdx.x / per_slot;
-    if (a >= __ldg(lists)) return;                                   // whole block leaves together
+    pdl_wait();  // the lists (and x) come from the kernels before: read only after the wait, through ld_dep
+    pdl_release();
+    if (a >= ld_dep(lists)) return;                                  // whole block leaves together
     const int i0 = ((blockIdx.x - a * per_slot) * GB_WARPS + (threadIdx.x >> 5)) * 8;
     if (i0 >= inter) return;                                         // whole warp leaves together
-    const int e = __ldg(list_expert(lists) + a);
-    const int count = __ldg(list_count(lists, slots) + a);
-    const int* pairs = sorted_pairs(lists, slots) + __ldg(list_offset(lists, slots) + a);
+    const int e = ld_dep(list_expert(lists) + a);
+    const int count = ld_dep(list_count(lists, slots) + a);
+    const int* pairs = sorted_pairs(lists, slots) + ld_dep(list_offset(lists, slots) + a);
     if (e >= experts) {                                              // bad ids: NaN, no weight read
         for (int j = 0; j < count; ++j) {
             const long long p = __ldg(pairs + j);
@@ -762,7 +805,7 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
             x_row[nb] = reinterpret_cast<const uint4*>(x + (p / top_k) * hidden);
         }
         float acc[GB_NBLK][4];
-        mma_rows_by_columns<GB_UNROLL, GB_NBLK>(acc, gate_row, up_row, x_row, chunks, q);
+        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false>(acc, gate_row, up_row, x_row, chunks, q);
         #pragma unroll
         for (int nb = 0; nb < GB_NBLK; ++nb)
             #pragma unroll
@@ -783,9 +826,10 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
 // ------------------------------------------------------------------------------------------------
 // moe_down_mma: block b owns hidden columns h0 .. h0+15 (h0 = 16 b) for ALL tokens; warps take the list slots
 //   round-robin as in moe_down_batched. A = w2[e, h0 .. h0+15, :], B column g = the intermediate row of pair
-//   g of the tile; lane (g, q) ends with columns h0+g and h0+g+8 of pairs 2q, 2q+1. The tile's pairs are
-//   then added into the warp's shared partial[w][t][16] ONE pair at a time (the 8 lanes holding it write
-//   distinct columns; __syncwarp between pairs), so a token routed twice to one expert cannot race.
+//   g of the tile; lane (g, q) ends with columns h0+g and h0+g+8 of pairs 2q, 2q+1. Each lane then adds its
+//   pairs times their routing weights into the warp's shared partial[w][t][16]: all at once when the 8-pair
+//   block's tokens are distinct, else ONE pair at a time (__syncwarp between pairs), so a token routed twice
+//   to one expert cannot race; either way each element gets the same adds in the same order.
 //   After __syncthreads the warps' partials are summed in warp order: deterministic, no atomics.
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void DB_BOUNDS moe_down_mma(
@@ -806,13 +850,14 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
     const int warp = threadIdx.x >> 5;
     const int h0 = blockIdx.x * 16;
     float* mine = partial + (size_t)warp * tokens * 16;
-    for (int j = lane; j < tokens * 16; j += 32) mine[j] = 0.0f;
-    __syncwarp();
+    down_prologue(mine, tokens * 16, w2, lists, warp, experts, hidden, inter, h0, 16, lane);
 
     const int chunks = inter / 8;                                    // 16-byte chunks (I % 8 == 0)
     const int used = __ldg(lists);
     const int h_lo = min(h0 + g, hidden - 1), h_hi = min(h0 + g + 8, hidden - 1);   // past the end: last row
     for (int a = warp; a < used; a += DB_WARPS) {
+        if (DB_PREFETCH == 2)                                        // the warp's next expert, one ahead
+            prefetch_down_block(w2, lists, a + DB_WARPS, used, experts, hidden, inter, h0, 16, lane);
         const int e = __ldg(list_expert(lists) + a);
         if (e >= experts) continue;                                  // the bad-id slot: NaN below
         const int count = __ldg(list_count(lists, slots) + a);
@@ -821,30 +866,58 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
         const uint4* row_hi = reinterpret_cast<const uint4*>(w2 + ((size_t)e * hidden + h_hi) * inter);
         for (int tile = 0; tile < count; tile += 8 * DB_NBLK) {
             const int n = min(8 * DB_NBLK, count - tile);
+            // lane (g, q) holds column g of each 8-pair block: its pair, routing weight and intermediate row
+            // (loaded before the k loop, so the weights' latency hides behind it)
             const uint4* inter_row[DB_NBLK];
+            int col_pair[DB_NBLK];
+            float col_weight[DB_NBLK];
             #pragma unroll
             for (int nb = 0; nb < DB_NBLK; ++nb) {
-                const long long p = __ldg(pairs + tile + min(nb * 8 + g, n - 1));
-                inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + p * inter);
+                const int p = __ldg(pairs + tile + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
+                col_pair[nb] = p;
+                col_weight[nb] = __ldg(topk_weights + p);
+                inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
             }
             float acc[DB_NBLK][4];
-            mma_rows_by_columns<DB_UNROLL, DB_NBLK>(acc, row_lo, row_hi, inter_row, chunks, q);
+            mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, row_lo, row_hi, inter_row, chunks, q);
             #pragma unroll
-            for (int nb = 0; nb < DB_NBLK; ++nb)
+            for (int nb = 0; nb < DB_NBLK; ++nb) {
+                // lane (g, q) holds columns h0+g, h0+g+8 of pairs 2q, 2q+1 of the block: fetch their ids / weights
+                int pair_of[2];
+                float weight_of[2];
                 #pragma unroll
-                for (int pp = 0; pp < 8; ++pp) {
-                    if (nb * 8 + pp < n) {                           // warp-uniform
-                        const int p = __ldg(pairs + tile + nb * 8 + pp);
-                        const float weight = __ldg(topk_weights + p);
-                        float* row = mine + (p / top_k) * 16;
-                        if (q == pp / 2) {                           // the 8 lanes holding pair pp
-                            const float lo = acc[nb][pp & 1], hi = acc[nb][2 + (pp & 1)];
-                            row[g] = __fadd_rn(row[g], __fmul_rn(weight, lo));
-                            row[g + 8] = __fadd_rn(row[g + 8], __fmul_rn(weight, hi));
+                for (int h = 0; h < 2; ++h) {
+                    pair_of[h] = __shfl_sync(FULL_MASK, col_pair[nb], 4 * (2 * q + h));
+                    weight_of[h] = __shfl_sync(FULL_MASK, col_weight[nb], 4 * (2 * q + h));
+                }
+                // the block's live pairs all of distinct tokens (always, unless a token lists one expert twice):
+                // every lane adds its two pairs at once -- distinct partial rows, one add per element, the
+                // same sums as the pair-by-pair order below
+                const int key = nb * 8 + g < n ? col_pair[nb] / top_k : -1 - g;
+                const bool repeated = __any_sync(FULL_MASK, __popc(__match_any_sync(FULL_MASK, key)) > 4);
+                if (!repeated) {
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        if (nb * 8 + 2 * q + h < n) {
+                            float* row = mine + (pair_of[h] / top_k) * 16;
+                            row[g] = __fadd_rn(row[g], __fmul_rn(weight_of[h], acc[nb][h]));
+                            row[g + 8] = __fadd_rn(row[g + 8], __fmul_rn(weight_of[h], acc[nb][2 + h]));
+                        }
+                    }
+                } else {
+                    #pragma unroll
+                    for (int pp = 0; pp < 8; ++pp) {                 // one pair at a time: a token twice
+                        if (nb * 8 + pp < n && q == pp / 2) {        // the 8 lanes holding pair pp
+                            const int h = pp & 1;
+                            float* row = mine + (pair_of[h] / top_k) * 16;
+                            row[g] = __fadd_rn(row[g], __fmul_rn(weight_of[h], acc[nb][h]));
+                            row[g + 8] = __fadd_rn(row[g + 8], __fmul_rn(weight_of[h], acc[nb][2 + h]));
                         }
                         __syncwarp();
                     }
                 }
+                __syncwarp();                                        // before the next block's adds
+            }
         }
     }
     __syncthreads();

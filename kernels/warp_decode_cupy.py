@@ -66,15 +66,15 @@ from typing import Any
 
 import numpy as np
 
-from kernels.compile import CudaSource, get_kernel, launch_ex, preset_variants, register_source
+from kernels.compile import CudaSource, for_device, get_kernel, launch_ex, preset_variants, register_source
 from kernels.contract import BF16, Dims, array_module, check_aligned, check_inputs, check_out, require_cupy
-from kernels.device_helpers import WARP_HELPERS
+from kernels.device_helpers import PDL_HELPERS, WARP_HELPERS
 from kernels.variants import Variant, register
 
 GATE_UP = "moe_gate_up_3d_batched"
 DOWN = "moe_down_3d_batched"
 
-CODE = WARP_HELPERS + r"""
+CODE = WARP_HELPERS + PDL_HELPERS + r"""
 // Warp decode for MoE decode. bf16 is handled as raw 16-bit patterns: widening is a shift / mask,
 // narrowing is integer round-to-nearest-even (no cuda_bf16.h).
 // Knobs (set as #defines by kernels.compile): GU_* for gate_up, DN_* for down:
@@ -91,70 +91,6 @@ static_assert(DN_PREFETCH == 0 || DN_PREFETCH == 1, "DN_PREFETCH must be 0 or 1"
 static_assert(DN_BULK == 0 || (DN_BULK == 1 && DN_OUTS == 1 && DN_BYTES == 16), "DN_BULK=1: DN_OUTS 1, DN_BYTES 16");
 static_assert(GU_BYTES == 4 || GU_BYTES == 8 || GU_BYTES == 16, "GU_BYTES must be 4, 8 or 16");
 static_assert(DN_BYTES == 4 || DN_BYTES == 8 || DN_BYTES == 16, "DN_BYTES must be 4, 8 or 16");
-
-// Loads of data the kernel right before may have written (x, topk_ids in gate_up; the intermediate in down).
-// With PDL that kernel can still be running while this one starts, so these loads must stay behind
-// pdl_wait(). __ldg (ld.global.nc on const __restrict__ data) is an invariant load the compiler may hoist
-// above the wait -- the H200 caught it: down's intermediate loads were scheduled before griddepcontrol.wait
-// and read gate_up's output before it was written. A volatile asm load (plain, coherent ld.global) keeps
-// its place after the volatile asm wait.
-__device__ __forceinline__ uint4 ld_dep(const uint4* p) {
-#ifdef WD_HOST_EMULATION
-    return *p;
-#else
-    uint4 v;
-    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-#endif
-}
-__device__ __forceinline__ uint2 ld_dep(const uint2* p) {
-#ifdef WD_HOST_EMULATION
-    return *p;
-#else
-    uint2 v;
-    asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    return v;
-#endif
-}
-__device__ __forceinline__ u32 ld_dep(const u32* p) {
-#ifdef WD_HOST_EMULATION
-    return *p;
-#else
-    u32 v;
-    asm volatile("ld.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-#endif
-}
-__device__ __forceinline__ int ld_dep(const int* p) { return (int)ld_dep(reinterpret_cast<const u32*>(p)); }
-template <typename V>
-__device__ __forceinline__ V ld_dep_chunk(const V* row, int c, bool ok) {
-    return zero_unless(ok, ld_dep(row + (ok ? c : 0)));
-}
-
-// Programmatic dependent launch (PDL=1; the kernels are then launched with the programmatic-serialization
-// attribute, kernels.compile.launch_ex). pdl_wait: block until the previous kernel in the stream has finished
-// and its writes are visible (a no-op for an ordinary launch). pdl_release: let the next kernel's blocks start
-// early. Each kernel releases only AFTER its own wait, so the next kernel may read, before its wait, anything
-// written two or more kernels back (the routing), but nothing the kernel right before it writes.
-__device__ __forceinline__ void pdl_wait() {
-#if PDL && !defined(WD_HOST_EMULATION)
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_release() {
-#if PDL && !defined(WD_HOST_EMULATION)
-    asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
-}
-
-// *_PREFETCH=1: one Hopper bulk prefetch (cp.async.bulk.prefetch.L2, sm_90+) asks the copy engine to bring
-// `bytes` (a multiple of 16, 16-byte aligned) at `p` into L2 -- no registers held, nothing waited on; the
-// ordinary loads that follow then hit L2 (or an in-flight miss) instead of each paying a DRAM round trip.
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
-#if !defined(WD_HOST_EMULATION)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes));
-#endif
-}
 
 #if GU_MIN_BLOCKS > 0
 #define GU_BOUNDS __launch_bounds__(GU_WARPS * 32, GU_MIN_BLOCKS)
@@ -613,16 +549,6 @@ def down_shared_bytes(params: dict[str, int], dims: Dims) -> int:
     if not params["DN_BULK"]:
         return 0
     return params["DN_WARPS"] * (16 + dims.top_k * dims.intermediate * 2)
-
-
-def for_device(params: dict[str, int]) -> dict[str, int]:
-    """``params`` for the current device: PDL needs sm_90+ (``griddepcontrol``), so it is 0 on older GPUs."""
-    if params["PDL"]:
-        import cupy
-
-        if int(cupy.cuda.Device().compute_capability) < 90:
-            return {**params, "PDL": 0}
-    return params
 
 
 SOURCE = register_source(

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from kernels import dispatch
+from kernels import warp_decode_batched as wdb
 from kernels.contract import BF16, Dims
 from kernels.problem import make_problem
 from kernels.shapes import PRESETS
@@ -111,14 +112,16 @@ def test_heuristic_boundaries(policy: str) -> None:
 def test_heuristic_never_picks_expert_centric_and_skips_what_cannot_run() -> None:
     for t in (1, 8, 64, 4096):
         assert dispatch.heuristic(_dims(QWEN30, t)) != EC
-    # the MMA down kernel keeps DB_WARPS * T * 16 fp32 partials (48 KB: T <= 96 at 8 warps), the FMA one
-    # DB_WARPS * T * DB_OUTS (T <= 384): between the two limits batched, beyond both strict
-    assert dispatch.batched_supported(_dims(QWEN30, 96), **dispatch.MMA_KNOBS)
-    assert not dispatch.batched_supported(_dims(QWEN30, 97), **dispatch.MMA_KNOBS)
-    assert dispatch.heuristic(_dims(QWEN30, 96)) == M and dispatch.heuristic(_dims(QWEN30, 97)) == B
+    # the MMA down kernel keeps DB_WARPS * T * 16 fp32 partials in shared memory (227 KB, opted into), the FMA
+    # one DB_WARPS * T * DB_OUTS: between the two limits batched, beyond both strict
+    mma_max = wdb.max_tokens(**dispatch.MMA_KNOBS)
+    assert mma_max < wdb.max_tokens() < 4096
+    assert dispatch.batched_supported(_dims(QWEN30, mma_max), **dispatch.MMA_KNOBS)
+    assert not dispatch.batched_supported(_dims(QWEN30, mma_max + 1), **dispatch.MMA_KNOBS)
+    assert dispatch.heuristic(_dims(QWEN30, mma_max)) == M and dispatch.heuristic(_dims(QWEN30, mma_max + 1)) == B
     big = _dims(QWEN30, 4096)
     assert not dispatch.batched_supported(big) and dispatch.heuristic(big, "warp_decode") == S
-    assert dispatch.supported(M, _dims(QWEN30, 96)) and not dispatch.supported(M, _dims(QWEN30, 97))
+    assert dispatch.supported(M, _dims(QWEN30, mma_max)) and not dispatch.supported(M, _dims(QWEN30, mma_max + 1))
 
 
 def test_expert_centric_support_checks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -145,7 +148,8 @@ def test_table_lookup(tmp_path: Path) -> None:
         32: {S: 30.0, B: 12.0, M: 11.0, EC: 10.0},  # expert-centric fastest, MMA second
         64: {S: 30.0, B: 10.0, M: 9.0, EC: 11.0},  # MMA fastest, batched second
     })
-    want = {1: S, 2: B, 3: B, 7: B, 8: S, 31: S, 32: EC, 63: EC, 64: M, 200: B}  # T=200: MMA cannot run it
+    too_many = wdb.max_tokens(**dispatch.MMA_KNOBS) + 1
+    want = {1: S, 2: B, 3: B, 7: B, 8: S, 31: S, 32: EC, 63: EC, 64: M, too_many: B}  # MMA cannot run too_many
     for tokens, choice in want.items():
         assert dispatch.choose(_dims(QWEN30, tokens), gpu, tmp_path) == (choice, "table"), tokens
     want_wd = {1: S, 2: B, 8: S, 32: M, 63: M, 64: M}

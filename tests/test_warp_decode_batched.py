@@ -136,7 +136,7 @@ def test_resolve_params_validates() -> None:
     with pytest.raises(ValueError, match="DB_EARLY_INTER"):
         wdb.resolve_params(dims, DB_PIPE=1, DB_EARLY_INTER=0)
     resolved = wdb.resolve_params(dims)
-    switches = ("MAX_REGS", "PIPE", "MMA")  # 0 is a meaningful value for these
+    switches = ("MAX_REGS", "PIPE", "MMA", "PDL", "PREFETCH")  # 0 is a meaningful value for these
     assert set(resolved) == set(wdb.DEFAULTS)
     assert all(v > 0 for k, v in resolved.items() if not any(s in k for s in switches))
 
@@ -154,7 +154,7 @@ def test_auto_knobs() -> None:
     assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8))["GB_UNROLL"] == 4  # tile 8
     assert wdb.slots(Dims(2, 8, 8, 128, 8)) == 17 and wdb.slots(Dims(64, 8, 8, 128, 8)) == 129
     assert wdb.lists_size(Dims(2, 8, 8, 128, 8)) == 4 + 3 * 17 + 2 * 16
-    assert wdb.max_tokens() == 48 * 1024 // (8 * 4 * 4)
+    assert wdb.max_tokens() == 227 * 1024 // (8 * 4 * 4)  # the down kernel opts into 227 KB above 48 KB
 
 
 def test_source_and_variant_are_registered() -> None:
@@ -575,6 +575,7 @@ def test_pipelined_knobs_bitwise_equal_plain(cupy_mod: Any, rng: np.random.Gener
 
 MMA = {"GB_MMA": 1, "DB_MMA": 1}
 MMA_CASES = [("qwen3-30b-a3b", 1, "uniform"), ("qwen3-30b-a3b", 37, "uniform"), ("qwen3-30b-a3b", 64, "zipf"),
+             ("qwen3-30b-a3b", 64, "uniform"),
              ("qwen3-235b-a22b", 16, "uniform"), ("mixtral-8x7b", 8, "uniform"), ("qwen3-30b-a3b", 6, "same")]
 
 
@@ -745,6 +746,8 @@ GRID_SAMPLE = [
     {"GB_BYTES": 4, "DB_BYTES": 4, "GB_WARPS": 1, "DB_WARPS": 1, "LIST_THREADS": 1024},
     {"GB_WARPS": 8, "DB_WARPS": 4, "GB_MAX_REGS": 0, "DB_MAX_REGS": 0, "DB_OUTS": 8},
     {"DB_EARLY_INTER": 0, "DB_TILE": 8, "GB_TILE": 8},
+    {"DB_PREFETCH": 2, "PDL": 0, "DB_WARPS": 2},
+    {"GB_MMA": 1, "DB_MMA": 1, "DB_WARPS": 16, "DB_PREFETCH": 1},
 ]
 
 
@@ -754,3 +757,59 @@ def test_knobs_keep_results(cupy_mod: Any, rng: np.random.Generator, params: dic
     for shape, tokens in ((ODD_SHAPES["h264-i40"], 5), (ODD_SHAPES["h64-k40"], 2), (PRESETS["qwen3-30b-a3b"], 19)):
         problem = make_problem(shape, tokens, seed=_seed(rng), xp=cupy_mod)
         _run_and_check(cupy_mod, problem, f"{shape.name} {params}", **params)
+
+
+PDL_CHAIN_CASES = [  # (model, T, knobs): FMA and tensor-core kernels, the L2-prefetch and pipelined knobs
+    ("qwen3-30b-a3b", 8, {}),
+    ("qwen3-30b-a3b", 8, {"DB_PREFETCH": 2}),
+    ("qwen3-30b-a3b", 5, {"GB_PIPE": 1, "DB_PIPE": 1, "GB_TILE": 4, "DB_TILE": 4}),
+    ("qwen3-30b-a3b", 64, {"GB_MMA": 1, "DB_MMA": 1, "DB_WARPS": 16, "DB_PREFETCH": 2}),  # 64 KB partials: opt-in
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("model", "tokens", "params"), PDL_CHAIN_CASES,
+                         ids=lambda c: c if isinstance(c, (str, int)) else ",".join(f"{k}={v}" for k, v in c.items()))
+def test_pdl_chain_where_each_layer_reads_the_last(cupy_mod: Any, rng: np.random.Generator, model: str, tokens: int,
+                                                   params: dict[str, int]) -> None:
+    """Three kernels per layer under PDL, six layers sharing ONE poisoned workspace: layer l + 1's x is layer l's
+    output and every layer has its own routing, so a read hoisted above griddepcontrol.wait (the lists, the
+    intermediate, x) or a list kernel overwriting the lists while the last layer's down still reads them gives
+    other bits. Graph replays must equal the PDL=0 chain bitwise, every time."""
+    cupy = cupy_mod
+    problem = make_problem(model, tokens, seed=_seed(rng), xp=cupy)
+    shape = problem.shape
+    dims = _dims(problem)
+    layers = 6
+    routings = []
+    for layer in range(layers):
+        ids, weights = make_routing(tokens, shape.experts, shape.top_k, "zipf" if layer % 2 else "uniform",
+                                    _seed(rng))
+        routings.append((cupy.asarray(ids), cupy.asarray(weights)))
+    buffers = [_poisoned_out(cupy, tokens, shape.hidden) for _ in range(2)]
+    sequence = [(problem.x if layer == 0 else buffers[(layer - 1) % 2], buffers[layer % 2], *routings[layer])
+                for layer in range(layers)]
+
+    plain = wdb.build(dims, PDL=0, **params)
+    for x, out, ids, weights in sequence:
+        plain(x, problem.w13, problem.w2, ids, weights, out)
+    cupy.cuda.runtime.deviceSynchronize()
+    expect = sequence[-1][1].view(cupy.uint16).copy()
+    assert bool(cupy.isfinite(sequence[-1][1].astype(cupy.float32)).all())
+
+    pdl = wdb.build(dims, PDL=1, **params)
+    assert pdl.params["PDL"] == 1
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        for x, out, ids, weights in sequence:
+            pdl(x, problem.w13, problem.w2, ids, weights, out)
+        graph = stream.end_capture()
+        for _ in range(10):
+            for buffer in buffers:
+                buffer.view(cupy.uint16).fill(0x7FC0)
+            pdl.workspace.intermediate.view(cupy.uint16).fill(0x7FC0)
+            pdl.workspace.lists.fill(-7)
+            graph.launch(stream)
+            stream.synchronize()
+            assert bool((sequence[-1][1].view(cupy.uint16) == expect).all())
