@@ -110,7 +110,7 @@ DEFAULTS: dict[str, int] = {
     "GB_UNROLL": 4,  # chunk rounds in flight per lane: 2 * OUTS * UNROLL weight loads (8 B each); auto: 2 at tile 4
     "GB_BYTES": 8,  # = strict's GU_BYTES: the intermediate is then bitwise the strict kernel's
     "GB_MAX_REGS": 128,  # __maxnreg__ cap (0: __launch_bounds__ only, which spills at some tiles)
-    "DB_WARPS": 8,  # warps per down block (split the active experts round-robin)
+    "DB_WARPS": 8,  # warps per down block (split the active experts round-robin); auto: 8, or 16 with DB_MMA
     "DB_OUTS": 4,  # hidden columns per block: intermediate reads reused across OUTS rows
     "DB_TILE": 8,
     "DB_UNROLL": 1,  # DB_UNROLL x DB_OUTS w2 loads of DB_BYTES in flight per lane (0 = auto: auto_down_unroll)
@@ -124,15 +124,15 @@ DEFAULTS: dict[str, int] = {
     "GB_NBLK": 1,  # MMA: blocks of 8 pairs per pass (the A fragment shared by NBLK mma per k step)
     "DB_NBLK": 1,
     "PDL": 1,  # programmatic dependent launch of all three kernels (sm_90+; for_device turns it off before)
-    "DB_PREFETCH": 0,  # 1: down prefetches its first expert's w2 block into L2 before its wait; 2: + one ahead
 }
-AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL")
+AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS")
+MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pdl-*.json: 7-10 % over 8 at qwen3-30b)
 LIMITS = {
     "LIST_THREADS": (32, 1024), "LIST_PER": (0, 16),
     "GB_WARPS": (1, 32), "GB_OUTS": (1, 32), "GB_TILE": (0, 32), "GB_UNROLL": (0, 64), "GB_MAX_REGS": (0, 255),
-    "DB_WARPS": (1, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (0, 255),
+    "DB_WARPS": (0, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (0, 255),
     "DB_EARLY_INTER": (0, 1), "GB_PIPE": (0, 1), "DB_PIPE": (0, 1),
-    "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (1, 4), "DB_NBLK": (1, 4), "PDL": (0, 1), "DB_PREFETCH": (0, 2),
+    "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (1, 4), "DB_NBLK": (1, 4), "PDL": (0, 1),
 }
 
 
@@ -224,6 +224,8 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
     for key in ("GB_BYTES", "DB_BYTES"):
         if values[key] not in (4, 8, 16):
             raise ValueError(f"{key} must be 4, 8 or 16, got {values[key]}")
+    if values["DB_WARPS"] == 0:  # dims-free: the tensor-core down wants more warps per block (one block per SM)
+        values["DB_WARPS"] = MMA_DOWN_WARPS if values["DB_MMA"] else DEFAULTS["DB_WARPS"]
     if dims is None:
         for key in AUTO_KNOBS:
             if values[key] == 0:

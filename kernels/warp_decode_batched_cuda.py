@@ -32,8 +32,6 @@ CODE = WARP_HELPERS + PDL_HELPERS + r"""
 //   PDL 1: programmatic dependent launch (sm_90+): each kernel waits (griddepcontrol.wait) before it reads
 //   what the kernel right before it wrote, then lets the next kernel's blocks launch; down reads the lists
 //   (two kernels back) before its wait
-//   DB_PREFETCH 1: before its wait, each down warp asks for a bulk L2 prefetch of its first expert's w2 block
-//   (the block's columns of that expert: contiguous rows); 2: also of its next expert's at every expert
 static_assert(LIST_THREADS >= 32 && LIST_THREADS <= 1024 && LIST_THREADS % 32 == 0, "LIST_THREADS: 32..1024, x32");
 static_assert(LIST_PER >= 1 && LIST_PER <= 16, "LIST_PER must be 1..16");
 static_assert(GB_WARPS >= 1 && GB_WARPS <= 32 && DB_WARPS >= 1 && DB_WARPS <= 32, "WARPS must be 1..32");
@@ -48,7 +46,6 @@ static_assert(DB_PIPE == 0 || DB_PIPE == 1, "DB_PIPE must be 0 or 1");
 static_assert((GB_MMA == 0 || GB_MMA == 1) && (DB_MMA == 0 || DB_MMA == 1), "GB_MMA / DB_MMA must be 0 or 1");
 static_assert(GB_NBLK >= 1 && GB_NBLK <= 4 && DB_NBLK >= 1 && DB_NBLK <= 4, "NBLK must be 1..4");
 static_assert(PDL == 0 || PDL == 1, "PDL must be 0 or 1");
-static_assert(DB_PREFETCH >= 0 && DB_PREFETCH <= 2, "DB_PREFETCH must be 0, 1 or 2");
 
 // The int32 ``lists`` buffer, S = min(E, T*K) + 1 list slots (every active expert + one for bad ids):
 //   lists[0]              slots used: active experts, plus 1 when some id is out of range
@@ -364,27 +361,11 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
 
 #endif  // !GB_MMA
 
-// DB_PREFETCH: lane 0 of a down warp asks the copy engine to bring w2[e, h0 .. h0+columns-1, :] of list slot a
-// (contiguous rows) into L2 -- no registers held, nothing waited on. The lists are two kernels back, so this
-// may run before pdl_wait: the first expert's bytes then stream while gate_up drains.
-__device__ __forceinline__ void prefetch_down_block(const bf16_t* __restrict__ w2, const int* __restrict__ lists,
-                                                    int a, int used, int experts, int hidden, int inter, int h0,
-                                                    int columns, int lane) {
-#if DB_PREFETCH
-    if (lane == 0 && a < used) {
-        const int e = __ldg(list_expert(lists) + a);
-        const unsigned bytes = 2u * (unsigned)inter * (unsigned)min(columns, hidden - h0);
-        if (e < experts) prefetch_l2(w2 + ((size_t)e * hidden + h0) * inter, bytes);
-    }
-#endif
-}
-
-// The start of both down kernels: zero the warp's partial, prefetch (DB_PREFETCH), wait for gate_up, release.
-__device__ __forceinline__ void down_prologue(float* mine, int partial_floats, const bf16_t* __restrict__ w2,
-                                              const int* __restrict__ lists, int warp, int experts, int hidden,
-                                              int inter, int h0, int columns, int lane) {
+// The start of both down kernels: zero the warp's partial, wait for gate_up, release the next kernel. (Measured
+// and removed: a bulk L2 prefetch of each warp's first / next expert's w2 block, before the wait or one expert
+// ahead -- 1-20 % slower at every point of results/sweep-batched-pdl-*.json.)
+__device__ __forceinline__ void down_prologue(float* mine, int partial_floats, int lane) {
     for (int j = lane; j < partial_floats; j += 32) mine[j] = 0.0f;
-    prefetch_down_block(w2, lists, warp, __ldg(lists), experts, hidden, inter, h0, columns, lane);
     pdl_wait();     // the intermediate is gate_up's output: every read of it is an ld_dep after this
     pdl_release();
     __syncwarp();
@@ -528,7 +509,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
     const int warp = threadIdx.x >> 5;
     const int h0 = blockIdx.x * DB_OUTS;
     float* mine = partial + (size_t)warp * tokens * DB_OUTS;
-    down_prologue(mine, tokens * DB_OUTS, w2, lists, warp, experts, hidden, inter, h0, DB_OUTS, lane);
+    down_prologue(mine, tokens * DB_OUTS, lane);
 
     const int chunks = inter / (DB_BYTES / 2);                       // I % 8 == 0: whole chunks only
 #if DB_PIPE
@@ -584,8 +565,6 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
 #else
     const int used = __ldg(lists);
     for (int a = warp; a < used; a += DB_WARPS) {
-        if (DB_PREFETCH == 2)                                        // the warp's next expert, one ahead
-            prefetch_down_block(w2, lists, a + DB_WARPS, used, experts, hidden, inter, h0, DB_OUTS, lane);
         const int e = __ldg(list_expert(lists) + a);
         if (e >= experts) continue;                                  // the bad-id slot: NaN below
         const int count = __ldg(list_count(lists, slots) + a);
@@ -850,14 +829,12 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
     const int warp = threadIdx.x >> 5;
     const int h0 = blockIdx.x * 16;
     float* mine = partial + (size_t)warp * tokens * 16;
-    down_prologue(mine, tokens * 16, w2, lists, warp, experts, hidden, inter, h0, 16, lane);
+    down_prologue(mine, tokens * 16, lane);
 
     const int chunks = inter / 8;                                    // 16-byte chunks (I % 8 == 0)
     const int used = __ldg(lists);
     const int h_lo = min(h0 + g, hidden - 1), h_hi = min(h0 + g + 8, hidden - 1);   // past the end: last row
     for (int a = warp; a < used; a += DB_WARPS) {
-        if (DB_PREFETCH == 2)                                        // the warp's next expert, one ahead
-            prefetch_down_block(w2, lists, a + DB_WARPS, used, experts, hidden, inter, h0, 16, lane);
         const int e = __ldg(list_expert(lists) + a);
         if (e >= experts) continue;                                  // the bad-id slot: NaN below
         const int count = __ldg(list_count(lists, slots) + a);

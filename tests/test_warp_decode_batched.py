@@ -126,7 +126,7 @@ def test_resolve_params_validates() -> None:
     with pytest.raises(ValueError, match="GB_BYTES"):
         wdb.resolve_params(dims, GB_BYTES=12)
     with pytest.raises(ValueError, match="DB_WARPS"):
-        wdb.resolve_params(dims, DB_WARPS=0)
+        wdb.resolve_params(dims, DB_WARPS=33)
     with pytest.raises(ValueError, match="LIST_THREADS"):
         wdb.resolve_params(dims, LIST_THREADS=100)
     with pytest.raises(ValueError, match="list kernel"):
@@ -136,7 +136,7 @@ def test_resolve_params_validates() -> None:
     with pytest.raises(ValueError, match="DB_EARLY_INTER"):
         wdb.resolve_params(dims, DB_PIPE=1, DB_EARLY_INTER=0)
     resolved = wdb.resolve_params(dims)
-    switches = ("MAX_REGS", "PIPE", "MMA", "PDL", "PREFETCH")  # 0 is a meaningful value for these
+    switches = ("MAX_REGS", "PIPE", "MMA", "PDL")  # 0 is a meaningful value for these
     assert set(resolved) == set(wdb.DEFAULTS)
     assert all(v > 0 for k, v in resolved.items() if not any(s in k for s in switches))
 
@@ -155,6 +155,9 @@ def test_auto_knobs() -> None:
     assert wdb.slots(Dims(2, 8, 8, 128, 8)) == 17 and wdb.slots(Dims(64, 8, 8, 128, 8)) == 129
     assert wdb.lists_size(Dims(2, 8, 8, 128, 8)) == 4 + 3 * 17 + 2 * 16
     assert wdb.max_tokens() == 227 * 1024 // (8 * 4 * 4)  # the down kernel opts into 227 KB above 48 KB
+    assert wdb.max_tokens(GB_MMA=1, DB_MMA=1) == 227 * 1024 // (16 * 16 * 4)  # auto DB_WARPS: 16 with DB_MMA
+    assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8), DB_MMA=1)["DB_WARPS"] == wdb.MMA_DOWN_WARPS
+    assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8), DB_MMA=1, DB_WARPS=4)["DB_WARPS"] == 4
 
 
 def test_source_and_variant_are_registered() -> None:
@@ -746,8 +749,8 @@ GRID_SAMPLE = [
     {"GB_BYTES": 4, "DB_BYTES": 4, "GB_WARPS": 1, "DB_WARPS": 1, "LIST_THREADS": 1024},
     {"GB_WARPS": 8, "DB_WARPS": 4, "GB_MAX_REGS": 0, "DB_MAX_REGS": 0, "DB_OUTS": 8},
     {"DB_EARLY_INTER": 0, "DB_TILE": 8, "GB_TILE": 8},
-    {"DB_PREFETCH": 2, "PDL": 0, "DB_WARPS": 2},
-    {"GB_MMA": 1, "DB_MMA": 1, "DB_WARPS": 16, "DB_PREFETCH": 1},
+    {"PDL": 0, "DB_WARPS": 2},
+    {"GB_MMA": 1, "DB_MMA": 1, "DB_WARPS": 24, "DB_UNROLL": 2, "DB_MAX_REGS": 0},
 ]
 
 
@@ -759,11 +762,11 @@ def test_knobs_keep_results(cupy_mod: Any, rng: np.random.Generator, params: dic
         _run_and_check(cupy_mod, problem, f"{shape.name} {params}", **params)
 
 
-PDL_CHAIN_CASES = [  # (model, T, knobs): FMA and tensor-core kernels, the L2-prefetch and pipelined knobs
+PDL_CHAIN_CASES = [  # (model, T, knobs): FMA and tensor-core kernels, the pipelined knobs
     ("qwen3-30b-a3b", 8, {}),
-    ("qwen3-30b-a3b", 8, {"DB_PREFETCH": 2}),
+    ("qwen3-235b-a22b", 4, {}),
     ("qwen3-30b-a3b", 5, {"GB_PIPE": 1, "DB_PIPE": 1, "GB_TILE": 4, "DB_TILE": 4}),
-    ("qwen3-30b-a3b", 64, {"GB_MMA": 1, "DB_MMA": 1, "DB_WARPS": 16, "DB_PREFETCH": 2}),  # 64 KB partials: opt-in
+    ("qwen3-30b-a3b", 64, {"GB_MMA": 1, "DB_MMA": 1}),  # 16 down warps: 64 KB of partials, opted into
 ]
 
 
