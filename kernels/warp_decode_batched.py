@@ -124,6 +124,7 @@ DEFAULTS: dict[str, int] = {
     "GB_NBLK": 1,  # MMA: blocks of 8 pairs per pass (the A fragment shared by NBLK mma per k step)
     "DB_NBLK": 1,
     "PDL": 1,  # programmatic dependent launch of all three kernels (sm_90+; for_device turns it off before)
+    "DB_EARLY_W2": 0,  # 1: down issues its first round of w2 loads before its PDL wait (they overlap gate_up's tail)
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS")
 MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pdl-*.json: 7-10 % over 8 at qwen3-30b)
@@ -132,7 +133,7 @@ LIMITS = {
     "GB_WARPS": (1, 32), "GB_OUTS": (1, 32), "GB_TILE": (0, 32), "GB_UNROLL": (0, 64), "GB_MAX_REGS": (0, 255),
     "DB_WARPS": (0, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (0, 255),
     "DB_EARLY_INTER": (0, 1), "GB_PIPE": (0, 1), "DB_PIPE": (0, 1),
-    "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (1, 4), "DB_NBLK": (1, 4), "PDL": (0, 1),
+    "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (1, 4), "DB_NBLK": (1, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
 }
 
 
@@ -217,6 +218,8 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
         raise ValueError("DB_PIPE applies to the FMA down kernel only: DB_MMA 1 takes DB_PIPE 0")
     if values["GB_PIPE"] and values["GB_MMA"]:
         raise ValueError("GB_PIPE applies to the FMA gate_up kernel only: GB_MMA 1 takes GB_PIPE 0")
+    if values["DB_EARLY_W2"] and not values["DB_MMA"]:
+        raise ValueError("DB_EARLY_W2 applies to the tensor-core down kernel: it needs DB_MMA 1")
     if values["DB_PIPE"] and not values["DB_EARLY_INTER"]:
         raise ValueError("DB_PIPE 1 issues the intermediate loads with the w2 loads: it needs DB_EARLY_INTER 1")
     if values["LIST_THREADS"] % 32:

@@ -32,6 +32,9 @@ CODE = WARP_HELPERS + PDL_HELPERS + r"""
 //   PDL 1: programmatic dependent launch (sm_90+): each kernel waits (griddepcontrol.wait) before it reads
 //   what the kernel right before it wrote, then lets the next kernel's blocks launch; down reads the lists
 //   (two kernels back) before its wait
+//   DB_EARLY_W2 1 (with PDL, tensor-core down only): down's first round of w2 loads is issued BEFORE its wait (w2
+//   and the lists do not depend on gate_up), so they stream while gate_up drains; 0: down waits first. (The FMA
+//   down's w2 loads are invariant __ldg loads that the compiler sinks below the wait: no knob there.)
 static_assert(LIST_THREADS >= 32 && LIST_THREADS <= 1024 && LIST_THREADS % 32 == 0, "LIST_THREADS: 32..1024, x32");
 static_assert(LIST_PER >= 1 && LIST_PER <= 16, "LIST_PER must be 1..16");
 static_assert(GB_WARPS >= 1 && GB_WARPS <= 32 && DB_WARPS >= 1 && DB_WARPS <= 32, "WARPS must be 1..32");
@@ -46,6 +49,8 @@ static_assert(DB_PIPE == 0 || DB_PIPE == 1, "DB_PIPE must be 0 or 1");
 static_assert((GB_MMA == 0 || GB_MMA == 1) && (DB_MMA == 0 || DB_MMA == 1), "GB_MMA / DB_MMA must be 0 or 1");
 static_assert(GB_NBLK >= 1 && GB_NBLK <= 4 && DB_NBLK >= 1 && DB_NBLK <= 4, "NBLK must be 1..4");
 static_assert(PDL == 0 || PDL == 1, "PDL must be 0 or 1");
+static_assert(DB_EARLY_W2 == 0 || (DB_EARLY_W2 == 1 && DB_MMA == 1), "DB_EARLY_W2 is 0 or 1 (1 needs DB_MMA 1)");
+#define DOWN_WAITS_LATE DB_EARLY_W2  // the tensor-core down's wait follows its first A (w2) loads
 
 // The int32 ``lists`` buffer, S = min(E, T*K) + 1 list slots (every active expert + one for bad ids):
 //   lists[0]              slots used: active experts, plus 1 when some id is out of range
@@ -366,9 +371,29 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
 // ahead -- 1-20 % slower at every point of results/sweep-batched-pdl-*.json.)
 __device__ __forceinline__ void down_prologue(float* mine, int partial_floats, int lane) {
     for (int j = lane; j < partial_floats; j += 32) mine[j] = 0.0f;
+#if !DOWN_WAITS_LATE
     pdl_wait();     // the intermediate is gate_up's output: every read of it is an ld_dep after this
     pdl_release();
+#endif
     __syncwarp();
+}
+
+// DB_EARLY_W2: the wait between a round's w2 loads and its intermediate loads, once per warp (warp-uniform).
+// Warps without work wait at the end of the loop (down_epilogue_wait) before the block writes anything.
+__device__ __forceinline__ void wait_once(bool& waited) {
+#if DOWN_WAITS_LATE
+    if (!waited) {
+        pdl_wait();
+        pdl_release();
+        waited = true;
+    }
+#endif
+}
+__device__ __forceinline__ void down_epilogue_wait() {
+#if DOWN_WAITS_LATE
+    pdl_wait();     // a no-op once waited
+    pdl_release();
+#endif
 }
 
 #if !DB_MMA  // the FMA down (moe_down_batched); DB_MMA 1 compiles moe_down_mma instead
@@ -710,10 +735,11 @@ __device__ __forceinline__ void mma_k32(float (&d)[4], const uint4& rows_lo, con
 // A warp's whole k range, shared by both tensor-core kernels: acc[nb] (zeroed here) = A rows g / g + 8
 // (rows_lo / rows_hi) times B column g of 8-pair block nb (cols[nb]). Lane q loads chunk 4j + q of each
 // 32-wide k block j; UNROLL k blocks of loads are in flight per lane before the round's first mma.
-// COLS_DEP: B is the previous kernel's output (down's intermediate), loaded through ld_dep (after pdl_wait).
+// COLS_DEP: B is the previous kernel's output (down's intermediate), loaded through ld_dep after the round's A
+// loads and after wait_once (DB_EARLY_W2: the first round's A loads are issued before the PDL wait).
 template <int UNROLL, int NB, bool COLS_DEP>
 __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const uint4* rows_lo, const uint4* rows_hi,
-                                                    const uint4* const (&cols)[NB], int chunks, int q) {
+                                                    const uint4* const (&cols)[NB], int chunks, int q, bool& waited) {
     #pragma unroll
     for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
     for (int c0 = 0; c0 < chunks; c0 += 4 * UNROLL) {
@@ -726,7 +752,16 @@ __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const u
             hi[j][0] = ldg_chunk(rows_hi, c, ok);
             #pragma unroll
             for (int nb = 0; nb < NB; ++nb)
-                col[j][nb] = COLS_DEP ? ld_dep_chunk(cols[nb], c, ok) : ldg_chunk(cols[nb], c, ok);
+                if (!COLS_DEP) col[j][nb] = ldg_chunk(cols[nb], c, ok);
+        }
+        if (COLS_DEP) {
+            wait_once(waited);
+            #pragma unroll
+            for (int j = 0; j < UNROLL; ++j) {
+                const int c = c0 + 4 * j + q;
+                #pragma unroll
+                for (int nb = 0; nb < NB; ++nb) col[j][nb] = ld_dep_chunk(cols[nb], c, c < chunks);
+            }
         }
         acc[0][0] += __uint_as_float(all_loads_arrived(lo) | all_loads_arrived(hi));   // += 0.0f
         #pragma unroll
@@ -784,7 +819,8 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
             x_row[nb] = reinterpret_cast<const uint4*>(x + (p / top_k) * hidden);
         }
         float acc[GB_NBLK][4];
-        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false>(acc, gate_row, up_row, x_row, chunks, q);
+        bool unused = true;
+        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false>(acc, gate_row, up_row, x_row, chunks, q, unused);
         #pragma unroll
         for (int nb = 0; nb < GB_NBLK; ++nb)
             #pragma unroll
@@ -834,6 +870,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
     const int chunks = inter / 8;                                    // 16-byte chunks (I % 8 == 0)
     const int used = __ldg(lists);
     const int h_lo = min(h0 + g, hidden - 1), h_hi = min(h0 + g + 8, hidden - 1);   // past the end: last row
+    bool waited = false;
     for (int a = warp; a < used; a += DB_WARPS) {
         const int e = __ldg(list_expert(lists) + a);
         if (e >= experts) continue;                                  // the bad-id slot: NaN below
@@ -856,7 +893,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
                 inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
             }
             float acc[DB_NBLK][4];
-            mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, row_lo, row_hi, inter_row, chunks, q);
+            mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, row_lo, row_hi, inter_row, chunks, q, waited);
             #pragma unroll
             for (int nb = 0; nb < DB_NBLK; ++nb) {
                 // lane (g, q) holds columns h0+g, h0+g+8 of pairs 2q, 2q+1 of the block: fetch their ids / weights
@@ -897,6 +934,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
             }
         }
     }
+    down_epilogue_wait();
     __syncthreads();
 
     for (int j = threadIdx.x; j < tokens * 16; j += DB_WARPS * 32) {

@@ -135,8 +135,10 @@ def test_resolve_params_validates() -> None:
         wdb.resolve_params(Dims(4096, 2048, 768, 128, 8))
     with pytest.raises(ValueError, match="DB_EARLY_INTER"):
         wdb.resolve_params(dims, DB_PIPE=1, DB_EARLY_INTER=0)
+    with pytest.raises(ValueError, match="DB_EARLY_W2"):
+        wdb.resolve_params(dims, DB_EARLY_W2=1)
     resolved = wdb.resolve_params(dims)
-    switches = ("MAX_REGS", "PIPE", "MMA", "PDL")  # 0 is a meaningful value for these
+    switches = ("MAX_REGS", "PIPE", "MMA", "PDL", "EARLY_W2")  # 0 is a meaningful value for these
     assert set(resolved) == set(wdb.DEFAULTS)
     assert all(v > 0 for k, v in resolved.items() if not any(s in k for s in switches))
 
@@ -454,7 +456,8 @@ EMULATED += [
                              "DB_UNROLL": 3, "LIST_THREADS": 32, "LIST_PER": 0}, True),
     (PIPE_SHAPE, 12, "same", {"GB_MMA": 1, "DB_MMA": 1, "GB_NBLK": 2, "DB_NBLK": 2, "DB_WARPS": 3,
                               "LIST_THREADS": 32, "LIST_PER": 0}, False),
-    ("tiny", 6, [[5, 5], [0, 1], [2, 2], [3, 0], [1, 1], [5, 4]], {"GB_MMA": 1, "DB_MMA": 1}, False),
+    ("tiny", 6, [[5, 5], [0, 1], [2, 2], [3, 0], [1, 1], [5, 4]], {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1}, False),
+    (PIPE_SHAPE, 7, "uniform", {"DB_MMA": 1, "DB_WARPS": 2, "LIST_THREADS": 32, "LIST_PER": 0}, True),  # mixed
 ]
 
 
@@ -751,6 +754,7 @@ GRID_SAMPLE = [
     {"DB_EARLY_INTER": 0, "DB_TILE": 8, "GB_TILE": 8},
     {"PDL": 0, "DB_WARPS": 2},
     {"GB_MMA": 1, "DB_MMA": 1, "DB_WARPS": 24, "DB_UNROLL": 2, "DB_MAX_REGS": 0},
+    {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "DB_NBLK": 2},
 ]
 
 
@@ -767,6 +771,8 @@ PDL_CHAIN_CASES = [  # (model, T, knobs): FMA and tensor-core kernels, the pipel
     ("qwen3-235b-a22b", 4, {}),
     ("qwen3-30b-a3b", 5, {"GB_PIPE": 1, "DB_PIPE": 1, "GB_TILE": 4, "DB_TILE": 4}),
     ("qwen3-30b-a3b", 64, {"GB_MMA": 1, "DB_MMA": 1}),  # 16 down warps: 64 KB of partials, opted into
+    ("qwen3-30b-a3b", 37, {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1}),  # w2 loads before the wait
+    ("qwen3-30b-a3b", 8, {"DB_MMA": 1, "DB_EARLY_W2": 1}),  # FMA gate_up, tensor-core down
 ]
 
 
