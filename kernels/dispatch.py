@@ -9,6 +9,8 @@ Paths (candidates):
                                   share an expert. Reproduces ``reference.moe_decode(mode="warp_decode")``.
 * ``"cupy:warp-decode-batched"``  batched warp decode: each active expert's weights read once per batch.
                                   Same numerics (mode "warp_decode").
+* ``"cupy:warp-decode-mixed"``    batched warp decode with the FMA gate_up and the tensor-core down (H200:
+                                  fastest at qwen3-30b T = 4 / 8, where the FMA down's short w2 rows starve it).
 * ``"cupy:warp-decode-mma"``      batched warp decode on tensor cores (``GB_MMA`` / ``DB_MMA``: mma.sync
                                   m16n8k16, bf16 in, FP32 accumulators, one bf16 rounding of the intermediate):
                                   warp decode's numerics with the tensor core's summation order -- as close to
@@ -20,8 +22,8 @@ Paths (candidates):
 
 Policies (``policy=``, :data:`POLICIES`; candidates per policy in :data:`POLICY_CANDIDATES`):
 
-* ``"fastest"`` (the default)  the fastest of the four paths.
-* ``"warp_decode"``            strict, batched or MMA only: keeps warp decode's numerics (fp32 dots, one bf16
+* ``"fastest"`` (the default)  the fastest of the five paths.
+* ``"warp_decode"``            strict, batched, mixed or MMA only: keeps warp decode's numerics (fp32 dots, one bf16
                                rounding of the intermediate) whatever the speed.
 
 The choice depends only on the shape (H, I, E, K), T, the GPU and the policy -- never on ``topk_ids``'
@@ -44,7 +46,7 @@ values -- so it never syncs with the host and a captured CUDA graph stays valid 
      (expert-centric); at T = 8 (T*K/E = 0.5) batched won, 134.5 vs 142.8 us; at qwen3-235b T = 16 the two
      batched paths tied (732 vs 735 us) and MMA won from T = 32. Other (E, K) are extrapolated from that
      ratio, not measured;
-   * else batched;
+   * else batched (the heuristic never picks the mixed path: only a table does);
    * a path whose kernels cannot run the dims is never chosen: the batched and MMA kernels need T small
      enough for the down kernel's shared memory and E for the list kernel (:func:`batched_supported`);
      expert-centric needs E <= ``expert_centric.MAX_EXPERTS`` and valid tile knobs
@@ -77,14 +79,16 @@ ec = importlib.import_module("kernels.expert_centric")
 
 STRICT = "cupy:warp-decode"
 BATCHED = "cupy:warp-decode-batched"
+MIXED = "cupy:warp-decode-mixed"
 MMA = "cupy:warp-decode-mma"
 EXPERT_CENTRIC = "cupy:expert-centric"
-CANDIDATES = (STRICT, BATCHED, MMA, EXPERT_CENTRIC)
-MMA_KNOBS = {"GB_MMA": 1, "DB_MMA": 1}  # the batched module's tensor-core kernels (the MMA variant's params)
+CANDIDATES = (STRICT, BATCHED, MIXED, MMA, EXPERT_CENTRIC)
+MMA_KNOBS = wdb.MMA_KNOBS  # the batched module's tensor-core kernels (the MMA variant's params)
+BATCHED_KNOBS = {BATCHED: {}, MIXED: wdb.MIXED_KNOBS, MMA: wdb.MMA_KNOBS}  # the three batched-module paths
 FASTEST = "fastest"
 WARP_DECODE = "warp_decode"
 POLICIES = (FASTEST, WARP_DECODE)
-POLICY_CANDIDATES: dict[str, tuple[str, ...]] = {FASTEST: CANDIDATES, WARP_DECODE: (STRICT, BATCHED, MMA)}
+POLICY_CANDIDATES: dict[str, tuple[str, ...]] = {FASTEST: CANDIDATES, WARP_DECODE: (STRICT, BATCHED, MIXED, MMA)}
 TABLE_POINTS = (1, 2, 4, 8, 16, 32, 64)
 TABLE_DIR = Path(__file__).resolve().parent / "dispatch_tables"
 SCHEMA = "warp-decode-dispatch/1"
@@ -137,10 +141,8 @@ def expert_centric_supported(dims: Dims) -> bool:
 
 def supported(name: str, dims: Dims) -> bool:
     """Whether candidate ``name`` can run ``dims`` (strict runs every dims)."""
-    if name == BATCHED:
-        return batched_supported(dims)
-    if name == MMA:
-        return batched_supported(dims, **MMA_KNOBS)
+    if name in BATCHED_KNOBS:
+        return batched_supported(dims, **BATCHED_KNOBS[name])
     if name == EXPERT_CENTRIC:
         return expert_centric_supported(dims)
     return name == STRICT
@@ -300,7 +302,7 @@ def make_workspace(dims: Dims, gpu: str | None = None, policy: str = FASTEST,
     choice, source = choose(dims, gpu, table_dir, policy)
     if choice == EXPERT_CENTRIC:
         inner = ec.make_workspace(dims, None)
-    elif choice in (BATCHED, MMA):
+    elif choice in BATCHED_KNOBS:
         inner = wdb.make_workspace(dims)
     else:
         inner = wdc.make_workspace(dims.tokens, dims.top_k, dims.intermediate)
@@ -311,8 +313,8 @@ def moe_decode(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out:
                workspace: Workspace | None = None, policy: str = FASTEST) -> Any:
     """One MoE decode layer by the fastest path of ``policy`` for this shape and T; returns ``out`` [T, H].
 
-    ``policy="fastest"``: strict, batched, MMA or expert-centric (the last reproduces mode "classical");
-    ``policy="warp_decode"``: strict, batched or MMA (warp decode's numerics). With ``out`` and ``workspace``
+    ``policy="fastest"``: strict, batched, mixed, MMA or expert-centric (the last reproduces mode "classical");
+    ``policy="warp_decode"``: strict, batched, mixed or MMA (warp decode's numerics). With ``out`` and ``workspace``
     (``make_workspace(dims, policy=policy)``, same policy) nothing is allocated and nothing syncs with the host
     during CUDA-graph capture (outside capture the chosen path checks the ids' range, as every path does).
     """
@@ -333,11 +335,9 @@ def moe_decode(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out:
                          "pass the same policy to make_workspace and moe_decode")
     if workspace.choice == EXPERT_CENTRIC:
         return ec.expert_centric(x, w13, w2, topk_ids, topk_weights, quant=None, out=out, workspace=workspace.inner)
-    if workspace.choice == BATCHED:
-        return wdb.warp_decode_batched(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace.inner)
-    if workspace.choice == MMA:
+    if workspace.choice in BATCHED_KNOBS:
         return wdb.warp_decode_batched(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace.inner,
-                                       **MMA_KNOBS)
+                                       **BATCHED_KNOBS[workspace.choice])
     return wdc.warp_decode(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace.inner)
 
 
@@ -377,8 +377,8 @@ VARIANT = register(
         build=_build_for(FASTEST),
         reference_mode="warp_decode",  # at T where the expert-centric path is chosen: "classical" (launch says)
         params={},
-        description="auto-dispatch, policy fastest: strict, batched, MMA warp decode or expert-centric from a per-GPU "
-                    "measured table (or a heuristic)",
+        description="auto-dispatch, policy fastest: strict, batched, mixed, MMA warp decode or expert-centric from a "
+                    "per-GPU measured table (or a heuristic)",
     )
 )
 VARIANT_WARP_DECODE = register(
@@ -389,7 +389,7 @@ VARIANT_WARP_DECODE = register(
         build=_build_for(WARP_DECODE),
         reference_mode="warp_decode",
         params={},
-        description="auto-dispatch, policy warp_decode: strict, batched or MMA warp decode (warp decode's numerics) "
-                    "from a per-GPU measured table (or a heuristic)",
+        description="auto-dispatch, policy warp_decode: strict, batched, mixed or MMA warp decode (warp decode's "
+                    "numerics) from a per-GPU measured table (or a heuristic)",
     )
 )

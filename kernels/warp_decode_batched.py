@@ -461,6 +461,11 @@ VARIANT = register(
     )
 )
 
+# The knob sets of the other two batched paths (kernels.dispatch launches them with these). DB_EARLY_W2 1: the
+# first w2 loads before the PDL wait, 0.5-3 % faster (H200, results/sweep-batched-early-w2-*.json).
+MMA_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1}  # both kernels on tensor cores
+MIXED_KNOBS = {"DB_MMA": 1, "DB_EARLY_W2": 1}  # FMA gate_up (bitwise strict's intermediate), tensor-core down
+
 MMA_VARIANT = register(
     Variant(
         name="cupy:warp-decode-mma",
@@ -468,7 +473,7 @@ MMA_VARIANT = register(
         family="warp-decode-batched",
         build=build,
         reference_mode="warp_decode",
-        params={**DEFAULTS, **{knob: 0 for knob in AUTO_KNOBS}, "GB_MMA": 1, "DB_MMA": 1},
+        params={**DEFAULTS, **{knob: 0 for knob in AUTO_KNOBS}, **MMA_KNOBS},
         description="batched warp decode on tensor cores: mma.sync m16n8k16, bf16 in, FP32 accumulators",
         grid={
             "GB_WARPS": [2, 4, 8],
@@ -478,5 +483,18 @@ MMA_VARIANT = register(
             "DB_UNROLL": [4, 8],
             "DB_NBLK": [1, 2],
         },
+    )
+)
+
+MIXED_VARIANT = register(
+    Variant(
+        name="cupy:warp-decode-mixed",
+        backend="cupy",
+        family="warp-decode-batched",
+        build=build,
+        reference_mode="warp_decode",
+        params={**DEFAULTS, **{knob: 0 for knob in AUTO_KNOBS}, **MIXED_KNOBS},
+        description="batched warp decode: FMA gate_up, tensor-core down (16 hidden columns per block, 16 warps)",
+        grid={"GB_WARPS": [4, 8], "GB_UNROLL": [2, 4], "DB_WARPS": [8, 16], "DB_UNROLL": [2, 4]},
     )
 )

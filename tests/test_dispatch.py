@@ -41,6 +41,7 @@ from tools import dispatch_table
 QWEN30 = PRESETS["qwen3-30b-a3b"]
 TINY = PRESETS["tiny"]
 S, B, M, EC = dispatch.STRICT, dispatch.BATCHED, dispatch.MMA, dispatch.EXPERT_CENTRIC
+X = dispatch.MIXED
 
 
 def _dims(shape: Any, tokens: int) -> Dims:
@@ -91,8 +92,9 @@ def test_gpu_slug() -> None:
 
 def test_policies_and_candidates() -> None:
     assert dispatch.POLICIES == ("fastest", "warp_decode")
-    assert dispatch.CANDIDATES == (S, B, M, EC) and EC == "cupy:expert-centric" and M == "cupy:warp-decode-mma"
-    assert dispatch.POLICY_CANDIDATES == {"fastest": (S, B, M, EC), "warp_decode": (S, B, M)}
+    assert dispatch.CANDIDATES == (S, B, X, M, EC) and EC == "cupy:expert-centric" and M == "cupy:warp-decode-mma"
+    assert X == "cupy:warp-decode-mixed"
+    assert dispatch.POLICY_CANDIDATES == {"fastest": (S, B, X, M, EC), "warp_decode": (S, B, X, M)}
     for bad in ("Fastest", "classical", None, 3):
         with pytest.raises(ValueError, match=r"policy must be one of \('fastest', 'warp_decode'\)"):
             dispatch.check_policy(bad)
@@ -303,7 +305,7 @@ def test_table_from_a_bench_run() -> None:
         _bench_row(S, 1, 26.0), _bench_row(B, 1, 28.0), _bench_row(M, 1, 30.0), _bench_row(EC, 1, 40.0),
         _bench_row(S, 8, 140.0), _bench_row(B, 8, 130.0), _bench_row(M, 8, 135.0), _bench_row(EC, 8, 150.0),
         _bench_row(S, 64, 900.0), _bench_row(B, 64, 500.0, status="wrong"), _bench_row(M, 64, 450.0, status="error"),
-        _bench_row(EC, 64, 400.0),
+        _bench_row(EC, 64, 400.0), _bench_row(X, 1, 29.0), _bench_row(X, 8, 131.0), _bench_row(X, 64, 950.0),
         _bench_row(S, 2, 30.0), _bench_row(B, 2, 31.0), _bench_row(M, 2, 32.0),  # EC not measured: no point
         _bench_row("numba:warp-decode", 1, 1.0), _bench_row("cupy:auto", 1, 1.0),  # never candidates
     ])
@@ -324,6 +326,7 @@ def test_table_from_several_bench_runs(tmp_path: Path) -> None:
     evening = _bench("2026-11-30T18:58:00Z", [
         _bench_row(S, 1, 23.0), _bench_row(B, 1, 28.0), _bench_row(M, 1, 33.0), _bench_row(EC, 1, 40.0),
         _bench_row(S, 32, 530.0), _bench_row(B, 32, 368.0), _bench_row(M, 32, 310.0), _bench_row(EC, 32, 314.0),
+        _bench_row(X, 1, 29.0), _bench_row(X, 32, 320.0),
     ])
     final = _bench("2026-11-30T19:08:00Z", [
         _bench_row(S, 1, 22.0), _bench_row(B, 1, 20.0),
@@ -338,10 +341,11 @@ def test_table_from_several_bench_runs(tmp_path: Path) -> None:
     assert dispatch_table.main(["--json", str(out), "--from-bench", *map(str, paths)]) == 0
     table = dispatch.validate_table(json.loads(out.read_text()))
     points = next(iter(table["entries"].values()))["points"]
-    assert points["1"]["median_us"] == {S: 22.0, B: 20.0, M: 33.0, EC: 40.0}
-    assert points["1"]["sources"] == {S: "final.json", B: "final.json", M: "evening.json", EC: "evening.json"}
+    assert points["1"]["median_us"] == {S: 22.0, B: 20.0, X: 29.0, M: 33.0, EC: 40.0}
+    assert points["1"]["sources"] == {S: "final.json", B: "final.json", X: "evening.json", M: "evening.json",
+                                      EC: "evening.json"}
     assert points["1"]["choices"] == {"fastest": B, "warp_decode": B}
-    assert points["32"]["median_us"] == {S: 530.0, B: 300.0, M: 310.0, EC: 314.0}
+    assert points["32"]["median_us"] == {S: 530.0, B: 300.0, X: 320.0, M: 310.0, EC: 314.0}
     assert points["32"]["choices"] == {"fastest": B, "warp_decode": B}
     assert [s["file"] for s in table["sources"]] == ["evening.json", "final.json", "zipf.json"]
     assert table["date"] == "2026-11-30T19:08:00Z"  # the latest run that gave rows (zipf.json gave none)
@@ -477,7 +481,10 @@ def _path_call(choice: str) -> Any:
     def mma(*arrays: Any) -> Any:
         return dispatch.wdb.warp_decode_batched(*arrays, **dispatch.MMA_KNOBS)
 
-    return {S: dispatch.wdc.warp_decode, B: dispatch.wdb.warp_decode_batched, M: mma,
+    def mixed(*arrays: Any) -> Any:
+        return dispatch.wdb.warp_decode_batched(*arrays, **dispatch.wdb.MIXED_KNOBS)
+
+    return {S: dispatch.wdc.warp_decode, B: dispatch.wdb.warp_decode_batched, M: mma, X: mixed,
             EC: dispatch.ec.expert_centric}[choice]
 
 
@@ -490,7 +497,7 @@ def _check_chosen_mode(cupy: Any, got: np.ndarray, problem: Any, choice: str, wh
     mode = get_variant(choice).reference_mode
     if mode == "warp_decode":
         faithful, oracle = _references(problem)
-        _assert_matches(got, faithful, oracle, what, own_order=choice == M)  # the tensor core's own sum order
+        _assert_matches(got, faithful, oracle, what, own_order=choice in (M, X))  # the tensor core's sum order
         return
     from tests.test_expert_centric import _check_close, _f32
 

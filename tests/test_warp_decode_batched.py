@@ -579,7 +579,7 @@ def test_pipelined_knobs_bitwise_equal_plain(cupy_mod: Any, rng: np.random.Gener
     assert np.array_equal(plain.view(np.uint16), piped.view(np.uint16))
 
 
-MMA = {"GB_MMA": 1, "DB_MMA": 1}
+MMA = dict(wdb.MMA_KNOBS)  # what cupy:warp-decode-mma and kernels.dispatch run
 MMA_CASES = [("qwen3-30b-a3b", 1, "uniform"), ("qwen3-30b-a3b", 37, "uniform"), ("qwen3-30b-a3b", 64, "zipf"),
              ("qwen3-30b-a3b", 64, "uniform"),
              ("qwen3-235b-a22b", 16, "uniform"), ("mixtral-8x7b", 8, "uniform"), ("qwen3-30b-a3b", 6, "same")]
@@ -596,6 +596,21 @@ def test_mma_kernels(cupy_mod: Any, rng: np.random.Generator, model: str, tokens
         wdb.warp_decode_batched(*problem.arrays, out=out, **MMA)
         cupy_mod.cuda.runtime.deviceSynchronize()
         assert np.array_equal(cupy_mod.asnumpy(out).view(np.uint16), first.view(np.uint16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("model", "tokens", "routing"), [("qwen3-30b-a3b", 4, "uniform"), ("qwen3-30b-a3b", 8, "same"),
+                                                        ("qwen3-235b-a22b", 3, "zipf")])
+def test_mixed_kernels(cupy_mod: Any, rng: np.random.Generator, model: str, tokens: int, routing: str) -> None:
+    """FMA gate_up + tensor-core down (cupy:warp-decode-mixed): the intermediate is bitwise the strict kernel's,
+    the output within the tensor-core rule, bitwise repeatable."""
+    problem = make_problem(model, tokens, seed=_seed(rng), routing=routing, xp=cupy_mod)
+    first = _run_and_check(cupy_mod, problem, f"mixed {model} T={tokens} {routing}", strict_inter=True,
+                           **wdb.MIXED_KNOBS)
+    out = _poisoned_out(cupy_mod, tokens, problem.shape.hidden)
+    wdb.warp_decode_batched(*problem.arrays, out=out, **wdb.MIXED_KNOBS)
+    cupy_mod.cuda.runtime.deviceSynchronize()
+    assert np.array_equal(cupy_mod.asnumpy(out).view(np.uint16), first.view(np.uint16))
 
 
 @pytest.mark.gpu

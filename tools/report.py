@@ -12,8 +12,8 @@ TB/s = unique expert weight bytes of the call (experts touched by this routing x
 "% roof" is that figure as a percentage of the streaming-read roofline measured in the same run.
 
 Given several files (say a uniform and a Zipf run), the report also prints one crossover table per (model, routing):
-strict warp decode, batched warp decode (FMA and tensor-core MMA), expert-centric and ``cupy:auto`` per batch, the
-fastest single path, and how far auto is from it (``crossover_table``).
+strict warp decode, batched warp decode (FMA, mixed and tensor-core MMA), expert-centric and ``cupy:auto`` per batch,
+the fastest single path, and how far auto is from it (``crossover_table``).
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ def crossover(data: dict[str, Any], model: str) -> dict[str, Any]:
 # The crossover table: strict vs batched vs expert-centric vs auto, per model and routing, over several runs
 # ------------------------------------------------------------------------------------------------
 CROSSOVER_PATHS = {"strict": "cupy:warp-decode", "batched": "cupy:warp-decode-batched",
-                   "MMA": "cupy:warp-decode-mma", "expert-centric": "cupy:expert-centric"}
+                   "mixed": "cupy:warp-decode-mixed", "MMA": "cupy:warp-decode-mma",
+                   "expert-centric": "cupy:expert-centric"}
 CROSSOVER_AUTO = "cupy:auto"
 CROSSOVER_COLUMNS = (*CROSSOVER_PATHS, "auto")
 AUTO_SLACK = 0.03  # the issue's bar: auto may be at most 3 % slower than the best single path
@@ -272,7 +273,8 @@ def crossover_cells(point: dict[str, Any]) -> dict[str, str]:
 
 
 CROSSOVER_TITLES = (("batch", "T"), ("strict", "strict µs (% roof)"), ("batched", "batched µs (% roof)"),
-                    ("MMA", "MMA µs (% roof)"), ("expert-centric", "expert-centric µs (% roof)"),
+                    ("mixed", "mixed µs (% roof)"), ("MMA", "MMA µs (% roof)"),
+                    ("expert-centric", "expert-centric µs (% roof)"),
                     ("auto", "auto µs (% roof)"),
                     ("best", "best single path"), ("choice", "auto's choice"), ("vs_best", "auto vs best"))
 
