@@ -163,6 +163,15 @@ def _print_choices(table: dict[str, Any]) -> None:
                   {t: dispatch.point_choice(p, policy) for t, p in entry["points"].items()})
 
 
+def _source_name(path: Path) -> str:
+    """How a table cites a bench file: its path from the working directory (the repository root, where the
+    toolkit runs: ``results/h200-....json``) when it lies below it, else its file name."""
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return path.name
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.dispatch_table", description=__doc__.split("\n")[0])
     parser.add_argument("--json", required=True,
@@ -177,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.from_bench:
         path = Path(args.json)
-        runs = [(Path(f).name, json.loads(Path(f).read_text())) for f in args.from_bench]
+        runs = [(_source_name(Path(f)), json.loads(Path(f).read_text())) for f in args.from_bench]
         table = from_benches(runs, json.loads(path.read_text()) if path.is_file() else None)
         if path.stem != table["slug"]:
             print(f"warning: {path.name} does not match the bench GPU's slug {table['slug']!r}", file=sys.stderr)
