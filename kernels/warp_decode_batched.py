@@ -100,6 +100,7 @@ LIST_HEADER = 4  # int32s before the slot arrays in the lists buffer (must match
 SHARED_LIMIT = 48 * 1024  # dynamic shared memory without opt-in (the list kernel)
 DOWN_SHARED_LIMIT = 227 * 1024  # what the down kernel opts into above 48 KB (sm_90; launches set the attribute)
 MAX_TILE = 8  # cap of the automatic GB_TILE / DB_TILE
+REGISTERS_PER_BLOCK = 65536  # sm_70 .. sm_90
 
 DEFAULTS: dict[str, int] = {
     "LIST_THREADS": 256,  # threads of the one-block list kernel
@@ -229,6 +230,13 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
             raise ValueError(f"{key} must be 4, 8 or 16, got {values[key]}")
     if values["DB_WARPS"] == 0:  # dims-free: the tensor-core down wants more warps per block (one block per SM)
         values["DB_WARPS"] = MMA_DOWN_WARPS if values["DB_MMA"] else DEFAULTS["DB_WARPS"]
+    for kernel in ("GB", "DB"):  # a __maxnreg__ cap is per thread: the block must still fit the register file
+        warps, cap = values[f"{kernel}_WARPS"], values[f"{kernel}_MAX_REGS"]
+        if cap and warps * 32 * -(-cap // 8) * 8 > REGISTERS_PER_BLOCK:
+            raise ValueError(
+                f"{kernel}_WARPS {warps} x 32 threads x {kernel}_MAX_REGS {cap} registers exceeds the "
+                f"{REGISTERS_PER_BLOCK} registers of a block (the launch would fail): lower {kernel}_WARPS or "
+                f"{kernel}_MAX_REGS (0 lets __launch_bounds__ fit the block)")
     if dims is None:
         for key in AUTO_KNOBS:
             if values[key] == 0:

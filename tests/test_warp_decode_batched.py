@@ -137,6 +137,13 @@ def test_resolve_params_validates() -> None:
         wdb.resolve_params(dims, DB_PIPE=1, DB_EARLY_INTER=0)
     with pytest.raises(ValueError, match="DB_EARLY_W2"):
         wdb.resolve_params(dims, DB_EARLY_W2=1)
+    # 24 warps x 128 registers: the H200 answered CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (results/sweep-mma-dbwarps-*)
+    with pytest.raises(ValueError, match="DB_WARPS 24 x 32 threads x DB_MAX_REGS 128"):
+        wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24)
+    with pytest.raises(ValueError, match="GB_MAX_REGS"):
+        wdb.resolve_params(dims, GB_WARPS=32, GB_MAX_REGS=72)
+    assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=0)["DB_WARPS"] == 24
+    assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=80)["DB_MAX_REGS"] == 80
     resolved = wdb.resolve_params(dims)
     switches = ("MAX_REGS", "PIPE", "MMA", "PDL", "EARLY_W2")  # 0 is a meaningful value for these
     assert set(resolved) == set(wdb.DEFAULTS)
