@@ -45,8 +45,11 @@ values -- so it never syncs with the host and a captured CUDA graph stays valid 
      4) the MMA path took 205 / 291 / 334 us against 211 / 333 / 524 us (batched) and 221 / 315 / 349 us
      (expert-centric); at T = 8 (T*K/E = 0.5) batched won, 134.5 vs 142.8 us; at qwen3-235b T = 16 the two
      batched paths tied (732 vs 735 us) and MMA won from T = 32. Other (E, K) are extrapolated from that
-     ratio, not measured;
-   * else batched (the heuristic never picks the mixed path: only a table does);
+     ratio, not measured. Session 4's run (``results/h200-2026-12-01-pdl-uniform.json``, 16-warp MMA down,
+     PDL) keeps the rule: MMA fastest from T = 16 on both qwen3 models, at T = 8 not (30b: mixed 127.4,
+     MMA 131.6, batched 133.4 us; 235b: batched 455.8, MMA 473.1);
+   * else batched (the heuristic never picks the mixed path: only a table does -- it won at qwen3-30b
+     T = 4 / 8 but lost to batched at qwen3-235b T = 1..8, and two shapes are too few for a rule);
    * a path whose kernels cannot run the dims is never chosen: the batched and MMA kernels need T small
      enough for the down kernel's shared memory and E for the list kernel (:func:`batched_supported`);
      expert-centric needs E <= ``expert_centric.MAX_EXPERTS`` and valid tile knobs

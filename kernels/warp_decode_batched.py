@@ -24,9 +24,9 @@ a down block 16 hidden columns for all tokens -- with the dots on ``mma.sync`` (
 accumulators, the intermediate rounded once to bf16). A lane's per-pair FMAs become 2 mma per 32-wide k block,
 which is what the FMA kernels run out of at T >= 16. Not bitwise the FMA kernels (the tensor core sums 16
 products at once); as close to fp64 as they are (H200: rel-L2 2.35e-3 for both at qwen3-30b T=64). H200,
-2026-12-01: 334 us at qwen3-30b T=64 (79 % of the roofline; FMA 524 us, expert-centric 350 us) and 1146 us at
-qwen3-235b T=64 (92 %). Under Zipf routing a hot expert's pairs run 8 per pass inside one warp per row group,
-and the expert-centric path wins at T >= 16 (30b).
+2026-12-01, before session 4 (below): 334 us at qwen3-30b T=64 (79 % of the roofline; FMA 524 us,
+expert-centric 350 us) and 1146 us at qwen3-235b T=64 (92 %). Under Zipf routing a hot expert's pairs run 8
+per pass inside one warp per row group, and the expert-centric path wins at T >= 32.
 
 Everything is sized from (T, K, E) only: S = min(E, T*K) + 1 list slots, gate_up grid S * ceil(I /
 (GB_WARPS*GB_OUTS)) blocks (blocks past the used slots exit at once), down grid ceil(H / DB_OUTS) blocks.
@@ -73,6 +73,29 @@ GB_WARPS / GB_OUTS / GB_TILE / GB_UNROLL / GB_BYTES / GB_MAX_REGS / GB_PIPE for 
 down. The auto rules (:func:`auto_tile`, :func:`auto_down_tile`, :func:`auto_down_unroll`, GB_UNROLL 2 at
 tile 4) come from the H200 sweep of session 3 (results/sweep-batched-*.json): they gain 3-5 % over the
 previous rules at T = 16-64 and leave T <= 8 as it was.
+
+Session 4 (H200, 2026-12-01 02:20-03:00 UTC; results/sweep-batched-{pdl,early-w2}-*.json, the bench run
+results/h200-2026-12-01-pdl-uniform.json):
+
+* PDL (knob ``PDL``, on from sm_90): all three kernels launch with programmatic serialization. Each waits
+  (griddepcontrol.wait) before reading what the kernel right before it wrote -- through ``ld_dep``, which the
+  compiler cannot hoist above the wait -- then releases the next kernel; down reads the lists (two kernels
+  back) before its wait. A six-layer chain test with a routing per layer and one shared poisoned workspace
+  replays bitwise equal to PDL=0 (tests). About 1-2 us per layer.
+* The tensor-core down kernel with 16 warps per block (auto ``DB_WARPS``: :data:`MMA_DOWN_WARPS` with
+  ``DB_MMA``; its FP32 partials opt into up to 227 KB of shared memory): qwen3-30b T=32 292.6 -> 268.8 us,
+  T=64 334.0 -> 301.6 us. With one block per SM (H/16 = 128 blocks at qwen3-30b) 8 warps leave too few bytes
+  in flight. With PDL, 8-warp blocks got slower still (358.7 vs 324.5 us at T=64): plausibly two of them
+  land on one SM while gate_up drains (not verified); a 16-warp block fills an SM's registers.
+* ``DB_EARLY_W2`` (the MMA down's first A loads before its PDL wait): 0.5-3 %; part of :data:`MMA_KNOBS`.
+* The mixed path (FMA gate_up + tensor-core down, :data:`MIXED_KNOBS`, ``cupy:warp-decode-mixed``): fastest at
+  qwen3-30b T = 4 / 8 (65.3 / 127.4 us vs 71.6 / 133.4 batched), where the FMA down's short w2 rows (I = 768:
+  three 16-byte chunks per lane) leave its warps starved.
+* Measured and removed: a bulk L2 prefetch of each down warp's first / next expert's w2 block (1-20 % slower
+  everywhere). Measured, not adopted: DB_WARPS 24 with DB_MAX_REGS 0 on the MMA down (one sweep,
+  results/sweep-mma-dbwarps-*.json: -2.3 / -1.7 % at qwen3-30b T = 32 / 64, +1.3 % at qwen3-235b T = 16;
+  not re-benched); and DB_WARPS 16 with DB_MAX_REGS 0 or 80 is 1-16 % SLOWER than at the 128 cap -- the
+  register allocation moves the loads, so check the SASS before trusting a register knob.
 
 Measured and left off (H200, results/sweep-batched-*.json): GB_PIPE / DB_PIPE, software pipelining that
 keeps the next round's (down: the next step's, across experts) loads in flight during this round's FMAs.
