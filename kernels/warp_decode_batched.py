@@ -300,13 +300,21 @@ def max_tokens(top_k: int = 1, **params: Any) -> int:
     return DOWN_SHARED_LIMIT // (values["DB_WARPS"] * down_columns(values) * 4)
 
 
+# The knob sets of the other two batched paths (kernels.dispatch launches them with these). DB_EARLY_W2 1: the
+# first w2 loads before the PDL wait, 0.5-3 % faster (H200, results/sweep-batched-early-w2-*.json).
+MMA_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1}  # both kernels on tensor cores
+MIXED_KNOBS = {"DB_MMA": 1, "DB_EARLY_W2": 1}  # FMA gate_up (bitwise strict's intermediate), tensor-core down
+
+
 SOURCE = register_source(
     CudaSource(
         name="warp_decode_batched",
         code=CODE,
         kernels=KERNELS + MMA_KERNELS,
         defaults=dict(DEFAULTS),
-        variants=[*preset_variants(resolve_params, DEFAULTS), {"GB_MMA": 1, "DB_MMA": 1}],  # + the tensor-core kernels
+        # + the tensor-core and mixed paths as they run (auto DB_WARPS resolved: the offline report compiles these)
+        variants=[*preset_variants(resolve_params, DEFAULTS),
+                  {**MMA_KNOBS, "DB_WARPS": MMA_DOWN_WARPS}, {**MIXED_KNOBS, "DB_WARPS": MMA_DOWN_WARPS}],
         warps_knobs={GATE_UP: "GB_WARPS", DOWN: "DB_WARPS", GATE_UP_MMA: "GB_WARPS", DOWN_MMA: "DB_WARPS"},
         description="batched warp decode: expert lists, gate_up and down reading each expert once per batch",
     )
@@ -491,11 +499,6 @@ VARIANT = register(
         },
     )
 )
-
-# The knob sets of the other two batched paths (kernels.dispatch launches them with these). DB_EARLY_W2 1: the
-# first w2 loads before the PDL wait, 0.5-3 % faster (H200, results/sweep-batched-early-w2-*.json).
-MMA_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1}  # both kernels on tensor cores
-MIXED_KNOBS = {"DB_MMA": 1, "DB_EARLY_W2": 1}  # FMA gate_up (bitwise strict's intermediate), tensor-core down
 
 MMA_VARIANT = register(
     Variant(
