@@ -53,16 +53,6 @@ from tests.warp_checks import (
 # ---------------------------------------------------------------------------------------------------
 
 
-
-
-
-
-
-
-
-
-
-
 def write_fresh_inputs(cupy: Any, problem: Problem, seed: int, routing: str = "zipf") -> None:
     """New x and routing (other experts, other counts) written into the problem's device buffers (no new weights)."""
     shape = problem.shape
@@ -71,8 +61,6 @@ def write_fresh_inputs(cupy: Any, problem: Problem, seed: int, routing: str = "z
     problem.x.view(cupy.uint16)[...] = cupy.asarray(x.astype(BF16).view(np.uint16))
     problem.topk_ids[...] = cupy.asarray(ids)
     problem.topk_weights[...] = cupy.asarray(weights)
-
-
 
 
 QWEN30 = PRESETS["qwen3-30b-a3b"]
@@ -573,8 +561,6 @@ def test_presets(cupy_mod: Any, rng: np.random.Generator, model: str, tokens: in
     del problem
 
 
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize(("model", "tokens"), [("qwen3-30b-a3b", 64), ("qwen3-30b-a3b", 5), ("qwen3-235b-a22b", 16)])
 def test_pipelined_knobs_bitwise_equal_plain(cupy_mod: Any, rng: np.random.Generator, model: str, tokens: int) -> None:
@@ -634,8 +620,6 @@ def test_mma_odd_shapes(cupy_mod: Any, rng: np.random.Generator, name: str) -> N
 def test_odd_shapes(cupy_mod: Any, rng: np.random.Generator, name: str, tokens: int) -> None:
     problem = make_problem(ODD_SHAPES[name], tokens, seed=_seed(rng), xp=cupy_mod)
     _run_and_check(cupy_mod, problem, f"{name} T={tokens}", strict_inter=True)
-
-
 
 
 @pytest.mark.gpu
