@@ -396,6 +396,29 @@ __device__ __forceinline__ void down_epilogue_wait() {
 #endif
 }
 
+// The end of both down kernels (after __syncthreads): every (token, column) of the block sums the DB_WARPS
+// partials [w][T][COLUMNS] in warp order and is written once; a token with any expert id outside [0, E)
+// gets NaN. Deterministic, no atomics.
+template <int COLUMNS>
+__device__ __forceinline__ void write_block_outputs(const float* partial, const int* __restrict__ topk_ids,
+                                                    void* __restrict__ out, int out_f32, int tokens, int hidden,
+                                                    int experts, int top_k, int h0) {
+    for (int j = threadIdx.x; j < tokens * COLUMNS; j += DB_WARPS * 32) {
+        const int t = j / COLUMNS;
+        const int h = h0 + (j - t * COLUMNS);
+        if (h >= hidden) continue;
+        float v = 0.0f;
+        #pragma unroll
+        for (int w = 0; w < DB_WARPS; ++w) v = __fadd_rn(v, partial[(size_t)w * tokens * COLUMNS + j]);
+        bool bad = false;
+        for (int k = 0; k < top_k; ++k) bad |= (unsigned)__ldg(topk_ids + t * top_k + k) >= (unsigned)experts;
+        if (bad) v = __int_as_float(0x7fc00000);
+        const long long idx = (long long)t * hidden + h;
+        if (out_f32) reinterpret_cast<float*>(out)[idx] = v;
+        else reinterpret_cast<bf16_t*>(out)[idx] = f32_to_bf16(v);  // the one final rounding
+    }
+}
+
 #if !DB_MMA  // the FMA down (moe_down_batched); DB_MMA 1 compiles moe_down_mma instead
 // ------------------------------------------------------------------------------------------------
 // The pipelined down loop's pieces (DB_PIPE 1). A step = (list slot a, first pair of the tile, round c0);
@@ -683,20 +706,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
     __syncthreads();
 
     // every (token, column) of the block: the warps' partials in warp order, written once
-    for (int j = threadIdx.x; j < tokens * DB_OUTS; j += DB_WARPS * 32) {
-        const int t = j / DB_OUTS;
-        const int h = h0 + (j - t * DB_OUTS);
-        if (h >= hidden) continue;
-        float v = 0.0f;
-        #pragma unroll
-        for (int w = 0; w < DB_WARPS; ++w) v = __fadd_rn(v, partial[(size_t)w * tokens * DB_OUTS + j]);
-        bool bad = false;
-        for (int k = 0; k < top_k; ++k) bad |= (unsigned)__ldg(topk_ids + t * top_k + k) >= (unsigned)experts;
-        if (bad) v = __int_as_float(0x7fc00000);
-        const long long idx = (long long)t * hidden + h;
-        if (out_f32) reinterpret_cast<float*>(out)[idx] = v;
-        else reinterpret_cast<bf16_t*>(out)[idx] = f32_to_bf16(v);  // the one final rounding
-    }
+    write_block_outputs<DB_OUTS>(partial, topk_ids, out, out_f32, tokens, hidden, experts, top_k, h0);
 }
 
 #endif  // !DB_MMA
@@ -937,20 +947,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
     down_epilogue_wait();
     __syncthreads();
 
-    for (int j = threadIdx.x; j < tokens * 16; j += DB_WARPS * 32) {
-        const int t = j / 16;
-        const int h = h0 + (j - t * 16);
-        if (h >= hidden) continue;
-        float v = 0.0f;
-        #pragma unroll
-        for (int w = 0; w < DB_WARPS; ++w) v = __fadd_rn(v, partial[(size_t)w * tokens * 16 + j]);
-        bool bad = false;
-        for (int k = 0; k < top_k; ++k) bad |= (unsigned)__ldg(topk_ids + t * top_k + k) >= (unsigned)experts;
-        if (bad) v = __int_as_float(0x7fc00000);
-        const long long idx = (long long)t * hidden + h;
-        if (out_f32) reinterpret_cast<float*>(out)[idx] = v;
-        else reinterpret_cast<bf16_t*>(out)[idx] = f32_to_bf16(v);  // the one final rounding
-    }
+    write_block_outputs<16>(partial, topk_ids, out, out_f32, tokens, hidden, experts, top_k, h0);
 }
 #endif
 """
