@@ -149,6 +149,7 @@ DEFAULTS: dict[str, int] = {
     "DB_NBLK": 1,
     "PDL": 1,  # programmatic dependent launch of all three kernels (sm_90+; for_device turns it off before)
     "DB_EARLY_W2": 0,  # 1: down issues its first round of w2 loads before its PDL wait (they overlap gate_up's tail)
+    "DB_SPLIT": 0,  # MMA down: warps per list slot, each a k range (0: chosen on the device from the slots used)
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS")
 MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pdl-*.json: 7-10 % over 8 at qwen3-30b)
@@ -158,6 +159,7 @@ LIMITS = {
     "DB_WARPS": (0, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (0, 255),
     "DB_EARLY_INTER": (0, 1), "GB_PIPE": (0, 1), "DB_PIPE": (0, 1),
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (1, 4), "DB_NBLK": (1, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
+    "DB_SPLIT": (0, 32),
 }
 
 
@@ -189,6 +191,24 @@ def auto_down_unroll(dims: Dims, params: dict[str, int]) -> int:
     I = 768, 96 chunks: 1 round of 3 beats 2 rounds of 2 by 3 % at T = 32)."""
     chunks = dims.intermediate // (params["DB_BYTES"] // 2)
     return 2 if params["DB_TILE"] <= 4 and chunks % (32 * 2) == 0 else 1
+
+
+def down_split(used: int, dims: Dims, params: dict[str, int]) -> int:
+    """The tensor-core down's warps per list slot for ``used`` list slots: ``DB_SPLIT``, or with 0 what the
+    kernel picks on the device (``down_split`` in the CUDA C): the power of two dividing DB_WARPS, at most the
+    32-wide k blocks, whose busiest warp runs the fewest rounds of DB_UNROLL k blocks (ties: the smaller)."""
+    if params["DB_SPLIT"]:
+        return params["DB_SPLIT"]
+    warps, unroll = params["DB_WARPS"], params["DB_UNROLL"]
+    kblocks = -(-(dims.intermediate // 8) // 4)
+    best, best_rounds, split = 1, None, 1
+    while split <= warps and split <= kblocks and warps % split == 0:
+        per_warp = -(-kblocks // split)  # k blocks of a slot per warp
+        rounds = -(-used // (warps // split)) * -(-per_warp // unroll)
+        if best_rounds is None or rounds < best_rounds:
+            best, best_rounds = split, rounds
+        split *= 2
+    return best
 
 
 def slots(dims: Dims) -> int:
@@ -244,6 +264,8 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
         raise ValueError("GB_PIPE applies to the FMA gate_up kernel only: GB_MMA 1 takes GB_PIPE 0")
     if values["DB_EARLY_W2"] and not values["DB_MMA"]:
         raise ValueError("DB_EARLY_W2 applies to the tensor-core down kernel: it needs DB_MMA 1")
+    if values["DB_SPLIT"] > 1 and not values["DB_MMA"]:
+        raise ValueError("DB_SPLIT splits the tensor-core down kernel's k range: DB_SPLIT > 1 needs DB_MMA 1")
     if values["DB_PIPE"] and not values["DB_EARLY_INTER"]:
         raise ValueError("DB_PIPE 1 issues the intermediate loads with the w2 loads: it needs DB_EARLY_INTER 1")
     if values["LIST_THREADS"] % 32:
@@ -253,6 +275,8 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
             raise ValueError(f"{key} must be 4, 8 or 16, got {values[key]}")
     if values["DB_WARPS"] == 0:  # dims-free: the tensor-core down wants more warps per block (one block per SM)
         values["DB_WARPS"] = MMA_DOWN_WARPS if values["DB_MMA"] else DEFAULTS["DB_WARPS"]
+    if values["DB_SPLIT"] and values["DB_WARPS"] % values["DB_SPLIT"]:
+        raise ValueError(f"DB_SPLIT {values['DB_SPLIT']} must divide DB_WARPS {values['DB_WARPS']} (0 = auto)")
     for kernel in ("GB", "DB"):  # a __maxnreg__ cap is per thread: the block must still fit the register file
         warps, cap = values[f"{kernel}_WARPS"], values[f"{kernel}_MAX_REGS"]
         if cap and warps * 32 * -(-cap // 8) * 8 > REGISTERS_PER_BLOCK:
@@ -516,6 +540,7 @@ MMA_VARIANT = register(
             "DB_WARPS": [4, 8],
             "DB_UNROLL": [4, 8],
             "DB_NBLK": [1, 2],
+            "DB_SPLIT": [0, 1, 2, 4],
         },
     )
 )
@@ -529,6 +554,7 @@ MIXED_VARIANT = register(
         reference_mode="warp_decode",
         params={**DEFAULTS, **{knob: 0 for knob in AUTO_KNOBS}, **MIXED_KNOBS},
         description="batched warp decode: FMA gate_up, tensor-core down (16 hidden columns per block, 16 warps)",
-        grid={"GB_WARPS": [4, 8], "GB_UNROLL": [2, 4], "DB_WARPS": [8, 16], "DB_UNROLL": [2, 4]},
+        grid={"GB_WARPS": [4, 8], "GB_UNROLL": [2, 4], "DB_WARPS": [8, 16], "DB_UNROLL": [2, 4],
+              "DB_SPLIT": [0, 1, 2, 4]},
     )
 )

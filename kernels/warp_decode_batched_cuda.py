@@ -32,6 +32,8 @@ CODE = WARP_HELPERS + PDL_HELPERS + r"""
 //   PDL 1: programmatic dependent launch (sm_90+): each kernel waits (griddepcontrol.wait) before it reads
 //   what the kernel right before it wrote, then lets the next kernel's blocks launch; down reads the lists
 //   (two kernels back) before its wait
+//   DB_SPLIT (tensor-core down only): warps sharing one list slot, each a contiguous range of its k blocks
+//   (0: chosen per launch on the device from the slots used, see down_split)
 //   DB_EARLY_W2 1 (with PDL, tensor-core down only): down's first round of w2 loads is issued BEFORE its wait (w2
 //   and the lists do not depend on gate_up), so they stream while gate_up drains; 0: down waits first. (The FMA
 //   down's w2 loads are invariant __ldg loads that the compiler sinks below the wait: no knob there.)
@@ -50,6 +52,9 @@ static_assert((GB_MMA == 0 || GB_MMA == 1) && (DB_MMA == 0 || DB_MMA == 1), "GB_
 static_assert(GB_NBLK >= 1 && GB_NBLK <= 4 && DB_NBLK >= 1 && DB_NBLK <= 4, "NBLK must be 1..4");
 static_assert(PDL == 0 || PDL == 1, "PDL must be 0 or 1");
 static_assert(DB_EARLY_W2 == 0 || (DB_EARLY_W2 == 1 && DB_MMA == 1), "DB_EARLY_W2 is 0 or 1 (1 needs DB_MMA 1)");
+static_assert(DB_SPLIT >= 0 && DB_SPLIT <= DB_WARPS && (DB_SPLIT == 0 || DB_WARPS % DB_SPLIT == 0),
+              "DB_SPLIT must be 0 (auto) or divide DB_WARPS");
+static_assert(DB_SPLIT <= 1 || DB_MMA == 1, "DB_SPLIT > 1 needs DB_MMA 1");
 #define DOWN_WAITS_LATE DB_EARLY_W2  // the tensor-core down's wait follows its first A (w2) loads
 
 // The int32 ``lists`` buffer, S = min(E, T*K) + 1 list slots (every active expert + one for bad ids):
@@ -742,22 +747,24 @@ __device__ __forceinline__ void mma_k32(float (&d)[4], const uint4& rows_lo, con
     mma_16816(d, rows_lo.z, rows_hi.z, rows_lo.w, rows_hi.w, col.z, col.w);
 }
 
-// A warp's whole k range, shared by both tensor-core kernels: acc[nb] (zeroed here) = A rows g / g + 8
-// (rows_lo / rows_hi) times B column g of 8-pair block nb (cols[nb]). Lane q loads chunk 4j + q of each
-// 32-wide k block j; UNROLL k blocks of loads are in flight per lane before the round's first mma.
+// A warp's k range (chunks c_begin .. c_end - 1, c_begin a multiple of 4), shared by both tensor-core kernels:
+// acc[nb] (zeroed here) = A rows g / g + 8 (rows_lo / rows_hi) times B column g of 8-pair block nb (cols[nb]).
+// Lane q loads chunk 4j + q of each 32-wide k block j; UNROLL k blocks of loads are in flight per lane before
+// the round's first mma.
 // COLS_DEP: B is the previous kernel's output (down's intermediate), loaded through ld_dep after the round's A
 // loads and after wait_once (DB_EARLY_W2: the first round's A loads are issued before the PDL wait).
 template <int UNROLL, int NB, bool COLS_DEP>
 __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const uint4* rows_lo, const uint4* rows_hi,
-                                                    const uint4* const (&cols)[NB], int chunks, int q, bool& waited) {
+                                                    const uint4* const (&cols)[NB], int c_begin, int c_end, int q,
+                                                    bool& waited) {
     #pragma unroll
     for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
-    for (int c0 = 0; c0 < chunks; c0 += 4 * UNROLL) {
+    for (int c0 = c_begin; c0 < c_end; c0 += 4 * UNROLL) {
         uint4 lo[UNROLL][1], hi[UNROLL][1], col[UNROLL][NB];
         #pragma unroll
         for (int j = 0; j < UNROLL; ++j) {
             const int c = c0 + 4 * j + q;
-            const bool ok = c < chunks;
+            const bool ok = c < c_end;
             lo[j][0] = ldg_chunk(rows_lo, c, ok);
             hi[j][0] = ldg_chunk(rows_hi, c, ok);
             #pragma unroll
@@ -770,7 +777,7 @@ __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const u
             for (int j = 0; j < UNROLL; ++j) {
                 const int c = c0 + 4 * j + q;
                 #pragma unroll
-                for (int nb = 0; nb < NB; ++nb) col[j][nb] = ld_dep_chunk(cols[nb], c, c < chunks);
+                for (int nb = 0; nb < NB; ++nb) col[j][nb] = ld_dep_chunk(cols[nb], c, c < c_end);
             }
         }
         acc[0][0] += __uint_as_float(all_loads_arrived(lo) | all_loads_arrived(hi));   // += 0.0f
@@ -830,7 +837,7 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
         }
         float acc[GB_NBLK][4];
         bool unused = true;
-        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false>(acc, gate_row, up_row, x_row, chunks, q, unused);
+        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false>(acc, gate_row, up_row, x_row, 0, chunks, q, unused);
         #pragma unroll
         for (int nb = 0; nb < GB_NBLK; ++nb)
             #pragma unroll
@@ -849,12 +856,40 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
 
 #if DB_MMA
 // ------------------------------------------------------------------------------------------------
-// moe_down_mma: block b owns hidden columns h0 .. h0+15 (h0 = 16 b) for ALL tokens; warps take the list slots
-//   round-robin as in moe_down_batched. A = w2[e, h0 .. h0+15, :], B column g = the intermediate row of pair
-//   g of the tile; lane (g, q) ends with columns h0+g and h0+g+8 of pairs 2q, 2q+1. Each lane then adds its
-//   pairs times their routing weights into the warp's shared partial[w][t][16]: all at once when the 8-pair
-//   block's tokens are distinct, else ONE pair at a time (__syncwarp between pairs), so a token routed twice
-//   to one expert cannot race; either way each element gets the same adds in the same order.
+// Split of the tensor-core down's work: the block's warps form DB_WARPS / split groups of `split` warps; group
+// j takes list slots j, j + groups, ... and warp i of a group the i-th of `split` contiguous ranges of each
+// slot's 32-wide k blocks. split 1: a warp takes whole experts -- with 50 active experts on 16 warps two warps
+// run a fourth expert alone while the other 14 idle (qwen3-30b T=8). DB_SPLIT 0: chosen here from the slots
+// used (the same in every block, fixed for a given routing): the power of two dividing DB_WARPS, at most the
+// k blocks, whose busiest warp runs the fewest rounds of DB_UNROLL k blocks (ties: the smaller split).
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ int down_split(int used, int kblocks) {
+#if DB_SPLIT > 0
+    (void)used; (void)kblocks;
+    return DB_SPLIT;
+#else
+    int best = 1, best_rounds = 0x7fffffff;
+    for (int split = 1; split <= DB_WARPS && split <= kblocks && DB_WARPS % split == 0; split *= 2) {
+        const int groups = DB_WARPS / split;
+        const int slots_per_warp = (used + groups - 1) / groups;
+        const int rounds_per_slot = ((kblocks + split - 1) / split + DB_UNROLL - 1) / DB_UNROLL;
+        if (slots_per_warp * rounds_per_slot < best_rounds) {
+            best = split;
+            best_rounds = slots_per_warp * rounds_per_slot;
+        }
+    }
+    return best;
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------
+// moe_down_mma: block b owns hidden columns h0 .. h0+15 (h0 = 16 b) for ALL tokens; its warp groups take the
+//   list slots round-robin, each warp of a group one range of the slot's k (down_split). A = w2[e, h0 .. h0+15,
+//   k range], B column g = the intermediate row of pair g of the tile (same k range); lane (g, q) ends with
+//   columns h0+g and h0+g+8 of pairs 2q, 2q+1. Each lane then adds its pairs times their routing weights into
+//   the warp's shared partial[w][t][16]: all at once when the 8-pair block's tokens are distinct, else ONE pair
+//   at a time (__syncwarp between pairs), so a token routed twice to one expert cannot race; either way each
+//   element gets the same adds in the same order.
 //   After __syncthreads the warps' partials are summed in warp order: deterministic, no atomics.
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void DB_BOUNDS moe_down_mma(
@@ -879,9 +914,14 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
 
     const int chunks = inter / 8;                                    // 16-byte chunks (I % 8 == 0)
     const int used = __ldg(lists);
+    const int kblocks = (chunks + 3) / 4;                            // 32-wide k blocks
+    const int split = down_split(used, kblocks);
+    const int groups = DB_WARPS / split, group = warp / split, part = warp - group * split;
+    const int c_begin = 4 * (part * kblocks / split);                // this warp's k range, in chunks
+    const int c_end = min(4 * ((part + 1) * kblocks / split), chunks);
     const int h_lo = min(h0 + g, hidden - 1), h_hi = min(h0 + g + 8, hidden - 1);   // past the end: last row
     bool waited = false;
-    for (int a = warp; a < used; a += DB_WARPS) {
+    for (int a = group; a < used; a += groups) {
         const int e = __ldg(list_expert(lists) + a);
         if (e >= experts) continue;                                  // the bad-id slot: NaN below
         const int count = __ldg(list_count(lists, slots) + a);
@@ -903,7 +943,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
                 inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
             }
             float acc[DB_NBLK][4];
-            mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, row_lo, row_hi, inter_row, chunks, q, waited);
+            mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, row_lo, row_hi, inter_row, c_begin, c_end, q, waited);
             #pragma unroll
             for (int nb = 0; nb < DB_NBLK; ++nb) {
                 // lane (g, q) holds columns h0+g, h0+g+8 of pairs 2q, 2q+1 of the block: fetch their ids / weights

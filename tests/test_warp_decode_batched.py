@@ -131,9 +131,16 @@ def test_resolve_params_validates() -> None:
     with pytest.raises(ValueError, match="GB_MAX_REGS"):
         wdb.resolve_params(dims, GB_WARPS=32, GB_MAX_REGS=72)
     assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=0)["DB_WARPS"] == 24
+    with pytest.raises(ValueError, match="DB_SPLIT > 1 needs DB_MMA 1"):
+        wdb.resolve_params(dims, DB_SPLIT=2)
+    with pytest.raises(ValueError, match="DB_SPLIT 3 must divide DB_WARPS 16"):
+        wdb.resolve_params(dims, DB_MMA=1, DB_SPLIT=3)
+    with pytest.raises(ValueError, match="DB_SPLIT"):
+        wdb.resolve_params(dims, DB_MMA=1, DB_SPLIT=33)
+    assert wdb.resolve_params(dims, DB_MMA=1, DB_SPLIT=4)["DB_SPLIT"] == 4
     assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=80)["DB_MAX_REGS"] == 80
     resolved = wdb.resolve_params(dims)
-    switches = ("MAX_REGS", "PIPE", "MMA", "PDL", "EARLY_W2")  # 0 is a meaningful value for these
+    switches = ("MAX_REGS", "PIPE", "MMA", "PDL", "EARLY_W2", "SPLIT")  # 0 is a meaningful value for these
     assert set(resolved) == set(wdb.DEFAULTS)
     assert all(v > 0 for k, v in resolved.items() if not any(s in k for s in switches))
 
@@ -155,6 +162,20 @@ def test_auto_knobs() -> None:
     assert wdb.max_tokens(GB_MMA=1, DB_MMA=1) == 227 * 1024 // (16 * 16 * 4)  # auto DB_WARPS: 16 with DB_MMA
     assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8), DB_MMA=1)["DB_WARPS"] == wdb.MMA_DOWN_WARPS
     assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8), DB_MMA=1, DB_WARPS=4)["DB_WARPS"] == 4
+
+
+def test_down_split_rule() -> None:
+    """The tensor-core down's warps per list slot (the device's rule, mirrored): the busiest warp's rounds."""
+    qwen30 = Dims(8, 2048, 768, 128, 8)  # 24 k blocks of 32: 6 rounds of DB_UNROLL 4 per slot at split 1
+    mma = wdb.resolve_params(qwen30, **wdb.MMA_KNOBS)
+    assert (mma["DB_WARPS"], mma["DB_UNROLL"], mma["DB_SPLIT"]) == (16, 4, 0)
+    assert wdb.down_split(50, qwen30, mma) == 2  # 4 slots x 6 rounds (2 warps alone) vs 7 x 3
+    assert wdb.down_split(126, qwen30, mma) == 1  # 8 x 6 = 48 vs 16 x 3 = 48: the tie keeps 1
+    assert wdb.down_split(3, qwen30, mma) == 4  # 1 slot x 2 rounds; split 8: 2 groups -> 2 slots x 1 round (tie)
+    assert wdb.down_split(1, qwen30, mma) == 8  # 1 slot x 1 round (3 of its 24 k blocks per warp)
+    assert wdb.down_split(50, qwen30, {**mma, "DB_SPLIT": 8}) == 8  # a fixed split is taken as given
+    tiny = Dims(2, 16, 8, 4, 2)  # one k block: never split
+    assert wdb.down_split(3, tiny, wdb.resolve_params(tiny, **wdb.MMA_KNOBS)) == 1
 
 
 def test_source_and_variant_are_registered() -> None:
@@ -453,7 +474,30 @@ EMULATED += [
                               "LIST_THREADS": 32, "LIST_PER": 0}, False),
     ("tiny", 6, [[5, 5], [0, 1], [2, 2], [3, 0], [1, 1], [5, 4]], {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1}, False),
     (PIPE_SHAPE, 7, "uniform", {"DB_MMA": 1, "DB_WARPS": 2, "LIST_THREADS": 32, "LIST_PER": 0}, True),  # mixed
+    # the down's k range split across the warps of a slot (DB_SPLIT): 17 chunks = 5 k blocks, split 2 -> chunks
+    # 0-7 / 8-16 (a masked tail in the second), split 4 -> 1 / 1 / 1 / 2 k blocks
+    (PIPE_SHAPE, 9, "zipf", {"GB_MMA": 1, "DB_MMA": 1, "DB_WARPS": 4, "DB_SPLIT": 2, "DB_UNROLL": 1,
+                             "LIST_THREADS": 32, "LIST_PER": 0}, True),
+    (PIPE_SHAPE, 7, "uniform", {"DB_MMA": 1, "DB_WARPS": 4, "DB_SPLIT": 4, "DB_UNROLL": 2, "DB_EARLY_W2": 1,
+                                "LIST_THREADS": 32, "LIST_PER": 0}, False),
 ]
+
+
+def test_auto_down_split_is_the_documented_rule_on_cpu(rng: np.random.Generator) -> None:
+    """DB_SPLIT 0 picks on the device what wdb.down_split says (here 2 warps per slot: 3 slots on 8 warps),
+    bitwise the fixed split; the output within the tensor-core rule of the reference."""
+    problem = make_problem(PIPE_SHAPE, 12, seed=_seed(rng), routing="same")
+    dims = _dims(problem)
+    knobs = {"GB_MMA": 1, "DB_MMA": 1, "DB_WARPS": 8, "DB_UNROLL": 1, "DB_NBLK": 2, "LIST_THREADS": 32, "LIST_PER": 0}
+    used = len(np.unique(problem.topk_ids))
+    want = wdb.down_split(used, dims, wdb.resolve_params(dims, **knobs))
+    assert (used, want) == (3, 2)
+    auto = _emulate(problem, **knobs)["out"]
+    fixed = _emulate(problem, **knobs, DB_SPLIT=want)["out"]
+    assert np.array_equal(auto.view(np.uint16), fixed.view(np.uint16))
+    faithful = moe_decode(*problem.arrays, mode="warp_decode")
+    oracle = moe_decode(*problem.arrays, mode="fp64")
+    _assert_matches(auto, faithful, oracle, "emulated auto DB_SPLIT", own_order=True)
 
 
 def test_pipelined_loops_are_bitwise_the_plain_ones_on_cpu(rng: np.random.Generator) -> None:
@@ -761,6 +805,8 @@ GRID_SAMPLE = [
     {"PDL": 0, "DB_WARPS": 2},
     {"GB_MMA": 1, "DB_MMA": 1, "DB_WARPS": 24, "DB_UNROLL": 2, "DB_MAX_REGS": 0},
     {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "DB_NBLK": 2},
+    {"GB_MMA": 1, "DB_MMA": 1, "DB_SPLIT": 8, "DB_UNROLL": 2},  # k ranges of 1-3 blocks, masked tails
+    {"DB_MMA": 1, "DB_EARLY_W2": 1, "DB_SPLIT": 4, "DB_NBLK": 2},
 ]
 
 
@@ -779,6 +825,7 @@ PDL_CHAIN_CASES = [  # (model, T, knobs): FMA and tensor-core kernels, the pipel
     ("qwen3-30b-a3b", 64, {"GB_MMA": 1, "DB_MMA": 1}),  # 16 down warps: 64 KB of partials, opted into
     ("qwen3-30b-a3b", 37, {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1}),  # w2 loads before the wait
     ("qwen3-30b-a3b", 8, {"DB_MMA": 1, "DB_EARLY_W2": 1}),  # FMA gate_up, tensor-core down
+    ("qwen3-235b-a22b", 4, {"DB_MMA": 1, "DB_EARLY_W2": 1, "DB_SPLIT": 4}),  # k ranges split over 4 warps
 ]
 
 
