@@ -120,8 +120,8 @@ from kernels.warp_decode_batched_cuda import CODE, KERNELS, MMA_KERNELS
 EXPERT_LISTS, GATE_UP, DOWN = KERNELS
 GATE_UP_MMA, DOWN_MMA = MMA_KERNELS
 LIST_HEADER = 4  # int32s before the slot arrays in the lists buffer (must match LIST_HEADER in the CUDA C)
-SHARED_LIMIT = 48 * 1024  # dynamic shared memory without opt-in (the list kernel)
-DOWN_SHARED_LIMIT = 227 * 1024  # what the down kernel opts into above 48 KB (sm_90; launches set the attribute)
+SHARED_LIMIT = 48 * 1024  # dynamic shared memory without opt-in
+OPT_IN_SHARED_LIMIT = 227 * 1024  # what the down and list kernels opt into above 48 KB (sm_90; launches set it)
 MAX_TILE = 8  # cap of the automatic GB_TILE / DB_TILE
 REGISTERS_PER_BLOCK = 65536  # sm_70 .. sm_90
 
@@ -149,17 +149,23 @@ DEFAULTS: dict[str, int] = {
     "DB_NBLK": 1,
     "PDL": 1,  # programmatic dependent launch of all three kernels (sm_90+; for_device turns it off before)
     "DB_EARLY_W2": 0,  # 1: down issues its first round of w2 loads before its PDL wait (they overlap gate_up's tail)
-    "DB_SPLIT": 0,  # MMA down: warps per list slot, each a k range (0: chosen on the device from the slots used)
+    "DB_SPLIT": 1,  # MMA down: warps per list slot, each a contiguous k range (1: a warp takes whole experts)
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS")
 MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pdl-*.json: 7-10 % over 8 at qwen3-30b)
+# ... and from T = MMA_WIDE_DOWN_FROM on: 24 warps under launch bounds alone (768 threads -> <= 85 registers each;
+# H200, results/sweep-mma-dbwarps-*.json and sweep-split-mma24-30b.json: qwen3-30b T=32 -2.3 %, T=64 -0.9..-1.7 %,
+# qwen3-235b T=32 -0.9 %, T=64 -0.2 %; but +1.3 % at qwen3-235b T=16, so not below 32)
+MMA_WIDE_DOWN_WARPS = 24
+MMA_UNROLL = 4  # auto GB_UNROLL / DB_UNROLL of the tensor-core kernels: 32-wide k blocks of loads in flight
+MMA_WIDE_DOWN_FROM = 32
 LIMITS = {
     "LIST_THREADS": (32, 1024), "LIST_PER": (0, 16),
     "GB_WARPS": (1, 32), "GB_OUTS": (1, 32), "GB_TILE": (0, 32), "GB_UNROLL": (0, 64), "GB_MAX_REGS": (0, 255),
     "DB_WARPS": (0, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (0, 255),
     "DB_EARLY_INTER": (0, 1), "GB_PIPE": (0, 1), "DB_PIPE": (0, 1),
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (1, 4), "DB_NBLK": (1, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
-    "DB_SPLIT": (0, 32),
+    "DB_SPLIT": (1, 32),
 }
 
 
@@ -193,22 +199,21 @@ def auto_down_unroll(dims: Dims, params: dict[str, int]) -> int:
     return 2 if params["DB_TILE"] <= 4 and chunks % (32 * 2) == 0 else 1
 
 
-def down_split(used: int, dims: Dims, params: dict[str, int]) -> int:
-    """The tensor-core down's warps per list slot for ``used`` list slots: ``DB_SPLIT``, or with 0 what the
-    kernel picks on the device (``down_split`` in the CUDA C): the power of two dividing DB_WARPS, at most the
-    32-wide k blocks, whose busiest warp runs the fewest rounds of DB_UNROLL k blocks (ties: the smaller)."""
-    if params["DB_SPLIT"]:
-        return params["DB_SPLIT"]
-    warps, unroll = params["DB_WARPS"], params["DB_UNROLL"]
-    kblocks = -(-(dims.intermediate // 8) // 4)
-    best, best_rounds, split = 1, None, 1
-    while split <= warps and split <= kblocks and warps % split == 0:
-        per_warp = -(-kblocks // split)  # k blocks of a slot per warp
-        rounds = -(-used // (warps // split)) * -(-per_warp // unroll)
-        if best_rounds is None or rounds < best_rounds:
-            best, best_rounds = split, rounds
-        split *= 2
-    return best
+def auto_down_warps(dims: Dims | None, params: dict[str, int]) -> int:
+    """Warps per down block: 8 (FMA down); with DB_MMA :data:`MMA_DOWN_WARPS`, or from T =
+    :data:`MMA_WIDE_DOWN_FROM` on :data:`MMA_WIDE_DOWN_WARPS` when their partials fit the shared memory and the
+    register cap allows 768 threads (the default cap of 128 then gives way to launch bounds alone) and DB_SPLIT
+    divides them."""
+    if not params["DB_MMA"]:
+        return DEFAULTS["DB_WARPS"]
+    if dims is None or dims.tokens < MMA_WIDE_DOWN_FROM:
+        return MMA_DOWN_WARPS
+    cap = params["DB_MAX_REGS"]
+    threads = MMA_WIDE_DOWN_WARPS * 32
+    fits_registers = cap == DEFAULTS["DB_MAX_REGS"] or threads * -(-cap // 8) * 8 <= REGISTERS_PER_BLOCK
+    fits_shared = down_shared_bytes(dims, {**params, "DB_WARPS": MMA_WIDE_DOWN_WARPS}) <= OPT_IN_SHARED_LIMIT
+    fits_split = MMA_WIDE_DOWN_WARPS % params["DB_SPLIT"] == 0
+    return MMA_WIDE_DOWN_WARPS if fits_registers and fits_shared and fits_split else MMA_DOWN_WARPS
 
 
 def slots(dims: Dims) -> int:
@@ -217,13 +222,14 @@ def slots(dims: Dims) -> int:
 
 
 def lists_size(dims: Dims) -> int:
-    """int32s of the lists buffer: header, expert / offset / count per slot, the sorted pairs, rank scratch."""
-    return LIST_HEADER + 3 * slots(dims) + 2 * dims.tokens * dims.top_k
+    """int32s of the lists buffer: header, expert / offset / count per slot, the sorted pairs."""
+    return LIST_HEADER + 3 * slots(dims) + dims.tokens * dims.top_k
 
 
 def lists_shared_bytes(dims: Dims) -> int:
-    """Dynamic shared memory of the list kernel: one int per expert (+1 for bad ids)."""
-    return (dims.experts + 1) * 4
+    """Dynamic shared memory of the list kernel: one int per expert (+1 for bad ids), two per pair (its expert
+    and its rank)."""
+    return (dims.experts + 1 + 2 * dims.tokens * dims.top_k) * 4
 
 
 def down_columns(params: dict[str, int]) -> int:
@@ -273,10 +279,12 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
     for key in ("GB_BYTES", "DB_BYTES"):
         if values[key] not in (4, 8, 16):
             raise ValueError(f"{key} must be 4, 8 or 16, got {values[key]}")
-    if values["DB_WARPS"] == 0:  # dims-free: the tensor-core down wants more warps per block (one block per SM)
-        values["DB_WARPS"] = MMA_DOWN_WARPS if values["DB_MMA"] else DEFAULTS["DB_WARPS"]
-    if values["DB_SPLIT"] and values["DB_WARPS"] % values["DB_SPLIT"]:
-        raise ValueError(f"DB_SPLIT {values['DB_SPLIT']} must divide DB_WARPS {values['DB_WARPS']} (0 = auto)")
+    if values["DB_WARPS"] == 0:  # the tensor-core down wants more warps per block (one block per SM)
+        values["DB_WARPS"] = auto_down_warps(dims, values)
+        if values["DB_WARPS"] == MMA_WIDE_DOWN_WARPS and values["DB_MAX_REGS"] == DEFAULTS["DB_MAX_REGS"]:
+            values["DB_MAX_REGS"] = 0  # what was measured: __launch_bounds__(768) alone
+    if values["DB_WARPS"] % values["DB_SPLIT"]:
+        raise ValueError(f"DB_SPLIT {values['DB_SPLIT']} must divide DB_WARPS {values['DB_WARPS']}")
     for kernel in ("GB", "DB"):  # a __maxnreg__ cap is per thread: the block must still fit the register file
         warps, cap = values[f"{kernel}_WARPS"], values[f"{kernel}_MAX_REGS"]
         if cap and warps * 32 * -(-cap // 8) * 8 > REGISTERS_PER_BLOCK:
@@ -285,6 +293,8 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
                 f"{REGISTERS_PER_BLOCK} registers of a block (the launch would fail): lower {kernel}_WARPS or "
                 f"{kernel}_MAX_REGS (0 lets __launch_bounds__ fit the block)")
     if dims is None:
+        if values["DB_UNROLL"] == 0 and values["DB_MMA"]:
+            values["DB_UNROLL"] = MMA_UNROLL  # as with dims: the tensor-core down's rounds do not depend on them
         for key in AUTO_KNOBS:
             if values[key] == 0:
                 values[key] = DEFAULTS[key]
@@ -299,21 +309,23 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
     if values["LIST_PER"] > LIMITS["LIST_PER"][1]:
         raise ValueError(f"E = {dims.experts} needs LIST_PER > 16 at LIST_THREADS {values['LIST_THREADS']}: "
                          "raise LIST_THREADS (<= 1024)")
-    if lists_shared_bytes(dims) > SHARED_LIMIT:
-        raise ValueError(f"the list kernel keeps one int per expert in shared memory: E = {dims.experts} is too many")
+    if lists_shared_bytes(dims) > OPT_IN_SHARED_LIMIT:
+        raise ValueError(
+            f"the list kernel keeps one int per expert and two per pair in shared memory: E = {dims.experts} and "
+            f"T * K = {dims.tokens * dims.top_k} need {lists_shared_bytes(dims)} bytes > {OPT_IN_SHARED_LIMIT}")
     if values["GB_TILE"] == 0:
         values["GB_TILE"] = auto_tile(dims)
     if values["GB_UNROLL"] == 0:  # the sweep: 2 rounds with 4-pair tiles (3 % at qwen3-235b T=16), else 4
-        values["GB_UNROLL"] = 4 if values["GB_MMA"] else (2 if values["GB_TILE"] == 4 else 4)
+        values["GB_UNROLL"] = MMA_UNROLL if values["GB_MMA"] else (2 if values["GB_TILE"] == 4 else 4)
     if values["DB_TILE"] == 0:
         values["DB_TILE"] = auto_down_tile(dims)
     if values["DB_UNROLL"] == 0:
-        values["DB_UNROLL"] = 4 if values["DB_MMA"] else auto_down_unroll(dims, values)
+        values["DB_UNROLL"] = MMA_UNROLL if values["DB_MMA"] else auto_down_unroll(dims, values)
     shared = down_shared_bytes(dims, values)
-    if shared > DOWN_SHARED_LIMIT:
+    if shared > OPT_IN_SHARED_LIMIT:
         raise ValueError(
             f"the down kernel keeps DB_WARPS * T * columns fp32 partials in shared memory: {shared} bytes > "
-            f"{DOWN_SHARED_LIMIT} at T = {dims.tokens}; lower DB_WARPS / DB_OUTS (or use another path for this T)"
+            f"{OPT_IN_SHARED_LIMIT} at T = {dims.tokens}; lower DB_WARPS / DB_OUTS (or use another path for this T)"
         )
     return values
 
@@ -321,7 +333,7 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
 def max_tokens(top_k: int = 1, **params: Any) -> int:
     """The largest T the down kernel's shared memory allows with these knobs."""
     values = resolve_params(None, **params)
-    return DOWN_SHARED_LIMIT // (values["DB_WARPS"] * down_columns(values) * 4)
+    return OPT_IN_SHARED_LIMIT // (values["DB_WARPS"] * down_columns(values) * 4)
 
 
 # The knob sets of the other two batched paths (kernels.dispatch launches them with these). DB_EARLY_W2 1: the
@@ -336,9 +348,10 @@ SOURCE = register_source(
         code=CODE,
         kernels=KERNELS + MMA_KERNELS,
         defaults=dict(DEFAULTS),
-        # + the tensor-core and mixed paths as they run (auto DB_WARPS resolved: the offline report compiles these)
-        variants=[*preset_variants(resolve_params, DEFAULTS),
-                  {**MMA_KNOBS, "DB_WARPS": MMA_DOWN_WARPS}, {**MIXED_KNOBS, "DB_WARPS": MMA_DOWN_WARPS}],
+        # + the tensor-core and mixed paths as they run (auto knobs resolved: the offline report compiles these)
+        variants=[*preset_variants(resolve_params, DEFAULTS), resolve_params(None, **MMA_KNOBS),
+                  resolve_params(None, **MIXED_KNOBS),
+                  resolve_params(None, **MMA_KNOBS, DB_WARPS=MMA_WIDE_DOWN_WARPS, DB_MAX_REGS=0)],
         warps_knobs={GATE_UP: "GB_WARPS", DOWN: "DB_WARPS", GATE_UP_MMA: "GB_WARPS", DOWN_MMA: "DB_WARPS"},
         description="batched warp decode: expert lists, gate_up and down reading each expert once per batch",
     )
@@ -416,14 +429,16 @@ def _stage_list(kernels: tuple[Any, Any, Any], params: dict[str, int], ws: Works
     out_f32 = i32(1 if out.dtype == np.float32 else 0)
 
     programmatic = bool(params["PDL"])
+    lists_shared = lists_shared_bytes(d)
     down_shared = down_shared_bytes(d, params)
-    if down_shared > SHARED_LIMIT and down_k.max_dynamic_shared_size_bytes < down_shared:  # opt in, once
-        down_k.max_dynamic_shared_size_bytes = down_shared
+    for kernel, shared in ((lists_k, lists_shared), (down_k, down_shared)):
+        if shared > SHARED_LIMIT and kernel.max_dynamic_shared_size_bytes < shared:  # opt in above 48 KB, once
+            kernel.max_dynamic_shared_size_bytes = shared
 
     def expert_lists() -> None:
         launch_ex(lists_k, (1,), (params["LIST_THREADS"],),
                   (topk_ids, i32(d.tokens * d.top_k), i32(d.experts), i32(n_slots), ws.lists),
-                  shared_mem=lists_shared_bytes(d), programmatic=programmatic)
+                  shared_mem=lists_shared, programmatic=programmatic)
 
     def gate_up() -> None:
         launch_ex(gate_up_k, (gate_up_blocks(d, params),), (params["GB_WARPS"] * 32,),
@@ -540,7 +555,7 @@ MMA_VARIANT = register(
             "DB_WARPS": [4, 8],
             "DB_UNROLL": [4, 8],
             "DB_NBLK": [1, 2],
-            "DB_SPLIT": [0, 1, 2, 4],
+            "DB_SPLIT": [1, 2, 4],
         },
     )
 )
@@ -555,6 +570,6 @@ MIXED_VARIANT = register(
         params={**DEFAULTS, **{knob: 0 for knob in AUTO_KNOBS}, **MIXED_KNOBS},
         description="batched warp decode: FMA gate_up, tensor-core down (16 hidden columns per block, 16 warps)",
         grid={"GB_WARPS": [4, 8], "GB_UNROLL": [2, 4], "DB_WARPS": [8, 16], "DB_UNROLL": [2, 4],
-              "DB_SPLIT": [0, 1, 2, 4]},
+              "DB_SPLIT": [1, 2, 4]},
     )
 )

@@ -33,7 +33,6 @@ CODE = WARP_HELPERS + PDL_HELPERS + r"""
 //   what the kernel right before it wrote, then lets the next kernel's blocks launch; down reads the lists
 //   (two kernels back) before its wait
 //   DB_SPLIT (tensor-core down only): warps sharing one list slot, each a contiguous range of its k blocks
-//   (0: chosen per launch on the device from the slots used, see down_split)
 //   DB_EARLY_W2 1 (with PDL, tensor-core down only): down's first round of w2 loads is issued BEFORE its wait (w2
 //   and the lists do not depend on gate_up), so they stream while gate_up drains; 0: down waits first. (The FMA
 //   down's w2 loads are invariant __ldg loads that the compiler sinks below the wait: no knob there.)
@@ -52,8 +51,7 @@ static_assert((GB_MMA == 0 || GB_MMA == 1) && (DB_MMA == 0 || DB_MMA == 1), "GB_
 static_assert(GB_NBLK >= 1 && GB_NBLK <= 4 && DB_NBLK >= 1 && DB_NBLK <= 4, "NBLK must be 1..4");
 static_assert(PDL == 0 || PDL == 1, "PDL must be 0 or 1");
 static_assert(DB_EARLY_W2 == 0 || (DB_EARLY_W2 == 1 && DB_MMA == 1), "DB_EARLY_W2 is 0 or 1 (1 needs DB_MMA 1)");
-static_assert(DB_SPLIT >= 0 && DB_SPLIT <= DB_WARPS && (DB_SPLIT == 0 || DB_WARPS % DB_SPLIT == 0),
-              "DB_SPLIT must be 0 (auto) or divide DB_WARPS");
+static_assert(DB_SPLIT >= 1 && DB_WARPS % DB_SPLIT == 0, "DB_SPLIT must divide DB_WARPS");
 static_assert(DB_SPLIT <= 1 || DB_MMA == 1, "DB_SPLIT > 1 needs DB_MMA 1");
 #define DOWN_WAITS_LATE DB_EARLY_W2  // the tensor-core down's wait follows its first A (w2) loads
 
@@ -64,7 +62,6 @@ static_assert(DB_SPLIT <= 1 || DB_MMA == 1, "DB_SPLIT > 1 needs DB_MMA 1");
 //   list_offset[S]        first index of the slot's pairs in sorted_pairs
 //   list_count[S]         number of its pairs
 //   sorted_pairs[T*K]     pair ids p = t*K + k grouped by slot, ascending p inside a slot
-//   rank_of[T*K]          scratch of moe_expert_lists
 #define LIST_HEADER 4
 __device__ __forceinline__ const int* list_expert(const int* lists) { return lists + LIST_HEADER; }
 #define SLOT_ARRAY(k) (lists + LIST_HEADER + (k) * slots)
@@ -73,18 +70,29 @@ __device__ __forceinline__ const int* list_count(const int* lists, int slots) { 
 __device__ __forceinline__ const int* sorted_pairs(const int* lists, int slots) { return SLOT_ARRAY(3); }
 
 // ------------------------------------------------------------------------------------------------
-// moe_expert_lists: ONE block of LIST_THREADS threads; "expert" E stands for every out-of-range id.
+// moe_expert_lists: ONE block of LIST_THREADS threads; "expert" E stands for every out-of-range id. Everything
+// between the PDL wait and the scatter stays in shared memory: running[E + 1], key_of[T*K], rank_of[T*K].
+//   0) all threads load the ids (8 per thread in flight: one memory latency for T*K <= 8 * LIST_THREADS)
 //   1) warp 0 walks the pairs 32 at a time, in pair order: lanes holding the same expert find each other
-//      (__match_any_sync); a pair's rank = its expert's pairs seen so far (shared running[e]) + the lanes
-//      of its group below it; the group's lowest lane then bumps running[e]. Deterministic, no atomics,
-//      T*K/32 steps. Ranks go to a global scratch rank_of[T*K].
-//   2) thread j owns experts j*LIST_PER .. j*LIST_PER+LIST_PER-1: a block scan of (pairs, active experts)
-//      over threads gives each expert its slot and first position; the slot arrays are written and
-//      running[e] becomes expert e's first position.
+//      (__match_any_sync); a pair's rank = its expert's pairs seen so far (running[e]) + the lanes of its
+//      group below it; the group's lowest lane then bumps running[e]. Deterministic, no atomics, T*K/32 steps.
+//   2) thread j owns experts j*LIST_PER .. j*LIST_PER+LIST_PER-1: a scan of (pairs, active experts) over the
+//      threads (shuffles inside a warp, then the warps' totals) gives each expert its slot and first position;
+//      the slot arrays are written and running[e] becomes expert e's first position.
 //   3) every pair p goes to sorted_pairs[first[e] + rank_of[p]]: grouped by expert, ascending p inside.
 // ------------------------------------------------------------------------------------------------
 __device__ __forceinline__ int expert_key(int id, int experts) {
     return (unsigned)id >= (unsigned)experts ? experts : id;      // every bad id -> the pseudo expert E
+}
+
+// inclusive sum over the warp's lanes (lane l: lanes 0..l), by shuffles
+__device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
+    #pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int below = __shfl_sync(FULL_MASK, v, lane - d);
+        if (lane >= d) v += below;
+    }
+    return v;
 }
 
 extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
@@ -95,51 +103,58 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
 #ifdef WD_HOST_EMULATION
     int* running = reinterpret_cast<int*>(wdb_dynamic_shared);      // the CPU emulation's buffer
 #else
-    extern __shared__ int running[];                                 // [E + 1]
+    extern __shared__ int running[];                                 // [E + 1], then key_of, rank_of
 #endif
-    __shared__ int scan_pairs[LIST_THREADS];
-    __shared__ int scan_slots[LIST_THREADS];
+    int* key_of = running + experts + 1;                             // [T*K]
+    int* rank_of = key_of + pairs;                                   // [T*K]
+    constexpr int WARPS = LIST_THREADS / 32;
+    __shared__ int warp_pairs[WARPS];
+    __shared__ int warp_slots[WARPS];
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     int* expert_of = lists + LIST_HEADER;
     int* offset_of = lists + LIST_HEADER + slots;
     int* count_of = lists + LIST_HEADER + 2 * slots;
     int* sorted = lists + LIST_HEADER + 3 * slots;
-    int* rank_of = sorted + pairs;                                   // scratch [T*K]
     for (int e = tid; e <= experts; e += LIST_THREADS) running[e] = 0;
     pdl_wait();     // topk_ids may come from the kernel right before (the router); lists may still be read by
     pdl_release();  // the previous layer's down: nothing is read or written earlier
-    __syncthreads();
 
-    // 1) ranks, in pair order (warp 0); the ids of 8 rounds of 32 pairs are loaded together (one latency)
-    if (tid < 32) {
-        for (int p0 = 0; p0 < pairs; p0 += 32 * 8) {
-            int keys[8];
-            #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const int p = p0 + 32 * j + lane;
-                const int id = ld_dep(topk_ids + (p < pairs ? p : 0));  // branch-free: 8 loads in flight
-                keys[j] = p < pairs ? expert_key(id, experts) : -1;
-            }
-            #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const int p = p0 + 32 * j + lane;
-                const int key = keys[j];
-                const u32 group = __match_any_sync(FULL_MASK, key);
-                const u32 below = group & ((1u << lane) - 1u);
-                const int base = p < pairs ? running[key] : 0;
-                __syncwarp();                                        // every lane has read before any update
-                if (p < pairs) {
-                    rank_of[p] = base + __popc(below);
-                    if (below == 0u) running[key] = base + __popc(group);
-                }
-                __syncwarp();
-            }
+    // 0) the ids, 8 loads per thread issued before any is used
+    for (int p0 = 0; p0 < pairs; p0 += 8 * LIST_THREADS) {
+        int ids[8];
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int p = p0 + j * LIST_THREADS + tid;
+            ids[j] = ld_dep(topk_ids + (p < pairs ? p : 0));        // branch-free: 8 loads in flight
+        }
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int p = p0 + j * LIST_THREADS + tid;
+            if (p < pairs) key_of[p] = expert_key(ids[j], experts);
         }
     }
     __syncthreads();
 
-    // 2) block scan over experts (thread order = expert order)
+    // 1) ranks, in pair order (warp 0)
+    if (tid < 32) {
+        for (int p0 = 0; p0 < pairs; p0 += 32) {
+            const int p = p0 + lane;
+            const int key = p < pairs ? key_of[p] : -1;
+            const u32 group = __match_any_sync(FULL_MASK, key);
+            const u32 below = group & ((1u << lane) - 1u);
+            const int base = p < pairs ? running[key] : 0;
+            __syncwarp();                                            // every lane has read before any update
+            if (p < pairs) {
+                rank_of[p] = base + __popc(below);
+                if (below == 0u) running[key] = base + __popc(group);
+            }
+            __syncwarp();
+        }
+    }
+    __syncthreads();
+
+    // 2) scan over experts (thread order = expert order): inside each warp, then over the warps' totals
     const int e_first = tid * LIST_PER;
     int count[LIST_PER];
     int my_pairs = 0, my_slots = 0;
@@ -149,23 +164,23 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
         my_pairs += count[j];
         my_slots += count[j] > 0;
     }
-    scan_pairs[tid] = my_pairs;
-    scan_slots[tid] = my_slots;
+    int pairs_through = warp_inclusive_sum(my_pairs, lane);         // this warp's lanes 0 .. lane
+    int slots_through = warp_inclusive_sum(my_slots, lane);
+    if (lane == 31) {
+        warp_pairs[tid >> 5] = pairs_through;
+        warp_slots[tid >> 5] = slots_through;
+    }
     __syncthreads();
-    for (int d = 1; d < LIST_THREADS; d <<= 1) {                    // Hillis-Steele inclusive scan
-        const int add_p = tid >= d ? scan_pairs[tid - d] : 0;
-        const int add_s = tid >= d ? scan_slots[tid - d] : 0;
-        __syncthreads();
-        scan_pairs[tid] += add_p;
-        scan_slots[tid] += add_s;
-        __syncthreads();
+    for (int w = 0; w < (tid >> 5); ++w) {                          // + the warps before this one
+        pairs_through += warp_pairs[w];
+        slots_through += warp_slots[w];
     }
     if (tid == LIST_THREADS - 1) {
-        lists[0] = scan_slots[tid];            // slots used (the bad-id pseudo expert E is the last, if any)
+        lists[0] = slots_through;              // slots used (the bad-id pseudo expert E is the last, if any)
         lists[3] = 0;
     }
-    int slot = scan_slots[tid] - my_slots;      // exclusive prefixes: this thread's first slot
-    int position = scan_pairs[tid] - my_pairs;  // and its first position in sorted_pairs
+    int slot = slots_through - my_slots;       // exclusive prefixes: this thread's first slot
+    int position = pairs_through - my_pairs;   // and its first position in sorted_pairs
     #pragma unroll
     for (int j = 0; j < LIST_PER; ++j) {
         const int e = e_first + j;
@@ -184,9 +199,8 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
     }
     __syncthreads();
 
-    // 3) scatter (rank_of was written by warp 0 of this block before the __syncthreads: visible)
-    for (int p = tid; p < pairs; p += LIST_THREADS)
-        sorted[running[expert_key(ld_dep(topk_ids + p), experts)] + rank_of[p]] = p;
+    // 3) scatter
+    for (int p = tid; p < pairs; p += LIST_THREADS) sorted[running[key_of[p]] + rank_of[p]] = p;
 }
 
 // Register caps: __maxnreg__(N) (CUDA >= 12.4). With only __launch_bounds__(threads) ptxas picks ~64
@@ -856,35 +870,9 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
 
 #if DB_MMA
 // ------------------------------------------------------------------------------------------------
-// Split of the tensor-core down's work: the block's warps form DB_WARPS / split groups of `split` warps; group
-// j takes list slots j, j + groups, ... and warp i of a group the i-th of `split` contiguous ranges of each
-// slot's 32-wide k blocks. split 1: a warp takes whole experts -- with 50 active experts on 16 warps two warps
-// run a fourth expert alone while the other 14 idle (qwen3-30b T=8). DB_SPLIT 0: chosen here from the slots
-// used (the same in every block, fixed for a given routing): the power of two dividing DB_WARPS, at most the
-// k blocks, whose busiest warp runs the fewest rounds of DB_UNROLL k blocks (ties: the smaller split).
-// ------------------------------------------------------------------------------------------------
-__device__ __forceinline__ int down_split(int used, int kblocks) {
-#if DB_SPLIT > 0
-    (void)used; (void)kblocks;
-    return DB_SPLIT;
-#else
-    int best = 1, best_rounds = 0x7fffffff;
-    for (int split = 1; split <= DB_WARPS && split <= kblocks && DB_WARPS % split == 0; split *= 2) {
-        const int groups = DB_WARPS / split;
-        const int slots_per_warp = (used + groups - 1) / groups;
-        const int rounds_per_slot = ((kblocks + split - 1) / split + DB_UNROLL - 1) / DB_UNROLL;
-        if (slots_per_warp * rounds_per_slot < best_rounds) {
-            best = split;
-            best_rounds = slots_per_warp * rounds_per_slot;
-        }
-    }
-    return best;
-#endif
-}
-
-// ------------------------------------------------------------------------------------------------
-// moe_down_mma: block b owns hidden columns h0 .. h0+15 (h0 = 16 b) for ALL tokens; its warp groups take the
-//   list slots round-robin, each warp of a group one range of the slot's k (down_split). A = w2[e, h0 .. h0+15,
+// moe_down_mma: block b owns hidden columns h0 .. h0+15 (h0 = 16 b) for ALL tokens; its DB_WARPS / DB_SPLIT
+//   groups of DB_SPLIT warps take the list slots round-robin, warp i of a group the i-th of DB_SPLIT contiguous
+//   ranges of the slot's 32-wide k blocks (DB_SPLIT 1: a warp takes whole experts). A = w2[e, h0 .. h0+15,
 //   k range], B column g = the intermediate row of pair g of the tile (same k range); lane (g, q) ends with
 //   columns h0+g and h0+g+8 of pairs 2q, 2q+1. Each lane then adds its pairs times their routing weights into
 //   the warp's shared partial[w][t][16]: all at once when the 8-pair block's tokens are distinct, else ONE pair
@@ -915,10 +903,10 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
     const int chunks = inter / 8;                                    // 16-byte chunks (I % 8 == 0)
     const int used = __ldg(lists);
     const int kblocks = (chunks + 3) / 4;                            // 32-wide k blocks
-    const int split = down_split(used, kblocks);
-    const int groups = DB_WARPS / split, group = warp / split, part = warp - group * split;
-    const int c_begin = 4 * (part * kblocks / split);                // this warp's k range, in chunks
-    const int c_end = min(4 * ((part + 1) * kblocks / split), chunks);
+    constexpr int groups = DB_WARPS / DB_SPLIT;
+    const int group = warp / DB_SPLIT, part = warp - group * DB_SPLIT;
+    const int c_begin = DB_SPLIT == 1 ? 0 : 4 * (part * kblocks / DB_SPLIT);          // this warp's k range,
+    const int c_end = DB_SPLIT == 1 ? chunks : min(4 * ((part + 1) * kblocks / DB_SPLIT), chunks);  // in chunks
     const int h_lo = min(h0 + g, hidden - 1), h_hi = min(h0 + g + 8, hidden - 1);   // past the end: last row
     bool waited = false;
     for (int a = group; a < used; a += groups) {

@@ -119,6 +119,8 @@ def test_resolve_params_validates() -> None:
         wdb.resolve_params(dims, LIST_THREADS=100)
     with pytest.raises(ValueError, match="list kernel"):
         wdb.resolve_params(Dims(1, 8, 8, 1000, 1), LIST_THREADS=64, LIST_PER=2)
+    with pytest.raises(ValueError, match="two per pair"):  # 32000 pairs: 256 KB of list-kernel shared memory
+        wdb.resolve_params(Dims(800, 64, 32, 48, 40))
     with pytest.raises(ValueError, match="shared memory"):
         wdb.resolve_params(Dims(4096, 2048, 768, 128, 8))
     with pytest.raises(ValueError, match="DB_EARLY_INTER"):
@@ -136,11 +138,11 @@ def test_resolve_params_validates() -> None:
     with pytest.raises(ValueError, match="DB_SPLIT 3 must divide DB_WARPS 16"):
         wdb.resolve_params(dims, DB_MMA=1, DB_SPLIT=3)
     with pytest.raises(ValueError, match="DB_SPLIT"):
-        wdb.resolve_params(dims, DB_MMA=1, DB_SPLIT=33)
+        wdb.resolve_params(dims, DB_MMA=1, DB_SPLIT=0)
     assert wdb.resolve_params(dims, DB_MMA=1, DB_SPLIT=4)["DB_SPLIT"] == 4
     assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=80)["DB_MAX_REGS"] == 80
     resolved = wdb.resolve_params(dims)
-    switches = ("MAX_REGS", "PIPE", "MMA", "PDL", "EARLY_W2", "SPLIT")  # 0 is a meaningful value for these
+    switches = ("MAX_REGS", "PIPE", "MMA", "PDL", "EARLY_W2")  # 0 is a meaningful value for these
     assert set(resolved) == set(wdb.DEFAULTS)
     assert all(v > 0 for k, v in resolved.items() if not any(s in k for s in switches))
 
@@ -157,25 +159,19 @@ def test_auto_knobs() -> None:
     assert wdb.resolve_params(Dims(32, 2048, 768, 128, 8))["GB_UNROLL"] == 2  # tile 4
     assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8))["GB_UNROLL"] == 4  # tile 8
     assert wdb.slots(Dims(2, 8, 8, 128, 8)) == 17 and wdb.slots(Dims(64, 8, 8, 128, 8)) == 129
-    assert wdb.lists_size(Dims(2, 8, 8, 128, 8)) == 4 + 3 * 17 + 2 * 16
+    assert wdb.lists_size(Dims(2, 8, 8, 128, 8)) == 4 + 3 * 17 + 16
+    assert wdb.lists_shared_bytes(Dims(2, 8, 8, 128, 8)) == (129 + 2 * 16) * 4
     assert wdb.max_tokens() == 227 * 1024 // (8 * 4 * 4)  # the down kernel opts into 227 KB above 48 KB
     assert wdb.max_tokens(GB_MMA=1, DB_MMA=1) == 227 * 1024 // (16 * 16 * 4)  # auto DB_WARPS: 16 with DB_MMA
     assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8), DB_MMA=1)["DB_WARPS"] == wdb.MMA_DOWN_WARPS
+    wide = wdb.resolve_params(Dims(32, 2048, 768, 128, 8), **wdb.MMA_KNOBS)  # from T = 32: 24 warps, launch bounds
+    assert (wide["DB_WARPS"], wide["DB_MAX_REGS"]) == (wdb.MMA_WIDE_DOWN_WARPS, 0)
+    assert wdb.resolve_params(Dims(32, 2048, 768, 128, 8), **wdb.MMA_KNOBS, DB_MAX_REGS=80)["DB_WARPS"] == 24
+    assert wdb.resolve_params(Dims(32, 2048, 768, 128, 8), **wdb.MMA_KNOBS, DB_MAX_REGS=96)["DB_WARPS"] == 16
+    assert wdb.resolve_params(Dims(200, 2048, 768, 128, 8), **wdb.MMA_KNOBS)["DB_WARPS"] == 16  # partials: 307 KB
+    assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8), **wdb.MMA_KNOBS, DB_SPLIT=16)["DB_WARPS"] == 16
+    assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8))["DB_WARPS"] == 8  # the FMA down
     assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8), DB_MMA=1, DB_WARPS=4)["DB_WARPS"] == 4
-
-
-def test_down_split_rule() -> None:
-    """The tensor-core down's warps per list slot (the device's rule, mirrored): the busiest warp's rounds."""
-    qwen30 = Dims(8, 2048, 768, 128, 8)  # 24 k blocks of 32: 6 rounds of DB_UNROLL 4 per slot at split 1
-    mma = wdb.resolve_params(qwen30, **wdb.MMA_KNOBS)
-    assert (mma["DB_WARPS"], mma["DB_UNROLL"], mma["DB_SPLIT"]) == (16, 4, 0)
-    assert wdb.down_split(50, qwen30, mma) == 2  # 4 slots x 6 rounds (2 warps alone) vs 7 x 3
-    assert wdb.down_split(126, qwen30, mma) == 1  # 8 x 6 = 48 vs 16 x 3 = 48: the tie keeps 1
-    assert wdb.down_split(3, qwen30, mma) == 4  # 1 slot x 2 rounds; split 8: 2 groups -> 2 slots x 1 round (tie)
-    assert wdb.down_split(1, qwen30, mma) == 8  # 1 slot x 1 round (3 of its 24 k blocks per warp)
-    assert wdb.down_split(50, qwen30, {**mma, "DB_SPLIT": 8}) == 8  # a fixed split is taken as given
-    tiny = Dims(2, 16, 8, 4, 2)  # one k block: never split
-    assert wdb.down_split(3, tiny, wdb.resolve_params(tiny, **wdb.MMA_KNOBS)) == 1
 
 
 def test_source_and_variant_are_registered() -> None:
@@ -327,7 +323,8 @@ int main(int argc, char** argv) {
     std::vector<uint32_t> out((size_t)T * H, 0x7fc07fc0u);  // NaN poison in either view
     // the larger of the list kernel's and the down kernel's (partials + DB_PIPE's staged lists) dynamic shared memory
     const size_t down_shared = (size_t)DB_WARPS * T * (DB_OUTS + 16) + 3 * slots + (size_t)T * K;  // (DB_MMA: 16)
-    std::vector<float> shared(std::max(down_shared, (size_t)E + 1), __uint_as_float(0x7fc00000u));
+    const size_t lists_shared = (size_t)E + 1 + 2 * (size_t)T * K;  // running, key_of, rank_of
+    std::vector<float> shared(std::max(down_shared, lists_shared), __uint_as_float(0x7fc00000u));
     wdb_dynamic_shared = shared.data();
     launch(1, LIST_THREADS, [&] { moe_expert_lists(ids.data(), T * K, E, slots, lists.data()); });
 #if GB_MMA
@@ -481,23 +478,6 @@ EMULATED += [
     (PIPE_SHAPE, 7, "uniform", {"DB_MMA": 1, "DB_WARPS": 4, "DB_SPLIT": 4, "DB_UNROLL": 2, "DB_EARLY_W2": 1,
                                 "LIST_THREADS": 32, "LIST_PER": 0}, False),
 ]
-
-
-def test_auto_down_split_is_the_documented_rule_on_cpu(rng: np.random.Generator) -> None:
-    """DB_SPLIT 0 picks on the device what wdb.down_split says (here 2 warps per slot: 3 slots on 8 warps),
-    bitwise the fixed split; the output within the tensor-core rule of the reference."""
-    problem = make_problem(PIPE_SHAPE, 12, seed=_seed(rng), routing="same")
-    dims = _dims(problem)
-    knobs = {"GB_MMA": 1, "DB_MMA": 1, "DB_WARPS": 8, "DB_UNROLL": 1, "DB_NBLK": 2, "LIST_THREADS": 32, "LIST_PER": 0}
-    used = len(np.unique(problem.topk_ids))
-    want = wdb.down_split(used, dims, wdb.resolve_params(dims, **knobs))
-    assert (used, want) == (3, 2)
-    auto = _emulate(problem, **knobs)["out"]
-    fixed = _emulate(problem, **knobs, DB_SPLIT=want)["out"]
-    assert np.array_equal(auto.view(np.uint16), fixed.view(np.uint16))
-    faithful = moe_decode(*problem.arrays, mode="warp_decode")
-    oracle = moe_decode(*problem.arrays, mode="fp64")
-    _assert_matches(auto, faithful, oracle, "emulated auto DB_SPLIT", own_order=True)
 
 
 def test_pipelined_loops_are_bitwise_the_plain_ones_on_cpu(rng: np.random.Generator) -> None:
