@@ -226,10 +226,11 @@ def lists_size(dims: Dims) -> int:
     return LIST_HEADER + 3 * slots(dims) + dims.tokens * dims.top_k
 
 
-def lists_shared_bytes(dims: Dims) -> int:
-    """Dynamic shared memory of the list kernel: one int per expert (+1 for bad ids), two per pair (its expert
-    and its rank)."""
-    return (dims.experts + 1 + 2 * dims.tokens * dims.top_k) * 4
+def lists_shared_bytes(dims: Dims, params: dict[str, int]) -> int:
+    """Dynamic shared memory of the list kernel: one int per expert (+1 for bad ids) and per warp's count table
+    of them, two per pair (its expert and its rank)."""
+    warps = params["LIST_THREADS"] // 32
+    return ((dims.experts + 1) * (1 + warps) + 2 * dims.tokens * dims.top_k) * 4
 
 
 def down_columns(params: dict[str, int]) -> int:
@@ -309,10 +310,11 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
     if values["LIST_PER"] > LIMITS["LIST_PER"][1]:
         raise ValueError(f"E = {dims.experts} needs LIST_PER > 16 at LIST_THREADS {values['LIST_THREADS']}: "
                          "raise LIST_THREADS (<= 1024)")
-    if lists_shared_bytes(dims) > OPT_IN_SHARED_LIMIT:
+    if lists_shared_bytes(dims, values) > OPT_IN_SHARED_LIMIT:
         raise ValueError(
-            f"the list kernel keeps one int per expert and two per pair in shared memory: E = {dims.experts} and "
-            f"T * K = {dims.tokens * dims.top_k} need {lists_shared_bytes(dims)} bytes > {OPT_IN_SHARED_LIMIT}")
+            f"the list kernel keeps (1 + LIST_THREADS / 32) ints per expert and two per pair in shared memory: "
+            f"E = {dims.experts} and T * K = {dims.tokens * dims.top_k} need {lists_shared_bytes(dims, values)} "
+            f"bytes > {OPT_IN_SHARED_LIMIT}")
     if values["GB_TILE"] == 0:
         values["GB_TILE"] = auto_tile(dims)
     if values["GB_UNROLL"] == 0:  # the sweep: 2 rounds with 4-pair tiles (3 % at qwen3-235b T=16), else 4
@@ -429,7 +431,7 @@ def _stage_list(kernels: tuple[Any, Any, Any], params: dict[str, int], ws: Works
     out_f32 = i32(1 if out.dtype == np.float32 else 0)
 
     programmatic = bool(params["PDL"])
-    lists_shared = lists_shared_bytes(d)
+    lists_shared = lists_shared_bytes(d, params)
     down_shared = down_shared_bytes(d, params)
     for kernel, shared in ((lists_k, lists_shared), (down_k, down_shared)):
         if shared > SHARED_LIMIT and kernel.max_dynamic_shared_size_bytes < shared:  # opt in above 48 KB, once

@@ -71,15 +71,20 @@ __device__ __forceinline__ const int* sorted_pairs(const int* lists, int slots) 
 
 // ------------------------------------------------------------------------------------------------
 // moe_expert_lists: ONE block of LIST_THREADS threads; "expert" E stands for every out-of-range id. Everything
-// between the PDL wait and the scatter stays in shared memory: running[E + 1], key_of[T*K], rank_of[T*K].
+// between the PDL wait and the scatter stays in shared memory: running[E + 1], key_of[T*K], rank_of[T*K] and one
+// count table [E + 1] per warp.
 //   0) all threads load the ids (8 per thread in flight: one memory latency for T*K <= 8 * LIST_THREADS)
-//   1) warp 0 walks the pairs 32 at a time, in pair order: lanes holding the same expert find each other
-//      (__match_any_sync); a pair's rank = its expert's pairs seen so far (running[e]) + the lanes of its
-//      group below it; the group's lowest lane then bumps running[e]. Deterministic, no atomics, T*K/32 steps.
+//   1) warp w ranks its own contiguous range of pairs (whole chunks of 32, in pair order; the warps at once):
+//      lanes holding the same expert find each other (__match_any_sync); a pair's rank in the range = its
+//      expert's pairs seen so far in the warp's table + the lanes of its group below it; the group's lowest
+//      lane then bumps the table. Then thread j, for its experts, turns the warps' tables into exclusive
+//      prefixes over the warps (pairs of that expert in the ranges before) and running[e] into the total.
+//      Deterministic, no atomics, ceil(T*K / LIST_THREADS) match steps per warp.
 //   2) thread j owns experts j*LIST_PER .. j*LIST_PER+LIST_PER-1: a scan of (pairs, active experts) over the
 //      threads (shuffles inside a warp, then the warps' totals) gives each expert its slot and first position;
 //      the slot arrays are written and running[e] becomes expert e's first position.
-//   3) every pair p goes to sorted_pairs[first[e] + rank_of[p]]: grouped by expert, ascending p inside.
+//   3) every pair p goes to sorted_pairs[first[e] + (pairs of e in the ranges before p's) + rank_of[p]]: grouped
+//      by expert, ascending p inside.
 // ------------------------------------------------------------------------------------------------
 __device__ __forceinline__ int expert_key(int id, int experts) {
     return (unsigned)id >= (unsigned)experts ? experts : id;      // every bad id -> the pseudo expert E
@@ -108,6 +113,7 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
     int* key_of = running + experts + 1;                             // [T*K]
     int* rank_of = key_of + pairs;                                   // [T*K]
     constexpr int WARPS = LIST_THREADS / 32;
+    int* warp_counts = rank_of + pairs;                              // [WARPS][E + 1]
     __shared__ int warp_pairs[WARPS];
     __shared__ int warp_slots[WARPS];
     const int tid = threadIdx.x;
@@ -116,7 +122,7 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
     int* offset_of = lists + LIST_HEADER + slots;
     int* count_of = lists + LIST_HEADER + 2 * slots;
     int* sorted = lists + LIST_HEADER + 3 * slots;
-    for (int e = tid; e <= experts; e += LIST_THREADS) running[e] = 0;
+    for (int e = tid; e < (experts + 1) * WARPS; e += LIST_THREADS) warp_counts[e] = 0;
     pdl_wait();     // topk_ids may come from the kernel right before (the router); lists may still be read by
     pdl_release();  // the previous layer's down: nothing is read or written earlier
 
@@ -136,21 +142,33 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
     }
     __syncthreads();
 
-    // 1) ranks, in pair order (warp 0)
-    if (tid < 32) {
-        for (int p0 = 0; p0 < pairs; p0 += 32) {
-            const int p = p0 + lane;
-            const int key = p < pairs ? key_of[p] : -1;
-            const u32 group = __match_any_sync(FULL_MASK, key);
-            const u32 below = group & ((1u << lane) - 1u);
-            const int base = p < pairs ? running[key] : 0;
-            __syncwarp();                                            // every lane has read before any update
-            if (p < pairs) {
-                rank_of[p] = base + __popc(below);
-                if (below == 0u) running[key] = base + __popc(group);
-            }
-            __syncwarp();
+    // 1) ranks inside each warp's range of pairs, then the warps' counts -> exclusive prefixes over the warps
+    const int warp = tid >> 5;
+    const int range = (pairs + 32 * WARPS - 1) / (32 * WARPS) * 32;  // pairs per warp, whole chunks of 32
+    int* counts = warp_counts + warp * (experts + 1);
+    for (int p0 = warp * range; p0 < min(pairs, (warp + 1) * range); p0 += 32) {   // warp-uniform
+        const int p = p0 + lane;
+        const int key = p < pairs ? key_of[p] : -1;
+        const u32 group = __match_any_sync(FULL_MASK, key);
+        const u32 below = group & ((1u << lane) - 1u);
+        const int base = p < pairs ? counts[key] : 0;
+        __syncwarp();                                                // every lane has read before any update
+        if (p < pairs) {
+            rank_of[p] = base + __popc(below);
+            if (below == 0u) counts[key] = base + __popc(group);
         }
+        __syncwarp();
+    }
+    __syncthreads();
+    for (int e = tid; e <= experts; e += LIST_THREADS) {
+        int total = 0;
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const int here = warp_counts[w * (experts + 1) + e];
+            warp_counts[w * (experts + 1) + e] = total;              // pairs of e in the ranges before w's
+            total += here;
+        }
+        running[e] = total;
     }
     __syncthreads();
 
@@ -200,7 +218,10 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
     __syncthreads();
 
     // 3) scatter
-    for (int p = tid; p < pairs; p += LIST_THREADS) sorted[running[key_of[p]] + rank_of[p]] = p;
+    for (int p = tid; p < pairs; p += LIST_THREADS) {
+        const int key = key_of[p];
+        sorted[running[key] + warp_counts[(p / range) * (experts + 1) + key] + rank_of[p]] = p;
+    }
 }
 
 // Register caps: __maxnreg__(N) (CUDA >= 12.4). With only __launch_bounds__(threads) ptxas picks ~64

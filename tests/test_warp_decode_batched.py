@@ -119,7 +119,7 @@ def test_resolve_params_validates() -> None:
         wdb.resolve_params(dims, LIST_THREADS=100)
     with pytest.raises(ValueError, match="list kernel"):
         wdb.resolve_params(Dims(1, 8, 8, 1000, 1), LIST_THREADS=64, LIST_PER=2)
-    with pytest.raises(ValueError, match="two per pair"):  # 32000 pairs: 256 KB of list-kernel shared memory
+    with pytest.raises(ValueError, match="two per pair"):  # 32000 pairs: > 256 KB of list-kernel shared memory
         wdb.resolve_params(Dims(800, 64, 32, 48, 40))
     with pytest.raises(ValueError, match="shared memory"):
         wdb.resolve_params(Dims(4096, 2048, 768, 128, 8))
@@ -160,7 +160,7 @@ def test_auto_knobs() -> None:
     assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8))["GB_UNROLL"] == 4  # tile 8
     assert wdb.slots(Dims(2, 8, 8, 128, 8)) == 17 and wdb.slots(Dims(64, 8, 8, 128, 8)) == 129
     assert wdb.lists_size(Dims(2, 8, 8, 128, 8)) == 4 + 3 * 17 + 16
-    assert wdb.lists_shared_bytes(Dims(2, 8, 8, 128, 8)) == (129 + 2 * 16) * 4
+    assert wdb.lists_shared_bytes(Dims(2, 8, 8, 128, 8), wdb.resolve_params()) == (129 * 9 + 2 * 16) * 4
     assert wdb.max_tokens() == 227 * 1024 // (8 * 4 * 4)  # the down kernel opts into 227 KB above 48 KB
     assert wdb.max_tokens(GB_MMA=1, DB_MMA=1) == 227 * 1024 // (16 * 16 * 4)  # auto DB_WARPS: 16 with DB_MMA
     assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8), DB_MMA=1)["DB_WARPS"] == wdb.MMA_DOWN_WARPS
@@ -323,7 +323,7 @@ int main(int argc, char** argv) {
     std::vector<uint32_t> out((size_t)T * H, 0x7fc07fc0u);  // NaN poison in either view
     // the larger of the list kernel's and the down kernel's (partials + DB_PIPE's staged lists) dynamic shared memory
     const size_t down_shared = (size_t)DB_WARPS * T * (DB_OUTS + 16) + 3 * slots + (size_t)T * K;  // (DB_MMA: 16)
-    const size_t lists_shared = (size_t)E + 1 + 2 * (size_t)T * K;  // running, key_of, rank_of
+    const size_t lists_shared = ((size_t)E + 1) * (1 + LIST_THREADS / 32) + 2 * (size_t)T * K;  // + warps' counts
     std::vector<float> shared(std::max(down_shared, lists_shared), __uint_as_float(0x7fc00000u));
     wdb_dynamic_shared = shared.data();
     launch(1, LIST_THREADS, [&] { moe_expert_lists(ids.data(), T * K, E, slots, lists.data()); });
@@ -445,6 +445,8 @@ EMULATED = [  # (shape, T, routing, knobs, also fp32 out); small: ~1 ms per warp
     ("tiny", 5, "same", {"GB_TILE": 2, "DB_TILE": 3, "GB_OUTS": 3, "DB_OUTS": 3, "DB_WARPS": 3}, False),
     ("tiny", 4, "zipf", {"DB_EARLY_INTER": 0, "DB_UNROLL": 2, "GB_UNROLL": 1}, False),
     (MoEShape("h16-i8-k40", 16, 8, 44, 40), 8, "zipf", {"LIST_THREADS": 32, "LIST_PER": 0}, False),  # 320 pairs
+    # the list kernel's warps rank 96 / 96 / 96 / 32 pairs each, hot experts spanning all four ranges
+    (MoEShape("h16-i8-k40", 16, 8, 44, 40), 8, "zipf", {"LIST_THREADS": 128, "LIST_PER": 0}, False),
     (MoEShape("h8-i8-e1-k1", 8, 8, 1, 1), 3, "uniform", {}, True),
     (MoEShape("h264-i40", 264, 40, 3, 2), 4, "zipf",
      {"GB_BYTES": 16, "GB_UNROLL": 1, "DB_BYTES": 8, "DB_OUTS": 5, "LIST_THREADS": 32, "LIST_PER": 0}, False),
