@@ -134,7 +134,7 @@ DEFAULTS: dict[str, int] = {
     "GB_UNROLL": 4,  # chunk rounds in flight per lane: 2 * OUTS * UNROLL weight loads (8 B each); auto: 2 at tile 4
     "GB_BYTES": 8,  # = strict's GU_BYTES: the intermediate is then bitwise the strict kernel's
     "GB_MAX_REGS": 128,  # __maxnreg__ cap (0: __launch_bounds__ only, which spills at some tiles)
-    "DB_WARPS": 8,  # warps per down block (split the active experts round-robin); auto: 8, or 16 with DB_MMA
+    "DB_WARPS": 4,  # warps per down block (split the active experts round-robin); auto: 4, or 16 / 24 with DB_MMA
     "DB_OUTS": 4,  # hidden columns per block: intermediate reads reused across OUTS rows
     "DB_TILE": 8,
     "DB_UNROLL": 1,  # DB_UNROLL x DB_OUTS w2 loads of DB_BYTES in flight per lane (0 = auto: auto_down_unroll)
@@ -145,13 +145,13 @@ DEFAULTS: dict[str, int] = {
     "DB_PIPE": 0,  # 1: next step's loads (across experts) issued before this step's FMAs; needs DB_EARLY_INTER 1
     "GB_MMA": 0,  # 1: gate_up on tensor cores (moe_gate_up_mma: 8 neurons x 8-pair blocks per warp, mma.sync)
     "DB_MMA": 0,  # 1: down on tensor cores (moe_down_mma: 16 hidden columns per block)
-    "GB_NBLK": 1,  # MMA: blocks of 8 pairs per pass (the A fragment shared by NBLK mma per k step)
+    "GB_NBLK": 1,  # MMA: blocks of 8 pairs per pass (the A fragment shared by NBLK mma per k step); auto: auto_nblk
     "DB_NBLK": 1,
     "PDL": 1,  # programmatic dependent launch of all three kernels (sm_90+; for_device turns it off before)
     "DB_EARLY_W2": 0,  # 1: down issues its first round of w2 loads before its PDL wait (they overlap gate_up's tail)
     "DB_SPLIT": 1,  # MMA down: warps per list slot, each a contiguous k range (1: a warp takes whole experts)
 }
-AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS")
+AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK")
 MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pdl-*.json: 7-10 % over 8 at qwen3-30b)
 # ... and from T = MMA_WIDE_DOWN_FROM on: 24 warps under launch bounds alone (768 threads -> <= 85 registers each;
 # H200, results/sweep-mma-dbwarps-*.json and sweep-split-mma24-30b.json: qwen3-30b T=32 -2.3 %, T=64 -0.9..-1.7 %,
@@ -164,7 +164,7 @@ LIMITS = {
     "GB_WARPS": (1, 32), "GB_OUTS": (1, 32), "GB_TILE": (0, 32), "GB_UNROLL": (0, 64), "GB_MAX_REGS": (0, 255),
     "DB_WARPS": (0, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (0, 255),
     "DB_EARLY_INTER": (0, 1), "GB_PIPE": (0, 1), "DB_PIPE": (0, 1),
-    "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (1, 4), "DB_NBLK": (1, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
+    "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (1, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
     "DB_SPLIT": (1, 32),
 }
 
@@ -191,6 +191,13 @@ def auto_down_tile(dims: Dims) -> int:
     return min(auto_tile(dims), 4)
 
 
+def auto_nblk(dims: Dims) -> int:
+    """The tensor-core gate_up's 8-pair blocks per pass: 2 once an expert averages 4 or more pairs (T*K/E >= 4,
+    qwen3 T >= 64), else 1. H200 sweeps at qwen3-30b T=64: 1.0-1.5 % faster in six runs (results/sweep-mma-gu-30b,
+    sweep-batched-pdl-mmagu-30b, sweep-mma-combo-30b, sweep-mma-30b-t64); at T=32 (2.3 pairs) 0.9 % slower."""
+    return 2 if dims.tokens * dims.top_k >= 4 * dims.experts else 1
+
+
 def auto_down_unroll(dims: Dims, params: dict[str, int]) -> int:
     """Rounds of w2 loads in flight: 2 when the tile leaves room (<= 4 pairs) and the row splits into whole
     rounds of 2 (no half-masked last round: qwen3-235b, I = 1536, 192 chunks of 16 B); else 1 (qwen3-30b,
@@ -200,7 +207,9 @@ def auto_down_unroll(dims: Dims, params: dict[str, int]) -> int:
 
 
 def auto_down_warps(dims: Dims | None, params: dict[str, int]) -> int:
-    """Warps per down block: 8 (FMA down); with DB_MMA :data:`MMA_DOWN_WARPS`, or from T =
+    """Warps per down block: 4 (FMA down; H200: 2.3 % faster than 8 at qwen3-235b T=4,
+    results/sweep-batched-235b-t4.json, and 0-3 % at qwen3-30b T=8..64, sweep-batched-db-30b.json); with DB_MMA
+    :data:`MMA_DOWN_WARPS`, or from T =
     :data:`MMA_WIDE_DOWN_FROM` on :data:`MMA_WIDE_DOWN_WARPS` when their partials fit the shared memory and the
     register cap allows 768 threads (the default cap of 128 then gives way to launch bounds alone) and DB_SPLIT
     divides them."""
@@ -323,6 +332,8 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
         values["DB_TILE"] = auto_down_tile(dims)
     if values["DB_UNROLL"] == 0:
         values["DB_UNROLL"] = MMA_UNROLL if values["DB_MMA"] else auto_down_unroll(dims, values)
+    if values["GB_NBLK"] == 0:
+        values["GB_NBLK"] = auto_nblk(dims)
     shared = down_shared_bytes(dims, values)
     if shared > OPT_IN_SHARED_LIMIT:
         raise ValueError(

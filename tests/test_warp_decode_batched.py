@@ -161,7 +161,7 @@ def test_auto_knobs() -> None:
     assert wdb.slots(Dims(2, 8, 8, 128, 8)) == 17 and wdb.slots(Dims(64, 8, 8, 128, 8)) == 129
     assert wdb.lists_size(Dims(2, 8, 8, 128, 8)) == 4 + 3 * 17 + 16
     assert wdb.lists_shared_bytes(Dims(2, 8, 8, 128, 8), wdb.resolve_params()) == (129 * 9 + 2 * 16) * 4
-    assert wdb.max_tokens() == 227 * 1024 // (8 * 4 * 4)  # the down kernel opts into 227 KB above 48 KB
+    assert wdb.max_tokens() == 227 * 1024 // (4 * 4 * 4)  # the down kernel opts into 227 KB above 48 KB
     assert wdb.max_tokens(GB_MMA=1, DB_MMA=1) == 227 * 1024 // (16 * 16 * 4)  # auto DB_WARPS: 16 with DB_MMA
     assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8), DB_MMA=1)["DB_WARPS"] == wdb.MMA_DOWN_WARPS
     wide = wdb.resolve_params(Dims(32, 2048, 768, 128, 8), **wdb.MMA_KNOBS)  # from T = 32: 24 warps, launch bounds
@@ -170,7 +170,9 @@ def test_auto_knobs() -> None:
     assert wdb.resolve_params(Dims(32, 2048, 768, 128, 8), **wdb.MMA_KNOBS, DB_MAX_REGS=96)["DB_WARPS"] == 16
     assert wdb.resolve_params(Dims(200, 2048, 768, 128, 8), **wdb.MMA_KNOBS)["DB_WARPS"] == 16  # partials: 307 KB
     assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8), **wdb.MMA_KNOBS, DB_SPLIT=16)["DB_WARPS"] == 16
-    assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8))["DB_WARPS"] == 8  # the FMA down
+    assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8))["DB_WARPS"] == 4  # the FMA down
+    assert [wdb.resolve_params(Dims(t, 2048, 768, 128, 8), GB_MMA=1)["GB_NBLK"] for t in (32, 64)] == [1, 2]
+    assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8), GB_MMA=1, GB_NBLK=1)["GB_NBLK"] == 1
     assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8), DB_MMA=1, DB_WARPS=4)["DB_WARPS"] == 4
 
 
