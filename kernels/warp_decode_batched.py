@@ -530,6 +530,8 @@ def build(dims: Dims, **params: Any) -> Any:
     return launch
 
 
+build.resolve = resolve_params  # type: ignore[attr-defined]  # tools.sweep reports the registers of what runs
+
 VARIANT = register(
     Variant(
         name="cupy:warp-decode-batched",

@@ -220,6 +220,18 @@ def test_sweep_grid_parsing():
             sweep.parse_grid(bad)
 
 
+def test_sweep_compile_columns_report_what_runs():
+    """Auto knobs are resolved for the sweep's dims, and a resolved 0 is compiled as 0: the tensor-core down at
+    T = 64 runs 24 warps under launch bounds alone (DB_MAX_REGS 0), so it must fit 85 registers."""
+    import kernels.warp_decode_batched as wdb
+    from kernels.contract import Dims
+
+    columns = sweep.compile_columns(wdb.MMA_VARIANT, dict(wdb.MMA_VARIANT.params), Dims(64, 2048, 768, 128, 8))
+    assert columns["compile"] == "ok", columns
+    assert columns["registers_per_kernel"]["moe_down_mma"] <= 65536 // (24 * 32)
+    assert columns["spills"] == 0 and columns["occupancy"] > 0
+
+
 def test_sweep_cli_errors():
     result = _run("-m", "tools.sweep", "no:such-variant", "--batch", "1")
     assert result.returncode == 2 and "unknown variant 'no:such-variant'" in result.stderr

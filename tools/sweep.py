@@ -100,13 +100,15 @@ def compile_columns(variant: Any, params: dict[str, Any], dims: Any = None) -> d
     from kernels.compile import offline_report
 
     resolve = getattr(variant.build, "resolve", None)
-    if resolve is not None and dims is not None:
+    resolved = resolve is not None and dims is not None
+    if resolved:
         try:
             params = {**params, **resolve(dims, **{k: v for k, v in params.items() if k in source.defaults})}
         except (TypeError, ValueError) as exc:
             return {"compile": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    # once resolved a 0 is a value (e.g. DB_MAX_REGS 0: launch bounds only), not "auto"
     defines = {k: int(v) for k, v in params.items()
-               if k in source.defaults and not (int(v) == 0 and source.defaults[k] != 0)}
+               if k in source.defaults and (resolved or not (int(v) == 0 and source.defaults[k] != 0))}
     try:
         reports = offline_report(source, **defines)
     except Exception as exc:  # noqa: BLE001
