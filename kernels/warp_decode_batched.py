@@ -5,8 +5,10 @@ routed to n tokens has its weights streamed n times. Here the work is grouped by
 
 1. ``expert_lists`` (``moe_expert_lists``, one block): from ``topk_ids`` the batch's active experts in
    ascending id, each one's offset / count into a pair list sorted by expert (pair = t*K + k, stable by pair
-   index), and the number of list slots used. Deterministic (one warp ranks the pairs in pair order with
-   __match_any_sync), no atomics. Out-of-range ids go to one extra pseudo-expert slot (E) whose pairs get NaN.
+   index), and the number of list slots used. Deterministic (each warp ranks its own range of pairs in pair
+   order with __match_any_sync, then exclusive prefixes over the warps), no atomics, everything between the
+   wait and the scatter in shared memory. Out-of-range ids go to one extra pseudo-expert slot (E) whose pairs
+   get NaN.
 2. ``gate_up`` (``moe_gate_up_batched``): one warp per (active expert, GB_OUTS neurons) for ALL pairs of the
    expert: the gate/up row chunks are loaded once per round into registers, then each pair's x chunks
    (L1 hits: the block's warps share the expert's x rows), FP32 accumulators [GB_TILE][GB_OUTS] per lane,
@@ -45,8 +47,9 @@ Traffic per layer (bf16; n = pairs per active expert; L2 = bytes served by L1/L2
 * down: HBM = active * H*I*2 B. Each block reads the intermediate row of every pair once per DB_OUTS
   columns: intermediate bytes / weight bytes = n / DB_OUTS (qwen3-30b T=64, DB_OUTS 4: ~1x = 400 MB of
   L1/L2 reads; the intermediate itself, T*K*I*2 = 786 KB, stays L2-resident).
-* expert_lists: a few KB; one block: T*K/32 warp steps (__match_any_sync ranks), a block scan over the
-  experts, one scatter -- ~2-3 us, mostly launch and the scan's __syncthreads.
+* expert_lists: a few KB; one block: one load latency for the ids, T*K/LIST_THREADS match steps per warp
+  (~240 ns each on the H200), a shuffle scan over the experts, one scatter -- 1.5-2.3 us standalone at T = 1..64
+  (session 5; 1.9-5.6 us when warp 0 ranked all pairs and the ranks went through global memory).
 
 Predictions (H200; streaming-read roofline 4.5 TB/s on unique weight bytes; uniform routing, so
 E[active] = E * (1 - (1 - K/E)**T); gate_up moves 2/3 of the bytes, down 1/3; expert_lists ~2-3 us and each
@@ -62,11 +65,11 @@ kernel boundary ~1-2 us of ramp-up / tail on top):
                                      8    51.6   1.95 GB    288.7     144.3    433.0     ~460 us (94 %)
                                     64   125.9   4.75 GB    704.3     352.2   1056.5     ~1.11 ms (95 %)
 
-Occupancy of the defaults (sm_90, offline report): gate_up 72-124 registers (GB_TILE 1-8) -> 16-24 warps
-per SM, 2*GB_OUTS*GB_UNROLL = 16 loads of 8 B = 128 B in flight per lane (64-96 KB per SM); down 93-126
-registers x 8 warps -> 16 warps per SM with 128 B (DB_TILE <= 4) or 64 B (DB_TILE 8) of w2 in flight per
-lane plus the tile's intermediate chunks (DB_EARLY_INTER). The risk is down at T >= 32 (32 KB of w2 per SM
-in flight): DB_OUTS / DB_UNROLL / DB_WARPS are in the sweep grid.
+Occupancy of the defaults (sm_90, offline report; session 3, when the FMA down ran 8 warps per block): gate_up
+72-124 registers (GB_TILE 1-8) -> 16-24 warps per SM, 2*GB_OUTS*GB_UNROLL = 16 loads of 8 B = 128 B in flight
+per lane (64-96 KB per SM); down 93-126 registers x 8 warps -> 16 warps per SM with 128 B (DB_TILE <= 4) or
+64 B (DB_TILE 8) of w2 in flight per lane plus the tile's intermediate chunks (DB_EARLY_INTER). The risk is down
+at T >= 32 (32 KB of w2 per SM in flight): DB_OUTS / DB_UNROLL / DB_WARPS are in the sweep grid.
 
 Knobs (:data:`DEFAULTS`; 0 = chosen from the dims by :func:`resolve_params`): LIST_THREADS, LIST_PER;
 GB_WARPS / GB_OUTS / GB_TILE / GB_UNROLL / GB_BYTES / GB_MAX_REGS / GB_PIPE for gate_up; DB_* likewise for
@@ -96,6 +99,22 @@ results/h200-2026-12-01-pdl-uniform.json):
   results/sweep-mma-dbwarps-*.json: -2.3 / -1.7 % at qwen3-30b T = 32 / 64, +1.3 % at qwen3-235b T = 16;
   not re-benched); and DB_WARPS 16 with DB_MAX_REGS 0 or 80 is 1-16 % SLOWER than at the 128 cap -- the
   register allocation moves the loads, so check the SASS before trusting a register knob.
+
+Session 5 (H200, 2026-12-01 04:13-04:48 UTC; results/sweep-split-*.json, sweep-*-t4.json, sweep-mma-30b-t64.json,
+the bench run results/h200-2026-12-01-s5-final-uniform.json):
+
+* The list kernel in shared memory with warp-parallel ranks (above).
+* Auto DB_WARPS: the tensor-core down runs 24 warps from T = 32 (:func:`auto_down_warps`), the FMA down 4 (from
+  8); the tensor-core gate_up takes 2 blocks of 8 pairs per pass once experts average 4 pairs
+  (:func:`auto_nblk`). With them: qwen3-235b T = 4 / 8 236.6 / 455.8 -> 227.9 / 441.9 us (batched), qwen3-30b
+  T = 32 / 64 268.8 / 301.6 -> 260.8 / 289.6 us (MMA); under Zipf the MMA path's deficit to the expert-centric
+  one at T = 64 fell from 30 / 21 % to 8 / 4 % (qwen3-30b / 235b).
+* ``DB_SPLIT`` (tensor-core down: a list slot's k range split over a group of warps, so that e.g. 50 experts
+  on 16 warps do not leave two warps running a fourth expert alone): measured 1..8 at both models, T = 4..64.
+  No gain at the best paths (+-1 %; split 4 is 4 % faster for the mixed path at qwen3-235b T = 8, where the
+  FMA path is faster still; 2-12 % slower at larger splits): a warp's per-slot start costs about what the
+  balance saves. A version that picked the split on the device from the slots used was 1-3 % slower than the
+  same split fixed, and was dropped; the knob stays, 1 by default (bitwise the unsplit kernel, same SASS).
 
 Measured and left off (H200, results/sweep-batched-*.json): GB_PIPE / DB_PIPE, software pipelining that
 keeps the next round's (down: the next step's, across experts) loads in flight during this round's FMAs.
