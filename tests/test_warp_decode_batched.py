@@ -105,40 +105,36 @@ def test_bad_inputs_raise_before_any_device_call(name: str, replacement: Any, er
         _call(**arrays)
 
 
-def test_resolve_params_validates() -> None:
-    dims = Dims(8, 2048, 768, 128, 8)
-    with pytest.raises(ValueError, match="unknown"):
-        wdb.resolve_params(dims, GU_OUTS=2)
-    with pytest.raises(TypeError, match="GB_OUTS"):
-        wdb.resolve_params(dims, GB_OUTS=2.0)
-    with pytest.raises(ValueError, match="GB_BYTES"):
-        wdb.resolve_params(dims, GB_BYTES=12)
-    with pytest.raises(ValueError, match="DB_WARPS"):
-        wdb.resolve_params(dims, DB_WARPS=33)
-    with pytest.raises(ValueError, match="LIST_THREADS"):
-        wdb.resolve_params(dims, LIST_THREADS=100)
-    with pytest.raises(ValueError, match="list kernel"):
-        wdb.resolve_params(Dims(1, 8, 8, 1000, 1), LIST_THREADS=64, LIST_PER=2)
-    with pytest.raises(ValueError, match="two per pair"):  # 32000 pairs: > 256 KB of list-kernel shared memory
-        wdb.resolve_params(Dims(800, 64, 32, 48, 40))
-    with pytest.raises(ValueError, match="shared memory"):
-        wdb.resolve_params(Dims(4096, 2048, 768, 128, 8))
-    with pytest.raises(ValueError, match="DB_EARLY_INTER"):
-        wdb.resolve_params(dims, DB_PIPE=1, DB_EARLY_INTER=0)
-    with pytest.raises(ValueError, match="DB_EARLY_W2"):
-        wdb.resolve_params(dims, DB_EARLY_W2=1)
+QWEN30_T8 = Dims(8, 2048, 768, 128, 8)
+BAD_KNOBS = [  # (dims, knobs, error, message)
+    (QWEN30_T8, {"GU_OUTS": 2}, ValueError, "unknown"),
+    (QWEN30_T8, {"GB_OUTS": 2.0}, TypeError, "GB_OUTS"),
+    (QWEN30_T8, {"GB_BYTES": 12}, ValueError, "GB_BYTES"),
+    (QWEN30_T8, {"DB_WARPS": 33}, ValueError, "DB_WARPS"),
+    (QWEN30_T8, {"LIST_THREADS": 100}, ValueError, "LIST_THREADS"),
+    (Dims(1, 8, 8, 1000, 1), {"LIST_THREADS": 64, "LIST_PER": 2}, ValueError, "list kernel"),
+    (Dims(800, 64, 32, 48, 40), {}, ValueError, "two per pair"),  # 32000 pairs: > 256 KB of list-kernel shared memory
+    (Dims(4096, 2048, 768, 128, 8), {}, ValueError, "shared memory"),
+    (QWEN30_T8, {"DB_PIPE": 1, "DB_EARLY_INTER": 0}, ValueError, "DB_EARLY_INTER"),
+    (QWEN30_T8, {"DB_EARLY_W2": 1}, ValueError, "DB_EARLY_W2"),
     # 24 warps x 128 registers: the H200 answered CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (results/sweep-mma-dbwarps-*)
-    with pytest.raises(ValueError, match="DB_WARPS 24 x 32 threads x DB_MAX_REGS 128"):
-        wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24)
-    with pytest.raises(ValueError, match="GB_MAX_REGS"):
-        wdb.resolve_params(dims, GB_WARPS=32, GB_MAX_REGS=72)
+    (QWEN30_T8, {"DB_MMA": 1, "DB_WARPS": 24}, ValueError, "DB_WARPS 24 x 32 threads x DB_MAX_REGS 128"),
+    (QWEN30_T8, {"GB_WARPS": 32, "GB_MAX_REGS": 72}, ValueError, "GB_MAX_REGS"),
+    (QWEN30_T8, {"DB_SPLIT": 2}, ValueError, "DB_SPLIT > 1 needs DB_MMA 1"),
+    (QWEN30_T8, {"DB_MMA": 1, "DB_SPLIT": 3}, ValueError, "DB_SPLIT 3 must divide DB_WARPS 16"),
+    (QWEN30_T8, {"DB_MMA": 1, "DB_SPLIT": 0}, ValueError, "DB_SPLIT"),
+]
+
+
+@pytest.mark.parametrize(("dims", "knobs", "error", "match"), BAD_KNOBS, ids=lambda c: str(c)[:40])
+def test_resolve_params_refuses(dims: Dims, knobs: dict[str, Any], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        wdb.resolve_params(dims, **knobs)
+
+
+def test_resolve_params_validates() -> None:
+    dims = QWEN30_T8
     assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=0)["DB_WARPS"] == 24
-    with pytest.raises(ValueError, match="DB_SPLIT > 1 needs DB_MMA 1"):
-        wdb.resolve_params(dims, DB_SPLIT=2)
-    with pytest.raises(ValueError, match="DB_SPLIT 3 must divide DB_WARPS 16"):
-        wdb.resolve_params(dims, DB_MMA=1, DB_SPLIT=3)
-    with pytest.raises(ValueError, match="DB_SPLIT"):
-        wdb.resolve_params(dims, DB_MMA=1, DB_SPLIT=0)
     assert wdb.resolve_params(dims, DB_MMA=1, DB_SPLIT=4)["DB_SPLIT"] == 4
     assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=80)["DB_MAX_REGS"] == 80
     resolved = wdb.resolve_params(dims)
