@@ -225,6 +225,11 @@ def auto_down_unroll(dims: Dims, params: dict[str, int]) -> int:
     return 2 if params["DB_TILE"] <= 4 and chunks % (32 * 2) == 0 else 1
 
 
+def block_registers(warps: int, cap: int) -> int:
+    """Registers a block of ``warps`` warps takes under a __maxnreg__ ``cap`` (allocated in units of 8)."""
+    return warps * 32 * -(-cap // 8) * 8
+
+
 def auto_down_warps(dims: Dims | None, params: dict[str, int]) -> int:
     """Warps per down block: 4 (FMA down; H200: 2.3 % faster than 8 at qwen3-235b T=4,
     results/sweep-batched-235b-t4.json, and 0-3 % at qwen3-30b T=8..64, sweep-batched-db-30b.json); with DB_MMA
@@ -237,8 +242,7 @@ def auto_down_warps(dims: Dims | None, params: dict[str, int]) -> int:
     if dims is None or dims.tokens < MMA_WIDE_DOWN_FROM:
         return MMA_DOWN_WARPS
     cap = params["DB_MAX_REGS"]
-    threads = MMA_WIDE_DOWN_WARPS * 32
-    fits_registers = cap == DEFAULTS["DB_MAX_REGS"] or threads * -(-cap // 8) * 8 <= REGISTERS_PER_BLOCK
+    fits_registers = cap == DEFAULTS["DB_MAX_REGS"] or block_registers(MMA_WIDE_DOWN_WARPS, cap) <= REGISTERS_PER_BLOCK
     fits_shared = down_shared_bytes(dims, {**params, "DB_WARPS": MMA_WIDE_DOWN_WARPS}) <= OPT_IN_SHARED_LIMIT
     fits_split = MMA_WIDE_DOWN_WARPS % params["DB_SPLIT"] == 0
     return MMA_WIDE_DOWN_WARPS if fits_registers and fits_shared and fits_split else MMA_DOWN_WARPS
@@ -316,14 +320,15 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
         raise ValueError(f"DB_SPLIT {values['DB_SPLIT']} must divide DB_WARPS {values['DB_WARPS']}")
     for kernel in ("GB", "DB"):  # a __maxnreg__ cap is per thread: the block must still fit the register file
         warps, cap = values[f"{kernel}_WARPS"], values[f"{kernel}_MAX_REGS"]
-        if cap and warps * 32 * -(-cap // 8) * 8 > REGISTERS_PER_BLOCK:
+        if cap and block_registers(warps, cap) > REGISTERS_PER_BLOCK:
             raise ValueError(
                 f"{kernel}_WARPS {warps} x 32 threads x {kernel}_MAX_REGS {cap} registers exceeds the "
                 f"{REGISTERS_PER_BLOCK} registers of a block (the launch would fail): lower {kernel}_WARPS or "
                 f"{kernel}_MAX_REGS (0 lets __launch_bounds__ fit the block)")
+    for kernel in ("GB", "DB"):  # the tensor-core kernels' rounds do not depend on the dims
+        if values[f"{kernel}_UNROLL"] == 0 and values[f"{kernel}_MMA"]:
+            values[f"{kernel}_UNROLL"] = MMA_UNROLL
     if dims is None:
-        if values["DB_UNROLL"] == 0 and values["DB_MMA"]:
-            values["DB_UNROLL"] = MMA_UNROLL  # as with dims: the tensor-core down's rounds do not depend on them
         for key in AUTO_KNOBS:
             if values[key] == 0:
                 values[key] = DEFAULTS[key]
@@ -346,11 +351,11 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
     if values["GB_TILE"] == 0:
         values["GB_TILE"] = auto_tile(dims)
     if values["GB_UNROLL"] == 0:  # the sweep: 2 rounds with 4-pair tiles (3 % at qwen3-235b T=16), else 4
-        values["GB_UNROLL"] = MMA_UNROLL if values["GB_MMA"] else (2 if values["GB_TILE"] == 4 else 4)
+        values["GB_UNROLL"] = 2 if values["GB_TILE"] == 4 else 4
     if values["DB_TILE"] == 0:
         values["DB_TILE"] = auto_down_tile(dims)
     if values["DB_UNROLL"] == 0:
-        values["DB_UNROLL"] = MMA_UNROLL if values["DB_MMA"] else auto_down_unroll(dims, values)
+        values["DB_UNROLL"] = auto_down_unroll(dims, values)
     if values["GB_NBLK"] == 0:
         values["GB_NBLK"] = auto_nblk(dims)
     shared = down_shared_bytes(dims, values)
@@ -551,59 +556,36 @@ def build(dims: Dims, **params: Any) -> Any:
 
 build.resolve = resolve_params  # type: ignore[attr-defined]  # tools.sweep reports the registers of what runs
 
-VARIANT = register(
-    Variant(
-        name="cupy:warp-decode-batched",
-        backend="cupy",
-        family="warp-decode-batched",
-        build=build,
-        reference_mode="warp_decode",
-        params={**DEFAULTS, **{knob: 0 for knob in AUTO_KNOBS}},
-        description="batched warp decode: per-expert warps read each expert's weights once per batch",
-        grid={
-            "GB_WARPS": [4, 8],
-            "GB_OUTS": [1, 2, 4],
-            "GB_UNROLL": [1, 2, 4],
-            "GB_BYTES": [8, 16],
-            "DB_WARPS": [4, 8],
-            "DB_OUTS": [2, 4, 8],
-            "DB_UNROLL": [1, 2, 3],
-            "DB_EARLY_INTER": [0, 1],
-        },
+def _register_path(name: str, knobs: dict[str, int], description: str, grid: dict[str, list[int]]) -> Variant:
+    """One batched-module path as a variant: the defaults with the auto knobs left to resolve_params, + knobs."""
+    return register(
+        Variant(
+            name=name,
+            backend="cupy",
+            family="warp-decode-batched",
+            build=build,
+            reference_mode="warp_decode",
+            params={**DEFAULTS, **{knob: 0 for knob in AUTO_KNOBS}, **knobs},
+            description=description,
+            grid=grid,
+        )
     )
-)
 
-MMA_VARIANT = register(
-    Variant(
-        name="cupy:warp-decode-mma",
-        backend="cupy",
-        family="warp-decode-batched",
-        build=build,
-        reference_mode="warp_decode",
-        params={**DEFAULTS, **{knob: 0 for knob in AUTO_KNOBS}, **MMA_KNOBS},
-        description="batched warp decode on tensor cores: mma.sync m16n8k16, bf16 in, FP32 accumulators",
-        grid={
-            "GB_WARPS": [2, 4, 8],
-            "GB_UNROLL": [4, 8],
-            "GB_NBLK": [1, 2],
-            "DB_WARPS": [4, 8],
-            "DB_UNROLL": [4, 8],
-            "DB_NBLK": [1, 2],
-            "DB_SPLIT": [1, 2, 4],
-        },
-    )
-)
 
-MIXED_VARIANT = register(
-    Variant(
-        name="cupy:warp-decode-mixed",
-        backend="cupy",
-        family="warp-decode-batched",
-        build=build,
-        reference_mode="warp_decode",
-        params={**DEFAULTS, **{knob: 0 for knob in AUTO_KNOBS}, **MIXED_KNOBS},
-        description="batched warp decode: FMA gate_up, tensor-core down (16 hidden columns per block, 16 warps)",
-        grid={"GB_WARPS": [4, 8], "GB_UNROLL": [2, 4], "DB_WARPS": [8, 16], "DB_UNROLL": [2, 4],
-              "DB_SPLIT": [1, 2, 4]},
-    )
+VARIANT = _register_path(
+    "cupy:warp-decode-batched", {},
+    "batched warp decode: per-expert warps read each expert's weights once per batch",
+    {"GB_WARPS": [4, 8], "GB_OUTS": [1, 2, 4], "GB_UNROLL": [1, 2, 4], "GB_BYTES": [8, 16], "DB_WARPS": [4, 8],
+     "DB_OUTS": [2, 4, 8], "DB_UNROLL": [1, 2, 3], "DB_EARLY_INTER": [0, 1]},
+)
+MMA_VARIANT = _register_path(
+    "cupy:warp-decode-mma", MMA_KNOBS,
+    "batched warp decode on tensor cores: mma.sync m16n8k16, bf16 in, FP32 accumulators",
+    {"GB_WARPS": [2, 4, 8], "GB_UNROLL": [4, 8], "GB_NBLK": [1, 2], "DB_WARPS": [4, 8], "DB_UNROLL": [4, 8],
+     "DB_NBLK": [1, 2], "DB_SPLIT": [1, 2, 4]},
+)
+MIXED_VARIANT = _register_path(
+    "cupy:warp-decode-mixed", MIXED_KNOBS,
+    "batched warp decode: FMA gate_up, tensor-core down (16 hidden columns per block, 16-24 warps)",
+    {"GB_WARPS": [4, 8], "GB_UNROLL": [2, 4], "DB_WARPS": [8, 16], "DB_UNROLL": [2, 4], "DB_SPLIT": [1, 2, 4]},
 )

@@ -122,7 +122,7 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
     int* offset_of = lists + LIST_HEADER + slots;
     int* count_of = lists + LIST_HEADER + 2 * slots;
     int* sorted = lists + LIST_HEADER + 3 * slots;
-    for (int e = tid; e < (experts + 1) * WARPS; e += LIST_THREADS) warp_counts[e] = 0;
+    for (int j = tid; j < (experts + 1) * WARPS; j += LIST_THREADS) warp_counts[j] = 0;
     pdl_wait();     // topk_ids may come from the kernel right before (the router); lists may still be read by
     pdl_release();  // the previous layer's down: nothing is read or written earlier
 
