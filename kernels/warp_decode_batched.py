@@ -169,6 +169,8 @@ DEFAULTS: dict[str, int] = {
     "PDL": 1,  # programmatic dependent launch of all three kernels (sm_90+; for_device turns it off before)
     "DB_EARLY_W2": 0,  # 1: down issues its first round of w2 loads before its PDL wait (they overlap gate_up's tail)
     "DB_SPLIT": 1,  # MMA down: warps per list slot, each a contiguous k range (1: a warp takes whole experts)
+    "DB_STAGE": 0,  # MMA down: 1 copies the lists and routing weights into shared memory before the slot loop
+    "DB_BALANCE": 0,  # MMA down: 1 cuts the (slot, k block) items into equal runs, one per warp (needs DB_SPLIT 1)
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK")
 MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pdl-*.json: 7-10 % over 8 at qwen3-30b)
@@ -184,7 +186,7 @@ LIMITS = {
     "DB_WARPS": (0, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (0, 255),
     "DB_EARLY_INTER": (0, 1), "GB_PIPE": (0, 1), "DB_PIPE": (0, 1),
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (1, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
-    "DB_SPLIT": (1, 32),
+    "DB_SPLIT": (1, 32), "DB_STAGE": (0, 1), "DB_BALANCE": (0, 1),
 }
 
 
@@ -272,9 +274,14 @@ def down_columns(params: dict[str, int]) -> int:
 
 def down_shared_bytes(dims: Dims, params: dict[str, int]) -> int:
     """Dynamic shared memory of the down kernel: per warp an FP32 partial [T][columns] (+ with DB_PIPE the
-    staged slot arrays and sorted pairs, int32)."""
+    staged slot arrays and sorted pairs, int32; + with DB_STAGE those and the T*K routing weights)."""
     partials = params["DB_WARPS"] * dims.tokens * down_columns(params) * 4
-    staged = (3 * slots(dims) + dims.tokens * dims.top_k) * 4 if params.get("DB_PIPE") else 0
+    pairs = dims.tokens * dims.top_k
+    staged = 0
+    if params.get("DB_PIPE"):
+        staged = (3 * slots(dims) + pairs) * 4
+    elif params.get("DB_STAGE"):
+        staged = (3 * slots(dims) + 2 * pairs) * 4
     return partials + staged
 
 
@@ -305,6 +312,11 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
         raise ValueError("DB_EARLY_W2 applies to the tensor-core down kernel: it needs DB_MMA 1")
     if values["DB_SPLIT"] > 1 and not values["DB_MMA"]:
         raise ValueError("DB_SPLIT splits the tensor-core down kernel's k range: DB_SPLIT > 1 needs DB_MMA 1")
+    for knob in ("DB_STAGE", "DB_BALANCE"):
+        if values[knob] and not values["DB_MMA"]:
+            raise ValueError(f"{knob} applies to the tensor-core down kernel: it needs DB_MMA 1")
+    if values["DB_BALANCE"] and values["DB_SPLIT"] > 1:
+        raise ValueError("DB_BALANCE 1 replaces DB_SPLIT's per-slot k ranges: it needs DB_SPLIT 1")
     if values["DB_PIPE"] and not values["DB_EARLY_INTER"]:
         raise ValueError("DB_PIPE 1 issues the intermediate loads with the w2 loads: it needs DB_EARLY_INTER 1")
     if values["LIST_THREADS"] % 32:

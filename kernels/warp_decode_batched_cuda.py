@@ -36,6 +36,8 @@ CODE = WARP_HELPERS + PDL_HELPERS + r"""
 //   DB_EARLY_W2 1 (with PDL, tensor-core down only): down's first round of w2 loads is issued BEFORE its wait (w2
 //   and the lists do not depend on gate_up), so they stream while gate_up drains; 0: down waits first. (The FMA
 //   down's w2 loads are invariant __ldg loads that the compiler sinks below the wait: no knob there.)
+//   DB_STAGE 1 (tensor-core down only): the block copies the lists and the routing weights into shared memory first
+//   DB_BALANCE 1 (tensor-core down only, DB_SPLIT 1): the warps split the (slot, k block) items evenly (below)
 static_assert(LIST_THREADS >= 32 && LIST_THREADS <= 1024 && LIST_THREADS % 32 == 0, "LIST_THREADS: 32..1024, x32");
 static_assert(LIST_PER >= 1 && LIST_PER <= 16, "LIST_PER must be 1..16");
 static_assert(GB_WARPS >= 1 && GB_WARPS <= 32 && DB_WARPS >= 1 && DB_WARPS <= 32, "WARPS must be 1..32");
@@ -53,6 +55,9 @@ static_assert(PDL == 0 || PDL == 1, "PDL must be 0 or 1");
 static_assert(DB_EARLY_W2 == 0 || (DB_EARLY_W2 == 1 && DB_MMA == 1), "DB_EARLY_W2 is 0 or 1 (1 needs DB_MMA 1)");
 static_assert(DB_SPLIT >= 1 && DB_WARPS % DB_SPLIT == 0, "DB_SPLIT must divide DB_WARPS");
 static_assert(DB_SPLIT <= 1 || DB_MMA == 1, "DB_SPLIT > 1 needs DB_MMA 1");
+static_assert(DB_STAGE == 0 || (DB_STAGE == 1 && DB_MMA == 1), "DB_STAGE is 0 or 1 (1 needs DB_MMA 1)");
+static_assert(DB_BALANCE == 0 || (DB_BALANCE == 1 && DB_MMA == 1 && DB_SPLIT == 1),
+              "DB_BALANCE 1 needs DB_MMA 1, DB_SPLIT 1");
 #define DOWN_WAITS_LATE DB_EARLY_W2  // the tensor-core down's wait follows its first A (w2) loads
 
 // The int32 ``lists`` buffer, S = min(E, T*K) + 1 list slots (every active expert + one for bad ids):
@@ -891,15 +896,103 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
 
 #if DB_MMA
 // ------------------------------------------------------------------------------------------------
-// moe_down_mma: block b owns hidden columns h0 .. h0+15 (h0 = 16 b) for ALL tokens; its DB_WARPS / DB_SPLIT
-//   groups of DB_SPLIT warps take the list slots round-robin, warp i of a group the i-th of DB_SPLIT contiguous
-//   ranges of the slot's 32-wide k blocks (DB_SPLIT 1: a warp takes whole experts). A = w2[e, h0 .. h0+15,
-//   k range], B column g = the intermediate row of pair g of the tile (same k range); lane (g, q) ends with
-//   columns h0+g and h0+g+8 of pairs 2q, 2q+1. Each lane then adds its pairs times their routing weights into
-//   the warp's shared partial[w][t][16]: all at once when the 8-pair block's tokens are distinct, else ONE pair
-//   at a time (__syncwarp between pairs), so a token routed twice to one expert cannot race; either way each
-//   element gets the same adds in the same order.
-//   After __syncthreads the warps' partials are summed in warp order: deterministic, no atomics.
+// The tensor-core down's view of the routing lists: the slot arrays, the sorted pairs and the routing weights,
+// in global memory or (DB_STAGE 1) staged in the block's shared memory behind the partials -- one round trip
+// at the start instead of a chain of dependent L2 loads (slot -> pairs -> weights) at every slot a warp takes.
+// ------------------------------------------------------------------------------------------------
+#if DB_STAGE
+#define DOWN_LIST_LD(ptr) (*(ptr))                                   // shared memory
+#else
+#define DOWN_LIST_LD(ptr) __ldg(ptr)
+#endif
+struct DownLists {
+    const int* expert; const int* offset; const int* count; const int* pairs; const float* weight;  // weight[p]
+    int used, good;                                                  // slots used; of them with a real expert
+};
+
+// One list slot's share of a warp's work: A = w2[e, h0 .. h0+15, chunks c_begin .. c_end-1], B column g =
+// the intermediate row of pair g of each 8-pair block of the slot's pairs; lane (g, q) ends with columns h0+g
+// and h0+g+8 of pairs 2q, 2q+1 and adds them times their routing weights into the warp's partial `mine`
+// [T][16]: all at once when the 8-pair block's tokens are distinct, else ONE pair at a time (__syncwarp
+// between pairs), so a token routed twice to one expert cannot race; either way each element gets the same
+// adds in the same order.
+__device__ __forceinline__ void down_mma_slot(const DownLists& m, int a, int c_begin, int c_end,
+                                              const bf16_t* __restrict__ intermediate, const bf16_t* __restrict__ w2,
+                                              float* mine, int hidden, int inter, int top_k, int h_lo, int h_hi,
+                                              int g, int q, bool& waited) {
+    const int e = DOWN_LIST_LD(m.expert + a);
+    const int count = DOWN_LIST_LD(m.count + a);
+    const int* pairs = m.pairs + DOWN_LIST_LD(m.offset + a);
+    const uint4* row_lo = reinterpret_cast<const uint4*>(w2 + ((size_t)e * hidden + h_lo) * inter);
+    const uint4* row_hi = reinterpret_cast<const uint4*>(w2 + ((size_t)e * hidden + h_hi) * inter);
+    for (int tile = 0; tile < count; tile += 8 * DB_NBLK) {
+        const int n = min(8 * DB_NBLK, count - tile);
+        // lane (g, q) holds column g of each 8-pair block: its pair, routing weight and intermediate row
+        // (loaded before the k loop, so the weights' latency hides behind it)
+        const uint4* inter_row[DB_NBLK];
+        int col_pair[DB_NBLK];
+        float col_weight[DB_NBLK];
+        #pragma unroll
+        for (int nb = 0; nb < DB_NBLK; ++nb) {
+            const int p = DOWN_LIST_LD(pairs + tile + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
+            col_pair[nb] = p;
+            col_weight[nb] = DOWN_LIST_LD(m.weight + p);
+            inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
+        }
+        float acc[DB_NBLK][4];
+        mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, row_lo, row_hi, inter_row, c_begin, c_end, q, waited);
+        #pragma unroll
+        for (int nb = 0; nb < DB_NBLK; ++nb) {
+            // lane (g, q) holds columns h0+g, h0+g+8 of pairs 2q, 2q+1 of the block: fetch their ids / weights
+            int pair_of[2];
+            float weight_of[2];
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                pair_of[h] = __shfl_sync(FULL_MASK, col_pair[nb], 4 * (2 * q + h));
+                weight_of[h] = __shfl_sync(FULL_MASK, col_weight[nb], 4 * (2 * q + h));
+            }
+            // the block's live pairs all of distinct tokens (always, unless a token lists one expert twice):
+            // every lane adds its two pairs at once -- distinct partial rows, one add per element, the
+            // same sums as the pair-by-pair order below
+            const int key = nb * 8 + g < n ? col_pair[nb] / top_k : -1 - g;
+            const bool repeated = __any_sync(FULL_MASK, __popc(__match_any_sync(FULL_MASK, key)) > 4);
+            if (!repeated) {
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    if (nb * 8 + 2 * q + h < n) {
+                        float* row = mine + (pair_of[h] / top_k) * 16;
+                        row[g] = __fadd_rn(row[g], __fmul_rn(weight_of[h], acc[nb][h]));
+                        row[g + 8] = __fadd_rn(row[g + 8], __fmul_rn(weight_of[h], acc[nb][2 + h]));
+                    }
+                }
+            } else {
+                #pragma unroll
+                for (int pp = 0; pp < 8; ++pp) {                     // one pair at a time: a token twice
+                    if (nb * 8 + pp < n && q == pp / 2) {            // the 8 lanes holding pair pp
+                        const int h = pp & 1;
+                        float* row = mine + (pair_of[h] / top_k) * 16;
+                        row[g] = __fadd_rn(row[g], __fmul_rn(weight_of[h], acc[nb][h]));
+                        row[g + 8] = __fadd_rn(row[g + 8], __fmul_rn(weight_of[h], acc[nb][2 + h]));
+                    }
+                    __syncwarp();
+                }
+            }
+            __syncwarp();                                            // before the next block's adds
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// moe_down_mma: block b owns hidden columns h0 .. h0+15 (h0 = 16 b) for ALL tokens. Its warps share the list
+//   slots (bad-id slot excluded: NaN at the end) in one of three ways, each a fixed schedule:
+//   * DB_SPLIT 1, DB_BALANCE 0: warp w takes slots w, w + DB_WARPS, ... whole (k range = the full row);
+//   * DB_SPLIT s: DB_WARPS / s groups of s warps take the slots round-robin, warp i of a group the i-th of s
+//     contiguous ranges of the slot's 32-wide k blocks;
+//   * DB_BALANCE 1: the (slot, k block) items in slot-major order are cut into DB_WARPS contiguous runs of
+//     equal length (+-1), warp w the w-th -- every warp streams the same bytes, crossing slot boundaries.
+//   Per slot (down_mma_slot): A = w2[e, h0 .. h0+15, k range] x B = the pairs' intermediate rows, FP32 in the
+//   tensor core, adds into the warp's shared partial[w][t][16]. After __syncthreads the warps' partials are
+//   summed in warp order: deterministic, no atomics.
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void DB_BOUNDS moe_down_mma(
     const bf16_t* __restrict__ intermediate,  // [T, K, I]
@@ -913,86 +1006,54 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
 #ifdef WD_HOST_EMULATION
     float* partial = wdb_dynamic_shared;                             // the CPU emulation's buffer
 #else
-    extern __shared__ float partial[];                               // [DB_WARPS][T][16]
+    extern __shared__ float partial[];                               // [DB_WARPS][T][16] (+ DB_STAGE's lists)
 #endif
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int warp = threadIdx.x >> 5;
     const int h0 = blockIdx.x * 16;
     float* mine = partial + (size_t)warp * tokens * 16;
+    const int pairs_total = tokens * top_k;
+#if DB_STAGE
+    // every list int after the header (3 * slots + T*K) and the T*K routing weights, loaded at once (the lists
+    // and the weights are two kernels back: read before the PDL wait)
+    int* staged = reinterpret_cast<int*>(partial + (size_t)DB_WARPS * tokens * 16);
+    float* staged_weight = reinterpret_cast<float*>(staged + 3 * slots + pairs_total);
+    for (int j = threadIdx.x; j < 3 * slots + pairs_total; j += DB_WARPS * 32)
+        staged[j] = __ldg(lists + LIST_HEADER + j);
+    for (int j = threadIdx.x; j < pairs_total; j += DB_WARPS * 32) staged_weight[j] = __ldg(topk_weights + j);
+    const DownLists m{staged, staged + slots, staged + 2 * slots, staged + 3 * slots, staged_weight, __ldg(lists),
+                      __ldg(lists) - (__ldg(lists + 2) > 0)};
+    __syncthreads();
+#else
+    const DownLists m{list_expert(lists), list_offset(lists, slots), list_count(lists, slots),
+                      sorted_pairs(lists, slots), topk_weights, __ldg(lists), __ldg(lists) - (__ldg(lists + 2) > 0)};
+#endif
     down_prologue(mine, tokens * 16, lane);
 
     const int chunks = inter / 8;                                    // 16-byte chunks (I % 8 == 0)
-    const int used = __ldg(lists);
     const int kblocks = (chunks + 3) / 4;                            // 32-wide k blocks
+    const int h_lo = min(h0 + g, hidden - 1), h_hi = min(h0 + g + 8, hidden - 1);   // past the end: last row
+    bool waited = false;
+#if DB_BALANCE
+    const long long items = (long long)m.good * kblocks;             // (slot, k block), slot-major
+    int item = (int)(items * warp / DB_WARPS);
+    const int item_end = (int)(items * (warp + 1) / DB_WARPS);
+    while (item < item_end) {                                        // warp-uniform
+        const int a = item / kblocks;
+        const int kb = item - a * kblocks;
+        const int kb_end = min(kblocks, kb + (item_end - item));
+        down_mma_slot(m, a, 4 * kb, min(4 * kb_end, chunks), intermediate, w2, mine, hidden, inter, top_k, h_lo,
+                      h_hi, g, q, waited);
+        item += kb_end - kb;
+    }
+#else
     constexpr int groups = DB_WARPS / DB_SPLIT;
     const int group = warp / DB_SPLIT, part = warp - group * DB_SPLIT;
     const int c_begin = DB_SPLIT == 1 ? 0 : 4 * (part * kblocks / DB_SPLIT);          // this warp's k range,
     const int c_end = DB_SPLIT == 1 ? chunks : min(4 * ((part + 1) * kblocks / DB_SPLIT), chunks);  // in chunks
-    const int h_lo = min(h0 + g, hidden - 1), h_hi = min(h0 + g + 8, hidden - 1);   // past the end: last row
-    bool waited = false;
-    for (int a = group; a < used; a += groups) {
-        const int e = __ldg(list_expert(lists) + a);
-        if (e >= experts) continue;                                  // the bad-id slot: NaN below
-        const int count = __ldg(list_count(lists, slots) + a);
-        const int* pairs = sorted_pairs(lists, slots) + __ldg(list_offset(lists, slots) + a);
-        const uint4* row_lo = reinterpret_cast<const uint4*>(w2 + ((size_t)e * hidden + h_lo) * inter);
-        const uint4* row_hi = reinterpret_cast<const uint4*>(w2 + ((size_t)e * hidden + h_hi) * inter);
-        for (int tile = 0; tile < count; tile += 8 * DB_NBLK) {
-            const int n = min(8 * DB_NBLK, count - tile);
-            // lane (g, q) holds column g of each 8-pair block: its pair, routing weight and intermediate row
-            // (loaded before the k loop, so the weights' latency hides behind it)
-            const uint4* inter_row[DB_NBLK];
-            int col_pair[DB_NBLK];
-            float col_weight[DB_NBLK];
-            #pragma unroll
-            for (int nb = 0; nb < DB_NBLK; ++nb) {
-                const int p = __ldg(pairs + tile + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
-                col_pair[nb] = p;
-                col_weight[nb] = __ldg(topk_weights + p);
-                inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
-            }
-            float acc[DB_NBLK][4];
-            mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, row_lo, row_hi, inter_row, c_begin, c_end, q, waited);
-            #pragma unroll
-            for (int nb = 0; nb < DB_NBLK; ++nb) {
-                // lane (g, q) holds columns h0+g, h0+g+8 of pairs 2q, 2q+1 of the block: fetch their ids / weights
-                int pair_of[2];
-                float weight_of[2];
-                #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    pair_of[h] = __shfl_sync(FULL_MASK, col_pair[nb], 4 * (2 * q + h));
-                    weight_of[h] = __shfl_sync(FULL_MASK, col_weight[nb], 4 * (2 * q + h));
-                }
-                // the block's live pairs all of distinct tokens (always, unless a token lists one expert twice):
-                // every lane adds its two pairs at once -- distinct partial rows, one add per element, the
-                // same sums as the pair-by-pair order below
-                const int key = nb * 8 + g < n ? col_pair[nb] / top_k : -1 - g;
-                const bool repeated = __any_sync(FULL_MASK, __popc(__match_any_sync(FULL_MASK, key)) > 4);
-                if (!repeated) {
-                    #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        if (nb * 8 + 2 * q + h < n) {
-                            float* row = mine + (pair_of[h] / top_k) * 16;
-                            row[g] = __fadd_rn(row[g], __fmul_rn(weight_of[h], acc[nb][h]));
-                            row[g + 8] = __fadd_rn(row[g + 8], __fmul_rn(weight_of[h], acc[nb][2 + h]));
-                        }
-                    }
-                } else {
-                    #pragma unroll
-                    for (int pp = 0; pp < 8; ++pp) {                 // one pair at a time: a token twice
-                        if (nb * 8 + pp < n && q == pp / 2) {        // the 8 lanes holding pair pp
-                            const int h = pp & 1;
-                            float* row = mine + (pair_of[h] / top_k) * 16;
-                            row[g] = __fadd_rn(row[g], __fmul_rn(weight_of[h], acc[nb][h]));
-                            row[g + 8] = __fadd_rn(row[g + 8], __fmul_rn(weight_of[h], acc[nb][2 + h]));
-                        }
-                        __syncwarp();
-                    }
-                }
-                __syncwarp();                                        // before the next block's adds
-            }
-        }
-    }
+    for (int a = group; a < m.good; a += groups)
+        down_mma_slot(m, a, c_begin, c_end, intermediate, w2, mine, hidden, inter, top_k, h_lo, h_hi, g, q, waited);
+#endif
     down_epilogue_wait();
     __syncthreads();
 

@@ -123,6 +123,10 @@ BAD_KNOBS = [  # (dims, knobs, error, message)
     (QWEN30_T8, {"DB_SPLIT": 2}, ValueError, "DB_SPLIT > 1 needs DB_MMA 1"),
     (QWEN30_T8, {"DB_MMA": 1, "DB_SPLIT": 3}, ValueError, "DB_SPLIT 3 must divide DB_WARPS 16"),
     (QWEN30_T8, {"DB_MMA": 1, "DB_SPLIT": 0}, ValueError, "DB_SPLIT"),
+    (QWEN30_T8, {"DB_STAGE": 1}, ValueError, "DB_STAGE applies to the tensor-core down kernel"),
+    (QWEN30_T8, {"DB_BALANCE": 1}, ValueError, "DB_BALANCE applies to the tensor-core down kernel"),
+    (QWEN30_T8, {"DB_MMA": 1, "DB_BALANCE": 1, "DB_SPLIT": 2}, ValueError, "needs DB_SPLIT 1"),
+    (QWEN30_T8, {"DB_MMA": 1, "DB_STAGE": 2}, ValueError, "DB_STAGE"),
 ]
 
 
@@ -138,7 +142,7 @@ def test_resolve_params_validates() -> None:
     assert wdb.resolve_params(dims, DB_MMA=1, DB_SPLIT=4)["DB_SPLIT"] == 4
     assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=80)["DB_MAX_REGS"] == 80
     resolved = wdb.resolve_params(dims)
-    switches = ("MAX_REGS", "PIPE", "MMA", "PDL", "EARLY_W2")  # 0 is a meaningful value for these
+    switches = ("MAX_REGS", "PIPE", "MMA", "PDL", "EARLY_W2", "STAGE", "BALANCE")  # 0 is meaningful here
     assert set(resolved) == set(wdb.DEFAULTS)
     assert all(v > 0 for k, v in resolved.items() if not any(s in k for s in switches))
 
@@ -319,8 +323,8 @@ int main(int argc, char** argv) {
     std::vector<int> lists(lists_size, -12345);
     std::vector<uint16_t> inter((size_t)T * K * I, 0x7fc0);
     std::vector<uint32_t> out((size_t)T * H, 0x7fc07fc0u);  // NaN poison in either view
-    // the larger of the list kernel's and the down kernel's (partials + DB_PIPE's staged lists) dynamic shared memory
-    const size_t down_shared = (size_t)DB_WARPS * T * (DB_OUTS + 16) + 3 * slots + (size_t)T * K;  // (DB_MMA: 16)
+    // the larger of the list kernel's and the down kernel's (partials + DB_PIPE / DB_STAGE staged lists) shared memory
+    const size_t down_shared = (size_t)DB_WARPS * T * (DB_OUTS + 16) + 3 * slots + 2 * (size_t)T * K;  // DB_MMA: 16
     const size_t lists_shared = ((size_t)E + 1) * (1 + LIST_THREADS / 32) + 2 * (size_t)T * K;  // + warps' counts
     std::vector<float> shared(std::max(down_shared, lists_shared), __uint_as_float(0x7fc00000u));
     wdb_dynamic_shared = shared.data();
@@ -477,6 +481,13 @@ EMULATED += [
                              "LIST_THREADS": 32, "LIST_PER": 0}, True),
     (PIPE_SHAPE, 7, "uniform", {"DB_MMA": 1, "DB_WARPS": 4, "DB_SPLIT": 4, "DB_UNROLL": 2, "DB_EARLY_W2": 1,
                                 "LIST_THREADS": 32, "LIST_PER": 0}, False),
+    # the staged lists (DB_STAGE) and the balanced (slot, k block) runs (DB_BALANCE): 5 k blocks per slot over 3 / 4
+    # warps, so runs start and end inside slots (partial k ranges, masked tails), duplicate ids in a token
+    (PIPE_SHAPE, 9, "zipf", {"GB_MMA": 1, "DB_MMA": 1, "DB_WARPS": 3, "DB_STAGE": 1, "DB_BALANCE": 1,
+                             "DB_UNROLL": 2, "LIST_THREADS": 32, "LIST_PER": 0}, True),
+    (PIPE_SHAPE, 12, "same", {"DB_MMA": 1, "DB_WARPS": 4, "DB_BALANCE": 1, "DB_NBLK": 2, "DB_EARLY_W2": 1,
+                              "LIST_THREADS": 32, "LIST_PER": 0}, False),
+    ("tiny", 6, [[5, 5], [0, 1], [2, 2], [3, 0], [1, 1], [5, 4]], {"GB_MMA": 1, "DB_MMA": 1, "DB_STAGE": 1}, False),
 ]
 
 
@@ -516,14 +527,17 @@ def test_cuda_source_emulated_on_cpu(rng: np.random.Generator, shape: Any, token
         _assert_matches(got32, faithful32, oracle, f"emulated fp32 out {problem.shape.name}", own_order=own_order)
 
 
-def test_bad_ids_emulated_on_cpu(rng: np.random.Generator) -> None:
+@pytest.mark.parametrize("knobs", [{"GB_TILE": 2, "DB_TILE": 2},
+                                   {"GB_MMA": 1, "DB_MMA": 1, "DB_WARPS": 3, "DB_STAGE": 1, "DB_BALANCE": 1}],
+                         ids=["fma", "mma-staged-balanced"])
+def test_bad_ids_emulated_on_cpu(rng: np.random.Generator, knobs: dict[str, int]) -> None:
     """Out-of-range ids reach the kernels (as under capture): those tokens' rows NaN, the others exact."""
     problem = make_problem("tiny", 5, seed=_seed(rng))
     ids = problem.topk_ids.copy()
     ids[0, 1] = problem.shape.experts
     ids[2, 0] = -3
     ids[2, 1] = 2**31 - 1
-    got = _emulate(problem, ids=ids, GB_TILE=2, DB_TILE=2)
+    got = _emulate(problem, ids=ids, **knobs)
     assert np.all(np.isnan(got["out"][[0, 2]].astype(np.float32)))
     _assert_lists_equal(_unpack_lists(got["lists"], _dims(problem)), expert_lists_numpy(ids, problem.shape.experts))
     inter = got["inter"]
@@ -532,7 +546,7 @@ def test_bad_ids_emulated_on_cpu(rng: np.random.Generator) -> None:
     sub = Problem(problem.shape, 3, 0, "fixed", problem.x[good], problem.w13, problem.w2, problem.topk_ids[good],
                   problem.topk_weights[good])
     _assert_matches(got["out"][good], moe_decode(*sub.arrays, mode="warp_decode"),
-                    moe_decode(*sub.arrays, mode="fp64"), "emulated good tokens")
+                    moe_decode(*sub.arrays, mode="fp64"), "emulated good tokens", own_order=bool(knobs.get("DB_MMA")))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -787,6 +801,9 @@ GRID_SAMPLE = [
     {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "DB_NBLK": 2},
     {"GB_MMA": 1, "DB_MMA": 1, "DB_SPLIT": 8, "DB_UNROLL": 2},  # k ranges of 1-3 blocks, masked tails
     {"DB_MMA": 1, "DB_EARLY_W2": 1, "DB_SPLIT": 4, "DB_NBLK": 2},
+    {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "DB_STAGE": 1, "DB_BALANCE": 1, "DB_UNROLL": 2},
+    {"DB_MMA": 1, "DB_STAGE": 1, "DB_SPLIT": 2, "DB_NBLK": 2, "PDL": 0},
+    {"GB_MMA": 1, "DB_MMA": 1, "DB_BALANCE": 1, "DB_WARPS": 24, "DB_MAX_REGS": 0},
 ]
 
 
