@@ -229,23 +229,6 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
     }
 }
 
-// A gate_up block's list slot a (< slots, so always in bounds) in ONE round trip: the four loads issue back to
-// back (ld_dep: behind the PDL wait, never hoisted above it).
-struct ListSlot { int used, expert, count, offset; };
-__device__ __forceinline__ ListSlot read_list_slot(const int* lists, int slots, int a) {
-    ListSlot s;
-    s.used = ld_dep(lists);
-    s.expert = ld_dep(list_expert(lists) + a);
-    s.count = ld_dep(list_count(lists, slots) + a);
-    s.offset = ld_dep(list_offset(lists, slots) + a);
-    return s;
-}
-// The block's exit test reads all four values (the second term is never true for a live slot: expert, count and
-// offset are >= 0), so ptxas issues the four loads together instead of sinking three of them below the exit.
-__device__ __forceinline__ bool slot_unused(const ListSlot& s, int a) {
-    return a >= s.used || (s.expert | s.count | s.offset) < 0;
-}
-
 // Register caps: __maxnreg__(N) (CUDA >= 12.4). With only __launch_bounds__(threads) ptxas picks ~64
 // registers for mid-size tiles and spills; an explicit cap keeps every default spill-free.
 #if GB_MAX_REGS > 0
@@ -342,13 +325,12 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
     const int a = blockIdx.x / per_slot;
     pdl_wait();  // the lists (and x) come from the kernels before: read only after the wait, through ld_dep
     pdl_release();
-    const ListSlot slot = read_list_slot(lists, slots, a);
-    if (slot_unused(slot, a)) return;                                // whole block leaves together
+    if (a >= ld_dep(lists)) return;                                  // whole block leaves together
     const int i0 = ((blockIdx.x - a * per_slot) * GB_WARPS + (threadIdx.x >> 5)) * GB_OUTS;
     if (i0 >= inter) return;                                         // whole warp leaves together
-    const int e = slot.expert;
-    const int count = slot.count;
-    const int* pairs = sorted_pairs(lists, slots) + slot.offset;
+    const int e = ld_dep(list_expert(lists) + a);
+    const int count = ld_dep(list_count(lists, slots) + a);
+    const int* pairs = sorted_pairs(lists, slots) + ld_dep(list_offset(lists, slots) + a);
     if (e >= experts) {                                              // bad ids: NaN, no weight read
         for (int j = 0; j < count; ++j) {
             const long long p = __ldg(pairs + j);
@@ -370,15 +352,11 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
 
     for (int tile = 0; tile < count; tile += GB_TILE) {              // usually ONE pass (count <= GB_TILE)
         const int n = min(GB_TILE, count - tile);
-        // the first round's weight loads go out BEFORE the tile's pair ids are read: they need only the expert,
-        // so the ids' round trip and the x-row arithmetic overlap their latency
-        vec_t wg[GB_UNROLL][GB_OUTS], wu[GB_UNROLL][GB_OUTS];
-        gate_up_load_round(wg, wu, gate_row, up_row, 0, chunks, lane);
         const vec_t* x_row[GB_TILE];                                 // x[t] of each pair (past n: a valid row)
         #pragma unroll
         for (int tt = 0; tt < GB_TILE; ++tt) {
-            const int p = __ldg(pairs + tile + min(tt, n - 1));      // int: a 32-bit division, no call
-            x_row[tt] = reinterpret_cast<const vec_t*>(x + (size_t)(p / top_k) * hidden);
+            const long long p = __ldg(pairs + tile + min(tt, n - 1));
+            x_row[tt] = reinterpret_cast<const vec_t*>(x + (p / top_k) * hidden);
         }
         float gate_acc[GB_TILE][GB_OUTS], up_acc[GB_TILE][GB_OUTS];
         #pragma unroll
@@ -390,6 +368,8 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
 #if GB_PIPE
         // Two rounds in flight: round r+1's weight loads are issued before round r's FMAs, so a lane always
         // has a round of loads outstanding while it computes (the registers of two rounds are live).
+        vec_t wg[GB_UNROLL][GB_OUTS], wu[GB_UNROLL][GB_OUTS];
+        gate_up_load_round(wg, wu, gate_row, up_row, 0, chunks, lane);
         for (int base = 0; base < chunks; base += STEP) {
             vec_t cur_g[GB_UNROLL][GB_OUTS], cur_u[GB_UNROLL][GB_OUTS];
             #pragma unroll
@@ -403,7 +383,8 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
 #else
         for (int base = 0; base < chunks; base += STEP) {
             // 1) every weight load of the round (2 * GB_OUTS * GB_UNROLL per lane): read once for the tile
-            if (base > 0) gate_up_load_round(wg, wu, gate_row, up_row, base, chunks, lane);
+            vec_t wg[GB_UNROLL][GB_OUTS], wu[GB_UNROLL][GB_OUTS];
+            gate_up_load_round(wg, wu, gate_row, up_row, base, chunks, lane);
             const float zero = __uint_as_float(all_loads_arrived(wg) | all_loads_arrived(wu));
             // 2) per pair of the tile: its x chunks (L1 hits), FMAs in the strict kernel's order
             gate_up_round(wg, wu, x_row, n, base, chunks, lane, zero, gate_acc, up_acc);
@@ -807,52 +788,43 @@ __device__ __forceinline__ void mma_k32(float (&d)[4], const uint4& rows_lo, con
 }
 
 // A warp's k range (chunks c_begin .. c_end - 1, c_begin a multiple of 4), shared by both tensor-core kernels:
-// acc[nb] (zeroed here) = A rows g / g + 8 (rows_lo / rows_hi) times B column g of 8-pair block nb. Lane q loads
-// chunk 4j + q of each 32-wide k block j; UNROLL k blocks of loads are in flight per lane before the round's
-// first mma. The B rows come from the caller's columns(cols), run AFTER round 0's A loads are issued: A needs
-// only the expert, so the pair ids' round trip (and the caller's arithmetic) overlap the weights' latency.
+// acc[nb] (zeroed here) = A rows g / g + 8 (rows_lo / rows_hi) times B column g of 8-pair block nb (cols[nb]).
+// Lane q loads chunk 4j + q of each 32-wide k block j; UNROLL k blocks of loads are in flight per lane before
+// the round's first mma.
 // COLS_DEP: B is the previous kernel's output (down's intermediate), loaded through ld_dep after the round's A
 // loads and after wait_once (DB_EARLY_W2: the first round's A loads are issued before the PDL wait).
-template <int UNROLL>
-__device__ __forceinline__ void load_a_round(uint4 (&lo)[UNROLL][1], uint4 (&hi)[UNROLL][1], const uint4* rows_lo,
-                                             const uint4* rows_hi, int c0, int c_end, int q) {
-    #pragma unroll
-    for (int j = 0; j < UNROLL; ++j) {
-        const int c = c0 + 4 * j + q;
-        lo[j][0] = ldg_chunk(rows_lo, c, c < c_end);
-        hi[j][0] = ldg_chunk(rows_hi, c, c < c_end);
-    }
-}
-
-template <int UNROLL, int NB, bool COLS_DEP, class Columns>
+template <int UNROLL, int NB, bool COLS_DEP>
 __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const uint4* rows_lo, const uint4* rows_hi,
-                                                    const Columns& columns, int c_begin, int c_end, int q,
+                                                    const uint4* const (&cols)[NB], int c_begin, int c_end, int q,
                                                     bool& waited) {
     #pragma unroll
     for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
-    if (c_begin >= c_end) return;
-    uint4 lo[UNROLL][1], hi[UNROLL][1];
-    load_a_round<UNROLL>(lo, hi, rows_lo, rows_hi, c_begin, c_end, q);
-    const uint4* cols[NB];
-    columns(cols);
-    for (int c0 = c_begin;;) {                                       // each round's A loads were issued before it
-        uint4 col[UNROLL][NB];
-        if (COLS_DEP) wait_once(waited);
+    for (int c0 = c_begin; c0 < c_end; c0 += 4 * UNROLL) {
+        uint4 lo[UNROLL][1], hi[UNROLL][1], col[UNROLL][NB];
         #pragma unroll
         for (int j = 0; j < UNROLL; ++j) {
             const int c = c0 + 4 * j + q;
+            const bool ok = c < c_end;
+            lo[j][0] = ldg_chunk(rows_lo, c, ok);
+            hi[j][0] = ldg_chunk(rows_hi, c, ok);
             #pragma unroll
             for (int nb = 0; nb < NB; ++nb)
-                col[j][nb] = COLS_DEP ? ld_dep_chunk(cols[nb], c, c < c_end) : ldg_chunk(cols[nb], c, c < c_end);
+                if (!COLS_DEP) col[j][nb] = ldg_chunk(cols[nb], c, ok);
+        }
+        if (COLS_DEP) {
+            wait_once(waited);
+            #pragma unroll
+            for (int j = 0; j < UNROLL; ++j) {
+                const int c = c0 + 4 * j + q;
+                #pragma unroll
+                for (int nb = 0; nb < NB; ++nb) col[j][nb] = ld_dep_chunk(cols[nb], c, c < c_end);
+            }
         }
         acc[0][0] += __uint_as_float(all_loads_arrived(lo) | all_loads_arrived(hi));   // += 0.0f
         #pragma unroll
         for (int j = 0; j < UNROLL; ++j)
             #pragma unroll
             for (int nb = 0; nb < NB; ++nb) mma_k32(acc[nb], lo[j][0], hi[j][0], col[j][nb]);
-        c0 += 4 * UNROLL;
-        if (c0 >= c_end) break;
-        load_a_round<UNROLL>(lo, hi, rows_lo, rows_hi, c0, c_end, q);   // the next round's A
     }
 }
 #endif
@@ -877,13 +849,12 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
     const int a = blockIdx.x / per_slot;
     pdl_wait();  // the lists (and x) come from the kernels before: read only after the wait, through ld_dep
     pdl_release();
-    const ListSlot slot = read_list_slot(lists, slots, a);
-    if (slot_unused(slot, a)) return;                                // whole block leaves together
+    if (a >= ld_dep(lists)) return;                                  // whole block leaves together
     const int i0 = ((blockIdx.x - a * per_slot) * GB_WARPS + (threadIdx.x >> 5)) * 8;
     if (i0 >= inter) return;                                         // whole warp leaves together
-    const int e = slot.expert;
-    const int count = slot.count;
-    const int* pairs = sorted_pairs(lists, slots) + slot.offset;
+    const int e = ld_dep(list_expert(lists) + a);
+    const int count = ld_dep(list_count(lists, slots) + a);
+    const int* pairs = sorted_pairs(lists, slots) + ld_dep(list_offset(lists, slots) + a);
     if (e >= experts) {                                              // bad ids: NaN, no weight read
         for (int j = 0; j < count; ++j) {
             const long long p = __ldg(pairs + j);
@@ -898,16 +869,15 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
 
     for (int tile = 0; tile < count; tile += 8 * GB_NBLK) {
         const int n = min(8 * GB_NBLK, count - tile);
-        const auto x_rows = [&](const uint4* (&x_row)[GB_NBLK]) {      // B column g of each 8-pair block
-            #pragma unroll
-            for (int nb = 0; nb < GB_NBLK; ++nb) {
-                const int p = __ldg(pairs + tile + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
-                x_row[nb] = reinterpret_cast<const uint4*>(x + (size_t)(p / top_k) * hidden);   // int: no call
-            }
-        };
+        const uint4* x_row[GB_NBLK];                                 // B column g of each 8-pair block
+        #pragma unroll
+        for (int nb = 0; nb < GB_NBLK; ++nb) {
+            const long long p = __ldg(pairs + tile + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
+            x_row[nb] = reinterpret_cast<const uint4*>(x + (p / top_k) * hidden);
+        }
         float acc[GB_NBLK][4];
         bool unused = true;
-        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false>(acc, gate_row, up_row, x_rows, 0, chunks, q, unused);
+        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false>(acc, gate_row, up_row, x_row, 0, chunks, q, unused);
         #pragma unroll
         for (int nb = 0; nb < GB_NBLK; ++nb)
             #pragma unroll
@@ -957,21 +927,20 @@ __device__ __forceinline__ void down_mma_slot(const DownLists& m, int a, int c_b
     const uint4* row_hi = reinterpret_cast<const uint4*>(w2 + ((size_t)e * hidden + h_hi) * inter);
     for (int tile = 0; tile < count; tile += 8 * DB_NBLK) {
         const int n = min(8 * DB_NBLK, count - tile);
-        // lane (g, q) holds column g of each 8-pair block: its pair, routing weight and intermediate row (read
-        // after the first round's w2 loads are issued, before the k loop, so the weights' latency hides behind it)
+        // lane (g, q) holds column g of each 8-pair block: its pair, routing weight and intermediate row
+        // (loaded before the k loop, so the weights' latency hides behind it)
+        const uint4* inter_row[DB_NBLK];
         int col_pair[DB_NBLK];
         float col_weight[DB_NBLK];
-        const auto inter_rows = [&](const uint4* (&inter_row)[DB_NBLK]) {
-            #pragma unroll
-            for (int nb = 0; nb < DB_NBLK; ++nb) {
-                const int p = DOWN_LIST_LD(pairs + tile + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
-                col_pair[nb] = p;
-                col_weight[nb] = DOWN_LIST_LD(m.weight + p);
-                inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
-            }
-        };
+        #pragma unroll
+        for (int nb = 0; nb < DB_NBLK; ++nb) {
+            const int p = DOWN_LIST_LD(pairs + tile + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
+            col_pair[nb] = p;
+            col_weight[nb] = DOWN_LIST_LD(m.weight + p);
+            inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
+        }
         float acc[DB_NBLK][4];
-        mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, row_lo, row_hi, inter_rows, c_begin, c_end, q, waited);
+        mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, row_lo, row_hi, inter_row, c_begin, c_end, q, waited);
         #pragma unroll
         for (int nb = 0; nb < DB_NBLK; ++nb) {
             // lane (g, q) holds columns h0+g, h0+g+8 of pairs 2q, 2q+1 of the block: fetch their ids / weights
