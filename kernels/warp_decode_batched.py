@@ -170,7 +170,8 @@ DEFAULTS: dict[str, int] = {
     "DB_EARLY_W2": 0,  # 1: down issues its first round of w2 loads before its PDL wait (they overlap gate_up's tail)
     "DB_SPLIT": 1,  # MMA down: warps per list slot, each a contiguous k range (1: a warp takes whole experts)
     "DB_STAGE": 0,  # MMA down: 1 copies the lists and routing weights into shared memory before the slot loop
-    "DB_BALANCE": 0,  # MMA down: 1 cuts the (slot, k block) items into equal runs, one per warp (needs DB_SPLIT 1)
+    "DB_BALANCE": 0,  # MMA down: 1 cuts the (slot, k block) items into equal runs, one per warp (needs DB_SPLIT 1);
+    # -1 = auto (auto_balance; the tensor-core paths' knob sets use it)
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK")
 MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pdl-*.json: 7-10 % over 8 at qwen3-30b)
@@ -186,7 +187,7 @@ LIMITS = {
     "DB_WARPS": (0, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (0, 255),
     "DB_EARLY_INTER": (0, 1), "GB_PIPE": (0, 1), "DB_PIPE": (0, 1),
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (1, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
-    "DB_SPLIT": (1, 32), "DB_STAGE": (0, 1), "DB_BALANCE": (0, 1),
+    "DB_SPLIT": (1, 32), "DB_STAGE": (0, 1), "DB_BALANCE": (-1, 1),
 }
 
 
@@ -248,6 +249,24 @@ def auto_down_warps(dims: Dims | None, params: dict[str, int]) -> int:
     fits_shared = down_shared_bytes(dims, {**params, "DB_WARPS": MMA_WIDE_DOWN_WARPS}) <= OPT_IN_SHARED_LIMIT
     fits_split = MMA_WIDE_DOWN_WARPS % params["DB_SPLIT"] == 0
     return MMA_WIDE_DOWN_WARPS if fits_registers and fits_shared and fits_split else MMA_DOWN_WARPS
+
+
+BALANCE_BELOW = 0.85  # auto DB_BALANCE when a round-robin's last round of experts is less full than this
+
+
+def auto_balance(dims: Dims | None, params: dict[str, int]) -> int:
+    """DB_BALANCE for the tensor-core down (DB_SPLIT 1): 1 when dealing the expected active experts
+    (E * (1 - (1 - K/E)**T), at most T*K) round-robin to DB_WARPS warps leaves the last round less than
+    :data:`BALANCE_BELOW` full on average (mean / ceil(mean) experts per warp), else 0. H200 sweeps
+    (results/sweep-stage-*.json, session 6): at qwen3-30b T = 8 (51.6 experts on 16 warps: 3.2 per warp, 80 %)
+    the balanced runs are 3 % faster (mixed 125.0 -> 120.9 us, MMA 133.3 -> 129.4); at 90 % or fuller (T = 4:
+    1.8 per warp; T = 16: 5.0; T = 32 / 64 on 24 warps: 4.7 / 5.2, 87.5 %) they are 0-1 % slower."""
+    if dims is None or not params["DB_MMA"] or params["DB_SPLIT"] != 1:
+        return 0
+    k, e = dims.top_k, dims.experts
+    active = min(e * (1.0 - (1.0 - min(k, e) / e) ** dims.tokens), dims.tokens * k)
+    mean = active / params["DB_WARPS"]
+    return 1 if mean / math.ceil(mean) < BALANCE_BELOW else 0
 
 
 def slots(dims: Dims) -> int:
@@ -313,9 +332,9 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
     if values["DB_SPLIT"] > 1 and not values["DB_MMA"]:
         raise ValueError("DB_SPLIT splits the tensor-core down kernel's k range: DB_SPLIT > 1 needs DB_MMA 1")
     for knob in ("DB_STAGE", "DB_BALANCE"):
-        if values[knob] and not values["DB_MMA"]:
+        if values[knob] == 1 and not values["DB_MMA"]:
             raise ValueError(f"{knob} applies to the tensor-core down kernel: it needs DB_MMA 1")
-    if values["DB_BALANCE"] and values["DB_SPLIT"] > 1:
+    if values["DB_BALANCE"] == 1 and values["DB_SPLIT"] > 1:
         raise ValueError("DB_BALANCE 1 replaces DB_SPLIT's per-slot k ranges: it needs DB_SPLIT 1")
     if values["DB_PIPE"] and not values["DB_EARLY_INTER"]:
         raise ValueError("DB_PIPE 1 issues the intermediate loads with the w2 loads: it needs DB_EARLY_INTER 1")
@@ -340,6 +359,8 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
     for kernel in ("GB", "DB"):  # the tensor-core kernels' rounds do not depend on the dims
         if values[f"{kernel}_UNROLL"] == 0 and values[f"{kernel}_MMA"]:
             values[f"{kernel}_UNROLL"] = MMA_UNROLL
+    if values["DB_BALANCE"] == -1:
+        values["DB_BALANCE"] = auto_balance(dims, values)
     if dims is None:
         for key in AUTO_KNOBS:
             if values[key] == 0:
@@ -386,9 +407,10 @@ def max_tokens(top_k: int = 1, **params: Any) -> int:
 
 
 # The knob sets of the other two batched paths (kernels.dispatch launches them with these). DB_EARLY_W2 1: the
-# first w2 loads before the PDL wait, 0.5-3 % faster (H200, results/sweep-batched-early-w2-*.json).
-MMA_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1}  # both kernels on tensor cores
-MIXED_KNOBS = {"DB_MMA": 1, "DB_EARLY_W2": 1}  # FMA gate_up (bitwise strict's intermediate), tensor-core down
+# first w2 loads before the PDL wait, 0.5-3 % faster (H200, results/sweep-batched-early-w2-*.json); DB_BALANCE -1:
+# the balanced down runs where auto_balance says (H200: 3 % at qwen3-30b T = 8, results/sweep-stage-*.json).
+MMA_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1}  # both kernels on tensor cores
+MIXED_KNOBS = {"DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1}  # FMA gate_up (bitwise strict's), tensor-core down
 
 
 SOURCE = register_source(

@@ -229,6 +229,23 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
     }
 }
 
+// A gate_up block's list slot a (< slots, so always in bounds) in ONE round trip: the four loads issue back to
+// back (ld_dep: behind the PDL wait, never hoisted above it).
+struct ListSlot { int used, expert, count, offset; };
+__device__ __forceinline__ ListSlot read_list_slot(const int* lists, int slots, int a) {
+    ListSlot s;
+    s.used = ld_dep(lists);
+    s.expert = ld_dep(list_expert(lists) + a);
+    s.count = ld_dep(list_count(lists, slots) + a);
+    s.offset = ld_dep(list_offset(lists, slots) + a);
+    return s;
+}
+// The block's exit test reads all four values (the second term is never true for a live slot: expert, count and
+// offset are >= 0), so ptxas issues the four loads together instead of sinking three of them below the exit.
+__device__ __forceinline__ bool slot_unused(const ListSlot& s, int a) {
+    return a >= s.used || (s.expert | s.count | s.offset) < 0;
+}
+
 // Register caps: __maxnreg__(N) (CUDA >= 12.4). With only __launch_bounds__(threads) ptxas picks ~64
 // registers for mid-size tiles and spills; an explicit cap keeps every default spill-free.
 #if GB_MAX_REGS > 0
@@ -325,12 +342,13 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
     const int a = blockIdx.x / per_slot;
     pdl_wait();  // the lists (and x) come from the kernels before: read only after the wait, through ld_dep
     pdl_release();
-    if (a >= ld_dep(lists)) return;                                  // whole block leaves together
+    const ListSlot slot = read_list_slot(lists, slots, a);
+    if (slot_unused(slot, a)) return;                                // whole block leaves together
     const int i0 = ((blockIdx.x - a * per_slot) * GB_WARPS + (threadIdx.x >> 5)) * GB_OUTS;
     if (i0 >= inter) return;                                         // whole warp leaves together
-    const int e = ld_dep(list_expert(lists) + a);
-    const int count = ld_dep(list_count(lists, slots) + a);
-    const int* pairs = sorted_pairs(lists, slots) + ld_dep(list_offset(lists, slots) + a);
+    const int e = slot.expert;
+    const int count = slot.count;
+    const int* pairs = sorted_pairs(lists, slots) + slot.offset;
     if (e >= experts) {                                              // bad ids: NaN, no weight read
         for (int j = 0; j < count; ++j) {
             const long long p = __ldg(pairs + j);
@@ -355,8 +373,8 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
         const vec_t* x_row[GB_TILE];                                 // x[t] of each pair (past n: a valid row)
         #pragma unroll
         for (int tt = 0; tt < GB_TILE; ++tt) {
-            const long long p = __ldg(pairs + tile + min(tt, n - 1));
-            x_row[tt] = reinterpret_cast<const vec_t*>(x + (p / top_k) * hidden);
+            const int p = __ldg(pairs + tile + min(tt, n - 1));      // int: a 32-bit division, no call
+            x_row[tt] = reinterpret_cast<const vec_t*>(x + (size_t)(p / top_k) * hidden);
         }
         float gate_acc[GB_TILE][GB_OUTS], up_acc[GB_TILE][GB_OUTS];
         #pragma unroll
@@ -849,12 +867,13 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
     const int a = blockIdx.x / per_slot;
     pdl_wait();  // the lists (and x) come from the kernels before: read only after the wait, through ld_dep
     pdl_release();
-    if (a >= ld_dep(lists)) return;                                  // whole block leaves together
+    const ListSlot slot = read_list_slot(lists, slots, a);
+    if (slot_unused(slot, a)) return;                                // whole block leaves together
     const int i0 = ((blockIdx.x - a * per_slot) * GB_WARPS + (threadIdx.x >> 5)) * 8;
     if (i0 >= inter) return;                                         // whole warp leaves together
-    const int e = ld_dep(list_expert(lists) + a);
-    const int count = ld_dep(list_count(lists, slots) + a);
-    const int* pairs = sorted_pairs(lists, slots) + ld_dep(list_offset(lists, slots) + a);
+    const int e = slot.expert;
+    const int count = slot.count;
+    const int* pairs = sorted_pairs(lists, slots) + slot.offset;
     if (e >= experts) {                                              // bad ids: NaN, no weight read
         for (int j = 0; j < count; ++j) {
             const long long p = __ldg(pairs + j);
@@ -872,8 +891,8 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
         const uint4* x_row[GB_NBLK];                                 // B column g of each 8-pair block
         #pragma unroll
         for (int nb = 0; nb < GB_NBLK; ++nb) {
-            const long long p = __ldg(pairs + tile + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
-            x_row[nb] = reinterpret_cast<const uint4*>(x + (p / top_k) * hidden);
+            const int p = __ldg(pairs + tile + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
+            x_row[nb] = reinterpret_cast<const uint4*>(x + (size_t)(p / top_k) * hidden);   // int: no division call
         }
         float acc[GB_NBLK][4];
         bool unused = true;

@@ -174,6 +174,14 @@ def test_auto_knobs() -> None:
     assert [wdb.resolve_params(Dims(t, 2048, 768, 128, 8), GB_MMA=1)["GB_NBLK"] for t in (32, 64)] == [1, 2]
     assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8), GB_MMA=1, GB_NBLK=1)["GB_NBLK"] == 1
     assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8), DB_MMA=1, DB_WARPS=4)["DB_WARPS"] == 4
+    # auto DB_BALANCE (-1 in the tensor-core knob sets): where the round-robin's last round is < 85 % full on average
+    balance = {t: wdb.resolve_params(Dims(t, 2048, 768, 128, 8), **wdb.MIXED_KNOBS)["DB_BALANCE"]
+               for t in (2, 4, 8, 16, 32, 64)}
+    assert balance == {2: 0, 4: 0, 8: 1, 16: 0, 32: 0, 64: 0}  # T = 8: 51.6 experts / 16 warps = 3.2 (80 %)
+    assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8), **wdb.MMA_KNOBS, DB_SPLIT=2)["DB_BALANCE"] == 0
+    assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8), DB_BALANCE=-1)["DB_BALANCE"] == 0  # the FMA down
+    assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8), **{**wdb.MMA_KNOBS, "DB_BALANCE": 0})["DB_BALANCE"] == 0
+    assert wdb.resolve_params(None, **wdb.MMA_KNOBS)["DB_BALANCE"] == 0
 
 
 def test_source_and_variant_are_registered() -> None:
