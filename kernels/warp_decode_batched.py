@@ -116,6 +116,27 @@ the bench run results/h200-2026-12-01-s5-final-uniform.json):
   balance saves. A version that picked the split on the device from the slots used was 1-3 % slower than the
   same split fixed, and was dropped; the knob stays, 1 by default (bitwise the unsplit kernel, same SASS).
 
+Session 6 (H200, 2026-12-01 05:48-06:16 UTC; results/sweep-stage-*.json, the same-machine A/B runs
+results/ab-s6-*.json, the bench run results/h200-2026-12-01-s6-uniform.json):
+
+* The gate_up kernels read their list slot (used, expert, count, offset) in ONE round trip -- the exit test reads
+  all four, so ptxas no longer sinks three loads below it -- and the pair ids as int: ``p / top_k`` on a 64-bit
+  id had compiled to a division call between the tile's two pair-id loads, serialising them. FMA gate_up 1-6 %
+  faster (qwen3-30b T = 64: 315.6 -> 295.5 us for the kernel); the tensor-core gate_up within 0.7 %.
+* ``DB_BALANCE`` (tensor-core down): the (slot, 32-wide k block) items, slot-major, cut into DB_WARPS equal runs, so
+  every warp streams the same bytes (runs start and end inside slots). Auto (-1 in the tensor-core knob sets,
+  :func:`auto_balance`): on where a round-robin of whole experts leaves the last round < 85 % full -- qwen3 T = 8,
+  down 44.1 -> 40.2 us; 0-1 % slower at the fuller points, so off there.
+* ``DB_STAGE`` (the lists and routing weights copied into the down block's shared memory first): 1 % faster at
+  T = 4 / 16, 1-3 % slower at T = 32 / 64 (the copy delays the first w2 loads; the per-slot list reads were L1
+  hits already). A knob, off.
+* Measured and reverted: issuing the first round's weight loads before the tile's pair ids (FMA gate_up) and
+  rotating the tensor-core k loop so each round's A loads precede its columns. 5-25 % SLOWER at every point, with
+  15-25 more registers per thread (fewer gate_up blocks per SM).
+* A diagnostic (notes/diag_session6.py, results/diag-s6.json): without the list kernel in the timed graph the
+  layer is 0.6 / 0.6 / 2.0 us faster at qwen3-30b T = 8 / 32 / 64 -- the most that folding it into gate_up could
+  gain.
+
 Measured and left off (H200, results/sweep-batched-*.json): GB_PIPE / DB_PIPE, software pipelining that
 keeps the next round's (down: the next step's, across experts) loads in flight during this round's FMAs.
 Both are SLOWER at every swept point (down 5-10 %, gate_up 10-60 %): holding two rounds of registers costs
