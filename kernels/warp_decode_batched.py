@@ -280,8 +280,9 @@ def auto_balance(dims: Dims | None, params: dict[str, int]) -> int:
     (E * (1 - (1 - K/E)**T), at most T*K) round-robin to DB_WARPS warps leaves the last round less than
     :data:`BALANCE_BELOW` full on average (mean / ceil(mean) experts per warp), else 0. H200 sweeps
     (results/sweep-stage-*.json, session 6): at qwen3-30b T = 8 (51.6 experts on 16 warps: 3.2 per warp, 80 %)
-    the balanced runs are 3 % faster (mixed 125.0 -> 120.9 us, MMA 133.3 -> 129.4); at 90 % or fuller (T = 4:
-    1.8 per warp; T = 16: 5.0; T = 32 / 64 on 24 warps: 4.7 / 5.2, 87.5 %) they are 0-1 % slower."""
+    the balanced runs are 3 % faster (mixed 125.0 -> 120.9 us, MMA 133.3 -> 129.4); at 87.5 % or fuller (T = 4:
+    1.8 per warp, 90 %; T = 16: 5.0; T = 32 / 64 on 24 warps: 4.7 / 5.2, 93 / 87.5 %) they are 0-1 % slower.
+    T = 1 (8 experts on 16 warps, 50 %) takes them too; not measured apart (strict is the fastest path there)."""
     if dims is None or not params["DB_MMA"] or params["DB_SPLIT"] != 1:
         return 0
     k, e = dims.top_k, dims.experts

@@ -916,8 +916,9 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
 #if DB_MMA
 // ------------------------------------------------------------------------------------------------
 // The tensor-core down's view of the routing lists: the slot arrays, the sorted pairs and the routing weights,
-// in global memory or (DB_STAGE 1) staged in the block's shared memory behind the partials -- one round trip
-// at the start instead of a chain of dependent L2 loads (slot -> pairs -> weights) at every slot a warp takes.
+// in global memory or (DB_STAGE 1) staged in the block's shared memory behind the partials -- one round trip at
+// the start instead of dependent loads (slot -> pairs -> weights) at every slot a warp takes. Measured (H200,
+// session 6): the per-slot loads are L1 hits already and the copy delays the first w2 loads, so DB_STAGE is off.
 // ------------------------------------------------------------------------------------------------
 #if DB_STAGE
 #define DOWN_LIST_LD(ptr) (*(ptr))                                   // shared memory
@@ -926,7 +927,7 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
 #endif
 struct DownLists {
     const int* expert; const int* offset; const int* count; const int* pairs; const float* weight;  // weight[p]
-    int used, good;                                                  // slots used; of them with a real expert
+    int good;                                                        // slots with a real expert (the first ones)
 };
 
 // One list slot's share of a warp's work: A = w2[e, h0 .. h0+15, chunks c_begin .. c_end-1], B column g =
@@ -1040,12 +1041,12 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
     for (int j = threadIdx.x; j < 3 * slots + pairs_total; j += DB_WARPS * 32)
         staged[j] = __ldg(lists + LIST_HEADER + j);
     for (int j = threadIdx.x; j < pairs_total; j += DB_WARPS * 32) staged_weight[j] = __ldg(topk_weights + j);
-    const DownLists m{staged, staged + slots, staged + 2 * slots, staged + 3 * slots, staged_weight, __ldg(lists),
+    const DownLists m{staged, staged + slots, staged + 2 * slots, staged + 3 * slots, staged_weight,
                       __ldg(lists) - (__ldg(lists + 2) > 0)};
     __syncthreads();
 #else
     const DownLists m{list_expert(lists), list_offset(lists, slots), list_count(lists, slots),
-                      sorted_pairs(lists, slots), topk_weights, __ldg(lists), __ldg(lists) - (__ldg(lists + 2) > 0)};
+                      sorted_pairs(lists, slots), topk_weights, __ldg(lists) - (__ldg(lists + 2) > 0)};
 #endif
     down_prologue(mine, tokens * 16, lane);
 
