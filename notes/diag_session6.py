@@ -25,7 +25,7 @@ from kernels import warp_decode_batched as wdb
 from kernels.compile import get_kernel
 from kernels.shapes import get_shape
 from tools import harness, roofline
-from tools.roofline import ROOFLINE_SOURCE, _time_graph, capture
+from tools.roofline import ROOFLINE_SOURCE, window_read_samples
 
 
 class WithoutLists:
@@ -81,26 +81,14 @@ def sized_reads() -> list[dict[str, Any]]:
              ("30b T=64", 1_189_085_184), ("235b T=1", 302_000_000)]
     for label, nbytes in sizes:
         nbytes = nbytes // 4096 * 4096
-        windows = max(1, min(48, total // nbytes))
         first = nbytes * 2 // 3 // 16 * 16
         for two_kernels in (False, True):
-            parts = [(0, first), (first, nbytes - first)] if two_kernels else [(0, nbytes)]
-
-            def body(parts: list[tuple[int, int]] = parts, windows: int = windows, nbytes: int = nbytes) -> None:
-                for layer in range(48):
-                    base = (layer % windows) * nbytes
-                    for offset, size in parts:
-                        view = source[(base + offset) // 4:(base + offset + size) // 4]
-                        read((grid,), (block,), (view, cupy.uint64(size // 16), sink))
-
-            with stream:
-                body()
-            stream.synchronize()
-            samples = [s / 48 for s in _time_graph(capture(stream, body), stream, 10, 1)]
+            parts = [(0, first), (first, nbytes - first)] if two_kernels else None
+            samples = window_read_samples(read, grid, block, source, sink, stream, nbytes, parts)
             median = statistics.median(samples)
-            rows.append({"what": label, "bytes": nbytes, "two_kernels": two_kernels, "windows": windows,
-                         "median_us": median, "tbps": nbytes / median / 1e6, "min_us": min(samples),
-                         "max_us": max(samples)})
+            rows.append({"what": label, "bytes": nbytes, "two_kernels": two_kernels,
+                         "windows": min(48, total // nbytes), "median_us": median, "tbps": nbytes / median / 1e6,
+                         "min_us": min(samples), "max_us": max(samples)})
             print(rows[-1], flush=True)
     return rows
 

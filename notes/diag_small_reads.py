@@ -21,7 +21,7 @@ import cupy
 
 from kernels.compile import CudaSource, get_kernel
 from tools import roofline
-from tools.roofline import _time_graph, capture
+from tools.roofline import window_read_samples
 
 SOURCE = CudaSource(
     name="diag_small_reads",
@@ -64,23 +64,10 @@ def main() -> dict[str, Any]:
     stream = cupy.cuda.Stream(non_blocking=True)
     rows = []
     for label, nbytes in SIZES:
-        windows = min(48, total // nbytes)
         for unroll in (1, 4, 8):
             read = get_kernel(SOURCE, "read_unrolled", UNROLL=unroll)
             for per_sm, threads in SHAPES:
-                grid = per_sm * sms
-
-                def body(nbytes: int = nbytes, windows: int = windows, grid: int = grid, threads: int = threads,
-                         read: Any = read) -> None:
-                    for layer in range(48):
-                        base = (layer % windows) * nbytes
-                        view = source[base // 4:(base + nbytes) // 4]
-                        read((grid,), (threads,), (view, cupy.uint64(nbytes // 16), sink))
-
-                with stream:
-                    body()
-                stream.synchronize()
-                samples = [s / 48 for s in _time_graph(capture(stream, body), stream, 10, 1)]
+                samples = window_read_samples(read, per_sm * sms, threads, source, sink, stream, nbytes)
                 median = statistics.median(samples)
                 rows.append({"what": label, "bytes": nbytes, "unroll": unroll, "blocks_per_sm": per_sm,
                              "threads": threads, "median_us": median, "min_us": min(samples),

@@ -476,6 +476,24 @@ def test_roofline_flow_on_a_numpy_stand_in(monkeypatch):
     assert record["d2d_memcpy_tbps"] > 0 and record["copy16_tbps"] > 0 and "copy16_error" not in record
 
 
+def test_window_read_samples_cycle_windows_and_split_parts(monkeypatch):
+    """Each of the graph's reads covers the next window of the source (cycling), split into the given parts."""
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    seen = []
+
+    def read(grid, block, args):
+        view, n16, _ = args
+        seen.append((view.ctypes.data - source.ctypes.data, int(n16) * 16, grid, block))
+
+    source = np.zeros(3 * 64 // 4 + 5, np.uint32)  # 3 whole 64-byte windows (and a tail never read)
+    samples = roofline.window_read_samples(read, 8, 32, source, None, sys.modules["cupy"].cuda.Stream(), 64,
+                                           parts=[(0, 48), (48, 16)], layers=4, repeats=3)
+    assert len(samples) == 3 and all(s >= 0 for s in samples)
+    per_layer = [(0, 48), (48, 16), (64, 48), (112, 16), (128, 48), (176, 16), (0, 48), (48, 16)]  # 4th: window 0
+    assert [(offset, size) for offset, size, _, _ in seen[:8]] == per_layer  # the eager warm-up
+    assert seen[8:] == seen[:8] * (len(seen) // 8 - 1) and {(g, b) for _, _, g, b in seen} == {((8,), (32,))}
+
+
 def test_bench_run_flow_on_a_numpy_stand_in(monkeypatch):
     """bench.run end to end (rooflines, workbenches, variants, crossover, result object) on the stand-in."""
     from tools import bench

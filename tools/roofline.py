@@ -146,6 +146,31 @@ def capture(stream: Any, fn: Any) -> Any:
     return graph
 
 
+def window_read_samples(read: Any, grid: int, block: int, source: Any, sink: Any, stream: Any, nbytes: int,
+                        parts: list[tuple[int, int]] | None = None, layers: int = 48,
+                        repeats: int = 10) -> list[float]:
+    """Microseconds per read of ``nbytes`` by ``read`` (a ``stream_read``-shaped kernel: src, 16-byte count,
+    sink): one CUDA graph of ``layers`` reads, each of the next ``nbytes`` window of ``source`` (cycling, so
+    that a large ``source`` keeps the reads out of L2); ``parts`` ((offset, size) pairs inside a window) split each
+    read into that many launches. ``repeats`` samples after a warm-up (notes/diag_*.py: reads of one layer's size)."""
+    import cupy
+
+    windows = max(1, min(layers, source.nbytes // nbytes))
+    parts = parts or [(0, nbytes)]
+
+    def body() -> None:
+        for layer in range(layers):
+            base = (layer % windows) * nbytes
+            for offset, size in parts:
+                view = source[(base + offset) // 4:(base + offset + size) // 4]
+                read((grid,), (block,), (view, cupy.uint64(size // 16), sink))
+
+    with stream:
+        body()  # compile + first touch outside the graph
+    stream.synchronize()
+    return [s / layers for s in _time_graph(capture(stream, body), stream, repeats, 1)]
+
+
 def measure(repeats: int = 10, read_bytes: int = READ_BYTES_TARGET, copy_bytes: int = COPY_BYTES_TARGET) -> dict:
     """Measure the three rooflines on the current GPU; returns the JSON-ready ``rooflines`` record."""
     import cupy
