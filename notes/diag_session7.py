@@ -1,0 +1,44 @@
+"""One-off H200 diagnostic of session 7 (2026-12-01), kept with its result, results/diag-s7.json.
+
+Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_session7.py`` (writes ``$OUT/diag_s7.json``).
+
+Is the tensor-core down limited per SM or by HBM? Its block owns 16 hidden columns, so qwen3-30b (H = 2048) runs
+128 blocks on the H200's 132 SMs. The same layer with H = 2112 runs 132 blocks on 3.1 % more w2 bytes: if the
+down stage takes the same time, the down is limited per SM (work spread over all 132 SMs would be ~3 % faster);
+if it takes 3.1 % longer, HBM is the limit and the 4 idle SMs cost nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from kernels import warp_decode_batched as wdb
+from kernels.shapes import get_shape
+from tools import harness, roofline
+
+
+def down_per_sm() -> list[dict[str, Any]]:
+    rows = []
+    base = get_shape("qwen3-30b-a3b")
+    for variant, tokens in ((wdb.MIXED_VARIANT, 8), (wdb.MMA_VARIANT, 32), (wdb.MMA_VARIANT, 64)):
+        for hidden in (2048, 2112):
+            shape = dataclasses.replace(base, name=f"qwen3-30b-a3b/H{hidden}", hidden=hidden, layers=1)
+            bench = harness.Workbench(shape, tokens, "uniform", 0)
+            record = bench.measure(variant, repeats=15, stages=True)
+            stages = {s["name"]: s.get("median_us") for s in record["stages"]}
+            rows.append({"variant": variant.name, "H": hidden, "T": tokens, "status": record["status"],
+                         "median_us": record.get("median_us"), "iqr_us": record.get("iqr_us"),
+                         "stages_us": stages, "unique": record["bytes"]["unique_experts"],
+                         "weights": record["bytes"]["weights"]})
+            print(rows[-1], flush=True)
+            bench.free()
+    return rows
+
+
+if __name__ == "__main__":
+    result = {"down_per_sm": down_per_sm(), "roofline": roofline.measure()["read_tbps"]}
+    with open(os.path.join(os.environ.get("OUT", "."), "diag_s7.json"), "w") as f:
+        json.dump(result, f, indent=1)
