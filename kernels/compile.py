@@ -172,14 +172,38 @@ def launch_ex(
         raise RuntimeError(f"cuLaunchKernelEx failed: {status}")
 
 
+def prefer_shared_memory(kernel: Any) -> None:
+    """Ask for the maximum shared-memory carveout (minimum L1) on the SMs that run ``kernel`` (a RawKernel):
+    a kernel that shares its SMs with a big-shared-memory kernel launched behind it (PDL) sets this, because an
+    SM only changes its carveout when it is idle."""
+    from cuda.bindings import driver
+
+    function = driver.CUfunction(int(getattr(kernel, "kernel", kernel).ptr))
+    attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+    (status,) = driver.cuFuncSetAttribute(function, attribute, 100)
+    if int(status) != 0:
+        raise RuntimeError(f"cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT) failed: {status}")
+
+
+def device_sm_count(default: int) -> int:
+    """Streaming multiprocessors of the current GPU, or ``default`` where no GPU (or no CuPy) is present."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+    except Exception:  # noqa: BLE001 - no CuPy, no driver or no device: the caller's documented default
+        return default
+
+
 def for_device(params: dict[str, int]) -> dict[str, int]:
-    """``params`` for the current device: a ``PDL`` knob needs sm_90+ (``griddepcontrol``), so it becomes 0 on
-    older GPUs (the kernels then wait for nothing and launch the ordinary way)."""
-    if params.get("PDL"):
+    """``params`` for the current device: ``PDL`` (``griddepcontrol``) and ``DN_STAGED`` (``cp.async.bulk``) need
+    sm_90+, so they become 0 on older GPUs (the kernels then wait for nothing, and the plain down runs)."""
+    sm90_knobs = [knob for knob in ("PDL", "DN_STAGED") if params.get(knob)]
+    if sm90_knobs:
         import cupy
 
         if int(cupy.cuda.Device().compute_capability) < 90:
-            return {**params, "PDL": 0}
+            return {**params, **{knob: 0 for knob in sm90_knobs}}
     return params
 
 

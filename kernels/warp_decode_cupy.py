@@ -66,13 +66,23 @@ from typing import Any
 
 import numpy as np
 
-from kernels.compile import CudaSource, for_device, get_kernel, launch_ex, preset_variants, register_source
+from kernels.compile import (
+    CudaSource,
+    device_sm_count,
+    for_device,
+    get_kernel,
+    launch_ex,
+    prefer_shared_memory,
+    preset_variants,
+    register_source,
+)
 from kernels.contract import BF16, Dims, array_module, check_aligned, check_inputs, check_out, require_cupy
 from kernels.device_helpers import PDL_HELPERS, WARP_HELPERS
 from kernels.variants import Variant, register
 
 GATE_UP = "moe_gate_up_3d_batched"
 DOWN = "moe_down_3d_batched"
+STAGED_DOWN = "moe_down_3d_staged"  # DN_STAGED=1's down (sm_90+)
 
 CODE = WARP_HELPERS + PDL_HELPERS + r"""
 // Warp decode for MoE decode. bf16 is handled as raw 16-bit patterns: widening is a shift / mask,
@@ -89,6 +99,8 @@ static_assert(DN_EARLY_INTER == 0 || DN_EARLY_INTER == 1, "DN_EARLY_INTER must b
 static_assert(GU_PREFETCH == 0 || (GU_PREFETCH == 1 && GU_OUTS <= 16), "GU_PREFETCH 0 or 1 (1 needs GU_OUTS <= 16)");
 static_assert(DN_PREFETCH == 0 || DN_PREFETCH == 1, "DN_PREFETCH must be 0 or 1");
 static_assert(DN_BULK == 0 || (DN_BULK == 1 && DN_OUTS == 1 && DN_BYTES == 16), "DN_BULK=1: DN_OUTS 1, DN_BYTES 16");
+static_assert(DN_STAGED == 0 || DN_STAGED == 1, "DN_STAGED must be 0 or 1");
+static_assert(DN_ROWS >= 1 && DN_ROWS <= 1024, "DN_ROWS must be 1..1024");
 static_assert(GU_BYTES == 4 || GU_BYTES == 8 || GU_BYTES == 16, "GU_BYTES must be 4, 8 or 16");
 static_assert(DN_BYTES == 4 || DN_BYTES == 8 || DN_BYTES == 16, "DN_BYTES must be 4, 8 or 16");
 
@@ -431,6 +443,119 @@ extern "C" __global__ void DN_BOUNDS moe_down_3d_batched(
         }
     }
 }
+
+#ifndef WD_HOST_EMULATION
+// ------------------------------------------------------------------------------------------------
+// moe_down_3d_staged (DN_STAGED=1, sm_90+): the sums of moe_down_3d_batched for a layer whose w2 share per
+//   block fits in shared memory (qwen3-30b-a3b T = 1: 8 slots x 16 rows x 1536 B = 192 KiB).
+//   Block b owns hidden rows h0 = b * DN_ROWS .. h0 + DN_ROWS - 1 of ALL T tokens.
+//   1) Before the PDL wait, thread 0 asks the copy engine (cp.async.bulk, no registers held) for each (t, k)
+//      slot's rows w2[e, h0 .. h0 + DN_ROWS - 1, :] (contiguous) into shared memory, completion counted in
+//      bytes on ONE mbarrier. The block is resident beside gate_up's blocks (gate_up prefers the maximum
+//      shared-memory carveout under DN_STAGED, see kernels_for), so w2 streams while gate_up reads w13.
+//   2) After the wait (gate_up done) the block copies intermediate[T, K, I] into shared memory.
+//   3) Warp w owns the (token, row) items w, w + DN_WARPS, ...: lane l FMAs chunks c = l, l + 32, ... of each
+//      slot's staged row times the intermediate times the routing weight into ONE FP32 register accumulator,
+//      in the per-lane order of moe_down_3d_batched with DN_UNROLL 1 (bitwise equal at equal DN_SLOTS), and
+//      warp_sum gives out[t, h]. A token with any id outside [0, E) gets NaN and none of its w2 is read.
+// Shared memory: [16 B mbarrier][token_bad: T ints, padded to 16 B][w2 rows: T*K][DN_ROWS][I][intermediate: T*K][I]
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ unsigned staged_smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+// __launch_bounds__: at most 16 K registers a block up to 8 warps (64 a thread at 8), so the block fits beside
+// gate_up's resident warps; 2 blocks' worth above (16 warps would spill at 32)
+#define STAGED_MIN_BLOCKS (DN_WARPS > 8 ? 2 : 4)
+extern "C" __global__ void __launch_bounds__(DN_WARPS * 32, STAGED_MIN_BLOCKS) moe_down_3d_staged(
+    const bf16_t* __restrict__ intermediate,  // [T, K, I]
+    const bf16_t* __restrict__ w2,            // [E, H, I]
+    const int* __restrict__ topk_ids,         // [T, K]
+    const float* __restrict__ topk_weights,   // [T, K]
+    void* __restrict__ out,                   // [T, H] bf16, or float32 when out_f32
+    int out_f32, int tokens, int hidden, int inter, int experts, int top_k)
+{
+    extern __shared__ __align__(16) unsigned char staged_smem[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int h0 = blockIdx.x * DN_ROWS;
+    const int rows = min(DN_ROWS, hidden - h0);                      // the last block may own fewer
+    const int pairs = tokens * top_k;
+    const int chunks = inter / 8;                                    // 16-byte chunks (I % 8 == 0)
+    const unsigned row_bytes = 2u * (unsigned)inter;
+    const unsigned bar = staged_smem_u32(staged_smem);
+    int* token_bad = reinterpret_cast<int*>(staged_smem + 16);
+    const size_t bad_bytes = ((size_t)4 * tokens + 15) / 16 * 16;
+    uint4* w2_rows = reinterpret_cast<uint4*>(staged_smem + 16 + bad_bytes);
+    uint4* inter_rows = w2_rows + (size_t)pairs * DN_ROWS * chunks;
+
+    // 1) range-check every id (topk_ids was written before gate_up started: readable before the wait), then
+    //    request the good tokens' w2 rows
+    for (int t = tid; t < tokens; t += DN_WARPS * 32) token_bad[t] = 0;
+    __syncthreads();
+    for (int p = tid; p < pairs; p += DN_WARPS * 32)
+        if ((unsigned)__ldg(topk_ids + p) >= (unsigned)experts) token_bad[p / top_k] = 1;   // same value: benign
+    __syncthreads();
+    if (tid == 0) {
+        const unsigned slot_bytes = (unsigned)rows * row_bytes;
+        unsigned bytes = 0;
+        for (int p = 0; p < pairs; ++p) bytes += token_bad[p / top_k] ? 0u : slot_bytes;
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar));
+        asm volatile("fence.mbarrier_init.release.cluster;\n\tfence.proxy.async.shared::cta;" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+        for (int p = 0; p < pairs; ++p) {
+            if (token_bad[p / top_k]) continue;
+            const bf16_t* src = w2 + ((size_t)__ldg(topk_ids + p) * hidden + h0) * inter;
+            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                         :: "r"(staged_smem_u32(w2_rows + (size_t)p * DN_ROWS * chunks)), "l"(src), "r"(slot_bytes),
+                            "r"(bar) : "memory");
+        }
+    }
+    __syncthreads();  // the mbarrier is initialised before anyone waits on it
+
+    // 2) gate_up's output, once it is complete
+    pdl_wait();
+    pdl_release();
+    const uint4* inter_global = reinterpret_cast<const uint4*>(intermediate);
+    for (int j = tid; j < pairs * chunks; j += DN_WARPS * 32) inter_rows[j] = ld_dep(inter_global + j);
+    __syncthreads();
+    unsigned landed = 0;
+    while (!landed) {
+        asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n\t"
+                     "selp.u32 %0, 1, 0, p;\n\t}" : "=r"(landed) : "r"(bar) : "memory");
+    }
+
+    // 3) one warp per (token, row) item, one FP32 accumulator per lane
+    for (int item = warp; item < tokens * rows; item += DN_WARPS) {
+        const int t = item / rows, r = item - t * rows;
+        const bool bad = token_bad[t] != 0;
+        float acc = 0.0f;
+        if (!bad) {
+            for (int k0 = 0; k0 < top_k; k0 += DN_SLOTS)
+                for (int c = lane; c < chunks; c += 32)
+                    #pragma unroll
+                    for (int s = 0; s < DN_SLOTS; ++s) {
+                        const int p = t * top_k + k0 + s;
+                        if (k0 + s < top_k) {
+                            const uint4 wv = w2_rows[((size_t)p * DN_ROWS + r) * chunks + c];
+                            const uint4 iv = inter_rows[(size_t)p * chunks + c];
+                            const float wk = __ldg(topk_weights + p);
+                            #pragma unroll
+                            for (int w = 0; w < 4; ++w) {
+                                const float a_lo = wk * bf16_lo(word(iv, w)), a_hi = wk * bf16_hi(word(iv, w));
+                                acc = fmaf(bf16_lo(word(wv, w)), a_lo, acc);
+                                acc = fmaf(bf16_hi(word(wv, w)), a_hi, acc);
+                            }
+                        }
+                    }
+        }
+        float v = warp_sum(acc);
+        if (bad) v = __int_as_float(0x7fc00000);
+        if (lane == 0) {
+            const long long idx = (long long)t * hidden + h0 + r;
+            if (out_f32) reinterpret_cast<float*>(out)[idx] = v;
+            else reinterpret_cast<bf16_t*>(out)[idx] = f32_to_bf16(v);  // the one final rounding
+        }
+    }
+}
+#endif
 """
 
 # Compile-time knobs and their concrete defaults (what the offline report compiles as "defaults"; those of
@@ -454,8 +579,11 @@ DEFAULTS: dict[str, int] = {
     "DN_BULK": 0,  # 1: each warp's w2 rows copied into its shared-memory slice by cp.async.bulk (sm_90+)
     "DN_EARLY_INTER": 1,  # 1: intermediate chunks loaded in the same batch as w2 (one latency per round)
     "PDL": 1,  # programmatic dependent launch: down's first w2 loads overlap gate_up's tail (sm_90+; 0 before)
+    "DN_STAGED": 0,  # 1: moe_down_3d_staged -- each block's whole w2 share copied into shared memory while
+    # gate_up runs (sm_90+; needs T x K x DN_ROWS x I x 2 bytes + the intermediate per block)
+    "DN_ROWS": 16,  # DN_STAGED's hidden rows per block (0 = auto: one block per SM at most, see _staged_rows)
 }
-AUTO_KNOBS = ("DN_SLOTS", "DN_UNROLL", "DN_MIN_BLOCKS", "DN_WARPS")
+AUTO_KNOBS = ("DN_SLOTS", "DN_UNROLL", "DN_MIN_BLOCKS", "DN_WARPS", "DN_ROWS")
 
 
 def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
@@ -473,7 +601,7 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
         "GU_WARPS": (1, 32), "DN_WARPS": (0, 32), "GU_OUTS": (1, 32), "DN_OUTS": (1, 32),
         "GU_UNROLL": (1, 64), "DN_UNROLL": (0, 64), "DN_SLOTS": (0, 32),
         "GU_MIN_BLOCKS": (0, 32), "DN_MIN_BLOCKS": (0, 32), "PDL": (0, 1), "DN_EARLY_INTER": (0, 1),
-        "GU_PREFETCH": (0, 1), "DN_PREFETCH": (0, 1), "DN_BULK": (0, 1),
+        "GU_PREFETCH": (0, 1), "DN_PREFETCH": (0, 1), "DN_BULK": (0, 1), "DN_STAGED": (0, 1), "DN_ROWS": (0, 1024),
     }
     for key, (low, high) in limits.items():
         if not low <= values[key] <= high:
@@ -497,7 +625,40 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
         if shared > SHARED_LIMIT:
             raise ValueError(f"DN_BULK=1 needs DN_WARPS x (16 + K x I x 2) = {shared} bytes of shared memory per "
                              f"block, over {SHARED_LIMIT}: lower DN_WARPS or use DN_BULK=0")
+    if not values["DN_STAGED"]:
+        values["DN_ROWS"] = DEFAULTS["DN_ROWS"]  # unused: one compiled module whatever was asked
+    else:
+        if values["DN_BULK"]:
+            raise ValueError("DN_STAGED=1 replaces the down kernel: it takes DN_BULK=0")
+        if params.get("DN_WARPS", 0) == 0:
+            values["DN_WARPS"] = STAGED_DOWN_WARPS
+        if values["DN_ROWS"] == 0:
+            values["DN_ROWS"] = _staged_rows(dims) if dims is not None else DEFAULTS["DN_ROWS"]
+        shared = staged_shared_bytes(values, dims) if dims is not None else 0
+        if shared > SHARED_LIMIT:
+            raise ValueError(
+                f"DN_STAGED=1 needs 16 + 4T + T x K x DN_ROWS x I x 2 + T x K x I x 2 = {shared} bytes of shared "
+                f"memory per block (T={dims.tokens}, K={dims.top_k}, DN_ROWS={values['DN_ROWS']}, "
+                f"I={dims.intermediate}), over {SHARED_LIMIT}: lower DN_ROWS or use DN_STAGED=0"
+            )
     return values
+
+
+STAGED_DOWN_WARPS = 8  # auto DN_WARPS of the staged down (its compute runs from shared memory after gate_up)
+
+
+def _staged_rows(dims: Dims) -> int:
+    """Auto ``DN_ROWS``: the fewest rows per block that still give at most one block per SM of the current GPU
+    (132 SMs -- the H200 -- without one), so every block's copies start at once beside gate_up."""
+    sms = device_sm_count(default=132)
+    return max(1, -(-dims.hidden // sms))
+
+
+def staged_shared_bytes(params: dict[str, int], dims: Dims) -> int:
+    """Dynamic shared memory of ``moe_down_3d_staged``: the mbarrier, T flags, the staged w2 rows and the
+    intermediate (see the kernel's layout comment)."""
+    pairs = dims.tokens * dims.top_k
+    return 16 + -(-4 * dims.tokens // 16) * 16 + pairs * (params["DN_ROWS"] + 1) * dims.intermediate * 2
 
 
 # down warps that fit in one wave at ~104 registers (8 slots x 16 B in flight): 16 warps x 132 SMs on the H200
@@ -545,7 +706,9 @@ SHARED_LIMIT = 227 * 1024  # dynamic shared memory one block may opt into on sm_
 
 def down_shared_bytes(params: dict[str, int], dims: Dims) -> int:
     """Dynamic shared memory of the down kernel: 0, or with DN_BULK a 16-byte barrier and a K x I bf16 landing
-    slice per warp."""
+    slice per warp, or with DN_STAGED :func:`staged_shared_bytes`."""
+    if params.get("DN_STAGED"):
+        return staged_shared_bytes(params, dims)
     if not params["DN_BULK"]:
         return 0
     return params["DN_WARPS"] * (16 + dims.top_k * dims.intermediate * 2)
@@ -555,7 +718,7 @@ SOURCE = register_source(
     CudaSource(
         name="warp_decode_cupy",
         code=CODE,
-        kernels=(GATE_UP, DOWN),
+        kernels=(GATE_UP, DOWN, STAGED_DOWN),
         defaults=dict(DEFAULTS),
         variants=preset_variants(resolve_params, DEFAULTS),
         warps_knobs={GATE_UP: "GU_WARPS", DOWN: "DN_WARPS"},
@@ -581,7 +744,12 @@ def kernels_for(params: dict[str, int]) -> tuple[Any, Any]:
     key = (cupy.cuda.Device().id, SOURCE.code, tuple(sorted(params.items())))
     handles = _HANDLES.get(key)
     if handles is None:
-        handles = (get_kernel(SOURCE, GATE_UP, **params), get_kernel(SOURCE, DOWN, **params))
+        gate_up_kernel = get_kernel(SOURCE, GATE_UP, **params)
+        if params.get("DN_STAGED"):
+            # the SMs keep the maximum shared-memory carveout while gate_up runs, so the staged down's blocks
+            # (~200 KB each) can become resident beside gate_up's instead of after it has drained
+            prefer_shared_memory(gate_up_kernel)
+        handles = (gate_up_kernel, get_kernel(SOURCE, STAGED_DOWN if params.get("DN_STAGED") else DOWN, **params))
         _HANDLES[key] = handles
     return handles
 
@@ -604,14 +772,16 @@ def _launch_gate_up(kernel: Any, params: dict[str, int], dims: Dims, x: Any, w13
 
 def _launch_down(kernel: Any, params: dict[str, int], dims: Dims, intermediate: Any, w2: Any, topk_ids: Any,
                  topk_weights: Any, out: Any) -> None:
-    groups = -(-dims.hidden // params["DN_OUTS"])
-    warps = dims.tokens * groups
+    if params["DN_STAGED"]:
+        blocks = -(-dims.hidden // params["DN_ROWS"])  # block b: rows b * DN_ROWS .., all tokens
+    else:
+        blocks = _blocks(dims.tokens * -(-dims.hidden // params["DN_OUTS"]), params["DN_WARPS"])
     out_f32 = np.int32(1 if out.dtype == np.float32 else 0)
     shared = down_shared_bytes(params, dims)
     if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:  # opt in above 48 KB, once
         kernel.max_dynamic_shared_size_bytes = shared
     launch_ex(
-        kernel, (_blocks(warps, params["DN_WARPS"]),), (params["DN_WARPS"] * 32,),
+        kernel, (blocks,), (params["DN_WARPS"] * 32,),
         (intermediate, w2, topk_ids, topk_weights, out, out_f32, np.int32(dims.tokens), np.int32(dims.hidden),
          np.int32(dims.intermediate), np.int32(dims.experts), np.int32(dims.top_k)),
         shared_mem=shared,

@@ -189,6 +189,23 @@ def test_auto_params_are_what_the_h200_sweep_chose() -> None:
     assert wdc.resolve_params(Dims(1, 2048, 768, 128, 8), DN_SLOTS=2, DN_UNROLL=6, DN_WARPS=4)["DN_MIN_BLOCKS"] == 4
 
 
+def test_staged_down_checks_its_shared_memory() -> None:
+    """DN_STAGED=1 holds every (token, slot)'s DN_ROWS w2 rows and the intermediate in one block's shared memory:
+    the size is checked up front, by name; auto DN_ROWS gives at most one block per SM (132 without a GPU)."""
+    dims = Dims(1, 2048, 768, 128, 8)
+    resolved = wdc.resolve_params(dims, DN_STAGED=1)
+    assert resolved["DN_WARPS"] == wdc.STAGED_DOWN_WARPS
+    assert wdc.down_shared_bytes(resolved, dims) == 16 + 16 + 8 * (resolved["DN_ROWS"] + 1) * 768 * 2
+    assert wdc.resolve_params(dims, DN_STAGED=1, DN_ROWS=5)["DN_ROWS"] == 5
+    assert wdc.resolve_params(dims, DN_ROWS=5)["DN_ROWS"] == wdc.DEFAULTS["DN_ROWS"]  # unused without staging
+    with pytest.raises(ValueError, match="DN_STAGED=1 needs .* DN_ROWS=16"):
+        wdc.resolve_params(Dims(2, 2048, 768, 128, 8), DN_STAGED=1, DN_ROWS=16)  # 16 x 17 x 1536 B > 227 KB
+    with pytest.raises(ValueError, match="DN_BULK=0"):
+        wdc.resolve_params(dims, DN_STAGED=1, DN_BULK=1)
+    with pytest.raises(ValueError, match="DN_ROWS must be in 0..1024"):
+        wdc.resolve_params(dims, DN_STAGED=1, DN_ROWS=2000)
+
+
 def test_bulk_down_checks_its_shared_memory() -> None:
     """DN_BULK=1 lands K rows of I bf16 per warp in shared memory: the size is checked up front, by name."""
     dims = Dims(1, 2048, 768, 128, 8)
@@ -226,7 +243,7 @@ def test_source_and_variant_are_registered() -> None:
     from kernels.variants import get_variant
 
     assert SOURCES["warp_decode_cupy"] is wdc.SOURCE
-    assert wdc.SOURCE.kernels == ("moe_gate_up_3d_batched", "moe_down_3d_batched")
+    assert wdc.SOURCE.kernels == ("moe_gate_up_3d_batched", "moe_down_3d_batched", "moe_down_3d_staged")
     variant = get_variant("cupy:warp-decode")
     assert variant.backend == "cupy" and variant.reference_mode == "warp_decode"
     assert set(variant.params) == set(wdc.DEFAULTS)
@@ -241,10 +258,15 @@ def test_source_and_variant_are_registered() -> None:
 
 def test_kernel_source_guards_and_comments() -> None:
     code = wdc.CODE
-    # the opt-in DN_BULK path (off by default) is the one place that uses shared memory: a per-warp landing slice
+    # the opt-in DN_BULK and DN_STAGED paths (off by default) are the only places that use shared memory:
+    # a per-warp landing slice, and the staged down's block-wide copy (the one kernel with __syncthreads)
     start, end = code.index("#if DN_BULK\n// DN_BULK=1"), code.index("#endif", code.index("#if DN_BULK\n// DN_BULK=1"))
-    strict = code[:start] + code[end:]
-    assert "__shared__" in code[start:end] and "__syncthreads" not in code
+    staged_start = code.index("#ifndef WD_HOST_EMULATION\n// ---")
+    staged_end = code.index("#endif", staged_start)
+    assert end < staged_start
+    strict = code[:start] + code[end:staged_start] + code[staged_end:]
+    assert "__shared__" in code[start:end] and "__syncthreads" in code[staged_start:staged_end]
+    assert "__syncthreads" not in strict
     assert "#include" not in code and "__shared__" not in strict and "atomic" not in code
     assert code.count("(unsigned)experts") >= 2  # both kernels range-check ids
     assert "__ldg" in code and "uint4" in code
@@ -485,7 +507,8 @@ def test_out_of_range_ids_raise_outside_capture(cupy_mod: Any, rng: np.random.Ge
 
 
 @pytest.mark.gpu
-def test_bad_ids_in_kernel_give_nan_rows(cupy_mod: Any, rng: np.random.Generator) -> None:
+@pytest.mark.parametrize("params", [{}, {"DN_STAGED": 1, "DN_ROWS": 8}], ids=["plain", "staged"])
+def test_bad_ids_in_kernel_give_nan_rows(cupy_mod: Any, rng: np.random.Generator, params: dict[str, int]) -> None:
     """The stages do no value checks (as under capture): bad tokens -> NaN rows, the rest still exact."""
     for shape, tokens in ((PRESETS["tiny"], 4), (ODD_SHAPES["h64-k40"], 3)):
         problem = make_problem(shape, tokens, seed=_seed(rng), xp=cupy_mod)
@@ -496,8 +519,8 @@ def test_bad_ids_in_kernel_give_nan_rows(cupy_mod: Any, rng: np.random.Generator
         dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
         out = _poisoned_out(cupy_mod, tokens, shape.hidden)
         ws = _poisoned_workspace(cupy_mod, dims)
-        wdc.gate_up(problem.x, problem.w13, ids, ws)
-        wdc.down(ws, problem.w2, ids, problem.topk_weights, out)
+        wdc.gate_up(problem.x, problem.w13, ids, ws, **params)
+        wdc.down(ws, problem.w2, ids, problem.topk_weights, out, **params)
         cupy_mod.cuda.runtime.deviceSynchronize()
         got = cupy_mod.asnumpy(out).astype(np.float32)
         assert np.all(np.isnan(got[0])) and np.all(np.isnan(got[2]))
@@ -588,6 +611,8 @@ GRID_SAMPLE = [
     {"GU_PREFETCH": 1, "GU_OUTS": 2, "GU_UNROLL": 1, "DN_PREFETCH": 1, "DN_OUTS": 2, "DN_SLOTS": 2},
     {"DN_BULK": 1},
     {"DN_BULK": 1, "DN_WARPS": 1, "DN_SLOTS": 3, "PDL": 0},
+    {"DN_STAGED": 1, "DN_ROWS": 4},
+    {"DN_STAGED": 1, "DN_ROWS": 3, "DN_WARPS": 4, "DN_SLOTS": 3, "PDL": 0},
 ]
 
 
@@ -610,6 +635,48 @@ def test_knobs_keep_results(cupy_mod: Any, rng: np.random.Generator, params: dic
     for shape, tokens in ((ODD_SHAPES["h264-i40"], 5), (ODD_SHAPES["h64-k40"], 2), (PRESETS["qwen3-30b-a3b"], 3)):
         problem = make_problem(shape, tokens, seed=_seed(rng), xp=cupy_mod)
         _run_and_check(cupy_mod, problem, f"{shape.name} {params}", **params)
+
+
+STAGED_CASES = [
+    ("qwen3-30b-a3b", 1, {}),  # the point it is for: auto DN_ROWS (one block per SM), 192 KiB of w2 a block
+    ("qwen3-30b-a3b", 2, {"DN_ROWS": 8}),
+    ("h264-i40", 5, {}),
+    ("h64-k40", 2, {"DN_ROWS": 5}),  # K = 40 > 32, the last block owns 4 rows
+    ("h8-i8-e1-k1", 3, {}),
+    ("h2880-i264", 4, {"DN_ROWS": 7, "DN_WARPS": 4}),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model, tokens, extra", STAGED_CASES, ids=[f"{m}-T{t}" for m, t, _ in STAGED_CASES])
+def test_staged_down_is_bitwise_the_plain_down(cupy_mod: Any, rng: np.random.Generator, model: str, tokens: int,
+                                              extra: dict[str, int]) -> None:
+    """DN_STAGED=1 moves where w2 waits (shared memory, copied by the copy engine) and which warp owns which row,
+    not the sums: at equal DN_SLOTS every output is bitwise the plain down's, eagerly and in a replayed
+    four-layer graph (PDL overlapping each staged down with its gate_up), twice."""
+    cupy = cupy_mod
+    shape = ODD_SHAPES.get(model) or PRESETS[model]
+    problem = make_problem(shape, tokens, seed=_seed(rng), xp=cupy)
+    dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
+    slots = wdc.resolve_params(dims)["DN_SLOTS"]
+    plain = _run_and_check(cupy, problem, f"{model} T={tokens} plain", DN_SLOTS=slots)
+    staged = _run_and_check(cupy, problem, f"{model} T={tokens} staged", DN_STAGED=1, DN_SLOTS=slots, **extra)
+    assert np.array_equal(plain.view(np.uint16), staged.view(np.uint16))
+    launch = wdc.build(dims, DN_STAGED=1, DN_SLOTS=slots, **extra)
+    got = _poisoned_out(cupy, tokens, dims.hidden)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        launch(*problem.arrays, got)  # compile outside the capture
+        stream.synchronize()
+        stream.begin_capture()
+        for _ in range(4):
+            launch(*problem.arrays, got)
+        graph = stream.end_capture()
+    for _ in range(2):
+        got.view(cupy.uint16).fill(0x7FC0)
+        graph.launch(stream)
+        stream.synchronize()
+        assert np.array_equal(cupy.asnumpy(got).view(np.uint16), plain.view(np.uint16))
 
 
 @pytest.mark.gpu
