@@ -150,3 +150,28 @@ __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
 }
 // ---- end of PDL helpers ----
 """
+
+# The tensor-core helpers (mma.sync m16n8k16, bf16 x bf16 -> FP32; sm_80+) with the k permutation the batched
+# source's comment above its tensor-core kernels explains: in a 32-wide k block a lane loads 16 contiguous bytes
+# of its A rows (g, g + 8) and of B column g, words 0-1 feed one mma and words 2-3 the next. Used by the
+# batched tensor-core kernels and the strict source's staged down. ``emulated_mma_16816`` is the g++ emulation's.
+MMA_HELPERS = r"""
+// ---- tensor-core helpers (kernels/device_helpers.py) ----
+__device__ __forceinline__ void mma_16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#ifdef WD_HOST_EMULATION
+    emulated_mma_16816(d, a0, a1, a2, a3, b0, b1);   // the g++ emulation in tests/ (gathers the fragments)
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// one 32-wide k block: rows_lo / rows_hi are the lane's chunks of A rows g and g + 8, col its chunk of B
+__device__ __forceinline__ void mma_k32(float (&d)[4], const uint4& rows_lo, const uint4& rows_hi, const uint4& col) {
+    mma_16816(d, rows_lo.x, rows_hi.x, rows_lo.y, rows_hi.y, col.x, col.y);
+    mma_16816(d, rows_lo.z, rows_hi.z, rows_lo.w, rows_hi.w, col.z, col.w);
+}
+// ---- end of tensor-core helpers ----
+"""

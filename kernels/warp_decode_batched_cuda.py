@@ -14,7 +14,7 @@ intermediate is bitwise equal to the strict kernel's at equal load width).
 
 from __future__ import annotations
 
-from kernels.device_helpers import PDL_HELPERS, WARP_HELPERS
+from kernels.device_helpers import MMA_HELPERS, PDL_HELPERS, WARP_HELPERS
 
 CODE = WARP_HELPERS + PDL_HELPERS + r"""
 // Batched warp decode for MoE decode: every expert's weights are read ONCE per batch (per token tile).
@@ -788,23 +788,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
 //   B, so each mma sums the products of matching elements.
 //   C: lane (g, q) holds rows g and g + 8 of columns 2q and 2q + 1.
 // ------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void mma_16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-#ifdef WD_HOST_EMULATION
-    emulated_mma_16816(d, a0, a1, a2, a3, b0, b1);   // the g++ emulation in tests/ (gathers the fragments)
-#else
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#endif
-}
-
-// one 32-wide k block: rows_lo / rows_hi are the lane's chunks of A rows g and g + 8, col its chunk of B
-__device__ __forceinline__ void mma_k32(float (&d)[4], const uint4& rows_lo, const uint4& rows_hi, const uint4& col) {
-    mma_16816(d, rows_lo.x, rows_hi.x, rows_lo.y, rows_hi.y, col.x, col.y);
-    mma_16816(d, rows_lo.z, rows_hi.z, rows_lo.w, rows_hi.w, col.z, col.w);
-}
-
+""" + MMA_HELPERS + r"""
 // A warp's k range (chunks c_begin .. c_end - 1, c_begin a multiple of 4), shared by both tensor-core kernels:
 // acc[nb] (zeroed here) = A rows g / g + 8 (rows_lo / rows_hi) times B column g of 8-pair block nb (cols[nb]).
 // Lane q loads chunk 4j + q of each 32-wide k block j; UNROLL k blocks of loads are in flight per lane before

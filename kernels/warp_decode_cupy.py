@@ -77,7 +77,7 @@ from kernels.compile import (
     register_source,
 )
 from kernels.contract import BF16, Dims, array_module, check_aligned, check_inputs, check_out, require_cupy
-from kernels.device_helpers import PDL_HELPERS, WARP_HELPERS
+from kernels.device_helpers import MMA_HELPERS, PDL_HELPERS, WARP_HELPERS
 from kernels.variants import Variant, register
 
 GATE_UP = "moe_gate_up_3d_batched"
@@ -445,25 +445,31 @@ extern "C" __global__ void DN_BOUNDS moe_down_3d_batched(
 }
 
 #ifndef WD_HOST_EMULATION
+""" + MMA_HELPERS + r"""
 // ------------------------------------------------------------------------------------------------
-// moe_down_3d_staged (DN_STAGED=1, sm_90+): the sums of moe_down_3d_batched for a layer whose w2 share per
-//   block fits in shared memory (qwen3-30b-a3b T = 1: 8 slots x 16 rows x 1536 B = 192 KiB).
+// moe_down_3d_staged (DN_STAGED=1, sm_90+): out[t, h] for a layer whose w2 share per block fits in shared
+//   memory (qwen3-30b-a3b T = 1: 8 slots x 16 rows x 1.5 KiB = 192 KiB a block, one block per SM).
 //   Block b owns hidden rows h0 = b * DN_ROWS .. h0 + DN_ROWS - 1 of ALL T tokens.
-//   1) Before the PDL wait, thread 0 asks the copy engine (cp.async.bulk, no registers held) for each (t, k)
-//      slot's rows w2[e, h0 .. h0 + DN_ROWS - 1, :] (contiguous) into shared memory, completion counted in
-//      bytes on ONE mbarrier. The block is resident beside gate_up's blocks (gate_up prefers the maximum
-//      shared-memory carveout under DN_STAGED, see kernels_for), so w2 streams while gate_up reads w13.
-//   2) After the wait (gate_up done) the block copies intermediate[T, K, I] into shared memory.
-//   3) Warp w owns the (token, row) items w, w + DN_WARPS, ...: lane l FMAs chunks c = l, l + 32, ... of each
-//      slot's staged row times the intermediate times the routing weight into ONE FP32 register accumulator,
-//      in the per-lane order of moe_down_3d_batched with DN_UNROLL 1 (bitwise equal at equal DN_SLOTS), and
-//      warp_sum gives out[t, h]. A token with any id outside [0, E) gets NaN and none of its w2 is read.
-// Shared memory: [16 B mbarrier][token_bad: T ints, padded to 16 B][w2 rows: T*K][DN_ROWS][I][intermediate: T*K][I]
+//   1) Before the PDL wait warp 0 asks the copy engine (cp.async.bulk, no registers held) for every (t, k)
+//      slot's rows w2[e, h0 + r, :], one copy per row into a padded shared row (stride = 64 mod 128 bytes:
+//      conflict-free for the fragment loads below), completion counted in bytes on ONE mbarrier. The block
+//      is resident beside gate_up's blocks (gate_up prefers the maximum shared-memory carveout, kernels_for),
+//      so w2 streams while gate_up still reads w13: what is left after gate_up is the tensor-core tail.
+//   2) After the wait (gate_up complete) the block copies intermediate[T, K, I] into shared memory.
+//   3) Items (slot p = t * K + k, 16-row tile m, k part s): A = the 16 staged rows, B column = the slot's
+//      intermediate row (every column the same), FP32 in the tensor core (mma_k32, two accumulator chains);
+//      lane (g, 0) ends with rows g, g + 8 of column 0, times the routing weight into partial[p][s][row].
+//   4) Every (t, row): the partials summed over k and s in a fixed order (deterministic, one writer per output) and
+//      written once (bf16 RNE or fp32). A token with any id outside [0, E) gets NaN; none of its w2 is read.
+// Shared memory: [16 B mbarrier][T flags, padded to 16 B][w2: T*K x DN_ROWS padded rows][intermediate:
+//   T*K x I bf16][partial: T*K x parts x DN_ROWS floats] (staged_shared_bytes in Python says the same)
 // ------------------------------------------------------------------------------------------------
 __device__ __forceinline__ unsigned staged_smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ int staged_row_stride(int inter) {         // bytes; 2I rounded up to 64 mod 128
+    return (2 * inter + 63) / 128 * 128 + 64;
+}
 
-// __launch_bounds__: at most 16 K registers a block up to 8 warps (64 a thread at 8), so the block fits beside
-// gate_up's resident warps; 2 blocks' worth above (16 warps would spill at 32)
+// __launch_bounds__: at most 16 K registers a block up to 8 warps, so the block fits beside gate_up's warps
 #define STAGED_MIN_BLOCKS (DN_WARPS > 8 ? 2 : 4)
 extern "C" __global__ void __launch_bounds__(DN_WARPS * 32, STAGED_MIN_BLOCKS) moe_down_3d_staged(
     const bf16_t* __restrict__ intermediate,  // [T, K, I]
@@ -474,38 +480,44 @@ extern "C" __global__ void __launch_bounds__(DN_WARPS * 32, STAGED_MIN_BLOCKS) m
     int out_f32, int tokens, int hidden, int inter, int experts, int top_k)
 {
     extern __shared__ __align__(16) unsigned char staged_smem[];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
     const int h0 = blockIdx.x * DN_ROWS;
     const int rows = min(DN_ROWS, hidden - h0);                      // the last block may own fewer
     const int pairs = tokens * top_k;
     const int chunks = inter / 8;                                    // 16-byte chunks (I % 8 == 0)
-    const unsigned row_bytes = 2u * (unsigned)inter;
+    const int kblocks = (chunks + 3) / 4;                            // 32-wide k blocks
+    const int stride = staged_row_stride(inter);
+    const int tiles = (DN_ROWS + 15) / 16;                           // per block, whatever its rows
+    const int parts = max(1, min(kblocks, DN_WARPS / (pairs * tiles)));  // k parts per (slot, tile) item
     const unsigned bar = staged_smem_u32(staged_smem);
     int* token_bad = reinterpret_cast<int*>(staged_smem + 16);
-    const size_t bad_bytes = ((size_t)4 * tokens + 15) / 16 * 16;
-    uint4* w2_rows = reinterpret_cast<uint4*>(staged_smem + 16 + bad_bytes);
-    uint4* inter_rows = w2_rows + (size_t)pairs * DN_ROWS * chunks;
+    unsigned char* w2_rows = staged_smem + 16 + ((size_t)4 * tokens + 15) / 16 * 16;
+    uint4* inter_rows = reinterpret_cast<uint4*>(w2_rows + (size_t)pairs * DN_ROWS * stride);
+    float* partial = reinterpret_cast<float*>(inter_rows + (size_t)pairs * chunks);   // [pairs][parts][DN_ROWS]
 
-    // 1) range-check every id (topk_ids was written before gate_up started: readable before the wait), then
+    // 1) range-check every id (topk_ids was complete before gate_up started: readable before the wait), then
     //    request the good tokens' w2 rows
     for (int t = tid; t < tokens; t += DN_WARPS * 32) token_bad[t] = 0;
     __syncthreads();
     for (int p = tid; p < pairs; p += DN_WARPS * 32)
         if ((unsigned)__ldg(topk_ids + p) >= (unsigned)experts) token_bad[p / top_k] = 1;   // same value: benign
     __syncthreads();
-    if (tid == 0) {
-        const unsigned slot_bytes = (unsigned)rows * row_bytes;
-        unsigned bytes = 0;
-        for (int p = 0; p < pairs; ++p) bytes += token_bad[p / top_k] ? 0u : slot_bytes;
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar));
-        asm volatile("fence.mbarrier_init.release.cluster;\n\tfence.proxy.async.shared::cta;" ::: "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-        for (int p = 0; p < pairs; ++p) {
+    if (warp == 0) {
+        if (lane == 0) {
+            unsigned bytes = 0;
+            for (int t = 0; t < tokens; ++t) bytes += token_bad[t] ? 0u : (unsigned)(top_k * rows * 2 * inter);
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar));
+            asm volatile("fence.mbarrier_init.release.cluster;\n\tfence.proxy.async.shared::cta;" ::: "memory");
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+        }
+        __syncwarp();
+        for (int j = lane; j < pairs * rows; j += 32) {              // lane j: row r of slot p
+            const int p = j / rows, r = j - p * rows;
             if (token_bad[p / top_k]) continue;
-            const bf16_t* src = w2 + ((size_t)__ldg(topk_ids + p) * hidden + h0) * inter;
+            const bf16_t* src = w2 + ((size_t)__ldg(topk_ids + p) * hidden + h0 + r) * inter;
             asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                         :: "r"(staged_smem_u32(w2_rows + (size_t)p * DN_ROWS * chunks)), "l"(src), "r"(slot_bytes),
-                            "r"(bar) : "memory");
+                         :: "r"(staged_smem_u32(w2_rows + ((size_t)p * DN_ROWS + r) * stride)), "l"(src),
+                            "r"(2 * inter), "r"(bar) : "memory");
         }
     }
     __syncthreads();  // the mbarrier is initialised before anyone waits on it
@@ -522,37 +534,43 @@ extern "C" __global__ void __launch_bounds__(DN_WARPS * 32, STAGED_MIN_BLOCKS) m
                      "selp.u32 %0, 1, 0, p;\n\t}" : "=r"(landed) : "r"(bar) : "memory");
     }
 
-    // 3) one warp per (token, row) item, one FP32 accumulator per lane
-    for (int item = warp; item < tokens * rows; item += DN_WARPS) {
-        const int t = item / rows, r = item - t * rows;
-        const bool bad = token_bad[t] != 0;
-        float acc = 0.0f;
-        if (!bad) {
-            for (int k0 = 0; k0 < top_k; k0 += DN_SLOTS)
-                for (int c = lane; c < chunks; c += 32)
-                    #pragma unroll
-                    for (int s = 0; s < DN_SLOTS; ++s) {
-                        const int p = t * top_k + k0 + s;
-                        if (k0 + s < top_k) {
-                            const uint4 wv = w2_rows[((size_t)p * DN_ROWS + r) * chunks + c];
-                            const uint4 iv = inter_rows[(size_t)p * chunks + c];
-                            const float wk = __ldg(topk_weights + p);
-                            #pragma unroll
-                            for (int w = 0; w < 4; ++w) {
-                                const float a_lo = wk * bf16_lo(word(iv, w)), a_hi = wk * bf16_hi(word(iv, w));
-                                acc = fmaf(bf16_lo(word(wv, w)), a_lo, acc);
-                                acc = fmaf(bf16_hi(word(wv, w)), a_hi, acc);
-                            }
-                        }
-                    }
+    // 3) tensor-core dots: item (p, tile, part) -> partial[p][part][row] (weighted)
+    for (int item = warp; item < pairs * tiles * parts; item += DN_WARPS) {   // warp-uniform
+        const int p = item / (tiles * parts);
+        const int tile = (item / parts) % tiles, part = item % parts;
+        if (token_bad[p / top_k]) continue;
+        const int r_lo = min(tile * 16 + g, rows - 1), r_hi = min(tile * 16 + g + 8, rows - 1);  // past: last row
+        const uint4* a_lo = reinterpret_cast<const uint4*>(w2_rows + ((size_t)p * DN_ROWS + r_lo) * stride);
+        const uint4* a_hi = reinterpret_cast<const uint4*>(w2_rows + ((size_t)p * DN_ROWS + r_hi) * stride);
+        const uint4* b_col = inter_rows + (size_t)p * chunks;
+        float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        const int kb_end = (part + 1) * kblocks / parts;
+        #pragma unroll 2
+        for (int kb = part * kblocks / parts; kb < kb_end; ++kb) {
+            const int c = 4 * kb + q;
+            const bool ok = c < chunks;                               // past the row: zeros (never stale smem)
+            const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+            mma_k32(acc[kb & 1], ok ? a_lo[c] : zero, ok ? a_hi[c] : zero, ok ? b_col[c] : zero);
         }
-        float v = warp_sum(acc);
-        if (bad) v = __int_as_float(0x7fc00000);
-        if (lane == 0) {
-            const long long idx = (long long)t * hidden + h0 + r;
-            if (out_f32) reinterpret_cast<float*>(out)[idx] = v;
-            else reinterpret_cast<bf16_t*>(out)[idx] = f32_to_bf16(v);  // the one final rounding
+        if (q == 0) {                                                 // lane (g, 0): column 0, rows g and g + 8
+            const float wk = __ldg(topk_weights + p);
+            float* dst = partial + ((size_t)p * parts + part) * DN_ROWS;
+            if (tile * 16 + g < rows) dst[tile * 16 + g] = wk * (acc[0][0] + acc[1][0]);
+            if (tile * 16 + g + 8 < rows) dst[tile * 16 + g + 8] = wk * (acc[0][2] + acc[1][2]);
         }
+    }
+    __syncthreads();
+
+    // 4) every (t, row): sum over slots and parts in order, one write
+    for (int j = tid; j < tokens * rows; j += DN_WARPS * 32) {
+        const int t = j / rows, r = j - t * rows;
+        float v = 0.0f;
+        const float* mine = partial + (size_t)t * top_k * parts * DN_ROWS + r;    // [k][part] of (t, r)
+        for (int kp = 0; kp < top_k * parts; ++kp) v += mine[(size_t)kp * DN_ROWS];   // k major, part minor
+        if (token_bad[t]) v = __int_as_float(0x7fc00000);
+        const long long idx = (long long)t * hidden + h0 + r;
+        if (out_f32) reinterpret_cast<float*>(out)[idx] = v;
+        else reinterpret_cast<bf16_t*>(out)[idx] = f32_to_bf16(v);  // the one final rounding
     }
 }
 #endif
@@ -616,6 +634,8 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
             values[key] = auto[key]
     if values["DN_MIN_BLOCKS"] == 0:
         values["DN_MIN_BLOCKS"] = _down_min_blocks(values) if dims is not None else DEFAULTS["DN_MIN_BLOCKS"]
+    if values["DN_STAGED"] and values["DN_BULK"]:
+        raise ValueError("DN_STAGED=1 replaces the down kernel: it takes DN_BULK=0")
     if values["DN_BULK"]:
         if values["DN_OUTS"] != 1 or values["DN_BYTES"] != 16:
             raise ValueError(
@@ -628,8 +648,6 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
     if not values["DN_STAGED"]:
         values["DN_ROWS"] = DEFAULTS["DN_ROWS"]  # unused: one compiled module whatever was asked
     else:
-        if values["DN_BULK"]:
-            raise ValueError("DN_STAGED=1 replaces the down kernel: it takes DN_BULK=0")
         if params.get("DN_WARPS", 0) == 0:
             values["DN_WARPS"] = STAGED_DOWN_WARPS
         if values["DN_ROWS"] == 0:
@@ -637,8 +655,8 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
         shared = staged_shared_bytes(values, dims) if dims is not None else 0
         if shared > SHARED_LIMIT:
             raise ValueError(
-                f"DN_STAGED=1 needs 16 + 4T + T x K x DN_ROWS x I x 2 + T x K x I x 2 = {shared} bytes of shared "
-                f"memory per block (T={dims.tokens}, K={dims.top_k}, DN_ROWS={values['DN_ROWS']}, "
+                f"DN_STAGED=1 needs T x K x (DN_ROWS padded w2 rows + the intermediate row + partials) = {shared} "
+                f"bytes of shared memory per block (T={dims.tokens}, K={dims.top_k}, DN_ROWS={values['DN_ROWS']}, "
                 f"I={dims.intermediate}), over {SHARED_LIMIT}: lower DN_ROWS or use DN_STAGED=0"
             )
     return values
@@ -655,10 +673,13 @@ def _staged_rows(dims: Dims) -> int:
 
 
 def staged_shared_bytes(params: dict[str, int], dims: Dims) -> int:
-    """Dynamic shared memory of ``moe_down_3d_staged``: the mbarrier, T flags, the staged w2 rows and the
-    intermediate (see the kernel's layout comment)."""
-    pairs = dims.tokens * dims.top_k
-    return 16 + -(-4 * dims.tokens // 16) * 16 + pairs * (params["DN_ROWS"] + 1) * dims.intermediate * 2
+    """Dynamic shared memory of ``moe_down_3d_staged`` (the kernel's layout comment): the mbarrier, T flags, the
+    staged w2 rows (2I bytes padded to 64 mod 128), the intermediate and the FP32 partials."""
+    pairs, rows, inter = dims.tokens * dims.top_k, params["DN_ROWS"], dims.intermediate
+    stride = (2 * inter + 63) // 128 * 128 + 64
+    kblocks = -(-(inter // 8) // 4)
+    parts = max(1, min(kblocks, params["DN_WARPS"] // (pairs * -(-rows // 16))))
+    return 16 + -(-4 * dims.tokens // 16) * 16 + pairs * (rows * stride + 2 * inter + 4 * parts * rows)
 
 
 # down warps that fit in one wave at ~104 registers (8 slots x 16 B in flight): 16 warps x 132 SMs on the H200

@@ -38,7 +38,26 @@ def down_per_sm() -> list[dict[str, Any]]:
     return rows
 
 
+def staged() -> list[dict[str, Any]]:
+    from kernels import warp_decode_cupy as wdc
+
+    rows = []
+    bench = harness.Workbench(get_shape("qwen3-30b-a3b"), 1, "uniform", 0)
+    for params in ({}, {"DN_STAGED": 1}, {"DN_STAGED": 1, "DN_WARPS": 16}, {"DN_STAGED": 1, "GU_UNROLL": 4},
+                   {"DN_STAGED": 1, "GU_UNROLL": 2, "GU_BYTES": 16}):
+        record = bench.measure(wdc.VARIANT, repeats=15, params=params, stages=True)
+        rows.append({"params": params, "status": record["status"], "median_us": record.get("median_us"),
+                     "stages_us": {s["name"]: s.get("median_us") for s in record["stages"]}})
+        print(rows[-1], flush=True)
+    bench.free()
+    return rows
+
+
 if __name__ == "__main__":
-    result = {"down_per_sm": down_per_sm(), "roofline": roofline.measure()["read_tbps"]}
-    with open(os.path.join(os.environ.get("OUT", "."), "diag_s7.json"), "w") as f:
+    import sys
+
+    parts = sys.argv[1:] or ["down_per_sm", "staged"]
+    result: dict[str, Any] = {name: globals()[name]() for name in parts}
+    result["roofline"] = roofline.measure()["read_tbps"]
+    with open(os.path.join(os.environ.get("OUT", "."), f"diag_s7_{'_'.join(parts)}.json"), "w") as f:
         json.dump(result, f, indent=1)
