@@ -195,9 +195,9 @@ def test_staged_down_checks_its_shared_memory() -> None:
     dims = Dims(1, 2048, 768, 128, 8)
     resolved = wdc.resolve_params(dims, DN_STAGED=1)
     assert resolved["DN_WARPS"] == wdc.STAGED_DOWN_WARPS
-    # 8 slots x (16 rows padded to 1600 B + the 1536 B intermediate row + 16 FP32 partials), 16 B flags, 16 B bar
+    # 8 slots x (16 rows padded to 1600 B + the 1536 B intermediate row + 16 FP32 partials), 16 B of flags
     assert resolved["DN_ROWS"] == 16  # 2048 rows over 132 SMs (no GPU here)
-    assert wdc.down_shared_bytes(resolved, dims) == 16 + 16 + 8 * (16 * 1600 + 1536 + 4 * 16)
+    assert wdc.down_shared_bytes(resolved, dims) == 16 + 8 * (16 * 1600 + 1536 + 4 * 16)
     assert wdc.resolve_params(dims, DN_STAGED=1, DN_ROWS=5)["DN_ROWS"] == 5
     assert wdc.resolve_params(dims, DN_ROWS=5)["DN_ROWS"] == wdc.DEFAULTS["DN_ROWS"]  # unused without staging
     with pytest.raises(ValueError, match="DN_STAGED=1 needs .*DN_ROWS=16"):
