@@ -503,7 +503,8 @@ extern "C" __global__ void __launch_bounds__(DN_WARPS * 32, STAGED_MIN_BLOCKS) m
         if ((unsigned)__ldg(topk_ids + p) >= (unsigned)experts) token_bad[p / top_k] = 1;   // same value: benign
     __syncthreads();
     for (int pr = warp; pr < pairs * rows; pr += DN_WARPS) {         // warp-uniform: row r of slot p
-        const int p = pr / rows, r = pr - p * rows;
+        // slot-minor and rotated by block: at any moment the GPU's copies spread over every routed expert
+        const int r = pr / pairs, p = (pr - r * pairs + blockIdx.x) % pairs;
         if (token_bad[p / top_k]) continue;
         const uint4* src = reinterpret_cast<const uint4*>(w2 + ((size_t)__ldg(topk_ids + p) * hidden + h0 + r) * inter);
         const unsigned dst = staged_smem_u32(w2_rows + ((size_t)p * DN_ROWS + r) * stride);

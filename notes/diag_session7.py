@@ -43,8 +43,9 @@ def staged() -> list[dict[str, Any]]:
 
     rows = []
     bench = harness.Workbench(get_shape("qwen3-30b-a3b"), 1, "uniform", 0)
-    for params in ({}, {"DN_STAGED": 1}, {"DN_STAGED": 1, "DN_WARPS": 4, "GU_UNROLL": 2},
-                   {"DN_STAGED": 1, "GU_OUTS": 2, "GU_UNROLL": 4}, {"DN_STAGED": 1, "DN_WARPS": 4, "GU_OUTS": 2}):
+    for params in ({}, {"DN_STAGED": 1}, {"DN_STAGED": 1, "DN_WARPS": 16},
+                   {"DN_STAGED": 1, "DN_WARPS": 4, "GU_UNROLL": 2}, {"DN_STAGED": 1, "GU_OUTS": 2, "GU_UNROLL": 4},
+                   {"DN_STAGED": 1, "DN_WARPS": 4, "GU_OUTS": 2}):
         record = bench.measure(wdc.VARIANT, repeats=15, params=params, stages=True)
         rows.append({"params": params, "status": record["status"], "median_us": record.get("median_us"),
                      "stages_us": {s["name"]: s.get("median_us") for s in record["stages"]}})
