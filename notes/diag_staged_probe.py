@@ -1,0 +1,91 @@
+"""One-off H200 probe of session 7 (2026-12-01): where do the staged down's 15 us go? (results/diag-staged-probe.json)
+
+Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_staged_probe.py`` (writes
+``$OUT/diag_staged_probe.json``).
+
+``moe_down_3d_staged`` (DN_STAGED=1) alone takes 15 us at qwen3-30b-a3b T = 1 against 8.8 for the plain down, with
+the copy engine or with cp.async alike. This times the down alone (16 launches in a graph, each on a different 8 of
+the 128 experts, so the 403 MB of w2 rotate past L2) for the plain down and for text-edited copies of the staged
+kernel: as it is, without its w2 copies, without its tensor-core dots. The edits exist only here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from typing import Any
+
+import cupy
+import numpy as np
+
+from kernels import warp_decode_cupy as wdc
+from kernels.compile import CudaSource, get_kernel
+from kernels.contract import BF16, Dims
+
+COPY = 'asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst + 16u * c), "l"(src + c) : "memory");'
+DOTS = "mma_k32(acc[kb & 1], ok ? a_lo[c] : zero, ok ? a_hi[c] : zero, ok ? b_col[c] : zero);"
+PROBES = {"as_is": [], "no_copy": [(COPY, "(void)dst; (void)src;")], "no_dots": [(DOTS, "(void)ok;")],
+          "neither": [(COPY, "(void)dst; (void)src;"), (DOTS, "(void)ok;")]}
+
+
+def time_graph(launches: list[Any], repeats: int = 20) -> list[float]:
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for fn in launches:
+            fn()
+        stream.synchronize()
+        stream.begin_capture()
+        for fn in launches:
+            fn()
+        graph = stream.end_capture()
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        for _ in range(3):
+            graph.launch(stream)
+        samples = []
+        for _ in range(repeats):
+            start.record(stream)
+            for _ in range(5):
+                graph.launch(stream)
+            stop.record(stream)
+            stop.synchronize()
+            samples.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / (5 * len(launches)))
+    return samples
+
+
+def main() -> dict[str, Any]:
+    dims = Dims(1, 2048, 768, 128, 8)
+    rng = np.random.default_rng(7)
+    w2 = cupy.asarray(rng.standard_normal((128, 2048, 768), dtype=np.float32).astype(BF16))
+    sets = [cupy.asarray(ids.reshape(1, 8).astype(np.int32)) for ids in rng.permutation(128).reshape(16, 8)]
+    weights = cupy.asarray(rng.random((1, 8), dtype=np.float32))
+    inter = cupy.asarray(rng.standard_normal((1, 8, 768), dtype=np.float32).astype(BF16))
+    out = cupy.empty((1, 2048), dtype=BF16)
+    rows: dict[str, Any] = {}
+
+    plain = wdc.resolve_params(dims)
+    kernel = get_kernel(wdc.SOURCE, wdc.DOWN, **plain)
+    runs = [lambda ids=ids: wdc._launch_down(kernel, plain, dims, inter, w2, ids, weights, out) for ids in sets]
+    rows["plain"] = statistics.median(time_graph(runs))
+    print("plain", rows["plain"], flush=True)
+    for warps in (8, 16):
+        staged = wdc.resolve_params(dims, DN_STAGED=1, DN_WARPS=warps)
+        for name, edits in PROBES.items():
+            code = wdc.SOURCE.code
+            for old, new in edits:
+                assert code.count(old) == 1, old
+                code = code.replace(old, new)
+            source = CudaSource(name=f"staged_probe_{name}", code=code, kernels=wdc.SOURCE.kernels,
+                                defaults=dict(wdc.SOURCE.defaults))
+            kernel = get_kernel(source, wdc.STAGED_DOWN, **staged)
+            runs = [lambda ids=ids, k=kernel, p=staged: wdc._launch_down(k, p, dims, inter, w2, ids, weights, out)
+                    for ids in sets]
+            rows[f"staged_w{warps}_{name}"] = statistics.median(time_graph(runs))
+            print(name, warps, rows[f"staged_w{warps}_{name}"], flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    result = {"down_alone_us": main(), "gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()}
+    with open(os.path.join(os.environ.get("OUT", "."), "diag_staged_probe.json"), "w") as f:
+        json.dump(result, f, indent=1)
