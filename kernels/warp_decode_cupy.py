@@ -466,13 +466,18 @@ extern "C" __global__ void DN_BOUNDS moe_down_3d_batched(
 //   T*K x I bf16][partial: T*K x parts x DN_ROWS floats] (staged_shared_bytes in Python says the same)
 // ------------------------------------------------------------------------------------------------
 __device__ __forceinline__ unsigned staged_smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+// chunk c of a shared row, or zeros (a value, so no address of a local zero is ever formed)
+__device__ __forceinline__ uint4 staged_chunk(const uint4* row, int c, bool ok) {
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (ok) v = row[c];
+    return v;
+}
 __device__ __forceinline__ int staged_row_stride(int inter) {         // bytes; 2I rounded up to 64 mod 128
     return (2 * inter + 63) / 128 * 128 + 64;
 }
 
-// __launch_bounds__: at most 64 registers a thread (8 K a block at 4 warps), so the block fits beside gate_up's
-#define STAGED_MIN_BLOCKS (DN_WARPS >= 32 ? 1 : 32 / DN_WARPS)
-extern "C" __global__ void __launch_bounds__(DN_WARPS * 32, STAGED_MIN_BLOCKS) moe_down_3d_staged(
+// No register cap: ~91 a thread (a 64 cap spilled), so DN_WARPS 4 takes 12 K registers beside gate_up's warps
+extern "C" __global__ void __launch_bounds__(DN_WARPS * 32, 1) moe_down_3d_staged(
     const bf16_t* __restrict__ intermediate,  // [T, K, I]
     const bf16_t* __restrict__ w2,            // [E, H, I]
     const int* __restrict__ topk_ids,         // [T, K]
@@ -530,20 +535,22 @@ extern "C" __global__ void __launch_bounds__(DN_WARPS * 32, STAGED_MIN_BLOCKS) m
         const uint4* a_lo = reinterpret_cast<const uint4*>(w2_rows + ((size_t)p * DN_ROWS + r_lo) * stride);
         const uint4* a_hi = reinterpret_cast<const uint4*>(w2_rows + ((size_t)p * DN_ROWS + r_hi) * stride);
         const uint4* b_col = inter_rows + (size_t)p * chunks;
-        float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        // two accumulator chains, even and odd k blocks (indexed statically: a runtime index put acc in local
+        // memory -- a 48-byte stack frame that made the dots cost 8 us, results/diag-staged-probe.json)
+        float even[4] = {0.0f, 0.0f, 0.0f, 0.0f}, odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         const int kb_end = (part + 1) * kblocks / parts;
-        #pragma unroll 2
-        for (int kb = part * kblocks / parts; kb < kb_end; ++kb) {
-            const int c = 4 * kb + q;
-            const bool ok = c < chunks;                               // past the row: zeros (never stale smem)
-            const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-            mma_k32(acc[kb & 1], ok ? a_lo[c] : zero, ok ? a_hi[c] : zero, ok ? b_col[c] : zero);
+        for (int kb = part * kblocks / parts; kb < kb_end; kb += 2) {
+            const int c = 4 * kb + q, c_next = c + 4;
+            const bool ok = c < chunks, ok_next = kb + 1 < kb_end && c_next < chunks;   // else zeros, never stale
+            mma_k32(even, staged_chunk(a_lo, c, ok), staged_chunk(a_hi, c, ok), staged_chunk(b_col, c, ok));
+            mma_k32(odd, staged_chunk(a_lo, c_next, ok_next), staged_chunk(a_hi, c_next, ok_next),
+                    staged_chunk(b_col, c_next, ok_next));
         }
         if (q == 0) {                                                 // lane (g, 0): column 0, rows g and g + 8
             const float wk = __ldg(topk_weights + p);
             float* dst = partial + ((size_t)p * parts + part) * DN_ROWS;
-            if (tile * 16 + g < rows) dst[tile * 16 + g] = wk * (acc[0][0] + acc[1][0]);
-            if (tile * 16 + g + 8 < rows) dst[tile * 16 + g + 8] = wk * (acc[0][2] + acc[1][2]);
+            if (tile * 16 + g < rows) dst[tile * 16 + g] = wk * (even[0] + odd[0]);
+            if (tile * 16 + g + 8 < rows) dst[tile * 16 + g + 8] = wk * (even[2] + odd[2]);
         }
     }
     __syncthreads();

@@ -24,9 +24,11 @@ from kernels.compile import CudaSource, get_kernel
 from kernels.contract import BF16, Dims
 
 COPY = 'asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst + 16u * c), "l"(src + c) : "memory");'
-DOTS = "mma_k32(acc[kb & 1], ok ? a_lo[c] : zero, ok ? a_hi[c] : zero, ok ? b_col[c] : zero);"
+DOTS = "mma_k32(even, staged_chunk(a_lo, c, ok), staged_chunk(a_hi, c, ok), staged_chunk(b_col, c, ok));"
 PROBES = {"as_is": [], "no_copy": [(COPY, "(void)dst; (void)src;")], "no_dots": [(DOTS, "(void)ok;")],
           "neither": [(COPY, "(void)dst; (void)src;"), (DOTS, "(void)ok;")]}
+# (the first run, results/diag-staged-probe.json, edited the version whose dots read acc[kb & 1] -- in local memory;
+# the rerun, diag-staged-probe-fixed.json, edits the even chain's mma of the fixed kernel: "no_dots" keeps the odd)
 
 
 def time_graph(launches: list[Any], repeats: int = 20) -> list[float]:
@@ -68,7 +70,7 @@ def main() -> dict[str, Any]:
     runs = [lambda ids=ids: wdc._launch_down(kernel, plain, dims, inter, w2, ids, weights, out) for ids in sets]
     rows["plain"] = statistics.median(time_graph(runs))
     print("plain", rows["plain"], flush=True)
-    for warps in (8, 16):
+    for warps in (4, 8):
         staged = wdc.resolve_params(dims, DN_STAGED=1, DN_WARPS=warps)
         for name, edits in PROBES.items():
             code = wdc.SOURCE.code

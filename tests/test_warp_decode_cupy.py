@@ -208,6 +208,18 @@ def test_staged_down_checks_its_shared_memory() -> None:
         wdc.resolve_params(dims, DN_STAGED=1, DN_ROWS=2000)
 
 
+def test_staged_down_compiles_without_local_memory() -> None:
+    """The staged down keeps its accumulators in registers: no spill and no stack frame at any DN_WARPS (a runtime
+    index into its two accumulator chains once put them in local memory and cost 8 us on the H200)."""
+    from kernels.compile import offline_report
+
+    dims = Dims(1, 2048, 768, 128, 8)
+    for warps in (4, 8, 16):
+        resolved = wdc.resolve_params(dims, DN_STAGED=1, DN_WARPS=warps)
+        staged = next(r for r in offline_report(wdc.SOURCE, **resolved) if r.kernel == wdc.STAGED_DOWN)
+        assert (staged.spills, staged.stack_bytes) == (0, 0), (warps, staged)
+
+
 def test_bulk_down_checks_its_shared_memory() -> None:
     """DN_BULK=1 lands K rows of I bf16 per warp in shared memory: the size is checked up front, by name."""
     dims = Dims(1, 2048, 768, 128, 8)
