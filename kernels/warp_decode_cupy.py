@@ -58,6 +58,20 @@ Second round (same day, tools.sweep then the bench; JSON under results/):
 Final (results/h200-2026-11-30-final.json): qwen3-30b-a3b T = 1 22.0 us (3.43 TB/s, 76 % of the 4.49 TB/s
 read roofline measured in that run; gate_up ~14 us, down ~9.7 us alone), qwen3-235b-a22b T = 1 74.2 us
 (4.07 TB/s, 91 %).
+
+Session 7 (H200, 2026-12-01; results/sweep-staged-*-30b-t1.json, diag-s7-staged-*.json, diag-staged-probe*.json):
+``DN_STAGED=1`` (``moe_down_3d_staged``, off by default) tried to hide the down behind gate_up at T = 1, where one
+kernel could read the layer's 75.5 MB in 18.2 us but two take 21.8 (results/diag-s6.json). Each block (one per SM)
+copies its whole w2 share (qwen3-30b-a3b: 8 slots x 16 rows, 192 KiB) into shared memory BEFORE the PDL wait, and
+gate_up asks for the maximum shared-memory carveout so the block can sit beside gate_up's warps; after the wait
+only the intermediate is read and the dots run on tensor cores. Measured, it loses everywhere: the best staged layer
+is 24.1 us against 22.0 for the plain down (48-point sweep over gate_up's loads and DN_WARPS). The staged down alone
+takes 11.2 us against 9.0 -- 3.3 us of it with neither copies nor dots (a 217 KB block launches only on an empty
+SM) -- and in the layer only ~2 us of it hides behind gate_up; the carveout also costs gate_up ~0.8 us. On the way:
+the copy engine (cp.async.bulk, per slot or per row) was no faster than cp.async; and a runtime-indexed pair of
+accumulators went to local memory (a 48-byte stack frame) and made the tensor-core tail 8 us -- tools.sweep now
+shows stack bytes beside spills. A single persistent kernel (notes/PROTOTYPES.md, "Open") remains the way to the
+one-kernel floor.
 """
 
 from __future__ import annotations
@@ -444,7 +458,7 @@ extern "C" __global__ void DN_BOUNDS moe_down_3d_batched(
     }
 }
 
-#ifndef WD_HOST_EMULATION
+#if DN_STAGED && !defined(WD_HOST_EMULATION)   // compiled only when asked for
 """ + MMA_HELPERS + r"""
 // ------------------------------------------------------------------------------------------------
 // moe_down_3d_staged (DN_STAGED=1, sm_90+): out[t, h] for a layer whose w2 share per block fits in shared
@@ -736,7 +750,7 @@ SOURCE = register_source(
         kernels=(GATE_UP, DOWN, STAGED_DOWN),
         defaults=dict(DEFAULTS),
         variants=preset_variants(resolve_params, DEFAULTS),
-        warps_knobs={GATE_UP: "GU_WARPS", DOWN: "DN_WARPS"},
+        warps_knobs={GATE_UP: "GU_WARPS", DOWN: "DN_WARPS", STAGED_DOWN: "DN_WARPS"},
         description="warp decode: one warp per output scalar (gate_up, down), CuPy RawKernel",
     )
 )

@@ -229,7 +229,7 @@ def test_sweep_compile_columns_report_what_runs():
     columns = sweep.compile_columns(wdb.MMA_VARIANT, dict(wdb.MMA_VARIANT.params), Dims(64, 2048, 768, 128, 8))
     assert columns["compile"] == "ok", columns
     assert columns["registers_per_kernel"]["moe_down_mma"] <= 65536 // (24 * 32)
-    assert columns["spills"] == 0 and columns["occupancy"] > 0
+    assert columns["spills"] == 0 and columns["stack_bytes"] == 0 and columns["occupancy"] > 0
 
 
 def test_sweep_cli_errors():

@@ -6,7 +6,7 @@
 VARIANT is any registered name (builtin or prototype). The grid is the variant's ``grid`` unless ``--grid``
 is given (then only the ``--grid`` keys are swept; the rest keep the variant's params). Each point is
 checked against the reference before it is timed (a wrong point is reported, never timed) and timed with
-the bench's harness. The ranked table puts the offline compile report (registers, spills, theoretical
+the bench's harness. The ranked table puts the offline compile report (registers, spill / stack bytes, theoretical
 occupancy, via NVRTC -- when the variant's source is a ``kernels.compile.CudaSource``) beside µs, TB/s
 and % of roofline. Without a GPU it prints the grid with its compile columns and says no timing was taken.
 """
@@ -119,6 +119,9 @@ def compile_columns(variant: Any, params: dict[str, Any], dims: Any = None) -> d
         "registers": max(r.registers for r in reports),
         "registers_per_kernel": {r.kernel: r.registers for r in reports},
         "spills": sum(r.spills for r in reports),
+        # local memory that is not a spill: an array ptxas could not keep in registers (a runtime index), which
+        # costs like a spill (session 7: a 48-byte frame made a kernel's tensor-core tail 8 us)
+        "stack_bytes": sum(r.stack_bytes for r in reports),
         "shared_bytes": max(r.shared_bytes for r in reports),
         "occupancy": None,
     }
@@ -225,7 +228,7 @@ def render(record: dict[str, Any]) -> Any:
     roof = (record.get("rooflines") or {}).get("read_tbps")
     table = Table(title=f"sweep {record['variant']} on {record['model']} ({record['routing']})", box=box.SIMPLE_HEAD,
                   title_justify="left")
-    for col in ("#", "params", "regs", "spills", "occ"):
+    for col in ("#", "params", "regs", "spills/stack", "occ"):
         table.add_column(col, justify="right" if col != "params" else "left", no_wrap=True)
     for tokens in record["batches"]:
         table.add_column(f"T={tokens} µs", justify="right")
@@ -235,7 +238,7 @@ def render(record: dict[str, Any]) -> Any:
         cells = [str(rank), " ".join(f"{k}={v}" for k, v in entry["params"].items()) or "(defaults)",
                  "/".join(str(r) for r in entry["registers_per_kernel"].values())
                  if entry.get("registers_per_kernel") else str(entry.get("registers", "-")),
-                 str(entry.get("spills", "-")),
+                 f"{entry.get('spills', '-')}/{entry.get('stack_bytes', '-')}",
                  "-" if entry.get("occupancy") is None else f"{entry['occupancy']:.0%}"
                  if entry["occupancy"] <= 1 else f"{entry['occupancy']:.0f}"]
         for tokens in record["batches"]:
