@@ -41,6 +41,8 @@ class CudaSource:
     description: str = ""
     # kernel -> the knob holding its warps per block (tools.inspect's occupancy needs the block size)
     warps_knobs: dict[str, str] = field(default_factory=dict)
+    # kernel -> the knob that must be non-zero for the text to define it (opt-in kernels behind an #if)
+    conditional_kernels: dict[str, str] = field(default_factory=dict)
 
     def render(self, **defines: int) -> str:
         """The full text NVRTC sees: ``#define`` lines for every knob, then the code."""
@@ -55,6 +57,12 @@ class CudaSource:
 
     def params(self, **defines: int) -> dict[str, int]:
         return {**self.defaults, **defines}
+
+    def compiled_kernels(self, **defines: int) -> tuple[str, ...]:
+        """The kernels the text defines with these knobs (every kernel but the opt-in ones left off)."""
+        values = self.params(**defines)
+        return tuple(k for k in self.kernels
+                     if k not in self.conditional_kernels or values.get(self.conditional_kernels[k]))
 
 
 SOURCES: dict[str, CudaSource] = {}

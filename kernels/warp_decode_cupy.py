@@ -751,6 +751,7 @@ SOURCE = register_source(
         defaults=dict(DEFAULTS),
         variants=preset_variants(resolve_params, DEFAULTS),
         warps_knobs={GATE_UP: "GU_WARPS", DOWN: "DN_WARPS", STAGED_DOWN: "DN_WARPS"},
+        conditional_kernels={STAGED_DOWN: "DN_STAGED"},
         description="warp decode: one warp per output scalar (gate_up, down), CuPy RawKernel",
     )
 )

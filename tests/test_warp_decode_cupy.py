@@ -642,6 +642,7 @@ def test_grid_sample_and_variant_grid_compile() -> None:
         reports = offline_report(wdc.SOURCE, **resolved)
         staged = {wdc.STAGED_DOWN} if resolved["DN_STAGED"] else set()  # compiled only when asked for
         assert {r.kernel for r in reports} == {wdc.GATE_UP, wdc.DOWN} | staged
+        assert set(wdc.SOURCE.compiled_kernels(**resolved)) == {wdc.GATE_UP, wdc.DOWN} | staged
 
 
 @pytest.mark.gpu
