@@ -339,9 +339,13 @@ def offline_report(source: CudaSource, arch: str = DEFAULT_ARCH, **defines: int)
     if not reports:
         # Newer NVRTC serves a text it has compiled before from the CUDA compute cache without running ptxas,
         # so `-Xptxas=-v` prints nothing (NVIDIA/cuda-python issue 1124; seen on the H200 image for points an
-        # earlier process had compiled). A comment unique to this call changes the cache key, not the code.
-        _, log = offline_compile(f"{text}\n// offline report {uuid.uuid4().hex}\n", arch, f"{source.name}.cu")
-        reports = parse_ptxas_log(log, arch)
+        # earlier process had compiled). A comment unique to this call was not always enough there (session 7:
+        # the H200 image's NVRTC still printed nothing), so the retry also adds an empty kernel with a unique
+        # name -- new PTX, a new cache key -- whose own report is dropped.
+        marker = f"offline_report_{uuid.uuid4().hex}"
+        retry = f'{text}\n// offline report\nextern "C" __global__ void {marker}() {{}}\n'
+        _, log = offline_compile(retry, arch, f"{source.name}.cu")
+        reports = [r for r in parse_ptxas_log(log, arch) if r.kernel != marker]
     if not reports:
         raise OfflineCompileError(f"no ptxas report found for {source.name}:\n{log}")
     return reports

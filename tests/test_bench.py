@@ -187,6 +187,7 @@ def test_select_variants_by_name_and_glob():
 
 
 # -- the CPU path end to end -----------------------------------------------------------------------------
+@pytest.mark.cpu_only
 def test_cpu_path_end_to_end(tmp_path):
     out = tmp_path / "cpu.json"
     started = time.perf_counter()
@@ -448,6 +449,7 @@ def test_harness_flow_on_a_numpy_stand_in(monkeypatch):
     assert "fake:fallback" in report.markdown(data)
 
 
+@pytest.mark.cpu_only
 def test_roofline_flow_on_a_numpy_stand_in(monkeypatch):
     fake = _fake_cupy()
 
@@ -494,6 +496,7 @@ def test_window_read_samples_cycle_windows_and_split_parts(monkeypatch):
     assert seen[8:] == seen[:8] * (len(seen) // 8 - 1) and {(g, b) for _, _, g, b in seen} == {((8,), (32,))}
 
 
+@pytest.mark.cpu_only
 def test_bench_run_flow_on_a_numpy_stand_in(monkeypatch):
     """bench.run end to end (rooflines, workbenches, variants, crossover, result object) on the stand-in."""
     from tools import bench

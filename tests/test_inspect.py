@@ -126,3 +126,4 @@ def test_offline_report_recompiles_when_the_compute_cache_swallowed_ptxas_report
     reports = compile_mod.offline_report(wdc.SOURCE, **wdc.DEFAULTS)
     assert {r.kernel for r in reports} == {wdc.GATE_UP, wdc.DOWN} and len(texts) == 2  # DN_STAGED 0: no staged
     assert texts[1].startswith(texts[0]) and "// offline report" in texts[1][len(texts[0]):]
+    assert all(not r.kernel.startswith("offline_report_") for r in reports)  # the retry's empty kernel is dropped
