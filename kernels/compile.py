@@ -204,8 +204,9 @@ def device_sm_count(default: int) -> int:
 
 
 def for_device(params: dict[str, int]) -> dict[str, int]:
-    """``params`` for the current device: ``PDL`` (``griddepcontrol``) and ``DN_STAGED`` (``cp.async.bulk``) need
-    sm_90+, so they become 0 on older GPUs (the kernels then wait for nothing, and the plain down runs)."""
+    """``params`` for the current device: ``PDL`` (``griddepcontrol``) and ``DN_STAGED`` (sized for sm_90's 227 KB
+    of shared memory a block) need sm_90+, so they become 0 on older GPUs (the kernels then wait for nothing, and
+    the plain down runs)."""
     sm90_knobs = [knob for knob in ("PDL", "DN_STAGED") if params.get(knob)]
     if sm90_knobs:
         import cupy
