@@ -16,6 +16,7 @@ Edit-and-rerun from IPython: change ``source.code`` (or build a new ``CudaSource
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import uuid
@@ -198,9 +199,17 @@ def device_sm_count(default: int) -> int:
     try:
         import cupy
 
-        return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+        return _sm_count(int(cupy.cuda.Device().id))
     except Exception:  # noqa: BLE001 - no CuPy, no driver or no device: the caller's documented default
         return default
+
+
+@functools.cache
+def _sm_count(device: int) -> int:
+    """One attribute query per device (``resolve_params`` may ask on every call)."""
+    import cupy
+
+    return int(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device))
 
 
 def for_device(params: dict[str, int]) -> dict[str, int]:

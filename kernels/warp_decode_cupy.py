@@ -339,6 +339,11 @@ __device__ __forceinline__ void down_accumulate(
     }
 }
 
+#if DN_BULK || DN_STAGED
+// the 32-bit shared-memory address of a generic pointer (the opt-in DN_BULK and DN_STAGED copies take it)
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+#endif
+
 #if DN_BULK
 // DN_BULK=1: the warp's K w2 rows land in its OWN slice of the block's dynamic shared memory through the
 // copy engine (cp.async.bulk, one instruction per row, completion counted in bytes on a per-warp mbarrier).
@@ -347,7 +352,6 @@ __device__ __forceinline__ void down_accumulate(
 // warp's slice; there is no block-level synchronisation.
 extern __shared__ __align__(16) unsigned char dn_smem[];  // [DN_WARPS] barriers (16 B each), then slices
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void down_accumulate_bulk(
     float (&acc)[DN_OUTS], const bf16_t* __restrict__ intermediate_t, const bf16_t* __restrict__ w2,
@@ -479,7 +483,6 @@ extern "C" __global__ void DN_BOUNDS moe_down_3d_batched(
 // Shared memory: [T flags, padded to 16 B][w2: T*K x DN_ROWS padded rows][intermediate:
 //   T*K x I bf16][partial: T*K x parts x DN_ROWS floats] (staged_shared_bytes in Python says the same)
 // ------------------------------------------------------------------------------------------------
-__device__ __forceinline__ unsigned staged_smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 // chunk c of a shared row, or zeros (a value, so no address of a local zero is ever formed)
 __device__ __forceinline__ uint4 staged_chunk(const uint4* row, int c, bool ok) {
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
@@ -526,7 +529,7 @@ extern "C" __global__ void __launch_bounds__(DN_WARPS * 32, 1) moe_down_3d_stage
         const int r = pr / pairs, p = (pr - r * pairs + blockIdx.x) % pairs;
         if (token_bad[p / top_k]) continue;
         const uint4* src = reinterpret_cast<const uint4*>(w2 + ((size_t)__ldg(topk_ids + p) * hidden + h0 + r) * inter);
-        const unsigned dst = staged_smem_u32(w2_rows + ((size_t)p * DN_ROWS + r) * stride);
+        const unsigned dst = smem_u32(w2_rows + ((size_t)p * DN_ROWS + r) * stride);
         for (int c = lane; c < chunks; c += 32)
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst + 16u * c), "l"(src + c) : "memory");
     }
