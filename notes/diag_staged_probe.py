@@ -6,7 +6,9 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_staged_probe.
 ``moe_down_3d_staged`` (DN_STAGED=1) alone takes 15 us at qwen3-30b-a3b T = 1 against 8.8 for the plain down, with
 the copy engine or with cp.async alike. This times the down alone (16 launches in a graph, each on a different 8 of
 the 128 experts, so the 403 MB of w2 rotate past L2) for the plain down and for text-edited copies of the staged
-kernel: as it is, without its w2 copies, without its tensor-core dots. The edits exist only here.
+kernel: as it is, without its w2 copies, without its tensor-core dots. The edits exist only here. The committed results
+came from a draft with its own copy of the graph timer; it now uses tools.roofline's (same warm-up and event timing),
+not re-run since.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 from kernels import warp_decode_cupy as wdc
 from kernels.compile import CudaSource, get_kernel
 from kernels.contract import BF16, Dims
+from tools.roofline import _time_graph, capture
 
 COPY = 'asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst + 16u * c), "l"(src + c) : "memory");'
 DOTS = "mma_k32(even, staged_chunk(a_lo, c, ok), staged_chunk(a_hi, c, ok), staged_chunk(b_col, c, ok));"
@@ -32,27 +35,14 @@ PROBES = {"as_is": [], "no_copy": [(COPY, "(void)dst; (void)src;")], "no_dots": 
 
 
 def time_graph(launches: list[Any], repeats: int = 20) -> list[float]:
+    """Microseconds per launch: the launches captured as one graph (tools.roofline's capture and timer)."""
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        for fn in launches:
+        for fn in launches:  # compile and first touch outside the capture
             fn()
-        stream.synchronize()
-        stream.begin_capture()
-        for fn in launches:
-            fn()
-        graph = stream.end_capture()
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        for _ in range(3):
-            graph.launch(stream)
-        samples = []
-        for _ in range(repeats):
-            start.record(stream)
-            for _ in range(5):
-                graph.launch(stream)
-            stop.record(stream)
-            stop.synchronize()
-            samples.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / (5 * len(launches)))
-    return samples
+    stream.synchronize()
+    graph = capture(stream, lambda: [fn() for fn in launches])
+    return [s / len(launches) for s in _time_graph(graph, stream, repeats, 5)]
 
 
 def main() -> dict[str, Any]:
