@@ -131,6 +131,7 @@ def launch_ex(
     *,
     shared_mem: int = 0,
     programmatic: bool = False,
+    cooperative: bool = False,
 ) -> None:
     """Launch a ``cupy.RawKernel`` on CuPy's current stream; the one launch path with launch attributes.
 
@@ -138,9 +139,11 @@ def launch_ex(
     through the driver's ``cuLaunchKernelEx`` with ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``
     (programmatic dependent launch, sm_90+): the kernel may start while the previous kernel in the stream
     drains, and must itself execute ``griddepcontrol.wait`` before reading that kernel's output. Works under
-    CUDA-graph capture (the edge becomes a programmatic dependency). ``args``: CuPy arrays and NumPy scalars.
+    CUDA-graph capture (the edge becomes a programmatic dependency). ``cooperative=True`` adds
+    ``CU_LAUNCH_ATTRIBUTE_COOPERATIVE``: the driver refuses the launch unless every block can be resident at once
+    (what a kernel with a grid barrier needs). ``args``: CuPy arrays and NumPy scalars.
     """
-    if not programmatic:
+    if not programmatic and not cooperative:
         kernel(grid, block, args, shared_mem=shared_mem)
         return
     import ctypes
@@ -170,15 +173,35 @@ def launch_ex(
     config.blockDimX, config.blockDimY, config.blockDimZ = (int(b) for b in block3)
     config.sharedMemBytes = int(shared_mem)
     config.hStream = driver.CUstream(int(cupy.cuda.get_current_stream().ptr))
-    attribute = driver.CUlaunchAttribute()
-    attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attribute.value.programmaticStreamSerializationAllowed = 1
-    config.attrs = [attribute]
-    config.numAttrs = 1
+    attributes = []
+    if programmatic:
+        attribute = driver.CUlaunchAttribute()
+        attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attribute.value.programmaticStreamSerializationAllowed = 1
+        attributes.append(attribute)
+    if cooperative:
+        attribute = driver.CUlaunchAttribute()
+        attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+        attribute.value.cooperative = 1
+        attributes.append(attribute)
+    config.attrs = attributes
+    config.numAttrs = len(attributes)
     function = driver.CUfunction(int(getattr(kernel, "kernel", kernel).ptr))  # RawKernel -> its CUfunction
     (status,) = driver.cuLaunchKernelEx(config, function, (tuple(values), tuple(types)), 0)
     if int(status) != 0:
         raise RuntimeError(f"cuLaunchKernelEx failed: {status}")
+
+
+def max_active_blocks(kernel: Any, threads: int, shared_mem: int) -> int:
+    """Blocks of ``kernel`` (a RawKernel) that fit on one SM at once with ``threads`` threads and ``shared_mem``
+    bytes of dynamic shared memory (the driver's occupancy calculator)."""
+    from cuda.bindings import driver
+
+    function = driver.CUfunction(int(getattr(kernel, "kernel", kernel).ptr))
+    status, blocks = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, int(threads), int(shared_mem))
+    if int(status) != 0:
+        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed: {status}")
+    return int(blocks)
 
 
 def prefer_shared_memory(kernel: Any) -> None:

@@ -32,6 +32,7 @@ BUILTIN_MODULES = (
     "kernels.warp_decode_numba",
     "kernels.expert_centric",
     "kernels.warp_decode_batched",
+    "kernels.warp_decode_fused",
     "kernels.dispatch",
 )
 
@@ -51,6 +52,12 @@ class Variant:
     # optional one-time weight transform run outside the timing: prepack(w13, w2) -> (w13', w2');
     # launch then receives the prepacked weights in place of w13 and w2
     prepack: Callable[[Any, Any], tuple[Any, Any]] | None = None
+    # optional: whether build() can run these dims (supports(dims, **params) -> bool); the harness records a
+    # dims it cannot run as status "unsupported" instead of timing it
+    supports: Callable[..., bool] | None = None
+
+    def can_run(self, dims: Dims, **overrides: Any) -> bool:
+        return self.supports is None or bool(self.supports(dims, **{**self.params, **overrides}))
 
     def make(self, dims: Dims, **overrides: Any) -> Launch:
         return self.build(dims, **{**self.params, **overrides})

@@ -423,6 +423,9 @@ class Workbench:
             "bytes": dict(self.bytes), "copies": self.info["copies"], "rotation": dict(self.info),
             "status": "error", "error": None, "samples_us": [], "stages": [],
         }
+        if not variant.can_run(self.dims, **(params or {})):
+            record.update(status="unsupported", error=f"{variant.name} cannot run {self.dims} (its supports())")
+            return record
         stream = cupy.cuda.Stream(non_blocking=True)
         try:
             started = time.perf_counter()

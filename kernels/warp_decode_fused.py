@@ -1,0 +1,466 @@
+"""Fused warp decode: the whole MoE layer in ONE persistent kernel, for decode batches whose w2 fits on chip.
+
+At T = 1 two kernels cannot reach the memory roofline: qwen3-30b-a3b's layer is 75.5 MB (50.3 MB of w13, 25.2 MB
+of w2); one kernel reads that many bytes in 18.2 us on the H200 (results/diag-small-reads.json), but gate_up then
+down, even overlapped by PDL, take 21.8 us of reads (results/diag-s6.json) and strict warp decode 21.9 us. The
+down's bytes do not depend on gate_up -- only its dots do -- so this kernel reads both at once:
+
+1. one block per SM, all resident together (cooperative launch, occupancy-checked grid); block b owns hidden rows
+   ``h0 = b * FU_ROWS .. h0 + FU_ROWS - 1`` of the output, and first asks for ``w2[e, h0 + r, :]`` of every
+   (token, slot) pair with ``cp.async`` into padded shared-memory rows: ~200 KB a block that land while ...
+2. ... its warps run gate_up exactly as strict warp decode does (one warp per (pair, neuron), the items of all
+   ``SMs x FU_WARPS`` warps taken in a grid stride; lane chunk map, FP32 accumulators and shuffle sum are the
+   strict kernel's, so at FU_BYTES 8 the bf16 intermediate is bitwise strict's) into the [T, K, I] workspace;
+3. a grid barrier (fence, an arrive counter in the workspace, reset by the last block through);
+4. the down from shared memory on tensor cores: the intermediate copied in from L2, ``mma.sync`` of the staged w2
+   rows with each pair's intermediate row, weighted partials summed per (token, row) in a fixed order, one write.
+
+What stays after gate_up is the barrier and a few hundred ns of shared-memory dots, not a second kernel's ramp and
+the w2 read. Eligible only where ``T x K x FU_ROWS`` padded w2 rows (+ the intermediate) fit in 227 KB a block:
+qwen3-30b-a3b at T = 1 (8 x 16 rows), not T = 2 and not qwen3-235b-a22b (:func:`fused_supported`). Determinism:
+no atomics on data (the only atomics are the barrier's counters), fixed summation orders.
+
+Public: :func:`warp_decode_fused`, :func:`make_workspace`, :func:`resolve_params`, :func:`fused_supported`;
+variant ``"cupy:warp-decode-fused"`` (numerics: mode "warp_decode" with the tensor core's summation order in the
+down, as ``cupy:warp-decode-mma``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kernels.compile import (
+    CudaSource,
+    device_sm_count,
+    for_device,
+    get_kernel,
+    launch_ex,
+    max_active_blocks,
+    register_source,
+)
+from kernels.contract import BF16, Dims, check_aligned, check_inputs, check_out, require_cupy
+from kernels.device_helpers import MMA_HELPERS, PDL_HELPERS, WARP_HELPERS
+from kernels.variants import Variant, register
+
+FUSED = "moe_fused_3d"
+
+CODE = WARP_HELPERS + PDL_HELPERS + MMA_HELPERS + r"""
+// Fused warp decode (kernels/warp_decode_fused.py): gate_up, a grid barrier and down in ONE kernel.
+// Knobs: FU_WARPS warps per block (one block per SM), FU_BYTES bytes per lane per gate_up load (4, 8, 16),
+// FU_UNROLL gate_up chunks per row in flight per lane, FU_ROWS hidden rows per block in the down, PDL.
+static_assert(FU_WARPS >= 1 && FU_WARPS <= 32, "FU_WARPS must be 1..32");
+static_assert(FU_BYTES == 4 || FU_BYTES == 8 || FU_BYTES == 16, "FU_BYTES must be 4, 8 or 16");
+static_assert(FU_UNROLL >= 1 && FU_UNROLL <= 32, "FU_UNROLL must be 1..32");
+static_assert(FU_ROWS >= 1 && FU_ROWS <= 1024, "FU_ROWS must be 1..1024");
+#define SPIN_LIMIT (1ll << 26)   // ~10 s of polling: a grid that is not co-resident traps instead of hanging
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+// another SM's global write, read through L2 (never a stale L1 line)
+__device__ __forceinline__ uint4 ld_l2(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint4 shared_chunk(const uint4* row, int c, bool ok) {   // zeros past the row
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (ok) v = row[c];
+    return v;
+}
+__host__ __device__ __forceinline__ int padded_row_bytes(int inter) {   // 2I rounded up to 64 mod 128:
+    return (2 * inter + 63) / 128 * 128 + 64;                          // conflict-free mma fragment loads
+}
+
+// All blocks arrive (after a fence that publishes the block's intermediate writes), then wait for the rest.
+// grid_sync[0] counts arrivals, grid_sync[1] departures; the last block through resets both to 0, so every
+// launch starts from zeros (stream order, or PDL's wait, keeps the next launch behind this one's reset).
+__device__ __forceinline__ void grid_barrier(unsigned* grid_sync) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(grid_sync, 1u);
+        long long spins = 0;
+        while (ld_acquire(grid_sync) < gridDim.x)
+            if (++spins > SPIN_LIMIT) __trap();
+        if (atomicAdd(grid_sync + 1, 1u) == gridDim.x - 1) {
+            grid_sync[0] = 0u;
+            grid_sync[1] = 0u;
+        }
+    }
+    __syncthreads();
+}
+
+// ------------------------------------------------------------------------------------------------
+// moe_fused_3d: out[t, h] = sum_k w_tk * (w2[e_tk, h, :] . bf16(SiLU(w13[e_tk, :I] . x_t) * (w13[e_tk, I:] . x_t)))
+//   Shared memory: [T bad-token flags, T*K expert ids; 16-byte aligned][w2: T*K x FU_ROWS padded rows]
+//   [intermediate: T*K x I bf16][partial: T*K x parts x FU_ROWS floats] (fused_shared_bytes says the same).
+//   A token with any id outside [0, E) gets NaN outputs; none of its weights are read.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(FU_WARPS * 32, 1) moe_fused_3d(
+    const bf16_t* __restrict__ x,             // [T, H]
+    const bf16_t* __restrict__ w13,           // [E, 2I, H]
+    const bf16_t* __restrict__ w2,            // [E, H, I]
+    const int* __restrict__ topk_ids,         // [T, K]
+    const float* __restrict__ topk_weights,   // [T, K]
+    bf16_t* __restrict__ intermediate,        // [T, K, I] workspace
+    unsigned* __restrict__ grid_sync,         // [2] workspace, zero between launches
+    void* __restrict__ out,                   // [T, H] bf16, or float32 when out_f32
+    int out_f32, int tokens, int hidden, int inter, int experts, int top_k)
+{
+    extern __shared__ __align__(16) unsigned char fused_smem[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int pairs = tokens * top_k;
+    const int h0 = blockIdx.x * FU_ROWS;
+    const int rows = max(0, min(FU_ROWS, hidden - h0));            // blocks past H only run gate_up
+    const int chunks16 = inter / 8;                                  // 16-byte chunks of an I row (I % 8 == 0)
+    const int stride = padded_row_bytes(inter);
+    int* token_bad = reinterpret_cast<int*>(fused_smem);
+    int* pair_expert = token_bad + tokens;
+    unsigned char* w2_rows = fused_smem + ((size_t)4 * (tokens + pairs) + 15) / 16 * 16;
+    uint4* inter_rows = reinterpret_cast<uint4*>(w2_rows + (size_t)pairs * FU_ROWS * stride);
+    float* partial = reinterpret_cast<float*>(inter_rows + (size_t)pairs * chunks16);
+
+    pdl_wait();     // x and topk_ids may come from the kernel right before; so may the barrier's reset
+    pdl_release();
+    // 0) ids into shared memory, every token's range check
+    for (int t = tid; t < tokens; t += FU_WARPS * 32) token_bad[t] = 0;
+    __syncthreads();
+    for (int p = tid; p < pairs; p += FU_WARPS * 32) {
+        const int e = ld_dep(topk_ids + p);
+        pair_expert[p] = e;
+        if ((unsigned)e >= (unsigned)experts) token_bad[p / top_k] = 1;   // same value from every writer
+    }
+    __syncthreads();
+
+    // 1) this block's w2 rows: warp w copies rows (p, r) = w, w + FU_WARPS, ... (16 bytes a lane, cp.async)
+    for (int pr = warp; pr < pairs * rows; pr += FU_WARPS) {       // warp-uniform
+        const int p = pr / rows, r = pr - p * rows;
+        if (token_bad[p / top_k]) continue;
+        const uint4* src = reinterpret_cast<const uint4*>(w2 + ((size_t)pair_expert[p] * hidden + h0 + r) * inter);
+        const unsigned dst = smem_addr(w2_rows + ((size_t)p * FU_ROWS + r) * stride);
+        for (int c = lane; c < chunks16; c += 32)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst + 16u * c), "l"(src + c) : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+
+    // 2) gate_up: warp g of the grid owns items (p, i) = g, g + all warps, ...; lane l reads chunks l, l + 32, ...
+    //    of gate row i, up row i and x[t]; FP32 accumulators in registers; lane 0 writes the bf16 intermediate
+    {
+        typedef typename Vec<FU_BYTES>::T vec_t;
+        constexpr int WORDS = FU_BYTES / 4;
+        const int chunks = hidden / (FU_BYTES / 2);                  // H % 8 == 0: whole chunks only
+        const int items = pairs * inter;                             // small: the shared-memory check bounds T*K
+        for (int item = blockIdx.x * FU_WARPS + warp; item < items; item += gridDim.x * FU_WARPS) {
+            const int p = item / inter, i = item - p * inter;
+            const int t = p / top_k;
+            if (token_bad[t]) continue;                              // warp-uniform
+            const size_t row = ((size_t)pair_expert[p] * 2 * inter + i) * (size_t)hidden;
+            const vec_t* gate_row = reinterpret_cast<const vec_t*>(w13 + row);
+            const vec_t* up_row = reinterpret_cast<const vec_t*>(w13 + row + (size_t)inter * hidden);
+            const vec_t* x_row = reinterpret_cast<const vec_t*>(x + (size_t)t * hidden);
+            float gate_acc = 0.0f, up_acc = 0.0f;
+            for (int base = 0; base < chunks; base += 32 * FU_UNROLL) {
+                vec_t wg[FU_UNROLL][1], wu[FU_UNROLL][1], xv[FU_UNROLL];
+                #pragma unroll
+                for (int j = 0; j < FU_UNROLL; ++j) {                // every weight load of the round first
+                    const int c = base + j * 32 + lane;
+                    wg[j][0] = ldg_chunk(gate_row, c, c < chunks);
+                    wu[j][0] = ldg_chunk(up_row, c, c < chunks);
+                }
+                #pragma unroll
+                for (int j = 0; j < FU_UNROLL; ++j) {
+                    const int c = base + j * 32 + lane;
+                    xv[j] = ld_dep_chunk(x_row, c, c < chunks);
+                }
+                gate_acc += __uint_as_float(all_loads_arrived(wg) | all_loads_arrived(wu));   // += 0.0f
+                #pragma unroll
+                for (int j = 0; j < FU_UNROLL; ++j)
+                    #pragma unroll
+                    for (int w = 0; w < WORDS; ++w) {
+                        const float x_lo = bf16_lo(word(xv[j], w)), x_hi = bf16_hi(word(xv[j], w));
+                        gate_acc = fmaf(bf16_lo(word(wg[j][0], w)), x_lo, gate_acc);
+                        gate_acc = fmaf(bf16_hi(word(wg[j][0], w)), x_hi, gate_acc);
+                        up_acc = fmaf(bf16_lo(word(wu[j][0], w)), x_lo, up_acc);
+                        up_acc = fmaf(bf16_hi(word(wu[j][0], w)), x_hi, up_acc);
+                    }
+            }
+            const float g = warp_sum(gate_acc), u = warp_sum(up_acc);
+            if (lane == 0) intermediate[(size_t)p * inter + i] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
+        }
+    }
+
+    // 3) every block's intermediate is written
+    grid_barrier(grid_sync);
+    if (rows == 0) return;                                           // block-uniform
+
+    // 4) down from shared memory: the intermediate in, then items (pair p, k part) on tensor cores
+    const uint4* inter_global = reinterpret_cast<const uint4*>(intermediate);
+    for (int j = tid; j < pairs * chunks16; j += FU_WARPS * 32) inter_rows[j] = ld_l2(inter_global + j);
+    asm volatile("cp.async.wait_all;" ::: "memory");                 // this thread's w2 copies have landed
+    __syncthreads();                                                 // ... and everyone's
+    const int g = lane >> 2, q = lane & 3;
+    const int kblocks = (chunks16 + 3) / 4;                          // 32-wide k blocks
+    const int tiles = (FU_ROWS + 15) / 16;
+    const int parts = max(1, min(kblocks, FU_WARPS / (pairs * tiles)));   // k parts per (pair, tile) item
+    for (int it = warp; it < pairs * tiles * parts; it += FU_WARPS) {     // warp-uniform
+        const int p = it / (tiles * parts), tile = (it / parts) % tiles, part = it % parts;
+        if (token_bad[p / top_k]) continue;
+        const int r_lo = min(tile * 16 + g, rows - 1), r_hi = min(tile * 16 + g + 8, rows - 1);   // past: last row
+        const uint4* a_lo = reinterpret_cast<const uint4*>(w2_rows + ((size_t)p * FU_ROWS + r_lo) * stride);
+        const uint4* a_hi = reinterpret_cast<const uint4*>(w2_rows + ((size_t)p * FU_ROWS + r_hi) * stride);
+        const uint4* b_col = inter_rows + (size_t)p * chunks16;
+        // even / odd k blocks in two accumulator arrays indexed only by constants (registers, no stack frame)
+        float even[4] = {0.0f, 0.0f, 0.0f, 0.0f}, odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        const int kb_end = (part + 1) * kblocks / parts;
+        #pragma unroll 1
+        for (int kb = part * kblocks / parts; kb < kb_end; kb += 2) {
+            const int c = 4 * kb + q, c_next = c + 4;
+            const bool ok = c < chunks16, ok_next = kb + 1 < kb_end && c_next < chunks16;
+            mma_k32(even, shared_chunk(a_lo, c, ok), shared_chunk(a_hi, c, ok), shared_chunk(b_col, c, ok));
+            mma_k32(odd, shared_chunk(a_lo, c_next, ok_next), shared_chunk(a_hi, c_next, ok_next),
+                    shared_chunk(b_col, c_next, ok_next));
+        }
+        if (q == 0) {                                                // lane (g, 0): column 0, rows g and g + 8
+            const float wk = __ldg(topk_weights + p);
+            float* dst = partial + ((size_t)p * parts + part) * FU_ROWS;
+            if (tile * 16 + g < rows) dst[tile * 16 + g] = wk * (even[0] + odd[0]);
+            if (tile * 16 + g + 8 < rows) dst[tile * 16 + g + 8] = wk * (even[2] + odd[2]);
+        }
+    }
+    __syncthreads();
+
+    // 5) every (t, row): its partials summed over slots and parts in order, one write
+    for (int j = tid; j < tokens * rows; j += FU_WARPS * 32) {
+        const int t = j / rows, r = j - t * rows;
+        float v = 0.0f;
+        const float* mine = partial + (size_t)t * top_k * parts * FU_ROWS + r;   // [k][part] of (t, r)
+        for (int kp = 0; kp < top_k * parts; ++kp) v += mine[(size_t)kp * FU_ROWS];
+        if (token_bad[t]) v = __int_as_float(0x7fc00000);
+        const long long idx = (long long)t * hidden + h0 + r;
+        if (out_f32) reinterpret_cast<float*>(out)[idx] = v;
+        else reinterpret_cast<bf16_t*>(out)[idx] = f32_to_bf16(v);   // the one final rounding
+    }
+}
+"""
+
+DEFAULTS: dict[str, int] = {
+    "FU_WARPS": 32,  # warps per block (one block per SM): 32 -> <= 64 registers a thread
+    "FU_BYTES": 8,  # gate_up bytes per lane per load: 8 = strict's GU_BYTES (bitwise the same intermediate)
+    "FU_UNROLL": 4,  # gate_up chunks per row in flight per lane (8, strict's GU_UNROLL, spills at 64 registers)
+    "FU_ROWS": 16,  # hidden rows per block in the down (0 = auto: ceil(H / SMs), every SM one block)
+    "PDL": 1,  # programmatic dependent launch (sm_90+; 0 before)
+}
+AUTO_KNOBS = ("FU_ROWS",)
+LIMITS = {"FU_WARPS": (1, 32), "FU_UNROLL": (1, 32), "FU_ROWS": (0, 1024), "PDL": (0, 1)}
+SHARED_LIMIT = 227 * 1024  # dynamic shared memory one block may opt into on sm_90
+DEFAULT_SMS = 132  # the H200's SM count, used where no GPU is present (CPU-side resolution, offline reports)
+
+
+def grid_blocks() -> int:
+    """One block per SM of the current GPU (132 where there is none)."""
+    return device_sm_count(DEFAULT_SMS)
+
+
+def fused_shared_bytes(params: dict[str, int], dims: Dims) -> int:
+    """Dynamic shared memory of ``moe_fused_3d`` (its layout comment): flags and ids, the padded w2 rows, the
+    intermediate, the partials."""
+    pairs = dims.tokens * dims.top_k
+    row = (2 * dims.intermediate + 63) // 128 * 128 + 64
+    kblocks = -(-(dims.intermediate // 8) // 4)
+    tiles = -(-params["FU_ROWS"] // 16)
+    parts = max(1, min(kblocks, params["FU_WARPS"] // (pairs * tiles)))
+    head = (4 * (dims.tokens + pairs) + 15) // 16 * 16
+    return head + pairs * params["FU_ROWS"] * row + pairs * dims.intermediate * 2 + pairs * parts * params["FU_ROWS"] * 4
+
+
+def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
+    """Validate the knobs and fill ``FU_ROWS`` = 0 (auto: ``ceil(H / SMs)``); with ``dims``, also check that the
+    block's shared memory fits (ValueError naming the sizes otherwise)."""
+    unknown = set(params) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown fused warp-decode parameter(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+    values: dict[str, int] = {**DEFAULTS, "FU_ROWS": 0}
+    for key, value in params.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{key} must be an int, got {value!r}")
+        values[key] = int(value)
+    for key, (low, high) in LIMITS.items():
+        if not low <= values[key] <= high:
+            raise ValueError(f"{key} must be in {low}..{high}{' (0 = auto)' if key in AUTO_KNOBS else ''}, "
+                             f"got {values[key]}")
+    if values["FU_BYTES"] not in (4, 8, 16):
+        raise ValueError(f"FU_BYTES must be 4, 8 or 16, got {values['FU_BYTES']}")
+    if dims is None:
+        if values["FU_ROWS"] == 0:
+            values["FU_ROWS"] = DEFAULTS["FU_ROWS"]
+        return values
+    blocks = grid_blocks()
+    if values["FU_ROWS"] == 0:
+        values["FU_ROWS"] = -(-dims.hidden // blocks)
+    if values["FU_ROWS"] * blocks < dims.hidden:
+        raise ValueError(f"FU_ROWS={values['FU_ROWS']} x {blocks} blocks (one per SM) covers "
+                         f"{values['FU_ROWS'] * blocks} < H={dims.hidden} hidden rows: raise FU_ROWS or use 0 (auto)")
+    shared = fused_shared_bytes(values, dims)
+    if shared > SHARED_LIMIT:
+        raise ValueError(
+            f"the fused kernel needs {shared} bytes of shared memory a block (T*K={dims.tokens * dims.top_k} pairs x "
+            f"FU_ROWS={values['FU_ROWS']} w2 rows of I={dims.intermediate} + the intermediate), over {SHARED_LIMIT}: "
+            "it is for decode batches whose w2 share per SM fits (see fused_supported); use another path"
+        )
+    return values
+
+
+def fused_supported(dims: Dims, **params: Any) -> bool:
+    """Whether the fused kernel can run ``dims`` on this GPU (its shared memory fits at these knobs)."""
+    try:
+        resolve_params(dims, **params)
+    except ValueError:
+        return False
+    return True
+
+
+SOURCE = register_source(
+    CudaSource(
+        name="warp_decode_fused",
+        code=CODE,
+        kernels=(FUSED,),
+        defaults=dict(DEFAULTS),
+        warps_knobs={FUSED: "FU_WARPS"},
+        description="fused warp decode: gate_up, grid barrier and down in one persistent kernel (sm_90+)",
+    )
+)
+
+
+@dataclass
+class Workspace:
+    """What the fused kernel needs besides its inputs: the bf16 intermediate and the barrier's two counters."""
+
+    dims: Dims
+    intermediate: Any  # [T, K, I] bf16
+    grid_sync: Any  # [2] uint32, zero between launches (the kernel resets it)
+
+
+def make_workspace(dims: Dims) -> Workspace:
+    """Allocate the intermediate and the zeroed barrier counters for ``dims`` (CuPy, current device)."""
+    if not isinstance(dims, Dims):
+        raise TypeError(f"dims must be a kernels.contract.Dims, got {type(dims).__name__}")
+    import cupy
+
+    return Workspace(dims, cupy.empty((dims.tokens, dims.top_k, dims.intermediate), dtype=BF16),
+                     cupy.zeros(2, dtype=cupy.uint32))
+
+
+_HANDLES: dict[tuple[int, str, tuple[tuple[str, int], ...]], Any] = {}
+
+
+def kernel_for(params: dict[str, int], dims: Dims) -> Any:
+    """The compiled kernel for these resolved knobs, opted into its shared memory, checked to fit one block per
+    SM (else ValueError: the grid barrier needs every block resident)."""
+    import cupy
+
+    shared = fused_shared_bytes(params, dims)
+    key = (cupy.cuda.Device().id, SOURCE.code, tuple(sorted(params.items())))
+    kernel = _HANDLES.get(key)
+    if kernel is None:
+        kernel = get_kernel(SOURCE, FUSED, **params)
+        _HANDLES[key] = kernel
+    if kernel.max_dynamic_shared_size_bytes < shared:
+        kernel.max_dynamic_shared_size_bytes = shared
+    if max_active_blocks(kernel, params["FU_WARPS"] * 32, shared) < 1:
+        raise ValueError(f"moe_fused_3d does not fit on an SM with {shared} bytes of shared memory and "
+                         f"{params['FU_WARPS']} warps: lower FU_ROWS or FU_WARPS, or use another path")
+    return kernel
+
+
+def _launch(kernel: Any, params: dict[str, int], dims: Dims, x: Any, w13: Any, w2: Any, topk_ids: Any,
+            topk_weights: Any, out: Any, ws: Workspace) -> None:
+    out_f32 = np.int32(1 if out.dtype == np.float32 else 0)
+    launch_ex(
+        kernel, (grid_blocks(),), (params["FU_WARPS"] * 32,),
+        (x, w13, w2, topk_ids, topk_weights, ws.intermediate, ws.grid_sync, out, out_f32, np.int32(dims.tokens),
+         np.int32(dims.hidden), np.int32(dims.intermediate), np.int32(dims.experts), np.int32(dims.top_k)),
+        shared_mem=fused_shared_bytes(params, dims),
+        programmatic=bool(params["PDL"]),
+        cooperative=True,
+    )
+
+
+def _resolve_for_device(dims: Dims, params: dict[str, Any]) -> dict[str, int]:
+    resolved = for_device(resolve_params(dims, **params))
+    import cupy
+
+    if int(cupy.cuda.Device().compute_capability) < 90:
+        raise ValueError("the fused kernel needs sm_90+ (227 KB of shared memory a block); use another path")
+    return resolved
+
+
+def warp_decode_fused(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any = None,
+                      workspace: Workspace | None = None, **params: Any) -> Any:
+    """One MoE decode layer in one kernel on CuPy arrays; returns ``out`` [T, H] (bf16 unless given fp32).
+
+    With ``out`` and ``workspace`` (:func:`make_workspace`) given, nothing is allocated and nothing syncs with the
+    host (id value checks are skipped under graph capture; the kernel guards every id). ValueError where the
+    dims do not fit (:func:`fused_supported`)."""
+    cupy = require_cupy(x=x, w13=w13, w2=w2, topk_ids=topk_ids, topk_weights=topk_weights)
+    dims = check_inputs(x, w13, w2, topk_ids, topk_weights, check_values=False)
+    if out is not None:
+        require_cupy(out=out)
+        check_out(out, dims, cupy)
+    if workspace is not None:
+        if not isinstance(workspace, Workspace):
+            raise TypeError(f"workspace must come from warp_decode_fused.make_workspace(), got "
+                            f"{type(workspace).__name__}")
+        if workspace.dims != dims:
+            raise ValueError(f"workspace was made for {workspace.dims}, this call needs {dims}")
+    resolved = _resolve_for_device(dims, params)
+    check_inputs(x, w13, w2, topk_ids, topk_weights)  # ids in range, weights finite (skipped under capture)
+    check_aligned(x=x, w13=w13, w2=w2)
+    if out is None:
+        out = cupy.empty((dims.tokens, dims.hidden), dtype=BF16)
+    if workspace is None:
+        workspace = make_workspace(dims)
+    _launch(kernel_for(resolved, dims), resolved, dims, x, w13, w2, topk_ids, topk_weights, out, workspace)
+    return out
+
+
+def build(dims: Dims, **params: Any) -> Any:
+    """Compile once, allocate the workspace once; the returned launch only launches (graph-capturable)."""
+    resolved = _resolve_for_device(dims, params)
+    kernel = kernel_for(resolved, dims)
+    workspace = make_workspace(dims)
+
+    def launch(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> None:
+        _launch(kernel, resolved, dims, x, w13, w2, topk_ids, topk_weights, out, workspace)
+
+    def stages(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> list[tuple[str, Any]]:
+        return [("fused", lambda: launch(x, w13, w2, topk_ids, topk_weights, out))]
+
+    launch.stages = stages  # type: ignore[attr-defined]
+    launch.params = resolved  # type: ignore[attr-defined]
+    launch.workspace = workspace  # type: ignore[attr-defined]
+    return launch
+
+
+build.resolve = resolve_params  # type: ignore[attr-defined]  # tools.sweep resolves auto knobs with it
+
+VARIANT = register(
+    Variant(
+        name="cupy:warp-decode-fused",
+        backend="cupy",
+        family="warp-decode",
+        build=build,
+        reference_mode="warp_decode",
+        params={**DEFAULTS, "FU_ROWS": 0},
+        description="fused warp decode: one persistent kernel per layer (gate_up, grid barrier, down from shared "
+        "memory on tensor cores); decode batches whose w2 share per SM fits in shared memory",
+        grid={"FU_WARPS": [16, 24, 32], "FU_BYTES": [8, 16], "FU_UNROLL": [2, 4, 8]},
+        supports=lambda dims, **params: fused_supported(dims, **params),
+    )
+)
