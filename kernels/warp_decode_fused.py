@@ -277,7 +277,8 @@ def fused_shared_bytes(params: dict[str, int], dims: Dims) -> int:
     tiles = -(-params["FU_ROWS"] // 16)
     parts = max(1, min(kblocks, params["FU_WARPS"] // (pairs * tiles)))
     head = (4 * (dims.tokens + pairs) + 15) // 16 * 16
-    return head + pairs * params["FU_ROWS"] * row + pairs * dims.intermediate * 2 + pairs * parts * params["FU_ROWS"] * 4
+    rows = params["FU_ROWS"]
+    return head + pairs * rows * row + pairs * dims.intermediate * 2 + pairs * parts * rows * 4
 
 
 def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
