@@ -151,12 +151,16 @@ def test_matches_and_repeats_in_graphs(cupy_mod: Any, rng: np.random.Generator, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("routing", list(ROUTINGS))
 def test_routings(cupy_mod: Any, rng: np.random.Generator, routing: str) -> None:
-    problem = make_problem("tiny", 4, seed=_seed(rng), routing=routing, xp=cupy_mod)
-    _run_and_check(cupy_mod, problem, f"tiny T=4 {routing}")
-    problem = make_problem("qwen3-30b-a3b", 1, seed=_seed(rng), routing=routing, xp=cupy_mod)
-    _run_and_check(cupy_mod, problem, f"qwen3-30b-a3b T=1 {routing}")
+    """Every routing generator, repeated ids included: tiny at T = 6 and qwen3-30b-a3b at T = 1 (per-token lists:
+    the first token's, all 8 slots on expert 127)."""
+    tiny_ids, qwen_ids = ROUTINGS[routing]
+    if isinstance(qwen_ids, list) and isinstance(qwen_ids[0], list):
+        qwen_ids = qwen_ids[:1]
+    for model, tokens, ids in (("tiny", 6, tiny_ids), ("qwen3-30b-a3b", 1, qwen_ids)):
+        problem = make_problem(model, tokens, seed=_seed(rng), routing=ids, xp=cupy_mod)
+        _run_and_check(cupy_mod, problem, f"{model} T={tokens} routing {routing}")
 
 
 @pytest.mark.gpu
