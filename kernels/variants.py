@@ -32,7 +32,6 @@ BUILTIN_MODULES = (
     "kernels.warp_decode_numba",
     "kernels.expert_centric",
     "kernels.warp_decode_batched",
-    "kernels.warp_decode_fused",
     "kernels.dispatch",
 )
 

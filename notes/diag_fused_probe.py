@@ -3,7 +3,7 @@
 Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_fused_probe.py`` (writes
 ``$OUT/diag_fused_probe.json``).
 
-``moe_fused_3d`` (kernels/warp_decode_fused.py) took 25.8 us at qwen3-30b-a3b T = 1 in its first sweep, against 21.9
+``moe_fused_3d`` (prototypes/fused_layer.py) took 25.8 us at qwen3-30b-a3b T = 1 in its first sweep, against 21.9
 for strict warp decode and 18.2 for one plain read of the layer's bytes. This times graphs of 16 layers, each on a
 different 8 of the 128 experts (1.2 GB of weights rotate past L2), for strict warp decode, its gate_up alone, and
 text-edited copies of the fused kernel (the edits exist only here; their outputs are wrong on purpose):
@@ -27,9 +27,9 @@ import cupy
 import numpy as np
 
 from kernels import warp_decode_cupy as wdc
-from kernels import warp_decode_fused as wdf
 from kernels.compile import CudaSource, get_kernel, launch_ex
 from kernels.contract import BF16, Dims
+from prototypes import fused_layer as wdf
 from tools.roofline import _time_graph, capture
 
 COPY = 'asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst + 16u * c), "l"(src + c) : "memory");'

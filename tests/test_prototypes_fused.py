@@ -1,4 +1,4 @@
-"""Fused warp decode (kernels/warp_decode_fused.py): one persistent kernel per layer.
+"""Prototype fused warp decode (prototypes/fused_layer.py): one persistent kernel per layer.
 
 CPU tests: knob validation, the shared-memory eligibility rule (which dims it can run), the registration, and the
 kernel compiled for sm_90 through NVRTC without local memory at its defaults and the sweep grid's non-spilling
@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kernels import warp_decode_fused as wdf
 from kernels.compile import offline_report
 from kernels.contract import BF16, Dims
 from kernels.problem import Problem, make_problem
 from kernels.shapes import PRESETS
 from kernels.variants import get_variant
+from prototypes import fused_layer as wdf
 from tests.warp_checks import ODD_SHAPES, ROUTINGS, _assert_matches, _poisoned_out, _references, _seed
 
 QWEN30 = PRESETS["qwen3-30b-a3b"]
@@ -61,20 +61,25 @@ def test_supported_dims_are_the_ones_whose_w2_share_fits() -> None:
         assert wdf.fused_supported(_dims(ODD_SHAPES[name], tokens)), name
     # the Python layout is the kernel's: flags and ids, padded w2 rows, intermediate, partials
     resolved = wdf.resolve_params(DIMS_30B_T1)
-    assert wdf.fused_shared_bytes(resolved, DIMS_30B_T1) == 48 + 8 * 16 * 1600 + 8 * 768 * 2 + 8 * 4 * 16 * 4
+    assert wdf.fused_shared_bytes(resolved, DIMS_30B_T1) == 48 + 8 * 16 * 1600 + 8 * 768 * 2 + 8 * 3 * 16 * 4  # 24 warps: 3 parts
 
 
 def test_variant_and_source_are_registered() -> None:
-    variant = get_variant("cupy:warp-decode-fused")
+    import prototypes
+
+    prototypes.load()
+    variant = get_variant("proto:fused-layer")
     assert variant.build is wdf.build and variant.reference_mode == "warp_decode"
     assert wdf.SOURCE.kernels == (wdf.FUSED,)
+    assert variant.can_run(DIMS_30B_T1) and not variant.can_run(_dims(QWEN30, 2))  # the harness: "unsupported"
 
 
 def test_compiles_without_local_memory() -> None:
-    """At the defaults (and every default-width grid point at <= 64 registers) no spill and no stack frame: the
+    """At the defaults and the sweep's spill-free points no spill and no stack frame: the
     H200 showed a 48-byte stack frame in a tensor-core tail costing 8 us (results/diag-staged-probe.json)."""
     for dims in (DIMS_30B_T1, _dims(ODD_SHAPES["h64-k40"], 2)):
-        for knobs in ({}, {"FU_UNROLL": 6}, {"FU_WARPS": 24, "FU_UNROLL": 8}, {"FU_WARPS": 16, "FU_BYTES": 16}):
+        for knobs in ({}, {"FU_WARPS": 32, "FU_BYTES": 8}, {"FU_BYTES": 8, "FU_UNROLL": 8},
+                      {"FU_WARPS": 16, "FU_UNROLL": 8}):
             resolved = wdf.resolve_params(dims, **knobs)
             (report,) = offline_report(wdf.SOURCE, **resolved)
             assert report.spills == 0 and report.stack_bytes == 0, (dims, knobs, report)

@@ -1,28 +1,58 @@
-"""Fused warp decode: the whole MoE layer in ONE persistent kernel, for decode batches whose w2 fits on chip.
+"""Prototype: fused warp decode -- the whole MoE layer in ONE persistent kernel (gate_up, grid barrier, down).
 
-At T = 1 two kernels cannot reach the memory roofline: qwen3-30b-a3b's layer is 75.5 MB (50.3 MB of w13, 25.2 MB
-of w2); one kernel reads that many bytes in 18.2 us on the H200 (results/diag-small-reads.json), but gate_up then
-down, even overlapped by PDL, take 21.8 us of reads (results/diag-s6.json) and strict warp decode 21.9 us. The
-down's bytes do not depend on gate_up -- only its dots do -- so this kernel reads both at once:
+Hypothesis. At T = 1 two kernels cannot reach the memory roofline: qwen3-30b-a3b's layer is 75.5 MB (50.3 MB of
+w13, 25.2 MB of w2); one plain kernel reads that many bytes in 18.2 us on the H200 (results/diag-small-reads.json),
+gate_up then down (even overlapped by PDL) read them in 21.8 us (results/diag-s6.json), strict warp decode takes
+21.9 us. The down's BYTES do not depend on gate_up -- only its dots do -- so one kernel can read both at once:
 
 1. one block per SM, all resident together (cooperative launch, occupancy-checked grid); block b owns hidden rows
-   ``h0 = b * FU_ROWS .. h0 + FU_ROWS - 1`` of the output, and first asks for ``w2[e, h0 + r, :]`` of every
-   (token, slot) pair with ``cp.async`` into padded shared-memory rows: ~200 KB a block that land while ...
-2. ... its warps run gate_up exactly as strict warp decode does (one warp per (pair, neuron), the items of all
-   ``SMs x FU_WARPS`` warps taken in a grid stride; lane chunk map, FP32 accumulators and shuffle sum are the
-   strict kernel's, so at FU_BYTES 8 the bf16 intermediate is bitwise strict's) into the [T, K, I] workspace;
+   ``h0 = b * FU_ROWS .. h0 + FU_ROWS - 1`` and first asks for ``w2[e, h0 + r, :]`` of every (token, slot) pair
+   with ``cp.async`` into padded shared-memory rows (~200 KB a block), which land while ...
+2. ... its warps run gate_up as strict warp decode does (one warp per (pair, neuron), items in a grid stride over
+   all ``SMs x FU_WARPS`` warps; the strict kernel's lane chunk map, FP32 accumulators and shuffle sum) into the
+   [T, K, I] workspace;
 3. a grid barrier (fence, an arrive counter in the workspace, reset by the last block through);
 4. the down from shared memory on tensor cores: the intermediate copied in from L2, ``mma.sync`` of the staged w2
    rows with each pair's intermediate row, weighted partials summed per (token, row) in a fixed order, one write.
 
-What stays after gate_up is the barrier and a few hundred ns of shared-memory dots, not a second kernel's ramp and
-the w2 read. Eligible only where ``T x K x FU_ROWS`` padded w2 rows (+ the intermediate) fit in 227 KB a block:
-qwen3-30b-a3b at T = 1 (8 x 16 rows), not T = 2 and not qwen3-235b-a22b (:func:`fused_supported`). Determinism:
-no atomics on data (the only atomics are the barrier's counters), fixed summation orders.
+Eligible only where ``T x K x FU_ROWS`` padded w2 rows and the intermediate fit in 227 KB a block (qwen3-30b-a3b
+at T = 1; not T = 2, not qwen3-235b-a22b: :func:`fused_supported`, the variant's ``supports``). No atomics on data.
 
-Public: :func:`warp_decode_fused`, :func:`make_workspace`, :func:`resolve_params`, :func:`fused_supported`;
-variant ``"cupy:warp-decode-fused"`` (numerics: mode "warp_decode" with the tensor core's summation order in the
-down, as ``cupy:warp-decode-mma``).
+Prediction with arithmetic. Phase 1 reads 75.5 MB with ~24-32 warps and ~200 KB of cp.async per SM in flight: at
+the plain read's 4.15 TB/s, 18.2 us; the barrier ~1 us (one L2 round trip per arrival and per poll); the tail reads
+~200 KB of shared memory per SM (~0.8 us at 128 B/clock) plus one L2 latency for the intermediate: ~19.5-20.5 us,
+against the 85 % bar's 19.4 us.
+
+Result on the H200 (2026-12-01, NVIDIA H200, cupy-cuda13x; results/sweep-proto-fused-layer-30b-t1.json, 18 points
+of FU_WARPS x FU_UNROLL x FU_BYTES, decode-step graphs, weights rotated past 3x L2; strict in the same session
+results/sweep-s8-strict-30b-t1.json: 21.88 us, 75 %). The GPU tests (tests/test_prototypes_fused.py: references,
+NaN poison, every routing, bad ids, 100 barriers per graph, a PDL chain) pass; it is slower everywhere:
+
+    FU_WARPS  FU_UNROLL  FU_BYTES   registers  spills   T = 1 us   % roof
+    24        4          16         80         0        25.76      64
+    16        8          16         128        0        26.05      63
+    24        6 / 8 / 4  8          80         0        26.3-26.4  63
+    32        4          8          64         0        28.34      58
+    32        4          16         64         80       31.89      52     (spilling points: 32-60 us)
+
+Where the time goes (notes/diag_fused_probe.py, results/diag-s8-fused-probe.json: graphs of 16 layers on disjoint
+expert sets; edited copies of the kernel, 24 warps x 4 x 16 B): the kernel 25.9 us; its gate_up phase alone 14.3 us
+with a small shared-memory request and 15.0 us with the kernel's 219 KB (the carveout leaves L1 ~30 KB for the
+loads in flight: +0.7 us); + the w2 copies and the barrier 22.8 us, so the copies add ~6 us -- at HBM speed, not
+hidden behind gate_up's loads; + the tail 25.9 (3.1 us: one L2 latency for the intermediate, the shared-memory
+dots, a serial sum of 24 partials); the barrier alone (no work) 2.5 us per launch including the launch itself.
+Strict warp decode in the same runs: 22.1 us, its gate_up alone 14.2.
+
+Conclusion. Negative at its only eligible point: 25.8 us against strict's 21.9. Neither half overlaps as predicted:
+the copies stream after (not beside) gate_up's loads -- the SM's memory pipeline was already full with gate_up's
+24 warps, so a second request stream adds its bytes' time -- and the tail after the barrier is 3 us of latency, not
+0.8. Getting to the 19.4 us bar would need both fixed at once (the copies to overlap, e.g. by the copy engine whose
+requests skip the LSU, and a tail below 0.5 us). It stays here, tested, as the measured record of the one-kernel
+design; strict warp decode stays the T = 1 path. Kept in the library from this experiment: ``launch_ex(...,
+cooperative=True)``, ``kernels.compile.max_active_blocks`` and ``Variant.supports`` (the harness records
+"unsupported" for a dims a variant cannot run).
+
+qwen3-235b-a22b: not eligible (8 slots x 32 rows x 3 KB = 786 KB of w2 a block), not measured.
 """
 
 from __future__ import annotations
@@ -48,7 +78,7 @@ from kernels.variants import Variant, register
 FUSED = "moe_fused_3d"
 
 CODE = WARP_HELPERS + PDL_HELPERS + MMA_HELPERS + r"""
-// Fused warp decode (kernels/warp_decode_fused.py): gate_up, a grid barrier and down in ONE kernel.
+// Fused warp decode (prototypes/fused_layer.py): gate_up, a grid barrier and down in ONE kernel.
 // Knobs: FU_WARPS warps per block (one block per SM), FU_BYTES bytes per lane per gate_up load (4, 8, 16),
 // FU_UNROLL gate_up chunks per row in flight per lane, FU_ROWS hidden rows per block in the down, PDL.
 static_assert(FU_WARPS >= 1 && FU_WARPS <= 32, "FU_WARPS must be 1..32");
@@ -251,9 +281,9 @@ extern "C" __global__ void __launch_bounds__(FU_WARPS * 32, 1) moe_fused_3d(
 """
 
 DEFAULTS: dict[str, int] = {
-    "FU_WARPS": 32,  # warps per block (one block per SM): 32 -> <= 64 registers a thread
-    "FU_BYTES": 8,  # gate_up bytes per lane per load: 8 = strict's GU_BYTES (bitwise the same intermediate)
-    "FU_UNROLL": 4,  # gate_up chunks per row in flight per lane (8, strict's GU_UNROLL, spills at 64 registers)
+    "FU_WARPS": 24,  # warps per block (one block per SM): the sweep's best (32 caps registers at 64)
+    "FU_BYTES": 16,  # gate_up bytes per lane per load (8 = strict's GU_BYTES: a bitwise-equal intermediate)
+    "FU_UNROLL": 4,  # gate_up chunks per row in flight per lane
     "FU_ROWS": 16,  # hidden rows per block in the down (0 = auto: ceil(H / SMs), every SM one block)
     "PDL": 1,  # programmatic dependent launch (sm_90+; 0 before)
 }
@@ -329,7 +359,7 @@ def fused_supported(dims: Dims, **params: Any) -> bool:
 
 SOURCE = register_source(
     CudaSource(
-        name="warp_decode_fused",
+        name="proto_fused_layer",
         code=CODE,
         kernels=(FUSED,),
         defaults=dict(DEFAULTS),
@@ -453,7 +483,7 @@ build.resolve = resolve_params  # type: ignore[attr-defined]  # tools.sweep reso
 
 VARIANT = register(
     Variant(
-        name="cupy:warp-decode-fused",
+        name="proto:fused-layer",
         backend="cupy",
         family="warp-decode",
         build=build,
@@ -461,7 +491,7 @@ VARIANT = register(
         params={**DEFAULTS, "FU_ROWS": 0},
         description="fused warp decode: one persistent kernel per layer (gate_up, grid barrier, down from shared "
         "memory on tensor cores); decode batches whose w2 share per SM fits in shared memory",
-        grid={"FU_WARPS": [16, 24, 32], "FU_BYTES": [8, 16], "FU_UNROLL": [2, 4, 8]},
+        grid={"FU_WARPS": [16, 24, 32], "FU_BYTES": [8, 16], "FU_UNROLL": [4, 6, 8]},  # the H200 sweep
         supports=lambda dims, **params: fused_supported(dims, **params),
     )
 )
