@@ -59,9 +59,9 @@ def test_supported_dims_are_the_ones_whose_w2_share_fits() -> None:
     assert not wdf.fused_supported(_dims(PRESETS["qwen3-235b-a22b"], 1))  # 8 x 32 rows of 3 KB
     for name, tokens in (("h8-i8-e1-k1", 3), ("h264-i40", 5), ("h64-k40", 2), ("h136-tiny", 4)):
         assert wdf.fused_supported(_dims(ODD_SHAPES[name], tokens)), name
-    # the Python layout is the kernel's: flags and ids, padded w2 rows, intermediate, partials
+    # the Python layout is the kernel's: flags and ids, padded w2 rows, intermediate, partials (24 warps: 3 parts)
     resolved = wdf.resolve_params(DIMS_30B_T1)
-    assert wdf.fused_shared_bytes(resolved, DIMS_30B_T1) == 48 + 8 * 16 * 1600 + 8 * 768 * 2 + 8 * 3 * 16 * 4  # 24 warps: 3 parts
+    assert wdf.fused_shared_bytes(resolved, DIMS_30B_T1) == 48 + 8 * 16 * 1600 + 8 * 768 * 2 + 8 * 3 * 16 * 4
 
 
 def test_variant_and_source_are_registered() -> None:
