@@ -47,6 +47,14 @@ PROBES: dict[str, tuple[list[tuple[str, str]], bool]] = {   # name: (edits, smal
 }
 
 
+# session 8, call 2: the first two sets (results/diag-s8-fused-probe.json); call 5: the FU_COOP 0 set (the copy
+# edits only touch FU_COPY 0's cp.async, so the probe keeps FU_COPY 0)
+KNOB_SETS = [{"FU_WARPS": 24, "FU_UNROLL": 4, "FU_BYTES": 16}, {"FU_WARPS": 32, "FU_UNROLL": 4, "FU_BYTES": 8},
+             {"FU_COOP": 0}, {"FU_COOP": 0, "FU_TAIL": 1}]
+if os.environ.get("PROBE_SETS"):  # e.g. PROBE_SETS=2,3
+    KNOB_SETS = [KNOB_SETS[int(i)] for i in os.environ["PROBE_SETS"].split(",")]
+
+
 def time_graph(launches: list[Any], repeats: int = 20) -> list[float]:
     """Microseconds per launch: the launches captured as one graph (tools.roofline's capture and timer)."""
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -94,7 +102,7 @@ def main(knobs: dict[str, int]) -> dict[str, Any]:
             launch_ex(k, (wdf.grid_blocks(),), (params["FU_WARPS"] * 32,),
                       (x, w13, w2, ids, weights, ws.intermediate, ws.grid_sync, out, np.int32(0), np.int32(1),
                        np.int32(2048), np.int32(768), np.int32(128), np.int32(8)),
-                      shared_mem=shared, programmatic=bool(params["PDL"]), cooperative=True)
+                      shared_mem=shared, programmatic=bool(params["PDL"]), cooperative=bool(params["FU_COOP"]))
 
         rows[name] = statistics.median(time_graph([lambda i=i: run(i) for i in sets]))
         print(name, rows[name], flush=True)
@@ -103,7 +111,7 @@ def main(knobs: dict[str, int]) -> dict[str, Any]:
 
 if __name__ == "__main__":
     result = {"gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "us_per_layer": {}}
-    for knobs in ({"FU_WARPS": 24, "FU_UNROLL": 4, "FU_BYTES": 16}, {"FU_WARPS": 32, "FU_UNROLL": 4, "FU_BYTES": 8}):
+    for knobs in KNOB_SETS:
         key = ",".join(f"{k}={v}" for k, v in knobs.items())
         result["us_per_layer"][key] = main(knobs)
     with open(os.path.join(os.environ.get("OUT", "."), "diag_fused_probe.json"), "w") as f:

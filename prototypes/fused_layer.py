@@ -80,11 +80,15 @@ FUSED = "moe_fused_3d"
 CODE = WARP_HELPERS + PDL_HELPERS + MMA_HELPERS + r"""
 // Fused warp decode (prototypes/fused_layer.py): gate_up, a grid barrier and down in ONE kernel.
 // Knobs: FU_WARPS warps per block (one block per SM), FU_BYTES bytes per lane per gate_up load (4, 8, 16),
-// FU_UNROLL gate_up chunks per row in flight per lane, FU_ROWS hidden rows per block in the down, PDL.
+// FU_UNROLL gate_up chunks per row in flight per lane, FU_ROWS hidden rows per block in the down, PDL,
+// FU_COPY how w2 reaches shared memory (0 cp.async, 1 the copy engine), FU_TAIL the down's dots (0 tensor cores
+// over k parts + partial sums, 1 one warp per row with FMAs); FU_COOP (host only) the cooperative attribute.
 static_assert(FU_WARPS >= 1 && FU_WARPS <= 32, "FU_WARPS must be 1..32");
 static_assert(FU_BYTES == 4 || FU_BYTES == 8 || FU_BYTES == 16, "FU_BYTES must be 4, 8 or 16");
 static_assert(FU_UNROLL >= 1 && FU_UNROLL <= 32, "FU_UNROLL must be 1..32");
 static_assert(FU_ROWS >= 1 && FU_ROWS <= 1024, "FU_ROWS must be 1..1024");
+static_assert(FU_COPY == 0 || FU_COPY == 1, "FU_COPY must be 0 (cp.async) or 1 (copy engine)");
+static_assert(FU_TAIL == 0 || FU_TAIL == 1, "FU_TAIL must be 0 (tensor cores, k parts) or 1 (one warp a row, FMA)");
 #define SPIN_LIMIT (1ll << 26)   // ~10 s of polling: a grid that is not co-resident traps instead of hanging
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
@@ -151,9 +155,10 @@ extern "C" __global__ void __launch_bounds__(FU_WARPS * 32, 1) moe_fused_3d(
     const int rows = max(0, min(FU_ROWS, hidden - h0));            // blocks past H only run gate_up
     const int chunks16 = inter / 8;                                  // 16-byte chunks of an I row (I % 8 == 0)
     const int stride = padded_row_bytes(inter);
-    int* token_bad = reinterpret_cast<int*>(fused_smem);
+    const unsigned copies_done = smem_addr(fused_smem);             // FU_COPY 1: the copies' mbarrier (16 B)
+    int* token_bad = reinterpret_cast<int*>(fused_smem + 16);
     int* pair_expert = token_bad + tokens;
-    unsigned char* w2_rows = fused_smem + ((size_t)4 * (tokens + pairs) + 15) / 16 * 16;
+    unsigned char* w2_rows = fused_smem + 16 + ((size_t)4 * (tokens + pairs) + 15) / 16 * 16;
     uint4* inter_rows = reinterpret_cast<uint4*>(w2_rows + (size_t)pairs * FU_ROWS * stride);
     float* partial = reinterpret_cast<float*>(inter_rows + (size_t)pairs * chunks16);
 
@@ -169,7 +174,8 @@ extern "C" __global__ void __launch_bounds__(FU_WARPS * 32, 1) moe_fused_3d(
     }
     __syncthreads();
 
-    // 1) this block's w2 rows: warp w copies rows (p, r) = w, w + FU_WARPS, ... (16 bytes a lane, cp.async)
+    // 1) this block's w2 rows, requested before gate_up so they land while it runs
+#if FU_COPY == 0   // warp w copies rows (p, r) = w, w + FU_WARPS, ... with cp.async, 16 bytes a lane
     for (int pr = warp; pr < pairs * rows; pr += FU_WARPS) {       // warp-uniform
         const int p = pr / rows, r = pr - p * rows;
         if (token_bad[p / top_k]) continue;
@@ -179,6 +185,28 @@ extern "C" __global__ void __launch_bounds__(FU_WARPS * 32, 1) moe_fused_3d(
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst + 16u * c), "l"(src + c) : "memory");
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
+#else              // the copy engine: lane 0 of warp w asks for whole rows w, w + FU_WARPS, ...; one mbarrier counts
+                   // the bytes (the requests skip the SM's load pipeline that gate_up's loads use)
+    const unsigned row_bytes = 2u * (unsigned)inter;
+    if (tid == 0) {
+        unsigned good = 0;
+        for (int p = 0; p < pairs; ++p) good += token_bad[p / top_k] ? 0u : 1u;
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(copies_done));
+        asm volatile("fence.mbarrier_init.release.cluster;\n\tfence.proxy.async.shared::cta;" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                     :: "r"(copies_done), "r"(good * (unsigned)rows * row_bytes) : "memory");
+    }
+    __syncthreads();
+    if (lane == 0)
+        for (int pr = warp; pr < pairs * rows; pr += FU_WARPS) {
+            const int p = pr / rows, r = pr - p * rows;
+            if (token_bad[p / top_k]) continue;
+            const bf16_t* src = w2 + ((size_t)pair_expert[p] * hidden + h0 + r) * inter;
+            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                         :: "r"(smem_addr(w2_rows + ((size_t)p * FU_ROWS + r) * stride)), "l"(src), "r"(row_bytes),
+                            "r"(copies_done) : "memory");
+        }
+#endif
 
     // 2) gate_up: warp g of the grid owns items (p, i) = g, g + all warps, ...; lane l reads chunks l, l + 32, ...
     //    of gate row i, up row i and x[t]; FP32 accumulators in registers; lane 0 writes the bf16 intermediate
@@ -233,8 +261,41 @@ extern "C" __global__ void __launch_bounds__(FU_WARPS * 32, 1) moe_fused_3d(
     // 4) down from shared memory: the intermediate in, then items (pair p, k part) on tensor cores
     const uint4* inter_global = reinterpret_cast<const uint4*>(intermediate);
     for (int j = tid; j < pairs * chunks16; j += FU_WARPS * 32) inter_rows[j] = ld_l2(inter_global + j);
+#if FU_COPY == 0
     asm volatile("cp.async.wait_all;" ::: "memory");                 // this thread's w2 copies have landed
+#else
+    for (unsigned landed = 0; !landed;)                              // every requested byte has landed
+        asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n\t"
+                     "selp.u32 %0, 1, 0, p;\n\t}" : "=r"(landed) : "r"(copies_done) : "memory");
+#endif
     __syncthreads();                                                 // ... and everyone's
+#if FU_TAIL == 1   // warp w owns rows w, w + FU_WARPS, ... for every token: FMA over slots and chunks, one sum
+    for (int r = warp; r < rows; r += FU_WARPS)
+        for (int t = 0; t < tokens; ++t) {
+            float acc = 0.0f;
+            for (int k = 0; k < top_k && !token_bad[t]; ++k) {       // warp-uniform
+                const int p = t * top_k + k;
+                const uint4* w_row = reinterpret_cast<const uint4*>(w2_rows + ((size_t)p * FU_ROWS + r) * stride);
+                const uint4* i_row = inter_rows + (size_t)p * chunks16;
+                const float wk = __ldg(topk_weights + p);
+                for (int c = lane; c < chunks16; c += 32) {
+                    const uint4 wv = w_row[c], iv = i_row[c];
+                    #pragma unroll
+                    for (int w = 0; w < 4; ++w) {
+                        acc = fmaf(bf16_lo(word(wv, w)), wk * bf16_lo(word(iv, w)), acc);
+                        acc = fmaf(bf16_hi(word(wv, w)), wk * bf16_hi(word(iv, w)), acc);
+                    }
+                }
+            }
+            float v = warp_sum(acc);
+            if (token_bad[t]) v = __int_as_float(0x7fc00000);
+            const long long idx = (long long)t * hidden + h0 + r;
+            if (lane == 0) {
+                if (out_f32) reinterpret_cast<float*>(out)[idx] = v;
+                else reinterpret_cast<bf16_t*>(out)[idx] = f32_to_bf16(v);
+            }
+        }
+#else              // tensor cores: items (pair p, k part) -> weighted partials, then a fixed-order sum per output
     const int g = lane >> 2, q = lane & 3;
     const int kblocks = (chunks16 + 3) / 4;                          // 32-wide k blocks
     const int tiles = (FU_ROWS + 15) / 16;
@@ -277,6 +338,7 @@ extern "C" __global__ void __launch_bounds__(FU_WARPS * 32, 1) moe_fused_3d(
         if (out_f32) reinterpret_cast<float*>(out)[idx] = v;
         else reinterpret_cast<bf16_t*>(out)[idx] = f32_to_bf16(v);   // the one final rounding
     }
+#endif
 }
 """
 
@@ -286,9 +348,13 @@ DEFAULTS: dict[str, int] = {
     "FU_UNROLL": 4,  # gate_up chunks per row in flight per lane
     "FU_ROWS": 16,  # hidden rows per block in the down (0 = auto: ceil(H / SMs), every SM one block)
     "PDL": 1,  # programmatic dependent launch (sm_90+; 0 before)
+    "FU_COPY": 0,  # w2 into shared memory by 0: cp.async (16 bytes a lane), 1: the copy engine (a row a request)
+    "FU_TAIL": 0,  # the down's dots: 0 tensor cores over (pair, k part) items + a sum of partials, 1 one warp a row
+    "FU_COOP": 1,  # 1: cooperative launch (the driver checks that every block is resident); 0: the occupancy check
 }
 AUTO_KNOBS = ("FU_ROWS",)
-LIMITS = {"FU_WARPS": (1, 32), "FU_UNROLL": (1, 32), "FU_ROWS": (0, 1024), "PDL": (0, 1)}
+LIMITS = {"FU_WARPS": (1, 32), "FU_UNROLL": (1, 32), "FU_ROWS": (0, 1024), "PDL": (0, 1), "FU_COPY": (0, 1),
+          "FU_TAIL": (0, 1), "FU_COOP": (0, 1)}
 SHARED_LIMIT = 227 * 1024  # dynamic shared memory one block may opt into on sm_90
 DEFAULT_SMS = 132  # the H200's SM count, used where no GPU is present (CPU-side resolution, offline reports)
 
@@ -306,7 +372,7 @@ def fused_shared_bytes(params: dict[str, int], dims: Dims) -> int:
     kblocks = -(-(dims.intermediate // 8) // 4)
     tiles = -(-params["FU_ROWS"] // 16)
     parts = max(1, min(kblocks, params["FU_WARPS"] // (pairs * tiles)))
-    head = (4 * (dims.tokens + pairs) + 15) // 16 * 16
+    head = 16 + (4 * (dims.tokens + pairs) + 15) // 16 * 16  # the copies' mbarrier, flags, ids
     rows = params["FU_ROWS"]
     return head + pairs * rows * row + pairs * dims.intermediate * 2 + pairs * parts * rows * 4
 
@@ -419,7 +485,7 @@ def _launch(kernel: Any, params: dict[str, int], dims: Dims, x: Any, w13: Any, w
          np.int32(dims.hidden), np.int32(dims.intermediate), np.int32(dims.experts), np.int32(dims.top_k)),
         shared_mem=fused_shared_bytes(params, dims),
         programmatic=bool(params["PDL"]),
-        cooperative=True,
+        cooperative=bool(params["FU_COOP"]),
     )
 
 

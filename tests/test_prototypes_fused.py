@@ -59,9 +59,9 @@ def test_supported_dims_are_the_ones_whose_w2_share_fits() -> None:
     assert not wdf.fused_supported(_dims(PRESETS["qwen3-235b-a22b"], 1))  # 8 x 32 rows of 3 KB
     for name, tokens in (("h8-i8-e1-k1", 3), ("h264-i40", 5), ("h64-k40", 2), ("h136-tiny", 4)):
         assert wdf.fused_supported(_dims(ODD_SHAPES[name], tokens)), name
-    # the Python layout is the kernel's: flags and ids, padded w2 rows, intermediate, partials (24 warps: 3 parts)
+    # the Python layout is the kernel's: mbarrier, flags and ids, padded w2 rows, intermediate, partials (3 parts)
     resolved = wdf.resolve_params(DIMS_30B_T1)
-    assert wdf.fused_shared_bytes(resolved, DIMS_30B_T1) == 48 + 8 * 16 * 1600 + 8 * 768 * 2 + 8 * 3 * 16 * 4
+    assert wdf.fused_shared_bytes(resolved, DIMS_30B_T1) == 16 + 48 + 8 * 16 * 1600 + 8 * 768 * 2 + 8 * 3 * 16 * 4
 
 
 def test_variant_and_source_are_registered() -> None:
@@ -79,7 +79,8 @@ def test_compiles_without_local_memory() -> None:
     H200 showed a 48-byte stack frame in a tensor-core tail costing 8 us (results/diag-staged-probe.json)."""
     for dims in (DIMS_30B_T1, _dims(ODD_SHAPES["h64-k40"], 2)):
         for knobs in ({}, {"FU_WARPS": 32, "FU_BYTES": 8}, {"FU_BYTES": 8, "FU_UNROLL": 8},
-                      {"FU_WARPS": 16, "FU_UNROLL": 8}):
+                      {"FU_WARPS": 16, "FU_UNROLL": 8}, {"FU_COPY": 1, "FU_TAIL": 1},
+                      {"FU_COPY": 1, "FU_WARPS": 32, "FU_BYTES": 8}):
             resolved = wdf.resolve_params(dims, **knobs)
             (report,) = offline_report(wdf.SOURCE, **resolved)
             assert report.spills == 0 and report.stack_bytes == 0, (dims, knobs, report)
@@ -117,6 +118,10 @@ CASES = [
     ("qwen3-30b-a3b", 1, {}),
     ("qwen3-30b-a3b", 1, {"FU_WARPS": 24, "FU_UNROLL": 8}),
     ("qwen3-30b-a3b", 1, {"FU_WARPS": 16, "FU_BYTES": 16, "PDL": 0}),
+    ("qwen3-30b-a3b", 1, {"FU_COPY": 1}),
+    ("qwen3-30b-a3b", 1, {"FU_TAIL": 1, "FU_COOP": 0}),
+    ("h264-i40", 5, {"FU_COPY": 1, "FU_TAIL": 1}),
+    ("h64-k40", 2, {"FU_COPY": 1, "FU_TAIL": 1, "FU_COOP": 0}),
     ("h8-i8-e1-k1", 3, {}),
     ("h264-i40", 5, {}),
     ("h64-k40", 2, {}),  # K = 40 > 32
