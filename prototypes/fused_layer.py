@@ -43,14 +43,30 @@ hidden behind gate_up's loads; + the tail 25.9 (3.1 us: one L2 latency for the i
 dots, a serial sum of 24 partials); the barrier alone (no work) 2.5 us per launch including the launch itself.
 Strict warp decode in the same runs: 22.1 us, its gate_up alone 14.2.
 
-Conclusion. Negative at its only eligible point: 25.8 us against strict's 21.9. Neither half overlaps as predicted:
-the copies stream after (not beside) gate_up's loads -- the SM's memory pipeline was already full with gate_up's
-24 warps, so a second request stream adds its bytes' time -- and the tail after the barrier is 3 us of latency, not
-0.8. Getting to the 19.4 us bar would need both fixed at once (the copies to overlap, e.g. by the copy engine whose
-requests skip the LSU, and a tail below 0.5 us). It stays here, tested, as the measured record of the one-kernel
-design; strict warp decode stays the T = 1 path. Kept in the library from this experiment: ``launch_ex(...,
-cooperative=True)``, ``kernels.compile.max_active_blocks`` and ``Variant.supports`` (the harness records
-"unsupported" for a dims a variant cannot run).
+Then three knobs for the three suspects (results/sweep-proto-fused-layer-knobs-30b-t1.json, the same 8 points
+each checked against the references; probe rerun in results/diag-s8-fused-probe.json, "call5" rows):
+
+    FU_COPY (w2 by)        FU_TAIL (down dots)          FU_COOP   T = 1 us
+    0 cp.async             0 tensor cores, k parts      0 / 1     24.68 / 24.74
+    1 copy engine          0                            1 / 0     25.17 / 25.18
+    0                      1 one warp a row, FMA        1 / 0     25.36 / 25.40
+    1                      1                            0 / 1     25.77 / 25.77
+
+The cooperative attribute costs nothing (the barrier-only kernel: 2.52 vs 2.53 us a launch); the copy engine's
+requests overlap no better than cp.async; one warp per row (16 of 24 warps busy, no partial sums) is 0.6 us slower
+than the tensor-core items. The same default point measured 25.76 us in the first sweep and 24.74 in this one.
+
+Conclusion. Negative at its only eligible point: ~24.7-25.8 us against strict's 21.9. What the probe pins down:
+the barrier and the tail after it cost ~4.5 us (no copies: 19.6 us against 15.1 for the gate_up phase alone), and
+the copies are not hidden behind gate_up's loads. Those are latency chains (a poll of the arrive counter, one L2
+round trip for the intermediate, the dots, the sums), not bandwidth, so finer-grained dataflow (per-slot flags
+instead of one barrier) would still leave the last slot's chain after the last gate_up item. The 85 % bar at T = 1
+(19.4 us) is below the two-kernel read floor (21.8 us) and, by these measurements, out of reach of one kernel too:
+gate_up's phase alone plus this kernel's fixed costs is already 19.6 us. It stays here, tested (GPU tests pass:
+references, poison, every routing, bad ids, 100 barriers per graph, a PDL chain), as the measured record of the
+one-kernel design; strict warp decode stays the T = 1 path. Kept in the library from this experiment:
+``launch_ex(..., cooperative=True)``, ``kernels.compile.max_active_blocks`` and ``Variant.supports`` (the harness
+records "unsupported" for dims a variant cannot run).
 
 qwen3-235b-a22b: not eligible (8 slots x 32 rows x 3 KB = 786 KB of w2 a block), not measured.
 """
