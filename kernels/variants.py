@@ -56,6 +56,7 @@ class Variant:
     supports: Callable[..., bool] | None = None
 
     def can_run(self, dims: Dims, **overrides: Any) -> bool:
+        """Whether ``make(dims, **overrides)`` can run these dims (True for a variant without ``supports``)."""
         return self.supports is None or bool(self.supports(dims, **{**self.params, **overrides}))
 
     def make(self, dims: Dims, **overrides: Any) -> Launch:

@@ -105,7 +105,7 @@ static_assert(FU_UNROLL >= 1 && FU_UNROLL <= 32, "FU_UNROLL must be 1..32");
 static_assert(FU_ROWS >= 1 && FU_ROWS <= 1024, "FU_ROWS must be 1..1024");
 static_assert(FU_COPY == 0 || FU_COPY == 1, "FU_COPY must be 0 (cp.async) or 1 (copy engine)");
 static_assert(FU_TAIL == 0 || FU_TAIL == 1, "FU_TAIL must be 0 (tensor cores, k parts) or 1 (one warp a row, FMA)");
-#define SPIN_LIMIT (1ll << 26)   // ~10 s of polling: a grid that is not co-resident traps instead of hanging
+#define SPIN_LIMIT (1ll << 26)   // 2^26 polls, tens of seconds: a grid that is not co-resident traps, never hangs
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {

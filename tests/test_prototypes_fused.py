@@ -24,6 +24,7 @@ from kernels.shapes import PRESETS
 from kernels.variants import get_variant
 from prototypes import fused_layer as wdf
 from tests.warp_checks import ODD_SHAPES, ROUTINGS, _assert_matches, _poisoned_out, _references, _seed
+from tools.sweep import source_of
 
 QWEN30 = PRESETS["qwen3-30b-a3b"]
 DIMS_30B_T1 = Dims(1, QWEN30.hidden, QWEN30.intermediate, QWEN30.experts, QWEN30.top_k)
@@ -72,6 +73,9 @@ def test_variant_and_source_are_registered() -> None:
     assert variant.build is wdf.build and variant.reference_mode == "warp_decode"
     assert wdf.SOURCE.kernels == (wdf.FUSED,)
     assert variant.can_run(DIMS_30B_T1) and not variant.can_run(_dims(QWEN30, 2))  # the harness: "unsupported"
+    assert not variant.can_run(DIMS_30B_T1, FU_ROWS=1)  # the knobs count too
+    assert get_variant("cupy:warp-decode").can_run(_dims(QWEN30, 64))  # no supports(): runs every dims
+    assert source_of(variant) is wdf.SOURCE  # tools.sweep's compile columns find the source
 
 
 def test_compiles_without_local_memory() -> None:
