@@ -30,7 +30,7 @@ from kernels import warp_decode_cupy as wdc
 from kernels.compile import CudaSource, get_kernel, launch_ex
 from kernels.contract import BF16, Dims
 from prototypes import fused_layer as wdf
-from tools.roofline import _time_graph, capture
+from tools.roofline import time_launches
 
 COPY = 'asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst + 16u * c), "l"(src + c) : "memory");'
 GATE_UP = "for (int item = blockIdx.x * FU_WARPS + warp; item < items; item += gridDim.x * FU_WARPS) {"
@@ -55,17 +55,6 @@ if os.environ.get("PROBE_SETS"):  # e.g. PROBE_SETS=2,3
     KNOB_SETS = [KNOB_SETS[int(i)] for i in os.environ["PROBE_SETS"].split(",")]
 
 
-def time_graph(launches: list[Any], repeats: int = 20) -> list[float]:
-    """Microseconds per launch: the launches captured as one graph (tools.roofline's capture and timer)."""
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        for fn in launches:  # compile and first touch outside the capture
-            fn()
-    stream.synchronize()
-    graph = capture(stream, lambda: [fn() for fn in launches])
-    return [s / len(launches) for s in _time_graph(graph, stream, repeats, 5)]
-
-
 def main(knobs: dict[str, int]) -> dict[str, Any]:
     dims = Dims(1, 2048, 768, 128, 8)
     rng = np.random.default_rng(8)
@@ -78,10 +67,10 @@ def main(knobs: dict[str, int]) -> dict[str, Any]:
     rows: dict[str, Any] = {}
 
     strict = wdc.build(dims)
-    rows["strict_layer"] = statistics.median(time_graph([lambda i=i: strict(x, w13, w2, i, weights, out)
+    rows["strict_layer"] = statistics.median(time_launches([lambda i=i: strict(x, w13, w2, i, weights, out)
                                                          for i in sets]))
     gate_up = wdc.kernels_for(strict.params)[0]
-    rows["strict_gate_up"] = statistics.median(time_graph(
+    rows["strict_gate_up"] = statistics.median(time_launches(
         [lambda i=i: wdc._launch_gate_up(gate_up, strict.params, dims, x, w13, i, strict.workspace) for i in sets]))
     print("strict", rows, flush=True)
 
@@ -104,7 +93,7 @@ def main(knobs: dict[str, int]) -> dict[str, Any]:
                        np.int32(2048), np.int32(768), np.int32(128), np.int32(8)),
                       shared_mem=shared, programmatic=bool(params["PDL"]), cooperative=bool(params["FU_COOP"]))
 
-        rows[name] = statistics.median(time_graph([lambda i=i: run(i) for i in sets]))
+        rows[name] = statistics.median(time_launches([lambda i=i: run(i) for i in sets]))
         print(name, rows[name], flush=True)
     return rows
 

@@ -24,7 +24,7 @@ import numpy as np
 from kernels import warp_decode_cupy as wdc
 from kernels.compile import CudaSource, get_kernel
 from kernels.contract import BF16, Dims
-from tools.roofline import _time_graph, capture
+from tools.roofline import time_launches
 
 COPY = 'asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst + 16u * c), "l"(src + c) : "memory");'
 DOTS = "mma_k32(even, staged_chunk(a_lo, c, ok), staged_chunk(a_hi, c, ok), staged_chunk(b_col, c, ok));"
@@ -32,17 +32,6 @@ PROBES = {"as_is": [], "no_copy": [(COPY, "(void)dst; (void)src;")], "no_dots": 
           "neither": [(COPY, "(void)dst; (void)src;"), (DOTS, "(void)ok;")]}
 # (the first run, results/diag-staged-probe.json, edited the version whose dots read acc[kb & 1] -- in local memory;
 # the rerun, diag-staged-probe-fixed.json, edits the even chain's mma of the fixed kernel: "no_dots" keeps the odd)
-
-
-def time_graph(launches: list[Any], repeats: int = 20) -> list[float]:
-    """Microseconds per launch: the launches captured as one graph (tools.roofline's capture and timer)."""
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        for fn in launches:  # compile and first touch outside the capture
-            fn()
-    stream.synchronize()
-    graph = capture(stream, lambda: [fn() for fn in launches])
-    return [s / len(launches) for s in _time_graph(graph, stream, repeats, 5)]
 
 
 def main() -> dict[str, Any]:
@@ -58,7 +47,7 @@ def main() -> dict[str, Any]:
     plain = wdc.resolve_params(dims)
     kernel = get_kernel(wdc.SOURCE, wdc.DOWN, **plain)
     runs = [lambda ids=ids: wdc._launch_down(kernel, plain, dims, inter, w2, ids, weights, out) for ids in sets]
-    rows["plain"] = statistics.median(time_graph(runs))
+    rows["plain"] = statistics.median(time_launches(runs))
     print("plain", rows["plain"], flush=True)
     for warps in (4, 8):
         staged = wdc.resolve_params(dims, DN_STAGED=1, DN_WARPS=warps)
@@ -72,7 +61,7 @@ def main() -> dict[str, Any]:
             kernel = get_kernel(source, wdc.STAGED_DOWN, **staged)
             runs = [lambda ids=ids, k=kernel, p=staged: wdc._launch_down(k, p, dims, inter, w2, ids, weights, out)
                     for ids in sets]
-            rows[f"staged_w{warps}_{name}"] = statistics.median(time_graph(runs))
+            rows[f"staged_w{warps}_{name}"] = statistics.median(time_launches(runs))
             print(name, warps, rows[f"staged_w{warps}_{name}"], flush=True)
     return rows
 

@@ -23,7 +23,15 @@ from kernels.problem import Problem, make_problem
 from kernels.shapes import PRESETS
 from kernels.variants import get_variant
 from prototypes import fused_layer as wdf
-from tests.warp_checks import ODD_SHAPES, ROUTINGS, _assert_matches, _poisoned_out, _references, _seed
+from tests.warp_checks import (
+    ODD_SHAPES,
+    ROUTINGS,
+    _assert_matches,
+    _poisoned_out,
+    _references,
+    _seed,
+    assert_pdl_chain_bitwise,
+)
 from tools.sweep import source_of
 
 QWEN30 = PRESETS["qwen3-30b-a3b"]
@@ -213,32 +221,5 @@ def test_pdl_chain_where_each_layer_reads_the_last(cupy_mod: Any, rng: np.random
     PDL=1 graph, replayed 20 times, equals the PDL=0 chain bitwise."""
     cupy = cupy_mod
     problem = make_problem("qwen3-30b-a3b", 1, seed=_seed(rng), xp=cupy)
-    dims = _dims(problem.shape, 1)
-    layers = 6
-
-    def chain(pdl: int) -> tuple[Any, list[tuple[Any, Any]]]:
-        launch = wdf.build(dims, PDL=pdl)
-        buffers = [_poisoned_out(cupy, 1, dims.hidden) for _ in range(2)]
-        return launch, [(problem.x if layer == 0 else buffers[(layer - 1) % 2], buffers[layer % 2])
-                        for layer in range(layers)]
-
-    plain, plain_seq = chain(0)
-    for x, out in plain_seq:
-        plain(x, problem.w13, problem.w2, problem.topk_ids, problem.topk_weights, out)
-    cupy.cuda.runtime.deviceSynchronize()
-    expect = plain_seq[-1][1].view(cupy.uint16).copy()
-    assert bool(cupy.isfinite(plain_seq[-1][1].astype(cupy.float32)).all())
-    pdl, pdl_seq = chain(1)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        for x, out in pdl_seq:
-            pdl(x, problem.w13, problem.w2, problem.topk_ids, problem.topk_weights, out)
-        graph = stream.end_capture()
-        for _ in range(20):
-            for _, out in pdl_seq:
-                out.view(cupy.uint16).fill(0x7FC0)
-            pdl.workspace.intermediate.view(cupy.uint16).fill(0x7FC0)
-            graph.launch(stream)
-            stream.synchronize()
-            assert bool((pdl_seq[-1][1].view(cupy.uint16) == expect).all())
+    assert_pdl_chain_bitwise(cupy, problem, wdf.build, _dims(problem.shape, 1),
+                             lambda launch: launch.workspace.intermediate.view(cupy.uint16).fill(0x7FC0))

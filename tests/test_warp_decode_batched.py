@@ -46,6 +46,7 @@ from tests.warp_checks import (
     _poisoned_out,
     _references,
     _seed,
+    assert_pdl_chain_bitwise,
 )
 
 # ---------------------------------------------------------------------------------------------------
@@ -846,37 +847,15 @@ def test_pdl_chain_where_each_layer_reads_the_last(cupy_mod: Any, rng: np.random
     cupy = cupy_mod
     problem = make_problem(model, tokens, seed=_seed(rng), xp=cupy)
     shape = problem.shape
-    dims = _dims(problem)
-    layers = 6
     routings = []
-    for layer in range(layers):
+    for layer in range(6):
         ids, weights = make_routing(tokens, shape.experts, shape.top_k, "zipf" if layer % 2 else "uniform",
                                     _seed(rng))
         routings.append((cupy.asarray(ids), cupy.asarray(weights)))
-    buffers = [_poisoned_out(cupy, tokens, shape.hidden) for _ in range(2)]
-    sequence = [(problem.x if layer == 0 else buffers[(layer - 1) % 2], buffers[layer % 2], *routings[layer])
-                for layer in range(layers)]
 
-    plain = wdb.build(dims, PDL=0, **params)
-    for x, out, ids, weights in sequence:
-        plain(x, problem.w13, problem.w2, ids, weights, out)
-    cupy.cuda.runtime.deviceSynchronize()
-    expect = sequence[-1][1].view(cupy.uint16).copy()
-    assert bool(cupy.isfinite(sequence[-1][1].astype(cupy.float32)).all())
+    def poison(launch: Any) -> None:
+        launch.workspace.intermediate.view(cupy.uint16).fill(0x7FC0)
+        launch.workspace.lists.fill(-7)
 
-    pdl = wdb.build(dims, PDL=1, **params)
-    assert pdl.params["PDL"] == 1
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        for x, out, ids, weights in sequence:
-            pdl(x, problem.w13, problem.w2, ids, weights, out)
-        graph = stream.end_capture()
-        for _ in range(10):
-            for buffer in buffers:
-                buffer.view(cupy.uint16).fill(0x7FC0)
-            pdl.workspace.intermediate.view(cupy.uint16).fill(0x7FC0)
-            pdl.workspace.lists.fill(-7)
-            graph.launch(stream)
-            stream.synchronize()
-            assert bool((sequence[-1][1].view(cupy.uint16) == expect).all())
+    assert_pdl_chain_bitwise(cupy, problem, wdb.build, _dims(problem), poison, routings=routings, replays=10,
+                             **params)

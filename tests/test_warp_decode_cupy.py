@@ -51,6 +51,7 @@ from tests.warp_checks import (
     _poisoned_out,
     _references,
     _seed,
+    assert_pdl_chain_bitwise,
 )
 
 # ---------------------------------------------------------------------------------------------------
@@ -735,32 +736,5 @@ def test_pdl_chain_where_each_layer_reads_the_last(cupy_mod: Any, rng: np.random
     problem = make_problem("qwen3-30b-a3b", 2, seed=_seed(rng), xp=cupy)
     shape = problem.shape
     dims = Dims(2, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
-    layers = 6
-
-    def chain(pdl: int) -> tuple[Any, Any]:
-        launch = wdc.build(dims, PDL=pdl, **params)
-        buffers = [_poisoned_out(cupy, 2, shape.hidden) for _ in range(2)]
-        sequence = [(problem.x if layer == 0 else buffers[(layer - 1) % 2], buffers[layer % 2])
-                    for layer in range(layers)]
-        return launch, sequence
-
-    plain, plain_seq = chain(0)
-    for x, out in plain_seq:
-        plain(x, problem.w13, problem.w2, problem.topk_ids, problem.topk_weights, out)
-    cupy.cuda.runtime.deviceSynchronize()
-    expect = plain_seq[-1][1].view(cupy.uint16).copy()
-    assert bool(cupy.isfinite(plain_seq[-1][1].astype(cupy.float32)).all())
-    pdl, pdl_seq = chain(1)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        for x, out in pdl_seq:
-            pdl(x, problem.w13, problem.w2, problem.topk_ids, problem.topk_weights, out)
-        graph = stream.end_capture()
-        for _ in range(20):
-            for _, out in pdl_seq:
-                out.view(cupy.uint16).fill(0x7FC0)
-            pdl.workspace.view(cupy.uint16).fill(0x7FC0)
-            graph.launch(stream)
-            stream.synchronize()
-            assert bool((pdl_seq[-1][1].view(cupy.uint16) == expect).all())
+    assert_pdl_chain_bitwise(cupy, problem, wdc.build, dims,
+                             lambda launch: launch.workspace.view(cupy.uint16).fill(0x7FC0), **params)

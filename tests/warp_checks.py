@@ -144,6 +144,43 @@ def _assert_matches(got: np.ndarray, faithful: np.ndarray, oracle: np.ndarray, w
     return {"bitwise": bitwise, "rel_l2": rel}
 
 
+def assert_pdl_chain_bitwise(cupy: Any, problem: Problem, build: Any, dims: Any, poison_workspace: Any,
+                             routings: list[tuple[Any, Any]] | None = None, layers: int = 6, replays: int = 20,
+                             **params: Any) -> None:
+    """A decode step's true dependency chain under PDL: layer l + 1's x is layer l's output and every layer shares
+    one workspace, poisoned before every replay by ``poison_workspace(launch)``. A load hoisted above
+    griddepcontrol.wait (the H200 caught the compiler doing this to __ldg loads of the intermediate), or a kernel
+    overwriting what the previous layer still reads, gives other bits: the PDL=1 graph, replayed ``replays`` times,
+    must equal the PDL=0 chain bitwise every time. ``routings``: one (ids, weights) per layer, else the problem's;
+    ``build(dims, PDL=..., **params)`` returns a launch with ``.params`` and ``.workspace``."""
+    if routings is None:
+        routings = [(problem.topk_ids, problem.topk_weights)] * layers
+    buffers = [_poisoned_out(cupy, dims.tokens, dims.hidden) for _ in range(2)]
+    sequence = [(problem.x if layer == 0 else buffers[(layer - 1) % 2], buffers[layer % 2], *routings[layer])
+                for layer in range(layers)]
+    plain = build(dims, PDL=0, **params)
+    for x, out, ids, weights in sequence:
+        plain(x, problem.w13, problem.w2, ids, weights, out)
+    cupy.cuda.runtime.deviceSynchronize()
+    expect = sequence[-1][1].view(cupy.uint16).copy()
+    assert bool(cupy.isfinite(sequence[-1][1].astype(cupy.float32)).all())
+    pdl = build(dims, PDL=1, **params)
+    assert pdl.params["PDL"] == 1
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        for x, out, ids, weights in sequence:
+            pdl(x, problem.w13, problem.w2, ids, weights, out)
+        graph = stream.end_capture()
+        for _ in range(replays):
+            for buffer in buffers:
+                buffer.view(cupy.uint16).fill(0x7FC0)
+            poison_workspace(pdl)
+            graph.launch(stream)
+            stream.synchronize()
+            assert bool((sequence[-1][1].view(cupy.uint16) == expect).all())
+
+
 ROUTINGS = {  # name -> (routing for tiny [K=2], routing for qwen3-30b [K=8]); lists repeat ids on purpose
     "uniform": ("uniform", "uniform"),
     "zipf": ("zipf", "zipf"),

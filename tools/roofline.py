@@ -146,6 +146,20 @@ def capture(stream: Any, fn: Any) -> Any:
     return graph
 
 
+def time_launches(launches: list[Any], repeats: int = 20, inner: int = 5) -> list[float]:
+    """Microseconds per launch: the callables in ``launches`` run once (compile, first touch), then captured as one
+    CUDA graph and timed by :func:`_time_graph` (``repeats`` samples of ``inner`` replays, warm-up outside)."""
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for fn in launches:
+            fn()
+    stream.synchronize()
+    graph = capture(stream, lambda: [fn() for fn in launches])
+    return [sample / len(launches) for sample in _time_graph(graph, stream, repeats, inner)]
+
+
 def window_read_samples(read: Any, grid: int, block: int, source: Any, sink: Any, stream: Any, nbytes: int,
                         parts: list[tuple[int, int]] | None = None, layers: int = 48,
                         repeats: int = 10) -> list[float]:
