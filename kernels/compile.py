@@ -69,6 +69,26 @@ class CudaSource:
 SOURCES: dict[str, CudaSource] = {}
 
 
+def validate_knobs(what: str, params: dict[str, Any], defaults: dict[str, int], limits: dict[str, tuple[int, int]],
+                   auto_knobs: tuple[str, ...] = ()) -> dict[str, int]:
+    """``defaults`` (with every auto knob at 0, "auto") updated by ``params``, each value an int within ``limits``.
+    ValueError names an unknown knob (``what``: whose knobs) or one out of range; TypeError a value that is not an
+    int. The one knob check of the CUDA sources' ``resolve_params``."""
+    unknown = set(params) - set(defaults)
+    if unknown:
+        raise ValueError(f"unknown {what} parameter(s) {sorted(unknown)}; known: {sorted(defaults)}")
+    values: dict[str, int] = {**defaults, **{knob: 0 for knob in auto_knobs}}
+    for key, value in params.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{key} must be an int, got {value!r}")
+        values[key] = int(value)
+    for key, (low, high) in limits.items():
+        if not low <= values[key] <= high:
+            raise ValueError(f"{key} must be in {low}..{high}{' (0 = auto)' if key in auto_knobs else ''}, "
+                             f"got {values[key]}")
+    return values
+
+
 def preset_variants(resolve: Any, defaults: dict[str, int], tokens: tuple[int, ...] = (1, 3, 8, 64)) -> list[dict]:
     """The knobs ``resolve(dims)`` picks for every preset at these batches, as overrides of ``defaults``:
     what a source lists in ``variants`` so the offline report compiles what the presets will run."""

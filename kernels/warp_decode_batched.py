@@ -152,7 +152,15 @@ from typing import Any
 
 import numpy as np
 
-from kernels.compile import CudaSource, for_device, get_kernel, launch_ex, preset_variants, register_source
+from kernels.compile import (
+    CudaSource,
+    for_device,
+    get_kernel,
+    launch_ex,
+    preset_variants,
+    register_source,
+    validate_knobs,
+)
 from kernels.contract import BF16, Dims, check_aligned, check_inputs, check_out, require_cupy
 from kernels.variants import Variant, register
 from kernels.warp_decode_batched_cuda import CODE, KERNELS, MMA_KERNELS
@@ -333,18 +341,7 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
     these knobs cannot run (too many experts for the list kernel, too many tokens for the down kernel's
     shared memory).
     """
-    unknown = set(params) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown warp-decode-batched parameter(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-    values: dict[str, int] = {**DEFAULTS, **{knob: 0 for knob in AUTO_KNOBS}}
-    for key, value in params.items():
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{key} must be an int, got {value!r}")
-        values[key] = int(value)
-    for key, (low, high) in LIMITS.items():
-        if not low <= values[key] <= high:
-            raise ValueError(f"{key} must be in {low}..{high}{' (0 = auto)' if key in AUTO_KNOBS else ''}, "
-                             f"got {values[key]}")
+    values = validate_knobs("warp-decode-batched", params, DEFAULTS, LIMITS, AUTO_KNOBS)
     if values["DB_PIPE"] and values["DB_MMA"]:
         raise ValueError("DB_PIPE applies to the FMA down kernel only: DB_MMA 1 takes DB_PIPE 0")
     if values["GB_PIPE"] and values["GB_MMA"]:

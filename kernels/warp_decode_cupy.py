@@ -89,6 +89,7 @@ from kernels.compile import (
     prefer_shared_memory,
     preset_variants,
     register_source,
+    validate_knobs,
 )
 from kernels.contract import BF16, Dims, array_module, check_aligned, check_inputs, check_out, require_cupy
 from kernels.device_helpers import MMA_HELPERS, PDL_HELPERS, WARP_HELPERS
@@ -613,29 +614,18 @@ DEFAULTS: dict[str, int] = {
     "DN_ROWS": 16,  # DN_STAGED's hidden rows per block (0 = auto: one block per SM at most, see _staged_rows)
 }
 AUTO_KNOBS = ("DN_SLOTS", "DN_UNROLL", "DN_MIN_BLOCKS", "DN_WARPS", "DN_ROWS")
+LIMITS = {
+    "GU_WARPS": (1, 32), "DN_WARPS": (0, 32), "GU_OUTS": (1, 32), "DN_OUTS": (1, 32),
+    "GU_UNROLL": (1, 64), "DN_UNROLL": (0, 64), "DN_SLOTS": (0, 32),
+    "GU_MIN_BLOCKS": (0, 32), "DN_MIN_BLOCKS": (0, 32), "PDL": (0, 1), "DN_EARLY_INTER": (0, 1),
+    "GU_PREFETCH": (0, 1), "DN_PREFETCH": (0, 1), "DN_BULK": (0, 1), "DN_STAGED": (0, 1), "DN_ROWS": (0, 1024),
+}
 
 
 def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
     """Validate the knobs and fill the auto ones (``DN_SLOTS`` / ``DN_UNROLL`` / ``DN_MIN_BLOCKS`` = 0) from
     ``dims``; returns every knob as an int. Without ``dims`` auto knobs take :data:`DEFAULTS`."""
-    unknown = set(params) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown warp-decode parameter(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-    values: dict[str, int] = {**DEFAULTS, **{knob: 0 for knob in AUTO_KNOBS}}
-    for key, value in params.items():
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{key} must be an int, got {value!r}")
-        values[key] = int(value)
-    limits = {
-        "GU_WARPS": (1, 32), "DN_WARPS": (0, 32), "GU_OUTS": (1, 32), "DN_OUTS": (1, 32),
-        "GU_UNROLL": (1, 64), "DN_UNROLL": (0, 64), "DN_SLOTS": (0, 32),
-        "GU_MIN_BLOCKS": (0, 32), "DN_MIN_BLOCKS": (0, 32), "PDL": (0, 1), "DN_EARLY_INTER": (0, 1),
-        "GU_PREFETCH": (0, 1), "DN_PREFETCH": (0, 1), "DN_BULK": (0, 1), "DN_STAGED": (0, 1), "DN_ROWS": (0, 1024),
-    }
-    for key, (low, high) in limits.items():
-        if not low <= values[key] <= high:
-            raise ValueError(f"{key} must be in {low}..{high}{' (0 = auto)' if key in AUTO_KNOBS else ''}, "
-                             f"got {values[key]}")
+    values = validate_knobs("warp-decode", params, DEFAULTS, LIMITS, AUTO_KNOBS)
     for key in ("GU_BYTES", "DN_BYTES"):
         if values[key] not in (4, 8, 16):
             raise ValueError(f"{key} must be 4, 8 or 16, got {values[key]}")

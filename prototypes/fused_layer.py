@@ -86,6 +86,7 @@ from kernels.compile import (
     launch_ex,
     max_active_blocks,
     register_source,
+    validate_knobs,
 )
 from kernels.contract import BF16, Dims, check_aligned, check_inputs, check_out, require_cupy
 from kernels.device_helpers import MMA_HELPERS, PDL_HELPERS, WARP_HELPERS
@@ -396,18 +397,7 @@ def fused_shared_bytes(params: dict[str, int], dims: Dims) -> int:
 def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
     """Validate the knobs and fill ``FU_ROWS`` = 0 (auto: ``ceil(H / SMs)``); with ``dims``, also check that the
     block's shared memory fits (ValueError naming the sizes otherwise)."""
-    unknown = set(params) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown fused warp-decode parameter(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-    values: dict[str, int] = {**DEFAULTS, "FU_ROWS": 0}
-    for key, value in params.items():
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{key} must be an int, got {value!r}")
-        values[key] = int(value)
-    for key, (low, high) in LIMITS.items():
-        if not low <= values[key] <= high:
-            raise ValueError(f"{key} must be in {low}..{high}{' (0 = auto)' if key in AUTO_KNOBS else ''}, "
-                             f"got {values[key]}")
+    values = validate_knobs("fused warp-decode", params, DEFAULTS, LIMITS, AUTO_KNOBS)
     if values["FU_BYTES"] not in (4, 8, 16):
         raise ValueError(f"FU_BYTES must be 4, 8 or 16, got {values['FU_BYTES']}")
     if dims is None:

@@ -30,6 +30,7 @@ from tests.warp_checks import (
     _poisoned_out,
     _references,
     _seed,
+    assert_graph_replays_bitwise,
     assert_pdl_chain_bitwise,
 )
 from tools.sweep import source_of
@@ -155,20 +156,7 @@ def test_matches_and_repeats_in_graphs(cupy_mod: Any, rng: np.random.Generator, 
     problem = make_problem(shape, tokens, seed=_seed(rng), xp=cupy)
     eager = _run_and_check(cupy, problem, f"{model} T={tokens} fused {knobs}", **knobs)
     launch = wdf.build(_dims(shape, tokens), **knobs)
-    got = _poisoned_out(cupy, tokens, shape.hidden)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        launch(*problem.arrays, got)
-        stream.synchronize()
-        stream.begin_capture()
-        for _ in range(4):
-            launch(*problem.arrays, got)
-        graph = stream.end_capture()
-    for _ in range(25):
-        got.view(cupy.uint16).fill(0x7FC0)
-        graph.launch(stream)
-        stream.synchronize()
-        assert np.array_equal(cupy.asnumpy(got).view(np.uint16), eager.view(np.uint16))
+    assert_graph_replays_bitwise(cupy, launch, problem, eager, replays=25)
     assert int(launch.workspace.grid_sync.sum()) == 0
 
 

@@ -51,6 +51,7 @@ from tests.warp_checks import (
     _poisoned_out,
     _references,
     _seed,
+    assert_graph_replays_bitwise,
     assert_pdl_chain_bitwise,
 )
 
@@ -676,21 +677,7 @@ def test_staged_down_matches_and_repeats(cupy_mod: Any, rng: np.random.Generator
     problem = make_problem(shape, tokens, seed=_seed(rng), xp=cupy)
     dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
     staged = _run_and_check(cupy, problem, f"{model} T={tokens} staged", DN_STAGED=1, **extra)
-    launch = wdc.build(dims, DN_STAGED=1, **extra)
-    got = _poisoned_out(cupy, tokens, dims.hidden)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        launch(*problem.arrays, got)  # compile outside the capture
-        stream.synchronize()
-        stream.begin_capture()
-        for _ in range(4):
-            launch(*problem.arrays, got)
-        graph = stream.end_capture()
-    for _ in range(2):
-        got.view(cupy.uint16).fill(0x7FC0)
-        graph.launch(stream)
-        stream.synchronize()
-        assert np.array_equal(cupy.asnumpy(got).view(np.uint16), staged.view(np.uint16))
+    assert_graph_replays_bitwise(cupy, wdc.build(dims, DN_STAGED=1, **extra), problem, staged)
 
 
 @pytest.mark.gpu

@@ -144,6 +144,26 @@ def _assert_matches(got: np.ndarray, faithful: np.ndarray, oracle: np.ndarray, w
     return {"bitwise": bitwise, "rel_l2": rel}
 
 
+def assert_graph_replays_bitwise(cupy: Any, launch: Any, problem: Problem, expect: np.ndarray, launches: int = 4,
+                                 replays: int = 2) -> None:
+    """``launches`` calls of ``launch`` (compiled outside the capture) captured as one CUDA graph and replayed
+    ``replays`` times into a NaN-poisoned output: bitwise ``expect`` (the eager result) every time."""
+    got = _poisoned_out(cupy, problem.tokens, problem.shape.hidden)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        launch(*problem.arrays, got)
+        stream.synchronize()
+        stream.begin_capture()
+        for _ in range(launches):
+            launch(*problem.arrays, got)
+        graph = stream.end_capture()
+    for _ in range(replays):
+        got.view(cupy.uint16).fill(0x7FC0)
+        graph.launch(stream)
+        stream.synchronize()
+        assert np.array_equal(cupy.asnumpy(got).view(np.uint16), expect.view(np.uint16))
+
+
 def assert_pdl_chain_bitwise(cupy: Any, problem: Problem, build: Any, dims: Any, poison_workspace: Any,
                              routings: list[tuple[Any, Any]] | None = None, layers: int = 6, replays: int = 20,
                              **params: Any) -> None:
