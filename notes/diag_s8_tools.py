@@ -1,0 +1,74 @@
+"""Session 8's workloads for the device's checkers and profiler (compute-sanitizer, Nsight Compute).
+
+Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_s8_tools.py WHAT`` under a tool, e.g.
+``compute-sanitizer --tool memcheck python3 notes/diag_s8_tools.py small`` or
+``ncu --clock-control none --section SpeedOfLight ... python3 notes/diag_s8_tools.py t64``.
+
+* ``small``  the warp-decode paths (strict, batched, mixed, MMA) and the fused prototype, eagerly, on
+             small odd shapes and on qwen3-30b-a3b T = 1; every output compared with the references (NaN-poisoned
+             first), so a checker run also says the results were right under the tool.
+* ``t64``    the MMA path at qwen3-30b-a3b T = 64, uniform routing: 3 layers (the profiler takes the last one).
+* ``t1``     strict warp decode and the fused prototype at qwen3-30b-a3b T = 1: 3 layers each.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import cupy
+
+import prototypes
+from kernels.contract import Dims
+from kernels.problem import make_problem
+from kernels.variants import get_variant
+from tests.warp_checks import ODD_SHAPES, _assert_matches, _poisoned_out, _references
+
+PATHS = ("cupy:warp-decode", "cupy:warp-decode-batched", "cupy:warp-decode-mixed", "cupy:warp-decode-mma",
+         "proto:fused-layer")
+
+
+def _dims(problem: object) -> Dims:
+    s = problem.shape  # type: ignore[attr-defined]
+    return Dims(problem.tokens, s.hidden, s.intermediate, s.experts, s.top_k)  # type: ignore[attr-defined]
+
+
+def small() -> None:
+    prototypes.load()
+    for shape, tokens in ((ODD_SHAPES["h264-i40"], 5), (ODD_SHAPES["h64-k40"], 2), ("qwen3-30b-a3b", 1)):
+        problem = make_problem(shape, tokens, seed=8, xp=cupy)
+        dims = _dims(problem)
+        faithful, oracle = _references(problem)
+        for name in PATHS:
+            variant = get_variant(name)
+            if not variant.can_run(dims):
+                continue
+            launch = variant.make(dims)
+            out = _poisoned_out(cupy, dims.tokens, dims.hidden)
+            launch(*problem.arrays, out)
+            cupy.cuda.runtime.deviceSynchronize()
+            _assert_matches(cupy.asnumpy(out), faithful, oracle, f"{name} {dims}", own_order=True)
+            print("ok", name, dims, flush=True)
+
+
+def layers(name: str, model: str, tokens: int, count: int = 3) -> None:
+    prototypes.load()
+    problem = make_problem(model, tokens, seed=8, xp=cupy)
+    launch = get_variant(name).make(_dims(problem))
+    out = _poisoned_out(cupy, tokens, problem.shape.hidden)
+    for _ in range(count):
+        launch(*problem.arrays, out)
+    cupy.cuda.runtime.deviceSynchronize()
+    print("ran", name, model, tokens, flush=True)
+
+
+if __name__ == "__main__":
+    what = sys.argv[1] if len(sys.argv) > 1 else "small"
+    if what == "small":
+        small()
+    elif what == "t64":
+        layers("cupy:warp-decode-mma", "qwen3-30b-a3b", 64)
+    elif what == "t1":
+        layers("cupy:warp-decode", "qwen3-30b-a3b", 1)
+        layers("proto:fused-layer", "qwen3-30b-a3b", 1)
+    else:
+        raise SystemExit(f"unknown workload {what!r}: small, t64 or t1")
