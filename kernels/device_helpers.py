@@ -39,40 +39,6 @@ template <typename V>
 __device__ __forceinline__ V ldg_chunk(const V* row, int c, bool ok) {
     return zero_unless(ok, __ldg(row + (ok ? c : 0)));
 }
-// Weight rows are read once: *_STREAM=1 loads them with ld.global.nc.L1::no_allocate, so they do not evict from L1
-// what a block's warps share there (the x rows of gate_up's pairs); the same values as ldg_chunk.
-__device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
-#ifdef WD_HOST_EMULATION
-    return *p;
-#else
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-#endif
-}
-__device__ __forceinline__ uint2 ldg_stream(const uint2* p) {
-#ifdef WD_HOST_EMULATION
-    return *p;
-#else
-    uint2 v;
-    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    return v;
-#endif
-}
-__device__ __forceinline__ u32 ldg_stream(const u32* p) {
-#ifdef WD_HOST_EMULATION
-    return *p;
-#else
-    u32 v;
-    asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-#endif
-}
-template <bool STREAM, typename V>
-__device__ __forceinline__ V ldg_weight_chunk(const V* row, int c, bool ok) {
-    return STREAM ? zero_unless(ok, ldg_stream(row + (ok ? c : 0))) : ldg_chunk(row, c, ok);
-}
 
 // "Everything loaded so far must have arrived": returns 0, but computed from every word of a round's
 // registers (0 * finite subnormal = +0 through an FMA the compiler cannot fold). Whatever is made to

@@ -201,8 +201,6 @@ DEFAULTS: dict[str, int] = {
     "DB_STAGE": 0,  # MMA down: 1 copies the lists and routing weights into shared memory before the slot loop
     "DB_BALANCE": 0,  # MMA down: 1 cuts the (slot, k block) items into equal runs, one per warp (needs DB_SPLIT 1);
     # -1 = auto (auto_balance; the tensor-core paths' knob sets use it)
-    "GB_STREAM": 0,  # 1: w13 rows loaded with L1::no_allocate (L1 keeps the x rows the block's warps share)
-    "DB_STREAM": 0,  # 1: w2 rows loaded with L1::no_allocate
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK")
 MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pdl-*.json: 7-10 % over 8 at qwen3-30b)
@@ -218,7 +216,7 @@ LIMITS = {
     "DB_WARPS": (0, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (0, 255),
     "DB_EARLY_INTER": (0, 1), "GB_PIPE": (0, 1), "DB_PIPE": (0, 1),
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (1, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
-    "DB_SPLIT": (1, 32), "DB_STAGE": (0, 1), "DB_BALANCE": (-1, 1), "GB_STREAM": (0, 1), "DB_STREAM": (0, 1),
+    "DB_SPLIT": (1, 32), "DB_STAGE": (0, 1), "DB_BALANCE": (-1, 1),
 }
 
 

@@ -38,8 +38,6 @@ CODE = WARP_HELPERS + PDL_HELPERS + r"""
 //   down's w2 loads are invariant __ldg loads that the compiler sinks below the wait: no knob there.)
 //   DB_STAGE 1 (tensor-core down only): the block copies the lists and the routing weights into shared memory first
 //   DB_BALANCE 1 (tensor-core down only, DB_SPLIT 1): the warps split the (slot, k block) items evenly (below)
-//   GB_STREAM / DB_STREAM 1: the weight rows (w13 / w2) are loaded without allocating in L1 (ldg_weight_chunk),
-//   which leaves L1 to what the block's warps share (gate_up's x rows)
 static_assert(LIST_THREADS >= 32 && LIST_THREADS <= 1024 && LIST_THREADS % 32 == 0, "LIST_THREADS: 32..1024, x32");
 static_assert(LIST_PER >= 1 && LIST_PER <= 16, "LIST_PER must be 1..16");
 static_assert(GB_WARPS >= 1 && GB_WARPS <= 32 && DB_WARPS >= 1 && DB_WARPS <= 32, "WARPS must be 1..32");
@@ -54,7 +52,6 @@ static_assert(DB_PIPE == 0 || DB_PIPE == 1, "DB_PIPE must be 0 or 1");
 static_assert((GB_MMA == 0 || GB_MMA == 1) && (DB_MMA == 0 || DB_MMA == 1), "GB_MMA / DB_MMA must be 0 or 1");
 static_assert(GB_NBLK >= 1 && GB_NBLK <= 4 && DB_NBLK >= 1 && DB_NBLK <= 4, "NBLK must be 1..4");
 static_assert(PDL == 0 || PDL == 1, "PDL must be 0 or 1");
-static_assert((GB_STREAM == 0 || GB_STREAM == 1) && (DB_STREAM == 0 || DB_STREAM == 1), "*_STREAM must be 0 or 1");
 static_assert(DB_EARLY_W2 == 0 || (DB_EARLY_W2 == 1 && DB_MMA == 1), "DB_EARLY_W2 is 0 or 1 (1 needs DB_MMA 1)");
 static_assert(DB_SPLIT >= 1 && DB_WARPS % DB_SPLIT == 0, "DB_SPLIT must divide DB_WARPS");
 static_assert(DB_SPLIT <= 1 || DB_MMA == 1, "DB_SPLIT > 1 needs DB_MMA 1");
@@ -279,8 +276,8 @@ __device__ __forceinline__ void gate_up_load_round(V (&wg)[GB_UNROLL][GB_OUTS], 
         const bool ok = c < chunks;
         #pragma unroll
         for (int o = 0; o < GB_OUTS; ++o) {
-            wg[j][o] = ldg_weight_chunk<GB_STREAM>(gate_row[o], c, ok);
-            wu[j][o] = ldg_weight_chunk<GB_STREAM>(up_row[o], c, ok);
+            wg[j][o] = ldg_chunk(gate_row[o], c, ok);
+            wu[j][o] = ldg_chunk(up_row[o], c, ok);
         }
     }
 }
@@ -551,7 +548,7 @@ __device__ __forceinline__ void load_down_step(DownRegs<V>& regs, const DownStep
         #pragma unroll
         for (int r = 0; r < DB_UNROLL; ++r) {
             const int c = s.c0 + r * 32 + lane;
-            regs.w2[r][o] = ldg_weight_chunk<DB_STREAM>(row, c, c < chunks);
+            regs.w2[r][o] = ldg_chunk(row, c, c < chunks);
         }
     }
     #pragma unroll
@@ -708,7 +705,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
                 for (int r = 0; r < DB_UNROLL; ++r) {
                     const int c = c0 + r * 32 + lane;
                     #pragma unroll
-                    for (int o = 0; o < DB_OUTS; ++o) wv[r][o] = ldg_weight_chunk<DB_STREAM>(rows[o], c, c < chunks);
+                    for (int o = 0; o < DB_OUTS; ++o) wv[r][o] = ldg_chunk(rows[o], c, c < chunks);
                 }
 #if DB_EARLY_INTER
                 // 2) ... and the tile's intermediate chunks in the same breath (L2 hits; pairs past n re-read
@@ -798,7 +795,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
 // the round's first mma.
 // COLS_DEP: B is the previous kernel's output (down's intermediate), loaded through ld_dep after the round's A
 // loads and after wait_once (DB_EARLY_W2: the first round's A loads are issued before the PDL wait).
-template <int UNROLL, int NB, bool COLS_DEP, bool STREAM_A>
+template <int UNROLL, int NB, bool COLS_DEP>
 __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const uint4* rows_lo, const uint4* rows_hi,
                                                     const uint4* const (&cols)[NB], int c_begin, int c_end, int q,
                                                     bool& waited) {
@@ -810,8 +807,8 @@ __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const u
         for (int j = 0; j < UNROLL; ++j) {
             const int c = c0 + 4 * j + q;
             const bool ok = c < c_end;
-            lo[j][0] = ldg_weight_chunk<STREAM_A>(rows_lo, c, ok);
-            hi[j][0] = ldg_weight_chunk<STREAM_A>(rows_hi, c, ok);
+            lo[j][0] = ldg_chunk(rows_lo, c, ok);
+            hi[j][0] = ldg_chunk(rows_hi, c, ok);
             #pragma unroll
             for (int nb = 0; nb < NB; ++nb)
                 if (!COLS_DEP) col[j][nb] = ldg_chunk(cols[nb], c, ok);
@@ -883,7 +880,7 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
         }
         float acc[GB_NBLK][4];
         bool unused = true;
-        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false, GB_STREAM>(acc, gate_row, up_row, x_row, 0, chunks, q, unused);
+        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false>(acc, gate_row, up_row, x_row, 0, chunks, q, unused);
         #pragma unroll
         for (int nb = 0; nb < GB_NBLK; ++nb)
             #pragma unroll
@@ -947,8 +944,7 @@ __device__ __forceinline__ void down_mma_slot(const DownLists& m, int a, int c_b
             inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
         }
         float acc[DB_NBLK][4];
-        mma_rows_by_columns<DB_UNROLL, DB_NBLK, true, DB_STREAM>(acc, row_lo, row_hi, inter_row, c_begin, c_end, q,
-                                                                 waited);
+        mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, row_lo, row_hi, inter_row, c_begin, c_end, q, waited);
         #pragma unroll
         for (int nb = 0; nb < DB_NBLK; ++nb) {
             // lane (g, q) holds columns h0+g, h0+g+8 of pairs 2q, 2q+1 of the block: fetch their ids / weights

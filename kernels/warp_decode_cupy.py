@@ -106,7 +106,6 @@ CODE = WARP_HELPERS + PDL_HELPERS + r"""
 //   *_WARPS  warps per block          *_OUTS   consecutive outputs per warp (reuse x / intermediate loads)
 //   *_UNROLL loads in flight per lane  *_BYTES  bytes per lane per load (4, 8 or 16)
 //   *_MIN_BLOCKS  __launch_bounds__ min blocks per SM (0 = let ptxas choose registers)
-//   *_STREAM 1    weight rows loaded without allocating in L1 (ldg_weight_chunk): L1 keeps the shared x row
 static_assert(GU_WARPS >= 1 && GU_WARPS <= 32 && DN_WARPS >= 1 && DN_WARPS <= 32, "WARPS must be 1..32");
 static_assert(GU_OUTS >= 1 && GU_OUTS <= 32 && DN_OUTS >= 1 && DN_OUTS <= 32, "OUTS must be 1..32");
 static_assert(GU_UNROLL >= 1 && DN_UNROLL >= 1, "UNROLL must be >= 1");
@@ -117,7 +116,6 @@ static_assert(DN_PREFETCH == 0 || DN_PREFETCH == 1, "DN_PREFETCH must be 0 or 1"
 static_assert(DN_BULK == 0 || (DN_BULK == 1 && DN_OUTS == 1 && DN_BYTES == 16), "DN_BULK=1: DN_OUTS 1, DN_BYTES 16");
 static_assert(DN_STAGED == 0 || DN_STAGED == 1, "DN_STAGED must be 0 or 1");
 static_assert(DN_ROWS >= 1 && DN_ROWS <= 1024, "DN_ROWS must be 1..1024");
-static_assert((GU_STREAM == 0 || GU_STREAM == 1) && (DN_STREAM == 0 || DN_STREAM == 1), "*_STREAM must be 0 or 1");
 static_assert(GU_BYTES == 4 || GU_BYTES == 8 || GU_BYTES == 16, "GU_BYTES must be 4, 8 or 16");
 static_assert(DN_BYTES == 4 || DN_BYTES == 8 || DN_BYTES == 16, "DN_BYTES must be 4, 8 or 16");
 
@@ -203,8 +201,8 @@ extern "C" __global__ void GU_BOUNDS moe_gate_up_3d_batched(
             const bool ok = c < chunks;
             #pragma unroll
             for (int o = 0; o < GU_OUTS; ++o) {
-                wg[j][o] = ldg_weight_chunk<GU_STREAM>(gate_row[o], c, ok);
-                wu[j][o] = ldg_weight_chunk<GU_STREAM>(up_row[o], c, ok);
+                wg[j][o] = ldg_chunk(gate_row[o], c, ok);
+                wu[j][o] = ldg_chunk(up_row[o], c, ok);
             }
         }
         #pragma unroll
@@ -290,8 +288,7 @@ __device__ __forceinline__ void down_accumulate(
                     const int c = c0 + r * 32 + lane;
                     const bool ok = k0 + s < top_k && c < chunks;
                     #pragma unroll
-                    for (int o = 0; o < DN_OUTS; ++o)
-                        wv[s * DN_UNROLL + r][o] = ldg_weight_chunk<DN_STREAM>(rows[s][o], c, ok);
+                    for (int o = 0; o < DN_OUTS; ++o) wv[s * DN_UNROLL + r][o] = ldg_chunk(rows[s][o], c, ok);
                 }
             if (!waited) {  // the intermediate is gate_up's output: read it only after gate_up has finished
                 pdl_wait();
@@ -615,8 +612,6 @@ DEFAULTS: dict[str, int] = {
     "DN_STAGED": 0,  # 1: moe_down_3d_staged -- each block's whole w2 share copied into shared memory while
     # gate_up runs (sm_90+; needs T x K x DN_ROWS x I x 2 bytes + the intermediate per block)
     "DN_ROWS": 16,  # DN_STAGED's hidden rows per block (0 = auto: one block per SM at most, see _staged_rows)
-    "GU_STREAM": 0,  # 1: w13 rows loaded with L1::no_allocate (L1 keeps the x row the warps share)
-    "DN_STREAM": 0,  # 1: w2 rows loaded with L1::no_allocate
 }
 AUTO_KNOBS = ("DN_SLOTS", "DN_UNROLL", "DN_MIN_BLOCKS", "DN_WARPS", "DN_ROWS")
 LIMITS = {
@@ -624,7 +619,6 @@ LIMITS = {
     "GU_UNROLL": (1, 64), "DN_UNROLL": (0, 64), "DN_SLOTS": (0, 32),
     "GU_MIN_BLOCKS": (0, 32), "DN_MIN_BLOCKS": (0, 32), "PDL": (0, 1), "DN_EARLY_INTER": (0, 1),
     "GU_PREFETCH": (0, 1), "DN_PREFETCH": (0, 1), "DN_BULK": (0, 1), "DN_STAGED": (0, 1), "DN_ROWS": (0, 1024),
-    "GU_STREAM": (0, 1), "DN_STREAM": (0, 1),
 }
 
 
