@@ -175,3 +175,96 @@ __device__ __forceinline__ void mma_k32(float (&d)[4], const uint4& rows_lo, con
 }
 // ---- end of tensor-core helpers ----
 """
+
+
+# The tail of a down whose w2 rows sit in shared memory (after MMA_HELPERS): the strict source's staged down
+# (DN_STAGED=1) and the fused-layer prototype. The block holds ROWS padded w2 rows of every (token, slot) pair p
+# (row r of pair p at w2_rows + (p * ROWS + r) * stride) and the pairs' intermediate rows; :func:`padded_row_bytes`
+# and :func:`staged_parts` are the Python side of the same layout.
+STAGED_TAIL_HELPERS = r"""
+// ---- staged-down tail (kernels/device_helpers.py) ----
+// bytes of a staged row: 2I rounded up to 64 mod 128, so the 8 rows of a fragment load hit distinct banks
+__device__ __forceinline__ int staged_row_stride(int inter) { return (2 * inter + 63) / 128 * 128 + 64; }
+// chunk c of a shared row, or zeros (a value, so no address of a local zero is ever formed)
+__device__ __forceinline__ uint4 staged_chunk(const uint4* row, int c, bool ok) {
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (ok) v = row[c];
+    return v;
+}
+// k parts per (pair, 16-row tile) item: as many as the block's warps can take in one round
+template <int ROWS, int WARPS>
+__device__ __forceinline__ int staged_parts(int chunks, int pairs) {
+    return max(1, min((chunks + 3) / 4, WARPS / (pairs * ((ROWS + 15) / 16))));
+}
+// Items (pair p, 16-row tile, k part) on tensor cores: A = the 16 staged rows, B column = the pair's intermediate
+// row (every column the same), FP32 in two accumulator chains (even / odd k blocks, indexed statically: a runtime
+// index put them in local memory, a 48-byte stack frame that made the dots cost 8 us); lane (g, 0) ends with rows
+// g, g + 8 of column 0 and writes them times the routing weight into partial[p][part][row]. Pairs of a token with
+// a bad id (token_bad) are skipped. A source that defines STAGED_K_LOOP_ROLLED keeps the k loop rolled (fewer
+// registers; the fused prototype at 64 registers spilled without it).
+template <int ROWS, int WARPS>
+__device__ __forceinline__ void staged_dots(const unsigned char* w2_rows, const uint4* inter_rows, float* partial,
+                                            const int* token_bad, const float* __restrict__ topk_weights,
+                                            int pairs, int top_k, int rows, int chunks, int stride, int parts,
+                                            int warp, int lane) {
+    const int g = lane >> 2, q = lane & 3;
+    const int kblocks = (chunks + 3) / 4;                            // 32-wide k blocks
+    constexpr int tiles = (ROWS + 15) / 16;
+    for (int item = warp; item < pairs * tiles * parts; item += WARPS) {   // warp-uniform
+        const int p = item / (tiles * parts);
+        const int tile = (item / parts) % tiles, part = item % parts;
+        if (token_bad[p / top_k]) continue;
+        const int r_lo = min(tile * 16 + g, rows - 1), r_hi = min(tile * 16 + g + 8, rows - 1);  // past: last row
+        const uint4* a_lo = reinterpret_cast<const uint4*>(w2_rows + ((size_t)p * ROWS + r_lo) * stride);
+        const uint4* a_hi = reinterpret_cast<const uint4*>(w2_rows + ((size_t)p * ROWS + r_hi) * stride);
+        const uint4* b_col = inter_rows + (size_t)p * chunks;
+        float even[4] = {0.0f, 0.0f, 0.0f, 0.0f}, odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        const int kb_end = (part + 1) * kblocks / parts;
+#ifdef STAGED_K_LOOP_ROLLED
+        #pragma unroll 1
+#endif
+        for (int kb = part * kblocks / parts; kb < kb_end; kb += 2) {
+            const int c = 4 * kb + q, c_next = c + 4;
+            const bool ok = c < chunks, ok_next = kb + 1 < kb_end && c_next < chunks;   // else zeros, never stale
+            mma_k32(even, staged_chunk(a_lo, c, ok), staged_chunk(a_hi, c, ok), staged_chunk(b_col, c, ok));
+            mma_k32(odd, staged_chunk(a_lo, c_next, ok_next), staged_chunk(a_hi, c_next, ok_next),
+                    staged_chunk(b_col, c_next, ok_next));
+        }
+        if (q == 0) {                                                 // lane (g, 0): column 0, rows g and g + 8
+            const float wk = __ldg(topk_weights + p);
+            float* dst = partial + ((size_t)p * parts + part) * ROWS;
+            if (tile * 16 + g < rows) dst[tile * 16 + g] = wk * (even[0] + odd[0]);
+            if (tile * 16 + g + 8 < rows) dst[tile * 16 + g + 8] = wk * (even[2] + odd[2]);
+        }
+    }
+}
+// every (t, row) of the block (rows h0 ..): its partials summed over slots and parts in order (k major, part
+// minor), one write -- bf16 RNE, or fp32 when out_f32; NaN for a token with a bad id
+template <int ROWS, int WARPS>
+__device__ __forceinline__ void staged_outputs(const float* partial, const int* token_bad, void* __restrict__ out,
+                                               int out_f32, int tokens, int top_k, int rows, int parts, int hidden,
+                                               int h0, int tid) {
+    for (int j = tid; j < tokens * rows; j += WARPS * 32) {
+        const int t = j / rows, r = j - t * rows;
+        float v = 0.0f;
+        const float* mine = partial + (size_t)t * top_k * parts * ROWS + r;    // [k][part] of (t, r)
+        for (int kp = 0; kp < top_k * parts; ++kp) v += mine[(size_t)kp * ROWS];
+        if (token_bad[t]) v = __int_as_float(0x7fc00000);
+        const long long idx = (long long)t * hidden + h0 + r;
+        if (out_f32) reinterpret_cast<float*>(out)[idx] = v;
+        else reinterpret_cast<bf16_t*>(out)[idx] = f32_to_bf16(v);  // the one final rounding
+    }
+}
+// ---- end of staged-down tail ----
+"""
+
+
+def padded_row_bytes(inter: int) -> int:
+    """Bytes of one staged w2 row of ``inter`` bf16 (``staged_row_stride`` in the CUDA helpers)."""
+    return (2 * inter + 63) // 128 * 128 + 64
+
+
+def staged_parts(inter: int, rows: int, warps: int, pairs: int) -> int:
+    """k parts per (pair, 16-row tile) item of the staged tail (``staged_parts`` in the CUDA helpers)."""
+    return max(1, min(-(-(inter // 8) // 4), warps // (pairs * -(-rows // 16))))
+

@@ -92,7 +92,14 @@ from kernels.compile import (
     validate_knobs,
 )
 from kernels.contract import BF16, Dims, array_module, check_aligned, check_inputs, check_out, require_cupy
-from kernels.device_helpers import MMA_HELPERS, PDL_HELPERS, WARP_HELPERS
+from kernels.device_helpers import (
+    MMA_HELPERS,
+    PDL_HELPERS,
+    STAGED_TAIL_HELPERS,
+    WARP_HELPERS,
+    padded_row_bytes,
+    staged_parts,
+)
 from kernels.variants import Variant, register
 
 GATE_UP = "moe_gate_up_3d_batched"
@@ -464,7 +471,7 @@ extern "C" __global__ void DN_BOUNDS moe_down_3d_batched(
 }
 
 #if DN_STAGED && !defined(WD_HOST_EMULATION)   // compiled only when asked for
-""" + MMA_HELPERS + r"""
+""" + MMA_HELPERS + STAGED_TAIL_HELPERS + r"""
 // ------------------------------------------------------------------------------------------------
 // moe_down_3d_staged (DN_STAGED=1, sm_90+): out[t, h] for a layer whose w2 share per block fits in shared
 //   memory (qwen3-30b-a3b T = 1: 8 slots x 16 rows x 1.5 KiB = 192 KiB a block, one block per SM).
@@ -484,16 +491,6 @@ extern "C" __global__ void DN_BOUNDS moe_down_3d_batched(
 // Shared memory: [T flags, padded to 16 B][w2: T*K x DN_ROWS padded rows][intermediate:
 //   T*K x I bf16][partial: T*K x parts x DN_ROWS floats] (staged_shared_bytes in Python says the same)
 // ------------------------------------------------------------------------------------------------
-// chunk c of a shared row, or zeros (a value, so no address of a local zero is ever formed)
-__device__ __forceinline__ uint4 staged_chunk(const uint4* row, int c, bool ok) {
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (ok) v = row[c];
-    return v;
-}
-__device__ __forceinline__ int staged_row_stride(int inter) {         // bytes; 2I rounded up to 64 mod 128
-    return (2 * inter + 63) / 128 * 128 + 64;
-}
-
 // No register cap: ~91 a thread (a 64 cap spilled), so DN_WARPS 4 takes 12 K registers beside gate_up's warps
 extern "C" __global__ void __launch_bounds__(DN_WARPS * 32, 1) moe_down_3d_staged(
     const bf16_t* __restrict__ intermediate,  // [T, K, I]
@@ -504,15 +501,13 @@ extern "C" __global__ void __launch_bounds__(DN_WARPS * 32, 1) moe_down_3d_stage
     int out_f32, int tokens, int hidden, int inter, int experts, int top_k)
 {
     extern __shared__ __align__(16) unsigned char staged_smem[];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int h0 = blockIdx.x * DN_ROWS;
     const int rows = min(DN_ROWS, hidden - h0);                      // the last block may own fewer
     const int pairs = tokens * top_k;
     const int chunks = inter / 8;                                    // 16-byte chunks (I % 8 == 0)
-    const int kblocks = (chunks + 3) / 4;                            // 32-wide k blocks
     const int stride = staged_row_stride(inter);
-    const int tiles = (DN_ROWS + 15) / 16;                           // per block, whatever its rows
-    const int parts = max(1, min(kblocks, DN_WARPS / (pairs * tiles)));  // k parts per (slot, tile) item
+    const int parts = staged_parts<DN_ROWS, DN_WARPS>(chunks, pairs);   // k parts per (slot, tile) item
     int* token_bad = reinterpret_cast<int*>(staged_smem);
     unsigned char* w2_rows = staged_smem + ((size_t)4 * tokens + 15) / 16 * 16;
     uint4* inter_rows = reinterpret_cast<uint4*>(w2_rows + (size_t)pairs * DN_ROWS * stride);
@@ -545,45 +540,12 @@ extern "C" __global__ void __launch_bounds__(DN_WARPS * 32, 1) moe_down_3d_stage
     __syncthreads();                                                 // ... and everyone's
 
     // 3) tensor-core dots: item (p, tile, part) -> partial[p][part][row] (weighted)
-    for (int item = warp; item < pairs * tiles * parts; item += DN_WARPS) {   // warp-uniform
-        const int p = item / (tiles * parts);
-        const int tile = (item / parts) % tiles, part = item % parts;
-        if (token_bad[p / top_k]) continue;
-        const int r_lo = min(tile * 16 + g, rows - 1), r_hi = min(tile * 16 + g + 8, rows - 1);  // past: last row
-        const uint4* a_lo = reinterpret_cast<const uint4*>(w2_rows + ((size_t)p * DN_ROWS + r_lo) * stride);
-        const uint4* a_hi = reinterpret_cast<const uint4*>(w2_rows + ((size_t)p * DN_ROWS + r_hi) * stride);
-        const uint4* b_col = inter_rows + (size_t)p * chunks;
-        // two accumulator chains, even and odd k blocks (indexed statically: a runtime index put acc in local
-        // memory -- a 48-byte stack frame that made the dots cost 8 us, results/diag-staged-probe.json)
-        float even[4] = {0.0f, 0.0f, 0.0f, 0.0f}, odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        const int kb_end = (part + 1) * kblocks / parts;
-        for (int kb = part * kblocks / parts; kb < kb_end; kb += 2) {
-            const int c = 4 * kb + q, c_next = c + 4;
-            const bool ok = c < chunks, ok_next = kb + 1 < kb_end && c_next < chunks;   // else zeros, never stale
-            mma_k32(even, staged_chunk(a_lo, c, ok), staged_chunk(a_hi, c, ok), staged_chunk(b_col, c, ok));
-            mma_k32(odd, staged_chunk(a_lo, c_next, ok_next), staged_chunk(a_hi, c_next, ok_next),
-                    staged_chunk(b_col, c_next, ok_next));
-        }
-        if (q == 0) {                                                 // lane (g, 0): column 0, rows g and g + 8
-            const float wk = __ldg(topk_weights + p);
-            float* dst = partial + ((size_t)p * parts + part) * DN_ROWS;
-            if (tile * 16 + g < rows) dst[tile * 16 + g] = wk * (even[0] + odd[0]);
-            if (tile * 16 + g + 8 < rows) dst[tile * 16 + g + 8] = wk * (even[2] + odd[2]);
-        }
-    }
+    staged_dots<DN_ROWS, DN_WARPS>(w2_rows, inter_rows, partial, token_bad, topk_weights, pairs, top_k, rows, chunks,
+                                   stride, parts, warp, lane);
     __syncthreads();
 
     // 4) every (t, row): sum over slots and parts in order, one write
-    for (int j = tid; j < tokens * rows; j += DN_WARPS * 32) {
-        const int t = j / rows, r = j - t * rows;
-        float v = 0.0f;
-        const float* mine = partial + (size_t)t * top_k * parts * DN_ROWS + r;    // [k][part] of (t, r)
-        for (int kp = 0; kp < top_k * parts; ++kp) v += mine[(size_t)kp * DN_ROWS];   // k major, part minor
-        if (token_bad[t]) v = __int_as_float(0x7fc00000);
-        const long long idx = (long long)t * hidden + h0 + r;
-        if (out_f32) reinterpret_cast<float*>(out)[idx] = v;
-        else reinterpret_cast<bf16_t*>(out)[idx] = f32_to_bf16(v);  // the one final rounding
-    }
+    staged_outputs<DN_ROWS, DN_WARPS>(partial, token_bad, out, out_f32, tokens, top_k, rows, parts, hidden, h0, tid);
 }
 #endif
 """
@@ -677,9 +639,8 @@ def staged_shared_bytes(params: dict[str, int], dims: Dims) -> int:
     """Dynamic shared memory of ``moe_down_3d_staged`` (the kernel's layout comment): T flags, the
     staged w2 rows (2I bytes padded to 64 mod 128), the intermediate and the FP32 partials."""
     pairs, rows, inter = dims.tokens * dims.top_k, params["DN_ROWS"], dims.intermediate
-    stride = (2 * inter + 63) // 128 * 128 + 64
-    kblocks = -(-(inter // 8) // 4)
-    parts = max(1, min(kblocks, params["DN_WARPS"] // (pairs * -(-rows // 16))))
+    stride = padded_row_bytes(inter)
+    parts = staged_parts(inter, rows, params["DN_WARPS"], pairs)
     return -(-4 * dims.tokens // 16) * 16 + pairs * (rows * stride + 2 * inter + 4 * parts * rows)
 
 

@@ -89,12 +89,19 @@ from kernels.compile import (
     validate_knobs,
 )
 from kernels.contract import BF16, Dims, check_aligned, check_inputs, check_out, require_cupy
-from kernels.device_helpers import MMA_HELPERS, PDL_HELPERS, WARP_HELPERS
+from kernels.device_helpers import (
+    MMA_HELPERS,
+    PDL_HELPERS,
+    STAGED_TAIL_HELPERS,
+    WARP_HELPERS,
+    padded_row_bytes,
+    staged_parts,
+)
 from kernels.variants import Variant, register
 
 FUSED = "moe_fused_3d"
 
-CODE = WARP_HELPERS + PDL_HELPERS + MMA_HELPERS + r"""
+CODE = WARP_HELPERS + PDL_HELPERS + MMA_HELPERS + "#define STAGED_K_LOOP_ROLLED\n" + STAGED_TAIL_HELPERS + r"""
 // Fused warp decode (prototypes/fused_layer.py): gate_up, a grid barrier and down in ONE kernel.
 // Knobs: FU_WARPS warps per block (one block per SM), FU_BYTES bytes per lane per gate_up load (4, 8, 16),
 // FU_UNROLL gate_up chunks per row in flight per lane, FU_ROWS hidden rows per block in the down, PDL,
@@ -119,14 +126,6 @@ __device__ __forceinline__ uint4 ld_l2(const uint4* p) {
     uint4 v;
     asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
-}
-__device__ __forceinline__ uint4 shared_chunk(const uint4* row, int c, bool ok) {   // zeros past the row
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (ok) v = row[c];
-    return v;
-}
-__host__ __device__ __forceinline__ int padded_row_bytes(int inter) {   // 2I rounded up to 64 mod 128:
-    return (2 * inter + 63) / 128 * 128 + 64;                          // conflict-free mma fragment loads
 }
 
 // All blocks arrive (after a fence that publishes the block's intermediate writes), then wait for the rest.
@@ -171,7 +170,7 @@ extern "C" __global__ void __launch_bounds__(FU_WARPS * 32, 1) moe_fused_3d(
     const int h0 = blockIdx.x * FU_ROWS;
     const int rows = max(0, min(FU_ROWS, hidden - h0));            // blocks past H only run gate_up
     const int chunks16 = inter / 8;                                  // 16-byte chunks of an I row (I % 8 == 0)
-    const int stride = padded_row_bytes(inter);
+    const int stride = staged_row_stride(inter);
     const unsigned copies_done = smem_addr(fused_smem);             // FU_COPY 1: the copies' mbarrier (16 B)
     int* token_bad = reinterpret_cast<int*>(fused_smem + 16);
     int* pair_expert = token_bad + tokens;
@@ -313,48 +312,12 @@ extern "C" __global__ void __launch_bounds__(FU_WARPS * 32, 1) moe_fused_3d(
             }
         }
 #else              // tensor cores: items (pair p, k part) -> weighted partials, then a fixed-order sum per output
-    const int g = lane >> 2, q = lane & 3;
-    const int kblocks = (chunks16 + 3) / 4;                          // 32-wide k blocks
-    const int tiles = (FU_ROWS + 15) / 16;
-    const int parts = max(1, min(kblocks, FU_WARPS / (pairs * tiles)));   // k parts per (pair, tile) item
-    for (int it = warp; it < pairs * tiles * parts; it += FU_WARPS) {     // warp-uniform
-        const int p = it / (tiles * parts), tile = (it / parts) % tiles, part = it % parts;
-        if (token_bad[p / top_k]) continue;
-        const int r_lo = min(tile * 16 + g, rows - 1), r_hi = min(tile * 16 + g + 8, rows - 1);   // past: last row
-        const uint4* a_lo = reinterpret_cast<const uint4*>(w2_rows + ((size_t)p * FU_ROWS + r_lo) * stride);
-        const uint4* a_hi = reinterpret_cast<const uint4*>(w2_rows + ((size_t)p * FU_ROWS + r_hi) * stride);
-        const uint4* b_col = inter_rows + (size_t)p * chunks16;
-        // even / odd k blocks in two accumulator arrays indexed only by constants (registers, no stack frame)
-        float even[4] = {0.0f, 0.0f, 0.0f, 0.0f}, odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        const int kb_end = (part + 1) * kblocks / parts;
-        #pragma unroll 1
-        for (int kb = part * kblocks / parts; kb < kb_end; kb += 2) {
-            const int c = 4 * kb + q, c_next = c + 4;
-            const bool ok = c < chunks16, ok_next = kb + 1 < kb_end && c_next < chunks16;
-            mma_k32(even, shared_chunk(a_lo, c, ok), shared_chunk(a_hi, c, ok), shared_chunk(b_col, c, ok));
-            mma_k32(odd, shared_chunk(a_lo, c_next, ok_next), shared_chunk(a_hi, c_next, ok_next),
-                    shared_chunk(b_col, c_next, ok_next));
-        }
-        if (q == 0) {                                                // lane (g, 0): column 0, rows g and g + 8
-            const float wk = __ldg(topk_weights + p);
-            float* dst = partial + ((size_t)p * parts + part) * FU_ROWS;
-            if (tile * 16 + g < rows) dst[tile * 16 + g] = wk * (even[0] + odd[0]);
-            if (tile * 16 + g + 8 < rows) dst[tile * 16 + g + 8] = wk * (even[2] + odd[2]);
-        }
-    }
+    const int parts = staged_parts<FU_ROWS, FU_WARPS>(chunks16, pairs);
+    staged_dots<FU_ROWS, FU_WARPS>(w2_rows, inter_rows, partial, token_bad, topk_weights, pairs, top_k, rows, chunks16,
+                                   stride, parts, warp, lane);
     __syncthreads();
-
     // 5) every (t, row): its partials summed over slots and parts in order, one write
-    for (int j = tid; j < tokens * rows; j += FU_WARPS * 32) {
-        const int t = j / rows, r = j - t * rows;
-        float v = 0.0f;
-        const float* mine = partial + (size_t)t * top_k * parts * FU_ROWS + r;   // [k][part] of (t, r)
-        for (int kp = 0; kp < top_k * parts; ++kp) v += mine[(size_t)kp * FU_ROWS];
-        if (token_bad[t]) v = __int_as_float(0x7fc00000);
-        const long long idx = (long long)t * hidden + h0 + r;
-        if (out_f32) reinterpret_cast<float*>(out)[idx] = v;
-        else reinterpret_cast<bf16_t*>(out)[idx] = f32_to_bf16(v);   // the one final rounding
-    }
+    staged_outputs<FU_ROWS, FU_WARPS>(partial, token_bad, out, out_f32, tokens, top_k, rows, parts, hidden, h0, tid);
 #endif
 }
 """
@@ -385,10 +348,8 @@ def fused_shared_bytes(params: dict[str, int], dims: Dims) -> int:
     """Dynamic shared memory of ``moe_fused_3d`` (its layout comment): flags and ids, the padded w2 rows, the
     intermediate, the partials."""
     pairs = dims.tokens * dims.top_k
-    row = (2 * dims.intermediate + 63) // 128 * 128 + 64
-    kblocks = -(-(dims.intermediate // 8) // 4)
-    tiles = -(-params["FU_ROWS"] // 16)
-    parts = max(1, min(kblocks, params["FU_WARPS"] // (pairs * tiles)))
+    row = padded_row_bytes(dims.intermediate)
+    parts = staged_parts(dims.intermediate, params["FU_ROWS"], params["FU_WARPS"], pairs)
     head = 16 + (4 * (dims.tokens + pairs) + 15) // 16 * 16  # the copies' mbarrier, flags, ids
     rows = params["FU_ROWS"]
     return head + pairs * rows * row + pairs * dims.intermediate * 2 + pairs * parts * rows * 4
