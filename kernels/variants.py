@@ -12,12 +12,15 @@ to capture in a CUDA graph (CuPy variants) -- the bench times exactly that. A la
 timed alone.
 
 Library kernels register themselves when their module is imported (``load_builtin()`` imports them);
-``prototypes/`` files register theirs the same way. Nothing else is needed for the bench to find one.
+``prototypes/`` files register theirs the same way, and are marked ``prototype`` (the bench runs them on request).
+Nothing else is needed for the bench to find one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +57,8 @@ class Variant:
     # optional: whether build() can run these dims (supports(dims, **params) -> bool); the harness records a
     # dims it cannot run as status "unsupported" instead of timing it
     supports: Callable[..., bool] | None = None
+    # an experiment from prototypes/ (set by register() for variants registered there): not a library path
+    prototype: bool = False
 
     def can_run(self, dims: Dims, **overrides: Any) -> bool:
         """Whether ``make(dims, **overrides)`` can run these dims (True for a variant without ``supports``)."""
@@ -66,10 +71,19 @@ class Variant:
 REGISTRY: dict[str, Variant] = {}
 
 
-def register(variant: Variant) -> Variant:
-    """Add (or replace) a variant; returns it so modules can write ``X = register(Variant(...))``."""
+def register(variant: Variant, *, prototype: bool | None = None) -> Variant:
+    """Add (or replace) a variant; returns it so modules can write ``X = register(Variant(...))``.
+
+    ``prototype``: None marks the variant a prototype when the module calling ``register`` lives in
+    ``prototypes/``; True or False says so explicitly.
+    """
     if not isinstance(variant, Variant):
         raise TypeError(f"register() takes a Variant, got {type(variant).__name__}")
+    if prototype is None:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        prototype = variant.prototype or caller == "prototypes" or caller.startswith("prototypes.")
+    if prototype != variant.prototype:
+        variant = dataclasses.replace(variant, prototype=bool(prototype))
     REGISTRY[variant.name] = variant
     return variant
 

@@ -60,11 +60,15 @@ def test_warp_decode_cupy_compiles_without_spills() -> None:
 
 
 def test_render_and_json(capsys: pytest.CaptureFixture[str]) -> None:
-    from rich.table import Table
+    from tools.display import FitTable, text_of
 
     rows = offline.collect(["warp_decode_cupy"], defaults_only=True)
     table = offline.render(rows)
-    assert isinstance(table, Table) and table.row_count == len(rows) == 2
+    assert isinstance(table, FitTable) and len(table.rows) == len(rows) == 2
+    for width in (60, 100, 200):  # every kernel name and register count survives any width
+        text = text_of(table, width)
+        assert "…" not in text
+        assert all(row.kernel[:8] in text and str(row.registers) in text for row in rows)
     assert offline.main(["--json", "--source", "warp_decode_cupy", "--defaults-only", "--no-numba"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {line["kernel"] for line in lines} == {"moe_gate_up_3d_batched", "moe_down_3d_batched"}
@@ -127,3 +131,28 @@ def test_offline_report_recompiles_when_the_compute_cache_swallowed_ptxas_report
     assert {r.kernel for r in reports} == {wdc.GATE_UP, wdc.DOWN} and len(texts) == 2  # DN_STAGED 0: no staged
     assert texts[1].startswith(texts[0]) and "// offline report" in texts[1][len(texts[0]):]
     assert all(not r.kernel.startswith("offline_report_") for r in reports)  # the retry's empty kernel is dropped
+
+
+def test_variant_rows_report_what_a_variant_runs() -> None:
+    """One row per kernel with the knobs the variant resolves for these dims; a composing variant has none."""
+    from kernels.contract import Dims
+    from kernels.variants import load_builtin
+
+    registry = load_builtin()
+    dims = Dims(1, 2048, 768, 128, 8)
+    rows = offline.variant_rows(registry["cupy:warp-decode"], dims)
+    assert {row.kernel for row in rows} == {"moe_gate_up_3d_batched", "moe_down_3d_batched"}
+    assert all(row.variant == "cupy:warp-decode" and not row.error and row.registers > 0 for row in rows)
+    resolved = registry["cupy:warp-decode"].build.resolve(dims)
+    assert all(row.params[key] == value for row in rows for key, value in resolved.items() if key in row.params)
+    assert offline.variant_rows(registry["cupy:auto"], dims) == []
+
+
+@pytest.mark.parametrize("argv, message", [(["--bogus"], "unrecognized arguments: --bogus"),
+                                           (["--source", "nope"], "unknown CUDA source(s) 'nope'")])
+def test_cli_bad_arguments_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        offline.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

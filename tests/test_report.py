@@ -361,3 +361,19 @@ def test_committed_bench_results_render():
         assert record["points"] and record["summary"].startswith(f"{record['model']}, {record['routing']} routing: ")
         _text(report.crossover_rich(record))
     assert report.main([str(p) for p in BENCH_RESULTS] + ["--markdown"]) == 0
+
+
+@pytest.mark.parametrize("width", [60, 80, 100, 140, 10_000])
+def test_no_number_is_cut_at_any_width(data, width):
+    """A narrow terminal gets a compact layout (optional columns left out, text wrapped at spaces); a pipe gets
+    every column: never a number cut down to "2…"."""
+    from tools.display import text_of
+
+    text = text_of(report.renderables(data), width)
+    assert "…" not in text
+    timed = [row for row in data["results"] if row.get("median_us") is not None and row.get("status") == "ok"]
+    assert timed and all(f"{row['median_us']:.2f}" in text for row in timed)
+    if width >= 10_000:
+        assert "narrow terminal" not in text and "IQR" in text
+    elif width <= 100:
+        assert "narrow terminal" in text

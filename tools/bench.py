@@ -1,7 +1,8 @@
-"""``python -m tools.bench``: time every registered variant on real model shapes against the measured roofline.
+"""``python -m tools.bench``: time the lab's MoE decode paths on real model shapes against the measured roofline.
 
-    python -m tools.bench                                     # qwen3-30b-a3b, batches 1..64, all variants
+    python -m tools.bench                                     # qwen3-30b-a3b, batches 1..64, the library's paths
     python -m tools.bench --model qwen3-30b-a3b,deepseek-v3 --batch 1,8,64 --variants 'cupy:*' --json results/h200.json
+    python -m tools.bench --prototypes                        # the experiments in prototypes/ too
     python -m tools.bench --markdown                          # markdown tables for a PR
 
 From IPython::
@@ -10,9 +11,12 @@ From IPython::
     r = bench.run("qwen3-30b-a3b", batch=[1, 8])    # renders as the rich table; r.to_json(), r.markdown()
     # edit a kernel: kernels.compile.SOURCES[...].code = ...; bench.run(...) again recompiles it
 
-Variants come only from the registry (``kernels.variants.load_builtin()`` + ``prototypes.load()``). Without
-a GPU the same command runs the CPU checks (Numba kernels on the CUDA simulator, the reference at the
-``tiny`` shape, expected bytes, the offline compile report) and says that no timing was taken.
+Variants come only from the registry (``kernels.variants.load_builtin()`` + ``prototypes.load()``); by default the
+library's (``prototypes=True`` / ``--prototypes`` adds the experiments). Without a GPU the same command checks
+what a CPU can: the selected Numba variants on Numba's CUDA simulator at the ``tiny`` shape and the smallest
+requested batch, the reference in the selected variants' modes at ``tiny`` for every requested batch, the bytes
+of every requested point, and a one-line-per-kernel sm_90 compile report of the selected variants -- and says that
+no timing was taken.
 
 Import order matters: nothing here imports numba before the GPU check, so ``NUMBA_ENABLE_CUDASIM=1`` can
 still be set when there is no GPU.
@@ -23,24 +27,24 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import importlib
-import importlib.util
-import inspect
 import io
 import json
 import os
 import sys
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from kernels.shapes import DEFAULT_MODEL, PRESETS, get_shape
-from tools import harness, report
+from tools import display, harness, report
 
 SCHEMA = "warp-decode-bench/1"
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 ROUTINGS = ("uniform", "zipf", "same")
 DEFAULT_REPEATS = 30
-
+COMPILE_REPORTS = ("summary", "full", "none")
+SIM_SHAPE = "tiny"  # the shape the CPU path simulates and checks the reference at
 
 # ------------------------------------------------------------------------------------------------
 # The registry
@@ -67,10 +71,13 @@ def load_registry() -> tuple[dict[str, Any], list[str]]:
     return variants.REGISTRY, warnings
 
 
-def select_variants(registry: dict[str, Any], patterns: Iterable[Any] | None) -> list[Any]:
-    """Variants matching names or fnmatch globs (registry order); ValueError for a pattern matching none."""
+def select_variants(registry: dict[str, Any], patterns: Iterable[Any] | None, prototypes: bool = True) -> list[Any]:
+    """Variants matching names or fnmatch globs (registry order); ValueError for a pattern matching none.
+
+    ``patterns`` None: every variant, or with ``prototypes=False`` the library's only (a pattern may still name a
+    prototype)."""
     if patterns is None:
-        return list(registry.values())
+        return [v for v in registry.values() if prototypes or not getattr(v, "prototype", False)]
     chosen: list[Any] = []
     for pattern in patterns:
         if not isinstance(pattern, str):  # a Variant object passed directly
@@ -110,11 +117,7 @@ class BenchResult:
         return report.renderables(self.data)
 
     def _text(self, width: int = 160) -> str:
-        from rich.console import Console
-
-        console = Console(file=io.StringIO(), width=width, force_terminal=False)
-        console.print(self.__rich__())
-        return console.file.getvalue()
+        return display.text_of(self.__rich__(), width)
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text("BenchResult(...)" if cycle else self._text())
@@ -126,8 +129,37 @@ class BenchResult:
         console.print(self.__rich__())
         return console.export_html(inline_styles=True)
 
+    def summary(self) -> str:
+        """A few lines: what ran, where, and the fastest path per (model, batch) -- or why nothing was timed."""
+        config = self.data.get("config") or {}
+        lines = [f"BenchResult: {len(self.rows)} rows; models {', '.join(config.get('models') or []) or '-'}; "
+                 f"batches {', '.join(map(str, config.get('batches') or [])) or '-'}; "
+                 f"{len(config.get('variants') or [])} variants; routing {config.get('routing', '?')}"]
+        cpu = self.data.get("cpu")
+        if cpu:
+            sim = cpu.get("simulator") or {}
+            cases = sim.get("cases") or []
+            lines.append(f"  NO TIMING TAKEN: {cpu.get('reason')}")
+            lines.append(f"  simulator: {sim.get('status')} ({sum(bool(c.get('ok')) for c in cases)}/{len(cases)} "
+                         f"cases ok); reference rows: {len(cpu.get('reference') or [])}; "
+                         f"compile rows: {len(cpu.get('compile') or [])}")
+        best: dict[tuple[str, int], dict[str, Any]] = {}
+        for row in self.rows:
+            if row.get("status") == "ok" and row.get("median_us") is not None:
+                key = (row["model"], row["batch"])
+                if key not in best or row["median_us"] < best[key]["median_us"]:
+                    best[key] = row
+        for (model, batch), row in sorted(best.items()):
+            lines.append(f"  {model} T={batch}: fastest {row['variant']} {row['median_us']:.1f} µs")
+        failed = [r for r in self.rows if r.get("status") not in ("ok", "unsupported")]
+        if failed:
+            lines.append(f"  {len(failed)} rows failed: " + ", ".join(f"{r['variant']} T={r['batch']} ({r['status']})"
+                                                                      for r in failed[:5]))
+        lines.append("  (r.to_json() for the samples, r.markdown() for tables; r renders as the full report)")
+        return "\n".join(lines)
+
     def __repr__(self) -> str:
-        return f"BenchResult({len(self.rows)} rows, models={report.models(self.data)})"
+        return self.summary()
 
 
 def _json_default(value: Any) -> Any:
@@ -151,17 +183,32 @@ def _as_list(value: Any) -> list[Any]:
     return list(value)
 
 
-def _check_args(models: list[str], batches: list[int], routing: str, repeats: int) -> None:
+def _check_args(models: list[str], batches: list[Any], routing: str, repeats: Any, seed: Any,
+                compile_report: str) -> None:
     if not models:
         raise ValueError("model: give at least one preset")
     for model in models:
         get_shape(model)  # ValueError naming the presets
-    if not batches or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batches):
+    if not batches or any(not _is_int(b) or b < 1 for b in batches):
         raise ValueError(f"batch must be ints >= 1, got {batches!r}")
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
-    if not isinstance(repeats, int) or repeats < 1:
+    if not _is_int(repeats) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    if not _is_int(seed) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    if compile_report not in COMPILE_REPORTS:
+        raise ValueError(f"compile_report must be one of {COMPILE_REPORTS}, got {compile_report!r}")
+
+
+def _is_int(value: Any) -> bool:
+    import numpy as np
+
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+class SelectionError(ValueError):
+    """A ``variants`` pattern that matches no registered variant."""
 
 
 def run(
@@ -174,79 +221,109 @@ def run(
     progress: bool = True,
     stages: bool = True,
     json_path: str | Path | None = None,
+    prototypes: bool = False,
+    compile_report: str = "summary",
 ) -> BenchResult:
-    """Measure ``variants`` (names, globs or Variant objects; default all) on ``model`` at each ``batch``.
+    """Measure ``variants`` (names, globs or Variant objects; default the library's, plus the prototypes with
+    ``prototypes=True``) on ``model`` at each ``batch``.
 
-    Without a GPU it runs the CPU checks instead (no timing). Every call compiles afresh (launches are
+    Without a GPU it runs the CPU checks instead (no timing; ``compile_report``: "summary" of the selected
+    variants' kernels, "full" for every registered source, or "none"). Every call compiles afresh (launches are
     built per run), so editing a ``CudaSource.code`` and calling ``run`` again measures the edited kernel.
     ``json_path``: rewritten after every (model, batch), so a run cut short still leaves its results.
+    ``progress``: show each step on stderr.
     """
     models = _as_list(model)
     batches = [int(b) if isinstance(b, str) else b for b in _as_list(batch)]
-    _check_args(models, batches, routing, repeats)
-    gpu, why = harness.gpu_available()
-    if not gpu:
-        _enable_simulator()
-    registry, warnings = load_registry()
-    chosen = select_variants(registry, variants)
-    config = {"models": models, "batches": batches, "variants": [v.name for v in chosen], "routing": routing,
-              "repeats": repeats, "seed": seed, "argv": sys.argv if __name__ == "__main__" else None}
-    data: dict[str, Any] = {
-        "schema": SCHEMA, "synthetic": False, "environment": harness.environment(gpu), "config": config,
-        "load_warnings": warnings, "rooflines": None, "results": [], "complete": False,
-    }
-    data["date"] = data["environment"]["date"]
-    if not gpu:
-        data["cpu"] = cpu_checks(models, batches, routing, seed, reason=why)
-        return BenchResult(data)
-    def checkpoint() -> None:
-        data["crossover"] = {m: report.crossover(data, m) for m in models}
-        if json_path is not None:
-            BenchResult(data).to_json(json_path)
+    _check_args(models, batches, routing, repeats, seed, compile_report)
+    batches, repeats, seed = [int(b) for b in batches], int(repeats), int(seed)
+    with display.Steps(enabled=progress, description="looking for a CUDA GPU") as steps:
+        gpu, why = harness.gpu_available()
+        if not gpu:
+            _enable_simulator()
+            steps.log(f"no usable CUDA GPU: {why}; checking on the CPU, no timing")
+        steps.start("loading the registered variants")
+        registry, warnings = load_registry()
+        try:
+            chosen = select_variants(registry, variants, prototypes)
+        except ValueError as exc:
+            raise SelectionError(str(exc)) from None
+        config = {"models": models, "batches": batches, "variants": [v.name for v in chosen], "routing": routing,
+                  "repeats": repeats, "seed": seed, "prototypes": prototypes,
+                  "argv": sys.argv if __name__ == "__main__" else None}
+        data: dict[str, Any] = {
+            "schema": SCHEMA, "synthetic": False, "environment": harness.environment(gpu), "config": config,
+            "load_warnings": warnings, "rooflines": None, "results": [], "complete": False,
+        }
+        data["date"] = data["environment"]["date"]
+        if not gpu:
+            data["cpu"] = cpu_checks(models, batches, routing, seed, why, chosen, compile_report, steps)
+            if json_path is not None:
+                BenchResult(data).to_json(json_path)
+            return BenchResult(data)
 
-    _measure_all(data, models, batches, chosen, routing, repeats, seed, progress, stages, checkpoint)
-    data["complete"] = True
-    checkpoint()
+        def checkpoint() -> None:
+            data["crossover"] = {m: report.crossover(data, m) for m in models}
+            if json_path is not None:
+                BenchResult(data).to_json(json_path)
+
+        _measure_all(data, models, batches, chosen, routing, repeats, seed, steps, stages, checkpoint)
+        data["complete"] = True
+        checkpoint()
     return BenchResult(data)
 
 
-def _measure_all(data: dict[str, Any], models: list[str], batches: list[int], chosen: list[Any], routing: str,
-                 repeats: int, seed: int, progress: bool, stages: bool, checkpoint: Any = None) -> None:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def _row_line(row: dict[str, Any], roof_tbps: float | None) -> str:
+    """One measured point as a line of the progress log."""
+    head = f"{row['model']} T={row['batch']} {row['variant']}"
+    if row.get("status") != "ok" or row.get("median_us") is None:
+        return f"{head}: {str(row.get('status', '?')).upper()} {row.get('error') or ''}".rstrip()
+    from tools.roofline import percent
 
+    pct = percent(row.get("tbps"), roof_tbps)
+    return (f"{head}: {row['median_us']:.2f} µs, {row['tbps']:.2f} TB/s"
+            + (f" ({pct:.0f} % of roofline)" if pct is not None else "") + ", check ok")
+
+
+def _measure_all(data: dict[str, Any], models: list[str], batches: list[int], chosen: list[Any], routing: str,
+                 repeats: int, seed: int, steps: display.Steps, stages: bool, checkpoint: Any = None) -> None:
     from tools import roofline
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True, disable=not progress) as bar:
-        task = bar.add_task("rooflines", total=len(models) * len(batches) * len(chosen) + 1)
-        data["rooflines"] = roofline.measure()
-        bar.advance(task)
-        l2 = data["environment"]["gpu"]["l2_bytes"]
-        for model in models:
-            shape = get_shape(model)
-            for tokens in batches:
-                bar.update(task, description=f"{model} T={tokens}: weights")
-                try:
-                    bench = harness.Workbench(shape, tokens, routing, seed, l2_bytes=l2)
-                except Exception as exc:  # noqa: BLE001 - e.g. out of memory for this preset
-                    for variant in chosen:
-                        data["results"].append({"model": model, "batch": tokens, "variant": variant.name,
-                                                "family": variant.family, "baseline": variant.baseline,
-                                                "status": "error", "error": f"{type(exc).__name__}: {exc}",
-                                                "samples_us": []})
-                        bar.advance(task)
-                    continue
-                try:
-                    for variant in chosen:
-                        bar.update(task, description=f"{model} T={tokens}: {variant.name}")
-                        data["results"].append(bench.measure(variant, repeats=repeats, stages=stages))
-                        bar.advance(task)
-                finally:
-                    bench.free()
-                    del bench
-                if checkpoint is not None:
-                    checkpoint()
+    steps.set_total(len(models) * len(batches) * len(chosen) + 1)
+    steps.start("measuring the rooflines (streaming read, copies)")
+    data["rooflines"] = roofline.measure()
+    roof = data["rooflines"].get("read_tbps")
+    steps.log(f"streaming-read roofline: {roof:.2f} TB/s" if roof else "streaming-read roofline: not measured")
+    steps.advance()
+    l2 = data["environment"]["gpu"]["l2_bytes"]
+    for model in models:
+        shape = get_shape(model)
+        for tokens in batches:
+            steps.start(f"{model} T={tokens}: generating the weights")
+            try:
+                bench = harness.Workbench(shape, tokens, routing, seed, l2_bytes=l2)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of memory for this preset
+                for variant in chosen:
+                    data["results"].append({"model": model, "batch": tokens, "variant": variant.name,
+                                            "family": variant.family, "baseline": variant.baseline,
+                                            "status": "error", "error": f"{type(exc).__name__}: {exc}",
+                                            "samples_us": []})
+                    steps.advance()
+                steps.log(f"{model} T={tokens}: ERROR {type(exc).__name__}: {exc}")
+                continue
+            try:
+                for variant in chosen:
+                    label = f"{model} T={tokens} {variant.name}"
+                    row = bench.measure(variant, repeats=repeats, stages=stages,
+                                        on_step=lambda what, label=label: steps.start(f"{label}: {what}"))
+                    data["results"].append(row)
+                    steps.log(_row_line(row, roof))
+                    steps.advance()
+            finally:
+                bench.free()
+                del bench
+            if checkpoint is not None:
+                checkpoint()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -259,49 +336,55 @@ def _enable_simulator() -> None:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 
 
-def _simulator_selfcheck(seed: int) -> dict[str, Any]:
-    name = "kernels.warp_decode_numba"
-    if importlib.util.find_spec(name) is None:
-        return {"status": "absent", "message": f"{name} is not in the repository yet", "cases": []}
-    try:
-        module = importlib.import_module(name)
-        check = getattr(module, "simulator_selfcheck", None)
-        if check is None:
-            return {"status": "absent", "message": f"{name}.simulator_selfcheck is not defined yet", "cases": []}
-        accepted = inspect.signature(check).parameters
-        kwargs = {"seed": seed} if "seed" in accepted else {}
-        outcome = check(**kwargs)
-    except Exception as exc:  # noqa: BLE001 - report it, no traceback
-        return {"status": "error", "message": f"{type(exc).__name__}: {exc}", "cases": []}
-    if isinstance(outcome, dict):
-        cases = [{"case": key, **value} if isinstance(value, dict) else {"case": key, "ok": bool(value)}
-                 for key, value in outcome.items()]
-    else:
-        cases = [dict(case) for case in outcome]
-    for case in cases:  # the selfcheck's own key names vary: pick the rel-L2 and ulp figures for the table
-        rel = next((k for k in case if "rel_l2" in k), None)
-        ulp = next((k for k in case if "ulp" in k), None)
-        case.setdefault("rel_l2", case.get(rel) if rel else None)
-        case.setdefault("ulp", case.get(ulp) if ulp else None)
-    ok = bool(cases) and all(bool(c.get("ok")) for c in cases)
-    return {"status": "ok" if ok else "failed", "cases": _plain(cases)}
-
-
 def _plain(value: Any) -> Any:
     """JSON-ready copy (numpy scalars to Python, unknown objects to str)."""
     return json.loads(json.dumps(value, default=_json_default))
 
 
-def _reference_checks(batches: list[int], routing: str, seed: int) -> list[dict[str, Any]]:
+def _simulate(chosen: list[Any], tokens: int, routing: str, seed: int, steps: display.Steps) -> dict[str, Any]:
+    """The selected variants that run on Numba's CUDA simulator (the Numba ones, through their module's
+    ``simulator_selfcheck``), at the tiny shape and ``tokens`` tokens, checked against the reference."""
+    simulated = [v for v in chosen if v.backend == "numba"]
+    if not simulated:
+        return {"status": "none", "message": "no selected variant runs on the CUDA simulator (the Numba ones do)",
+                "cases": []}
+    cases: list[dict[str, Any]] = []
+    for variant in simulated:
+        steps.start(f"{variant.name} on Numba's CUDA simulator ({SIM_SHAPE}, T={tokens}; every CUDA thread is a "
+                    f"Python thread: seconds per token)")
+        name = f"{variant.name} {SIM_SHAPE} T={tokens}"
+        check = getattr(sys.modules.get(variant.build.__module__), "simulator_selfcheck", None)
+        if check is None:
+            cases.append({"case": name, "ok": False,
+                          "message": f"{variant.build.__module__} has no simulator_selfcheck"})
+            continue
+        try:
+            (outcome,) = check(((SIM_SHAPE, tokens, routing, dict(variant.params)),), seed=seed)
+        except Exception as exc:  # noqa: BLE001 - report it, no traceback
+            cases.append({"case": name, "ok": False, "message": f"{type(exc).__name__}: {exc}"})
+            continue
+        cases.append({**_plain(outcome), "case": name, "rel_l2": outcome.get("rel_l2_fp64"),
+                      "ulp": outcome.get("max_ulp_vs_warp_decode")})
+    ok = all(bool(c.get("ok")) for c in cases)
+    return {"status": "ok" if ok else "failed", "cases": cases,
+            "message": "" if ok else "; ".join(f"{c['case']}: {c.get('message', 'outside tolerance')}"
+                                               for c in cases if not c.get("ok"))}
+
+
+REFERENCE_MODES = (("warp_decode", None), ("classical", None), ("classical", "fp8"), ("classical", "mxfp8"))
+
+
+def _reference_checks(batches: list[int], routing: str, seed: int,
+                      modes: Iterable[tuple[str, str | None]] = REFERENCE_MODES) -> list[dict[str, Any]]:
     from kernels.numerics import max_abs, rel_l2
     from kernels.problem import make_problem
     from kernels.reference import moe_decode
 
     rows = []
     for tokens in batches:
-        problem = make_problem("tiny", tokens, seed, routing)
+        problem = make_problem(SIM_SHAPE, tokens, seed, routing)
         oracle = moe_decode(*problem.arrays, mode="fp64")
-        for mode, quant in (("warp_decode", None), ("classical", None), ("classical", "fp8"), ("classical", "mxfp8")):
+        for mode, quant in modes:
             out = moe_decode(*problem.arrays, mode=mode, quant=quant).astype("float64")
             rows.append({"mode": mode + (f"+{quant}" if quant else ""), "batch": tokens,
                          "rel_l2": rel_l2(out, oracle), "max_abs": max_abs(out, oracle)})
@@ -321,34 +404,57 @@ def _expected_bytes(models: list[str], batches: list[int], routing: str, seed: i
     return rows
 
 
-def _inspect_report() -> str | None:
-    if importlib.util.find_spec("tools.inspect") is None:
-        return "offline compile report: tools/inspect.py is not in the repository yet"
-    try:
-        from rich.console import Console
+def _compile_rows(chosen: list[Any], models: list[str], tokens: int, mode: str) -> list[dict[str, Any]]:
+    """The sm_90 compile report as JSON rows: "summary", the selected variants' kernels with the knobs they run
+    at each model's ``tokens``-token point; "full", every registered source at every listed parameter set."""
+    import dataclasses
 
-        import tools.roofline  # noqa: F401 - registers the roofline source so it is listed
-        from tools import inspect as offline
+    from kernels.contract import Dims
+    from tools import inspect as offline
 
-        rendered = offline.render(offline.collect())
-        if isinstance(rendered, str):
-            return rendered
-        console = Console(file=io.StringIO(), width=160)
-        console.print(rendered)
-        return console.file.getvalue()
-    except Exception as exc:  # noqa: BLE001
-        return f"offline compile report failed: {type(exc).__name__}: {exc}"
+    if mode == "full":
+        return [dataclasses.asdict(row) for row in offline.collect()]
+    rows: dict[tuple[Any, ...], Any] = {}  # one row per distinct compiled kernel; the variants that run it joined
+    for model in models:
+        shape = get_shape(model)
+        dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
+        for variant in chosen:
+            for row in offline.variant_rows(variant, dims):
+                label = f"{row.variant} ({model})" if len(models) > 1 else row.variant
+                key = (row.source, row.kernel, json.dumps(row.params, sort_keys=True), row.error)
+                if key in rows:
+                    rows[key].variant += f", {label}"
+                else:
+                    row.variant = label
+                    rows[key] = row
+    return [dataclasses.asdict(row) for row in rows.values()]
 
 
-def cpu_checks(models: list[str], batches: list[int], routing: str, seed: int, reason: str) -> dict[str, Any]:
-    """Everything the bench can do without a GPU (simulator, reference, bytes, compile report)."""
-    return {
-        "reason": f"no CUDA GPU ({reason})",
-        "simulator": _simulator_selfcheck(seed),
-        "reference": _reference_checks([b for b in batches if b <= 64] or [1], routing, seed),
-        "expected_bytes": _expected_bytes(models, batches, routing, seed),
-        "inspect": _inspect_report(),
-    }
+def cpu_checks(models: list[str], batches: list[int], routing: str, seed: int, reason: str,
+               chosen: Sequence[Any] = (), compile_report: str = "summary",
+               steps: display.Steps | None = None) -> dict[str, Any]:
+    """Everything the bench can do without a GPU, for the selected variants (``chosen``): the simulator, the
+    reference in their modes, bytes, and the compile report (built in a worker thread while the simulator runs)."""
+    steps = steps or display.Steps(enabled=False)
+    chosen = list(chosen)
+    modes = [m for m in REFERENCE_MODES if not chosen or m in {(v.reference_mode, v.quant) for v in chosen}]
+    result: dict[str, Any] = {"reason": reason, "compile_report": compile_report}
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        compiling = (pool.submit(_compile_rows, chosen, models, min(batches), compile_report)
+                     if compile_report != "none" else None)
+        result["simulator"] = _simulate(chosen, min(batches), routing, seed, steps)
+        names = ", ".join(mode + (f"+{quant}" if quant else "") for mode, quant in modes)
+        steps.start(f"the reference at the {SIM_SHAPE} shape vs fp64 ({names})")
+        result["reference"] = _reference_checks(batches, routing, seed, modes)
+        steps.start("bytes per layer of every requested point")
+        result["expected_bytes"] = _expected_bytes(models, batches, routing, seed)
+        if compiling is not None:
+            steps.start(f"compile report ({compile_report}): NVRTC / nvJitLink for sm_90")
+            try:
+                result["compile"] = compiling.result()
+            except Exception as exc:  # noqa: BLE001 - the report must not stop the checks
+                result["compile"] = [{"source": "-", "kernel": "-", "error": f"{type(exc).__name__}: {exc}"[:200]}]
+    return result
 
 
 # ------------------------------------------------------------------------------------------------
@@ -376,19 +482,25 @@ def _positive(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tools.bench",
-                                     description="Time registered MoE decode variants against the measured roofline.")
+                                     description="Time the lab's MoE decode paths against the measured roofline "
+                                                 "(without a GPU: check them on the CPU, no timing).")
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"comma list of presets, or 'all' (every preset but tiny); default {DEFAULT_MODEL}; "
                              f"known: {', '.join(PRESETS)}")
     parser.add_argument("--batch", type=_int_list, default=list(DEFAULT_BATCHES),
                         help="comma list of batch sizes (default 1,2,4,8,16,32,64)")
-    parser.add_argument("--variants", default=None, help="comma list of variant names or globs (default: all)")
+    parser.add_argument("--variants", default=None,
+                        help="comma list of variant names or globs (default: the library's paths)")
+    parser.add_argument("--prototypes", action="store_true", help="also run the experiments in prototypes/")
     parser.add_argument("--routing", choices=ROUTINGS, default="uniform")
     parser.add_argument("--repeats", type=_positive, default=DEFAULT_REPEATS, help="timed samples per point")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="write every raw sample + the environment here")
     parser.add_argument("--markdown", action="store_true", help="print markdown tables (for a PR) instead")
     parser.add_argument("--no-stages", action="store_true", help="skip per-stage timing")
+    parser.add_argument("--compile-report", choices=COMPILE_REPORTS, default="summary",
+                        help="without a GPU: 'summary' (the selected variants' kernels, a line each; default), "
+                             "'full' (every registered source and parameter set) or 'none'")
     return parser
 
 
@@ -399,34 +511,25 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in models if m not in PRESETS]
     if unknown or not models:
         parser.error(f"--model: unknown preset(s) {unknown or args.model!r}; known: {', '.join(PRESETS)}")
-    gpu, _ = harness.gpu_available()
-    if not gpu:
-        _enable_simulator()  # before anything below imports numba
+    if args.seed < 0:
+        parser.error(f"--seed must be an int >= 0, got {args.seed}")
     patterns = _as_list(args.variants) if args.variants is not None else None
-    if patterns is not None:
-        if not patterns:
-            parser.error("--variants: give at least one name or glob")
-        registry, _ = load_registry()
-        try:
-            select_variants(registry, patterns)
-        except ValueError as exc:
-            parser.error(f"--variants: {exc}")
-    result = run(models, args.batch, patterns, args.routing, args.repeats, args.seed, stages=not args.no_stages,
-                 json_path=args.json)
-    if args.json:
-        result.to_json(args.json)
+    if patterns is not None and not patterns:
+        parser.error("--variants: give at least one name or glob")
+    try:
+        result = run(models, args.batch, patterns, args.routing, args.repeats, args.seed, stages=not args.no_stages,
+                     json_path=args.json, prototypes=args.prototypes, compile_report=args.compile_report)
+    except SelectionError as exc:
+        parser.error(f"--variants: {exc}")
     if args.markdown:
         sys.stdout.write(result.markdown())
     else:
-        from rich.console import Console
-
-        Console(width=None if sys.stdout.isatty() else 200).print(result)
+        display.console().print(result)
     if args.json:
         print(f"wrote {args.json}", file=sys.stderr)
     cpu = result.data.get("cpu")
     if cpu and cpu["simulator"]["status"] in ("failed", "error"):
-        print(f"simulator self-check {cpu['simulator']['status']}: {cpu['simulator'].get('message', '')}",
-              file=sys.stderr)
+        print(f"simulator check {cpu['simulator']['status']}: {cpu['simulator'].get('message', '')}", file=sys.stderr)
         return 1
     return 0
 

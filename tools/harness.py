@@ -173,16 +173,50 @@ def checked_as(variant: Any, launch: Any) -> Any:
 # ------------------------------------------------------------------------------------------------
 # GPU presence and the environment header
 # ------------------------------------------------------------------------------------------------
+def _cuda_driver_version() -> int | None:
+    """The CUDA driver's version (e.g. 12080), or None where no driver library can be loaded."""
+    import ctypes
+
+    for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+        try:
+            library = ctypes.CDLL(name)
+        except OSError:
+            continue
+        version = ctypes.c_int(0)
+        return int(version.value) if library.cuDriverGetVersion(ctypes.byref(version)) == 0 else 0
+    return None
+
+
+def _why_no_device(cupy: Any, error: Exception) -> str:
+    """What CuPy's failure to count devices means: no driver, no GPU, or a driver too old for its runtime."""
+    driver = _cuda_driver_version()
+    if driver is None:
+        return "no CUDA driver (libcuda not found)"
+    text = str(error)
+    if "NoDevice" in text or "no CUDA-capable device" in text:
+        return "no GPU (the CUDA driver sees none)"
+    if "InsufficientDriver" in text:
+        try:
+            runtime = cupy.cuda.runtime.runtimeGetVersion()
+        except Exception:  # noqa: BLE001
+            runtime = "?"
+        return f"the CUDA driver ({driver}) is older than CuPy's CUDA runtime ({runtime})"
+    return f"CUDA error: {type(error).__name__}: {text}"
+
+
 def gpu_available() -> tuple[bool, str]:
-    """``(True, name)`` when CuPy sees a CUDA device, else ``(False, why not)``. Never raises; no numba import."""
+    """``(True, "N device(s)")`` when CuPy sees a CUDA device, else ``(False, what is missing)``: CuPy, the CUDA
+    driver, a GPU, or a driver recent enough for CuPy's CUDA runtime. Never raises; no numba import."""
     try:
         import cupy
-
+    except Exception as exc:  # noqa: BLE001 - not installed, or a broken install
+        return False, f"CuPy cannot be imported ({type(exc).__name__}: {exc})"
+    try:
         count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # noqa: BLE001 - no driver / no device / no CuPy
-        return False, f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - the runtime's error: say what is missing
+        return False, _why_no_device(cupy, exc)
     if count < 1:
-        return False, "no CUDA device"
+        return False, "no GPU (the CUDA driver sees none)"
     return True, f"{count} device(s)"
 
 
@@ -411,9 +445,14 @@ class Workbench:
 
     # -- one variant ----------------------------------------------------------------------------
     def measure(self, variant: Any, repeats: int = 30, params: dict[str, Any] | None = None,
-                stages: bool = True) -> dict[str, Any]:
-        """Compile, check, time and re-check one variant (with ``params`` overriding its knobs)."""
+                stages: bool = True, on_step: Any = None) -> dict[str, Any]:
+        """Compile, check, time and re-check one variant (with ``params`` overriding its knobs); ``on_step(what)``
+        is told each phase as it starts (progress)."""
         import cupy
+
+        def step(what: str) -> None:
+            if on_step is not None:
+                on_step(what)
 
         record: dict[str, Any] = {
             "variant": variant.name, "backend": variant.backend, "family": variant.family,
@@ -429,6 +468,7 @@ class Workbench:
         stream = cupy.cuda.Stream(non_blocking=True)
         try:
             started = time.perf_counter()
+            step("compiling")
             launch = variant.make(self.dims, **(params or {}))
             checked = checked_as(variant, launch)
             record.update(reference_mode=checked.reference_mode, quant=checked.quant)
@@ -449,6 +489,7 @@ class Workbench:
             record["build_s"] = time.perf_counter() - started
 
             # pre-check: an eager launch of the check copy; a wrong variant is never timed
+            step("checking against the reference")
             with stream:  # the poison on the timing stream: a non-blocking stream does not wait for the legacy one
                 _nan_fill(out)
                 launch(*args[self.check_copy])
@@ -461,11 +502,13 @@ class Workbench:
                 return record
 
             fns = [lambda a=a: launch(*a) for a in args]
+            step(f"timing ({repeats} samples of CUDA-graph replays)")
             samples, mode, why = self._time(stream, fns, repeats)
             record.update(samples_us=samples, timing_mode=mode, capture_error=why, **summarize(samples))
             record["tbps"] = self.bytes["weights"] / (record["median_us"] * 1e-6) / 1e12
 
             # post-check: replay the TIMED graph (or launch) of the check copy into a poisoned out
+            step("re-checking the timed graph's output")
             with stream:
                 _nan_fill(out)
                 self._last[0]()  # the timed graph: its last layer call uses the check copy
@@ -477,6 +520,7 @@ class Workbench:
                 record["error"] = "the timed graph's output disagrees with the reference"
 
             if stages and hasattr(launch, "stages"):
+                step("timing each stage")
                 record["stages"] = self._time_stages(stream, launch, args, max(5, repeats // 2))
         except Exception as exc:  # noqa: BLE001 - one broken variant must not stop the bench
             record.update(status="error", error=f"{type(exc).__name__}: {exc}")
@@ -537,3 +581,24 @@ class Workbench:
                 out.append({"name": name, "error": f"{type(exc).__name__}: {exc}", "samples_us": []})
         self._last = []
         return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tools.harness``: what the harness sees here (GPU or why not, package versions), as JSON."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m tools.harness",
+                                     description="Print what the timing harness sees on this machine: the GPU (or "
+                                                 "why there is none) and the package versions, as JSON. The harness "
+                                                 "itself is used through python -m tools.bench and tools.sweep.")
+    parser.parse_args(argv)
+    gpu, why = gpu_available()
+    print(json.dumps({"gpu_available": gpu, "reason": why, **environment(gpu)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

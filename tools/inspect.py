@@ -1,6 +1,6 @@
 """Offline compile report: registers, shared memory, stack, spills and sm_90 occupancy of every kernel.
 
-    python -m tools.inspect            # rich table
+    python -m tools.inspect            # rich table, one line per kernel and parameter set
     python -m tools.inspect --json     # one JSON object per row
     python -m tools.inspect --defaults-only --source warp_decode_cupy
 
@@ -8,7 +8,7 @@ Compiles every registered :class:`kernels.compile.CudaSource` (library modules v
 ``kernels.variants.load_builtin()``, plus ``tools.roofline`` and ``prototypes.load()`` when present) for
 sm_90 with NVRTC -- no GPU needed -- at its defaults and at each parameter set in its ``variants`` list.
 Numba kernels join when ``kernels.warp_decode_numba.offline_reports()`` exists. The bench and the sweep
-reuse :func:`collect`, :func:`render` and :func:`occupancy`.
+reuse :func:`collect`, :func:`variant_rows`, :func:`render` and :func:`occupancy`.
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ class Row:
     limiter: str = ""
     is_default: bool = False
     error: str = ""
+    variant: str = ""  # the registered variant these knobs belong to, when the row was made for one
 
     @property
     def spills(self) -> int:
@@ -151,19 +152,26 @@ def collect(
     defaults_only: bool = False,
     include_numba: bool = True,
     arch: str = "sm_90",
+    steps: Any = None,
 ) -> list[Row]:
     """Compile every registered source (or those named) at its defaults and each ``variants`` entry.
 
-    A source that fails to compile yields one row carrying the error instead of raising.
+    A source that fails to compile yields one row carrying the error instead of raising; an unknown name is a
+    ValueError. ``steps``: a :class:`tools.display.Steps` told about each compile.
     """
     load_sources()
     rows: list[Row] = [Row("prototypes", "-", error=error) for error in LOAD_ERRORS]
     names = sorted(SOURCES) if sources is None else list(sources)
-    for name in names:
-        if name not in SOURCES:
-            raise ValueError(f"unknown CUDA source {name!r}; registered: {', '.join(sorted(SOURCES))}")
+    unknown = [name for name in names if name not in SOURCES]
+    if unknown:
+        raise ValueError(f"unknown CUDA source(s) {', '.join(map(repr, unknown))}; registered: "
+                         f"{', '.join(sorted(SOURCES))}")
+    for number, name in enumerate(names, 1):
         source = SOURCES[name]
         param_sets = [({}, True)] + ([] if defaults_only else [(dict(v), False) for v in source.variants])
+        if steps is not None:
+            steps.start(f"compiling {name} for {arch} ({len(param_sets)} parameter set(s); source {number} of "
+                        f"{len(names)})")
         for overrides, default in param_sets:
             params = source.params(**overrides)
             try:
@@ -174,8 +182,79 @@ def collect(
             for report in sorted(reports, key=lambda r: r.kernel):
                 rows.append(_row(name, report, params, threads_per_block(source, report.kernel, params), default))
     if include_numba and sources is None:
+        if steps is not None:
+            steps.start("compiling the Numba kernels for sm_90 (Numba, then nvJitLink)")
         rows.extend(numba_rows())
     return rows
+
+
+def variant_rows(variant: Any, dims: Any = None, params: dict[str, Any] | None = None,
+                 arch: str = "sm_90") -> list[Row]:
+    """One row per kernel of ``variant`` compiled offline with the knobs it runs at ``dims``.
+
+    Knobs a variant fills at run time from the problem (``build.resolve(dims, **params)``) are resolved for
+    ``dims`` first, so the report is of what actually runs; without ``dims`` a knob at 0 ("auto") compiles at the
+    source's default. A Numba variant reports through its module's ``offline_reports``; a variant that composes
+    others (auto-dispatch) has no kernels of its own and yields no row. A failure is one row with ``error``.
+    """
+    import sys as _sys
+
+    from kernels.compile import offline_report as _offline_report
+
+    params = {**variant.params, **(params or {})}
+    source = source_of(variant)
+    if source is None:
+        reports_fn = getattr(_sys.modules.get(variant.build.__module__), "offline_reports", None)
+        if reports_fn is None:
+            return []
+        try:
+            reports = [r for r in reports_fn([params])
+                       if all(r.params.get(k) == v for k, v in params.items()) and not r.params.get("out_f32")]
+        except Exception as exc:  # noqa: BLE001 - the report must not die with one backend
+            return [Row(variant.backend, "-", params, error=f"{type(exc).__name__}: {exc}"[:200], variant=variant.name)]
+        seen: dict[str, Row] = {}
+        for report in reports:
+            threads = getattr(report, "threads_per_block", None)
+            seen[report.kernel] = _row(variant.backend, report, dict(report.params), threads, True)
+            seen[report.kernel].variant = variant.name
+        return list(seen.values())
+    resolve = getattr(variant.build, "resolve", None)
+    resolved = resolve is not None and dims is not None
+    if resolved:
+        try:
+            params = {**params, **resolve(dims, **{k: v for k, v in params.items() if k in source.defaults})}
+        except (TypeError, ValueError) as exc:
+            return [Row(source.name, "-", params, error=f"{type(exc).__name__}: {exc}"[:200], variant=variant.name)]
+    # once resolved a 0 is a value (e.g. DB_MAX_REGS 0: launch bounds only), not "auto"
+    defines = {k: int(v) for k, v in params.items()
+               if k in source.defaults and (resolved or not (int(v) == 0 and source.defaults[k] != 0))}
+    try:
+        reports = _offline_report(source, arch, **defines)
+    except Exception as exc:  # noqa: BLE001 - reported as a row
+        return [Row(source.name, "-", defines, error=f"{type(exc).__name__}: {exc}".splitlines()[0][:200],
+                    variant=variant.name)]
+    merged = source.params(**defines)
+    rows = []
+    for report in sorted(reports, key=lambda r: r.kernel):
+        row = _row(source.name, report, merged, threads_per_block(source, report.kernel, merged), False)
+        row.variant = variant.name
+        rows.append(row)
+    return rows
+
+
+def source_of(variant: Any) -> CudaSource | None:
+    """The variant's ``CudaSource`` if one can be found (``build.source`` or the only one in its module)."""
+    import sys as _sys
+
+    source = getattr(variant.build, "source", None)
+    if isinstance(source, CudaSource):
+        return source
+    module = _sys.modules.get(getattr(variant.build, "__module__", ""), None)
+    found = [v for v in vars(module).values() if isinstance(v, CudaSource)] if module else []
+    if len(found) > 1:
+        named = [s for s in found if variant.family in s.name or s.name in variant.name]
+        found = named if len(named) == 1 else found
+    return found[0] if len(found) == 1 else None
 
 
 def numba_rows() -> list[Row]:
@@ -215,29 +294,31 @@ def _fmt_params(params: dict[str, Any], source: CudaSource | None) -> str:
     return " ".join(f"{k}={v}" if k else str(v) for k, v in params.items())
 
 
-def render(rows: list[Row]) -> Any:
-    """A ``rich.table.Table`` of the rows (parameters shown as differences from the source's defaults)."""
-    from rich.table import Table
+def render(rows: list[Row], title: str = "offline compile report (sm_90, NVRTC / nvJitLink)") -> Any:
+    """A :class:`tools.display.FitTable` of the rows, one line per kernel (parameters shown as differences from the
+    source's defaults; rows made for a variant name it)."""
+    from rich.text import Text
 
-    table = Table(title="offline compile report (sm_90, NVRTC / nvJitLink)", show_lines=False)
-    for name, justify in (
-        ("source", "left"), ("kernel", "left"), ("params", "left"), ("regs", "right"), ("smem B", "right"),
-        ("stack B", "right"), ("spill st/ld B", "right"), ("threads", "right"), ("warps/SM", "right"),
-        ("occupancy", "right"), ("limiter", "left"),
-    ):
-        table.add_column(name, justify=justify)
+    from tools.display import Column, FitTable
+
+    by_variant = any(row.variant for row in rows)
+    columns = [Column("variant" if by_variant else "source", "left"), Column("kernel", "left"),
+               Column("params", "left", drop=4), Column("regs"), Column("spill st/ld B"), Column("stack B", drop=2),
+               Column("smem B", drop=3), Column("threads", drop=5), Column("warps/SM", drop=1), Column("occupancy"),
+               Column("limiter", "left", drop=6)]
+    table = FitTable(columns, title=title)
     for row in rows:
         source = SOURCES.get(row.source)
+        first = row.variant or row.source
         if row.error:
-            table.add_row(row.source, row.kernel, _fmt_params(row.params, source), f"[red]{row.error}[/red]",
+            table.add_row(first, row.kernel, _fmt_params(row.params, source), Text(row.error, style="red"),
                           *[""] * 7)
             continue
-        spill = f"{row.spill_stores}/{row.spill_loads}"
-        if row.spills or row.stack_bytes:
-            spill = f"[red]{spill}[/red]"
+        spill = Text(f"{row.spill_stores}/{row.spill_loads}", style="red" if row.spills else "")
+        stack = Text(str(row.stack_bytes), style="red" if row.stack_bytes else "")
         table.add_row(
-            row.source, row.kernel, _fmt_params(row.params, source), str(row.registers), str(row.shared_bytes),
-            str(row.stack_bytes), spill, str(row.threads_per_block or "?"),
+            first, row.kernel, _fmt_params(row.params, source), str(row.registers), spill, stack,
+            str(row.shared_bytes), str(row.threads_per_block or "?"),
             str(row.warps_per_sm) if row.warps_per_sm is not None else "?",
             f"{row.occupancy:.0%}" if row.occupancy is not None else "?", row.limiter,
         )
@@ -245,20 +326,25 @@ def render(rows: list[Row]) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tools.display import Steps, console
+
     parser = argparse.ArgumentParser(prog="python -m tools.inspect", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
     parser.add_argument("--source", action="append", help="only this registered source (repeatable)")
     parser.add_argument("--defaults-only", action="store_true", help="skip each source's variants list")
     parser.add_argument("--no-numba", action="store_true", help="skip Numba kernels")
     args = parser.parse_args(argv)
-    rows = collect(args.source, defaults_only=args.defaults_only, include_numba=not args.no_numba)
+    with Steps(description="loading the registered CUDA sources") as steps:
+        try:
+            rows = collect(args.source, defaults_only=args.defaults_only, include_numba=not args.no_numba,
+                           steps=steps)
+        except ValueError as exc:
+            parser.error(f"--source: {exc}")
     if args.json:
         for row in rows:
             print(json.dumps({**dataclasses.asdict(row), "spills": row.spills}))
     else:
-        from rich.console import Console
-
-        Console(width=200).print(render(rows))
+        console().print(render(rows))
     return 1 if any(row.error for row in rows) else 0
 
 

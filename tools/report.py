@@ -19,6 +19,7 @@ the fastest single path, and how far auto is from it (``crossover_table``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -26,9 +27,10 @@ from typing import Any
 
 from rich import box
 from rich.console import Console, Group
-from rich.table import Table
 from rich.text import Text
 
+from tools.display import Column, FitTable
+from tools.display import console as output_console
 from tools.roofline import bar, percent
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -305,9 +307,9 @@ def crossover_notes(record: dict[str, Any], names: list[str] | None = None, code
 
 
 def crossover_rich(record: dict[str, Any], names: list[str] | None = None) -> Group:
-    table = Table(title=crossover_title(record), box=box.SIMPLE_HEAD, title_justify="left", title_style="bold")
-    for key, title in CROSSOVER_TITLES:
-        table.add_column(title, justify="left" if key in ("best", "choice") else "right", no_wrap=True)
+    drops = {"choice": 2, "best": 1}  # a narrow terminal keeps the times and auto's distance from the best
+    table = FitTable([Column(title, "left" if key in ("best", "choice") else "right", drops.get(key, 0))
+                      for key, title in CROSSOVER_TITLES], title=crossover_title(record))
     for point in record["points"]:
         c = crossover_cells(point)
         texts = [Text(c[key], style="bold" if key == point["best"] else "") for key, _ in CROSSOVER_TITLES]
@@ -378,12 +380,13 @@ def cells(data: dict[str, Any], row: dict[str, Any], width: int = 16) -> dict[st
     }
 
 
+# (key, title, justify, drop): in a narrow terminal the columns with the highest drop are left out first
 COLUMNS = (
-    ("batch", "batch", "right"), ("variant", "variant", "left"), ("us", "µs/layer", "right"),
-    ("spread", "min–max", "right"), ("tbps", "TB/s", "right"), ("pct", "% roof", "right"),
-    ("bar", "", "left"), ("speedup", "vs base", "right"), ("rel_l2", "rel-L2 fp64", "right"),
-    ("max_abs", "max-abs", "right"), ("check", "check", "left"), ("experts", "experts", "right"),
-    ("weights", "weights", "right"), ("copies", "copies", "right"),
+    ("batch", "batch", "right", 0), ("variant", "variant", "left", 0), ("us", "µs/layer", "right", 0),
+    ("spread", "min–max", "right", 6), ("tbps", "TB/s", "right", 0), ("pct", "% roof", "right", 0),
+    ("bar", "", "left", 9), ("speedup", "vs base", "right", 1), ("rel_l2", "rel-L2 fp64", "right", 2),
+    ("max_abs", "max-abs", "right", 7), ("check", "check", "left", 3), ("experts", "experts", "right", 5),
+    ("weights", "weights", "right", 4), ("copies", "copies", "right", 8),
 )
 
 
@@ -396,13 +399,12 @@ def _model_rows(data: dict[str, Any], model: str) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------------------------
 # rich
 # ------------------------------------------------------------------------------------------------
-def header(data: dict[str, Any]) -> Table:
+def header(data: dict[str, Any]) -> FitTable:
     env = data.get("environment") or {}
     gpu = env.get("gpu") or {}
     roof = data.get("rooflines") or {}
-    table = Table(box=box.SIMPLE, show_header=False, title="warp-decode bench", title_justify="left")
-    table.add_column(style="bold")
-    table.add_column()
+    table = FitTable([Column("", "left", style="bold"), Column("", "left")], title="warp-decode bench",
+                     table_box=box.SIMPLE, show_header=False)
     if data.get("synthetic"):
         table.add_row("NOTE", Text(str(data.get("note", "synthetic data, not a measurement")), style="bold red"))
     if gpu:
@@ -435,10 +437,10 @@ def header(data: dict[str, Any]) -> Table:
     return table
 
 
-def model_table(data: dict[str, Any], model: str) -> Table:
-    table = Table(title=f"{model}", box=box.SIMPLE_HEAD, title_justify="left", title_style="bold")
-    for _, title, justify in COLUMNS:
-        table.add_column(title, justify=justify, no_wrap=True)
+def model_table(data: dict[str, Any], model: str) -> Group:
+    """One model's rows (a section per batch, stage times under their row), then the failed rows' errors."""
+    table = FitTable([Column(title, justify, drop) for _, title, justify, drop in COLUMNS], title=model)
+    errors = []
     previous = None
     for row in _model_rows(data, model):
         if previous is not None and row["batch"] != previous:
@@ -446,14 +448,14 @@ def model_table(data: dict[str, Any], model: str) -> Table:
         previous = row["batch"]
         c = cells(data, row)
         style = None if row.get("status") == "ok" else "red"
-        table.add_row(*[c[key] for key, _, _ in COLUMNS], style=style)
+        table.add_row(*[c[key] for key, _, _, _ in COLUMNS], style=style)
         if row.get("status") != "ok" and row.get("error"):
-            table.add_row("", Text(f"  {row['error']}"[:200], style="red"), *[""] * (len(COLUMNS) - 2))
+            errors.append(Text(f"{row['variant']} T={row['batch']}: {row['error']}"[:400], style="red"))
         for stage in row.get("stages") or []:
             text = (f"  └ {stage['name']}: {stage['median_us']:.2f} µs" if stage.get("samples_us")
                     else f"  └ {stage['name']}: {stage.get('error', 'not timed')}")
             table.add_row("", Text(text, style="dim"), *[""] * (len(COLUMNS) - 2))
-    return table
+    return Group(table, *errors)
 
 
 def cpu_section(data: dict[str, Any]) -> list[Any]:
@@ -463,32 +465,41 @@ def cpu_section(data: dict[str, Any]) -> list[Any]:
         return []
     parts: list[Any] = [Text(f"NO TIMING TAKEN: {cpu.get('reason', 'no CUDA GPU')}", style="bold yellow")]
     sim = cpu.get("simulator") or {}
-    table = Table(title="Numba kernels on the CUDA simulator", box=box.SIMPLE_HEAD, title_justify="left")
-    for col in ("case", "rel-L2 vs fp64", "ulp vs warp_decode", "ok"):
-        table.add_column(col)
+    table = FitTable([Column("case", "left"), Column("rel-L2 vs fp64"), Column("ulp vs warp_decode"),
+                      Column("ok", "left")], title="Numba kernels on the CUDA simulator")
     for case in sim.get("cases") or []:
         table.add_row(str(case.get("case", case.get("name", "?"))), _fmt(case.get("rel_l2"), ".2e"),
                       str(case.get("ulp", case.get("max_ulp", "-"))), "ok" if case.get("ok") else "FAILED",
                       style=None if case.get("ok") else "red")
-    if sim.get("status") != "ok" or not sim.get("cases"):
+    if sim.get("status") not in ("ok", "failed") or not sim.get("cases"):
         table.add_row(str(sim.get("status", "skipped")), "", "", str(sim.get("message", "")))
     parts.append(table)
-    ref = Table(title="reference at the tiny shape (errors vs fp64)", box=box.SIMPLE_HEAD, title_justify="left")
-    for col in ("mode", "batch", "rel-L2", "max-abs"):
-        ref.add_column(col)
+    batches = sorted({case["batch"] for case in cpu.get("reference") or []})
+    ref = FitTable([Column("mode", "left"), *(Column(f"T={b}") for b in batches)],
+                   title="the reference at the tiny shape: rel-L2 vs the fp64 oracle")
+    by_mode: dict[str, dict[int, Any]] = {}
     for case in cpu.get("reference") or []:
-        ref.add_row(case["mode"], str(case["batch"]), _fmt(case.get("rel_l2"), ".2e"), _fmt(case.get("max_abs"), ".2e"))
+        by_mode.setdefault(case["mode"], {})[case["batch"]] = case.get("rel_l2")
+    for mode, values in by_mode.items():
+        ref.add_row(mode, *(_fmt(values.get(b), ".1e") for b in batches))
     parts.append(ref)
-    expected = Table(title="bytes per layer (this routing)", box=box.SIMPLE_HEAD, title_justify="left")
-    for col in ("model", "batch", "experts", "weights", "act+inter+out", "roofline µs @ datasheet"):
-        expected.add_column(col, justify="right")
+    expected = FitTable([Column(col) for col in ("model", "batch", "experts", "weights", "act+inter+out",
+                                                 "roofline µs @ datasheet")], title="bytes per layer (this routing)")
     for case in cpu.get("expected_bytes") or []:
         b = case["bytes"]
         expected.add_row(case["model"], str(case["batch"]), str(b["unique_experts"]), _gb(b["weights"]),
                          f"{(b['activation'] + b['intermediate'] + b['output']) / 1e6:.2f} MB",
                          _fmt(case.get("us_at_4_8_tbps"), ".1f"))
     parts.append(expected)
-    if cpu.get("inspect"):
+    if cpu.get("compile"):
+        from tools import inspect as offline
+
+        known = {f.name for f in dataclasses.fields(offline.Row)}
+        rows = [offline.Row(**{k: v for k, v in row.items() if k in known}) for row in cpu["compile"]]
+        title = ("offline compile report, every registered source (sm_90)" if cpu.get("compile_report") == "full"
+                 else "offline compile report of the selected variants (sm_90, the knobs they run)")
+        parts.append(offline.render(rows, title))
+    elif cpu.get("inspect"):  # runs recorded before the report became rows
         parts.append(Text(cpu["inspect"]))
     parts.append(Text("NO TIMING TAKEN (no GPU): the figures above are correctness checks and byte counts only.",
                       style="bold yellow"))
@@ -532,7 +543,7 @@ def markdown(data: dict[str, Any], crossovers: bool = True) -> str:
         f"{_fmt(roof.get('datasheet_tbps'), '.2f', 'unknown')} TB/s). {DIVISOR_NOTE}"
     )
     keys = ("batch", "variant", "us", "spread", "tbps", "pct", "bar", "speedup", "rel_l2", "max_abs", "check")
-    titles = dict((k, t) for k, t, _ in COLUMNS)
+    titles = {key: title for key, title, _, _ in COLUMNS}
     titles["bar"] = "roofline"
     for model in models(data):
         lines.append(f"\n**{model}**\n")
@@ -582,18 +593,39 @@ def update_readme(path: str | Path, block: str, begin: str = BEGIN, end: str = E
     path.write_text(replace_between_markers(path.read_text(), block, begin, end))
 
 
+def _not_a_bench_result(data: Any) -> str | None:
+    """What a loaded JSON is when it is not a ``tools.bench`` result (the CLI refuses it), else None."""
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}"
+    schema = data.get("schema")
+    if schema is not None and not str(schema).startswith("warp-decode-bench/"):
+        return f"a {schema!r} record"
+    if "results" not in data:
+        return "a JSON object without 'results'"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.report", description=__doc__.split("\n")[0])
-    parser.add_argument("json", nargs="+", help="result files written by python -m tools.bench --json (in order)")
+    parser = argparse.ArgumentParser(prog="python -m tools.report", description=__doc__.split("\n")[0],
+                                     usage="%(prog)s [-h] [--markdown] [--update-readme README] JSON [JSON ...]")
+    # "*" here, at least one below: so an unknown option is reported before a missing JSON
+    parser.add_argument("json", nargs="*", metavar="JSON",
+                        help="result files written by python -m tools.bench --json (in order)")
     parser.add_argument("--markdown", action="store_true", help="print markdown tables instead of the rich report")
     parser.add_argument("--update-readme", metavar="README", help="replace the bench block of this README")
     args = parser.parse_args(argv)
+    if not args.json:
+        parser.error("the following arguments are required: JSON (one or more tools.bench result files)")
     datas = []
     for path in args.json:
         try:
-            datas.append(load(path))
-        except (OSError, json.JSONDecodeError) as exc:
-            parser.error(f"cannot read {path}: {exc}")
+            data = load(path)
+        except (OSError, ValueError) as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+            parser.error(f"cannot read {path}: {' '.join(str(exc).split())}")
+        problem = _not_a_bench_result(data)
+        if problem:
+            parser.error(f"{path} is {problem}, not a tools.bench result (python -m tools.bench --json)")
+        datas.append(data)
     crossovers = crossover_markdown(datas, names=args.json)
     if args.update_readme:
         # the crossover tables first (the answer: which path where), then every run's full tables
@@ -611,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.markdown:
         sys.stdout.write("\n".join([*(markdown(data, crossovers=False) for data in datas), crossovers]))
     else:
-        console = Console(width=None if sys.stdout.isatty() else 200)
+        console = output_console()
         for data in datas:
             render(data, console, crossovers=False)
         for record in crossover_tables(datas):
