@@ -20,6 +20,7 @@ out-of-range id makes that token's output NaN, never an illegal access).
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,56 @@ class Dims:
     intermediate: int  # I
     experts: int  # E
     top_k: int  # K
+
+
+def check_int(name: str, value: object, minimum: int = 0, maximum: int | None = None) -> int:
+    """``value`` as a Python int: a Python or NumPy integer (never a bool, never a float) in [minimum, maximum].
+
+    TypeError for a non-integer, ValueError for one out of range; both name the argument.
+    """
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    number = int(value)
+    if maximum is not None and not minimum <= number <= maximum:
+        raise ValueError(f"{name} must be an int in [{minimum}, {maximum}], got {number}")
+    if number < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {number}")
+    return number
+
+
+def check_xp(xp: Any, name: str = "xp") -> Any:
+    """The array module ``xp`` names: ``numpy`` / ``cupy`` (the modules, or those strings).
+
+    TypeError for anything else. For CuPy, a ValueError unless it sees a CUDA GPU, checked with one guarded
+    ``getDeviceCount()`` before any other CUDA call (so a machine without a GPU gets a sentence, not a CUDA error).
+    """
+    if isinstance(xp, str):
+        if xp == "numpy":
+            return np
+        if xp != "cupy":
+            raise TypeError(f"{name} must be the numpy or cupy module (or 'numpy' / 'cupy'), got {xp!r}")
+        try:
+            import cupy as module
+        except Exception as exc:  # noqa: BLE001 - not installed / broken install: no GPU for us
+            raise ValueError(f"{name}=cupy needs a CUDA GPU (cupy cannot be imported: {_one_line(exc)})") from None
+    elif xp is np:
+        return np
+    elif isinstance(xp, types.ModuleType) and xp.__name__ == "cupy":
+        module = xp
+    else:
+        what = f"module {xp.__name__!r}" if isinstance(xp, types.ModuleType) else f"{type(xp).__name__} {xp!r:.60}"
+        raise TypeError(f"{name} must be the numpy or cupy module (or 'numpy' / 'cupy'), got {what}")
+    try:
+        count = int(module.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # noqa: BLE001 - no driver / no device / no CUDA runtime
+        raise ValueError(f"{name}=cupy needs a CUDA GPU ({_one_line(exc)})") from None
+    if count < 1:
+        raise ValueError(f"{name}=cupy needs a CUDA GPU (no CUDA device found)")
+    return module
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
 
 
 def array_module(arr: Any) -> Any:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels.contract import BF16
+from kernels.contract import BF16, check_int, check_xp
 from kernels.routing import make_routing, unique_experts
 from kernels.shapes import MoEShape, get_shape
 
@@ -124,8 +124,13 @@ def _normal_bf16_cupy(seed: int, shape: tuple[int, ...], std: float) -> Any:
 
 
 def make_weights(shape: MoEShape | str, seed: int = 0, xp: Any = np) -> tuple[Any, Any]:
-    """``(w13 [E, 2I, H], w2 [E, H, I])`` in bf16 on NumPy or CuPy, deterministic by seed."""
+    """``(w13 [E, 2I, H], w2 [E, H, I])`` in bf16 on NumPy or CuPy, deterministic by seed.
+
+    ``seed`` is an int >= 0; ``xp`` is ``numpy`` or ``cupy`` (module or name; cupy needs a CUDA GPU).
+    """
     shape = get_shape(shape)
+    seed = check_int("seed", seed, 0)
+    xp = check_xp(xp)
     H, I, E = shape.hidden, shape.intermediate, shape.experts
     if xp is np:
         rng = np.random.default_rng([seed, 1])
@@ -150,12 +155,15 @@ def make_problem(
 ) -> Problem:
     """A fresh problem: ``tokens`` decode tokens through one layer of ``shape``.
 
-    ``routing`` is a generator name ("uniform", "zipf", "same") or fixed ids (see ``make_routing``);
-    ``xp`` is ``numpy`` or ``cupy`` (the latter generates weights on the GPU).
+    ``tokens`` is an int >= 1 and ``seed`` an int >= 0 (Python or NumPy ints); ``routing`` is a generator
+    name ("uniform", "zipf", "same") or fixed ids (see ``make_routing``); ``xp`` is ``numpy`` or ``cupy``
+    (module or name; cupy generates the weights on the GPU and needs one). Every argument is checked before
+    any array is made.
     """
     shape = get_shape(shape)
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
-        raise ValueError(f"tokens must be an int >= 1, got {tokens!r}")
+    tokens = check_int("tokens", tokens, 1)
+    seed = check_int("seed", seed, 0)
+    xp = check_xp(xp)
     topk_ids, topk_weights = make_routing(tokens, shape.experts, shape.top_k, routing, seed)
     rng = np.random.default_rng([seed, 0])
     x = _normal_bf16_numpy(rng, (tokens, shape.hidden), 1.0)

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import ml_dtypes
 import numpy as np
+
+from kernels.contract import check_int
 
 ROUTINGS = ("uniform", "zipf", "same", "fixed")
 ZIPF_EXPONENT = 1.2  # hot-expert skew of the "zipf" generator: p(rank r) ~ 1 / r**1.2
@@ -20,16 +23,27 @@ def route(logits: np.ndarray, top_k: int, renormalize: bool = True) -> tuple[np.
 
     Softmax over all experts in float32, take the ``top_k`` largest (ties to the lower expert id),
     and with ``renormalize`` divide the chosen probabilities by their sum (Qwen3's ``norm_topk_prob``).
+    The max-shift runs in the logits' own precision (float64 stays float64, ints become float64, narrower
+    floats float32) before the float32 softmax, so any finite logits give finite weights: the shifted values
+    are <= 0, and one that overflows float32 becomes -inf, whose exp is 0. float32 logits: all float32.
     """
     logits = np.asarray(logits)
+    work = _shift_dtype(logits.dtype)
     if logits.ndim != 2:
         raise ValueError(f"logits must be [T, E], got shape {logits.shape}")
-    if not isinstance(top_k, int) or not 1 <= top_k <= logits.shape[1]:
-        raise ValueError(f"top_k must be an int in [1, E={logits.shape[1]}], got {top_k!r}")
+    tokens, experts = (int(d) for d in logits.shape)
+    if tokens < 1:
+        raise ValueError(f"logits needs at least one token (T >= 1), got shape {logits.shape}")
+    if experts < 1:
+        raise ValueError(f"logits needs at least one expert (E >= 1), got shape {logits.shape}")
+    top_k = check_int("top_k", top_k, 1)
+    if top_k > experts:
+        raise ValueError(f"top_k must be an int in [1, E={experts}], got {top_k}")
     if not np.all(np.isfinite(logits)):
-        raise ValueError("logits must be finite")
-    logits = logits.astype(np.float32)
-    shifted = logits - logits.max(axis=1, keepdims=True)
+        raise ValueError("logits must be finite, found NaN or inf")
+    with np.errstate(over="ignore"):  # a shift past float32's range is -inf: exp gives 0, as it should
+        logits = logits.astype(work)
+        shifted = (logits - logits.max(axis=1, keepdims=True)).astype(np.float32, copy=False)
     probs = np.exp(shifted)
     probs /= probs.sum(axis=1, keepdims=True)
     topk_ids = np.argsort(-probs, axis=1, kind="stable")[:, :top_k]
@@ -37,6 +51,21 @@ def route(logits: np.ndarray, top_k: int, renormalize: bool = True) -> tuple[np.
     if renormalize:
         topk_weights = topk_weights / topk_weights.sum(axis=1, keepdims=True)
     return topk_ids.astype(np.int32), topk_weights.astype(np.float32)
+
+
+def _shift_dtype(dtype: np.dtype) -> np.dtype:
+    """The precision ``route`` max-shifts logits of ``dtype`` in; TypeError for a non-numeric dtype."""
+    if dtype.kind in "iu":
+        return np.dtype(np.float64)
+    if dtype.kind == "f":
+        return dtype if dtype.itemsize >= 8 else np.dtype(np.float32)
+    if dtype.kind == "V" and dtype.names is None:
+        try:  # ml_dtypes' floats (bfloat16, fp8): exact in float32
+            ml_dtypes.finfo(dtype)
+            return np.dtype(np.float32)
+        except Exception:  # noqa: BLE001 - some other opaque type
+            pass
+    raise TypeError(f"logits must hold real numbers (float or int), got dtype {dtype}")
 
 
 def _slot_weights(rng: np.random.Generator, tokens: int, top_k: int) -> np.ndarray:
@@ -61,12 +90,10 @@ def make_routing(
       "fixed"    not a string: a list of ``top_k`` ids for every token, or a [T, K] array of ids
                  (duplicates allowed: their contributions add).
     """
-    if not isinstance(tokens, int) or tokens < 1:
-        raise ValueError(f"tokens must be an int >= 1, got {tokens!r}")
-    if not isinstance(experts, int) or experts < 1:
-        raise ValueError(f"experts must be an int >= 1, got {experts!r}")
-    if not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
+    tokens = check_int("tokens", tokens, 1)
+    experts = check_int("experts", experts, 1)
+    top_k = check_int("top_k", top_k, 1)
+    seed = check_int("seed", seed, 0)
     rng = np.random.default_rng(seed)
     if isinstance(routing, str):
         if routing in ("uniform", "zipf", "same") and top_k > experts:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
-from kernels import BF16, check_inputs, make_problem
-from kernels.contract import check_out, check_out_dtype
+from kernels import BF16, check_inputs, make_problem, make_weights
+from kernels.contract import check_int, check_out, check_out_dtype, check_xp
 from kernels.reference import moe_decode
 
 
@@ -104,3 +106,110 @@ def test_out_checks(arrays: dict) -> None:
     with pytest.raises(TypeError, match="out_dtype"):
         check_out_dtype(np.int8)
     assert check_out_dtype("float32") == np.float32
+
+
+# -- check_int / check_xp: the shared checks of int and array-module arguments ----------------------------------
+@pytest.mark.parametrize("value", [7, np.int8(7), np.int64(7), np.uint16(7), np.uint64(7)])
+def test_check_int_takes_python_and_numpy_ints(value: object) -> None:
+    got = check_int("tokens", value, 1)
+    assert got == 7 and type(got) is int
+
+
+@pytest.mark.parametrize("value", [True, False, np.bool_(True), 7.0, np.float32(7), "7", None, [7], 7 + 0j])
+def test_check_int_refuses_non_ints_by_name(value: object) -> None:
+    with pytest.raises(TypeError, match=r"^seed must be an int, got "):
+        check_int("seed", value)
+
+
+def test_check_int_range_errors_name_the_argument() -> None:
+    with pytest.raises(ValueError, match=r"^tokens must be an int >= 1, got 0$"):
+        check_int("tokens", np.int64(0), 1)
+    with pytest.raises(ValueError, match=r"^seed must be an int >= 0, got -3$"):
+        check_int("seed", -3)
+    with pytest.raises(ValueError, match=r"^top_k must be an int in \[1, 4\], got 5$"):
+        check_int("top_k", 5, 1, 4)
+    assert check_int("top_k", np.int16(4), 1, 4) == 4 and check_int("seed", 0) == 0
+
+
+def _fake_cupy(count: object) -> types.ModuleType:
+    """A module named cupy whose only CUDA call is getDeviceCount (returning ``count`` or raising it)."""
+    def get_device_count() -> object:
+        if isinstance(count, BaseException):
+            raise count
+        return count
+
+    module = types.ModuleType("cupy")
+    module.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=get_device_count))
+    return module
+
+
+def test_check_xp_names_and_modules() -> None:
+    assert check_xp(np) is np and check_xp("numpy") is np
+    fake = _fake_cupy(1)
+    assert check_xp(fake) is fake
+    for bad in ("torch", "NumPy", 3, None, np.linalg, types, np.ones(2)):
+        with pytest.raises(TypeError, match=r"^xp must be the numpy or cupy module \(or 'numpy' / 'cupy'\), got "):
+            check_xp(bad)
+
+
+def test_check_xp_cupy_without_a_gpu_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match=r"^xp=cupy needs a CUDA GPU \(RuntimeError: no driver here\)$"):
+        check_xp(_fake_cupy(RuntimeError("no driver\nhere")))
+    with pytest.raises(ValueError, match=r"^xp=cupy needs a CUDA GPU \(no CUDA device found\)$"):
+        check_xp(_fake_cupy(0))
+
+
+@pytest.mark.cpu_only
+def test_check_xp_cupy_string_without_a_gpu() -> None:
+    with pytest.raises(ValueError, match=r"^xp=cupy needs a CUDA GPU \("):
+        check_xp("cupy")
+
+
+# -- make_problem / make_weights: their int and xp arguments --------------------------------------------------
+def test_make_problem_takes_numpy_ints(rng: np.random.Generator) -> None:
+    seed = int(rng.integers(1 << 30))
+    p = make_problem("tiny", np.int64(4), seed=np.uint32(seed), xp="numpy")
+    q = make_problem("tiny", 4, seed=seed)
+    assert type(p.tokens) is int and type(p.seed) is int and (p.tokens, p.seed) == (4, seed)
+    for a, b in zip(p.arrays, q.arrays, strict=True):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"tokens": 0}, ValueError, r"^tokens must be an int >= 1, got 0$"),
+        ({"tokens": True}, TypeError, r"^tokens must be an int, got True$"),
+        ({"tokens": 4.0}, TypeError, r"^tokens must be an int, got 4.0$"),
+        ({"seed": -1}, ValueError, r"^seed must be an int >= 0, got -1$"),
+        ({"seed": np.int64(-5)}, ValueError, r"^seed must be an int >= 0, got -5$"),
+        ({"seed": 1.5}, TypeError, r"^seed must be an int, got 1.5$"),
+        ({"xp": "torch"}, TypeError, r"^xp must be the numpy or cupy module"),
+        ({"xp": None}, TypeError, r"^xp must be the numpy or cupy module"),
+        ({"xp": _fake_cupy(RuntimeError("no CUDA driver"))}, ValueError, r"^xp=cupy needs a CUDA GPU \(RuntimeError"),
+    ],
+)
+def test_make_problem_argument_errors(kwargs: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        make_problem("tiny", **{"tokens": 3, **kwargs})
+
+
+def test_make_weights_argument_errors(rng: np.random.Generator) -> None:
+    seed = int(rng.integers(1 << 30))
+    w13, w2 = make_weights("tiny", np.int64(seed), "numpy")
+    expect13, expect2 = make_weights("tiny", seed)
+    np.testing.assert_array_equal(w13.view(np.uint16), expect13.view(np.uint16))
+    np.testing.assert_array_equal(w2.view(np.uint16), expect2.view(np.uint16))
+    with pytest.raises(ValueError, match=r"^seed must be an int >= 0, got -1$"):
+        make_weights("tiny", -1)
+    with pytest.raises(TypeError, match=r"^xp must be the numpy or cupy module .*got 'jax'$"):
+        make_weights("tiny", xp="jax")
+    with pytest.raises(ValueError, match=r"^xp=cupy needs a CUDA GPU \(no CUDA device found\)$"):
+        make_weights("tiny", xp=_fake_cupy(0))
+
+
+@pytest.mark.cpu_only
+def test_make_problem_cupy_without_a_gpu() -> None:
+    for xp in ("cupy", pytest.importorskip("cupy")):
+        with pytest.raises(ValueError, match=r"^xp=cupy needs a CUDA GPU \("):
+            make_problem("tiny", 2, xp=xp)

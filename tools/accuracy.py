@@ -665,22 +665,43 @@ def markdown(data: dict[str, Any], layer: bool = True) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _markdown_of(parser: argparse.ArgumentParser, option: str, path: str, layer: bool = True) -> str:
+    """``markdown()`` of the result file ``path``; an unreadable file or one that is not a recorded result of this
+    tool ends in ``parser.error`` naming ``option`` (exit 2, one line) instead of a traceback."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:  # missing, unreadable, not JSON
+        parser.error(f"{option}: cannot read {path}: {' '.join(str(exc).split())}")
+    if not isinstance(data, dict) or "config" not in data or ("layer" not in data and "depth" not in data):
+        parser.error(f"{option}: {path} is not a result of python -m tools.accuracy --json")
+    try:
+        return markdown(data, layer=layer)
+    except (KeyError, TypeError, AttributeError) as exc:
+        parser.error(f"{option}: {path} is not a result of python -m tools.accuracy --json "
+                     f"({type(exc).__name__}: {exc})")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.markdown_from:
-        text = markdown(json.loads(Path(args.markdown_from).read_text()))
+        text = _markdown_of(parser, "--markdown-from", args.markdown_from)
         if args.depth_from:
-            text += markdown(json.loads(Path(args.depth_from).read_text()), layer=False)
+            text += _markdown_of(parser, "--depth-from", args.depth_from, layer=False)
         if args.update_readme:
             from tools.report import update_readme
 
-            update_readme(args.update_readme, text, *MARKERS)
+            try:
+                update_readme(args.update_readme, text, *MARKERS)
+            except (OSError, ValueError) as exc:  # no such file / no markers in it
+                parser.error(f"--update-readme: {' '.join(str(exc).split())}")
         else:
             print(text)
         return 0
     if args.update_readme:
         parser.error("--update-readme goes with --markdown-from")
+    if args.depth_from:
+        parser.error("--depth-from goes with --markdown-from")
     models = None
     if args.model:
         names = [n.strip() for m in args.model for n in m.split(",") if n.strip()]

@@ -150,10 +150,23 @@ def from_bench(bench: dict[str, Any], table: dict[str, Any] | None = None, name:
 
 
 def _parse_batches(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v]
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of ints >= 1 like 1,2,4, got {text!r}") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"--batch needs positive ints, got {text!r}")
     return values
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
 
 
 def _print_choices(table: dict[str, Any]) -> None:
@@ -173,21 +186,36 @@ def _source_name(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.dispatch_table", description=__doc__.split("\n")[0])
-    parser.add_argument("--json", required=True,
-                        help="table file to write / update (kernels/dispatch_tables/<slug>.json)")
+    parser = argparse.ArgumentParser(prog="python -m tools.dispatch_table", description=__doc__.split("\n")[0],
+                                     usage="%(prog)s [-h] --json PATH [--model M,...] [--batch T,...] [--repeats N] "
+                                           "[--also VARIANT,...] [--from-bench BENCH_JSON ...]")
+    # not required=True: an unknown option is reported before a missing --json (checked below)
+    parser.add_argument("--json", metavar="PATH",
+                        help="table file to write / update (kernels/dispatch_tables/<slug>.json); required")
     parser.add_argument("--model", default=",".join(DEFAULT_MODELS), help="comma-separated presets")
     parser.add_argument("--batch", type=_parse_batches, default=list(dispatch.TABLE_POINTS))
-    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
+    parser.add_argument("--repeats", type=_positive, default=DEFAULT_REPEATS)
     parser.add_argument("--also", default="", help="comma-separated variants to time and record, never chosen")
     parser.add_argument("--from-bench", metavar="BENCH_JSON", nargs="+",
                         help="build the table from bench runs' JSON (later files override earlier ones)")
     args = parser.parse_args(argv)
+    if not args.json:
+        parser.error("the following arguments are required: --json")
+    models = [m.strip() for m in args.model.split(",") if m.strip()]
+    unknown = [m for m in models if m not in PRESETS]
+    if unknown or not models:
+        parser.error(f"--model: unknown preset(s) {', '.join(map(repr, unknown)) or 'none given'}; "
+                     f"known: {', '.join(PRESETS)}")
 
     if args.from_bench:
         path = Path(args.json)
-        runs = [(_source_name(Path(f)), json.loads(Path(f).read_text())) for f in args.from_bench]
-        table = from_benches(runs, json.loads(path.read_text()) if path.is_file() else None)
+        try:
+            runs = [(_source_name(Path(f)), json.loads(Path(f).read_text())) for f in args.from_bench]
+            table = from_benches(runs, json.loads(path.read_text()) if path.is_file() else None)
+        except (OSError, ValueError) as exc:  # unreadable, not JSON, runs of different GPUs, no complete point
+            parser.error(f"--from-bench: {' '.join(str(exc).split())}")
+        except (KeyError, TypeError) as exc:  # a JSON that is not a tools.bench run
+            parser.error(f"--from-bench: not a tools.bench result ({type(exc).__name__}: {exc})")
         if path.stem != table["slug"]:
             print(f"warning: {path.name} does not match the bench GPU's slug {table['slug']!r}", file=sys.stderr)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -209,8 +237,11 @@ def main(argv: list[str] | None = None) -> int:
               "kernels.dispatch will not find it", file=sys.stderr)
     table = json.loads(path.read_text()) if path.is_file() else None
     names = list(dispatch.CANDIDATES) + [n for n in args.also.split(",") if n and n not in dispatch.CANDIDATES]
-    variants = {name: get_variant(name) for name in names}
-    for model in [m for m in args.model.split(",") if m]:
+    try:
+        variants = {name: get_variant(name) for name in names}
+    except ValueError as exc:
+        parser.error(f"--also: {exc}")
+    for model in models:
         shape = get_shape(model)
         for tokens in args.batch:
             dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)

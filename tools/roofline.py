@@ -11,11 +11,18 @@ Three figures, every run:
 beside the datasheet figure for the GPU (``DATASHEET_TBPS``, matched by name; unknown GPUs say so).
 The CUDA source goes through :mod:`kernels.compile` (the one compile path) and is registered there so
 ``tools.inspect`` lists it. Pure arithmetic (``percent``, ``bar``, ``tbps``) needs no GPU.
+
+    python -m tools.roofline [--repeats N] [--json PATH]     measure and print the three figures (no GPU: says so)
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from kernels.compile import CudaSource, get_kernel, register_source
@@ -240,3 +247,77 @@ def measure(repeats: int = 10, read_bytes: int = READ_BYTES_TARGET, copy_bytes: 
     a = b = graph = None
     cupy.get_default_memory_pool().free_all_blocks()
     return record
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------
+FIGURES = (("read", "read_tbps", "streaming read"), ("d2d_memcpy", "d2d_memcpy_tbps", "memcpy D2D (read+write)"),
+           ("copy16", "copy16_tbps", "16-byte copy (read+write)"))
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
+
+
+def _gpu_name() -> str | None:
+    try:
+        import cupy
+
+        name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
+    except Exception:  # noqa: BLE001 - the name is decoration
+        return None
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def format_record(record: dict[str, Any], gpu: str | None = None) -> list[str]:
+    """The lines ``main`` prints for a ``measure()`` record: each figure in TB/s and as % of the datasheet."""
+    sheet = record.get("datasheet_tbps")
+    known = f"datasheet {sheet:.2f} TB/s" if sheet is not None else "datasheet unknown for this GPU"
+    lines = [f"rooflines on {gpu or 'this GPU'} ({known})"]
+    for key, field_, label in FIGURES:
+        value = record.get(field_)
+        if value is None:
+            continue
+        pct = percent(value, sheet)
+        share = f"{bar(pct)} {pct:3.0f}%" if pct is not None else ""
+        best = f", best {record['read_best_tbps']:.2f} TB/s" if key == "read" and "read_best_tbps" in record else ""
+        lines.append(f"  {key:<11s}{value:6.2f} TB/s  {share}  {label}{best}".rstrip())
+    if record.get("copy16_error"):
+        lines.append(f"  error: {record['copy16_error']}")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m tools.roofline``: measure the rooflines on this GPU and print them; without one, say so."""
+    parser = argparse.ArgumentParser(prog="python -m tools.roofline",
+                                     description="Measure the memory rooflines (streaming read, copies) on this GPU.")
+    parser.add_argument("--repeats", type=_positive_int, default=10, help="timed samples per figure (default 10)")
+    parser.add_argument("--json", metavar="PATH", help="also write the measured record here")
+    args = parser.parse_args(argv)
+
+    from tools import harness
+
+    gpu, why = harness.gpu_available()
+    if not gpu:
+        print(f"no CUDA GPU ({why}): no roofline measured")
+        return 0
+    record = measure(repeats=args.repeats)
+    name = _gpu_name()
+    print("\n".join(format_record(record, name)))
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"gpu": name, **record}, indent=1) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

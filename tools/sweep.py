@@ -1,10 +1,11 @@
 """``python -m tools.sweep VARIANT``: compile, check and time every point of a variant's parameter grid.
 
     python -m tools.sweep cupy:warp-decode --model qwen3-30b-a3b --batch 1,8,64
-    python -m tools.sweep proto:interleaved --grid WARPS=4,8,16 --grid UNROLL=1,2 --json results/sweep.json
+    python -m tools.sweep cupy:warp-decode --grid DN_SLOTS=2,4 --grid DN_UNROLL=1,3 --json results/sweep.json
 
 VARIANT is any registered name (builtin or prototype). The grid is the variant's ``grid`` unless ``--grid``
-is given (then only the ``--grid`` keys are swept; the rest keep the variant's params). Each point is
+is given (then only the ``--grid`` keys are swept; the rest keep the variant's params); a ``--grid`` key the
+variant does not know (see ``known_knobs``) is an error, so a typo never sweeps the defaults. Each point is
 checked against the reference before it is timed (a wrong point is reported, never timed) and timed with
 the bench's harness. The ranked table puts the offline compile report (registers, spill / stack bytes, theoretical
 occupancy, via NVRTC -- when the variant's source is a ``kernels.compile.CudaSource``) beside µs, TB/s
@@ -70,6 +71,24 @@ def source_of(variant: Any) -> Any:
         named = [s for s in found if variant.family in s.name or s.name in variant.name]
         found = named if len(named) == 1 else found
     return found[0] if len(found) == 1 else None
+
+
+def known_knobs(variant: Any) -> set[str]:
+    """The knob names ``--grid`` may set for ``variant``: its ``params`` and ``grid`` keys, its CudaSource's
+    defaults (see ``source_of``) and the keyword parameters ``build`` names (after ``dims``)."""
+    import inspect
+
+    known = set(variant.params) | set(variant.grid)
+    source = source_of(variant)
+    if source is not None:
+        known |= set(source.defaults)
+    try:
+        parameters = list(inspect.signature(variant.build).parameters.values())[1:]
+    except (TypeError, ValueError):  # a builtin or an odd callable: no signature to read
+        parameters = []
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    known |= {p.name for p in parameters if p.kind in keyword}
+    return known
 
 
 def _threads(merged: dict[str, Any], kernel: str) -> int | None:
@@ -266,18 +285,28 @@ def render(record: dict[str, Any]) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.sweep", description="Sweep a variant's parameter grid.")
-    parser.add_argument("variant", help="a registered variant name (builtin or prototype)")
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.sweep", description="Sweep a variant's parameter grid.",
+        usage="%(prog)s [-h] VARIANT [--model MODEL] [--batch T,...] [--grid KEY=v1,v2 ...] [--routing ROUTING] "
+              "[--repeats N] [--seed SEED] [--json PATH]")
+    # optional here, required below: so an unknown option is reported before a missing VARIANT
+    parser.add_argument("variant", nargs="?", metavar="VARIANT",
+                        help="a registered variant name (builtin or prototype)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"one preset; known: {', '.join(PRESETS)}")
     parser.add_argument("--batch", type=bench._int_list, default=[1, 8, 64])
-    parser.add_argument("--grid", action="append", metavar="KEY=v1,v2", help="sweep KEY over these values (repeatable)")
+    parser.add_argument("--grid", action="append", metavar="KEY=v1,v2",
+                        help="sweep KEY (a knob the variant knows) over these values (repeatable)")
     parser.add_argument("--routing", choices=bench.ROUTINGS, default="uniform")
     parser.add_argument("--repeats", type=bench._positive, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
+    if args.variant is None:
+        parser.error("the following arguments are required: VARIANT")
     if args.model not in PRESETS:
         parser.error(f"--model: unknown preset {args.model!r}; known: {', '.join(PRESETS)}")
+    if args.seed < 0:
+        parser.error(f"--seed must be an int >= 0, got {args.seed}")
     try:
         grid = parse_grid(args.grid)
     except ValueError as exc:
@@ -288,10 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     registry, _ = bench.load_registry()
     if args.variant not in registry:
         parser.error(f"unknown variant {args.variant!r}; registered: {', '.join(registry) or 'none'}")
-    unknown = set(grid) - set(registry[args.variant].params) - set(registry[args.variant].grid)
-    if unknown and registry[args.variant].params:
-        print(f"note: --grid keys {sorted(unknown)} are not in {args.variant}'s params; build() decides",
-              file=sys.stderr)
+    known = known_knobs(registry[args.variant])
+    unknown = sorted(set(grid) - known)
+    if unknown:
+        parser.error(f"--grid: unknown knob(s) {', '.join(unknown)} for {args.variant}; "
+                     f"known: {', '.join(sorted(known)) or 'none (it takes no knobs)'}")
     from rich.console import Console
 
     record = sweep(args.variant, args.model, args.batch, grid, args.routing, args.repeats, args.seed)

@@ -1,0 +1,159 @@
+"""Every ``python -m tools.X`` program refuses an unknown option, and a bad value, with exit 2 and one line naming it.
+
+All in-process (``main(argv)``), nothing measured: fast anywhere.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tools import bench, harness, roofline, sweep
+
+CLIS = ("tools.roofline", "tools.sweep", "tools.accuracy", "tools.report", "tools.dispatch_table")
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _exit_2(main: Any, argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run ``main(argv)``, which must exit 2; returns the last non-empty line of stderr (argparse's message)."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return _last_line(err)
+
+
+@pytest.mark.parametrize("name", CLIS)
+def test_unknown_option_exits_2_naming_it(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    line = _exit_2(importlib.import_module(name).main, ["--bogus"], capsys)
+    assert "unrecognized arguments: --bogus" in line, line
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, str]:
+    """A missing file, a JSON list and a sweep record: none of them is what any tool reads."""
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "sweep.json").write_text(json.dumps({"schema": "warp-decode-sweep/1", "points": []}))
+    return {"missing": str(tmp_path / "missing.json"), "list": str(tmp_path / "list.json"),
+            "sweep": str(tmp_path / "sweep.json"), "table": str(tmp_path / "table.json")}
+
+
+@pytest.mark.parametrize(
+    "name, argv, message",
+    [
+        ("tools.roofline", ["--repeats", "0"], "argument --repeats: expected an int >= 1, got '0'"),
+        ("tools.sweep", [], "the following arguments are required: VARIANT"),
+        ("tools.sweep", ["cupy:warp-decode", "--model", "nope"], "--model: unknown preset 'nope'"),
+        ("tools.sweep", ["cupy:warp-decode", "--seed", "-1"], "--seed must be an int >= 0, got -1"),
+        ("tools.sweep", ["cupy:warp-decode", "--grid", "WARPS"], "--grid takes KEY=v1,v2"),
+        ("tools.report", [], "the following arguments are required: JSON"),
+        ("tools.report", ["{missing}"], "cannot read"),
+        ("tools.report", ["{list}"], "is a JSON list, not a tools.bench result"),
+        ("tools.report", ["{sweep}"], "is a 'warp-decode-sweep/1' record, not a tools.bench result"),
+        ("tools.dispatch_table", [], "the following arguments are required: --json"),
+        ("tools.dispatch_table", ["--json", "{table}", "--model", "qwen9"], "--model: unknown preset(s) 'qwen9'"),
+        ("tools.dispatch_table", ["--json", "{table}", "--repeats", "0"], "argument --repeats: expected an int >= 1"),
+        ("tools.dispatch_table", ["--json", "{table}", "--batch", "1,x"], "argument --batch: expected a comma list"),
+        ("tools.dispatch_table", ["--json", "{table}", "--from-bench", "{missing}"], "--from-bench: [Errno 2]"),
+        ("tools.dispatch_table", ["--json", "{table}", "--from-bench", "{sweep}"],
+         "--from-bench: not a tools.bench result"),
+        ("tools.accuracy", ["--model", "qwen9"], "--model: unknown model 'qwen9'"),
+        ("tools.accuracy", ["--paths", "nope"], "--paths: unknown path 'nope'"),
+        ("tools.accuracy", ["--depth-from", "{list}"], "--depth-from goes with --markdown-from"),
+        ("tools.accuracy", ["--markdown-from", "{missing}"], "--markdown-from: cannot read"),
+        ("tools.accuracy", ["--markdown-from", "{sweep}"], "is not a result of python -m tools.accuracy --json"),
+    ],
+)
+def test_bad_values_exit_2_with_one_line(name: str, argv: list[str], message: str, files: dict[str, str],
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    line = _exit_2(importlib.import_module(name).main, [a.format(**files) for a in argv], capsys)
+    assert message in line, line
+    assert not Path(files["table"]).exists()
+
+
+# -- the sweep's --grid knobs ----------------------------------------------------------------------------------
+class _Reached(Exception):
+    """Raised by the stand-in sweep(): the arguments passed every check."""
+
+
+@pytest.fixture
+def stub_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No simulator switch (it sets a process-wide variable), and sweep() itself stops at once with its grid."""
+    monkeypatch.setattr(bench, "_enable_simulator", lambda: None)
+
+    def reached(name: str, model: str, batch: list[int], grid: dict[str, list[Any]], *rest: Any) -> None:
+        raise _Reached(name, grid)
+
+    monkeypatch.setattr(sweep, "sweep", reached)
+
+
+def _knobs_variant() -> Any:
+    from kernels.variants import Variant
+
+    def build(dims: Any, WARPS: int = 4, **params: Any) -> Any:  # noqa: N803 - knob names are CUDA macros
+        raise AssertionError("never built")
+
+    return Variant(name="fake:knobs", backend="cupy", family="fake", build=build, params={"UNROLL": 1},
+                   grid={"SLOTS": [2, 4]})
+
+
+def test_sweep_unknown_knob_exits_2(monkeypatch: pytest.MonkeyPatch, stub_sweep: None,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    variant = _knobs_variant()
+    monkeypatch.setattr(bench, "load_registry", lambda: ({variant.name: variant}, []))
+    line = _exit_2(sweep.main, ["fake:knobs", "--grid", "NOPE=1,2", "--grid", "SLOTS=2", "--grid", "ALSO=3"], capsys)
+    assert line.endswith("error: --grid: unknown knob(s) ALSO, NOPE for fake:knobs; known: SLOTS, UNROLL, WARPS"), line
+    # params, grid keys and build()'s named keywords are all knobs
+    with pytest.raises(_Reached) as reached:
+        sweep.main(["fake:knobs", "--grid", "SLOTS=2,4", "--grid", "UNROLL=1", "--grid", "WARPS=4,8"])
+    assert reached.value.args == ("fake:knobs", {"SLOTS": [2, 4], "UNROLL": [1], "WARPS": [4, 8]})
+
+
+def test_sweep_knobs_of_registered_variants(stub_sweep: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's sweep passes; a typo of one of its knobs does not; a knob-less variant takes none."""
+    with pytest.raises(_Reached):
+        sweep.main(["cupy:warp-decode", "--batch", "1,8", "--grid", "DN_SLOTS=2,4", "--grid", "DN_UNROLL=1,3"])
+    line = _exit_2(sweep.main, ["cupy:warp-decode", "--grid", "DN_SLOT=2,4"], capsys)
+    assert "unknown knob(s) DN_SLOT for cupy:warp-decode; known: DN_BULK" in line and "DN_SLOTS" in line, line
+    line = _exit_2(sweep.main, ["cupy:auto", "--grid", "DN_SLOTS=2"], capsys)
+    assert line.endswith("known: none (it takes no knobs)"), line
+    registry, _ = bench.load_registry()
+    for variant in registry.values():  # every variant's own grid is made of knobs it knows
+        assert set(variant.grid) <= sweep.known_knobs(variant), variant.name
+
+
+# -- roofline ----------------------------------------------------------------------------------------------------
+@pytest.mark.cpu_only
+def test_roofline_without_a_gpu_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert roofline.main([]) == 0
+    out = capsys.readouterr().out
+    assert len(out.strip().splitlines()) == 1
+    assert out.startswith("no CUDA GPU (") and out.rstrip().endswith("): no roofline measured"), out
+
+
+def test_roofline_prints_and_writes_what_measure_returns(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    record = {"datasheet_tbps": 4.8, "read_tbps": 4.32, "read_best_tbps": 4.41, "d2d_memcpy_tbps": 3.6,
+              "copy16_tbps": 3.84}
+    seen = []
+    monkeypatch.setattr(harness, "gpu_available", lambda: (True, "1 device(s)"))
+    monkeypatch.setattr(roofline, "measure", lambda repeats: seen.append(repeats) or dict(record))
+    monkeypatch.setattr(roofline, "_gpu_name", lambda: "NVIDIA H200")
+    path = tmp_path / "out" / "roof.json"
+    assert roofline.main(["--repeats", "3", "--json", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert seen == [3]
+    assert out[0] == "rooflines on NVIDIA H200 (datasheet 4.80 TB/s)"
+    assert out[1].split()[:3] == ["read", "4.32", "TB/s"] and "90%" in out[1] and "best 4.41 TB/s" in out[1]
+    assert out[2].split()[:3] == ["d2d_memcpy", "3.60", "TB/s"] and "75%" in out[2]
+    assert out[3].split()[:3] == ["copy16", "3.84", "TB/s"] and "80%" in out[3]
+    assert json.loads(path.read_text()) == {"gpu": "NVIDIA H200", **record}
