@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from kernels.contract import check_int
+
 BF16_BYTES = 2
 
 
@@ -28,10 +30,8 @@ class MoEShape:
     source: str = ""  # where the numbers come from
 
     def __post_init__(self) -> None:
-        for field in ("hidden", "intermediate", "experts", "top_k", "layers"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"MoEShape.{field} must be a positive int, got {value!r}")
+        for field in ("hidden", "intermediate", "experts", "top_k", "layers"):  # NumPy ints become ints
+            object.__setattr__(self, field, check_int(f"MoEShape.{field}", getattr(self, field), 1))
         if self.hidden % 8 or self.intermediate % 8:
             raise ValueError(
                 f"MoEShape hidden ({self.hidden}) and intermediate ({self.intermediate}) must be multiples of 8 "
@@ -89,8 +89,7 @@ class MoEShape:
 
 
 def _check_tokens(tokens: int) -> None:
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
-        raise ValueError(f"tokens must be an int >= 1, got {tokens!r}")
+    check_int("tokens", tokens, 1)
 
 
 PRESETS: dict[str, MoEShape] = {

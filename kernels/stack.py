@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels.contract import BF16, array_module
+from kernels.contract import BF16, array_module, check_int
 from kernels.numerics import bf16_to_f32, round_bf16
 from kernels.problem import Problem
 from kernels.reference import expert_groups, moe_decode
@@ -85,8 +85,7 @@ def sparse_problem(
     ``cache`` (expert id -> weights, for this shape and seed only) lets several batches share experts.
     """
     shape = get_shape(shape)
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
-        raise ValueError(f"tokens must be an int >= 1, got {tokens!r}")
+    tokens = check_int("tokens", tokens, 1)
     topk_ids, topk_weights = make_routing(tokens, shape.experts, shape.top_k, routing, seed)
     x = decode_input(shape.hidden, tokens, seed)
     touched, remapped = np.unique(topk_ids, return_inverse=True)
@@ -169,8 +168,7 @@ class Stack:
 
     def __init__(self, shape: MoEShape | str, layers: int, seed: int = 0) -> None:
         shape = get_shape(shape)
-        if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
-            raise ValueError(f"layers must be an int >= 1, got {layers!r}")
+        layers = check_int("layers", layers, 1)
         self.shape, self.seed = shape, seed
         H, E = shape.hidden, shape.experts
         self.layers: list[_Layer] = []

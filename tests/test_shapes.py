@@ -63,11 +63,19 @@ def test_activation_bytes() -> None:
 
 @pytest.mark.parametrize(
     "changes, message",
-    [({"hidden": 12}, "multiples of 8"), ({"intermediate": 0}, "positive"), ({"top_k": -1}, "positive")],
+    [({"hidden": 12}, "multiples of 8"), ({"intermediate": 0}, r"MoEShape.intermediate must be an int >= 1, got 0"),
+     ({"top_k": -1}, r"MoEShape.top_k must be an int >= 1, got -1")],
 )
 def test_bad_shapes(changes: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         PRESETS["tiny"].with_(**changes)
+
+
+def test_numpy_ints_are_ints() -> None:
+    import numpy as np
+
+    shape = PRESETS["tiny"].with_(experts=np.int64(4), top_k=np.int32(2))
+    assert shape.experts == 4 and type(shape.experts) is int and type(shape.top_k) is int
 
 
 def test_lookup_errors() -> None:

@@ -738,9 +738,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from rich.console import Console
 
-    console = Console()
-    if not console.is_terminal:  # a file or a pipe: wide enough for the tables
-        console = Console(width=140)
+    from tools.display import console as output_console
+
+    console = output_console()  # a pipe or a file: as wide as the tables need
     err = Console(stderr=True)
     log = (lambda _m: None) if args.quiet else (lambda m: err.print(f"[dim]{m}[/dim]"))
     result = run(

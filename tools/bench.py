@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from kernels.contract import check_int
 from kernels.shapes import DEFAULT_MODEL, PRESETS, get_shape
 from tools import display, harness, report
 
@@ -189,22 +190,16 @@ def _check_args(models: list[str], batches: list[Any], routing: str, repeats: An
         raise ValueError("model: give at least one preset")
     for model in models:
         get_shape(model)  # ValueError naming the presets
-    if not batches or any(not _is_int(b) or b < 1 for b in batches):
-        raise ValueError(f"batch must be ints >= 1, got {batches!r}")
+    if not batches:
+        raise ValueError("batch: give at least one batch size")
+    for value in batches:
+        check_int("batch", value, 1)
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
-    if not _is_int(repeats) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    if not _is_int(seed) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    check_int("repeats", repeats, 1)
+    check_int("seed", seed, 0)
     if compile_report not in COMPILE_REPORTS:
         raise ValueError(f"compile_report must be one of {COMPILE_REPORTS}, got {compile_report!r}")
-
-
-def _is_int(value: Any) -> bool:
-    import numpy as np
-
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 class SelectionError(ValueError):

@@ -15,7 +15,6 @@ and % of roofline. Without a GPU it prints the grid with its compile columns and
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import json
 import math
@@ -59,18 +58,10 @@ def points(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
 
 
 def source_of(variant: Any) -> Any:
-    """The variant's ``CudaSource`` if one can be found (``build.source`` or the only one in its module)."""
-    from kernels.compile import CudaSource
+    """The variant's ``CudaSource`` if one can be found (:func:`tools.inspect.source_of`)."""
+    from tools import inspect as offline
 
-    source = getattr(variant.build, "source", None)
-    if isinstance(source, CudaSource):
-        return source
-    module = sys.modules.get(getattr(variant.build, "__module__", ""), None)
-    found = [v for v in vars(module).values() if isinstance(v, CudaSource)] if module else []
-    if len(found) > 1:
-        named = [s for s in found if variant.family in s.name or s.name in variant.name]
-        found = named if len(named) == 1 else found
-    return found[0] if len(found) == 1 else None
+    return offline.source_of(variant)
 
 
 def known_knobs(variant: Any) -> set[str]:
@@ -91,80 +82,30 @@ def known_knobs(variant: Any) -> set[str]:
     return known
 
 
-def _threads(merged: dict[str, Any], kernel: str) -> int | None:
-    """Threads per block of ``kernel`` from the knobs: ``THREADS``, the only ``*WARPS`` knob, or GU_/DN_ by name."""
-    if merged.get("THREADS"):
-        return int(merged["THREADS"])
-    warps = {k: v for k, v in merged.items() if k.endswith("WARPS")}
-    if len(warps) == 1:
-        return 32 * int(next(iter(warps.values())))
-    lowered = kernel.lower()
-    for prefix, words in (("GU", ("gate", "up")), ("DN", ("down",))):
-        if f"{prefix}_WARPS" in warps and any(w in lowered for w in words):
-            return 32 * int(warps[f"{prefix}_WARPS"])
-    return None
-
-
 def compile_columns(variant: Any, params: dict[str, Any], dims: Any = None) -> dict[str, Any]:
-    """Registers (max over kernels, and per kernel), spill bytes (sum) and theoretical occupancy (min) of one
-    point, offline.
+    """Registers (max over kernels, and per kernel), spill bytes (sum), stack bytes (sum) and theoretical occupancy
+    (min) of one point, offline: :func:`tools.inspect.variant_rows` aggregated (knobs a variant resolves from the
+    problem are resolved for ``dims`` first, so the columns describe what actually runs)."""
+    from tools import inspect as offline
 
-    Knobs a variant fills at run time from the problem (``build.resolve(dims, **params)``, e.g. the strict
-    kernels' auto DN_* knobs) are resolved for ``dims`` first, so the report is of what actually runs;
-    otherwise knobs equal to 0 where the source's default is not compile at the default.
-    """
-    source = source_of(variant)
-    if source is None:
+    rows = offline.variant_rows(variant, dims, params)
+    if not rows:
         return {"compile": "no CudaSource"}
-    from kernels.compile import offline_report
-
-    resolve = getattr(variant.build, "resolve", None)
-    resolved = resolve is not None and dims is not None
-    if resolved:
-        try:
-            params = {**params, **resolve(dims, **{k: v for k, v in params.items() if k in source.defaults})}
-        except (TypeError, ValueError) as exc:
-            return {"compile": f"{type(exc).__name__}: {str(exc)[:200]}"}
-    # once resolved a 0 is a value (e.g. DB_MAX_REGS 0: launch bounds only), not "auto"
-    defines = {k: int(v) for k, v in params.items()
-               if k in source.defaults and (resolved or not (int(v) == 0 and source.defaults[k] != 0))}
-    try:
-        reports = offline_report(source, **defines)
-    except Exception as exc:  # noqa: BLE001
-        return {"compile": f"{type(exc).__name__}: {str(exc)[:200]}"}
-    merged = {**source.defaults, **defines}
-    columns: dict[str, Any] = {
+    failed = [row.error for row in rows if row.error]
+    if failed:
+        return {"compile": failed[0]}
+    occupancies = [row.occupancy for row in rows if row.occupancy is not None]
+    return {
         "compile": "ok",
-        "registers": max(r.registers for r in reports),
-        "registers_per_kernel": {r.kernel: r.registers for r in reports},
-        "spills": sum(r.spills for r in reports),
+        "registers": max(row.registers or 0 for row in rows),
+        "registers_per_kernel": {row.kernel: row.registers for row in rows},
+        "spills": sum(row.spills for row in rows),
         # local memory that is not a spill: an array ptxas could not keep in registers (a runtime index), which
-        # costs like a spill (session 7: a 48-byte frame made a kernel's tensor-core tail 8 us)
-        "stack_bytes": sum(r.stack_bytes for r in reports),
-        "shared_bytes": max(r.shared_bytes for r in reports),
-        "occupancy": None,
+        # costs like a spill (a 48-byte frame once made a kernel's tensor-core tail 8 us)
+        "stack_bytes": sum(row.stack_bytes or 0 for row in rows),
+        "shared_bytes": max(row.shared_bytes or 0 for row in rows),
+        "occupancy": min(occupancies) if occupancies else None,
     }
-    if importlib.util.find_spec("tools.inspect") is not None:
-        try:
-            from tools import inspect as offline
-
-            values = []
-            for r in reports:
-                finder = getattr(offline, "threads_per_block", None)
-                threads = (finder(source, r.kernel, merged) if finder else None) or _threads(merged, r.kernel)
-                if not threads:
-                    continue
-                occ = offline.occupancy(r.registers, threads, r.shared_bytes)
-                if isinstance(occ, dict):
-                    occ = occ.get("fraction", occ.get("occupancy"))
-                elif not isinstance(occ, int | float):
-                    occ = getattr(occ, "fraction", None)
-                if occ is not None:
-                    values.append(float(occ))
-            columns["occupancy"] = min(values) if values else None
-        except Exception as exc:  # noqa: BLE001
-            columns["occupancy_error"] = f"{type(exc).__name__}: {exc}"
-    return columns
 
 
 def _all_compile_columns(variant: Any, grid_points: list[dict[str, Any]], dims: Any = None) -> list[dict[str, Any]]:
@@ -185,48 +126,54 @@ def sweep(name: str, model: str = DEFAULT_MODEL, batch: list[int] | None = None,
           grid: dict[str, list[Any]] | None = None, routing: str = "uniform", repeats: int = 20, seed: int = 0,
           progress: bool = True) -> dict[str, Any]:
     """Run the sweep; returns the JSON record (``points`` ranked, fastest first)."""
+    from tools.display import Steps
+
     batches = batch or [1, 8, 64]
     shape = get_shape(model)
-    gpu, why = harness.gpu_available()
-    if not gpu:
-        bench._enable_simulator()
-    registry, warnings = bench.load_registry()
-    if name not in registry:
-        raise ValueError(f"unknown variant {name!r}; registered: {', '.join(registry) or 'none'}")
-    variant = registry[name]
-    grid = grid if grid else dict(variant.grid)
-    record: dict[str, Any] = {
-        "schema": "warp-decode-sweep/1", "variant": name, "model": model, "batches": batches, "grid": grid,
-        "routing": routing, "repeats": repeats, "seed": seed, "environment": harness.environment(gpu),
-        "load_warnings": warnings, "rooflines": None, "points": [],
-    }
-    grid_points = points(grid)
-    dims = Dims(batches[0], shape.hidden, shape.intermediate, shape.experts, shape.top_k)
-    columns = _all_compile_columns(variant, grid_points, dims)  # auto knobs resolved for the first batch
-    entries = [{"params": p, **c, "results": {}} for p, c in zip(grid_points, columns, strict=True)]
-    record["points"] = entries
-    if not gpu:
-        record["no_timing"] = f"no CUDA GPU ({why}): compile columns only, no timing taken"
-        return record
+    with Steps(enabled=progress, description="looking for a CUDA GPU") as steps:
+        gpu, why = harness.gpu_available()
+        if not gpu:
+            bench._enable_simulator()
+        steps.start("loading the registered variants")
+        registry, warnings = bench.load_registry()
+        if name not in registry:
+            raise ValueError(f"unknown variant {name!r}; registered: {', '.join(registry) or 'none'}")
+        variant = registry[name]
+        grid = grid if grid else dict(variant.grid)
+        record: dict[str, Any] = {
+            "schema": "warp-decode-sweep/1", "variant": name, "model": model, "batches": batches, "grid": grid,
+            "routing": routing, "repeats": repeats, "seed": seed, "environment": harness.environment(gpu),
+            "load_warnings": warnings, "rooflines": None, "points": [],
+        }
+        grid_points = points(grid)
+        dims = Dims(batches[0], shape.hidden, shape.intermediate, shape.experts, shape.top_k)
+        steps.start(f"compiling {len(grid_points)} grid point(s) for sm_90 (NVRTC, the compile columns)")
+        columns = _all_compile_columns(variant, grid_points, dims)  # auto knobs resolved for the first batch
+        entries = [{"params": p, **c, "results": {}} for p, c in zip(grid_points, columns, strict=True)]
+        record["points"] = entries
+        if not gpu:
+            record["no_timing"] = f"no usable CUDA GPU ({why}): compile columns only, no timing taken"
+            return record
 
-    from rich.console import Console
-    from rich.progress import Progress
+        from tools import roofline
 
-    from tools import roofline
-
-    with Progress(console=Console(stderr=True), transient=True, disable=not progress) as bar_:
-        task = bar_.add_task("rooflines", total=len(entries) * len(batches) + 1)
+        steps.set_total(len(entries) * len(batches) + 1)
+        steps.start("measuring the rooflines (streaming read, copies)")
         record["rooflines"] = roofline.measure()
-        bar_.advance(task)
+        steps.advance()
         l2 = record["environment"]["gpu"]["l2_bytes"]
         for tokens in batches:
+            steps.start(f"T={tokens}: generating the weights")
             work = harness.Workbench(shape, tokens, routing, seed, l2_bytes=l2)
             try:
                 for entry in entries:
-                    bar_.update(task, description=f"T={tokens} {entry['params']}")
-                    row = work.measure(variant, repeats=repeats, params=entry["params"], stages=False)
+                    label = f"T={tokens} {' '.join(f'{k}={v}' for k, v in entry['params'].items()) or '(defaults)'}"
+                    row = work.measure(variant, repeats=repeats, params=entry["params"], stages=False,
+                                       on_step=lambda what, label=label: steps.start(f"{label}: {what}"))
                     entry["results"][str(tokens)] = row
-                    bar_.advance(task)
+                    steps.log(f"{label}: " + (f"{row['median_us']:.2f} µs" if row.get("status") == "ok"
+                                              else f"{str(row.get('status')).upper()} {row.get('error') or ''}"))
+                    steps.advance()
             finally:
                 work.free()
     for entry in entries:
@@ -239,20 +186,16 @@ def sweep(name: str, model: str = DEFAULT_MODEL, batch: list[int] | None = None,
 
 
 def render(record: dict[str, Any]) -> Any:
-    from rich import box
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
+    from tools.display import Column, FitTable
+
     roof = (record.get("rooflines") or {}).get("read_tbps")
-    table = Table(title=f"sweep {record['variant']} on {record['model']} ({record['routing']})", box=box.SIMPLE_HEAD,
-                  title_justify="left")
-    for col in ("#", "params", "regs", "spills/stack", "occ"):
-        table.add_column(col, justify="right" if col != "params" else "left", no_wrap=True)
+    columns = [Column("#"), Column("params", "left"), Column("regs"), Column("spills/stack"), Column("occ", drop=1)]
     for tokens in record["batches"]:
-        table.add_column(f"T={tokens} µs", justify="right")
-        table.add_column("TB/s", justify="right")
-        table.add_column("% roof", justify="left")
+        columns += [Column(f"T={tokens} µs"), Column("TB/s", drop=2), Column("% roof", "left", drop=3)]
+    table = FitTable(columns, title=f"sweep {record['variant']} on {record['model']} ({record['routing']})")
     for rank, entry in enumerate(record["points"], 1):
         cells = [str(rank), " ".join(f"{k}={v}" for k, v in entry["params"].items()) or "(defaults)",
                  "/".join(str(r) for r in entry["registers_per_kernel"].values())
@@ -322,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--grid: unknown knob(s) {', '.join(unknown)} for {args.variant}; "
                      f"known: {', '.join(sorted(known)) or 'none (it takes no knobs)'}")
-    from rich.console import Console
+    from tools.display import console
 
     record = sweep(args.variant, args.model, args.batch, grid, args.routing, args.repeats, args.seed)
     if args.json:
@@ -331,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(record, indent=1, default=bench._json_default))
         print(f"wrote {args.json}", file=sys.stderr)
-    Console(width=None if sys.stdout.isatty() else 200).print(render(record))
+    console().print(render(record))
     return 0
 
 
