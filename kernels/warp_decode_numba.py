@@ -577,29 +577,34 @@ class NumbaKernelResources(KernelResources):
     threads_per_block: int = 0
 
 
-def offline_reports(param_sets: list[dict[str, Any]] | None = None) -> list[NumbaKernelResources]:
-    """ptxas' registers / spills / stack of both kernels for sm_90, no GPU needed: the default knobs with bf16
-    and with float32 ``out``, then each of ``param_sets``. Kernels carry their readable names
-    (``moe_gate_up_3d_batched``), not Numba's mangled ones; ``params`` holds the knobs."""
+def offline_reports(param_sets: list[dict[str, Any]] | None = None,
+                    defaults: bool = True) -> list[NumbaKernelResources]:
+    """ptxas' registers / spills / stack of both kernels for sm_90, no GPU needed: (with ``defaults``) the default
+    knobs with bf16 and with float32 ``out``, then each of ``param_sets``, each distinct set compiled once. Kernels
+    carry their readable names (``moe_gate_up_3d_batched``), not Numba's mangled ones; ``params`` holds the knobs."""
     from kernels.compile import ptx_report
 
     if simt.simulator_enabled():  # the simulator cannot emit PTX: compile in a process without it
-        return _offline_reports_without_simulator(param_sets)
-    sets = [dict(DEFAULTS), {**DEFAULTS, "out_f32": True}, *(param_sets or [])]
+        return _offline_reports_without_simulator(param_sets, defaults)
+    sets: list[dict[str, Any]] = []
+    for knobs in [*([dict(DEFAULTS), {**DEFAULTS, "out_f32": True}] if defaults else []), *(param_sets or [])]:
+        if {**DEFAULTS, **knobs} not in sets:
+            sets.append({**DEFAULTS, **knobs})
     reports = []
     for index, knobs in enumerate(sets):
-        knobs = {**DEFAULTS, **knobs}
         for name, ptx in compile_ptx(**knobs).items():
             for report in ptx_report(ptx):
                 fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(KernelResources)}
                 fields["kernel"] = name
                 reports.append(NumbaKernelResources(
-                    **fields, params=dict(knobs), is_default=index < 2, threads_per_block=32 * int(knobs["warps"])
+                    **fields, params=dict(knobs), is_default=defaults and index < 2,
+                    threads_per_block=32 * int(knobs["warps"])
                 ))
     return reports
 
 
-def _offline_reports_without_simulator(param_sets: list[dict[str, Any]] | None) -> list[NumbaKernelResources]:
+def _offline_reports_without_simulator(param_sets: list[dict[str, Any]] | None,
+                                       defaults: bool = True) -> list[NumbaKernelResources]:
     """:func:`offline_reports` run in a child Python without ``NUMBA_ENABLE_CUDASIM`` (the bench's CPU path
     simulates the kernels and reports their registers in the same run)."""
     import json
@@ -613,8 +618,10 @@ def _offline_reports_without_simulator(param_sets: list[dict[str, Any]] | None) 
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     code = ("import dataclasses, json, sys\n"
             "from kernels.warp_decode_numba import offline_reports\n"
-            "print(json.dumps([dataclasses.asdict(r) for r in offline_reports(json.loads(sys.argv[1]))]))")
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(param_sets or [])], env=env, cwd=root,
+            "print(json.dumps([dataclasses.asdict(r) for r in offline_reports(json.loads(sys.argv[1]), "
+            "sys.argv[2] == 'defaults')]))")
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(param_sets or []), "defaults" if defaults else "-"],
+                          env=env, cwd=root,
                           capture_output=True, text=True, timeout=300)
     if done.returncode:
         raise RuntimeError(f"offline Numba compile failed: {done.stderr.strip()[-400:]}")

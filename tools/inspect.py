@@ -208,7 +208,7 @@ def variant_rows(variant: Any, dims: Any = None, params: dict[str, Any] | None =
         if reports_fn is None:
             return []
         try:
-            reports = [r for r in reports_fn([params])
+            reports = [r for r in reports_fn([params], defaults=False)
                        if all(r.params.get(k) == v for k, v in params.items()) and not r.params.get("out_f32")]
         except Exception as exc:  # noqa: BLE001 - the report must not die with one backend
             return [Row(variant.backend, "-", params, error=f"{type(exc).__name__}: {exc}"[:200], variant=variant.name)]
