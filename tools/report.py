@@ -471,12 +471,15 @@ def cpu_section(data: dict[str, Any]) -> list[Any]:
         table.add_row(str(case.get("case", case.get("name", "?"))), _fmt(case.get("rel_l2"), ".2e"),
                       str(case.get("ulp", case.get("max_ulp", "-"))), "ok" if case.get("ok") else "FAILED",
                       style=None if case.get("ok") else "red")
-    if sim.get("status") not in ("ok", "failed") or not sim.get("cases"):
-        table.add_row(str(sim.get("status", "skipped")), "", "", str(sim.get("message", "")))
-    parts.append(table)
+    if sim.get("cases"):
+        parts.append(table)
+    else:
+        parts.append(Text(f"CUDA simulator: {sim.get('status', 'skipped')} -- {sim.get('message', '')}", style="dim"))
+    if sim.get("status") in ("failed", "error") and sim.get("message"):
+        parts.append(Text(f"simulator check {sim['status']}: {sim['message']}", style="red"))
     batches = sorted({case["batch"] for case in cpu.get("reference") or []})
     ref = FitTable([Column("mode", "left"), *(Column(f"T={b}") for b in batches)],
-                   title="the reference at the tiny shape: rel-L2 vs the fp64 oracle")
+                   title="reference vs the fp64 oracle (tiny; rel-L2)")
     by_mode: dict[str, dict[int, Any]] = {}
     for case in cpu.get("reference") or []:
         by_mode.setdefault(case["mode"], {})[case["batch"]] = case.get("rel_l2")
