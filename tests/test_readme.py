@@ -57,3 +57,20 @@ def test_simulator_example_runs_the_numba_kernels() -> None:
                           timeout=900)  # a hang guard: ~10 s idle
     assert done.returncode == 0, done.stderr[-3000:]
     assert "simulated ok" in done.stdout
+
+
+@pytest.mark.parametrize("document, option", [("README.md", "--headline"), ("results/REPORT.md", "--update-readme")])
+def test_tables_are_generated_from_committed_json(tmp_path: Path, document: str, option: str) -> None:
+    """Every number in the README's headline and in results/REPORT.md comes from the committed JSON through
+    tools.report, by the command the document itself names: regenerating changes nothing."""
+    from tools import report
+
+    text = (ROOT / document).read_text()
+    command = re.search(rf"python -m tools\.report ((?:\S+\.json\s+)+){option} {re.escape(document)}", text)
+    assert command, f"{document} does not say how its tables were generated"
+    copy = tmp_path / Path(document).name
+    copy.write_text(text)
+    files = [str(ROOT / name) for name in command.group(1).split()]
+    assert report.main([*files, option, str(copy)]) == 0
+    regenerated = copy.read_text().replace(str(ROOT) + "/", "")
+    assert regenerated == text

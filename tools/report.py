@@ -2,11 +2,13 @@
 
     python -m tools.report results/h200.json                      # the rich report
     python -m tools.report results/h200.json --markdown           # markdown tables for a PR
-    python -m tools.report results/h200.json --update-readme README.md
+    python -m tools.report results/*.json --update-readme results/REPORT.md   # every table, regenerated
+    python -m tools.report results/uniform.json --headline README.md          # the README's crossover tables
     python -m tools.report results/uniform.json results/zipf.json  # several runs: + crossover tables over all
 
 ``--update-readme`` replaces the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` with the
-markdown tables: the README's numbers are regenerated from committed JSON, never typed.
+markdown tables; ``--headline`` the text between ``<!-- headline:begin -->`` and ``<!-- headline:end -->`` with the
+crossover tables alone. Every number in a document is regenerated from committed JSON, never typed.
 
 TB/s = unique expert weight bytes of the call (experts touched by this routing x 3*H*I*2) / median time.
 "% roof" is that figure as a percentage of the streaming-read roofline measured in the same run.
@@ -34,6 +36,7 @@ from tools.display import console as output_console
 from tools.roofline import bar, percent
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+HEADLINE = ("<!-- headline:begin -->", "<!-- headline:end -->")
 DIVISOR_NOTE = (
     "TB/s = unique expert weight bytes touched by the routing (experts x 3*H*I*2 bytes) / median time per layer; "
     "% roof = that / the streaming-read roofline measured in the same run."
@@ -615,7 +618,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("json", nargs="*", metavar="JSON",
                         help="result files written by python -m tools.bench --json (in order)")
     parser.add_argument("--markdown", action="store_true", help="print markdown tables instead of the rich report")
-    parser.add_argument("--update-readme", metavar="README", help="replace the bench block of this README")
+    parser.add_argument("--update-readme", metavar="FILE", help="replace the bench block of this file with every table")
+    parser.add_argument("--headline", metavar="FILE", help="replace the headline block of this file with the "
+                                                           "crossover tables")
     args = parser.parse_args(argv)
     if not args.json:
         parser.error("the following arguments are required: JSON (one or more tools.bench result files)")
@@ -630,6 +635,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{path} is {problem}, not a tools.bench result (python -m tools.bench --json)")
         datas.append(data)
     crossovers = crossover_markdown(datas, names=args.json)
+    if args.headline:
+        if not crossovers:
+            parser.error("--headline: these runs have no crossover table (each needs two of the paths)")
+        try:
+            update_readme(args.headline, crossovers.replace("### ", "#### "), *HEADLINE)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--headline: {exc}")
+        print(f"updated the headline of {args.headline} from {', '.join(args.json)}")
     if args.update_readme:
         # the crossover tables first (the answer: which path where), then every run's full tables
         per_run = "\n".join(f"From `{path}`:\n\n{markdown(data, crossovers=False)}"
@@ -643,6 +656,8 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             parser.error(str(exc))
         print(f"updated {args.update_readme} from {', '.join(args.json)}")
+    elif args.headline:
+        pass
     elif args.markdown:
         sys.stdout.write("\n".join([*(markdown(data, crossovers=False) for data in datas), crossovers]))
     else:
