@@ -59,6 +59,8 @@ class Variant:
     supports: Callable[..., bool] | None = None
     # an experiment from prototypes/ (set by register() for variants registered there): not a library path
     prototype: bool = False
+    # the weight format its kernels read (kernels.formats): the bench counts that format's bytes
+    weight_format: str = "bf16"
 
     def can_run(self, dims: Dims, **overrides: Any) -> bool:
         """Whether ``make(dims, **overrides)`` can run these dims (True for a variant without ``supports``)."""

@@ -63,15 +63,21 @@ TOLERANCES = {None: {"rel_l2": 4e-3, "ulp": 32.0}, "quant": {"rel_l2": 3e-2, "ul
 # ------------------------------------------------------------------------------------------------
 # Pure helpers (no GPU)
 # ------------------------------------------------------------------------------------------------
-def bytes_breakdown(shape: MoEShape, topk_ids: np.ndarray) -> dict[str, Any]:
-    """What one layer call must move for this routing; TB/s in the report divides ``weights`` by time."""
+def bytes_breakdown(shape: MoEShape, topk_ids: np.ndarray, weight_format: Any = "bf16") -> dict[str, Any]:
+    """What one layer call must move for this routing; TB/s in the report divides ``weights`` by time.
+
+    ``weights``: the touched experts' bytes in ``weight_format`` (values and scales: what the kernels read)."""
+    from kernels.formats import get_format
+
+    fmt = get_format(weight_format)
     ids = np.asarray(topk_ids)
     tokens, top_k = (int(d) for d in ids.shape)
     unique = int(np.unique(ids).size)
     record = {
         "unique_experts": unique,
         "expected_unique_uniform": shape.expected_unique_experts(tokens),
-        "weights": unique * shape.expert_bytes,
+        "weight_format": fmt.name,
+        "weights": unique * fmt.expert_bytes(shape.hidden, shape.intermediate),
         "activation": tokens * shape.hidden * BF16_BYTES,
         "intermediate": 2 * tokens * top_k * shape.intermediate * BF16_BYTES,
         "output": tokens * shape.hidden * BF16_BYTES,
@@ -459,7 +465,9 @@ class Workbench:
             "baseline": bool(variant.baseline), "params": {**variant.params, **(params or {})},
             "reference_mode": variant.reference_mode, "quant": variant.quant,
             "batch": self.tokens, "model": self.shape.name, "routing": self.routing, "seed": self.seed,
-            "bytes": dict(self.bytes), "copies": self.info["copies"], "rotation": dict(self.info),
+            "bytes": (dict(self.bytes) if getattr(variant, "weight_format", "bf16") == self.bytes["weight_format"]
+                      else bytes_breakdown(self.shape, self.host["topk_ids"], variant.weight_format)),
+            "copies": self.info["copies"], "rotation": dict(self.info),
             "status": "error", "error": None, "samples_us": [], "stages": [],
         }
         if not variant.can_run(self.dims, **(params or {})):
@@ -505,7 +513,7 @@ class Workbench:
             step(f"timing ({repeats} samples of CUDA-graph replays)")
             samples, mode, why = self._time(stream, fns, repeats)
             record.update(samples_us=samples, timing_mode=mode, capture_error=why, **summarize(samples))
-            record["tbps"] = self.bytes["weights"] / (record["median_us"] * 1e-6) / 1e12
+            record["tbps"] = record["bytes"]["weights"] / (record["median_us"] * 1e-6) / 1e12
 
             # post-check: replay the TIMED graph (or launch) of the check copy into a poisoned out
             step("re-checking the timed graph's output")

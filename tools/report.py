@@ -38,8 +38,9 @@ from tools.roofline import bar, percent
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 HEADLINE = ("<!-- headline:begin -->", "<!-- headline:end -->")
 DIVISOR_NOTE = (
-    "TB/s = unique expert weight bytes touched by the routing (experts x 3*H*I*2 bytes) / median time per layer; "
-    "% roof = that / the streaming-read roofline measured in the same run."
+    "TB/s = unique expert weight bytes touched by the routing, in the variant's weight format (bf16: "
+    "experts x 3*H*I*2 bytes; a scaled format counts its scales) / median time per layer; % roof = that / the "
+    "streaming-read roofline measured in the same run."
 )
 
 
