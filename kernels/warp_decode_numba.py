@@ -667,13 +667,14 @@ def compare(result: Any, problem: Any, out_dtype: Any = BF16) -> dict[str, Any]:
 # Cases small enough for the simulator (one Python thread per CUDA thread; rows=8 / few warps per block keep
 # the thread count down): name -> (shape, tokens, routing, knobs, out dtype)
 SIM_CASES: dict[str, tuple[MoEShape | str, int, Any, dict[str, int], Any]] = {
-    "tiny": ("tiny", 2, "uniform", {"rows": 8, "warps": 4, "slots": 2}, BF16),
+    # the tiny preset (H = 136, I = 48), one token (several tokens per launch: h8-k1-e1-t5 and odd-dup)
+    "tiny": ("tiny", 1, "uniform", {"rows": 8, "warps": 4, "slots": 2}, BF16),
     "tiny-f32": ("tiny", 1, "zipf", {"rows": 8, "warps": 4, "unroll": 1, "slots": 3}, np.float32),
     "h8-k1-e1": (MoEShape("h8-k1-e1", 8, 8, 1, 1), 1, "uniform", {"rows": 1, "warps": 1}, BF16),
     "h8-k1-e1-t5": (MoEShape("h8-k1-e1", 8, 8, 1, 1), 5, "uniform", {"rows": 8, "warps": 2}, BF16),
-    # H = 40: 10 uint64 words per row, so lanes 5..31 hold no data; duplicate expert ids add
+    # H = 40: 10 uint64 words per row, so lanes 5..31 hold no data; duplicate expert ids add (tokens 0 and 2)
     "odd-dup": (
-        MoEShape("odd-dup", 40, 24, 3, 2), 4, [[2, 2], [0, 1], [1, 1], [2, 0]],
+        MoEShape("odd-dup", 40, 24, 3, 2), 3, [[2, 2], [0, 1], [1, 1]],
         {"rows": 4, "warps": 4, "slots": 1}, BF16,
     ),
     # H = 264 with unroll=1: two trips of the 256-bf16 step, the second partial

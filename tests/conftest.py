@@ -1,5 +1,6 @@
 """Shared fixtures. GPU tests carry ``@pytest.mark.gpu`` and are skipped cleanly where no GPU is present; tests of
-the no-GPU flow (a CuPy stand-in, "NO TIMING TAKEN") carry ``@pytest.mark.cpu_only`` and are skipped where one is."""
+the no-GPU flow (a CuPy stand-in, "NO TIMING TAKEN") carry ``@pytest.mark.cpu_only`` and are skipped where one is.
+Tests over ~2 s on 2 CPU cores carry ``@pytest.mark.slow``: ``python -m pytest -m "not slow"`` is the quick subset."""
 
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ GPU = _gpu_available()
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if GPU:
-        skip = pytest.mark.skip(reason="the no-GPU flow: a GPU is present here (CI checks it)")
+        skip = pytest.mark.skip(reason="needs a machine without a CUDA GPU (checks the no-GPU flow)")
         marker = "cpu_only"
     else:
-        skip = pytest.mark.skip(reason="no CUDA GPU here (GPU tests run on the H200 through the device tool)")
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
         marker = "gpu"
     for item in items:
         if marker in item.keywords:

@@ -4,38 +4,93 @@ from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Iterable
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = re.compile(r"^([A-Za-z0-9_.\-]+)(\[[^\]]*\])?\s*(.*)$")
 
+# PyPI name -> the conda-forge package that environment.yml must name, for everything installed from conda-forge.
+# Each is the conda-forge feedstock's package name: https://github.com/conda-forge/ml_dtypes-feedstock publishes
+# ml-dtypes as `ml_dtypes`; numpy, rich, pytest and ruff are published under their PyPI names
+# (https://github.com/conda-forge/{numpy,rich,pytest,ruff}-feedstock).
+CONDA_FORGE_NAMES = {
+    "numpy": "numpy",
+    "ml-dtypes": "ml_dtypes",
+    "rich": "rich",
+    "pytest": "pytest",
+    "ruff": "ruff",
+}
 
-def _normalise(requirement: str) -> tuple[str, str]:
+
+def _split(requirement: str) -> tuple[str, str]:
+    """``(name exactly as written, version specifier without spaces)``."""
     match = NAME.match(requirement.strip())
     assert match, requirement
-    return match.group(1).lower().replace("_", "-"), match.group(3).replace(" ", "")
+    return match.group(1), match.group(3).replace(" ", "")
 
 
-def _conda_packages() -> dict[str, str]:
+def _conda_packages(text: str) -> dict[str, str]:
+    """The conda (not pip) dependencies of an environment.yml text, names as written; python and pip left out."""
     packages = {}
-    for line in (ROOT / "environment.yml").read_text().splitlines():
-        item = re.match(r"^\s*-\s+([^#\s][^#]*)$", line)
-        if not item or item.group(1).strip().startswith("pip:") or item.group(1).strip() == "pip":
+    conda_part = text.split("- pip:")[0]
+    in_dependencies = False
+    for line in conda_part.splitlines():
+        if re.match(r"^\S", line):
+            in_dependencies = line.startswith("dependencies:")
             continue
-        name, spec = _normalise(item.group(1))
-        if name not in ("python", "conda-forge"):
+        item = re.match(r"^\s*-\s+([^#\s][^#]*)$", line)
+        if not in_dependencies or not item:
+            continue
+        name, spec = _split(item.group(1))
+        if name not in ("python", "pip"):
             packages[name] = spec
     return packages
+
+
+def _pip_packages(text: str) -> dict[str, str]:
+    """The packages under environment.yml's ``- pip:`` list (PyPI names, as written)."""
+    _, _, pip_part = text.partition("- pip:")
+    return dict(_split(m) for m in re.findall(r"^[ \t]*-[ \t]+([^#\s][^#\n]*)$", pip_part, re.MULTILINE))
 
 
 def _pyproject_packages() -> dict[str, str]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     requirements = project["dependencies"] + project["optional-dependencies"]["test"]
-    return dict(_normalise(r) for r in requirements)
+    return dict(_split(r) for r in requirements)
+
+
+def _expected_conda(pyproject: dict[str, str], pip_names: Iterable[str]) -> dict[str, str]:
+    """What environment.yml's conda part must say: every pyproject dependency not installed by pip, under its
+    conda-forge name (a KeyError names a dependency whose conda-forge name is not recorded above)."""
+    pip_names = {name.lower() for name in pip_names}
+    return {CONDA_FORGE_NAMES[name]: spec for name, spec in pyproject.items() if name.lower() not in pip_names}
 
 
 def test_environment_yml_matches_pyproject() -> None:
-    assert _conda_packages() == _pyproject_packages()
+    text = (ROOT / "environment.yml").read_text()
+    pyproject = _pyproject_packages()
+    pip = _pip_packages(text)
+    assert pip == {name: pyproject.get(name) for name in pip}, "pip packages: pyproject's names and versions"
+    assert _conda_packages(text) == _expected_conda(pyproject, pip)
+
+
+@pytest.mark.parametrize("wrong", ["ml-dtypes", "ML_dtypes"])
+def test_conda_names_are_compared_exactly(wrong: str) -> None:
+    """A conda dependency spelled the PyPI way ('-' where conda-forge uses '_'), or in another case, is caught."""
+    text = (ROOT / "environment.yml").read_text()
+    broken = re.sub(r"^(\s*-\s+)ml_dtypes(?=[<>=!~\s]|$)", rf"\g<1>{wrong}", text, count=1, flags=re.M)
+    assert broken != text
+    pyproject = _pyproject_packages()
+    pip_names = _pip_packages(broken)
+    assert _conda_packages(broken) != _expected_conda(pyproject, pip_names)
+
+
+def test_conda_forge_names_cover_the_conda_dependencies() -> None:
+    pip_names = {name.lower() for name in _pip_packages((ROOT / "environment.yml").read_text())}
+    assert {name for name in _pyproject_packages() if name.lower() not in pip_names} == set(CONDA_FORGE_NAMES)
 
 
 def test_cupy_from_one_channel_only() -> None:

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import gc
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from kernels.compile import offline_report
+from kernels.compile import KernelResources, offline_report
 from kernels.contract import BF16, Dims
 from kernels.expert_centric import (
     DYNAMIC_SMEM_LIMIT,
@@ -55,20 +56,41 @@ def test_registered_variants() -> None:
         assert REGISTRY[name].reference_mode == "classical"
 
 
-def test_offline_compile_zero_spills() -> None:
+_REPORTS: dict[str, dict[str, KernelResources]] = {}  # rendered text -> kernel -> resources, for this module
+
+
+def _reports(param_sets: list[dict[str, int]]) -> list[dict[str, KernelResources]]:
+    """Each knob set's offline report (sm_90) by kernel. A text is compiled once per test run however many
+    tests ask for it (the fp8 sweep grid is a subset of the bf16 one), two compiles at a time (NVRTC runs
+    outside the GIL)."""
+    texts = [EXPERT_CENTRIC_SOURCE.render(**params) for params in param_sets]
+    missing = {text: params for text, params in zip(texts, param_sets, strict=True) if text not in _REPORTS}
+
+    def compile_one(params: dict[str, int]) -> dict[str, KernelResources]:
+        return {r.kernel: r for r in offline_report(EXPERT_CENTRIC_SOURCE, **params)}
+
+    with ThreadPoolExecutor(2) as pool:
+        _REPORTS.update(zip(missing, pool.map(compile_one, missing.values()), strict=True))
+    return [_REPORTS[text] for text in texts]
+
+
+@pytest.mark.parametrize("which", ["defaults", pytest.param("variants", marks=pytest.mark.slow)])
+def test_offline_compile_zero_spills(which: str) -> None:
     """Every kernel compiles for sm_90 without spills, at the defaults and every listed variant."""
-    for params in [{}, *VARIANTS]:
-        reports = {r.kernel: r for r in offline_report(EXPERT_CENTRIC_SOURCE, **params)}
+    param_sets = [{}] if which == "defaults" else list(VARIANTS)
+    for params, reports in zip(param_sets, _reports(param_sets), strict=True):
         assert set(reports) == set(KERNELS), params
         for report in reports.values():
             assert report.spills == 0 and report.stack_bytes == 0, (params, report)
             assert report.registers <= 255
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grid, kernel", [(GRID, "gemm_bf16"), (GRID_FP8, "gemm_fp8_scaled")])
 def test_sweep_grid_zero_spills(grid: dict, kernel: str) -> None:
     """The GEMM of every tile combination in the variants' sweep grid compiles without spills."""
     keys = [k for k in ("BLOCK_N", "WARPS", "M_TILES", "UNROLL", "STAGES", "PREFETCH")]
+    valid = []
     for values in itertools.product(*(grid[k] for k in keys)):
         params = dict(zip(keys, values, strict=True))
         try:
@@ -77,8 +99,10 @@ def test_sweep_grid_zero_spills(grid: dict, kernel: str) -> None:
             # the reasons allowed: a ring too large, or a prefetch distance on the ring
             assert ring_bytes({**DEFAULTS, **params}) > DYNAMIC_SMEM_LIMIT or params["STAGES"] * params["PREFETCH"]
             continue
-        report = {r.kernel: r for r in offline_report(EXPERT_CENTRIC_SOURCE, **params)}[kernel]
-        assert report.spills == 0, (params, report)
+        valid.append(params)
+    assert valid
+    for params, reports in zip(valid, _reports(valid), strict=True):
+        assert reports[kernel].spills == 0, (params, reports[kernel])
 
 
 def test_input_errors() -> None:

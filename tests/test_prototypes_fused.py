@@ -89,15 +89,21 @@ def test_variant_and_source_are_registered() -> None:
 
 def test_compiles_without_local_memory() -> None:
     """At the defaults and the sweep's spill-free points no spill and no stack frame: the
-    H200 showed a 48-byte stack frame in a tensor-core tail costing 8 us (results/diag-staged-probe.json)."""
-    for dims in (DIMS_30B_T1, _dims(ODD_SHAPES["h64-k40"], 2)):
-        for knobs in ({}, {"FU_WARPS": 32, "FU_BYTES": 8}, {"FU_BYTES": 8, "FU_UNROLL": 8},
-                      {"FU_WARPS": 16, "FU_UNROLL": 8}, {"FU_COPY": 1, "FU_TAIL": 1},
-                      {"FU_COPY": 1, "FU_WARPS": 32, "FU_BYTES": 8}):
-            resolved = wdf.resolve_params(dims, **knobs)
-            (report,) = offline_report(wdf.SOURCE, **resolved)
-            assert report.spills == 0 and report.stack_bytes == 0, (dims, knobs, report)
-            assert report.registers <= 65536 // (resolved["FU_WARPS"] * 32), report
+    H200 showed a 48-byte stack frame in a tensor-core tail costing 8 us (results/diag-staged-probe.json). Two
+    compiles at a time (NVRTC runs outside the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    points = [(dims, knobs, wdf.resolve_params(dims, **knobs))
+              for dims in (DIMS_30B_T1, _dims(ODD_SHAPES["h64-k40"], 2))
+              for knobs in ({}, {"FU_WARPS": 32, "FU_BYTES": 8}, {"FU_BYTES": 8, "FU_UNROLL": 8},
+                            {"FU_WARPS": 16, "FU_UNROLL": 8}, {"FU_COPY": 1, "FU_TAIL": 1},
+                            {"FU_COPY": 1, "FU_WARPS": 32, "FU_BYTES": 8})]
+    with ThreadPoolExecutor(2) as pool:
+        all_reports = list(pool.map(lambda point: offline_report(wdf.SOURCE, **point[2]), points))
+    for (dims, knobs, resolved), reports in zip(points, all_reports, strict=True):
+        (report,) = reports
+        assert report.spills == 0 and report.stack_bytes == 0, (dims, knobs, report)
+        assert report.registers <= 65536 // (resolved["FU_WARPS"] * 32), report
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -47,6 +47,9 @@ from tests.warp_checks import (
     _poisoned_out,
     _references,
     _seed,
+    build_emulator,
+    run_emulator,
+    slow_except,
 )
 
 PROTOTYPES = ("proto:outputs-per-warp", "proto:warps-per-block", "proto:intermediate-fp32", "proto:persistent-grid")
@@ -143,19 +146,25 @@ def _compile_cases() -> list[tuple[str, dict[str, Any], Dims]]:
     return cases
 
 
-def test_every_grid_point_compiles_without_spills() -> None:
-    """Every grid point (at the knobs its build resolves to) compiles for sm_90 with zero spill bytes, and one
-    block fits the register file (registers x 32 x warps <= 65536; 16-warp blocks need <= 128 registers); a
-    persistent grid's PERSIST_BLOCKS blocks all fit at once."""
+@pytest.mark.parametrize("which", ["defaults", pytest.param("grid", marks=pytest.mark.slow)])
+def test_every_grid_point_compiles_without_spills(which: str) -> None:
+    """Every grid point (at the knobs its build resolves to; quick: each prototype's defaults) compiles for sm_90
+    with zero spill bytes, and one block fits the register file (registers x 32 x warps <= 65536; 16-warp blocks
+    need <= 128 registers); a persistent grid's PERSIST_BLOCKS blocks all fit at once. Each distinct text is
+    compiled once, two at a time (NVRTC runs outside the GIL)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from kernels.compile import offline_report
 
-    def compile_one(case: tuple[str, dict[str, Any], Dims]) -> list[str]:
-        name, point, dims = case
-        source, params = _compile_plan(name, point, dims)
-        reports = offline_report(source, **params)
-        problems = []
+    cases = [(name, {}, COMPILE_DIMS[0]) for name in PROTOTYPES] if which == "defaults" else _compile_cases()
+    plans = [(case, *_compile_plan(*case)) for case in cases]
+    unique = {source.render(**params): (source, params) for _, source, params in plans}
+    with ThreadPoolExecutor(2) as pool:
+        reports_of = dict(zip(unique, pool.map(lambda plan: offline_report(plan[0], **plan[1]), unique.values()),
+                              strict=True))
+    problems = []
+    for (name, point, dims), source, params in plans:
+        reports = reports_of[source.render(**params)]
         if {r.kernel for r in reports} != set(source.compiled_kernels(**params)):
             problems.append(f"{name} {point}: kernels {[r.kernel for r in reports]}")
         for report in reports:
@@ -168,10 +177,6 @@ def test_every_grid_point_compiles_without_spills() -> None:
                     f"{name} {point}: {report.kernel} {report.registers} registers x {warps} warps"
                     f" x {blocks} blocks exceed the register file"
                 )
-        return problems
-
-    with ThreadPoolExecutor(2) as pool:
-        problems = [p for found in pool.map(compile_one, _compile_cases()) for p in found]
     assert problems == []
 
 
@@ -284,21 +289,14 @@ int main(int argc, char** argv) {
 }
 """
 
-_EMULATORS: dict[str, str] = {}  # rendered kernel text -> built emulator (one build per knob set per session)
-
 
 def _emulate(
     name: str, problem: Problem, ids: np.ndarray | None = None, out_dtype: Any = BF16, sms: int = 2, **params: int
 ) -> np.ndarray:
     """Run a prototype's CUDA C on the CPU with its build's launch geometry (``sms`` stands in for the device's
     SM count of the persistent grid, small so that every warp loops); returns out [T, H]."""
-    import atexit
-    import shutil
-    import subprocess
     import tempfile
 
-    if shutil.which("g++") is None:
-        pytest.skip("g++ is needed for the CPU emulation of the CUDA C")
     module = _module(name)
     resolved = module.resolve_params(**params)
     shape = problem.shape
@@ -312,49 +310,17 @@ def _emulate(
         gu_blocks, dn_blocks = -(-gu_outputs // resolved["GU_WARPS"]), -(-dn_outputs // resolved["DN_WARPS"])
         inter_t = "inter_t"
     f32 = int(np.dtype(out_dtype) == np.float32)
-    text = module.SOURCE.render(**resolved)
-    binary = _EMULATORS.get(text)
-    if binary is None:
-        build_dir = tempfile.mkdtemp(prefix="proto_emu_")
-        atexit.register(shutil.rmtree, build_dir, True)
-        with open(f"{build_dir}/kernel.cu", "w") as f:
-            f.write(text)
-        with open(f"{build_dir}/harness.cpp", "w") as f:
-            f.write(EMULATION_HARNESS)
-        gate_up, down = module.SOURCE.kernels
-        build = subprocess.run(
-            [
-                "g++",
-                "-std=c++20",
-                "-O1",
-                "-ffp-contract=off",
-                "-pthread",
-                f"-DEMU_GATE_UP={gate_up}",
-                f"-DEMU_DOWN={down}",
-                f"-DEMU_INTER_T={inter_t}",
-                "harness.cpp",
-                "-o",
-                "emu",
-            ],
-            cwd=build_dir,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert build.returncode == 0, build.stderr[-3000:]
-        binary = _EMULATORS[text] = f"{build_dir}/emu"
+    gate_up, down = module.SOURCE.kernels
+    binary = build_emulator(module.SOURCE.render(**resolved), EMULATION_HARNESS, f"-DEMU_GATE_UP={gate_up}",
+                            f"-DEMU_DOWN={down}", f"-DEMU_INTER_T={inter_t}")
     with tempfile.TemporaryDirectory() as tmp:
         problem.x.tofile(f"{tmp}/x.bin")
         problem.w13.tofile(f"{tmp}/w13.bin")
         problem.w2.tofile(f"{tmp}/w2.bin")
         np.ascontiguousarray(problem.topk_ids if ids is None else ids, np.int32).tofile(f"{tmp}/ids.bin")
         problem.topk_weights.tofile(f"{tmp}/wts.bin")
-        args = [
-            str(v)
-            for v in (dims.tokens, dims.hidden, dims.intermediate, dims.experts, dims.top_k, f32, gu_blocks, dn_blocks)
-        ]
-        run = subprocess.run([binary, *args, tmp], capture_output=True, text=True, timeout=120)
-        assert run.returncode == 0, run.stderr[-3000:]
+        run_emulator(binary, dims.tokens, dims.hidden, dims.intermediate, dims.experts, dims.top_k, f32, gu_blocks,
+                     dn_blocks, tmp)
         raw = np.fromfile(f"{tmp}/out.bin", np.float32 if f32 else np.uint16)
     return raw.reshape(dims.tokens, dims.hidden) if f32 else raw.view(BF16).reshape(dims.tokens, dims.hidden)
 
@@ -378,10 +344,10 @@ EMULATED = [  # (variant, shape, tokens, routing, params, out dtype); small: ~1 
 ]
 
 
+# the quick subset: each prototype on the tiny preset (fp32 intermediate with a duplicate id; a persistent grid)
 @pytest.mark.parametrize(
     ("name", "shape", "tokens", "routing", "params", "out_dtype"),
-    EMULATED,
-    ids=[f"{c[0][6:]}-{getattr(c[1], 'name', c[1])}-T{c[2]}-{c[4]}" for c in EMULATED],
+    slow_except(EMULATED, [f"{c[0][6:]}-{getattr(c[1], 'name', c[1])}-T{c[2]}-{c[4]}" for c in EMULATED], {1, 4}),
 )
 def test_cuda_source_emulated_on_cpu(
     rng: np.random.Generator, name: str, shape: Any, tokens: int, routing: Any, params: dict[str, int], out_dtype: Any
@@ -401,8 +367,8 @@ def test_cuda_source_emulated_on_cpu(
     "name, params",
     [
         ("proto:intermediate-fp32", {"INTER_F32": 1}),
-        ("proto:intermediate-fp32", {"INTER_F32": 0}),
-        ("proto:persistent-grid", {"PERSIST_BLOCKS": 1, "ORDER": 0}),
+        pytest.param("proto:intermediate-fp32", {"INTER_F32": 0}, marks=pytest.mark.slow),
+        pytest.param("proto:persistent-grid", {"PERSIST_BLOCKS": 1, "ORDER": 0}, marks=pytest.mark.slow),
     ],
 )
 def test_bad_ids_emulated_on_cpu(rng: np.random.Generator, name: str, params: dict[str, int]) -> None:

@@ -20,8 +20,6 @@ only moves fp32 ulps.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import tempfile
 from typing import Any
 
@@ -47,6 +45,9 @@ from tests.warp_checks import (
     _references,
     _seed,
     assert_pdl_chain_bitwise,
+    build_emulator,
+    run_emulator,
+    slow_except,
 )
 
 # ---------------------------------------------------------------------------------------------------
@@ -195,27 +196,39 @@ def test_source_and_variant_are_registered() -> None:
     assert variant.grid and set(variant.grid) <= set(wdb.DEFAULTS)
 
 
-def test_offline_compile_defaults_and_presets_without_spills() -> None:
-    """Every kernel at the defaults and at every preset's resolved knobs: sm_90, zero spills, zero stack."""
+@pytest.mark.parametrize("which", ["defaults", pytest.param("presets", marks=pytest.mark.slow)])
+def test_offline_compile_defaults_and_presets_without_spills(which: str) -> None:
+    """Every kernel at the defaults (FMA and tensor-core) and at every preset's resolved knobs: sm_90, zero spills,
+    zero stack. Two compiles at a time (NVRTC runs outside the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from kernels.compile import offline_report
 
-    for params in [{}, {"GB_MMA": 1, "DB_MMA": 1}, *wdb.SOURCE.variants]:
-        reports = offline_report(wdb.SOURCE, **params)
+    param_sets = [{}, {"GB_MMA": 1, "DB_MMA": 1}] if which == "defaults" else list(wdb.SOURCE.variants)
+    with ThreadPoolExecutor(2) as pool:
+        all_reports = list(pool.map(lambda params: offline_report(wdb.SOURCE, **params), param_sets))
+    for params, reports in zip(param_sets, all_reports, strict=True):
         assert {r.kernel for r in reports} == set(wdb.kernel_names(params))
         for r in reports:
             assert r.spills == 0 and r.stack_bytes == 0, (params, r)
             assert r.registers <= 128, (params, r)
 
 
+@pytest.mark.slow
 def test_variant_grid_corners_compile() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
     from kernels.compile import offline_report
 
     dims = Dims(64, 2048, 768, 128, 8)
-    for variant in (wdb.VARIANT, wdb.MMA_VARIANT):
-        grid = variant.grid
-        for corner in ({k: max(v) for k, v in grid.items()}, {k: min(v) for k, v in grid.items()}):
-            resolved = wdb.resolve_params(dims, **{**variant.params, **corner})
-            assert {r.kernel for r in offline_report(wdb.SOURCE, **resolved)} == set(wdb.kernel_names(resolved))
+    resolved = [wdb.resolve_params(dims, **{**variant.params, **corner})
+                for variant in (wdb.VARIANT, wdb.MMA_VARIANT)
+                for corner in ({k: max(v) for k, v in variant.grid.items()},
+                               {k: min(v) for k, v in variant.grid.items()})]
+    with ThreadPoolExecutor(2) as pool:
+        all_reports = list(pool.map(lambda params: offline_report(wdb.SOURCE, **params), resolved))
+    for params, reports in zip(resolved, all_reports, strict=True):
+        assert {r.kernel for r in reports} == set(wdb.kernel_names(params))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -383,29 +396,6 @@ int main(int argc, char** argv) {
 }
 """
 
-_BINARIES: dict[str, str] = {}
-
-
-def _build(text: str, harness: str) -> str:
-    key = harness + text
-    binary = _BINARIES.get(key)
-    if binary is None:
-        if shutil.which("g++") is None:
-            pytest.skip("g++ is needed for the CPU emulation of the CUDA C")
-        build_dir = tempfile.mkdtemp(prefix="wdb_emu_")
-        with open(f"{build_dir}/kernel.cu", "w") as f:
-            f.write(text)
-        with open(f"{build_dir}/harness.cpp", "w") as f:
-            f.write(harness)
-        build = subprocess.run(
-            ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "harness.cpp", "-o", "emu"],
-            cwd=build_dir, capture_output=True, text=True, timeout=180,
-        )
-        assert build.returncode == 0, build.stderr[-3000:]
-        binary = _BINARIES[key] = f"{build_dir}/emu"
-    return binary
-
-
 def _write_inputs(tmp: str, problem: Problem, ids: np.ndarray | None) -> None:
     problem.x.tofile(f"{tmp}/x.bin")
     problem.w13.tofile(f"{tmp}/w13.bin")
@@ -419,15 +409,13 @@ def _emulate(problem: Problem, ids: np.ndarray | None = None, out_dtype: Any = B
     """Run the three kernels' CUDA C on the CPU with the CuPy path's geometry: out, intermediate, lists."""
     dims = _dims(problem)
     resolved = wdb.resolve_params(dims, **params)
-    binary = _build(wdb.SOURCE.render(**resolved), EMULATION_HARNESS)
+    binary = build_emulator(wdb.SOURCE.render(**resolved), EMULATION_HARNESS)
     f32 = int(np.dtype(out_dtype) == np.float32)
     with tempfile.TemporaryDirectory() as tmp:
         _write_inputs(tmp, problem, ids)
-        args = [str(v) for v in (dims.tokens, dims.hidden, dims.intermediate, dims.experts, dims.top_k, f32,
-                                 wdb.gate_up_blocks(dims, resolved), wdb.down_blocks(dims, resolved),
-                                 wdb.slots(dims), wdb.lists_size(dims))]
-        run = subprocess.run([binary, *args, tmp], capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-3000:]
+        run_emulator(binary, dims.tokens, dims.hidden, dims.intermediate, dims.experts, dims.top_k, f32,
+                     wdb.gate_up_blocks(dims, resolved), wdb.down_blocks(dims, resolved), wdb.slots(dims),
+                     wdb.lists_size(dims), tmp)
         raw = np.fromfile(f"{tmp}/out.bin", np.float32 if f32 else np.uint16)
         inter = np.fromfile(f"{tmp}/inter.bin", np.uint16).reshape(dims.tokens, dims.top_k, dims.intermediate)
         lists = np.fromfile(f"{tmp}/lists.bin", np.int32)
@@ -439,14 +427,12 @@ def _emulate_strict_gate_up(problem: Problem, ids: np.ndarray | None = None, **p
     dims = _dims(problem)
     resolved = wdc.resolve_params(dims, **params)
     harness = EMULATION_HARNESS[: EMULATION_HARNESS.index("int main(")] + STRICT_GATE_UP_MAIN
-    binary = _build(wdc.SOURCE.render(**resolved), harness)
+    binary = build_emulator(wdc.SOURCE.render(**resolved), harness)
     warps = dims.tokens * dims.top_k * -(-dims.intermediate // resolved["GU_OUTS"])
     with tempfile.TemporaryDirectory() as tmp:
         _write_inputs(tmp, problem, ids)
-        args = [str(v) for v in (dims.tokens, dims.hidden, dims.intermediate, dims.experts, dims.top_k,
-                                 -(-warps // resolved["GU_WARPS"]))]
-        run = subprocess.run([binary, *args, tmp], capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-3000:]
+        run_emulator(binary, dims.tokens, dims.hidden, dims.intermediate, dims.experts, dims.top_k,
+                     -(-warps // resolved["GU_WARPS"]), tmp)
         return np.fromfile(f"{tmp}/inter.bin", np.uint16).reshape(dims.tokens, dims.top_k, dims.intermediate)
 
 
@@ -500,6 +486,7 @@ EMULATED += [
 ]
 
 
+@pytest.mark.slow
 def test_pipelined_loops_are_bitwise_the_plain_ones_on_cpu(rng: np.random.Generator) -> None:
     """GB_PIPE / DB_PIPE reorder loads, never FMAs or partial sums: outputs bitwise equal, bad ids included."""
     problem = make_problem(PIPE_SHAPE, 8, seed=_seed(rng), routing="zipf")
@@ -513,8 +500,12 @@ def test_pipelined_loops_are_bitwise_the_plain_ones_on_cpu(rng: np.random.Genera
     assert np.all(np.isfinite(np.delete(piped["out"], 3, axis=0).astype(np.float32)))
 
 
-@pytest.mark.parametrize(("shape", "tokens", "routing", "params", "fp32"), EMULATED,
-                         ids=[f"{getattr(c[0], 'name', c[0])}-T{c[1]}-{i}" for i, c in enumerate(EMULATED)])
+EMULATED_IDS = [f"{getattr(c[0], 'name', c[0])}-T{c[1]}-{i}" for i, c in enumerate(EMULATED)]
+
+
+# the quick subset: the defaults (FMA kernels, bf16 and fp32 out) and the tensor-core kernels on the tiny preset with
+# duplicate ids; the rest (every knob family, odd shapes, the list kernel's warps) is slow
+@pytest.mark.parametrize(("shape", "tokens", "routing", "params", "fp32"), slow_except(EMULATED, EMULATED_IDS, {0, 14}))
 def test_cuda_source_emulated_on_cpu(rng: np.random.Generator, shape: Any, tokens: int, routing: Any,
                                      params: dict[str, int], fp32: bool) -> None:
     """The real kernel text: lists vs the NumPy model, out vs the reference, intermediate vs the strict kernel."""
@@ -536,9 +527,11 @@ def test_cuda_source_emulated_on_cpu(rng: np.random.Generator, shape: Any, token
         _assert_matches(got32, faithful32, oracle, f"emulated fp32 out {problem.shape.name}", own_order=own_order)
 
 
-@pytest.mark.parametrize("knobs", [{"GB_TILE": 2, "DB_TILE": 2},
-                                   {"GB_MMA": 1, "DB_MMA": 1, "DB_WARPS": 3, "DB_STAGE": 1, "DB_BALANCE": 1}],
-                         ids=["fma", "mma-staged-balanced"])
+MMA_STAGED_BALANCED = {"GB_MMA": 1, "DB_MMA": 1, "DB_WARPS": 3, "DB_STAGE": 1, "DB_BALANCE": 1}
+
+
+@pytest.mark.parametrize("knobs", [pytest.param({"GB_TILE": 2, "DB_TILE": 2}, id="fma"),
+                                   pytest.param(MMA_STAGED_BALANCED, id="mma-staged-balanced", marks=pytest.mark.slow)])
 def test_bad_ids_emulated_on_cpu(rng: np.random.Generator, knobs: dict[str, int]) -> None:
     """Out-of-range ids reach the kernels (as under capture): those tokens' rows NaN, the others exact."""
     problem = make_problem("tiny", 5, seed=_seed(rng))

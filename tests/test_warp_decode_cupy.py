@@ -53,6 +53,9 @@ from tests.warp_checks import (
     _seed,
     assert_graph_replays_bitwise,
     assert_pdl_chain_bitwise,
+    build_emulator,
+    run_emulator,
+    slow_except,
 )
 
 # ---------------------------------------------------------------------------------------------------
@@ -317,49 +320,25 @@ int main(int argc, char** argv) {
 """
 
 
-_EMULATORS: dict[str, str] = {}  # rendered kernel text -> built emulator (one build per knob set per session)
-
-
 def _emulate(problem: Problem, ids: np.ndarray | None = None, out_dtype: Any = BF16, **params: int) -> np.ndarray:
     """Run the kernels' CUDA C on the CPU (same launch geometry as the CuPy path); returns out [T, H]."""
-    import atexit
-    import shutil
-    import subprocess
     import tempfile
 
-    if shutil.which("g++") is None:
-        pytest.skip("g++ is needed for the CPU emulation of the CUDA C")
     shape = problem.shape
     dims = Dims(problem.tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
     resolved = wdc.resolve_params(dims, **params)
     gu_warps = dims.tokens * dims.top_k * -(-dims.intermediate // resolved["GU_OUTS"])
     dn_warps = dims.tokens * -(-dims.hidden // resolved["DN_OUTS"])
     f32 = int(np.dtype(out_dtype) == np.float32)
-    text = wdc.SOURCE.render(**resolved)
-    binary = _EMULATORS.get(text)
-    if binary is None:
-        build_dir = tempfile.mkdtemp(prefix="wd_emu_")
-        atexit.register(shutil.rmtree, build_dir, True)
-        with open(f"{build_dir}/kernel.cu", "w") as f:
-            f.write(text)
-        with open(f"{build_dir}/harness.cpp", "w") as f:
-            f.write(EMULATION_HARNESS)
-        build = subprocess.run(
-            ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "harness.cpp", "-o", "emu"],
-            cwd=build_dir, capture_output=True, text=True, timeout=120,
-        )
-        assert build.returncode == 0, build.stderr[-3000:]
-        binary = _EMULATORS[text] = f"{build_dir}/emu"
+    binary = build_emulator(wdc.SOURCE.render(**resolved), EMULATION_HARNESS)
     with tempfile.TemporaryDirectory() as tmp:
         problem.x.tofile(f"{tmp}/x.bin")
         problem.w13.tofile(f"{tmp}/w13.bin")
         problem.w2.tofile(f"{tmp}/w2.bin")
         np.ascontiguousarray(problem.topk_ids if ids is None else ids, np.int32).tofile(f"{tmp}/ids.bin")
         problem.topk_weights.tofile(f"{tmp}/wts.bin")
-        args = [str(v) for v in (dims.tokens, dims.hidden, dims.intermediate, dims.experts, dims.top_k, f32,
-                                 -(-gu_warps // resolved["GU_WARPS"]), -(-dn_warps // resolved["DN_WARPS"]))]
-        run = subprocess.run([binary, *args, tmp], capture_output=True, text=True, timeout=120)
-        assert run.returncode == 0, run.stderr[-3000:]
+        run_emulator(binary, dims.tokens, dims.hidden, dims.intermediate, dims.experts, dims.top_k, f32,
+                     -(-gu_warps // resolved["GU_WARPS"]), -(-dn_warps // resolved["DN_WARPS"]), tmp)
         raw = np.fromfile(f"{tmp}/out.bin", np.float32 if f32 else np.uint16)
     return raw.reshape(dims.tokens, dims.hidden) if f32 else raw.view(BF16).reshape(dims.tokens, dims.hidden)
 
@@ -376,8 +355,9 @@ EMULATED = [  # small: the emulation runs ~1 ms per warp on 2 cores
 ]
 
 
-@pytest.mark.parametrize(("shape", "tokens", "routing", "params", "fp32"), EMULATED,
-                         ids=[f"{getattr(c[0], 'name', c[0])}-T{c[1]}" for c in EMULATED])
+# the quick subset: the defaults on the tiny preset (bf16 and fp32 out) and H, I not multiples of 256; the rest slow
+@pytest.mark.parametrize(("shape", "tokens", "routing", "params", "fp32"),
+                         slow_except(EMULATED, [f"{getattr(c[0], 'name', c[0])}-T{c[1]}" for c in EMULATED], {0, 3}))
 def test_cuda_source_emulated_on_cpu(rng: np.random.Generator, shape: Any, tokens: int, routing: Any,
                                      params: dict[str, int], fp32: bool) -> None:
     """The real kernel text (index math, guards, shuffles, rounding) against the reference, on the CPU."""
@@ -632,16 +612,21 @@ GRID_SAMPLE = [
 ]
 
 
+@pytest.mark.slow
 def test_grid_sample_and_variant_grid_compile() -> None:
-    """Every knob set the GPU tests use, and the variant grid's corners, compile for sm_90 (CPU, NVRTC)."""
+    """Every knob set the GPU tests use, and the variant grid's corners, compile for sm_90 (CPU, NVRTC; two at a
+    time, NVRTC runs outside the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from kernels.compile import offline_report
     from kernels.variants import get_variant
 
     grid = get_variant("cupy:warp-decode").grid
     corners = [{k: max(v) for k, v in grid.items()}, {k: min(v) for k, v in grid.items()}]
-    for params in GRID_SAMPLE + corners:
-        resolved = wdc.resolve_params(Dims(3, 2048, 768, 128, 8), **params)
-        reports = offline_report(wdc.SOURCE, **resolved)
+    all_resolved = [wdc.resolve_params(Dims(3, 2048, 768, 128, 8), **params) for params in GRID_SAMPLE + corners]
+    with ThreadPoolExecutor(2) as pool:
+        all_reports = list(pool.map(lambda resolved: offline_report(wdc.SOURCE, **resolved), all_resolved))
+    for resolved, reports in zip(all_resolved, all_reports, strict=True):
         staged = {wdc.STAGED_DOWN} if resolved["DN_STAGED"] else set()  # compiled only when asked for
         assert {r.kernel for r in reports} == {wdc.GATE_UP, wdc.DOWN} | staged
         assert set(wdc.SOURCE.compiled_kernels(**resolved)) == {wdc.GATE_UP, wdc.DOWN} | staged

@@ -8,12 +8,17 @@ of them bitwise equal, and rel-L2 against the fp64 oracle below ``MAX_REL_L2``.
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
+import shutil
+import subprocess
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import pytest
 
 from kernels.contract import BF16
 from kernels.numerics import bf16_ulp, rel_l2
@@ -226,7 +231,7 @@ ODD_SHAPES = {
 # (block barrier, shared memory, ...) after EMULATION_PRELUDE, then '#include "kernel.cu"', then its launch
 # and main. WD_HOST_EMULATION swaps the sources' inline PTX for plain C++ (kernels/device_helpers.py).
 # ------------------------------------------------------------------------------------------------
-EMULATION_PRELUDE = r"""
+EMULATION_HEADERS = r"""
 #include <barrier>
 #include <math.h>
 #include <cstdint>
@@ -238,7 +243,8 @@ EMULATION_PRELUDE = r"""
 #include <thread>
 #include <vector>
 #include <algorithm>
-#define WD_HOST_EMULATION 1
+"""
+EMULATION_PRELUDE = EMULATION_HEADERS + r"""#define WD_HOST_EMULATION 1
 #define __global__
 #define __device__
 #define __forceinline__ inline
@@ -306,3 +312,62 @@ template <class F> void launch(long long blocks, int threads, F body) {
     for (auto& t : lanes) t.join();
 }
 """
+
+
+# ------------------------------------------------------------------------------------------------
+# Building an emulator: g++ once per (kernel text, harness, defines) per test run
+# ------------------------------------------------------------------------------------------------
+EMULATION_FLAGS = ("-std=c++20", "-O1", "-ffp-contract=off", "-pthread")
+_EMULATORS: dict[tuple[str, ...], str] = {}
+_PRECOMPILED: list[tuple[str, ...]] = []  # [g++ flags that use the precompiled EMULATION_HEADERS] once built
+
+
+def _precompiled_headers() -> tuple[str, ...]:
+    """EMULATION_HEADERS precompiled once per test run (g++ then skips parsing ~80k lines of the standard library
+    per build, ~0.5 s of 1.2); ``()`` if that fails (every build then parses the headers itself, same binary)."""
+    if not _PRECOMPILED:
+        folder = tempfile.mkdtemp(prefix="emu_pch_")
+        atexit.register(shutil.rmtree, folder, True)
+        with open(f"{folder}/emu_headers.h", "w") as f:
+            f.write(EMULATION_HEADERS)
+        command = ["g++", *EMULATION_FLAGS, "-x", "c++-header", "emu_headers.h", "-o", "emu_headers.h.gch"]
+        build = subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=300)
+        _PRECOMPILED.append(("-include", f"{folder}/emu_headers.h") if build.returncode == 0 else ())
+    return _PRECOMPILED[0]
+
+
+def build_emulator(kernel_text: str, harness: str, *defines: str) -> str:
+    """The path of the g++-built emulator: ``harness`` (which ``#include "kernel.cu"``) with ``kernel_text`` as
+    kernel.cu and ``defines`` (``-DNAME=value``) on the command line. Built once per distinct input per test run,
+    removed at exit; the test is skipped where g++ is missing."""
+    key = (kernel_text, harness, *defines)
+    binary = _EMULATORS.get(key)
+    if binary is None:
+        if shutil.which("g++") is None:
+            pytest.skip("needs g++ (to run the CUDA C on the CPU)")
+        build_dir = tempfile.mkdtemp(prefix="emu_")
+        atexit.register(shutil.rmtree, build_dir, True)
+        with open(f"{build_dir}/kernel.cu", "w") as f:
+            f.write(kernel_text)
+        with open(f"{build_dir}/harness.cpp", "w") as f:
+            f.write(harness)
+        build = subprocess.run(  # timeouts here and in run_emulator guard against hangs only (~1 s idle)
+            ["g++", *EMULATION_FLAGS, *_precompiled_headers(), *defines, "harness.cpp", "-o", "emu"],
+            cwd=build_dir, capture_output=True, text=True, timeout=300,
+        )
+        assert build.returncode == 0, build.stderr[-3000:]
+        binary = _EMULATORS[key] = f"{build_dir}/emu"
+    return binary
+
+
+def run_emulator(binary: str, *args: Any) -> None:
+    """Run a built emulator with ``args`` (its main's argv); fails the test with its stderr if it fails."""
+    run = subprocess.run([binary, *(str(a) for a in args)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def slow_except(cases: list[Any], ids: list[str], quick: set[int]) -> list[Any]:
+    """``pytest.param``s of ``cases`` (ids unchanged, so the rng fixture's seeds are too): those at the indices in
+    ``quick`` stay in the quick subset, the others are marked slow."""
+    return [pytest.param(*case, id=name, marks=() if index in quick else pytest.mark.slow)
+            for index, (case, name) in enumerate(zip(cases, ids, strict=True))]
