@@ -22,8 +22,10 @@ simulator is enabled, and on a real GPU ``cuda.shfl_xor_sync`` is Numba's intrin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 FULL_MASK = 0xFFFFFFFF
@@ -72,6 +74,30 @@ def _this_lane() -> tuple[_WarpExchange, int, int]:
                 exchanges[warp] = _WarpExchange(min(WARP, block_threads - warp * WARP))
     exchange = exchanges[warp]
     return exchange, lane, len(exchange.parity)
+
+
+@contextlib.contextmanager
+def one_cpu() -> Iterator[None]:
+    """Run the enclosed simulation with the calling thread, and the block threads it starts, on one CPU.
+
+    The simulator's threads run in lockstep through barriers and hand the GIL over at every step; across cores each
+    hand-off wakes another core, which made the same simulation 2-10x slower on two CPUs than on one (measured).
+    The calling thread's CPU set is restored afterwards; threads started before (a compile worker) keep theirs.
+    """
+    getter, setter = getattr(os, "sched_getaffinity", None), getattr(os, "sched_setaffinity", None)
+    if getter is None or setter is None:
+        yield
+        return
+    before = getter(0)
+    try:
+        setter(0, {min(before)})
+    except OSError:  # a restricted container: simulate as is
+        yield
+        return
+    try:
+        yield
+    finally:
+        setter(0, before)
 
 
 def _shuffle(mask: int, value: Any, source_of: Any) -> Any:
