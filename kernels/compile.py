@@ -392,7 +392,7 @@ def offline_report(source: CudaSource, arch: str = DEFAULT_ARCH, **defines: int)
     if not reports:
         # Newer NVRTC serves a text it has compiled before from the CUDA compute cache without running ptxas,
         # so `-Xptxas=-v` prints nothing (NVIDIA/cuda-python issue 1124; seen on the H200 image for points an
-        # earlier process had compiled). A comment unique to this call was not always enough there (session 7:
+        # earlier process had compiled). A comment unique to this call was not always enough there (2026-12-01:
         # the H200 image's NVRTC still printed nothing), so the retry also adds an empty kernel with a unique
         # name -- new PTX, a new cache key -- whose own report is dropped.
         marker = f"offline_report_{uuid.uuid4().hex}"

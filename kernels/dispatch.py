@@ -3,63 +3,32 @@
     ws = kernels.dispatch.make_workspace(dims, policy="fastest")
     out = kernels.dispatch.moe_decode(x, w13, w2, topk_ids, topk_weights, out=out, workspace=ws, policy="fastest")
 
-Paths (candidates):
+Candidates: ``"cupy:warp-decode"`` (strict: one warp per (token, slot, neuron); best when few pairs share an expert),
+``"cupy:warp-decode-batched"`` (each active expert's weights read once per batch), ``"cupy:warp-decode-mixed"``
+(batched with the FMA gate_up and the tensor-core down), ``"cupy:warp-decode-mma"`` (batched on tensor cores:
+mma.sync m16n8k16, bf16 in, FP32 accumulators -- warp decode's numerics in the tensor core's summation order, as
+close to fp64, not bitwise the FMA paths) and ``"cupy:expert-centric"`` (``kernels/expert_centric.py``: align,
+gather, grouped GEMMs, SiLU, combine; reproduces ``reference.moe_decode(mode="classical")``: four bf16 roundings,
+about 1.65x further from the fp64 oracle). The four warp-decode paths reproduce mode "warp_decode".
 
-* ``"cupy:warp-decode"``          strict warp decode: one warp per (token, slot, neuron); best when few pairs
-                                  share an expert. Reproduces ``reference.moe_decode(mode="warp_decode")``.
-* ``"cupy:warp-decode-batched"``  batched warp decode: each active expert's weights read once per batch.
-                                  Same numerics (mode "warp_decode").
-* ``"cupy:warp-decode-mixed"``    batched warp decode with the FMA gate_up and the tensor-core down (H200:
-                                  fastest at qwen3-30b T = 4 / 8, where the FMA down's short w2 rows starve it).
-* ``"cupy:warp-decode-mma"``      batched warp decode on tensor cores (``GB_MMA`` / ``DB_MMA``: mma.sync
-                                  m16n8k16, bf16 in, FP32 accumulators, one bf16 rounding of the intermediate):
-                                  warp decode's numerics with the tensor core's summation order -- as close to
-                                  fp64 as the FMA paths (same rel-L2 on the H200), not bitwise the same.
-* ``"cupy:expert-centric"``       the conventional path (``kernels/expert_centric.py``: align, gather, grouped
-                                  mma.sync GEMMs, SiLU, combine), bf16, no quantization. Reproduces
-                                  ``reference.moe_decode(mode="classical")``: bf16 GEMM outputs, four roundings,
-                                  about 1.65x further from the fp64 oracle than warp decode (README, accuracy).
+Policies (``policy=``, :data:`POLICIES`; candidates in :data:`POLICY_CANDIDATES`): ``"fastest"`` (the default), the
+fastest of the five; ``"warp_decode"``, strict / batched / mixed / MMA only, keeping warp decode's numerics.
 
-Policies (``policy=``, :data:`POLICIES`; candidates per policy in :data:`POLICY_CANDIDATES`):
+The choice depends only on the shape (H, I, E, K), T, the GPU and the policy -- never on ``topk_ids``' values -- so
+it never syncs with the host and a captured CUDA graph stays valid for any routing:
 
-* ``"fastest"`` (the default)  the fastest of the five paths.
-* ``"warp_decode"``            strict, batched, mixed or MMA only: keeps warp decode's numerics (fp32 dots, one bf16
-                               rounding of the intermediate) whatever the speed.
+1. A table measured on the GPU (``python -m tools.dispatch_table --json kernels/dispatch_tables/<slug>.json``, slug =
+   the device name lowercased with non-alphanumerics as '-', e.g. ``nvidia-h200``) holds, per shape and T in 1, 2, 4,
+   ..., 64, every candidate's median and check status; the policy's fastest candidate with status "ok" that can run
+   the dims wins. T between points uses the nearest LOWER point (below the first: the first; above the last: the
+   last). Older tables holding only a ``choice`` per point are still read (that choice if it belongs to the policy).
+2. Otherwise :func:`heuristic`: strict at T = 1 and when ``T * K <= E / 8``, the MMA path when ``T * K >= E``, else
+   batched; never the mixed or expert-centric path, never a path that cannot run the dims (:func:`batched_supported`,
+   :func:`expert_centric_supported`; strict runs everything). The H200 runs behind it: notes/FINDINGS.md.
 
-The choice depends only on the shape (H, I, E, K), T, the GPU and the policy -- never on ``topk_ids``'
-values -- so it never syncs with the host and a captured CUDA graph stays valid for any routing.
-
-1. A table measured on the GPU (``python -m tools.dispatch_table --json kernels/dispatch_tables/<slug>.json``,
-   slug = the device name lowercased with non-alphanumerics as '-', e.g. ``nvidia-h200``) holds, per shape
-   and T in 1, 2, 4, ..., 64, every candidate's median time and check status. The choice under a policy is
-   the fastest of that policy's candidates with status "ok" and a median (and that can run the dims). T
-   between table points uses the nearest LOWER point (below the first point: the first; above the last:
-   the last). Older tables whose points hold only a ``choice`` are still read: that choice is used when it
-   belongs to the policy, else the heuristic.
-2. No table for this GPU, or no entry for this shape: the heuristic :func:`heuristic` (both policies):
-
-   * strict at T = 1 and when ``T * K <= E / 8`` (few pairs, almost every expert touched once: strict reads
-     about the same bytes with one launch fewer);
-   * the MMA path when ``T * K >= E`` (one or more pairs per expert on average). Evidence: the H200 run of
-     2026-12-01 (call 2 of that session, ``notes/H200-LOG.md``): at qwen3-30b T = 16 / 32 / 64 (T*K/E = 1, 2,
-     4) the MMA path took 205 / 291 / 334 us against 211 / 333 / 524 us (batched) and 221 / 315 / 349 us
-     (expert-centric); at T = 8 (T*K/E = 0.5) batched won, 134.5 vs 142.8 us; at qwen3-235b T = 16 the two
-     batched paths tied (732 vs 735 us) and MMA won from T = 32. Other (E, K) are extrapolated from that
-     ratio, not measured. Session 4's run (``results/h200-2026-12-01-pdl-uniform.json``, 16-warp MMA down,
-     PDL) keeps the rule: MMA fastest from T = 16 on both qwen3 models, at T = 8 not (30b: mixed 127.4,
-     MMA 131.6, batched 133.4 us; 235b: batched 455.8, MMA 473.1);
-   * else batched (the heuristic never picks the mixed path: only a table does -- it won at qwen3-30b
-     T = 4 / 8 but lost to batched at qwen3-235b T = 1..8, and two shapes are too few for a rule);
-   * a path whose kernels cannot run the dims is never chosen: the batched and MMA kernels need T small
-     enough for the down kernel's shared memory and E for the list kernel (:func:`batched_supported`);
-     expert-centric needs E <= ``expert_centric.MAX_EXPERTS`` and valid tile knobs
-     (:func:`expert_centric_supported`). Strict runs everything. The heuristic never picks expert-centric:
-     it was measured slower than the MMA path at every qwen3 point from T = 8 up.
-
-Variants ``"cupy:auto"`` (policy "fastest") and ``"cupy:auto-warp-decode"`` (policy "warp_decode"):
-``build(dims)`` decides once and returns that path's launch, with ``launch.choice`` (the variant name),
-``launch.choice_source`` ("table" or "heuristic"), ``launch.policy`` and the numerics the output must match,
-``launch.reference_mode`` / ``launch.quant`` (the chosen variant's: the bench harness checks against those).
+Variants ``"cupy:auto"`` (policy "fastest") and ``"cupy:auto-warp-decode"``: ``build(dims)`` decides once and returns
+that path's launch with ``launch.choice``, ``launch.choice_source`` ("table" or "heuristic"), ``launch.policy`` and
+the chosen variant's ``launch.reference_mode`` / ``launch.quant`` (the bench harness checks against those).
 """
 
 from __future__ import annotations

@@ -24,43 +24,8 @@ e4m3 values (exact in bf16) and fp32 group scales, and the GEMM multiplies each 
 by its row's scale (so sum order differs from NumPy's sum of (q*s)*w at fp32 level only); "mxfp8" stores
 q * 2^e, which is exact in bf16, and runs the plain bf16 GEMM.
 
-Predictions (H200, ~4.5 TB/s streaming reads), qwen3-30b-a3b at T=64 (uniform routing, ~126 experts):
-  gemm_gate_up reads 126 * 2I*H*2 B = 0.79 GB -> ~190 us at 90 % of roofline; gemm_down 0.40 GB -> ~100 us;
-  align ~5 us (one block, launch-bound), gather 2 MB / quant / silu 7 MB / scatter 4 MB / combine 2 MB:
-  ~3-5 us each (launch + a few MB).  Whole path ~310-330 us (bar: <= 375 us), five of eight stages doing
-  no FLOPs but costing ~15-20 us together. At T=1 (8 experts, 75 MB) the GEMMs have only 8 tiles x N/BLOCK_N
-  blocks: ~25-35 us of GEMM + ~15-20 us for the six small launches -> ~45-60 us.
-  MEASURED (first H200 run, BLOCK_N=64 defaults, old silu): T=64 511 us (GEMMs 3.4-3.5 TB/s), T=1 75 us.
-
-Second round (changes and their predicted effect, to be checked on the H200; qwen3-30b-a3b):
-  * tiles from the dims (auto_params): T*K <= 64 -> BLOCK_N=32 / WARPS=8, else BLOCK_N=128 / WARPS=4, and
-    fuse_scatter=True: the sweep's winners (T=64 446 us, T=1 44 us, both with the old 31 us silu).
-  * silu_mul one row per block (lead's fix): 31 -> ~3-4 us.
-  * align: warp 0 ranks pairs with __match_any_sync (one pass, no atomics) and every thread places its
-    own pair, instead of a warp per expert scanning all T*K ids (E/32 x T*K/32 dependent L1 round trips):
-    T=64 9.8 -> ~5 us, T=1 3.4 -> ~3 us (launch-bound).
-  * GEMM prologue reads tile_expert only (it is -1 past the real tiles), not meta[0] then tile_expert: one
-    dependent global load (~1 us) less per block before its first weight load: 1-3 % on the GEMMs.
-  * split-K reduction: up to 24 KB of slabs, warps 1..3 store at once, one barrier instead of 2*(WARPS-1)
-    (same summation order, same bits); < 1 us per block saved at block end: ~1-2 %.
-  * PREFETCH=d (knob, default 0): prefetch.global.L2 of the weights d steps ahead, no registers held.
-    Unknown sign: helps if the step's "issue all, wait for the slowest load" leaves HBM idle; hurts if it
-    only adds L2 traffic. BLOCK_N=128 compiles to 154 registers with it (3 blocks/SM instead of 2).
-  * STAGES>=2 (knob, default 0): cp.async ring, STAGES-1 steps in flight per warp, the warp waits for the
-    oldest step only. Per-SM bytes in flight are then bounded by shared memory, e.g. BLOCK_N=64 WARPS=4
-    UNROLL=1 STAGES=4: 92 KB per block, 2 blocks/SM, ~120 KB in flight continuously. +5-15 % on the GEMMs
-    if latency x bytes in flight is the limit; nothing if HBM is already saturated by this access pattern
-    (at 3.5 TB/s and ~128 KB/SM in flight, Little gives ~4.8 us per step, far above the unloaded latency:
-    that points at the memory system's efficiency for 512 B row pieces, which no knob here changes).
-  Predicted with the defaults (STAGES=0, PREFETCH=0): T=64 ~446 - 31 + 4 - 5 - ~8 = ~405 us (bar 380 us:
-  not yet met); T=8 ~150 us; T=1 ~40 us. With a ring/prefetch point that wins the sweep: T=64 ~360-390 us.
-  MEASURED (second H200 round): register loads 429 us at T=64 (60 %); the sweep (results/sweep-ec-stages.json)
-  put BLOCK_N=64 + STAGES=2 first at 350 us, PREFETCH=2 last at 683 us (L2 prefetch instructions hurt here).
-  With that as the T*K > 64 default the bench gives T=64 349.7 us = 3.37 TB/s = 75 % of the read roofline,
-  T=32 313.7 us, T=1 40.8 us (results/h200-2026-11-30-evening.json). A diagnostic of the whole path
-  (align .. combine as graph prefixes, T=64, register loads) found gemm_down taking ~184 us inside the path
-  but 122 us alone, and gemm_gate_up + gemm_down 403 us together vs 341 us apart: something the two GEMMs
-  leave to each other (DRAM page or TLB state, not L2 residency at 1.2 GB per layer) -- not investigated.
+Tiles come from the dims (:func:`auto_params`: small T*K -> narrow, many-warp GEMM blocks; larger -> a cp.async ring);
+the predictions, the H200 sweeps that chose them and the measured times: notes/FINDINGS.md ("Expert-centric baseline").
 """
 
 from __future__ import annotations

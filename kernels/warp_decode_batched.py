@@ -3,145 +3,30 @@
 Strict warp decode (``kernels.warp_decode_cupy``) gives every (token, slot, neuron) its own warp, so an expert
 routed to n tokens has its weights streamed n times. Here the work is grouped by *expert* first:
 
-1. ``expert_lists`` (``moe_expert_lists``, one block): from ``topk_ids`` the batch's active experts in
-   ascending id, each one's offset / count into a pair list sorted by expert (pair = t*K + k, stable by pair
-   index), and the number of list slots used. Deterministic (each warp ranks its own range of pairs in pair
-   order with __match_any_sync, then exclusive prefixes over the warps), no atomics, everything between the
-   wait and the scatter in shared memory. Out-of-range ids go to one extra pseudo-expert slot (E) whose pairs
-   get NaN.
-2. ``gate_up`` (``moe_gate_up_batched``): one warp per (active expert, GB_OUTS neurons) for ALL pairs of the
-   expert: the gate/up row chunks are loaded once per round into registers, then each pair's x chunks
-   (L1 hits: the block's warps share the expert's x rows), FP32 accumulators [GB_TILE][GB_OUTS] per lane,
-   warp butterfly, ``bf16(SiLU(g) * u)`` into the [T, K, I] intermediate. Lane -> chunk map, per-lane FMA
-   order, the ``+= 0`` of ``all_loads_arrived`` and the butterfly are the strict kernel's: at equal load width
-   (GB_BYTES == strict's GU_BYTES, both 8 by default) the intermediate is BITWISE the strict kernel's.
-3. ``down`` (``moe_down_batched``): one block per DB_OUTS hidden columns for ALL tokens; its warps take the
-   list slots round-robin (fixed), read ``w2[e, h0:h0+DB_OUTS, :]`` once per tile of the expert's pairs, dot
-   with each pair's intermediate row, and add ``topk_weight * dot`` into the warp's shared-memory partial
-   [T][DB_OUTS]; the block then sums its warps' partials in warp order and writes ``out[t, h]`` once.
+1. ``expert_lists`` (``moe_expert_lists``, one block): from ``topk_ids`` the batch's active experts in ascending id,
+   each one's offset / count into a pair list sorted by expert (pair = t*K + k, stable by pair index), and the number
+   of list slots used. Deterministic (each warp ranks its own range of pairs with __match_any_sync, then exclusive
+   prefixes over the warps), no atomics, in shared memory. Out-of-range ids go to one extra pseudo-expert slot (E)
+   whose pairs get NaN.
+2. ``gate_up`` (``moe_gate_up_batched``): one warp per (active expert, GB_OUTS neurons) for ALL pairs of the expert:
+   the gate/up row chunks are loaded once per round, then each pair's x chunks (L1 hits: the block's warps share the
+   expert's x rows), FP32 accumulators per lane, warp butterfly, ``bf16(SiLU(g) * u)`` into the [T, K, I]
+   intermediate. Lane map, FMA order and butterfly are the strict kernel's: at equal load width (GB_BYTES == GU_BYTES)
+   the intermediate is BITWISE the strict kernel's.
+3. ``down`` (``moe_down_batched``): one block per DB_OUTS hidden columns for ALL tokens; its warps take the list
+   slots round-robin, read ``w2[e, h0:h0+DB_OUTS, :]`` once per tile of the expert's pairs and add ``topk_weight *
+   dot`` into the warp's shared-memory partial; the block sums its warps' partials in warp order, writes once.
 
-Tensor-core kernels (``GB_MMA`` / ``DB_MMA`` 1; variant ``cupy:warp-decode-mma``): the same ownership -- a warp
-owns 8 neurons (gate and up rows as the 16 rows of an m16n8k16 A tile) of one active expert for all its pairs,
-a down block 16 hidden columns for all tokens -- with the dots on ``mma.sync`` (bf16 products, FP32
-accumulators, the intermediate rounded once to bf16). A lane's per-pair FMAs become 2 mma per 32-wide k block,
-which is what the FMA kernels run out of at T >= 16. Not bitwise the FMA kernels (the tensor core sums 16
-products at once); as close to fp64 as they are (H200: rel-L2 2.35e-3 for both at qwen3-30b T=64). H200,
-2026-12-01, before session 4 (below): 334 us at qwen3-30b T=64 (79 % of the roofline; FMA 524 us,
-expert-centric 350 us) and 1146 us at qwen3-235b T=64 (92 %). Under Zipf routing a hot expert's pairs run 8
-per pass inside one warp per row group, and the expert-centric path wins at T >= 32.
+Tensor-core kernels (``GB_MMA`` / ``DB_MMA``: ``cupy:warp-decode-mma``; ``cupy:warp-decode-mixed`` = FMA gate_up +
+tensor-core down): the same ownership -- a warp owns 8 neurons (gate and up rows as the 16 rows of an m16n8k16 A tile)
+of one active expert for all its pairs, a down block 16 hidden columns -- with the dots on ``mma.sync`` (bf16
+products, FP32 accumulators), which is what the FMA kernels run out of at T >= 16. Not bitwise the FMA kernels.
 
-Everything is sized from (T, K, E) only: S = min(E, T*K) + 1 list slots, gate_up grid S * ceil(I /
-(GB_WARPS*GB_OUTS)) blocks (blocks past the used slots exit at once), down grid ceil(H / DB_OUTS) blocks.
-No host sync, no allocation per call: CUDA-graph capturable. Bitwise deterministic run to run.
-
-Numerics = ``reference.moe_decode(mode="warp_decode")``: fp32 dots, the intermediate rounded once to bf16,
-fp32 weighted sum, one final rounding. The sum order over a token's K slots differs from the reference (by
-warp, then by expert id), so the output is within ~1 bf16 ulp, mostly bitwise.
-
-Traffic per layer (bf16; n = pairs per active expert; L2 = bytes served by L1/L2, not HBM):
-
-* gate_up: HBM = active * 2*I*H*2 B (once per GB_TILE pairs). x reads: each warp reads n rows of x per
-  GB_OUTS neurons -> x bytes / weight bytes = n / (2 * GB_OUTS); the block's GB_WARPS warps share them
-  in L1, so L2 sees at most ~n / (2 * GB_OUTS * GB_WARPS) of the weight bytes (qwen3-30b T=64, n ~ 4:
-  <= 0.25x = ~200 MB, L1 traffic ~1x).
-* down: HBM = active * H*I*2 B. Each block reads the intermediate row of every pair once per DB_OUTS
-  columns: intermediate bytes / weight bytes = n / DB_OUTS (qwen3-30b T=64, DB_OUTS 4: ~1x = 400 MB of
-  L1/L2 reads; the intermediate itself, T*K*I*2 = 786 KB, stays L2-resident).
-* expert_lists: a few KB; one block: one load latency for the ids, T*K/LIST_THREADS match steps per warp
-  (~240 ns each on the H200), a shuffle scan over the experts, one scatter -- 1.5-2.3 us standalone at T = 1..64
-  (session 5; 1.9-5.6 us when warp 0 ranked all pairs and the ranks went through global memory).
-
-Predictions (H200; streaming-read roofline 4.5 TB/s on unique weight bytes; uniform routing, so
-E[active] = E * (1 - (1 - K/E)**T); gate_up moves 2/3 of the bytes, down 1/3; expert_lists ~2-3 us and each
-kernel boundary ~1-2 us of ramp-up / tail on top):
-
-    qwen3-30b-a3b (expert 9.44 MB)   T   active   bytes     gate_up   down     100 %     expected (% of roofline)
-                                     1     8.0    75.5 MB    11.2 us   5.6 us   16.8 us  ~24 us (70 %): strict wins
-                                     4    29.1   275 MB      40.7      20.4     61.1     ~69 us (88 %)
-                                     8    51.6   487 MB      72.2      36.1    108.3     ~118 us (92 %)
-                                    32   111.8   1.05 GB    156.3      78.1    234.4     ~252 us (93 %)
-                                    64   125.9   1.19 GB    176.1      88.0    264.1     ~283 us (93 %)
-    qwen3-235b-a22b (expert 37.7 MB) 1     8.0   302 MB      44.7      22.4     67.1     ~75 us (89 %): strict ~ equal
-                                     8    51.6   1.95 GB    288.7     144.3    433.0     ~460 us (94 %)
-                                    64   125.9   4.75 GB    704.3     352.2   1056.5     ~1.11 ms (95 %)
-
-Occupancy of the defaults (sm_90, offline report; session 3, when the FMA down ran 8 warps per block): gate_up
-72-124 registers (GB_TILE 1-8) -> 16-24 warps per SM, 2*GB_OUTS*GB_UNROLL = 16 loads of 8 B = 128 B in flight
-per lane (64-96 KB per SM); down 93-126 registers x 8 warps -> 16 warps per SM with 128 B (DB_TILE <= 4) or
-64 B (DB_TILE 8) of w2 in flight per lane plus the tile's intermediate chunks (DB_EARLY_INTER). The risk is down
-at T >= 32 (32 KB of w2 per SM in flight): DB_OUTS / DB_UNROLL / DB_WARPS are in the sweep grid.
-
-Knobs (:data:`DEFAULTS`; 0 = chosen from the dims by :func:`resolve_params`): LIST_THREADS, LIST_PER;
-GB_WARPS / GB_OUTS / GB_TILE / GB_UNROLL / GB_BYTES / GB_MAX_REGS / GB_PIPE for gate_up; DB_* likewise for
-down. The auto rules (:func:`auto_tile`, :func:`auto_down_tile`, :func:`auto_down_unroll`, GB_UNROLL 2 at
-tile 4) come from the H200 sweep of session 3 (results/sweep-batched-*.json): they gain 3-5 % over the
-previous rules at T = 16-64 and leave T <= 8 as it was.
-
-Session 4 (H200, 2026-12-01 02:20-03:00 UTC; results/sweep-batched-{pdl,early-w2}-*.json, the bench run
-results/h200-2026-12-01-pdl-uniform.json):
-
-* PDL (knob ``PDL``, on from sm_90): all three kernels launch with programmatic serialization. Each waits
-  (griddepcontrol.wait) before reading what the kernel right before it wrote -- through ``ld_dep``, which the
-  compiler cannot hoist above the wait -- then releases the next kernel; down reads the lists (two kernels
-  back) before its wait. A six-layer chain test with a routing per layer and one shared poisoned workspace
-  replays bitwise equal to PDL=0 (tests). About 1-2 us per layer.
-* The tensor-core down kernel with 16 warps per block (auto ``DB_WARPS``: :data:`MMA_DOWN_WARPS` with
-  ``DB_MMA``; its FP32 partials opt into up to 227 KB of shared memory): qwen3-30b T=32 292.6 -> 268.8 us,
-  T=64 334.0 -> 301.6 us. With one block per SM (H/16 = 128 blocks at qwen3-30b) 8 warps leave too few bytes
-  in flight. With PDL, 8-warp blocks got slower still (358.7 vs 324.5 us at T=64): plausibly two of them
-  land on one SM while gate_up drains (not verified); a 16-warp block fills an SM's registers.
-* ``DB_EARLY_W2`` (the MMA down's first A loads before its PDL wait): 0.5-3 %; part of :data:`MMA_KNOBS`.
-* The mixed path (FMA gate_up + tensor-core down, :data:`MIXED_KNOBS`, ``cupy:warp-decode-mixed``): fastest at
-  qwen3-30b T = 4 / 8 (65.3 / 127.4 us vs 71.6 / 133.4 batched), where the FMA down's short w2 rows (I = 768:
-  three 16-byte chunks per lane) leave its warps starved.
-* Measured and removed: a bulk L2 prefetch of each down warp's first / next expert's w2 block (1-20 % slower
-  everywhere). Measured, not adopted: DB_WARPS 24 with DB_MAX_REGS 0 on the MMA down (one sweep,
-  results/sweep-mma-dbwarps-*.json: -2.3 / -1.7 % at qwen3-30b T = 32 / 64, +1.3 % at qwen3-235b T = 16;
-  not re-benched); and DB_WARPS 16 with DB_MAX_REGS 0 or 80 is 1-16 % SLOWER than at the 128 cap -- the
-  register allocation moves the loads, so check the SASS before trusting a register knob.
-
-Session 5 (H200, 2026-12-01 04:13-04:48 UTC; results/sweep-split-*.json, sweep-*-t4.json, sweep-mma-30b-t64.json,
-the bench run results/h200-2026-12-01-s5-final-uniform.json):
-
-* The list kernel in shared memory with warp-parallel ranks (above).
-* Auto DB_WARPS: the tensor-core down runs 24 warps from T = 32 (:func:`auto_down_warps`), the FMA down 4 (from
-  8); the tensor-core gate_up takes 2 blocks of 8 pairs per pass once experts average 4 pairs
-  (:func:`auto_nblk`). With them: qwen3-235b T = 4 / 8 236.6 / 455.8 -> 227.9 / 441.9 us (batched), qwen3-30b
-  T = 32 / 64 268.8 / 301.6 -> 260.8 / 289.6 us (MMA); under Zipf the MMA path's deficit to the expert-centric
-  one at T = 64 fell from 30 / 21 % to 8 / 4 % (qwen3-30b / 235b).
-* ``DB_SPLIT`` (tensor-core down: a list slot's k range split over a group of warps, so that e.g. 50 experts
-  on 16 warps do not leave two warps running a fourth expert alone): measured 1..8 at both models, T = 4..64.
-  No gain at the best paths (+-1 %; split 4 is 4 % faster for the mixed path at qwen3-235b T = 8, where the
-  FMA path is faster still; 2-12 % slower at larger splits): a warp's per-slot start costs about what the
-  balance saves. A version that picked the split on the device from the slots used was 1-3 % slower than the
-  same split fixed, and was dropped; the knob stays, 1 by default (bitwise the unsplit kernel, same SASS).
-
-Session 6 (H200, 2026-12-01 05:48-06:16 UTC; results/sweep-stage-*.json, the same-machine A/B runs
-results/ab-s6-*.json, the bench run results/h200-2026-12-01-s6-uniform.json):
-
-* The gate_up kernels read their list slot (used, expert, count, offset) in ONE round trip -- the exit test reads
-  all four, so ptxas no longer sinks three loads below it -- and the pair ids as int: ``p / top_k`` on a 64-bit
-  id had compiled to a division call between the tile's two pair-id loads, serialising them. FMA gate_up 1-6 %
-  faster (qwen3-30b T = 64: 315.6 -> 295.5 us for the kernel); the tensor-core gate_up within 0.7 %.
-* ``DB_BALANCE`` (tensor-core down): the (slot, 32-wide k block) items, slot-major, cut into DB_WARPS equal runs, so
-  every warp streams the same bytes (runs start and end inside slots). Auto (-1 in the tensor-core knob sets,
-  :func:`auto_balance`): on where a round-robin of whole experts leaves the last round < 85 % full -- qwen3 T = 8,
-  down 44.1 -> 40.2 us; 0-1 % slower at the fuller points, so off there.
-* ``DB_STAGE`` (the lists and routing weights copied into the down block's shared memory first): 1 % faster at
-  T = 4 / 16, 1-3 % slower at T = 32 / 64 (the copy delays the first w2 loads; the per-slot list reads were L1
-  hits already). A knob, off.
-* Measured and reverted: issuing the first round's weight loads before the tile's pair ids (FMA gate_up) and
-  rotating the tensor-core k loop so each round's A loads precede its columns. 5-25 % SLOWER at every point, with
-  15-25 more registers per thread (fewer gate_up blocks per SM).
-* A diagnostic (notes/diag_session6.py, results/diag-s6.json): without the list kernel in the timed graph the
-  layer is 0.6 / 0.6 / 2.0 us faster at qwen3-30b T = 8 / 32 / 64 -- the most that folding it into gate_up could
-  gain.
-
-Measured and left off (H200, results/sweep-batched-*.json): GB_PIPE / DB_PIPE, software pipelining that
-keeps the next round's (down: the next step's, across experts) loads in flight during this round's FMAs.
-Both are SLOWER at every swept point (down 5-10 %, gate_up 10-60 %): holding two rounds of registers costs
-spills or fewer loads per round under the 128-register cap, and the 16 resident warps per SM already overlap
-one warp's FMAs with the others' loads. Kept as knobs, bitwise equal to the plain loops (tests).
+Sized from (T, K, E) only: S = min(E, T*K) + 1 list slots, gate_up grid S * ceil(I / (GB_WARPS*GB_OUTS)) blocks
+(those past the used slots exit at once), down grid ceil(H / DB_OUTS). No host sync, no allocation per call: CUDA-graph
+capturable, bitwise deterministic. Numerics = ``reference.moe_decode(mode="warp_decode")`` up to the sum order over a
+token's K slots (by warp, then by expert id): within ~1 bf16 ulp, mostly bitwise. Knobs: :data:`DEFAULTS` (0 = chosen
+by :func:`resolve_params`); the measurements behind them: notes/FINDINGS.md ("Batched warp decode"), PROTOTYPES.md.
 """
 
 from __future__ import annotations
@@ -287,7 +172,7 @@ def auto_balance(dims: Dims | None, params: dict[str, int]) -> int:
     """DB_BALANCE for the tensor-core down (DB_SPLIT 1): 1 when dealing the expected active experts
     (E * (1 - (1 - K/E)**T), at most T*K) round-robin to DB_WARPS warps leaves the last round less than
     :data:`BALANCE_BELOW` full on average (mean / ceil(mean) experts per warp), else 0. H200 sweeps
-    (results/sweep-stage-*.json, session 6): at qwen3-30b T = 8 (51.6 experts on 16 warps: 3.2 per warp, 80 %)
+    (results/sweep-stage-*.json, 2026-12-01): at qwen3-30b T = 8 (51.6 experts on 16 warps: 3.2 per warp, 80 %)
     the balanced runs are 3 % faster (mixed 125.0 -> 120.9 us, MMA 133.3 -> 129.4); at 87.5 % or fuller (T = 4:
     1.8 per warp, 90 %; T = 16: 5.0; T = 32 / 64 on 24 warps: 4.7 / 5.2, 93 / 87.5 %) they are 0-1 % slower.
     T = 1 (8 experts on 16 warps, 50 %) takes them too; not measured apart (strict is the fastest path there)."""

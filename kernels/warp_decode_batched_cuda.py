@@ -902,7 +902,7 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
 // The tensor-core down's view of the routing lists: the slot arrays, the sorted pairs and the routing weights,
 // in global memory or (DB_STAGE 1) staged in the block's shared memory behind the partials -- one round trip at
 // the start instead of dependent loads (slot -> pairs -> weights) at every slot a warp takes. Measured (H200,
-// session 6): the per-slot loads are L1 hits already and the copy delays the first w2 loads, so DB_STAGE is off.
+// 2026-12-01): the per-slot loads are L1 hits already and the copy delays the first w2 loads, so DB_STAGE is off.
 // ------------------------------------------------------------------------------------------------
 #if DB_STAGE
 #define DOWN_LIST_LD(ptr) (*(ptr))                                   // shared memory

@@ -20,58 +20,10 @@ whatever the unroll). ``all_loads_arrived`` folds every loaded word into a zero 
 or the intermediate addresses (down) depend on, so all of a round's weight loads are issued before the first
 FMA -- checked in the SASS (nvdisasm) of the defaults: gate_up issues 8 LDG.64 then FMAs, down 12 LDG.128.
 
-Defaults (``DEFAULTS``) and why. First version (reasoned, for qwen3-30b-a3b T = 1): gate_up 4 warps /
-block, 8-byte loads, GU_UNROLL 4 (40 registers, all 6144 warps resident in one wave); down DN_SLOTS 4 x
-DN_UNROLL 3 = 12 x 16 B loads per lane at <= 128 registers. Then measured on the H200 (tools.sweep, T = 1,
-decode-step graphs; results/sweep-gu-*.json, results/sweep-dn-*.json), and changed to what won there:
-
-* gate_up: GU_UNROLL 8, GU_WARPS 2 (16 x 8-byte loads per lane in flight): qwen3-30b-a3b 28.5 us vs 29.5,
-  qwen3-235b-a22b 81.8 vs 84.8 (the other kernel at its old default in both sweeps).
-* down: DN_SLOTS 4 x DN_UNROLL 1 (4 x 16 B per lane, 64 registers, 32 warps / SM): 28.0 vs 29.5 and 81.3
-  vs 92.7 -- occupancy beat a deeper queue of loads per warp (see ``_auto_down``).
-
-Predictions before measuring (H200, streaming-read roofline ~4.5 TB/s, T = 1, uniform routing):
-
-    qwen3-30b-a3b    gate_up 8 x 2*768*2048*2 B = 50.3 MB -> 11.2 us;  down 8 x 2048*768*2 B = 25.2 MB -> 5.6 us
-                     both 75.5 MB -> 16.8 us at 100 %; expected ~19-21 us (80-88 %)
-    qwen3-235b-a22b  gate_up 201 MB -> 44.7 us;  down 101 MB -> 22.4 us;  both 302 MB -> 67 us at 100 %;
-                     expected ~72-77 us (87-93 %)
-
-Measured (H200, old defaults): 27.5 us (60 %) and 82.9 us (80 %): each kernel loses more to ramp-up and
-tail than predicted (gate_up alone moves 50 MB in 15.8 us = 3.2 TB/s). PDL=1 (programmatic dependent
-launch, prototypes/warp_decode_pdl.py) saves a further 1.4-2 us per layer at T = 1.
-
-Second round (same day, tools.sweep then the bench; JSON under results/):
-
-* The down kernel paid a DRAM latency and then an L2 latency per round (the intermediate loads waited for
-  the w2 loads). DN_EARLY_INTER=1 issues them in the same batch: qwen3-235b T = 1 78.9 -> 76.7 us (PDL=0),
-  qwen3-30b T = 8 166 -> 141 us (sweep-dn-*-early-inter.json).
-* PDL is on by default (sm_90+; ``for_device`` turns it off before): -2.0 to -2.1 us per layer at T = 1.
-  Turning it on exposed a race that the tests then caught on the H200: the compiler hoisted the
-  intermediate's ``__ldg`` loads above ``griddepcontrol.wait`` (seen in the SASS: LDG.E.128.CONSTANT before
-  ACQBULK). Loads of the previous kernel's output now go through ``ld_dep`` (a volatile asm load), and a GPU
-  test replays a six-layer chain, each layer reading the last one's output, 20 times against PDL=0.
-* One-wave down grids (T x H <= 2048 warps) load 8 slots per round in one-warp blocks (``_auto_down``).
-* Measured and left off: bulk L2 prefetch of the owned rows (GU_PREFETCH / DN_PREFETCH: 1-15 us slower) and
-  cp.async.bulk of each warp's w2 rows into shared memory (DN_BULK: 27 vs 23 us at qwen3-30b T = 1).
-
-Final (results/h200-2026-11-30-final.json): qwen3-30b-a3b T = 1 22.0 us (3.43 TB/s, 76 % of the 4.49 TB/s
-read roofline measured in that run; gate_up ~14 us, down ~9.7 us alone), qwen3-235b-a22b T = 1 74.2 us
-(4.07 TB/s, 91 %).
-
-Session 7 (H200, 2026-12-01; results/sweep-staged-*-30b-t1.json, diag-s7-staged-*.json, diag-staged-probe*.json):
-``DN_STAGED=1`` (``moe_down_3d_staged``, off by default) tried to hide the down behind gate_up at T = 1, where one
-kernel could read the layer's 75.5 MB in 18.2 us but two take 21.8 (results/diag-s6.json). Each block (one per SM)
-copies its whole w2 share (qwen3-30b-a3b: 8 slots x 16 rows, 192 KiB) into shared memory BEFORE the PDL wait, and
-gate_up asks for the maximum shared-memory carveout so the block can sit beside gate_up's warps; after the wait
-only the intermediate is read and the dots run on tensor cores. Measured, it loses everywhere: the best staged layer
-is 24.1 us against 22.0 for the plain down (48-point sweep over gate_up's loads and DN_WARPS). The staged down alone
-takes 11.2 us against 9.0 -- 3.3 us of it with neither copies nor dots (a 217 KB block launches only on an empty
-SM) -- and in the layer only ~2 us of it hides behind gate_up; the carveout also costs gate_up ~0.8 us. On the way:
-the copy engine (cp.async.bulk, per slot or per row) was no faster than cp.async; and a runtime-indexed pair of
-accumulators went to local memory (a 48-byte stack frame) and made the tensor-core tail 8 us -- tools.sweep now
-shows stack bytes beside spills. A single persistent kernel (notes/PROTOTYPES.md, "Open") remains the way to the
-one-kernel floor.
+With PDL (on from sm_90) down's blocks start while gate_up drains; loads of gate_up's output go through
+``ld_dep`` (a volatile asm load the compiler cannot hoist above ``griddepcontrol.wait``). ``DN_STAGED`` (off) is a
+down that copies its w2 share into shared memory before that wait. The defaults (``DEFAULTS``, ``_auto_down``) are
+what won the H200 sweeps; the predictions, sweeps and final numbers: notes/FINDINGS.md ("Strict warp decode").
 """
 
 from __future__ import annotations

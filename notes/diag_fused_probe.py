@@ -1,4 +1,4 @@
-"""One-off H200 probe of session 8 (2026-12-01): where do the fused kernel's microseconds go?
+"""One-off H200 probe (2026-12-01, ~11:20 UTC): where do the fused kernel's microseconds go?
 
 Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_fused_probe.py`` (writes
 ``$OUT/diag_fused_probe.json``).
@@ -47,8 +47,8 @@ PROBES: dict[str, tuple[list[tuple[str, str]], bool]] = {   # name: (edits, smal
 }
 
 
-# session 8, call 2: the first two sets (results/diag-s8-fused-probe.json); call 5: the FU_COOP 0 set (the copy
-# edits only touch FU_COPY 0's cp.async, so the probe keeps FU_COPY 0)
+# 2026-12-01 ~11:20 UTC: the first two sets (results/diag-2026-12-01-fused-probe.json); the rerun after the knob sweep
+# (~11:30 UTC): the FU_COOP 0 sets (the copy edits only touch FU_COPY 0's cp.async, so the probe keeps FU_COPY 0)
 KNOB_SETS = [{"FU_WARPS": 24, "FU_UNROLL": 4, "FU_BYTES": 16}, {"FU_WARPS": 32, "FU_UNROLL": 4, "FU_BYTES": 8},
              {"FU_COOP": 0}, {"FU_COOP": 0, "FU_TAIL": 1}]
 if os.environ.get("PROBE_SETS"):  # e.g. PROBE_SETS=2,3

@@ -1,4 +1,4 @@
-"""One-off H200 diagnostic of session 6: how fast can ANY kernel read a decode layer's weight bytes once?
+"""One-off H200 diagnostic (2026-12-01, ~06:20 UTC): how fast can ANY kernel read a decode layer's weight bytes once?
 
 Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_small_reads.py`` (writes
 ``$OUT/diag_small_reads.json``; committed as results/diag-small-reads.json).

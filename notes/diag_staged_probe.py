@@ -1,4 +1,4 @@
-"""One-off H200 probe of session 7 (2026-12-01): where do the staged down's 15 us go? (results/diag-staged-probe.json)
+"""One-off H200 probe (2026-12-01, ~09:50 UTC): where do the staged down's 15 us go? (results/diag-staged-probe.json)
 
 Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_staged_probe.py`` (writes
 ``$OUT/diag_staged_probe.json``).

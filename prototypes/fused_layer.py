@@ -1,74 +1,32 @@
 """Prototype: fused warp decode -- the whole MoE layer in ONE persistent kernel (gate_up, grid barrier, down).
 
-Hypothesis. At T = 1 two kernels cannot reach the memory roofline: qwen3-30b-a3b's layer is 75.5 MB (50.3 MB of
-w13, 25.2 MB of w2); one plain kernel reads that many bytes in 18.2 us on the H200 (results/diag-small-reads.json),
-gate_up then down (even overlapped by PDL) read them in 21.8 us (results/diag-s6.json), strict warp decode takes
-21.9 us. The down's BYTES do not depend on gate_up -- only its dots do -- so one kernel can read both at once:
+Hypothesis. At T = 1 two kernels cannot reach the memory roofline: one plain kernel reads qwen3-30b-a3b's 75.5 MB
+layer in 18.2 us on the H200 (results/diag-small-reads.json), gate_up then down in 21.8 us even with PDL
+(results/diag-2026-12-01-list-cost-layer-reads.json). The down's BYTES do not depend on gate_up -- only its dots do:
 
-1. one block per SM, all resident together (cooperative launch, occupancy-checked grid); block b owns hidden rows
-   ``h0 = b * FU_ROWS .. h0 + FU_ROWS - 1`` and first asks for ``w2[e, h0 + r, :]`` of every (token, slot) pair
-   with ``cp.async`` into padded shared-memory rows (~200 KB a block), which land while ...
-2. ... its warps run gate_up as strict warp decode does (one warp per (pair, neuron), items in a grid stride over
-   all ``SMs x FU_WARPS`` warps; the strict kernel's lane chunk map, FP32 accumulators and shuffle sum) into the
-   [T, K, I] workspace;
+1. one block per SM, all resident (cooperative launch, occupancy-checked grid); block b owns hidden rows
+   ``h0 = b * FU_ROWS ..`` and first asks for ``w2[e, h0 + r, :]`` of every (token, slot) pair with ``cp.async``
+   into padded shared-memory rows (~200 KB a block), which land while ...
+2. ... its warps run gate_up as strict warp decode does (one warp per (pair, neuron), a grid stride over all
+   ``SMs x FU_WARPS`` warps) into the [T, K, I] workspace;
 3. a grid barrier (fence, an arrive counter in the workspace, reset by the last block through);
-4. the down from shared memory on tensor cores: the intermediate copied in from L2, ``mma.sync`` of the staged w2
-   rows with each pair's intermediate row, weighted partials summed per (token, row) in a fixed order, one write.
+4. the down from shared memory on tensor cores, weighted partials summed per (token, row) in a fixed order.
 
-Eligible only where ``T x K x FU_ROWS`` padded w2 rows and the intermediate fit in 227 KB a block (qwen3-30b-a3b
-at T = 1; not T = 2, not qwen3-235b-a22b: :func:`fused_supported`, the variant's ``supports``). No atomics on data.
+Eligible only where ``T x K x FU_ROWS`` padded w2 rows and the intermediate fit in 227 KB a block
+(:func:`fused_supported`, the variant's ``supports``): qwen3-30b-a3b at T = 1; not T = 2, not qwen3-235b-a22b
+(786 KB of w2 a block; not measured). No atomics on data.
 
-Prediction with arithmetic. Phase 1 reads 75.5 MB with ~24-32 warps and ~200 KB of cp.async per SM in flight: at
-the plain read's 4.15 TB/s, 18.2 us; the barrier ~1 us (one L2 round trip per arrival and per poll); the tail reads
-~200 KB of shared memory per SM (~0.8 us at 128 B/clock) plus one L2 latency for the intermediate: ~19.5-20.5 us,
-against the 85 % bar's 19.4 us.
+Prediction: 18.2 us of reads + ~1 us barrier + ~0.8 us tail = ~19.5-20.5 us, against the 85 % bar's 19.4 us.
 
-Result on the H200 (2026-12-01, NVIDIA H200, cupy-cuda13x; results/sweep-proto-fused-layer-30b-t1.json, 18 points
-of FU_WARPS x FU_UNROLL x FU_BYTES, decode-step graphs, weights rotated past 3x L2; strict in the same session
-results/sweep-s8-strict-30b-t1.json: 21.88 us, 75 %). The GPU tests (tests/test_prototypes_fused.py: references,
-NaN poison, every routing, bad ids, 100 barriers per graph, a PDL chain) pass; it is slower everywhere:
+Result on the H200 (2026-12-01, qwen3-30b-a3b T = 1): 25.76 us at best over 18 points (strict 21.88 in the same
+run); 24.68-25.77 us over FU_COPY / FU_TAIL / FU_COOP; 24.81 us at the defaults after the staged-tail refactor. The
+probe (notes/diag_fused_probe.py): the w2 copies add ~6 us (not hidden behind gate_up), barrier + tail ~4.5 us of
+latency chains. The GPU tests pass (references, NaN poison, every routing, bad ids, 100 barriers per graph, a PDL
+chain). Tables: notes/PROTOTYPES.md ("Fused layer").
 
-    FU_WARPS  FU_UNROLL  FU_BYTES   registers  spills   T = 1 us   % roof
-    24        4          16         80         0        25.76      64
-    16        8          16         128        0        26.05      63
-    24        6 / 8 / 4  8          80         0        26.3-26.4  63
-    32        4          8          64         0        28.34      58
-    32        4          16         64         80       31.89      52     (spilling points: 32-60 us)
-
-Where the time goes (notes/diag_fused_probe.py, results/diag-s8-fused-probe.json: graphs of 16 layers on disjoint
-expert sets; edited copies of the kernel, 24 warps x 4 x 16 B): the kernel 25.9 us; its gate_up phase alone 14.3 us
-with a small shared-memory request and 15.0 us with the kernel's 219 KB (the carveout leaves L1 ~30 KB for the
-loads in flight: +0.7 us); + the w2 copies and the barrier 22.8 us, so the copies add ~6 us -- at HBM speed, not
-hidden behind gate_up's loads; + the tail 25.9 (3.1 us: one L2 latency for the intermediate, the shared-memory
-dots, a serial sum of 24 partials); the barrier alone (no work) 2.5 us per launch including the launch itself.
-Strict warp decode in the same runs: 22.1 us, its gate_up alone 14.2.
-
-Then three knobs for the three suspects (results/sweep-proto-fused-layer-knobs-30b-t1.json, the same 8 points
-each checked against the references; probe rerun in results/diag-s8-fused-probe.json, "call5" rows):
-
-    FU_COPY (w2 by)        FU_TAIL (down dots)          FU_COOP   T = 1 us
-    0 cp.async             0 tensor cores, k parts      0 / 1     24.68 / 24.74
-    1 copy engine          0                            1 / 0     25.17 / 25.18
-    0                      1 one warp a row, FMA        1 / 0     25.36 / 25.40
-    1                      1                            0 / 1     25.77 / 25.77
-
-The cooperative attribute costs nothing (the barrier-only kernel: 2.52 vs 2.53 us a launch); the copy engine's
-requests overlap no better than cp.async; one warp per row (16 of 24 warps busy, no partial sums) is 0.6 us slower
-than the tensor-core items. The same default point measured 25.76 us in the first sweep and 24.74 in this one.
-
-Conclusion. Negative at its only eligible point: ~24.7-25.8 us against strict's 21.9. What the probe pins down:
-the barrier and the tail after it cost ~4.5 us (no copies: 19.6 us against 15.1 for the gate_up phase alone), and
-the copies are not hidden behind gate_up's loads. Those are latency chains (a poll of the arrive counter, one L2
-round trip for the intermediate, the dots, the sums), not bandwidth, so finer-grained dataflow (per-slot flags
-instead of one barrier) would still leave the last slot's chain after the last gate_up item. The 85 % bar at T = 1
-(19.4 us) is below the two-kernel read floor (21.8 us) and, by these measurements, out of reach of one kernel too:
-gate_up's phase alone plus this kernel's fixed costs is already 19.6 us. It stays here, tested (GPU tests pass:
-references, poison, every routing, bad ids, 100 barriers per graph, a PDL chain), as the measured record of the
-one-kernel design; strict warp decode stays the T = 1 path. Kept in the library from this experiment:
-``launch_ex(..., cooperative=True)``, ``kernels.compile.max_active_blocks`` and ``Variant.supports`` (the harness
-records "unsupported" for dims a variant cannot run).
-
-qwen3-235b-a22b: not eligible (8 slots x 32 rows x 3 KB = 786 KB of w2 a block), not measured.
+Conclusion: negative at its only eligible point; kept as the tested record of the one-kernel design, strict warp
+decode stays the T = 1 path. Results: results/sweep-proto-fused-layer-30b-t1.json, -knobs-30b-t1.json,
+-after-mend.json, results/sweep-2026-12-01-strict-30b-t1.json, results/diag-2026-12-01-fused-probe.json.
 """
 
 from __future__ import annotations

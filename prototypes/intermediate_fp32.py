@@ -1,78 +1,30 @@
 """Prototype: warp decode with an FP32 [T, K, I] intermediate instead of the bf16 one (``INTER_F32``).
 
-Hypothesis. The bf16 intermediate is warp decode's only rounding besides the output's: SiLU(g) * u is rounded
-to 8 mantissa bits before down reads it. Keeping it in fp32 (``INTER_F32=1``: not rounded, down reads it with
-16-byte loads of 4 floats, two per 16-byte w2 chunk) removes that error at the price of a 2x bigger
-intermediate (T * K * I * 4 bytes written by gate_up and read by down instead of * 2) and twice the
-intermediate load instructions in down. At decode the intermediate is tiny next to the weights, so the bytes
-cost should be invisible and the accuracy gain free.
+Hypothesis. The bf16 intermediate is warp decode's only rounding besides the output's. Keeping it in fp32
+(``INTER_F32=1``: down reads it with 16-byte loads of 4 floats, two per 16-byte w2 chunk) removes that error at the
+price of a 2x bigger intermediate and twice the intermediate load instructions in down. At decode the intermediate
+is tiny next to the weights (< 0.05 % of the bytes, and L2-resident), so the cost should be invisible.
 
-Prediction with arithmetic (H200, streaming-read roofline ~4.5 TB/s; strict defaults measured 25 us (qwen3-30b-a3b)
-and 78 us (qwen3-235b-a22b) per layer at T = 1):
+Prediction: INTER_F32 1 vs 0 within noise (< 1 %); down 47 -> 59 registers (offline), a second-order occupancy cost;
+rel-L2 vs fp64 down by ~sqrt(2) (NumPy: 2.3e-3 -> 1.66e-3, -28 %).
 
-    intermediate bytes (written + read)      bf16           fp32          weights read     extra / weights
-    qwen3-30b-a3b    T=1  8 x 768            2 x 12.3 KB    2 x 24.6 KB   75.5 MB          0.03 %
-                     T=8  64 x 768           2 x 98 KB      2 x 197 KB    ~487 MB (51.6 experts)  0.04 %
-    qwen3-235b-a22b  T=1  8 x 1536           2 x 24.6 KB    2 x 49 KB     302 MB           0.02 %
-                     T=8  64 x 1536          2 x 197 KB     2 x 393 KB    ~1.95 GB         0.02 %
+This pair is written for the comparison, with the strict kernel's summation order at ``GU_BYTES=8, DN_SLOTS=1``:
+``INTER_F32=0`` is bitwise ``cupy:warp-decode`` built with ``GU_BYTES=8, DN_SLOTS=1, DN_UNROLL=<same>`` (GPU test).
+Accuracy rule for INTER_F32=1 (tests/test_prototypes_mapping.py): the harness checks it against
+``reference.moe_decode(mode="warp_decode")`` within ``TOLERANCES`` (it differs by about one rounding of the
+intermediate); on the GPU it is compared with a NumPy fp32-intermediate reference by the strict kernel's rule and
+must be closer to fp64 than INTER_F32=0 on the same problem.
 
-The intermediate stays in L2 between the kernels, so even those bytes are L2 traffic, not HBM: predicted time
-difference INTER_F32 1 vs 0 within noise (< 1 %, i.e. < 0.3 us at 30b T=1, < 0.8 us at 235b T=1). The one
-real cost is down's issue slots and registers: per 16-byte w2 chunk it loads 32 bytes of fp32 intermediate (2
-loads, 8 registers) instead of 16 (1 load, 4 registers); with DN_UNROLL 3 that is 12 more registers per lane:
-the offline report (sm_90) gives down 47 -> 59 registers (40 -> 32 resident warps per SM with 4-warp blocks;
-gate_up 64 in both), so a second-order occupancy cost on top of the bytes.
-Accuracy (NumPy, tests/test_prototypes_mapping.py): the bf16 intermediate adds an error about as large as the final
-output rounding, so rel-L2 vs fp64 should drop by ~sqrt(2). Measured in NumPy (random-normal problems, T = 8,
-qwen3-30b / qwen3-235b H and I with 8 experts, seeds 1-2): rel-L2 vs fp64 2.3e-3 (bf16 intermediate) -> 1.66e-3
-(fp32), -28 %. The fp32 result differs from ``moe_decode(mode="warp_decode")`` by rel-L2 2.5e-3 and at most 7-9.5
-ulps at RMS / 8: inside the harness tolerance (4e-3, 32 ulps) but using ~63 % of its rel-L2 budget. The sweep
-records ``error_vs_fp64``.
+Result on the H200 (2026-11-30; qwen3-30b-a3b only -- qwen3-235b-a22b was not swept; no PDL): INTER_F32 0 25.3 /
+136.4 / 524.5 us at T = 1 / 8 / 32, INTER_F32 1 25.7 / 140.5 / 543.8 (+1.6 / +3.0 / +3.7 %: down's doubled
+intermediate loads and registers, not the bytes -- the time prediction was wrong). rel-L2 vs fp64 2.45e-3 /
+2.33e-3 / 2.37e-3 -> 1.67e-3 at every T (-28 to -32 %, as predicted). Full tables: notes/PROTOTYPES.md.
 
-This kernel pair is not the strict kernel: it is written for the comparison, with the strict kernel's summation
-order at ``GU_BYTES=8, DN_SLOTS=1`` (one routed slot per batch, ``DN_UNROLL`` 16-byte chunks in flight per lane),
-so ``INTER_F32=0`` is bitwise equal to ``cupy:warp-decode`` built with ``GU_BYTES=8, DN_SLOTS=1,
-DN_UNROLL=<same>`` (a GPU test checks this). Sweep it beside ``cupy:warp-decode`` at its defaults to see what the
-DN_SLOTS batching of the strict kernel is worth on top.
+Conclusion: ~30 % lower error vs fp64 for 1.6-3.7 % more time per layer. The library keeps the bf16 intermediate
+(faster, and what ``moe_decode(mode="warp_decode")`` and the bitwise tests specify); fp32 is a candidate for an
+opt-in accuracy mode, after cutting its cost in down (registers and load instructions), not its bytes.
 
-Accuracy rule for INTER_F32=1 (stated and tested in tests/test_prototypes_mapping.py): the harness checks it
-against ``reference.moe_decode(mode="warp_decode")`` (bf16 intermediate) within ``TOLERANCES`` -- it differs from
-that reference by about one rounding of the intermediate, well inside rel-L2 4e-3 / 32 ulps at RMS / 8 (checked in
-NumPy on several seeds); on the GPU it is compared with a NumPy fp32-intermediate reference by the strict kernel's
-rule (``tests.warp_checks._assert_matches``) and must be closer to fp64 than INTER_F32=0 on the same problem.
-
-Result on the H200 (2026-11-30, NVIDIA H200, cupy-cuda13x 14.2.0; results/sweep-proto-intermediate-fp32.json;
-qwen3-30b-a3b only -- qwen3-235b-a22b was not swept; uniform routing, decode-step CUDA graphs (this pair has no
-PDL), weights rotated past 3x L2, 8 repeats). Median us per layer, % of the run's 4.49 TB/s read roofline; T = 1 / 8
-IQRs <= 0.1 us; registers gate_up / down from the JSON (spill-free):
-
-    INTER_F32      registers   T = 1 us       T = 8 us       T = 32 us (IQR)
-    0 (bf16)       64 / 47     25.3 (67 %)    136.4 (77 %)   524.5 (0.6)
-    1 (fp32)       64 / 59     25.7 (66 %)    140.5 (75 %)   543.8 (0.2)
-
-Accuracy from the same JSON (``error_vs_fp64``: rel-L2 / max_abs against ``moe_decode(mode="fp64")``):
-
-    INTER_F32      T = 1                T = 8                T = 32
-    0 (bf16)       2.45e-3 / 2.70e-3    2.33e-3 / 4.54e-3    2.37e-3 / 5.14e-3
-    1 (fp32)       1.67e-3 / 1.95e-3    1.67e-3 / 3.75e-3    1.67e-3 / 3.82e-3
-
-so rel-L2 vs fp64 drops by 32 / 28 / 30 %. The harness check against ``moe_decode(mode="warp_decode")`` passed at
-every batch: INTER_F32=1 rel-L2 2.78e-3 / 2.52e-3 / 2.59e-3 and at most 5.5 / 9.75 / 9.0 ulps (63-69 % of the 4e-3
-rel-L2 budget, well inside 32 ulps); INTER_F32=0 1.3e-6 / 1.7e-4 / 7.6e-5 and <= 1 ulp.
-
-Against the prediction: accuracy as predicted (-28 to -32 % vs the NumPy estimate of -28 %; the distance to the
-bf16 reference matches the NumPy 2.5e-3 and 7-9.5 ulps). Time contradicted: predicted < 1 % (< 0.3 us at T = 1),
-measured +0.4 us (+1.6 %) at T = 1, +4.1 us (+3.0 %) at T = 8 and +19.3 us (+3.7 %) at T = 32, far beyond the
-within-run IQRs (both settings in one run). The extra bytes are < 0.05 % of the weights, so the cost is down's
-doubled intermediate loads and 47 -> 59 registers (40 -> 32 resident warps per SM): first-order, and growing with T.
-INTER_F32=0 (DN_SLOTS 1, no PDL) at 25.3 us sits among the PDL-free strict points at T = 1 (24.4-25.7 us,
-results/sweep-dn-qwen3-30b-a3b-after-race-fix.json); the strict kernels with PDL run 23.2 / 134.3 / 530.0 us.
-
-Conclusion: an fp32 intermediate buys ~30 % lower error vs fp64 (rel-L2 2.4e-3 -> 1.7e-3) for 1.6-3.7 % more time
-per layer. The library keeps the bf16 intermediate: it is faster, it is what ``moe_decode(mode="warp_decode")``
-and the bitwise tests specify, and the error it removes is of the order of the final bf16 rounding that stays.
-fp32 is a candidate for an opt-in accuracy mode; worth trying first is cutting its cost in down (the extra
-registers and load instructions), not its bytes.
+Results: results/sweep-proto-intermediate-fp32.json.
 """
 
 from __future__ import annotations

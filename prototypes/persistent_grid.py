@@ -1,83 +1,29 @@
 """Prototype: persistent-grid warp decode -- as many blocks as can be resident, each warp looping over outputs.
 
-Hypothesis. The strict kernels launch one warp per output: qwen3-30b-a3b T = 1 is 6144 gate_up warps (3072
-blocks of 2) and 2048 down warps (512 blocks of 4). Blocks are launched in a ramp, retire one by one, and the
-last partial wave leaves SMs idle while the HBM pipe drains. A persistent grid launches exactly
-``SMs x PERSIST_BLOCKS`` blocks (read from the device at build time; fewer when there is less work), all
-resident at once, and every warp loops over outputs with a grid stride (warp w takes outputs w, w + total
-warps, ...): no block-launch ramp, no block retire/relaunch gaps, each warp's next rows are issued right after
-its last FMAs. Costs: loop overhead per output (index math, the bad-id branch; a few registers), and
-``__launch_bounds__(warps * 32, PERSIST_BLOCKS)`` caps registers so that PERSIST_BLOCKS blocks fit per SM.
-Still two kernels, no grid-wide sync, no atomics.
-
-``ORDER`` (which outputs a warp takes): 1 = block b's warps take consecutive outputs (b * WARPS + w, then + total
-warps): consecutive rows of the same expert per block at every step (DRAM page / L2 sector locality within an
-SM); 0 = plain striding (w * blocks + b): a block's warps read rows ``blocks`` apart.
+Hypothesis. The strict kernels launch one warp per output; blocks launch in a ramp, retire one by one, and the last
+partial wave leaves SMs idle while the HBM pipe drains. A persistent grid launches exactly ``SMs x PERSIST_BLOCKS``
+blocks (fewer when there is less work), all resident at once, every warp looping over outputs with a grid stride: no
+ramp, no retire / relaunch gaps. Costs: loop overhead per output and the register cap of
+``__launch_bounds__(warps * 32, PERSIST_BLOCKS)`` (gate_up runs GU_UNROLL 6: GU_UNROLL 8 spills 72 bytes at
+PERSIST_BLOCKS 8). Still two kernels, no grid-wide sync, no atomics. ``ORDER`` 1: a block's warps take consecutive
+outputs; 0: plain striding.
 
 Numerics: the strict kernels' summation order at ``GU_BYTES=8, GU_OUTS=1, DN_SLOTS=<DN_SLOTS>, DN_UNROLL=1,
-DN_OUTS=1`` (8-byte gate_up chunks, GU_UNROLL of them per row in flight; down batches DN_SLOTS routed slots of
-one 16-byte w2 chunk each), so results are bitwise equal to ``cupy:warp-decode`` built with those knobs (GPU test).
+DN_OUTS=1`` -- bitwise ``cupy:warp-decode`` built with those knobs (GPU test).
 
-Prediction with arithmetic (H200: 132 SMs, streaming-read roofline ~4.5 TB/s; strict defaults measured 25 us
-(qwen3-30b-a3b) and 78 us (qwen3-235b-a22b) per layer at T = 1). Bytes in flight needed per SM to cover an
-assumed ~0.8 us loaded DRAM latency: 4.5 TB/s x 0.8 us / 132 = ~27 KB. A 4-warp block of gate_up has
-4 warps x 32 lanes x 12 x 8 B = 12 KB of weight loads in flight (GU_UNROLL 6, not the strict kernel's 8: at
-PERSIST_BLOCKS 8 x 4 warps = 32 warps per SM the register cap is 64, and GU_UNROLL 8 needs 72 there and spills
-72 bytes; 6 needs 58 at every grid point); of down (DN_SLOTS 4) 4 x 32 x 4 x 16 B = 8 KB.
+Prediction (H200, ~27 KB in flight per SM needed): PERSIST_BLOCKS 1 and 2 lose badly at T = 1; PERSIST_BLOCKS 8 gains
+0-1 us at T = 1 (only the block-launch ramp) and 1-3 % at T = 8; ORDER changes nothing beyond noise (< 1 %).
 
-    PERSIST_BLOCKS (x 4 warps)     1       2       4       8
-    warps per SM                   4       8      16      32
-    gate_up KB in flight / SM     12      24      48      96     (enough from 4 up; 2 borderline)
-    down KB in flight / SM         8      16      32      64     (enough from 4 up)
+Result on the H200 (2026-11-30; qwen3-30b-a3b only -- qwen3-235b-a22b was not swept; this pair has no PDL):
+PERSIST_BLOCKS 8, ORDER 1 24.3 / 141.0 / 550.7 us at T = 1 / 8 / 32; PERSIST_BLOCKS 4 25.3 / 155.7 (10 % slower at
+T = 8, not predicted), 2 33.5, 1 54.0 at T = 1. Strict: 23.2 / 134.3 / 530.0 with PDL, 25.1 without (T = 1). ORDER 1
+is never slower and 0-2.0 us faster at T = 1 / 8. Full table and comparison: notes/PROTOTYPES.md ("Persistent grid").
 
-    outputs (warps of work)   gate_up: T*K*I          down: T*H
-    qwen3-30b-a3b    T=1        6144  (PB 8: 1.45 per warp)     2048  (< 4224 persistent warps: grid = work)
-                     T=8       49152  (11.6 per warp)          16384  (3.9)
-    qwen3-235b-a22b  T=1       12288  (2.9 per warp)           4096   (< 4224: grid = work)
-                     T=8       98304  (23.3 per warp)          32768  (7.8)
+Conclusion: the persistent grid does not beat the strict grid with PDL at any batch (+1.1 us at T = 1, +5 % at
+T = 8); the ramp / tail it saves at T = 1 (~0.8 us) is less than PDL saves (~2 us). The library keeps the strict grid
+with PDL; the only follow-up worth trying is PDL inside the persistent pair.
 
-So: (1) PERSIST_BLOCKS 1 and 2 lose badly at T = 1 (too few bytes in flight: down ~2x slower at PB 1);
-(2) at T = 1 the down kernel has less work than one persistent wave, so its grid equals the strict one and
-nothing changes; gate_up at 30b T=1 still has a tail (1920 of 4224 warps do a 2nd output), the same
-quantization as the strict kernel's 1.45 waves -- predicted gain at T = 1 with PB 8: 0-1 us per layer (only the
-block-launch ramp, ~0.5 us); (3) at T = 8 the loop amortizes and gate_up's 11-23 outputs per warp remove
-~3-4 block waves of launch/retire gaps: predicted 1-3 % faster (30b T=8: ~146 -> ~143 us); (4) ORDER: at every
-step the union of rows read over the whole GPU is the same set ({j * total .. (j + 1) * total}); only which SM
-reads which row changes, so predicted no difference beyond noise (< 1 %). A measurable ORDER effect would mean
-per-SM locality (L1 / TLB / L2-slice affinity) matters.
-
-Result on the H200 (2026-11-30, NVIDIA H200, cupy-cuda13x 14.2.0; results/sweep-proto-persistent-grid.json;
-qwen3-30b-a3b only -- qwen3-235b-a22b was not swept; uniform routing, decode-step CUDA graphs (this pair has no
-PDL; gate_up at GU_UNROLL 6), weights rotated past 3x L2, 8 repeats). Median us per layer, % of the run's 4.48 TB/s
-read roofline; T = 1 / 8 IQRs <= 0.6 us; registers gate_up / down from the JSON (spill-free). Strict rows:
-results/sweep-proto-outputs-per-warp.json (with PDL) and results/sweep-dn-qwen3-30b-a3b-after-race-fix.json
-(PDL 0, T = 1 only):
-
-    PERSIST_BLOCKS  ORDER   registers   T = 1 us       T = 8 us       T = 32 us (IQR)
-    8               1       58 / 60     24.3 (69 %)    141.0 (75 %)   550.7 (1.5)
-    8               0       58 / 60     24.7 (68 %)    141.2 (75 %)   611.9 (28.5)
-    4               1       58 / 66     25.3 (67 %)    155.7 (68 %)   620.9 (31.0)
-    4               0       58 / 66     25.4 (67 %)    157.5 (67 %)   598.4 (0.2)
-    2               1       58 / 67     33.5 (50 %)    222.1 (47 %)   860.0 (0.6)
-    2               0       58 / 67     33.5 (50 %)    224.1 (47 %)   862.2 (0.2)
-    1               1       58 / 67     54.0 (31 %)    382.6 (28 %)   1502.3 (0.5)
-    1               0       58 / 67     54.0 (31 %)    383.6 (27 %)   1503.0 (0.4)
-    strict, PDL 1                       23.2 (73 %)    134.3 (79 %)   530.0 (0.8)
-    strict, PDL 0                       25.1
-
-Against the prediction: (1) PERSIST_BLOCKS 1 and 2 lose badly, as predicted (2.2x and 1.4x the time of
-PERSIST_BLOCKS 8 at T = 1), but PERSIST_BLOCKS 4 also loses 10 % at T = 8 although its 48 / 32 KB per SM in flight
-was predicted to be enough. (2) At T = 1, PERSIST_BLOCKS 8 is 0.4-0.8 us faster than the PDL-free strict pair
-(separate run), inside the predicted 0-1 us -- but the strict kernels with PDL stay 1.1 us ahead. (3) At T = 8 the
-predicted 1-3 % gain did not come: 141.0 us vs 134.3 us with PDL (+5 %), and about the 140.9 us a PDL-free strict
-point measured earlier today (results/sweep-dn-qwen3-30b-a3b-early-inter.json, DN_SLOTS 4, DN_UNROLL 1, before the
-race fix). (4) ORDER: ORDER 1 is never slower at T = 1 / 8 and 0-2.0 us (<= 1.6 %) faster, beyond the IQRs but about
-the predicted "< 1 %"; T = 32 is not resolvable (PERSIST_BLOCKS 8: 550.7 vs 611.9 us, IQR 28.5).
-
-Conclusion: the persistent grid does not beat the strict one-warp-per-output grid with PDL at any batch (+1.1 us at
-T = 1, +5 % at T = 8); the ramp/tail time it saves at T = 1 (~0.8 us) is less than PDL already saves (~2 us). The
-library keeps the strict grid with PDL. The only follow-up worth trying is PDL inside the persistent pair (gate_up
-triggers ``launch_dependents`` after its last loads), knowing both attack the same gap and may not add up.
+Results: results/sweep-proto-persistent-grid.json.
 """
 
 from __future__ import annotations

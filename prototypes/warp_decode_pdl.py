@@ -11,28 +11,14 @@ layer at T = 1 (qwen3-30b-a3b 28 -> ~25 us), nothing at large T where the kernel
 
 Same numerics and bitwise the same outputs as ``cupy:warp-decode`` (only the launch order changes).
 
-Result on the H200 (2026-11-30, bench, 12 repeats, decode-step graph of the model's layer count, uniform
-routing; median us per layer, PDL=0 -> PDL=1; results/h200-2026-11-30-call3.json):
+Result on the H200 (2026-11-30, bench, 12 repeats, uniform routing; median us per layer, PDL=0 -> PDL=1;
+results/h200-2026-11-30-pdl-cmp.json): qwen3-30b-a3b T = 1 27.47 -> 26.10 (-5.0 %), T = 8 145.96 -> 142.92
+(-2.1 %), T = 64 noise; qwen3-235b-a22b T = 1 82.92 -> 80.87 (-2.5 %), T = 8 and 64 within noise.
 
-    qwen3-30b-a3b    T=1   27.47 -> 26.10  (-5.0 %, 60 % -> 64 % of the 4.48 TB/s read roofline)
-                     T=8  145.96 -> 142.92 (-2.1 %)      T=64  1055 -> 1060 (noise: IQR 34 us)
-    qwen3-235b-a22b  T=1   82.92 -> 80.87  (-2.5 %, 80 % -> 82 %)
-                     T=8  550.7 -> 558.0   (within its 15 us IQR)   T=64  4346 -> 4355 (noise)
-
-Conclusion: PDL buys 1.4-2 us per layer at T = 1, about what down's ramp-up costs, and nothing where the
-kernels are long. Bitwise the same outputs (GPU test). It does not close the gap to the 75 % / 85 % bars at
-T = 1 on its own: gate_up alone runs at ~3.2 TB/s on qwen3-30b T=1 (50 MB in 15.8 us), so the next step is
-the kernel's own ramp and tail, not the gap between the two kernels.
-
-Later the same day PDL became the library default (``PDL=1`` in ``kernels.warp_decode_cupy.DEFAULTS``), after
-the whole strict GPU test matrix ran with it -- and only after a race it exposed was fixed: with some knob
-sets the compiler scheduled down's ``__ldg`` loads of the intermediate above ``griddepcontrol.wait`` (SASS:
-LDG.E.128.CONSTANT before ACQBULK), so down read gate_up's output before it was written (NaN from a poisoned
-workspace in two GPU tests). Loads of the previous kernel's output now go through a volatile asm load that
-stays behind the wait. With the second-round kernels PDL is worth 2.1 us at qwen3-30b T = 1 (25.1 -> 23.0,
-results/sweep-dn-qwen3-30b-a3b-after-race-fix.json) and 2.0 us at qwen3-235b T = 1 (76.7 -> 74.7, 4 slots,
-results/sweep-dn-qwen3-235b-a22b-early-inter.json, measured before the race fix). This variant now differs
-from ``cupy:warp-decode`` only in naming PDL explicitly; its grid still compares PDL 0 and 1.
+Conclusion: PDL buys 1.4-2 us per layer at T = 1, about what down's ramp-up costs, and nothing where the kernels
+are long. It became the library default the same day (``PDL=1`` in ``kernels.warp_decode_cupy.DEFAULTS``), after
+a race it exposed was fixed (notes/PROTOTYPES.md, "PDL"); this variant now differs from ``cupy:warp-decode`` only in
+naming PDL explicitly, and its grid still compares PDL 0 and 1.
 """
 
 from __future__ import annotations

@@ -225,8 +225,8 @@ def test_committed_h200_table_choices() -> None:
                     assert want is not None
                     assert dispatch.point_choice(point, policy) == want == point["choices"][policy], (key, tokens)
                 assert point["choice"] == point["choices"]["fastest"]
-    # what the H200 table says today (results/h200-2026-12-01-s6-uniform.json), under both policies: MMA from T = 32,
-    # the mixed path at T = 16 (and at qwen3-30b T = 4 / 8), strict at T = 1
+    # what the H200 table says today (results/h200-2026-12-01-all-paths-uniform.json), under both policies: MMA
+    # from T = 32, the mixed path at T = 16 (and at qwen3-30b T = 4 / 8), strict at T = 1
     dispatch.load_table.cache_clear()
     for model, want in (("qwen3-30b-a3b", {8: X, 16: X, 32: M, 64: M}), ("qwen3-235b-a22b", {16: X, 32: M, 64: M})):
         shape = PRESETS[model]

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: environment, GPU tests, compile report there, bench JSON. Each step has its own
-# time limit so the whole call ends inside a 10-minute device command; logs and JSON land in $OUT.
-#   usage: OUT=dir tools/gpu_session.sh [tests=FILES] [bench="ARGS"] [tests_s=N] [bench_s=N]
+# Runs the GPU checks on a machine with a CUDA GPU: records the environment, runs the GPU tests, the offline compile
+# report (tools.inspect) and optionally a bench, each step under its own time limit (`timeout`), so a hung step
+# cannot hold up the rest. Logs and the bench JSON are written under $OUT.
+#   usage: OUT=dir tools/gpu_check.sh [tests=FILES] [bench="ARGS"] [tests_s=N] [bench_s=N]
+#   tests=none skips the tests; bench="" (the default) skips the bench.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/gpu-session}
+OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
 tests="tests/"; bench=""; tests_s=300; bench_s=240
 for arg in "$@"; do case $arg in

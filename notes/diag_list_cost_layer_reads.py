@@ -1,6 +1,8 @@
-"""One-off H200 diagnostics of session 6 (2026-12-01), kept with their result, results/diag-s6.json.
+"""What the list kernel costs inside a layer, and how fast the roofline kernel reads exactly a layer's bytes.
 
-Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_session6.py`` (writes ``$OUT/diag_s6.json``).
+One-off H200 diagnostics (2026-12-01, ~05:50 UTC), kept with their result,
+results/diag-2026-12-01-list-cost-layer-reads.json. Run from the repo root on a GPU:
+``PYTHONPATH=. python3 notes/diag_list_cost_layer_reads.py`` (writes ``$OUT/diag_list_cost_layer_reads.json``).
 The committed result came from a first draft of this file with the same measurements (tidied afterwards).
 
 (a) What the list kernel costs inside a layer: the batched paths timed by the bench harness as they are, and with
@@ -95,5 +97,5 @@ def sized_reads() -> list[dict[str, Any]]:
 
 if __name__ == "__main__":
     result = {"lists_cost": list_kernel_cost(), "reads": sized_reads(), "roofline": roofline.measure()["read_tbps"]}
-    with open(os.path.join(os.environ.get("OUT", "."), "diag_s6.json"), "w") as f:
+    with open(os.path.join(os.environ.get("OUT", "."), "diag_list_cost_layer_reads.json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -1,8 +1,9 @@
-"""Session 8's workloads for the device's checkers and profiler (compute-sanitizer, Nsight Compute).
+"""Workloads for compute-sanitizer and Nsight Compute (run on the H200 on 2026-12-01; their reports are
+results/sanitizer-2026-12-01-{memcheck,racecheck}.txt and results/ncu-2026-12-01-{mma-30b-t64,strict-fused-30b-t1}.txt).
 
-Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_s8_tools.py WHAT`` under a tool, e.g.
-``compute-sanitizer --tool memcheck python3 notes/diag_s8_tools.py small`` or
-``ncu --clock-control none --section SpeedOfLight ... python3 notes/diag_s8_tools.py t64``.
+Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_sanitizer_ncu.py WHAT`` under a tool, e.g.
+``compute-sanitizer --tool memcheck python3 notes/diag_sanitizer_ncu.py small`` or
+``ncu --clock-control none --section SpeedOfLight ... python3 notes/diag_sanitizer_ncu.py t64``.
 
 * ``small``  the warp-decode paths (strict, batched, mixed, MMA) and the fused prototype, eagerly, on
              small odd shapes and on qwen3-30b-a3b T = 1; every output compared with the references (NaN-poisoned

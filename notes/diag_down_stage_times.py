@@ -1,11 +1,18 @@
-"""One-off H200 diagnostic of session 7 (2026-12-01), kept with its result, results/diag-s7.json.
+"""Stage times of the down kernels: per-SM or HBM limit of the tensor-core down; where the staged down's time goes.
 
-Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_session7.py`` (writes ``$OUT/diag_s7.json``).
+One-off H200 diagnostics (2026-12-01, 09:27-10:00 UTC), kept with their results. Run from the repo root on a GPU:
+``PYTHONPATH=. python3 notes/diag_down_stage_times.py [down_per_sm] [staged]`` (writes
+``$OUT/diag_down_stage_times_<parts>.json``).
 
-Is the tensor-core down limited per SM or by HBM? Its block owns 16 hidden columns, so qwen3-30b (H = 2048) runs
-128 blocks on the H200's 132 SMs. The same layer with H = 2112 runs 132 blocks on 3.1 % more w2 bytes: if the
-down stage takes the same time, the down is limited per SM (work spread over all 132 SMs would be ~3 % faster);
-if it takes 3.1 % longer, HBM is the limit and the 4 idle SMs cost nothing.
+``down_per_sm`` (results/diag-2026-12-01-down-per-sm.json): is the tensor-core down limited per SM or by HBM? Its
+block owns 16 hidden columns, so qwen3-30b (H = 2048) runs 128 blocks on the H200's 132 SMs. The same layer with
+H = 2112 runs 132 blocks on 3.1 % more w2 bytes: if the down stage takes the same time, the down is limited per SM
+(work spread over all 132 SMs would be ~3 % faster); if it takes 3.1 % longer, HBM is the limit and the 4 idle SMs
+cost nothing.
+
+``staged``: the strict layer at qwen3-30b-a3b T = 1 with ``DN_STAGED`` 0 / 1 and a few gate_up / down knob sets,
+stage times included; run once per version of the staged down (results/diag-2026-12-01-staged-tma.json: copy
+engine per padded row; -staged-async.json: cp.async; -staged-rotated.json: copy order slot-minor, rotated by block).
 """
 
 from __future__ import annotations
@@ -60,5 +67,5 @@ if __name__ == "__main__":
     parts = sys.argv[1:] or ["down_per_sm", "staged"]
     result: dict[str, Any] = {name: globals()[name]() for name in parts}
     result["roofline"] = roofline.measure()["read_tbps"]
-    with open(os.path.join(os.environ.get("OUT", "."), f"diag_s7_{'_'.join(parts)}.json"), "w") as f:
+    with open(os.path.join(os.environ.get("OUT", "."), f"diag_down_stage_times_{'_'.join(parts)}.json"), "w") as f:
         json.dump(result, f, indent=1)
