@@ -50,7 +50,7 @@ def files(tmp_path: Path) -> dict[str, str]:
 @pytest.mark.parametrize(
     "name, argv, message",
     [
-        ("tools.roofline", ["--repeats", "0"], "argument --repeats: expected an int >= 1, got '0'"),
+        ("tools.roofline", ["--repeats", "0"], "argument --repeats: expected an int >= 1, got 0"),
         ("tools.sweep", [], "the following arguments are required: VARIANT"),
         ("tools.sweep", ["cupy:warp-decode", "--model", "nope"], "--model: unknown preset 'nope'"),
         ("tools.sweep", ["cupy:warp-decode", "--seed", "-1"], "--seed must be an int >= 0, got -1"),

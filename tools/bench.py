@@ -39,6 +39,7 @@ from typing import Any
 from kernels.contract import check_int
 from kernels.shapes import DEFAULT_MODEL, PRESETS, get_shape
 from tools import display, harness, report
+from tools.cli import int_list, positive_int
 
 SCHEMA = "warp-decode-bench/1"
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -455,26 +456,6 @@ def cpu_checks(models: list[str], batches: list[int], routing: str, seed: int, r
 # ------------------------------------------------------------------------------------------------
 # CLI
 # ------------------------------------------------------------------------------------------------
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of ints like 1,2,4, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"batch sizes must be ints >= 1, got {text!r}")
-    return values
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tools.bench",
                                      description="Time the lab's MoE decode paths against the measured roofline "
@@ -482,13 +463,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"comma list of presets, or 'all' (every preset but tiny); default {DEFAULT_MODEL}; "
                              f"known: {', '.join(PRESETS)}")
-    parser.add_argument("--batch", type=_int_list, default=list(DEFAULT_BATCHES),
+    parser.add_argument("--batch", type=int_list, default=list(DEFAULT_BATCHES),
                         help="comma list of batch sizes (default 1,2,4,8,16,32,64)")
     parser.add_argument("--variants", default=None,
                         help="comma list of variant names or globs (default: the library's paths)")
     parser.add_argument("--prototypes", action="store_true", help="also run the experiments in prototypes/")
     parser.add_argument("--routing", choices=ROUTINGS, default="uniform")
-    parser.add_argument("--repeats", type=_positive, default=DEFAULT_REPEATS, help="timed samples per point")
+    parser.add_argument("--repeats", type=positive_int, default=DEFAULT_REPEATS, help="timed samples per point")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="write every raw sample + the environment here")
     parser.add_argument("--markdown", action="store_true", help="print markdown tables (for a PR) instead")

@@ -38,6 +38,7 @@ from kernels import dispatch
 from kernels.contract import Dims
 from kernels.shapes import PRESETS, get_shape
 from kernels.variants import get_variant
+from tools.cli import int_list, positive_int
 
 DEFAULT_MODELS = tuple(name for name in PRESETS if name != "tiny")
 DEFAULT_REPEATS = 15
@@ -149,26 +150,6 @@ def from_bench(bench: dict[str, Any], table: dict[str, Any] | None = None, name:
     return from_benches([(name, bench)], table)
 
 
-def _parse_batches(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of ints >= 1 like 1,2,4, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"--batch needs positive ints, got {text!r}")
-    return values
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
-    return value
-
-
 def _print_choices(table: dict[str, Any]) -> None:
     for entry in table["entries"].values():
         for policy in dispatch.POLICIES:
@@ -193,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH",
                         help="table file to write / update (kernels/dispatch_tables/<slug>.json); required")
     parser.add_argument("--model", default=",".join(DEFAULT_MODELS), help="comma-separated presets")
-    parser.add_argument("--batch", type=_parse_batches, default=list(dispatch.TABLE_POINTS))
-    parser.add_argument("--repeats", type=_positive, default=DEFAULT_REPEATS)
+    parser.add_argument("--batch", type=int_list, default=list(dispatch.TABLE_POINTS))
+    parser.add_argument("--repeats", type=positive_int, default=DEFAULT_REPEATS)
     parser.add_argument("--also", default="", help="comma-separated variants to time and record, never chosen")
     parser.add_argument("--from-bench", metavar="BENCH_JSON", nargs="+",
                         help="build the table from bench runs' JSON (later files override earlier ones)")

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kernels.compile import CudaSource, get_kernel, register_source
+from tools.cli import positive_int
 
 # Peak HBM bandwidth from the vendors' datasheets, TB/s (10^12 bytes/s). First matching substring wins.
 DATASHEET_TBPS: tuple[tuple[str, float], ...] = (
@@ -256,16 +257,6 @@ FIGURES = (("read", "read_tbps", "streaming read"), ("d2d_memcpy", "d2d_memcpy_t
            ("copy16", "copy16_tbps", "16-byte copy (read+write)"))
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
-    return value
-
-
 def _gpu_name() -> str | None:
     try:
         import cupy
@@ -298,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m tools.roofline``: measure the rooflines on this GPU and print them; without one, say so."""
     parser = argparse.ArgumentParser(prog="python -m tools.roofline",
                                      description="Measure the memory rooflines (streaming read, copies) on this GPU.")
-    parser.add_argument("--repeats", type=_positive_int, default=10, help="timed samples per figure (default 10)")
+    parser.add_argument("--repeats", type=positive_int, default=10, help="timed samples per figure (default 10)")
     parser.add_argument("--json", metavar="PATH", help="also write the measured record here")
     args = parser.parse_args(argv)
 

@@ -25,6 +25,7 @@ from typing import Any
 from kernels.contract import Dims
 from kernels.shapes import DEFAULT_MODEL, PRESETS, get_shape
 from tools import bench, harness
+from tools.cli import int_list, positive_int
 from tools.roofline import bar, percent
 
 
@@ -236,11 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("variant", nargs="?", metavar="VARIANT",
                         help="a registered variant name (builtin or prototype)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"one preset; known: {', '.join(PRESETS)}")
-    parser.add_argument("--batch", type=bench._int_list, default=[1, 8, 64])
+    parser.add_argument("--batch", type=int_list, default=[1, 8, 64])
     parser.add_argument("--grid", action="append", metavar="KEY=v1,v2",
                         help="sweep KEY (a knob the variant knows) over these values (repeatable)")
     parser.add_argument("--routing", choices=bench.ROUTINGS, default="uniform")
-    parser.add_argument("--repeats", type=bench._positive, default=20)
+    parser.add_argument("--repeats", type=positive_int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
