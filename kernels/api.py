@@ -43,7 +43,7 @@ def expert_centric(
     **params: Any,
 ) -> Any:
     """The conventional expert-centric decode path (align, gather, [quant], GEMM, SiLU, GEMM, scatter, combine)."""
-    module = importlib.import_module("kernels.expert_centric")
+    module = importlib.import_module("kernels.expert_centric_path")
     return module.expert_centric(
         x, w13, w2, topk_ids, topk_weights, quant=quant, out=out, workspace=workspace, **params
     )

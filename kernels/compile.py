@@ -8,7 +8,7 @@ A kernel family is a :class:`CudaSource`: CUDA C text whose knobs are preprocess
 ``offline_report(source, **defines)`` compiles the same text for sm_90 with NVRTC directly
 (``cuda.bindings.nvrtc``) -- no driver, no GPU -- and parses ptxas' resource report (registers, shared
 memory, stack frame, spill bytes). ``ptx_report(ptx)`` does the same for PTX from other front ends
-(Numba) through nvJitLink. Sources register themselves in :data:`SOURCES` so ``tools.inspect`` finds them.
+(Numba) through nvJitLink. Sources register themselves in :data:`SOURCES` so ``tools.compile_report`` finds them.
 
 Edit-and-rerun from IPython: change ``source.code`` (or build a new ``CudaSource``) and call
 ``get_kernel`` again -- the cache key is the text itself, so the edited kernel is compiled afresh.
@@ -40,7 +40,7 @@ class CudaSource:
     # parameter sets the offline report compiles besides the defaults (e.g. the tuned presets)
     variants: list[dict[str, int]] = field(default_factory=list)
     description: str = ""
-    # kernel -> the knob holding its warps per block (tools.inspect's occupancy needs the block size)
+    # kernel -> the knob holding its warps per block (tools.compile_report's occupancy needs the block size)
     warps_knobs: dict[str, str] = field(default_factory=dict)
     # kernel -> the knob that must be non-zero for the text to define it (opt-in kernels behind an #if)
     conditional_kernels: dict[str, str] = field(default_factory=dict)
@@ -106,7 +106,7 @@ def preset_variants(resolve: Any, defaults: dict[str, int], tokens: tuple[int, .
 
 
 def register_source(source: CudaSource) -> CudaSource:
-    """Make ``source`` known to ``tools.inspect`` (re-registering a name replaces it)."""
+    """Make ``source`` known to ``tools.compile_report`` (re-registering a name replaces it)."""
     SOURCES[source.name] = source
     return source
 

@@ -7,7 +7,7 @@ Candidates: ``"cupy:warp-decode"`` (strict: one warp per (token, slot, neuron); 
 ``"cupy:warp-decode-batched"`` (each active expert's weights read once per batch), ``"cupy:warp-decode-mixed"``
 (batched with the FMA gate_up and the tensor-core down), ``"cupy:warp-decode-mma"`` (batched on tensor cores:
 mma.sync m16n8k16, bf16 in, FP32 accumulators -- warp decode's numerics in the tensor core's summation order, as
-close to fp64, not bitwise the FMA paths) and ``"cupy:expert-centric"`` (``kernels/expert_centric.py``: align,
+close to fp64, not bitwise the FMA paths) and ``"cupy:expert-centric"`` (``kernels/expert_centric_path.py``: align,
 gather, grouped GEMMs, SiLU, combine; reproduces ``reference.moe_decode(mode="classical")``: four bf16 roundings,
 about 1.65x further from the fp64 oracle). The four warp-decode paths reproduce mode "warp_decode".
 
@@ -46,8 +46,7 @@ from kernels import warp_decode_cupy as wdc
 from kernels.contract import Dims, array_module, check_inputs
 from kernels.variants import Variant, get_variant, register
 
-# the module (``from kernels import expert_centric`` may give kernels.api's function of that name)
-ec = importlib.import_module("kernels.expert_centric")
+ec = importlib.import_module("kernels.expert_centric_path")
 
 STRICT = "cupy:warp-decode"
 BATCHED = "cupy:warp-decode-batched"

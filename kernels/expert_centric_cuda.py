@@ -4,7 +4,7 @@ Knobs (``#define``): ``BLOCK_N`` output features per GEMM block (multiple of 8),
 block (split-K inside the block), ``M_TILES`` 16-row MMA tiles per GEMM block (``BLOCK_M = 16 * M_TILES``,
 also the padding unit of the routing metadata), ``UNROLL`` 32-wide K chunks each warp loads before its MMAs
 (one "step"), ``STAGES`` 0 = a step's loads go to registers, >= 2 = cp.async ring of STAGES steps in dynamic
-shared memory (``ring_bytes`` in kernels.expert_centric; STAGES-1 steps in flight per warp), ``PREFETCH``
+shared memory (``ring_bytes`` in kernels.expert_centric_path; STAGES-1 steps in flight per warp), ``PREFETCH``
 (register path only) 0 = off, d >= 1 = each lane prefetches into L2 the weights it will load d steps later.
 
 bf16 values travel as raw ``unsigned short`` bits (no cuda_bf16.h); conversions are bit-exact RNE.
@@ -590,7 +590,7 @@ extern "C" __global__ void combine(const bf16* __restrict__ src, const int* __re
 KERNELS = (
     "moe_align", "quantize_rows", "gather_rows", "gemm_bf16", "gemm_fp8_scaled", "silu_mul", "scatter_rows", "combine",
 )
-# DEFAULTS are the compile-time knobs of the large-batch tiles (kernels.expert_centric.auto_params picks per
+# DEFAULTS are the compile-time knobs of the large-batch tiles (kernels.expert_centric_path.auto_params picks per
 # dims; the sweep on the H200 favoured BLOCK_N=128 at T=64 and BLOCK_N=32 / WARPS=8 at T=1).
 DEFAULTS = {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 2, "PREFETCH": 0}
 VARIANTS = [

@@ -33,7 +33,7 @@ Launch = Callable[..., None]
 BUILTIN_MODULES = (
     "kernels.warp_decode_cupy",
     "kernels.warp_decode_numba",
-    "kernels.expert_centric",
+    "kernels.expert_centric_path",
     "kernels.warp_decode_batched",
     "kernels.dispatch",
 )

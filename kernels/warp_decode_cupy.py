@@ -661,7 +661,7 @@ SOURCE = register_source(
         description="warp decode: one warp per output scalar (gate_up, down), CuPy RawKernel",
     )
 )
-# which knob is each kernel's warps-per-block (tools.inspect reads this for occupancy)
+# which knob is each kernel's warps-per-block (tools.compile_report reads this for occupancy)
 
 
 # ---------------------------------------------------------------------------------------------------

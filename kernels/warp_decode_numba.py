@@ -573,7 +573,7 @@ def ptx_load_widths(ptx: str) -> dict[str, int]:
 
 @dataclasses.dataclass(frozen=True)
 class NumbaKernelResources(KernelResources):
-    """ptxas' report for one Numba kernel, with the knobs it was compiled with (for ``tools.inspect``)."""
+    """ptxas' report for one Numba kernel, with the knobs it was compiled with (for ``tools.compile_report``)."""
 
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
     is_default: bool = True

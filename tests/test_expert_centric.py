@@ -1,4 +1,4 @@
-"""The expert-centric baseline (kernels.expert_centric): CPU checks of its logic, GPU checks of its results.
+"""The expert-centric baseline (kernels.expert_centric_path): CPU checks of its logic, GPU checks of its results.
 
 Tolerance vs reference.moe_decode(mode="classical", quant=q): both compute the same chain of bf16 buffers
 (gate/up, activation, per-expert down output) and the same fp32 combine (slots in order, separate multiply
@@ -22,7 +22,8 @@ import pytest
 
 from kernels.compile import KernelResources, offline_report
 from kernels.contract import BF16, Dims
-from kernels.expert_centric import (
+from kernels.expert_centric_cuda import DEFAULTS, EXPERT_CENTRIC_SOURCE, KERNELS, VARIANTS
+from kernels.expert_centric_path import (
     DYNAMIC_SMEM_LIMIT,
     GRID,
     GRID_FP8,
@@ -35,7 +36,6 @@ from kernels.expert_centric import (
     ring_bytes,
     round_e4m3_numpy,
 )
-from kernels.expert_centric_cuda import DEFAULTS, EXPERT_CENTRIC_SOURCE, KERNELS, VARIANTS
 from kernels.numerics import bf16_to_f32, bf16_ulp, quantize, rel_l2
 from kernels.problem import make_problem
 from kernels.reference import expert_groups, moe_decode
@@ -547,7 +547,7 @@ def test_float32_out() -> None:
 def test_graph_capture_replay(quant) -> None:
     import cupy as cp
 
-    from kernels.expert_centric import make_workspace
+    from kernels.expert_centric_path import make_workspace
 
     p = make_problem(PRESETS["qwen3-30b-a3b"].with_(experts=20), 12, seed=11, routing="zipf", xp=cp)
     dims = Dims(12, p.shape.hidden, p.shape.intermediate, 20, p.shape.top_k)
@@ -603,7 +603,7 @@ def test_bad_expert_ids_give_nan_rows() -> None:
 def test_workspace_mismatch_and_gpu_input_errors() -> None:
     import cupy as cp
 
-    from kernels.expert_centric import make_workspace
+    from kernels.expert_centric_path import make_workspace
 
     p = make_problem("tiny", 4, seed=14, xp=cp)
     ws = make_workspace(Dims(5, 136, 48, 6, 2), None)

@@ -107,7 +107,7 @@ def test_registry_finds_the_variants() -> None:
 
 def test_source_is_registered_for_inspect() -> None:
     from kernels.compile import SOURCES
-    from tools import inspect as offline
+    from tools import compile_report as offline
     from tools import sweep
 
     assert SOURCES["proto_gate_up_lab"] is lab.SOURCE

@@ -3,7 +3,7 @@ kernels' knobs), proto:intermediate-fp32 and proto:persistent-grid (their own CU
 
 CPU tests: every grid point of every variant compiles for sm_90 (NVRTC, offline) with zero spills and a block
 that can launch; knob validation (ValueError / TypeError naming the knob, before any device call); the
-registry and tools.inspect find everything after ``prototypes.load()``; NumPy: the fp32-intermediate math is
+registry and tools.compile_report find everything after ``prototypes.load()``; NumPy: the fp32-intermediate math is
 within the harness tolerance of ``reference.moe_decode(mode="warp_decode")`` and closer to fp64; the two new
 CUDA sources run on the CPU (g++, one thread per lane, shuffles through a barrier) on small odd shapes, with a
 tiny persistent grid so every warp loops over several outputs, and bad ids give NaN rows.
@@ -120,7 +120,7 @@ def test_registry_finds_the_prototypes() -> None:
 
 def test_sources_are_registered_for_inspect() -> None:
     from kernels.compile import SOURCES
-    from tools import inspect as offline
+    from tools import compile_report as offline
 
     offline.load_sources()
     assert SOURCES["proto_intermediate_fp32"] is _module("proto:intermediate-fp32").SOURCE

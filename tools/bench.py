@@ -406,7 +406,7 @@ def _compile_rows(chosen: list[Any], models: list[str], tokens: int, mode: str) 
     import dataclasses
 
     from kernels.contract import Dims
-    from tools import inspect as offline
+    from tools import compile_report as offline
 
     if mode == "full":
         return [dataclasses.asdict(row) for row in offline.collect()]

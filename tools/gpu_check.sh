@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the GPU checks on a machine with a CUDA GPU: records the environment, runs the GPU tests, the offline compile
-# report (tools.inspect) and optionally a bench, each step under its own time limit (`timeout`), so a hung step
+# report (tools.compile_report) and optionally a bench, each step under its own time limit (`timeout`), so a hung step
 # cannot hold up the rest. Logs and the bench JSON are written under $OUT.
 #   usage: OUT=dir tools/gpu_check.sh [tests=FILES] [bench="ARGS"] [tests_s=N] [bench_s=N]
 #   tests=none skips the tests; bench="" (the default) skips the bench.
@@ -26,7 +26,7 @@ if [ "$tests" != "none" ]; then
   # shellcheck disable=SC2086
   timeout "$tests_s" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=12 $tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -60
 fi
-timeout 90 python3 -m tools.inspect > "$OUT/inspect.txt" 2>&1 || echo "inspect failed (see inspect.txt)"
+timeout 90 python3 -m tools.compile_report > "$OUT/compile_report.txt" 2>&1 || echo "inspect failed (see compile_report.txt)"
 if [ -n "$bench" ]; then
   # shellcheck disable=SC2086
   timeout "$bench_s" python3 -m tools.bench $bench --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -80

@@ -499,7 +499,7 @@ def cpu_section(data: dict[str, Any]) -> list[Any]:
                          _fmt(case.get("us_at_4_8_tbps"), ".1f"))
     parts.append(expected)
     if cpu.get("compile"):
-        from tools import inspect as offline
+        from tools import compile_report as offline
 
         known = {f.name for f in dataclasses.fields(offline.Row)}
         rows = [offline.Row(**{k: v for k, v in row.items() if k in known}) for row in cpu["compile"]]

@@ -10,7 +10,7 @@ Three figures, every run:
 
 beside the datasheet figure for the GPU (``DATASHEET_TBPS``, matched by name; unknown GPUs say so).
 The CUDA source goes through :mod:`kernels.compile` (the one compile path) and is registered there so
-``tools.inspect`` lists it. Pure arithmetic (``percent``, ``bar``, ``tbps``) needs no GPU.
+``tools.compile_report`` lists it. Pure arithmetic (``percent``, ``bar``, ``tbps``) needs no GPU.
 
     python -m tools.roofline [--repeats N] [--json PATH]     measure and print the three figures (no GPU: says so)
 """

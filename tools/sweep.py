@@ -59,8 +59,8 @@ def points(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
 
 
 def source_of(variant: Any) -> Any:
-    """The variant's ``CudaSource`` if one can be found (:func:`tools.inspect.source_of`)."""
-    from tools import inspect as offline
+    """The variant's ``CudaSource`` if one can be found (:func:`tools.compile_report.source_of`)."""
+    from tools import compile_report as offline
 
     return offline.source_of(variant)
 
@@ -85,9 +85,9 @@ def known_knobs(variant: Any) -> set[str]:
 
 def compile_columns(variant: Any, params: dict[str, Any], dims: Any = None) -> dict[str, Any]:
     """Registers (max over kernels, and per kernel), spill bytes (sum), stack bytes (sum) and theoretical occupancy
-    (min) of one point, offline: :func:`tools.inspect.variant_rows` aggregated (knobs a variant resolves from the
+    (min) of one point, offline: :func:`tools.compile_report.variant_rows` aggregated (knobs a variant resolves from the
     problem are resolved for ``dims`` first, so the columns describe what actually runs)."""
-    from tools import inspect as offline
+    from tools import compile_report as offline
 
     rows = offline.variant_rows(variant, dims, params)
     if not rows:

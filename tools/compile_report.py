@@ -1,8 +1,8 @@
 """Offline compile report: registers, shared memory, stack, spills and sm_90 occupancy of every kernel.
 
-    python -m tools.inspect            # rich table, one line per kernel and parameter set
-    python -m tools.inspect --json     # one JSON object per row
-    python -m tools.inspect --defaults-only --source warp_decode_cupy
+    python -m tools.compile_report            # rich table, one line per kernel and parameter set
+    python -m tools.compile_report --json     # one JSON object per row
+    python -m tools.compile_report --defaults-only --source warp_decode_cupy
 
 Compiles every registered :class:`kernels.compile.CudaSource` (library modules via
 ``kernels.variants.load_builtin()``, plus ``tools.roofline`` and ``prototypes.load()`` when present) for
@@ -328,7 +328,7 @@ def render(rows: list[Row], title: str = "offline compile report (sm_90, NVRTC /
 def main(argv: list[str] | None = None) -> int:
     from tools.display import Steps, console
 
-    parser = argparse.ArgumentParser(prog="python -m tools.inspect", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.compile_report", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
     parser.add_argument("--source", action="append", help="only this registered source (repeatable)")
     parser.add_argument("--defaults-only", action="store_true", help="skip each source's variants list")

@@ -1,4 +1,4 @@
-"""tools.inspect: the offline compile report (CPU only: NVRTC for sm_90, no GPU)."""
+"""tools.compile_report: the offline compile report (CPU only: NVRTC for sm_90, no GPU)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from tools import inspect as offline
+from tools import compile_report as offline
 
 
 @pytest.mark.parametrize(
