@@ -91,13 +91,10 @@ def register(variant: Variant, *, prototype: bool | None = None) -> Variant:
 
 
 def load_builtin() -> dict[str, Variant]:
-    """Import the library's kernel modules (each registers its variants); returns the registry."""
+    """Import the library's kernel modules (each registers its variants); returns the registry. The programs load
+    the prototypes too, through ``tools.registry.load``."""
     for module in BUILTIN_MODULES:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:  # a real missing dependency, not a backend that isn't written yet
-                raise
+        importlib.import_module(module)
     return REGISTRY
 
 

@@ -11,7 +11,7 @@ From IPython::
     r = bench.run("qwen3-30b-a3b", batch=[1, 8])    # renders as the rich table; r.to_json(), r.markdown()
     # edit a kernel: kernels.compile.SOURCES[...].code = ...; bench.run(...) again recompiles it
 
-Variants come only from the registry (``kernels.variants.load_builtin()`` + ``prototypes.load()``); by default the
+Variants come only from the registry (``tools.registry.load``: the library and the prototypes); by default the
 library's (``prototypes=True`` / ``--prototypes`` adds the experiments). Without a GPU the same command checks
 what a CPU can: the selected Numba variants on Numba's CUDA simulator at the ``tiny`` shape and the smallest
 requested batch, the reference in the selected variants' modes at ``tiny`` for every requested batch, the bytes
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import importlib
 import io
 import json
 import os
@@ -40,6 +39,7 @@ from kernels.contract import check_int
 from kernels.shapes import DEFAULT_MODEL, PRESETS, get_shape
 from tools import display, harness, report
 from tools.cli import int_list, positive_int
+from tools.registry import load as load_registry
 
 SCHEMA = "warp-decode-bench/1"
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -51,28 +51,6 @@ SIM_SHAPE = "tiny"  # the shape the CPU path simulates and checks the reference 
 # ------------------------------------------------------------------------------------------------
 # The registry
 # ------------------------------------------------------------------------------------------------
-def load_registry() -> tuple[dict[str, Any], list[str]]:
-    """Import the builtin kernel modules and the prototypes; returns ``(registry, load warnings)``."""
-    from kernels import variants
-
-    warnings = []
-    for module in variants.BUILTIN_MODULES:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                warnings.append(f"{module}: {type(exc).__name__}: {exc}")
-        except Exception as exc:  # noqa: BLE001 - a broken module must not stop the bench
-            warnings.append(f"{module}: {type(exc).__name__}: {exc}")
-    try:
-        import prototypes
-
-        prototypes.load()
-    except Exception as exc:  # noqa: BLE001
-        warnings.append(f"prototypes: {type(exc).__name__}: {exc}")
-    return variants.REGISTRY, warnings
-
-
 def select_variants(registry: dict[str, Any], patterns: Iterable[Any] | None, prototypes: bool = True) -> list[Any]:
     """Variants matching names or fnmatch globs (registry order); ValueError for a pattern matching none.
 

@@ -100,23 +100,10 @@ LOAD_ERRORS: list[str] = []
 
 
 def load_sources() -> dict[str, CudaSource]:
-    """Import everything that registers CUDA sources; tolerate absent optional modules."""
-    from kernels.variants import load_builtin
+    """Everything that registers CUDA sources (:func:`tools.registry.load`); failures go to ``LOAD_ERRORS``."""
+    from tools.registry import load
 
-    LOAD_ERRORS.clear()
-    load_builtin()
-    try:
-        importlib.import_module("tools.roofline")
-    except ImportError:
-        pass
-    try:
-        prototypes = importlib.import_module("prototypes")
-    except ImportError:
-        return SOURCES
-    try:
-        prototypes.load()
-    except Exception as exc:  # noqa: BLE001 - one broken prototype must not hide the others' report
-        LOAD_ERRORS.append(f"prototypes.load(): {type(exc).__name__}: {exc}"[:200])
+    LOAD_ERRORS[:] = load()[1]
     return SOURCES
 
 
@@ -160,7 +147,7 @@ def collect(
     ValueError. ``steps``: a :class:`tools.display.Steps` told about each compile.
     """
     load_sources()
-    rows: list[Row] = [Row("prototypes", "-", error=error) for error in LOAD_ERRORS]
+    rows: list[Row] = [Row(error.split(":", 1)[0], "-", error=error) for error in LOAD_ERRORS]
     names = sorted(SOURCES) if sources is None else list(sources)
     unknown = [name for name in names if name not in SOURCES]
     if unknown:

@@ -1,0 +1,28 @@
+"""The one registry loader every program uses: the library's kernel modules, the roofline's CUDA source and the
+prototypes, imported so that each registers its variants (``kernels.variants.REGISTRY``) and CUDA sources
+(``kernels.compile.SOURCES``). A module that fails to import is reported, not raised: one broken experiment must
+not stop the bench, the sweep or the compile report."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+
+def load() -> tuple[dict[str, Any], list[str]]:
+    """Import everything that registers; returns ``(the variant registry, one line per module that failed)``."""
+    from kernels import variants
+
+    warnings = []
+    for module in (*variants.BUILTIN_MODULES, "tools.roofline"):
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - reported with the results, the rest still loads
+            warnings.append(f"{module}: {type(exc).__name__}: {exc}"[:300])
+    try:
+        import prototypes
+
+        prototypes.load()
+    except Exception as exc:  # noqa: BLE001
+        warnings.append(f"prototypes: {type(exc).__name__}: {exc}"[:300])
+    return variants.REGISTRY, warnings
