@@ -109,7 +109,7 @@ def _knobs_variant() -> Any:
 def test_sweep_unknown_knob_exits_2(monkeypatch: pytest.MonkeyPatch, stub_sweep: None,
                                     capsys: pytest.CaptureFixture[str]) -> None:
     variant = _knobs_variant()
-    monkeypatch.setattr(bench, "load_registry", lambda: ({variant.name: variant}, []))
+    monkeypatch.setattr(sweep, "load_registry", lambda: ({variant.name: variant}, []))
     line = _exit_2(sweep.main, ["fake:knobs", "--grid", "NOPE=1,2", "--grid", "SLOTS=2", "--grid", "ALSO=3"], capsys)
     assert line.endswith("error: --grid: unknown knob(s) ALSO, NOPE for fake:knobs; known: SLOTS, UNROLL, WARPS"), line
     # params, grid keys and build()'s named keywords are all knobs

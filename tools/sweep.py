@@ -26,6 +26,7 @@ from kernels.contract import Dims
 from kernels.shapes import DEFAULT_MODEL, PRESETS, get_shape
 from tools import bench, harness
 from tools.cli import int_list, positive_int
+from tools.registry import load as load_registry
 from tools.roofline import bar, percent
 
 
@@ -136,7 +137,7 @@ def sweep(name: str, model: str = DEFAULT_MODEL, batch: list[int] | None = None,
         if not gpu:
             bench._enable_simulator()
         steps.start("loading the registered variants")
-        registry, warnings = bench.load_registry()
+        registry, warnings = load_registry()
         if name not in registry:
             raise ValueError(f"unknown variant {name!r}; registered: {', '.join(registry) or 'none'}")
         variant = registry[name]
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu, _ = harness.gpu_available()
     if not gpu:
         bench._enable_simulator()
-    registry, _ = bench.load_registry()
+    registry, _ = load_registry()
     if args.variant not in registry:
         parser.error(f"unknown variant {args.variant!r}; registered: {', '.join(registry) or 'none'}")
     known = known_knobs(registry[args.variant])
