@@ -184,14 +184,10 @@ def variant_rows(variant: Any, dims: Any = None, params: dict[str, Any] | None =
     source's default. A Numba variant reports through its module's ``offline_reports``; a variant that composes
     others (auto-dispatch) has no kernels of its own and yields no row. A failure is one row with ``error``.
     """
-    import sys as _sys
-
-    from kernels.compile import offline_report as _offline_report
-
     params = {**variant.params, **(params or {})}
     source = source_of(variant)
     if source is None:
-        reports_fn = getattr(_sys.modules.get(variant.build.__module__), "offline_reports", None)
+        reports_fn = getattr(sys.modules.get(variant.build.__module__), "offline_reports", None)
         if reports_fn is None:
             return []
         try:
@@ -216,7 +212,7 @@ def variant_rows(variant: Any, dims: Any = None, params: dict[str, Any] | None =
     defines = {k: int(v) for k, v in params.items()
                if k in source.defaults and (resolved or not (int(v) == 0 and source.defaults[k] != 0))}
     try:
-        reports = _offline_report(source, arch, **defines)
+        reports = offline_report(source, arch, **defines)
     except Exception as exc:  # noqa: BLE001 - reported as a row
         return [Row(source.name, "-", defines, error=f"{type(exc).__name__}: {exc}".splitlines()[0][:200],
                     variant=variant.name)]
@@ -231,12 +227,10 @@ def variant_rows(variant: Any, dims: Any = None, params: dict[str, Any] | None =
 
 def source_of(variant: Any) -> CudaSource | None:
     """The variant's ``CudaSource`` if one can be found (``build.source`` or the only one in its module)."""
-    import sys as _sys
-
     source = getattr(variant.build, "source", None)
     if isinstance(source, CudaSource):
         return source
-    module = _sys.modules.get(getattr(variant.build, "__module__", ""), None)
+    module = sys.modules.get(getattr(variant.build, "__module__", ""), None)
     found = [v for v in vars(module).values() if isinstance(v, CudaSource)] if module else []
     if len(found) > 1:
         named = [s for s in found if variant.family in s.name or s.name in variant.name]

@@ -442,6 +442,12 @@ class Workbench:
             error = {"rel_l2": None, "max_abs": None}
         return check, error
 
+    def _bytes_in(self, weight_format: str) -> dict[str, Any]:
+        """This problem's bytes with the weights counted in ``weight_format`` (the bf16 record when it is bf16)."""
+        if weight_format == self.bytes["weight_format"]:
+            return dict(self.bytes)
+        return bytes_breakdown(self.shape, self.host["topk_ids"], weight_format)
+
     def free(self) -> None:
         import cupy
 
@@ -465,8 +471,7 @@ class Workbench:
             "baseline": bool(variant.baseline), "params": {**variant.params, **(params or {})},
             "reference_mode": variant.reference_mode, "quant": variant.quant,
             "batch": self.tokens, "model": self.shape.name, "routing": self.routing, "seed": self.seed,
-            "bytes": (dict(self.bytes) if getattr(variant, "weight_format", "bf16") == self.bytes["weight_format"]
-                      else bytes_breakdown(self.shape, self.host["topk_ids"], variant.weight_format)),
+            "bytes": self._bytes_in(getattr(variant, "weight_format", "bf16")),
             "copies": self.info["copies"], "rotation": dict(self.info),
             "status": "error", "error": None, "samples_us": [], "stages": [],
         }
