@@ -137,8 +137,9 @@ def is_capturing() -> bool:
         return False
 
 
-def _check_array(name: str, arr: Any, xp: Any, dtype: np.dtype, ndim: int, what: str) -> None:
-    if array_module(arr) is not xp:
+def check_array(name: str, arr: Any, xp: Any, dtype: np.dtype, ndim: int, what: str) -> None:
+    """``arr`` must be an ``xp`` array of ``dtype`` with ``ndim`` dimensions (``what``), C-contiguous."""
+    if not hasattr(arr, "dtype") or array_module(arr) is not xp:
         raise TypeError(f"{name} must be a {xp.__name__} array like x, got {type(arr).__module__}.{type(arr).__name__}")
     if arr.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions {what}, got shape {tuple(arr.shape)}")
@@ -148,19 +149,24 @@ def _check_array(name: str, arr: Any, xp: Any, dtype: np.dtype, ndim: int, what:
         raise ValueError(f"{name} must be C-contiguous (call .copy() or ascontiguousarray first)")
 
 
-def check_inputs(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, *, check_values: bool = True) -> Dims:
+def check_inputs(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, *, check_values: bool = True,
+                 weight_format: Any = "bf16") -> Dims:
     """Validate the five inputs of an MoE decode call against the contract; return their sizes.
 
     Raises ``TypeError`` for a wrong array kind or dtype and ``ValueError`` for a wrong shape or value,
     naming the argument and what was expected. ``check_values`` reads ``topk_ids`` / ``topk_weights``
-    (skipped automatically during CUDA-graph capture).
+    (skipped automatically during CUDA-graph capture). ``weight_format`` (a name or a
+    ``kernels.formats.WeightFormat``) checks w13 / w2 as that format stores them; their values keep the layouts.
     """
+    from kernels.formats import get_format
+
     xp = array_module(x)
-    _check_array("x", x, xp, BF16, 2, "[T, H]")
-    _check_array("w13", w13, xp, BF16, 3, "[E, 2I, H]")
-    _check_array("w2", w2, xp, BF16, 3, "[E, H, I]")
-    _check_array("topk_ids", topk_ids, xp, np.dtype(np.int32), 2, "[T, K]")
-    _check_array("topk_weights", topk_weights, xp, np.dtype(np.float32), 2, "[T, K]")
+    check_array("x", x, xp, BF16, 2, "[T, H]")
+    fmt = get_format(weight_format)
+    w13 = fmt.check("w13", w13, xp, "[E, 2I, H]")
+    w2 = fmt.check("w2", w2, xp, "[E, H, I]")
+    check_array("topk_ids", topk_ids, xp, np.dtype(np.int32), 2, "[T, K]")
+    check_array("topk_weights", topk_weights, xp, np.dtype(np.float32), 2, "[T, K]")
 
     tokens, hidden = (int(d) for d in x.shape)
     experts, two_i, w13_hidden = (int(d) for d in w13.shape)

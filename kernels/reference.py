@@ -3,7 +3,8 @@
     out[t] = sum_k  topk_weights[t, k] * w2[e] @ (SiLU(gate) * up),   e = topk_ids[t, k]
     gate   = w13[e, :I] @ x[t],   up = w13[e, I:] @ x[t]
 
-Modes (all read the same bf16-valued inputs):
+Modes (all read the same inputs; weights in any registered format, ``weight_format=``, read one expert at a time
+through it -- bf16 by default):
 
 ``"fp64"``         the oracle: every product and sum in float64, no rounding until the caller's.
 ``"warp_decode"``  what warp decode promises: both dot products accumulated in fp32, SiLU(g)*u rounded
@@ -37,13 +38,18 @@ def _host(arr: Any) -> np.ndarray:
 
 
 def matmul_bf16_t(activations: np.ndarray, weight: np.ndarray, acc: type) -> np.ndarray:
-    """``activations @ weight.T`` for a bf16 ``weight`` [N, D], widened to ``acc`` a row block at a time.
+    """``activations @ weight.T`` for a bf16 (or float32: a dequantized format's) ``weight`` [N, D], widened to
+    ``acc`` a row block at a time.
 
     Widening the whole matrix first (bf16 -> f32 -> f64) streams it through memory three times; a block
     of rows stays in cache, which makes the fp64 oracle about 3x faster at real model sizes.
     """
     rows = max(8, (1 << 19) // max(1, weight.shape[1]))  # ~2 MB of uint32 per block
     out = np.empty((activations.shape[0], weight.shape[0]), acc)
+    if weight.dtype == np.float32:
+        for start in range(0, weight.shape[0], rows):
+            out[:, start : start + rows] = activations @ weight[start : start + rows].astype(acc, copy=False).T
+        return out
     bits = np.ascontiguousarray(weight).view(np.uint16)
     widened = np.empty((min(rows, weight.shape[0]), weight.shape[1]), np.uint32)
     for start in range(0, weight.shape[0], rows):
@@ -71,20 +77,26 @@ def moe_decode(
     mode: str = "fp64",
     quant: str | None = None,
     out_dtype: Any = None,
+    weight_format: Any = "bf16",
 ) -> np.ndarray:
     """One MoE decode layer on the host. Returns [T, H]: float64 for ``"fp64"``, else bf16.
 
     ``out_dtype=np.float32`` returns the fp32 accumulator before its final bf16 rounding (not for fp64).
-    CuPy inputs are copied to the host first.
+    ``weight_format``: how w13 / w2 are stored (``kernels.formats``); each touched expert is read through it.
+    ``quant`` quantizes activations only (mode ``"classical"``). CuPy inputs are copied to the host first.
     """
+    from kernels.formats import get_format
+
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if quant not in QUANT_MODES:
         raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
     if quant is not None and mode != "classical":
         raise ValueError(f"quant={quant!r} applies to mode='classical' only, got mode={mode!r}")
-    x, w13, w2, topk_ids, topk_weights = (_host(a) for a in (x, w13, w2, topk_ids, topk_weights))
-    dims = check_inputs(x, w13, w2, topk_ids, topk_weights)
+    fmt = get_format(weight_format)
+    x, topk_ids, topk_weights = (_host(a) for a in (x, topk_ids, topk_weights))
+    w13, w2 = fmt.host(w13), fmt.host(w2)
+    dims = check_inputs(x, w13, w2, topk_ids, topk_weights, weight_format=fmt)
     T, H, I, K = dims.tokens, dims.hidden, dims.intermediate, dims.top_k
 
     if mode == "fp64":
@@ -104,7 +116,7 @@ def moe_decode(
     per_pair = np.empty((T * K, H), acc)  # each (token, slot)'s expert output, before the routing weight
     for expert, pairs in expert_groups(topk_ids):
         tokens_of_pairs = pairs // K
-        gate_up = matmul_bf16_t(activations[tokens_of_pairs], w13[expert], acc)  # [n, 2I]
+        gate_up = matmul_bf16_t(activations[tokens_of_pairs], fmt.expert(w13, expert), acc)  # [n, 2I]
         gate, up = gate_up[:, :I], gate_up[:, I:]
         if mode == "fp64":
             hidden = silu(gate) * up
@@ -113,7 +125,7 @@ def moe_decode(
         else:  # classical: every GEMM output and the activation pass through bf16 buffers
             gate, up = through_bf16(gate), through_bf16(up)
             hidden = quantize(through_bf16(silu(gate) * up), quant)
-        down = matmul_bf16_t(hidden.astype(acc, copy=False), w2[expert], acc)  # [n, H]
+        down = matmul_bf16_t(hidden.astype(acc, copy=False), fmt.expert(w2, expert), acc)  # [n, H]
         per_pair[pairs] = through_bf16(down) if mode == "classical" else down
 
     per_pair = per_pair.reshape(T, K, H)

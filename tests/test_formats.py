@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kernels.contract import BF16
-from kernels.formats import BF16_FORMAT, FORMATS, WeightFormat, get_format
+from kernels.formats import BF16_FORMAT, FORMATS, Quantized, WeightFormat, get_format
 from kernels.routing import make_routing
 from kernels.shapes import PRESETS
 from tools import harness
@@ -63,3 +63,46 @@ def test_variants_default_to_bf16() -> None:
     from kernels.variants import load_builtin
 
     assert {v.weight_format for v in load_builtin().values()} == {"bf16"}
+
+
+class ExpertScaled(WeightFormat):
+    """A toy scaled format (one power-of-two float32 scale per expert and matrix, bf16 values): what adding a format
+    takes -- this class -- and, because its values times its scales are exact in bf16, a format whose reference
+    must equal the bf16 reference on its dequantized weights bit for bit."""
+
+    def scale_bytes(self, hidden: int, intermediate: int) -> int:
+        return 2 * 4
+
+    def quantize(self, w13: np.ndarray, w2: np.ndarray) -> tuple[Quantized, Quantized]:
+        def one(w: np.ndarray) -> Quantized:
+            amax = np.abs(w.astype(np.float32)).max(axis=(1, 2))
+            scales = np.exp2(np.ceil(np.log2(amax))).astype(np.float32)
+            return Quantized((w.astype(np.float32) / scales[:, None, None]).astype(BF16), scales)
+
+        return one(w13), one(w2)
+
+    def dequantize(self, weights: Quantized) -> np.ndarray:
+        return weights.values.astype(np.float32) * weights.scales[:, None, None]
+
+
+def test_reference_reads_weights_through_their_format() -> None:
+    from kernels.problem import make_problem
+    from kernels.reference import moe_decode
+
+    problem = make_problem("tiny", 5, routing="uniform", seed=3)
+    fmt = ExpertScaled("expert-scaled", "bf16 values, one scale per expert", 2)
+    q13, q2 = fmt.quantize(problem.w13, problem.w2)
+    assert not np.array_equal(q13.values.view(np.uint16), problem.w13.view(np.uint16))  # really scaled
+    d13, d2 = fmt.dequantize(q13).astype(BF16), fmt.dequantize(q2).astype(BF16)
+    assert np.array_equal(d13.astype(np.float32), fmt.dequantize(q13))  # exact in bf16
+    x, ids, wts = problem.x, problem.topk_ids, problem.topk_weights
+    for mode, quant in (("fp64", None), ("warp_decode", None), ("classical", None), ("classical", "fp8")):
+        via_format = moe_decode(x, q13, q2, ids, wts, mode=mode, quant=quant, weight_format=fmt)
+        plain = moe_decode(x, d13, d2, ids, wts, mode=mode, quant=quant)
+        assert np.array_equal(via_format.view(np.uint8), plain.view(np.uint8)), mode
+    with pytest.raises(TypeError, match="w13 must be expert-scaled weights"):
+        moe_decode(x, problem.w13, q2, ids, wts, weight_format=fmt)
+    with pytest.raises(TypeError, match="w2 must be a numpy array like x, got kernels.formats.Quantized"):
+        moe_decode(x, problem.w13, q2, ids, wts)
+    with pytest.raises(ValueError, match="w13.values must have 3 dimensions"):
+        moe_decode(x, Quantized(q13.values[0], q13.scales), q2, ids, wts, weight_format=fmt)

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from kernels.contract import BF16, check_inputs
+from kernels.formats import get_format
 from kernels.numerics import max_abs, min_cosine, rel_l2
 from kernels.reference import moe_decode
 from kernels.shapes import DEFAULT_MODEL, PRESETS, MoEShape, get_shape
@@ -89,6 +90,7 @@ class Cell:
     path: str
     source: str  # a variant name, or "reference:<mode>"
     run_shape: dict[str, int] = field(default_factory=dict)  # hidden, intermediate, experts actually run
+    weight_format: str = "bf16"  # the format the weights were stored in (the variant's; the reference's is bf16)
     seeds: list[int] = field(default_factory=list)
     rel_l2: list[float] = field(default_factory=list)
     max_abs: list[float] = field(default_factory=list)
@@ -303,7 +305,7 @@ class _KernelRunner:
         key = (variant.name, dims)
         if key not in self.launches:
             self.launches[key] = variant.make(dims)
-        w13, w2 = problem.w13, problem.w2
+        w13, w2 = get_format(variant.weight_format).quantize(problem.w13, problem.w2)  # the variant's format
         if variant.prepack is not None:
             w13, w2 = variant.prepack(w13, w2)
         out = cupy.empty((dims.tokens, dims.hidden), dtype=cupy.uint16)
@@ -367,7 +369,8 @@ def measure_layer(
     cells = {
         (T, path): Cell(shape.name, T, path,
                         kernels[path].name if runner and kernels.get(path) else f"reference:{path}",
-                        {"hidden": shape.hidden, "intermediate": shape.intermediate, "experts": shape.experts})
+                        {"hidden": shape.hidden, "intermediate": shape.intermediate, "experts": shape.experts},
+                        weight_format=kernels[path].weight_format if runner and kernels.get(path) else "bf16")
         for T in batch for path in paths
     }
     for seed in seeds:
