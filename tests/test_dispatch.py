@@ -590,9 +590,10 @@ def _capture_and_replay(cupy: Any, rng: np.random.Generator, problem: Any, ws: d
         assert np.array_equal(results[0].view(np.uint16), results[1].view(np.uint16)), f"{what} replay {round_}"
         for result, name in zip(results, ("moe_decode", "variant"), strict=True):
             _check_chosen_mode(cupy, result, problem, ws.choice, f"{what} {name} replay {round_}")
-        write_fresh_inputs(cupy, problem, _seed(rng))
-        for o in outs:
-            o.view(cupy.uint16).fill(0x7FC0)
+        with stream:  # on the replay's stream: a non-blocking stream does not wait for the legacy default stream
+            write_fresh_inputs(cupy, problem, _seed(rng))
+            for o in outs:
+                o.view(cupy.uint16).fill(0x7FC0)
 
 
 @pytest.mark.gpu

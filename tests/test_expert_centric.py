@@ -564,10 +564,10 @@ def test_graph_capture_replay(quant) -> None:
     np.testing.assert_array_equal(out.get().view(np.uint16), eager.view(np.uint16))
     # new routing, same graph: the metadata is recomputed on the device
     ids, weights = make_routing(12, 20, p.shape.top_k, "uniform", seed=12)
-    p.topk_ids[...] = cp.asarray(ids)
-    p.topk_weights[...] = cp.asarray(weights)
-    out.view(cp.uint16).fill(0x7FC0)
-    with stream:
+    with stream:  # on the replay's stream: a non-blocking stream does not wait for the legacy default stream
+        p.topk_ids[...] = cp.asarray(ids)
+        p.topk_weights[...] = cp.asarray(weights)
+        out.view(cp.uint16).fill(0x7FC0)
         graph.launch(stream)
         stream.synchronize()
     _check_vs_reference(p, out.get(), quant=quant)

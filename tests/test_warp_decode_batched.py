@@ -747,9 +747,9 @@ def _capture_and_replay(cupy: Any, problem: Problem, launch: Any, what: str) -> 
     faithful, oracle = _references(problem)
     _assert_matches(cupy.asnumpy(out), faithful, oracle, f"{what}: graph replay")
     # new routing (other experts, other counts) written into the same buffers, same graph
-    write_fresh_inputs(cupy, problem, problem.seed + 1)
-    out.view(cupy.uint16).fill(0x7FC0)
-    with stream:
+    with stream:  # on the replay's stream: a non-blocking stream does not wait for the legacy default stream
+        write_fresh_inputs(cupy, problem, problem.seed + 1)
+        out.view(cupy.uint16).fill(0x7FC0)
         graph.launch(stream)
         stream.synchronize()
     faithful, oracle = _references(problem)

@@ -553,11 +553,11 @@ def test_graph_capture(cupy_mod: Any, rng: np.random.Generator) -> None:
 
     ids, weights = make_routing(4, dims.experts, dims.top_k, "zipf", _seed(rng))
     x = rng.standard_normal((4, dims.hidden), dtype=np.float32).astype(BF16)
-    problem.x.view(cupy.uint16)[...] = cupy.asarray(x.view(np.uint16))
-    problem.topk_ids[...] = cupy.asarray(ids)
-    problem.topk_weights[...] = cupy.asarray(weights)
-    out.view(cupy.uint16).fill(0x7FC0)
-    with stream:
+    with stream:  # on the replay's stream: a non-blocking stream does not wait for the legacy default stream
+        problem.x.view(cupy.uint16)[...] = cupy.asarray(x.view(np.uint16))
+        problem.topk_ids[...] = cupy.asarray(ids)
+        problem.topk_weights[...] = cupy.asarray(weights)
+        out.view(cupy.uint16).fill(0x7FC0)
         graph.launch(stream)
         stream.synchronize()
     faithful, oracle = _references(problem)
