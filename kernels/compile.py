@@ -1,14 +1,16 @@
 """The one place CUDA C sources are compiled and cached.
 
-A kernel family is a :class:`CudaSource`: CUDA C text whose knobs are preprocessor macros (``WARPS``,
-``UNROLL``, ...). ``get_kernel(source, "name", WARPS=8)`` compiles that combination once through CuPy's
-``RawModule`` (NVRTC), keeps the module in memory, and CuPy keeps the cubin on disk
-(``$CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``; delete that folder to clear it).
+A :class:`CudaSource` is CUDA C text whose knobs are preprocessor macros (``WARPS``, ``UNROLL``, ...); a kernel
+family (:mod:`kernels.family`) wraps one with its knob rules, workspace and stages. This layer knows no knob.
+``get_kernel(source, "name", WARPS=8)`` compiles that combination once through CuPy's ``RawModule`` (NVRTC),
+keeps the module in memory, and CuPy keeps the cubin on disk (``$CUPY_CACHE_DIR``, default
+``~/.cupy/kernel_cache``; delete that folder to clear it).
 
 ``offline_report(source, **defines)`` compiles the same text for sm_90 with NVRTC directly
 (``cuda.bindings.nvrtc``) -- no driver, no GPU -- and parses ptxas' resource report (registers, shared
 memory, stack frame, spill bytes). ``ptx_report(ptx)`` does the same for PTX from other front ends
-(Numba) through nvJitLink. Sources register themselves in :data:`SOURCES` so ``tools.compile_report`` finds them.
+(Numba) through nvJitLink. Sources are registered in :data:`SOURCES` (a kernel family does it) so
+``tools.compile_report`` finds them.
 
 Edit-and-rerun from IPython: change ``source.code`` (or build a new ``CudaSource``) and call
 ``get_kernel`` again -- the cache key is the text itself, so the edited kernel is compiled afresh.
@@ -224,19 +226,6 @@ def max_active_blocks(kernel: Any, threads: int, shared_mem: int) -> int:
     return int(blocks)
 
 
-def prefer_shared_memory(kernel: Any) -> None:
-    """Ask for the maximum shared-memory carveout (minimum L1) on the SMs that run ``kernel`` (a RawKernel):
-    a kernel that shares its SMs with a big-shared-memory kernel launched behind it (PDL) sets this, because an
-    SM only changes its carveout when it is idle."""
-    from cuda.bindings import driver
-
-    function = driver.CUfunction(int(getattr(kernel, "kernel", kernel).ptr))
-    attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-    (status,) = driver.cuFuncSetAttribute(function, attribute, 100)
-    if int(status) != 0:
-        raise RuntimeError(f"cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT) failed: {status}")
-
-
 def device_sm_count(default: int) -> int:
     """Streaming multiprocessors of the current GPU, or ``default`` where no GPU (or no CuPy) is present."""
     try:
@@ -253,19 +242,6 @@ def _sm_count(device: int) -> int:
     import cupy
 
     return int(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device))
-
-
-def for_device(params: dict[str, int]) -> dict[str, int]:
-    """``params`` for the current device: ``PDL`` (``griddepcontrol``) and ``DN_STAGED`` (sized for sm_90's 227 KB
-    of shared memory a block) need sm_90+, so they become 0 on older GPUs (the kernels then wait for nothing, and
-    the plain down runs)."""
-    sm90_knobs = [knob for knob in ("PDL", "DN_STAGED") if params.get(knob)]
-    if sm90_knobs:
-        import cupy
-
-        if int(cupy.cuda.Device().compute_capability) < 90:
-            return {**params, **{knob: 0 for knob in sm90_knobs}}
-    return params
 
 
 def clear_memory_cache() -> None:

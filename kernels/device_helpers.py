@@ -82,7 +82,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 """
 
 # The helpers of programmatic dependent launch, for sources with a ``PDL`` knob (0 or 1): the strict and the
-# batched kernels. ``prefetch_l2`` (a Hopper bulk L2 prefetch) sits here too: it is sm_90+ like PDL.
+# batched kernels.
 PDL_HELPERS = r"""
 // ---- PDL helpers (kernels/device_helpers.py) ----
 // Loads of data the kernel right before may have written (x, topk_ids in gate_up; the intermediate in down).
@@ -139,22 +139,13 @@ __device__ __forceinline__ void pdl_release() {
     asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 }
-
-// *_PREFETCH=1: one Hopper bulk prefetch (cp.async.bulk.prefetch.L2, sm_90+) asks the copy engine to bring
-// `bytes` (a multiple of 16, 16-byte aligned) at `p` into L2 -- no registers held, nothing waited on; the
-// ordinary loads that follow then hit L2 (or an in-flight miss) instead of each paying a DRAM round trip.
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
-#if !defined(WD_HOST_EMULATION)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes));
-#endif
-}
 // ---- end of PDL helpers ----
 """
 
 # The tensor-core helpers (mma.sync m16n8k16, bf16 x bf16 -> FP32; sm_80+) with the k permutation the batched
 # source's comment above its tensor-core kernels explains: in a 32-wide k block a lane loads 16 contiguous bytes
 # of its A rows (g, g + 8) and of B column g, words 0-1 feed one mma and words 2-3 the next. Used by the
-# batched tensor-core kernels and the strict source's staged down. ``emulated_mma_16816`` is the g++ emulation's.
+# batched tensor-core kernels and the fused-layer prototype. ``emulated_mma_16816`` is the g++ emulation's.
 MMA_HELPERS = r"""
 // ---- tensor-core helpers (kernels/device_helpers.py) ----
 __device__ __forceinline__ void mma_16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -177,10 +168,10 @@ __device__ __forceinline__ void mma_k32(float (&d)[4], const uint4& rows_lo, con
 """
 
 
-# The tail of a down whose w2 rows sit in shared memory (after MMA_HELPERS): the strict source's staged down
-# (DN_STAGED=1) and the fused-layer prototype. The block holds ROWS padded w2 rows of every (token, slot) pair p
-# (row r of pair p at w2_rows + (p * ROWS + r) * stride) and the pairs' intermediate rows; :func:`padded_row_bytes`
-# and :func:`staged_parts` are the Python side of the same layout.
+# The tail of a down whose w2 rows sit in shared memory (after MMA_HELPERS): the fused-layer prototype's. The
+# block holds ROWS padded w2 rows of every (token, slot) pair p (row r of pair p at w2_rows + (p * ROWS + r) *
+# stride) and the pairs' intermediate rows; :func:`padded_row_bytes` and :func:`staged_parts` are the Python side
+# of the same layout.
 STAGED_TAIL_HELPERS = r"""
 // ---- staged-down tail (kernels/device_helpers.py) ----
 // bytes of a staged row: 2I rounded up to 64 mod 128, so the 8 rows of a fragment load hit distinct banks

@@ -6,10 +6,9 @@
 Candidates: ``"cupy:warp-decode"`` (strict: one warp per (token, slot, neuron); best when few pairs share an expert),
 ``"cupy:warp-decode-batched"`` (each active expert's weights read once per batch), ``"cupy:warp-decode-mixed"``
 (batched with the FMA gate_up and the tensor-core down), ``"cupy:warp-decode-mma"`` (batched on tensor cores:
-mma.sync m16n8k16, bf16 in, FP32 accumulators -- warp decode's numerics in the tensor core's summation order, as
-close to fp64, not bitwise the FMA paths) and ``"cupy:expert-centric"`` (``kernels/expert_centric_path.py``: align,
-gather, grouped GEMMs, SiLU, combine; reproduces ``reference.moe_decode(mode="classical")``: four bf16 roundings,
-about 1.65x further from the fp64 oracle). The four warp-decode paths reproduce mode "warp_decode".
+mma.sync, FP32 accumulators -- warp decode's numerics in the tensor core's summation order) and
+``"cupy:expert-centric"`` (align, gather, grouped GEMMs, SiLU, combine: reproduces ``reference.moe_decode(mode=
+"classical")``, four bf16 roundings). The four warp-decode paths reproduce mode "warp_decode".
 
 Policies (``policy=``, :data:`POLICIES`; candidates in :data:`POLICY_CANDIDATES`): ``"fastest"`` (the default), the
 fastest of the five; ``"warp_decode"``, strict / batched / mixed / MMA only, keeping warp decode's numerics.
@@ -26,9 +25,10 @@ it never syncs with the host and a captured CUDA graph stays valid for any routi
    batched; never the mixed or expert-centric path, never a path that cannot run the dims (:func:`batched_supported`,
    :func:`expert_centric_supported`; strict runs everything). The H200 runs behind it: notes/FINDINGS.md.
 
-Variants ``"cupy:auto"`` (policy "fastest") and ``"cupy:auto-warp-decode"``: ``build(dims)`` decides once and returns
-that path's launch with ``launch.choice``, ``launch.choice_source`` ("table" or "heuristic"), ``launch.policy`` and
-the chosen variant's ``launch.reference_mode`` / ``launch.quant`` (the bench harness checks against those).
+Variants ``"cupy:auto"`` (policy "fastest") and ``"cupy:auto-warp-decode"`` (no kernel family of their own: they
+compose the registered variants): ``build(dims)`` decides once and returns the chosen variant's
+:class:`~kernels.family.Launch` stating the chosen path's ``reference_mode`` / ``quant`` (the bench harness checks
+against those) and ``facts``: ``choice``, ``choice_source`` ("table" or "heuristic"), ``policy``.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from typing import Any
 from kernels import warp_decode_batched as wdb
 from kernels import warp_decode_cupy as wdc
 from kernels.contract import Dims, array_module, check_inputs
+from kernels.family import Launch
 from kernels.variants import Variant, get_variant, register
 
 ec = importlib.import_module("kernels.expert_centric_path")
@@ -315,26 +316,23 @@ def moe_decode(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out:
 # ---------------------------------------------------------------------------------------------------
 # Variants
 # ---------------------------------------------------------------------------------------------------
-def build(dims: Dims, policy: str = FASTEST, **params: Any) -> Any:
-    """Decide once for ``dims`` under ``policy`` and return the chosen variant's launch, carrying ``choice``,
-    ``choice_source``, ``policy`` and the chosen path's ``reference_mode`` / ``quant`` (what its output must
-    match: the bench harness checks against these)."""
+def build(dims: Dims, policy: str = FASTEST, **params: Any) -> Launch:
+    """Decide once for ``dims`` under ``policy`` and return the chosen variant's launch (its run, stages, knobs
+    and workspace) stating the chosen path's ``reference_mode`` / ``quant`` (what its output must match: the
+    bench harness checks against these) and ``facts`` ``choice``, ``choice_source``, ``policy``."""
     check_policy(policy)
     if params:
         raise ValueError(f"auto-dispatch takes no knobs (it picks a path and uses its defaults), got {sorted(params)}")
     choice, source = choose(dims, policy=policy)
     chosen = get_variant(choice)
-    launch = chosen.make(dims)
-    launch.choice = choice  # type: ignore[attr-defined]
-    launch.choice_source = source  # type: ignore[attr-defined]
-    launch.policy = policy  # type: ignore[attr-defined]
-    launch.reference_mode = chosen.reference_mode  # type: ignore[attr-defined]
-    launch.quant = chosen.quant  # type: ignore[attr-defined]
-    return launch
+    inner = chosen.make(dims)
+    return Launch(run=inner.run, stages=inner.stages, params=inner.params, workspace=inner.workspace,
+                  reference_mode=chosen.reference_mode, quant=chosen.quant,
+                  facts={**inner.facts, "choice": choice, "choice_source": source, "policy": policy})
 
 
 def _build_for(policy: str) -> Any:
-    def build_policy(dims: Dims, **params: Any) -> Any:
+    def build_policy(dims: Dims, **params: Any) -> Launch:
         return build(dims, policy, **params)
 
     return build_policy

@@ -1,18 +1,22 @@
-"""CUDA C of the expert-centric (vLLM-style fused-MoE) decode path; compiled through kernels.compile.
+"""CUDA C of the expert-centric (vLLM-style fused-MoE) decode path; its kernel family is declared in
+kernels.expert_centric_path (``FAMILY``), which registers this source.
 
 Knobs (``#define``): ``BLOCK_N`` output features per GEMM block (multiple of 8), ``WARPS`` warps per GEMM
 block (split-K inside the block), ``M_TILES`` 16-row MMA tiles per GEMM block (``BLOCK_M = 16 * M_TILES``,
 also the padding unit of the routing metadata), ``UNROLL`` 32-wide K chunks each warp loads before its MMAs
-(one "step"), ``STAGES`` 0 = a step's loads go to registers, >= 2 = cp.async ring of STAGES steps in dynamic
+(one "step"), ``STAGES`` 1 = a step's loads go to registers, >= 2 = cp.async ring of STAGES steps in dynamic
 shared memory (``ring_bytes`` in kernels.expert_centric_path; STAGES-1 steps in flight per warp), ``PREFETCH``
 (register path only) 0 = off, d >= 1 = each lane prefetches into L2 the weights it will load d steps later.
+``BLOCK_N``, ``WARPS`` and ``STAGES`` at 0 mean "auto" to the family (its rules pick them from the dims), so 0
+never reaches this text from there; the text treats STAGES < 2 as the register path. (Results written before
+the kernel family spell the register path STAGES=0.)
 
 bf16 values travel as raw ``unsigned short`` bits (no cuda_bf16.h); conversions are bit-exact RNE.
 """
 
 from __future__ import annotations
 
-from kernels.compile import CudaSource, register_source
+from kernels.compile import CudaSource
 
 CODE = r"""
 #define BLOCK_M (16 * M_TILES)
@@ -298,7 +302,7 @@ __device__ __forceinline__ void chunk_mma(float (*acc)[NT][4], const uint4 (*a)[
     }
 }
 
-// STAGES == 0: each step's loads go to registers, then its MMAs run (one step in flight per warp).
+// STAGES < 2 (1): each step's loads go to registers, then its MMAs run (one step in flight per warp).
 // STAGES >= 2: a ring of STAGES steps in dynamic shared memory filled by cp.async, STAGES-1 steps in flight
 // per warp while one is multiplied. Every lane reads back only the 16-byte slots it copied itself (the same
 // lane -> (row, k) map as the register path), so cp.async.wait_group alone orders it: no barrier, and the
@@ -314,7 +318,7 @@ __device__ __forceinline__ void chunk_mma(float (*acc)[NT][4], const uint4 (*a)[
     (WARPS - 1 < 1 || WARPS > 4 ? 1 : (SLABS_FIT < 1 ? 1 : (SLABS_FIT < WARPS - 1 ? SLABS_FIT : WARPS - 1)))
 // (an explicit min-blocks of 1 for the ring and UNROLL=1: without it ptxas capped some of those builds at 64-80
 // registers and spilled; the measured register-path builds keep their bounds, hence their register counts)
-#if STAGES == 0 && UNROLL > 1
+#if STAGES < 2 && UNROLL > 1
 #define GEMM_BOUNDS __launch_bounds__(WARPS * 32)
 #else
 #define GEMM_BOUNDS __launch_bounds__(WARPS * 32, 1)
@@ -342,7 +346,7 @@ __device__ __forceinline__ void grouped_gemm(const bf16* __restrict__ A, const f
 #pragma unroll
         for (int j = 0; j < NT; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.0f;
 
-#if STAGES == 0
+#if STAGES < 2
 #if PREFETCH > 0
     // L2 prefetches of the weights PREFETCH steps ahead (no registers held, results unchanged): the steps
     // 1..PREFETCH-1 here, step s + PREFETCH at the top of step s
@@ -590,32 +594,29 @@ extern "C" __global__ void combine(const bf16* __restrict__ src, const int* __re
 KERNELS = (
     "moe_align", "quantize_rows", "gather_rows", "gemm_bf16", "gemm_fp8_scaled", "silu_mul", "scatter_rows", "combine",
 )
-# DEFAULTS are the compile-time knobs of the large-batch tiles (kernels.expert_centric_path.auto_params picks per
-# dims; the sweep on the H200 favoured BLOCK_N=128 at T=64 and BLOCK_N=32 / WARPS=8 at T=1).
+# DEFAULTS are the compile-time knobs of the large-batch tiles, what kernels.expert_centric_path.auto_params picks
+# above T*K = 64 (below: BLOCK_N=32, WARPS=8, register loads); VARIANTS the other sets the offline report compiles.
 DEFAULTS = {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 2, "PREFETCH": 0}
 VARIANTS = [
-    {"BLOCK_N": 128, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 0, "PREFETCH": 0},
-    {"BLOCK_N": 32, "WARPS": 8, "M_TILES": 1, "UNROLL": 2, "STAGES": 0, "PREFETCH": 0},
-    {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 0, "PREFETCH": 0},
-    {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 4, "STAGES": 0, "PREFETCH": 0},
-    {"BLOCK_N": 64, "WARPS": 8, "M_TILES": 1, "UNROLL": 2, "STAGES": 0, "PREFETCH": 0},
-    {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 2, "UNROLL": 2, "STAGES": 0, "PREFETCH": 0},
-    {"BLOCK_N": 128, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 0, "PREFETCH": 2},
-    {"BLOCK_N": 32, "WARPS": 8, "M_TILES": 1, "UNROLL": 2, "STAGES": 0, "PREFETCH": 1},
+    {"BLOCK_N": 128, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 1, "PREFETCH": 0},
+    {"BLOCK_N": 32, "WARPS": 8, "M_TILES": 1, "UNROLL": 2, "STAGES": 1, "PREFETCH": 0},
+    {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 1, "PREFETCH": 0},
+    {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 4, "STAGES": 1, "PREFETCH": 0},
+    {"BLOCK_N": 64, "WARPS": 8, "M_TILES": 1, "UNROLL": 2, "STAGES": 1, "PREFETCH": 0},
+    {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 2, "UNROLL": 2, "STAGES": 1, "PREFETCH": 0},
+    {"BLOCK_N": 128, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 1, "PREFETCH": 2},
+    {"BLOCK_N": 32, "WARPS": 8, "M_TILES": 1, "UNROLL": 2, "STAGES": 1, "PREFETCH": 1},
     {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 1, "STAGES": 4, "PREFETCH": 0},
     {"BLOCK_N": 128, "WARPS": 4, "M_TILES": 1, "UNROLL": 1, "STAGES": 3, "PREFETCH": 0},
     {"BLOCK_N": 32, "WARPS": 8, "M_TILES": 1, "UNROLL": 1, "STAGES": 4, "PREFETCH": 0},
 ]
 
-EXPERT_CENTRIC_SOURCE = register_source(
-    CudaSource(
-        name="expert_centric",
-        code=CODE,
-        kernels=KERNELS,
-        defaults=dict(DEFAULTS),
-        variants=[dict(v) for v in VARIANTS],
-        description=(
-            "expert-centric MoE decode: align, quantize, gather, mma.sync grouped GEMMs, SiLU, scatter, combine"
-        ),
-    )
+# kernels.expert_centric_path.FAMILY registers it (tools.compile_report finds it there)
+EXPERT_CENTRIC_SOURCE = CudaSource(
+    name="expert_centric",
+    code=CODE,
+    kernels=KERNELS,
+    defaults=dict(DEFAULTS),
+    variants=[dict(v) for v in VARIANTS],
+    description="expert-centric MoE decode: align, quantize, gather, mma.sync grouped GEMMs, SiLU, scatter, combine",
 )

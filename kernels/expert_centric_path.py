@@ -14,48 +14,50 @@ Stages, each its own kernel (``kernels/expert_centric_cuda.py``), each timed alo
 7. ``scatter``     un-permute to pair order [T*K, H] (``fuse_scatter=True`` folds it into 8 instead).
 8. ``combine``     routing-weighted fp32 sum over each token's K slots (k = 0..K-1) -> out [T, H].
 
-Buffers are sized for the worst case, so nothing depends on the routing on the host: at most
-min(E, T*K) experts are touched, each padding < BLOCK_M rows, so max_tiles = (T*K + min(E, T*K)*(BLOCK_M-1))
-// BLOCK_M (tighter than, and implied by, vLLM's T*K + E*(BLOCK_M-1) rows). Kernels over tiles launch
-max_tiles blocks; blocks past the real count (meta[0]) exit at once. The whole path is graph-capturable.
+Buffers are sized for the worst case, so nothing depends on the routing on the host: at most min(E, T*K)
+experts are touched, each padding < BLOCK_M rows, so max_tiles = (T*K + min(E, T*K)*(BLOCK_M-1)) // BLOCK_M.
+Kernels over tiles launch max_tiles blocks; blocks past the real count (meta[0]) exit at once: graph-capturable.
 
-Quantization (``quant``) reproduces ``reference.moe_decode(mode="classical", quant=...)``: "fp8" stores the
-e4m3 values (exact in bf16) and fp32 group scales, and the GEMM multiplies each 32-wide K chunk's MMA result
-by its row's scale (so sum order differs from NumPy's sum of (q*s)*w at fp32 level only); "mxfp8" stores
-q * 2^e, which is exact in bf16, and runs the plain bf16 GEMM.
+Quantization (``quant``, a build argument: one variant per mode) reproduces ``reference.moe_decode(mode=
+"classical", quant=...)``: "fp8" stores e4m3 values (exact in bf16) and fp32 group scales, the GEMM scales each
+32-wide K chunk's MMA result by its row's scale; "mxfp8" stores q * 2^e (exact in bf16), the plain bf16 GEMM.
 
-Tiles come from the dims (:func:`auto_params`: small T*K -> narrow, many-warp GEMM blocks; larger -> a cp.async ring);
-the predictions, the H200 sweeps that chose them and the measured times: notes/FINDINGS.md ("Expert-centric baseline").
+:data:`FAMILY` declares the kernels once: knobs (0 = auto for BLOCK_N, WARPS, STAGES: :func:`auto_params` picks
+them from the dims -- small T*K narrow many-warp blocks, larger a cp.async ring), the rules that reject tiles that
+cannot run, workspace and stages. The sweeps behind the choices: notes/FINDINGS.md ("Expert-centric baseline").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kernels.compile import get_kernel
 from kernels.contract import BF16, Dims, array_module, check_inputs, check_out
 from kernels.expert_centric_cuda import DEFAULTS, EXPERT_CENTRIC_SOURCE
+from kernels.family import Compiled, KernelFamily, Launch, Stage
 from kernels.numerics import FP8_GROUP, QUANT_MODES
-from kernels.variants import Variant, register
+from kernels.variants import register
 
 QUANT_CODE = {None: 0, "fp8": 1, "mxfp8": 2}
 ALIGN_THREADS = 1024
 ELEMENTWISE_THREADS = 256
 STATIC_SMEM_LIMIT = 48 * 1024
 MAX_EXPERTS = 6144
-PARAM_NAMES = ("BLOCK_N", "WARPS", "M_TILES", "UNROLL", "STAGES", "PREFETCH")
-NON_NEGATIVE = ("STAGES", "PREFETCH")
+PARAM_NAMES = tuple(DEFAULTS)  # the compile-time knobs; build() and expert_centric() also take fuse_scatter
+AUTO_KNOBS = ("BLOCK_N", "WARPS", "STAGES")  # 0 = auto: auto_params(dims) picks them
+# ranges (the rules check the rest: BLOCK_N a multiple of 8, shared memory, PREFETCH on the register path only)
+LIMITS = {"BLOCK_N": (0, 768), "WARPS": (0, 32), "M_TILES": (1, 96), "UNROLL": (1, 16), "STAGES": (0, 8),
+          "PREFETCH": (0, 8)}
 BLOCK_SMEM_LIMIT = 227 * 1024  # sm_90 opt-in maximum per block
 DYNAMIC_SMEM_LIMIT = 200 * 1024  # cp.async ring per block (H200: 227 KiB per block opt-in, 228 KiB per SM)
 SMALL_BATCH_PAIRS = 64  # T*K at or below this: small GEMM tiles (more blocks for the few experts touched)
 
 
 def auto_params(dims: Dims | None) -> dict[str, Any]:
-    """The tile knobs a call gets when it names none, from the dims alone (no host sync, fixed per build).
+    """The tile knobs a call gets when it leaves them to the dims (no host sync, fixed per build).
 
     From the H200 sweep of the whole path (weights rotated past L2, CUDA-graph replay): T*K <= 64 (T=1: 8
     experts x few N tiles) wants many small blocks, BLOCK_N=32 / WARPS=8 (44 us vs 57 us with 128-wide
@@ -67,20 +69,20 @@ def auto_params(dims: Dims | None) -> dict[str, Any]:
     and a [T*K, H] round trip at every T."""
     chosen: dict[str, Any] = {**DEFAULTS, "fuse_scatter": True}
     if dims is not None and dims.tokens * dims.top_k <= SMALL_BATCH_PAIRS:
-        chosen.update(BLOCK_N=32, WARPS=8, STAGES=0)  # register loads: the ring was not timed at T*K <= 64
+        chosen.update(BLOCK_N=32, WARPS=8, STAGES=1)  # register loads: the ring was not timed at T*K <= 64
     return chosen
 
 
-def ring_bytes(params: dict[str, Any]) -> int:
-    """Dynamic shared memory of the GEMMs' cp.async ring (0 for STAGES=0): [STAGES][WARPS][UNROLL]
-    [BLOCK_N/8 + 2*M_TILES][32] 16-byte slots."""
-    if not params["STAGES"]:
+def ring_bytes(params: Mapping[str, Any]) -> int:
+    """Dynamic shared memory of the GEMMs' cp.async ring (0 for the register path, STAGES < 2): [STAGES][WARPS]
+    [UNROLL][BLOCK_N/8 + 2*M_TILES][32] 16-byte slots."""
+    if params["STAGES"] < 2:
         return 0
     slots = params["BLOCK_N"] // 8 + 2 * params["M_TILES"]
     return params["STAGES"] * params["WARPS"] * 32 * params["UNROLL"] * slots * 16
 
 
-def reduce_bytes(params: dict[str, Any]) -> int:
+def reduce_bytes(params: Mapping[str, Any]) -> int:
     """Static shared memory of the GEMMs' split-K reduction (mirrors REDUCE_SLABS in the CUDA source)."""
     slab = 16 * params["M_TILES"] * params["BLOCK_N"] * 4
     if params["WARPS"] > 4:
@@ -88,43 +90,49 @@ def reduce_bytes(params: dict[str, Any]) -> int:
     return max(1, min(params["WARPS"] - 1, (24 * 1024) // slab)) * slab
 
 
-def check_params(dims: Dims | None = None, **params: Any) -> dict[str, Any]:
-    """Validate the tile knobs; returns the full set (``auto_params(dims)`` filled in, plus ``fuse_scatter``)."""
-    unknown = set(params) - set(PARAM_NAMES) - {"fuse_scatter"}
-    if unknown:
-        known = [*PARAM_NAMES, "fuse_scatter"]
-        raise ValueError(f"unknown expert_centric parameter(s) {sorted(unknown)}; known: {known}")
-    full = {**auto_params(dims), **params}
-    for name in PARAM_NAMES:
-        value = full[name]
-        lowest = 0 if name in NON_NEGATIVE else 1
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < lowest:
-            raise ValueError(f"{name} must be an int >= {lowest}, got {value!r}")
-        full[name] = int(value)
-    if full["STAGES"] == 1 or full["STAGES"] > 8:
-        raise ValueError(f"STAGES must be 0 (register loads) or 2..8 (cp.async ring), got {full['STAGES']}")
-    if full["PREFETCH"] > 8 or (full["PREFETCH"] and full["STAGES"]):
-        raise ValueError(f"PREFETCH (L2 prefetch distance in steps, 0..8) is for the register path (STAGES=0) only, "
-                         f"got PREFETCH={full['PREFETCH']} with STAGES={full['STAGES']}")
-    if full["BLOCK_N"] % 8:
-        raise ValueError(f"BLOCK_N must be a multiple of 8 (n8 MMA tiles), got {full['BLOCK_N']}")
-    if full["WARPS"] > 32:
-        raise ValueError(f"WARPS must be <= 32, got {full['WARPS']}")
-    smem = 16 * full["M_TILES"] * full["BLOCK_N"] * 4
+def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
+    """The family's rules on validated knobs (names, int types and :data:`LIMITS` checked): the auto knobs (0)
+    from :func:`auto_params` of ``dims``, then ValueError for tiles these kernels cannot run."""
+    tiles = auto_params(dims)
+    for knob in AUTO_KNOBS:
+        if values[knob] == 0:
+            values[knob] = tiles[knob]
+    if values["PREFETCH"] and values["STAGES"] >= 2:
+        raise ValueError(f"PREFETCH (L2 prefetch distance in steps, 0..8) is for the register path (STAGES=1) only, "
+                         f"got PREFETCH={values['PREFETCH']} with STAGES={values['STAGES']}")
+    if values["BLOCK_N"] % 8:
+        raise ValueError(f"BLOCK_N must be a multiple of 8 (n8 MMA tiles), got {values['BLOCK_N']}")
+    smem = 16 * values["M_TILES"] * values["BLOCK_N"] * 4
     if smem > STATIC_SMEM_LIMIT:
         raise ValueError(
             f"16*M_TILES * BLOCK_N * 4 = {smem} bytes of split-K shared memory exceeds 48 KiB; "
             "lower M_TILES or BLOCK_N"
         )
-    ring = ring_bytes(full)
-    if ring + reduce_bytes(full) > BLOCK_SMEM_LIMIT:
-        raise ValueError(f"the cp.async ring ({ring} B) and the split-K slabs ({reduce_bytes(full)} B) exceed "
+    ring = ring_bytes(values)
+    if ring + reduce_bytes(values) > BLOCK_SMEM_LIMIT:
+        raise ValueError(f"the cp.async ring ({ring} B) and the split-K slabs ({reduce_bytes(values)} B) exceed "
                          f"{BLOCK_SMEM_LIMIT} bytes of shared memory per block; lower STAGES, UNROLL or BLOCK_N")
     if ring > DYNAMIC_SMEM_LIMIT:
         raise ValueError(f"the cp.async ring needs {ring} bytes of shared memory per block (limit "
                          f"{DYNAMIC_SMEM_LIMIT}); lower STAGES, UNROLL, WARPS or BLOCK_N")
-    full["fuse_scatter"] = bool(full["fuse_scatter"])
-    return full
+    return values
+
+
+def check_params(dims: Dims | None = None, **params: Any) -> dict[str, Any]:
+    """Validate the tile knobs; returns the full set: the family's knobs resolved for ``dims``
+    (``FAMILY.resolve``: a knob not given, or an auto one at 0, from ``auto_params(dims)``) plus ``fuse_scatter``
+    (default True)."""
+    unknown = set(params) - set(PARAM_NAMES) - {"fuse_scatter"}
+    if unknown:
+        raise ValueError(f"unknown expert_centric parameter(s) {sorted(unknown)}; known: "
+                         f"{[*PARAM_NAMES, 'fuse_scatter']}")
+    fuse_scatter = bool(params.pop("fuse_scatter", True))
+    return {**FAMILY.resolve(dims, **params), "fuse_scatter": fuse_scatter}
+
+
+def _tile_knobs(params: Mapping[str, Any]) -> dict[str, int]:
+    """The family's knobs of a ``check_params`` result (without fuse_scatter)."""
+    return {name: params[name] for name in PARAM_NAMES}
 
 
 def block_m(params: dict[str, Any]) -> int:
@@ -263,46 +271,38 @@ def make_workspace(dims: Dims, quant: str | None = None, **params: Any) -> Works
     )
 
 
-_KERNELS: dict[tuple, Any] = {}
+def _family_workspace(dims: Dims, params: dict[str, int]) -> Workspace:
+    """The family's workspace (bf16 activations, fused scatter); the quantized variants' builds pass their own."""
+    return make_workspace(dims, None, **params)
 
 
-def _kernel_getter(params: dict[str, Any]) -> Callable[[str], Any]:
-    """RawKernel lookup by name for these tile params, memoised (no module work at launch time)."""
-    tile_params = {name: params[name] for name in PARAM_NAMES}
-
+def _prepare_kernels(kernels: dict[str, Any], params: dict[str, int]) -> None:
+    """Once per compiled kernel set: the GEMMs opt into their cp.async ring (static + dynamic may pass 48 KiB)."""
     ring = ring_bytes(params)
-
-    def kernel(name: str) -> Any:
-        key = (name, EXPERT_CENTRIC_SOURCE.code, *tile_params.values())  # an edited source recompiles
-        found = _KERNELS.get(key)
-        if found is None:
-            found = get_kernel(EXPERT_CENTRIC_SOURCE, name, **tile_params)
-            if name.startswith("gemm") and ring:  # opt in (function attribute): static + dynamic may pass 48 KiB
-                found.max_dynamic_shared_size_bytes = ring
-            _KERNELS[key] = found
-        return found
-
-    return kernel
+    if ring:
+        for name, kernel in kernels.items():
+            if name.startswith("gemm"):
+                kernel.max_dynamic_shared_size_bytes = ring
 
 
-def _stage_list(ws: Workspace, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> list[
-    tuple[str, Callable[[], None]]
-]:
-    """The path as ``[(stage name, zero-argument launcher), ...]``; running them in order is one layer."""
+def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> list[Stage]:
+    """The path as ``[(stage name, zero-argument launcher), ...]`` into ``compiled``'s workspace (which holds the
+    quant mode and fuse_scatter); running them in order is one layer."""
+    ws, kernels = compiled.workspace, compiled.kernels
     d, p = ws.dims, ws.params
-    kernel = _kernel_getter(p)
     T, H, I, E, K = d.tokens, d.hidden, d.intermediate, d.experts, d.top_k
     P = T * K
     quant = QUANT_CODE[ws.quant]
     gx, gi = ceil_div(H, FP8_GROUP), ceil_div(I, FP8_GROUP)
     tiles, n_blocks_gu, n_blocks_dn = ws.max_tiles, ceil_div(2 * I, p["BLOCK_N"]), ceil_div(H, p["BLOCK_N"])
     gemm_threads = 32 * p["WARPS"]
+    ring = ring_bytes(p)
     i32 = np.int32
     null = np.uint64(0)  # a null device pointer (8 bytes) for optional arguments
 
-    align_k, gather_k = kernel("moe_align"), kernel("gather_rows")
-    silu_k, combine_k = kernel("silu_mul"), kernel("combine")
-    gemm_k = kernel("gemm_fp8_scaled" if ws.quant == "fp8" else "gemm_bf16")
+    align_k, gather_k = kernels["moe_align"], kernels["gather_rows"]
+    silu_k, combine_k = kernels["silu_mul"], kernels["combine"]
+    gemm_k = kernels["gemm_fp8_scaled" if ws.quant == "fp8" else "gemm_bf16"]
     out_f32 = i32(1 if out.dtype == np.float32 else 0)
 
     def align() -> None:
@@ -310,8 +310,8 @@ def _stage_list(ws: Workspace, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_we
                                          ws.meta, ws.row_of_pair), shared_mem=2 * E * 4)
 
     def quant_x() -> None:
-        kernel("quantize_rows")((T,), (ELEMENTWISE_THREADS,), (x, i32(H), i32(quant), i32(gx), ws.x_q,
-                                                               ws.x_scale if ws.x_scale is not None else null))
+        kernels["quantize_rows"]((T,), (ELEMENTWISE_THREADS,), (x, i32(H), i32(quant), i32(gx), ws.x_q,
+                                                                ws.x_scale if ws.x_scale is not None else null))
 
     def gather() -> None:
         src = ws.x_q if quant else x
@@ -325,7 +325,7 @@ def _stage_list(ws: Workspace, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_we
             args = (a, a_scale, i32(groups), w, ws.tile_expert, i32(n), i32(kd), i32(E), c)
         else:
             args = (a, w, ws.tile_expert, i32(n), i32(kd), i32(E), c)
-        gemm_k((tiles, n_blocks), (gemm_threads,), args, shared_mem=ring_bytes(p))
+        gemm_k((tiles, n_blocks), (gemm_threads,), args, shared_mem=ring)
 
     def gemm_gate_up() -> None:
         gemm(ws.a_gate_up, ws.a_scale, gx, w13, 2 * I, H, ws.gate_up, n_blocks_gu)
@@ -338,7 +338,7 @@ def _stage_list(ws: Workspace, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_we
         gemm(ws.inter, ws.inter_scale, gi, w2, H, I, ws.down, n_blocks_dn)
 
     def scatter() -> None:
-        kernel("scatter_rows")((P,), (ELEMENTWISE_THREADS,), (ws.down, ws.row_of_pair, i32(H), ws.pair_out))
+        kernels["scatter_rows"]((P,), (ELEMENTWISE_THREADS,), (ws.down, ws.row_of_pair, i32(H), ws.pair_out))
 
     def combine() -> None:
         if p["fuse_scatter"]:
@@ -347,16 +347,28 @@ def _stage_list(ws: Workspace, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_we
             args = (ws.pair_out, null, topk_weights, i32(K), i32(H), out_f32, out)
         combine_k((T,), (ELEMENTWISE_THREADS,), args)
 
-    stages: list[tuple[str, Callable[[], None]]] = [("align", align)]
+    listed: list[Stage] = [("align", align)]
     if quant:
-        stages.append(("quant_x", quant_x))
-    stages += [("gather", gather), ("gemm_gate_up", gemm_gate_up), ("silu_mul" + ("+quant" if quant else ""), silu_mul),
+        listed.append(("quant_x", quant_x))
+    listed += [("gather", gather), ("gemm_gate_up", gemm_gate_up), ("silu_mul" + ("+quant" if quant else ""), silu_mul),
                ("gemm_down", gemm_down)]
     if p["fuse_scatter"]:
-        stages.append(("scatter+combine", combine))
+        listed.append(("scatter+combine", combine))
     else:
-        stages += [("scatter", scatter), ("combine", combine)]
-    return stages
+        listed += [("scatter", scatter), ("combine", combine)]
+    return listed
+
+
+FAMILY = KernelFamily(
+    name="expert-centric",
+    source=EXPERT_CENTRIC_SOURCE,
+    limits=LIMITS,
+    auto_knobs=AUTO_KNOBS,
+    rules=rules,
+    workspace=_family_workspace,
+    stages=stages,
+    prepare=_prepare_kernels,
+)
 
 
 def expert_centric(
@@ -375,7 +387,7 @@ def expert_centric(
     Inputs follow :mod:`kernels.contract` (CuPy arrays). With ``out`` and a matching ``workspace``
     (``make_workspace(dims, quant, **params)``) the call allocates nothing and never syncs with the host.
     ``params``: BLOCK_N, WARPS, M_TILES, UNROLL, STAGES, PREFETCH (compile-time knobs), fuse_scatter; any not
-    given come from :func:`auto_params` of the dims.
+    given (or BLOCK_N, WARPS, STAGES at 0) come from :func:`auto_params` of the dims.
     """
     if quant not in QUANT_MODES:
         raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
@@ -397,51 +409,42 @@ def expert_centric(
             f"workspace was made for {workspace.dims}, quant={workspace.quant!r}, {workspace.params}; "
             f"this call needs {dims}, quant={quant!r}, {params}"
         )
-    for _, run in _stage_list(workspace, x, w13, w2, topk_ids, topk_weights, out):
-        run()
+    FAMILY.compile(dims, workspace=workspace, **_tile_knobs(params)).run(x, w13, w2, topk_ids, topk_weights, out)
     return out
 
 
-def _build(quant: str | None) -> Callable[..., Any]:
-    def build(dims: Dims, **params: Any) -> Callable[..., None]:
-        workspace = make_workspace(dims, quant, **params)
+def _builder(quant: str | None) -> Callable[..., Launch]:
+    """The build of the variant for ``quant``: resolve, allocate the workspace for that mode, compile once."""
 
-        def launch(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> None:
-            for _, run in _stage_list(workspace, x, w13, w2, topk_ids, topk_weights, out):
-                run()
-
-        def stages(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> list[
-            tuple[str, Callable[[], None]]
-        ]:
-            return _stage_list(workspace, x, w13, w2, topk_ids, topk_weights, out)
-
-        launch.stages = stages  # type: ignore[attr-defined]
-        launch.workspace = workspace  # type: ignore[attr-defined]
-        return launch
+    def build(dims: Dims, **params: Any) -> Launch:
+        full = check_params(dims, **params)
+        workspace = make_workspace(dims, quant, **full)
+        compiled = FAMILY.compile(dims, workspace=workspace, **_tile_knobs(full))
+        return Launch(run=compiled.run, stages=compiled.stage_list, params=full, workspace=workspace)
 
     return build
 
 
 # sweep grids: every combination compiles for sm_90 with zero spills (tests/test_expert_centric.py checks it)
 # (UNROLL=4 and fuse_scatter=False lost everywhere in the first sweep; STAGES adds the cp.async ring)
-# (points with PREFETCH > 0 and STAGES > 0, or a ring over 200 KB, are rejected by check_params: no timing)
-GRID = {"BLOCK_N": [32, 64, 128], "WARPS": [4, 8], "M_TILES": [1], "UNROLL": [1, 2], "STAGES": [0, 2, 4],
+# (points with PREFETCH > 0 and STAGES >= 2, or a ring over 200 KB, are rejected by the rules: no timing)
+GRID = {"BLOCK_N": [32, 64, 128], "WARPS": [4, 8], "M_TILES": [1], "UNROLL": [1, 2], "STAGES": [1, 2, 4],
         "PREFETCH": [0, 2], "fuse_scatter": [True]}
-GRID_FP8 = {"BLOCK_N": [32, 64], "WARPS": [4, 8], "M_TILES": [1], "UNROLL": [1, 2], "STAGES": [0, 2, 4],
+GRID_FP8 = {"BLOCK_N": [32, 64], "WARPS": [4, 8], "M_TILES": [1], "UNROLL": [1, 2], "STAGES": [1, 2, 4],
             "PREFETCH": [0, 2], "fuse_scatter": [True]}
 
-EXPERT_CENTRIC = register(Variant(
-    name="cupy:expert-centric", backend="cupy", family="expert-centric", build=_build(None),
-    reference_mode="classical", quant=None, params={}, baseline=True, grid=GRID,
+EXPERT_CENTRIC = register(FAMILY.variant(
+    "cupy:expert-centric", build=_builder(None), knobs={"fuse_scatter": True}, reference_mode="classical",
+    baseline=True, grid=GRID,
     description="vLLM-style expert-centric path: align, gather, mma.sync grouped GEMMs, SiLU, scatter, combine",
 ))
-EXPERT_CENTRIC_FP8 = register(Variant(
-    name="cupy:expert-centric-fp8", backend="cupy", family="expert-centric", build=_build("fp8"),
-    reference_mode="classical", quant="fp8", params={}, grid=GRID_FP8,
+EXPERT_CENTRIC_FP8 = register(FAMILY.variant(
+    "cupy:expert-centric-fp8", build=_builder("fp8"), knobs={"fuse_scatter": True}, reference_mode="classical",
+    quant="fp8", grid=GRID_FP8,
     description="expert-centric path with e4m3 activations, fp32 scale per 128 elements (bf16 weights)",
 ))
-EXPERT_CENTRIC_MXFP8 = register(Variant(
-    name="cupy:expert-centric-mxfp8", backend="cupy", family="expert-centric", build=_build("mxfp8"),
-    reference_mode="classical", quant="mxfp8", params={}, grid=GRID,
+EXPERT_CENTRIC_MXFP8 = register(FAMILY.variant(
+    "cupy:expert-centric-mxfp8", build=_builder("mxfp8"), knobs={"fuse_scatter": True}, reference_mode="classical",
+    quant="mxfp8", grid=GRID,
     description="expert-centric path with MXFP8 activations (power-of-two scale per 32 elements, bf16 weights)",
 ))

@@ -1,15 +1,15 @@
 """The registry every measured implementation joins: the bench, the sweep and the tests read it.
 
 A :class:`Variant` is a named way to compute one MoE decode layer. ``build(dims, **params)`` does all
-allocation and compilation up front and returns a *launch* function::
+allocation and compilation up front and returns a :class:`kernels.family.Launch`::
 
     launch(x, w13, w2, topk_ids, topk_weights, out) -> None
 
 which writes ``out`` [T, H], allocates nothing, never synchronises with the host, and is therefore safe
-to capture in a CUDA graph (CuPy variants) -- the bench times exactly that. A launch may also carry a
-``stages`` attribute: ``launch.stages(x, w13, w2, topk_ids, topk_weights, out)`` returning
-``[(stage name, zero-argument callable), ...]`` that together do the same work, so each stage can be
-timed alone.
+to capture in a CUDA graph (CuPy variants) -- the bench times exactly that. ``launch.stages(x, ...)`` returns
+``[(stage name, zero-argument callable), ...]`` that together do the same work, so each stage can be timed alone.
+A variant of a declared kernel family (``kernel_family``, :mod:`kernels.family`) answers for its source, its
+knobs and how they resolve; ``family.variant(...)`` makes one.
 
 Library kernels register themselves when their module is imported (``load_builtin()`` imports them);
 ``prototypes/`` files register theirs the same way, and are marked ``prototype`` (the bench runs them on request).
@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kernels.contract import Dims
-
-Launch = Callable[..., None]
+from kernels.family import Launch
 
 # library modules whose import registers variants (kernels never imports tools/ or prototypes/)
 BUILTIN_MODULES = (
@@ -44,7 +43,7 @@ class Variant:
     name: str  # unique, "backend:what", e.g. "cupy:warp-decode"
     backend: str  # "cupy" or "numba"
     family: str  # "warp-decode", "warp-decode-batched", "expert-centric", or a prototype's name
-    build: Callable[..., Launch]  # build(dims: Dims, **params) -> launch
+    build: Callable[..., Launch]  # build(dims: Dims, **params) -> Launch
     reference_mode: str = "warp_decode"  # the reference.moe_decode mode it must reproduce
     quant: str | None = None  # for reference_mode="classical"
     params: dict[str, Any] = field(default_factory=dict)  # the knobs build() is called with
@@ -61,6 +60,21 @@ class Variant:
     prototype: bool = False
     # the weight format its kernels read (kernels.formats): the bench counts that format's bytes
     weight_format: str = "bf16"
+    # the kernel family it launches (kernels.family.KernelFamily); None for a variant composing others
+    kernel_family: Any = None
+
+    @property
+    def source(self) -> Any:
+        """Its CUDA C (a ``kernels.compile.CudaSource``), or None (Numba, or composed of other variants)."""
+        return self.kernel_family.source if self.kernel_family is not None else None
+
+    def resolve(self, dims: Dims | None = None, **overrides: Any) -> dict[str, Any]:
+        """The knobs ``make(dims, **overrides)`` runs, auto ones filled from ``dims`` by its family's rules."""
+        params = {**self.params, **overrides}
+        if self.kernel_family is None:
+            return params
+        known = self.kernel_family.defaults
+        return {**params, **self.kernel_family.resolve(dims, **{k: v for k, v in params.items() if k in known})}
 
     def can_run(self, dims: Dims, **overrides: Any) -> bool:
         """Whether ``make(dims, **overrides)`` can run these dims (True for a variant without ``supports``)."""

@@ -5,9 +5,8 @@ routed to n tokens has its weights streamed n times. Here the work is grouped by
 
 1. ``expert_lists`` (``moe_expert_lists``, one block): from ``topk_ids`` the batch's active experts in ascending id,
    each one's offset / count into a pair list sorted by expert (pair = t*K + k, stable by pair index), and the number
-   of list slots used. Deterministic (each warp ranks its own range of pairs with __match_any_sync, then exclusive
-   prefixes over the warps), no atomics, in shared memory. Out-of-range ids go to one extra pseudo-expert slot (E)
-   whose pairs get NaN.
+   of list slots used. Deterministic (warp-parallel ranks with __match_any_sync, exclusive prefixes over the warps),
+   no atomics, in shared memory. Out-of-range ids go to one extra pseudo-expert slot (E) whose pairs get NaN.
 2. ``gate_up`` (``moe_gate_up_batched``): one warp per (active expert, GB_OUTS neurons) for ALL pairs of the expert:
    the gate/up row chunks are loaded once per round, then each pair's x chunks (L1 hits: the block's warps share the
    expert's x rows), FP32 accumulators per lane, warp butterfly, ``bf16(SiLU(g) * u)`` into the [T, K, I]
@@ -25,8 +24,9 @@ products, FP32 accumulators), which is what the FMA kernels run out of at T >= 1
 Sized from (T, K, E) only: S = min(E, T*K) + 1 list slots, gate_up grid S * ceil(I / (GB_WARPS*GB_OUTS)) blocks
 (those past the used slots exit at once), down grid ceil(H / DB_OUTS). No host sync, no allocation per call: CUDA-graph
 capturable, bitwise deterministic. Numerics = ``reference.moe_decode(mode="warp_decode")`` up to the sum order over a
-token's K slots (by warp, then by expert id): within ~1 bf16 ulp, mostly bitwise. Knobs: :data:`DEFAULTS` (0 = chosen
-by :func:`resolve_params`); the measurements behind them: notes/FINDINGS.md ("Batched warp decode"), PROTOTYPES.md.
+token's K slots (by warp, then by expert id): within ~1 bf16 ulp, mostly bitwise. The module is one
+:class:`~kernels.family.KernelFamily` (:data:`FAMILY`); knobs: :data:`DEFAULTS` (0 = chosen from the dims by
+:func:`rules`); the measurements behind them: notes/FINDINGS.md ("Batched warp decode"), notes/PROTOTYPES.md.
 """
 
 from __future__ import annotations
@@ -37,16 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from kernels.compile import (
-    CudaSource,
-    for_device,
-    get_kernel,
-    launch_ex,
-    preset_variants,
-    register_source,
-    validate_knobs,
-)
+from kernels.compile import CudaSource, launch_ex, preset_variants
 from kernels.contract import BF16, Dims, check_aligned, check_inputs, check_out, require_cupy
+from kernels.family import Compiled, KernelFamily, Stage
 from kernels.variants import Variant, register
 from kernels.warp_decode_batched_cuda import CODE, KERNELS, MMA_KERNELS
 
@@ -74,24 +67,19 @@ DEFAULTS: dict[str, int] = {
     "DB_BYTES": 16,
     "DB_MAX_REGS": 128,
     "DB_EARLY_INTER": 1,  # 1: intermediate loads issued with the w2 loads (latencies overlap); 0: after them
-    "GB_PIPE": 0,  # 1: next round's weight loads issued before this round's FMAs (two rounds of registers)
-    "DB_PIPE": 0,  # 1: next step's loads (across experts) issued before this step's FMAs; needs DB_EARLY_INTER 1
     "GB_MMA": 0,  # 1: gate_up on tensor cores (moe_gate_up_mma: 8 neurons x 8-pair blocks per warp, mma.sync)
     "DB_MMA": 0,  # 1: down on tensor cores (moe_down_mma: 16 hidden columns per block)
     "GB_NBLK": 1,  # MMA: blocks of 8 pairs per pass (the A fragment shared by NBLK mma per k step); auto: auto_nblk
     "DB_NBLK": 1,
-    "PDL": 1,  # programmatic dependent launch of all three kernels (sm_90+; for_device turns it off before)
+    "PDL": 1,  # programmatic dependent launch of all three kernels (sm_90+: device_needs turns it off before)
     "DB_EARLY_W2": 0,  # 1: down issues its first round of w2 loads before its PDL wait (they overlap gate_up's tail)
-    "DB_SPLIT": 1,  # MMA down: warps per list slot, each a contiguous k range (1: a warp takes whole experts)
-    "DB_STAGE": 0,  # MMA down: 1 copies the lists and routing weights into shared memory before the slot loop
-    "DB_BALANCE": 0,  # MMA down: 1 cuts the (slot, k block) items into equal runs, one per warp (needs DB_SPLIT 1);
-    # -1 = auto (auto_balance; the tensor-core paths' knob sets use it)
+    "DB_BALANCE": 0,  # MMA down: 1 cuts the (slot, k block) items into equal runs, one per warp; -1 = auto
+    # (auto_balance; the tensor-core paths' knob sets use it)
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK")
 MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pdl-*.json: 7-10 % over 8 at qwen3-30b)
 # ... and from T = MMA_WIDE_DOWN_FROM on: 24 warps under launch bounds alone (768 threads -> <= 85 registers each;
-# H200, results/sweep-mma-dbwarps-*.json and sweep-split-mma24-30b.json: qwen3-30b T=32 -2.3 %, T=64 -0.9..-1.7 %,
-# qwen3-235b T=32 -0.9 %, T=64 -0.2 %; but +1.3 % at qwen3-235b T=16, so not below 32)
+# results/sweep-mma-dbwarps-*.json, sweep-split-mma24-30b.json; slower at qwen3-235b T=16, so not below 32)
 MMA_WIDE_DOWN_WARPS = 24
 MMA_UNROLL = 4  # auto GB_UNROLL / DB_UNROLL of the tensor-core kernels: 32-wide k blocks of loads in flight
 MMA_WIDE_DOWN_FROM = 32
@@ -99,9 +87,9 @@ LIMITS = {
     "LIST_THREADS": (32, 1024), "LIST_PER": (0, 16),
     "GB_WARPS": (1, 32), "GB_OUTS": (1, 32), "GB_TILE": (0, 32), "GB_UNROLL": (0, 64), "GB_MAX_REGS": (0, 255),
     "DB_WARPS": (0, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (0, 255),
-    "DB_EARLY_INTER": (0, 1), "GB_PIPE": (0, 1), "DB_PIPE": (0, 1),
+    "DB_EARLY_INTER": (0, 1),
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (1, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
-    "DB_SPLIT": (1, 32), "DB_STAGE": (0, 1), "DB_BALANCE": (-1, 1),
+    "DB_BALANCE": (-1, 1),
 }
 
 
@@ -110,8 +98,7 @@ LIMITS = {
 # ---------------------------------------------------------------------------------------------------
 def auto_tile(dims: Dims) -> int:
     """gate_up's pairs per pass: 1 at T=1; else the power of two >= 2*m + 1 (m = T*K/E < 1) or >= m + 2
-    (m >= 1), capped at MAX_TILE and at T. H200 sweep (results/sweep-batched-*.json): at qwen3-30b T=32
-    (m = 2) tile 4 beats 8 by 5 %; at T=64 (m = 4) and at qwen3-235b T=16 / 64 the rule's 4 / 8 win."""
+    (m >= 1), capped at MAX_TILE and at T (H200 sweep: results/sweep-batched-*.json)."""
     if dims.tokens == 1:
         return 1
     mean = dims.tokens * dims.top_k / dims.experts
@@ -121,23 +108,21 @@ def auto_tile(dims: Dims) -> int:
 
 
 def auto_down_tile(dims: Dims) -> int:
-    """down's pairs per pass: gate_up's tile capped at 4 (the H200 sweep: 4 beats 8 at T = 32 and 64 on both
-    qwen3 models -- fewer accumulators and intermediate registers per warp, the w2 rows of a second tile are
-    L1 hits)."""
+    """down's pairs per pass: gate_up's tile capped at 4 -- fewer accumulators and intermediate registers per warp,
+    and the w2 rows of a second tile are L1 hits (H200 sweep: results/sweep-batched-*.json)."""
     return min(auto_tile(dims), 4)
 
 
 def auto_nblk(dims: Dims) -> int:
     """The tensor-core gate_up's 8-pair blocks per pass: 2 once an expert averages 4 or more pairs (T*K/E >= 4,
-    qwen3 T >= 64), else 1. H200 sweeps at qwen3-30b T=64: 1.0-1.5 % faster in six runs (results/sweep-mma-gu-30b,
-    sweep-batched-pdl-mmagu-30b, sweep-mma-combo-30b, sweep-mma-30b-t64); at T=32 (2.3 pairs) 0.9 % slower."""
+    qwen3 T >= 64), else 1 (H200 sweeps: results/sweep-mma-30b-t64.json and the ones notes/ cite)."""
     return 2 if dims.tokens * dims.top_k >= 4 * dims.experts else 1
 
 
 def auto_down_unroll(dims: Dims, params: dict[str, int]) -> int:
     """Rounds of w2 loads in flight: 2 when the tile leaves room (<= 4 pairs) and the row splits into whole
     rounds of 2 (no half-masked last round: qwen3-235b, I = 1536, 192 chunks of 16 B); else 1 (qwen3-30b,
-    I = 768, 96 chunks: 1 round of 3 beats 2 rounds of 2 by 3 % at T = 32)."""
+    I = 768, 96 chunks; H200 sweep: results/sweep-batched-*.json)."""
     chunks = dims.intermediate // (params["DB_BYTES"] // 2)
     return 2 if params["DB_TILE"] <= 4 and chunks % (32 * 2) == 0 else 1
 
@@ -148,12 +133,10 @@ def block_registers(warps: int, cap: int) -> int:
 
 
 def auto_down_warps(dims: Dims | None, params: dict[str, int]) -> int:
-    """Warps per down block: 4 (FMA down; H200: 2.3 % faster than 8 at qwen3-235b T=4,
-    results/sweep-batched-235b-t4.json, and 0-3 % at qwen3-30b T=8..64, sweep-batched-db-30b.json); with DB_MMA
-    :data:`MMA_DOWN_WARPS`, or from T =
-    :data:`MMA_WIDE_DOWN_FROM` on :data:`MMA_WIDE_DOWN_WARPS` when their partials fit the shared memory and the
-    register cap allows 768 threads (the default cap of 128 then gives way to launch bounds alone) and DB_SPLIT
-    divides them."""
+    """Warps per down block: 4 for the FMA down (results/sweep-batched-235b-t4.json, sweep-batched-db-30b.json);
+    with DB_MMA :data:`MMA_DOWN_WARPS`, or from T = :data:`MMA_WIDE_DOWN_FROM` on :data:`MMA_WIDE_DOWN_WARPS` when
+    their partials fit the shared memory and the register cap allows 768 threads (the default cap of 128 then gives
+    way to launch bounds alone)."""
     if not params["DB_MMA"]:
         return DEFAULTS["DB_WARPS"]
     if dims is None or dims.tokens < MMA_WIDE_DOWN_FROM:
@@ -161,22 +144,17 @@ def auto_down_warps(dims: Dims | None, params: dict[str, int]) -> int:
     cap = params["DB_MAX_REGS"]
     fits_registers = cap == DEFAULTS["DB_MAX_REGS"] or block_registers(MMA_WIDE_DOWN_WARPS, cap) <= REGISTERS_PER_BLOCK
     fits_shared = down_shared_bytes(dims, {**params, "DB_WARPS": MMA_WIDE_DOWN_WARPS}) <= OPT_IN_SHARED_LIMIT
-    fits_split = MMA_WIDE_DOWN_WARPS % params["DB_SPLIT"] == 0
-    return MMA_WIDE_DOWN_WARPS if fits_registers and fits_shared and fits_split else MMA_DOWN_WARPS
+    return MMA_WIDE_DOWN_WARPS if fits_registers and fits_shared else MMA_DOWN_WARPS
 
 
 BALANCE_BELOW = 0.85  # auto DB_BALANCE when a round-robin's last round of experts is less full than this
 
 
 def auto_balance(dims: Dims | None, params: dict[str, int]) -> int:
-    """DB_BALANCE for the tensor-core down (DB_SPLIT 1): 1 when dealing the expected active experts
-    (E * (1 - (1 - K/E)**T), at most T*K) round-robin to DB_WARPS warps leaves the last round less than
-    :data:`BALANCE_BELOW` full on average (mean / ceil(mean) experts per warp), else 0. H200 sweeps
-    (results/sweep-stage-*.json, 2026-12-01): at qwen3-30b T = 8 (51.6 experts on 16 warps: 3.2 per warp, 80 %)
-    the balanced runs are 3 % faster (mixed 125.0 -> 120.9 us, MMA 133.3 -> 129.4); at 87.5 % or fuller (T = 4:
-    1.8 per warp, 90 %; T = 16: 5.0; T = 32 / 64 on 24 warps: 4.7 / 5.2, 93 / 87.5 %) they are 0-1 % slower.
-    T = 1 (8 experts on 16 warps, 50 %) takes them too; not measured apart (strict is the fastest path there)."""
-    if dims is None or not params["DB_MMA"] or params["DB_SPLIT"] != 1:
+    """DB_BALANCE for the tensor-core down: 1 when dealing the expected active experts (E * (1 - (1 - K/E)**T), at
+    most T*K) round-robin to DB_WARPS warps leaves the last round less than :data:`BALANCE_BELOW` full on average
+    (mean / ceil(mean) experts per warp), else 0 (H200 sweeps: results/sweep-stage-*.json)."""
+    if dims is None or not params["DB_MMA"]:
         return 0
     k, e = dims.top_k, dims.experts
     active = min(e * (1.0 - (1.0 - min(k, e) / e) ** dims.tokens), dims.tokens * k)
@@ -207,41 +185,22 @@ def down_columns(params: dict[str, int]) -> int:
 
 
 def down_shared_bytes(dims: Dims, params: dict[str, int]) -> int:
-    """Dynamic shared memory of the down kernel: per warp an FP32 partial [T][columns] (+ with DB_PIPE the
-    staged slot arrays and sorted pairs, int32; + with DB_STAGE those and the T*K routing weights)."""
-    partials = params["DB_WARPS"] * dims.tokens * down_columns(params) * 4
-    pairs = dims.tokens * dims.top_k
-    staged = 0
-    if params.get("DB_PIPE"):
-        staged = (3 * slots(dims) + pairs) * 4
-    elif params.get("DB_STAGE"):
-        staged = (3 * slots(dims) + 2 * pairs) * 4
-    return partials + staged
+    """Dynamic shared memory of the down kernel: per warp an FP32 partial [T][columns]."""
+    return params["DB_WARPS"] * dims.tokens * down_columns(params) * 4
 
 
-def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
-    """Validate the knobs and fill the auto ones (0) from ``dims``; returns every knob as an int.
+def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
+    """The family's rules on validated knobs (:meth:`KernelFamily.resolve` has checked names, types and
+    :data:`LIMITS`): reject combinations that cannot run and fill the auto knobs (0) from ``dims``.
 
-    Without ``dims`` auto knobs take :data:`DEFAULTS`. ValueError names a knob out of range, or a problem
-    these knobs cannot run (too many experts for the list kernel, too many tokens for the down kernel's
-    shared memory).
+    Without ``dims`` auto knobs take :data:`DEFAULTS`. ValueError names a knob combination these kernels cannot
+    run, or a problem these knobs cannot run (too many experts for the list kernel, too many tokens for the down
+    kernel's shared memory).
     """
-    values = validate_knobs("warp-decode-batched", params, DEFAULTS, LIMITS, AUTO_KNOBS)
-    if values["DB_PIPE"] and values["DB_MMA"]:
-        raise ValueError("DB_PIPE applies to the FMA down kernel only: DB_MMA 1 takes DB_PIPE 0")
-    if values["GB_PIPE"] and values["GB_MMA"]:
-        raise ValueError("GB_PIPE applies to the FMA gate_up kernel only: GB_MMA 1 takes GB_PIPE 0")
     if values["DB_EARLY_W2"] and not values["DB_MMA"]:
         raise ValueError("DB_EARLY_W2 applies to the tensor-core down kernel: it needs DB_MMA 1")
-    if values["DB_SPLIT"] > 1 and not values["DB_MMA"]:
-        raise ValueError("DB_SPLIT splits the tensor-core down kernel's k range: DB_SPLIT > 1 needs DB_MMA 1")
-    for knob in ("DB_STAGE", "DB_BALANCE"):
-        if values[knob] == 1 and not values["DB_MMA"]:
-            raise ValueError(f"{knob} applies to the tensor-core down kernel: it needs DB_MMA 1")
-    if values["DB_BALANCE"] == 1 and values["DB_SPLIT"] > 1:
-        raise ValueError("DB_BALANCE 1 replaces DB_SPLIT's per-slot k ranges: it needs DB_SPLIT 1")
-    if values["DB_PIPE"] and not values["DB_EARLY_INTER"]:
-        raise ValueError("DB_PIPE 1 issues the intermediate loads with the w2 loads: it needs DB_EARLY_INTER 1")
+    if values["DB_BALANCE"] == 1 and not values["DB_MMA"]:
+        raise ValueError("DB_BALANCE applies to the tensor-core down kernel: it needs DB_MMA 1")
     if values["LIST_THREADS"] % 32:
         raise ValueError(f"LIST_THREADS must be a multiple of 32, got {values['LIST_THREADS']}")
     for key in ("GB_BYTES", "DB_BYTES"):
@@ -251,8 +210,6 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
         values["DB_WARPS"] = auto_down_warps(dims, values)
         if values["DB_WARPS"] == MMA_WIDE_DOWN_WARPS and values["DB_MAX_REGS"] == DEFAULTS["DB_MAX_REGS"]:
             values["DB_MAX_REGS"] = 0  # what was measured: __launch_bounds__(768) alone
-    if values["DB_WARPS"] % values["DB_SPLIT"]:
-        raise ValueError(f"DB_SPLIT {values['DB_SPLIT']} must divide DB_WARPS {values['DB_WARPS']}")
     for kernel in ("GB", "DB"):  # a __maxnreg__ cap is per thread: the block must still fit the register file
         warps, cap = values[f"{kernel}_WARPS"], values[f"{kernel}_MAX_REGS"]
         if cap and block_registers(warps, cap) > REGISTERS_PER_BLOCK:
@@ -304,6 +261,11 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
     return values
 
 
+def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
+    """Every knob as an int, auto ones filled from ``dims`` (:meth:`FAMILY.resolve <KernelFamily.resolve>`)."""
+    return FAMILY.resolve(dims, **params)
+
+
 def max_tokens(top_k: int = 1, **params: Any) -> int:
     """The largest T the down kernel's shared memory allows with these knobs."""
     values = resolve_params(None, **params)
@@ -311,30 +273,14 @@ def max_tokens(top_k: int = 1, **params: Any) -> int:
 
 
 # The knob sets of the other two batched paths (kernels.dispatch launches them with these). DB_EARLY_W2 1: the
-# first w2 loads before the PDL wait, 0.5-3 % faster (H200, results/sweep-batched-early-w2-*.json); DB_BALANCE -1:
-# the balanced down runs where auto_balance says (H200: 3 % at qwen3-30b T = 8, results/sweep-stage-*.json).
+# first w2 loads before the PDL wait (results/sweep-batched-early-w2-*.json); DB_BALANCE -1: the balanced down runs
+# where auto_balance says (results/sweep-stage-*.json).
 MMA_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1}  # both kernels on tensor cores
 MIXED_KNOBS = {"DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1}  # FMA gate_up (bitwise strict's), tensor-core down
 
 
-SOURCE = register_source(
-    CudaSource(
-        name="warp_decode_batched",
-        code=CODE,
-        kernels=KERNELS + MMA_KERNELS,
-        defaults=dict(DEFAULTS),
-        # + the tensor-core and mixed paths as they run (auto knobs resolved: the offline report compiles these)
-        variants=[*preset_variants(resolve_params, DEFAULTS), resolve_params(None, **MMA_KNOBS),
-                  resolve_params(None, **MIXED_KNOBS),
-                  resolve_params(None, **MMA_KNOBS, DB_WARPS=MMA_WIDE_DOWN_WARPS, DB_MAX_REGS=0)],
-        warps_knobs={GATE_UP: "GB_WARPS", DOWN: "DB_WARPS", GATE_UP_MMA: "GB_WARPS", DOWN_MMA: "DB_WARPS"},
-        description="batched warp decode: expert lists, gate_up and down reading each expert once per batch",
-    )
-)
-
-
 # ---------------------------------------------------------------------------------------------------
-# Workspace, kernels, launches (no allocation, no host sync)
+# Workspace, kernels, stages (no allocation, no host sync)
 # ---------------------------------------------------------------------------------------------------
 @dataclass
 class Workspace:
@@ -365,25 +311,14 @@ def make_workspace(dims: Dims) -> Workspace:
     )
 
 
-_HANDLES: dict[tuple[int, tuple[tuple[str, int], ...]], tuple[Any, Any, Any]] = {}
+def _family_workspace(dims: Dims, params: dict[str, int]) -> Workspace:
+    return make_workspace(dims)
 
 
 def kernel_names(params: dict[str, int]) -> tuple[str, str, str]:
     """The (lists, gate_up, down) kernels these knobs compile: the FMA kernels or, with GB_MMA / DB_MMA, the
     tensor-core ones."""
     return (EXPERT_LISTS, GATE_UP_MMA if params.get("GB_MMA") else GATE_UP, DOWN_MMA if params.get("DB_MMA") else DOWN)
-
-
-def kernels_for(params: dict[str, int]) -> tuple[Any, Any, Any]:
-    """``(lists, gate_up, down)`` kernels compiled for these resolved knobs, cached per device and set."""
-    import cupy
-
-    key = (cupy.cuda.Device().id, tuple(sorted(params.items())))
-    handles = _HANDLES.get(key)
-    if handles is None:
-        handles = tuple(get_kernel(SOURCE, name, **params) for name in kernel_names(params))
-        _HANDLES[key] = handles
-    return handles  # type: ignore[return-value]
 
 
 def gate_up_blocks(dims: Dims, params: dict[str, int]) -> int:
@@ -395,10 +330,11 @@ def down_blocks(dims: Dims, params: dict[str, int]) -> int:
     return -(-dims.hidden // down_columns(params))
 
 
-def _stage_list(kernels: tuple[Any, Any, Any], params: dict[str, int], ws: Workspace, x: Any, w13: Any, w2: Any,
-                topk_ids: Any, topk_weights: Any, out: Any) -> list[tuple[str, Any]]:
-    lists_k, gate_up_k, down_k = kernels
-    d = ws.dims
+def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any,
+           out: Any) -> list[Stage]:
+    """The layer as three launches (expert_lists, gate_up, down) of ``compiled``'s kernels into its workspace."""
+    params, d, ws = compiled.params, compiled.dims, compiled.workspace
+    lists_k, gate_up_k, down_k = (compiled.kernels[name] for name in kernel_names(params))
     i32 = np.int32
     n_slots = slots(d)
     out_f32 = i32(1 if out.dtype == np.float32 else 0)
@@ -406,8 +342,8 @@ def _stage_list(kernels: tuple[Any, Any, Any], params: dict[str, int], ws: Works
     programmatic = bool(params["PDL"])
     lists_shared = lists_shared_bytes(d, params)
     down_shared = down_shared_bytes(d, params)
-    for kernel, shared in ((lists_k, lists_shared), (down_k, down_shared)):
-        if shared > SHARED_LIMIT and kernel.max_dynamic_shared_size_bytes < shared:  # opt in above 48 KB, once
+    for kernel, shared in ((lists_k, lists_shared), (down_k, down_shared)):  # sized by dims: opt in here, once
+        if shared > SHARED_LIMIT and kernel.max_dynamic_shared_size_bytes < shared:  # above 48 KB
             kernel.max_dynamic_shared_size_bytes = shared
 
     def expert_lists() -> None:
@@ -427,6 +363,32 @@ def _stage_list(kernels: tuple[Any, Any, Any], params: dict[str, int], ws: Works
                   shared_mem=down_shared, programmatic=programmatic)
 
     return [("expert_lists", expert_lists), ("gate_up", gate_up), ("down", down)]
+
+
+FAMILY = KernelFamily(
+    name="warp-decode-batched",
+    source=CudaSource(
+        name="warp_decode_batched",
+        code=CODE,
+        kernels=KERNELS + MMA_KERNELS,
+        defaults=dict(DEFAULTS),
+        warps_knobs={GATE_UP: "GB_WARPS", DOWN: "DB_WARPS", GATE_UP_MMA: "GB_WARPS", DOWN_MMA: "DB_WARPS"},
+        description="batched warp decode: expert lists, gate_up and down reading each expert once per batch",
+    ),
+    limits=LIMITS,
+    auto_knobs=AUTO_KNOBS,
+    rules=rules,
+    device_needs={"PDL": 90},  # griddepcontrol: sm_90+
+    kernel_names=kernel_names,
+    workspace=_family_workspace,
+    stages=stages,
+)
+SOURCE = FAMILY.source
+# what the offline report compiles besides the defaults: every preset's resolved knobs, and the tensor-core and
+# mixed paths as they run (auto knobs resolved)
+SOURCE.variants = [*preset_variants(resolve_params, DEFAULTS), resolve_params(None, **MMA_KNOBS),
+                   resolve_params(None, **MIXED_KNOBS),
+                   resolve_params(None, **MMA_KNOBS, DB_WARPS=MMA_WIDE_DOWN_WARPS, DB_MAX_REGS=0)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -459,55 +421,22 @@ def warp_decode_batched(
                             f"got {type(workspace).__name__}")
         if not workspace.matches(dims):
             raise ValueError(f"workspace was made for {workspace.dims}, this call needs {dims}")
-    resolved = for_device(resolve_params(dims, **params))
+    resolve_params(dims, **params)  # knob errors first (no device call), then the alignment, then the compile
     check_aligned(x=x, w13=w13, w2=w2)
+    compiled = FAMILY.compile(dims, workspace=workspace, **params)
     if out is None:
         out = cupy.empty((dims.tokens, dims.hidden), dtype=BF16)
-    if workspace is None:
-        workspace = make_workspace(dims)
-    for _, run in _stage_list(kernels_for(resolved), resolved, workspace, x, w13, w2, topk_ids, topk_weights, out):
-        run()
+    compiled.run(x, w13, w2, topk_ids, topk_weights, out)
     return out
 
 
 # ---------------------------------------------------------------------------------------------------
 # Variant registry
 # ---------------------------------------------------------------------------------------------------
-def build(dims: Dims, **params: Any) -> Any:
-    """Compile once, allocate the workspace once; the returned launch only launches (graph-capturable)."""
-    resolved = for_device(resolve_params(dims, **params))
-    kernels = kernels_for(resolved)
-    workspace = make_workspace(dims)
-
-    def stages(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> list[tuple[str, Any]]:
-        return _stage_list(kernels, resolved, workspace, x, w13, w2, topk_ids, topk_weights, out)
-
-    def launch(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> None:
-        for _, run in stages(x, w13, w2, topk_ids, topk_weights, out):
-            run()
-
-    launch.stages = stages  # type: ignore[attr-defined]
-    launch.params = resolved  # type: ignore[attr-defined]
-    launch.workspace = workspace  # type: ignore[attr-defined]
-    return launch
-
-
-build.resolve = resolve_params  # type: ignore[attr-defined]  # tools.sweep reports the registers of what runs
-
 def _register_path(name: str, knobs: dict[str, int], description: str, grid: dict[str, list[int]]) -> Variant:
-    """One batched-module path as a variant: the defaults with the auto knobs left to resolve_params, + knobs."""
-    return register(
-        Variant(
-            name=name,
-            backend="cupy",
-            family="warp-decode-batched",
-            build=build,
-            reference_mode="warp_decode",
-            params={**DEFAULTS, **{knob: 0 for knob in AUTO_KNOBS}, **knobs},
-            description=description,
-            grid=grid,
-        )
-    )
+    """One batched-module path as a variant: the defaults with the auto knobs left to the rules, + knobs."""
+    return register(FAMILY.variant(name, knobs=knobs, reference_mode="warp_decode", description=description,
+                                   grid=grid))
 
 
 VARIANT = _register_path(
@@ -520,10 +449,10 @@ MMA_VARIANT = _register_path(
     "cupy:warp-decode-mma", MMA_KNOBS,
     "batched warp decode on tensor cores: mma.sync m16n8k16, bf16 in, FP32 accumulators",
     {"GB_WARPS": [2, 4, 8], "GB_UNROLL": [4, 8], "GB_NBLK": [1, 2], "DB_WARPS": [4, 8], "DB_UNROLL": [4, 8],
-     "DB_NBLK": [1, 2], "DB_SPLIT": [1, 2, 4]},
+     "DB_NBLK": [1, 2]},
 )
 MIXED_VARIANT = _register_path(
     "cupy:warp-decode-mixed", MIXED_KNOBS,
     "batched warp decode: FMA gate_up, tensor-core down (16 hidden columns per block, 16-24 warps)",
-    {"GB_WARPS": [4, 8], "GB_UNROLL": [2, 4], "DB_WARPS": [8, 16], "DB_UNROLL": [2, 4], "DB_SPLIT": [1, 2, 4]},
+    {"GB_WARPS": [4, 8], "GB_UNROLL": [2, 4], "DB_WARPS": [8, 16], "DB_UNROLL": [2, 4]},
 )

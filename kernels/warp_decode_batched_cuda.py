@@ -25,19 +25,15 @@ CODE = WARP_HELPERS + PDL_HELPERS + r"""
 //   (FP32 accumulators [TILE][OUTS] in registers), *_UNROLL chunk rounds in flight per lane,
 //   *_BYTES bytes per lane per load (4, 8, 16), *_MAX_REGS register cap (0: __launch_bounds__ only),
 //   DB_EARLY_INTER 1: the down kernel issues a round's intermediate loads together with its w2 loads
-//   GB_PIPE / DB_PIPE 1: software pipelining -- the next round's (down: the next step's, across experts)
-//   loads are issued before the current round's FMAs (two rounds of registers live)
 //   GB_MMA / DB_MMA 1: the tensor-core kernels moe_gate_up_mma / moe_down_mma instead (16-byte loads; *_UNROLL
 //   = 32-wide k blocks in flight, *_NBLK = blocks of 8 pairs per pass; *_OUTS / *_TILE / *_BYTES unused)
 //   PDL 1: programmatic dependent launch (sm_90+): each kernel waits (griddepcontrol.wait) before it reads
 //   what the kernel right before it wrote, then lets the next kernel's blocks launch; down reads the lists
 //   (two kernels back) before its wait
-//   DB_SPLIT (tensor-core down only): warps sharing one list slot, each a contiguous range of its k blocks
 //   DB_EARLY_W2 1 (with PDL, tensor-core down only): down's first round of w2 loads is issued BEFORE its wait (w2
 //   and the lists do not depend on gate_up), so they stream while gate_up drains; 0: down waits first. (The FMA
 //   down's w2 loads are invariant __ldg loads that the compiler sinks below the wait: no knob there.)
-//   DB_STAGE 1 (tensor-core down only): the block copies the lists and the routing weights into shared memory first
-//   DB_BALANCE 1 (tensor-core down only, DB_SPLIT 1): the warps split the (slot, k block) items evenly (below)
+//   DB_BALANCE 1 (tensor-core down only): the warps split the (slot, k block) items evenly (below)
 static_assert(LIST_THREADS >= 32 && LIST_THREADS <= 1024 && LIST_THREADS % 32 == 0, "LIST_THREADS: 32..1024, x32");
 static_assert(LIST_PER >= 1 && LIST_PER <= 16, "LIST_PER must be 1..16");
 static_assert(GB_WARPS >= 1 && GB_WARPS <= 32 && DB_WARPS >= 1 && DB_WARPS <= 32, "WARPS must be 1..32");
@@ -47,17 +43,11 @@ static_assert(GB_UNROLL >= 1 && DB_UNROLL >= 1, "UNROLL must be >= 1");
 static_assert(GB_BYTES == 4 || GB_BYTES == 8 || GB_BYTES == 16, "GB_BYTES must be 4, 8 or 16");
 static_assert(DB_BYTES == 4 || DB_BYTES == 8 || DB_BYTES == 16, "DB_BYTES must be 4, 8 or 16");
 static_assert(DB_EARLY_INTER == 0 || DB_EARLY_INTER == 1, "DB_EARLY_INTER must be 0 or 1");
-static_assert(GB_PIPE == 0 || GB_PIPE == 1, "GB_PIPE must be 0 or 1");
-static_assert(DB_PIPE == 0 || DB_PIPE == 1, "DB_PIPE must be 0 or 1");
 static_assert((GB_MMA == 0 || GB_MMA == 1) && (DB_MMA == 0 || DB_MMA == 1), "GB_MMA / DB_MMA must be 0 or 1");
 static_assert(GB_NBLK >= 1 && GB_NBLK <= 4 && DB_NBLK >= 1 && DB_NBLK <= 4, "NBLK must be 1..4");
 static_assert(PDL == 0 || PDL == 1, "PDL must be 0 or 1");
 static_assert(DB_EARLY_W2 == 0 || (DB_EARLY_W2 == 1 && DB_MMA == 1), "DB_EARLY_W2 is 0 or 1 (1 needs DB_MMA 1)");
-static_assert(DB_SPLIT >= 1 && DB_WARPS % DB_SPLIT == 0, "DB_SPLIT must divide DB_WARPS");
-static_assert(DB_SPLIT <= 1 || DB_MMA == 1, "DB_SPLIT > 1 needs DB_MMA 1");
-static_assert(DB_STAGE == 0 || (DB_STAGE == 1 && DB_MMA == 1), "DB_STAGE is 0 or 1 (1 needs DB_MMA 1)");
-static_assert(DB_BALANCE == 0 || (DB_BALANCE == 1 && DB_MMA == 1 && DB_SPLIT == 1),
-              "DB_BALANCE 1 needs DB_MMA 1, DB_SPLIT 1");
+static_assert(DB_BALANCE == 0 || (DB_BALANCE == 1 && DB_MMA == 1), "DB_BALANCE is 0 or 1 (1 needs DB_MMA 1)");
 #define DOWN_WAITS_LATE DB_EARLY_W2  // the tensor-core down's wait follows its first A (w2) loads
 
 // The int32 ``lists`` buffer, S = min(E, T*K) + 1 list slots (every active expert + one for bad ids):
@@ -261,7 +251,7 @@ __device__ __forceinline__ bool slot_unused(const ListSlot& s, int a) {
 
 #if !GB_MMA  // the FMA gate_up (moe_gate_up_batched); GB_MMA 1 compiles moe_gate_up_mma instead
 // ------------------------------------------------------------------------------------------------
-// gate_up's two steps of a round, shared by the plain (GB_PIPE 0) and the pipelined (GB_PIPE 1) loops.
+// gate_up's two steps of a round:
 //   load:  lane l's chunks c = base + j*32 + l (j < GB_UNROLL) of every gate and up row it owns
 //   round: for each pair of the tile, the same chunks of x[t] (L1 hits) and the FMAs in the strict
 //          kernel's per-lane order into gate_acc[tt][o] / up_acc[tt][o] (FP32 registers)
@@ -383,22 +373,6 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
             for (int o = 0; o < GB_OUTS; ++o) gate_acc[tt][o] = up_acc[tt][o] = 0.0f;
 
         constexpr int STEP = 32 * GB_UNROLL;                         // chunks per round (all lanes)
-#if GB_PIPE
-        // Two rounds in flight: round r+1's weight loads are issued before round r's FMAs, so a lane always
-        // has a round of loads outstanding while it computes (the registers of two rounds are live).
-        vec_t wg[GB_UNROLL][GB_OUTS], wu[GB_UNROLL][GB_OUTS];
-        gate_up_load_round(wg, wu, gate_row, up_row, 0, chunks, lane);
-        for (int base = 0; base < chunks; base += STEP) {
-            vec_t cur_g[GB_UNROLL][GB_OUTS], cur_u[GB_UNROLL][GB_OUTS];
-            #pragma unroll
-            for (int j = 0; j < GB_UNROLL; ++j)
-                #pragma unroll
-                for (int o = 0; o < GB_OUTS; ++o) { cur_g[j][o] = wg[j][o]; cur_u[j][o] = wu[j][o]; }
-            const float zero = __uint_as_float(all_loads_arrived(cur_g) | all_loads_arrived(cur_u));
-            if (base + STEP < chunks) gate_up_load_round(wg, wu, gate_row, up_row, base + STEP, chunks, lane);
-            gate_up_round(cur_g, cur_u, x_row, n, base, chunks, lane, zero, gate_acc, up_acc);
-        }
-#else
         for (int base = 0; base < chunks; base += STEP) {
             // 1) every weight load of the round (2 * GB_OUTS * GB_UNROLL per lane): read once for the tile
             vec_t wg[GB_UNROLL][GB_OUTS], wu[GB_UNROLL][GB_OUTS];
@@ -407,7 +381,6 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
             // 2) per pair of the tile: its x chunks (L1 hits), FMAs in the strict kernel's order
             gate_up_round(wg, wu, x_row, n, base, chunks, lane, zero, gate_acc, up_acc);
         }
-#endif
 
         #pragma unroll
         for (int tt = 0; tt < GB_TILE; ++tt) {
@@ -484,112 +457,6 @@ __device__ __forceinline__ void write_block_outputs(const float* partial, const 
 
 #if !DB_MMA  // the FMA down (moe_down_batched); DB_MMA 1 compiles moe_down_mma instead
 // ------------------------------------------------------------------------------------------------
-// The pipelined down loop's pieces (DB_PIPE 1). A step = (list slot a, first pair of the tile, round c0);
-// its registers: lane l's chunks c = c0 + r*32 + l of the DB_OUTS w2 rows and of each pair's intermediate
-// row, plus the tile's pair ids and routing weights.
-// ------------------------------------------------------------------------------------------------
-struct DownSlots {                   // the lists' slot arrays and sorted pairs, staged in shared memory
-    const int* expert; const int* offset; const int* count; const int* pairs;
-    int used, experts;
-};
-struct DownStep { int a, e, first, count, tile, n, c0; };
-
-__device__ __forceinline__ DownStep seek_down_slot(const DownSlots& m, int a) {
-    while (a < m.used && m.expert[a] >= m.experts) a += DB_WARPS;    // skip the bad-id slot (NaN later)
-    DownStep s{a, 0, 0, 0, 0, 0, 0};
-    if (a < m.used) {
-        s.e = m.expert[a];
-        s.first = m.offset[a];
-        s.count = m.count[a];
-        s.n = min(DB_TILE, s.count);
-    }
-    return s;
-}
-__device__ __forceinline__ DownStep first_down_step(const DownSlots& m, int warp) { return seek_down_slot(m, warp); }
-__device__ __forceinline__ DownStep next_down_step(DownStep s, const DownSlots& m, int chunks) {
-    s.c0 += 32 * DB_UNROLL;
-    if (s.c0 < chunks) return s;                                     // next round of the same tile
-    s.c0 = 0;
-    s.tile += DB_TILE;
-    if (s.tile < s.count) { s.n = min(DB_TILE, s.count - s.tile); return s; }   // next tile of the expert
-    return seek_down_slot(m, s.a + DB_WARPS);                        // the warp's next expert
-}
-
-template <typename V>
-struct DownRegs {
-    V w2[DB_UNROLL][DB_OUTS];
-    V inter[DB_TILE][DB_UNROLL];
-    int pair[DB_TILE];
-    float weight[DB_TILE];
-    __device__ __forceinline__ void copy_from(const DownRegs& o) {
-        #pragma unroll
-        for (int r = 0; r < DB_UNROLL; ++r)
-            #pragma unroll
-            for (int k = 0; k < DB_OUTS; ++k) w2[r][k] = o.w2[r][k];
-        #pragma unroll
-        for (int tt = 0; tt < DB_TILE; ++tt) {
-            #pragma unroll
-            for (int r = 0; r < DB_UNROLL; ++r) inter[tt][r] = o.inter[tt][r];
-            pair[tt] = o.pair[tt];
-            weight[tt] = o.weight[tt];
-        }
-    }
-};
-
-template <typename V>
-__device__ __forceinline__ void load_down_step(DownRegs<V>& regs, const DownStep& s, const DownSlots& m,
-                                               const bf16_t* __restrict__ w2, const bf16_t* __restrict__ intermediate,
-                                               const float* __restrict__ topk_weights, int h0, int hidden, int inter,
-                                               int chunks, int lane) {
-    #pragma unroll
-    for (int o = 0; o < DB_OUTS; ++o) {
-        const int h = min(h0 + o, hidden - 1);                       // past-the-end columns re-read the last row
-        const V* row = reinterpret_cast<const V*>(w2 + ((size_t)s.e * hidden + h) * inter);
-        #pragma unroll
-        for (int r = 0; r < DB_UNROLL; ++r) {
-            const int c = s.c0 + r * 32 + lane;
-            regs.w2[r][o] = ldg_chunk(row, c, c < chunks);
-        }
-    }
-    #pragma unroll
-    for (int tt = 0; tt < DB_TILE; ++tt) {
-        const int p = m.pairs[s.first + s.tile + min(tt, s.n - 1)];  // pairs past n re-read pair n-1 (L1 hit)
-        regs.pair[tt] = p;
-        regs.weight[tt] = __ldg(topk_weights + p);
-        const V* row = reinterpret_cast<const V*>(intermediate) + (long long)p * chunks;
-        #pragma unroll
-        for (int r = 0; r < DB_UNROLL; ++r) {
-            const int c = s.c0 + r * 32 + lane;
-            regs.inter[tt][r] = ld_dep_chunk(row, c, c < chunks);  // gate_up's output: after pdl_wait
-        }
-    }
-}
-
-// acc[tt][o] += w2 chunk . intermediate chunk of pair tt, in the DB_PIPE 0 loop's order
-template <typename V>
-__device__ __forceinline__ void down_fmas(float (&acc)[DB_TILE][DB_OUTS], const V (&w2)[DB_UNROLL][DB_OUTS],
-                                          const V (&iv)[DB_TILE][DB_UNROLL], int n) {
-    constexpr int WORDS = sizeof(V) / 4;
-    #pragma unroll
-    for (int tt = 0; tt < DB_TILE; ++tt) {
-        if (tt < n) {                                                // warp-uniform
-            #pragma unroll
-            for (int r = 0; r < DB_UNROLL; ++r) {
-                #pragma unroll
-                for (int w = 0; w < WORDS; ++w) {
-                    const float a_lo = bf16_lo(word(iv[tt][r], w)), a_hi = bf16_hi(word(iv[tt][r], w));
-                    #pragma unroll
-                    for (int o = 0; o < DB_OUTS; ++o) {
-                        acc[tt][o] = fmaf(bf16_lo(word(w2[r][o], w)), a_lo, acc[tt][o]);
-                        acc[tt][o] = fmaf(bf16_hi(word(w2[r][o], w)), a_hi, acc[tt][o]);
-                    }
-                }
-            }
-        }
-    }
-}
-
-// ------------------------------------------------------------------------------------------------
 // moe_down_batched: out[t, h] = sum over pairs p = t*K + k of topk_weights[p] * (w2[e_p, h, :] . intermediate[p])
 //   Block b owns hidden columns h0 .. h0+DB_OUTS-1 (h0 = b * DB_OUTS) for ALL tokens. Warp w takes list
 //   slots a = w, w + DB_WARPS, ... (fixed assignment, ascending): lane l loads chunks c = l, l+32, ... of
@@ -623,57 +490,6 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
     down_prologue(mine, tokens * DB_OUTS, lane);
 
     const int chunks = inter / (DB_BYTES / 2);                       // I % 8 == 0: whole chunks only
-#if DB_PIPE
-    // Pipelined: this warp's work is one stream of steps (slot a, tile of pairs, round c0) -- slots
-    // a = warp, warp + DB_WARPS, ... as above. Step s+1's w2 and intermediate loads (and its pairs' ids and
-    // weights) are issued before step s's FMAs, across expert boundaries, so a lane always has a step of
-    // loads in flight. The slot arrays and the sorted pairs are staged in shared memory first (behind the
-    // partials), so finding the next step costs no global round trip. Same FMA order, same partial order:
-    // bitwise the DB_PIPE 0 result (with DB_EARLY_INTER 1, which the pipeline implies).
-    int* staged = reinterpret_cast<int*>(partial + (size_t)DB_WARPS * tokens * DB_OUTS);
-    const int staged_ints = 3 * slots + tokens * top_k;              // expert, offset, count per slot; pairs
-    for (int j = threadIdx.x; j < staged_ints; j += DB_WARPS * 32) staged[j] = __ldg(lists + LIST_HEADER + j);
-    __syncthreads();
-    const DownSlots meta{staged, staged + slots, staged + 2 * slots, staged + 3 * slots, __ldg(lists), experts};
-    constexpr int STEP = 32 * DB_UNROLL;
-
-    DownStep cur = first_down_step(meta, warp);
-    DownRegs<vec_t> next;
-    if (cur.a < meta.used)
-        load_down_step(next, cur, meta, w2, intermediate, topk_weights, h0, hidden, inter, chunks, lane);
-    float acc[DB_TILE][DB_OUTS];
-    while (cur.a < meta.used) {                                      // warp-uniform
-        DownRegs<vec_t> now;
-        now.copy_from(next);                                         // waits for step cur's loads
-        const float zero = __uint_as_float(all_loads_arrived(now.w2) | all_loads_arrived(now.inter));
-        const DownStep following = next_down_step(cur, meta, chunks);
-        if (following.a < meta.used)
-            load_down_step(next, following, meta, w2, intermediate, topk_weights, h0, hidden, inter, chunks, lane);
-        if (cur.c0 == 0) {
-            #pragma unroll
-            for (int tt = 0; tt < DB_TILE; ++tt)
-                #pragma unroll
-                for (int o = 0; o < DB_OUTS; ++o) acc[tt][o] = 0.0f;
-        }
-        acc[0][0] += zero;                                           // += 0.0f, as the DB_PIPE 0 loop
-        down_fmas(acc, now.w2, now.inter, cur.n);
-        if (cur.c0 + STEP >= chunks) {                               // the tile's last round: into the partials
-            #pragma unroll
-            for (int tt = 0; tt < DB_TILE; ++tt) {
-                if (tt < cur.n) {                                    // warp-uniform
-                    const int t = now.pair[tt] / top_k;
-                    #pragma unroll
-                    for (int o = 0; o < DB_OUTS; ++o) {
-                        const float dot = warp_sum(acc[tt][o]);
-                        if (lane == o)
-                            mine[t * DB_OUTS + o] = __fadd_rn(mine[t * DB_OUTS + o], __fmul_rn(now.weight[tt], dot));
-                    }
-                }
-            }
-        }
-        cur = following;
-    }
-#else
     const int used = __ldg(lists);
     for (int a = warp; a < used; a += DB_WARPS) {
         const int e = __ldg(list_expert(lists) + a);
@@ -765,7 +581,6 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
             }
         }
     }
-#endif
     __syncthreads();
 
     // every (token, column) of the block: the warps' partials in warp order, written once
@@ -898,17 +713,7 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
 #endif
 
 #if DB_MMA
-// ------------------------------------------------------------------------------------------------
-// The tensor-core down's view of the routing lists: the slot arrays, the sorted pairs and the routing weights,
-// in global memory or (DB_STAGE 1) staged in the block's shared memory behind the partials -- one round trip at
-// the start instead of dependent loads (slot -> pairs -> weights) at every slot a warp takes. Measured (H200,
-// 2026-12-01): the per-slot loads are L1 hits already and the copy delays the first w2 loads, so DB_STAGE is off.
-// ------------------------------------------------------------------------------------------------
-#if DB_STAGE
-#define DOWN_LIST_LD(ptr) (*(ptr))                                   // shared memory
-#else
-#define DOWN_LIST_LD(ptr) __ldg(ptr)
-#endif
+// The tensor-core down's view of the routing lists: the slot arrays, the sorted pairs and the routing weights.
 struct DownLists {
     const int* expert; const int* offset; const int* count; const int* pairs; const float* weight;  // weight[p]
     int good;                                                        // slots with a real expert (the first ones)
@@ -924,9 +729,9 @@ __device__ __forceinline__ void down_mma_slot(const DownLists& m, int a, int c_b
                                               const bf16_t* __restrict__ intermediate, const bf16_t* __restrict__ w2,
                                               float* mine, int hidden, int inter, int top_k, int h_lo, int h_hi,
                                               int g, int q, bool& waited) {
-    const int e = DOWN_LIST_LD(m.expert + a);
-    const int count = DOWN_LIST_LD(m.count + a);
-    const int* pairs = m.pairs + DOWN_LIST_LD(m.offset + a);
+    const int e = __ldg(m.expert + a);
+    const int count = __ldg(m.count + a);
+    const int* pairs = m.pairs + __ldg(m.offset + a);
     const uint4* row_lo = reinterpret_cast<const uint4*>(w2 + ((size_t)e * hidden + h_lo) * inter);
     const uint4* row_hi = reinterpret_cast<const uint4*>(w2 + ((size_t)e * hidden + h_hi) * inter);
     for (int tile = 0; tile < count; tile += 8 * DB_NBLK) {
@@ -938,9 +743,9 @@ __device__ __forceinline__ void down_mma_slot(const DownLists& m, int a, int c_b
         float col_weight[DB_NBLK];
         #pragma unroll
         for (int nb = 0; nb < DB_NBLK; ++nb) {
-            const int p = DOWN_LIST_LD(pairs + tile + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
+            const int p = __ldg(pairs + tile + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
             col_pair[nb] = p;
-            col_weight[nb] = DOWN_LIST_LD(m.weight + p);
+            col_weight[nb] = __ldg(m.weight + p);
             inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
         }
         float acc[DB_NBLK][4];
@@ -988,10 +793,8 @@ __device__ __forceinline__ void down_mma_slot(const DownLists& m, int a, int c_b
 
 // ------------------------------------------------------------------------------------------------
 // moe_down_mma: block b owns hidden columns h0 .. h0+15 (h0 = 16 b) for ALL tokens. Its warps share the list
-//   slots (bad-id slot excluded: NaN at the end) in one of three ways, each a fixed schedule:
-//   * DB_SPLIT 1, DB_BALANCE 0: warp w takes slots w, w + DB_WARPS, ... whole (k range = the full row);
-//   * DB_SPLIT s: DB_WARPS / s groups of s warps take the slots round-robin, warp i of a group the i-th of s
-//     contiguous ranges of the slot's 32-wide k blocks;
+//   slots (bad-id slot excluded: NaN at the end) in one of two ways, each a fixed schedule:
+//   * DB_BALANCE 0: warp w takes slots w, w + DB_WARPS, ... whole (k range = the full row);
 //   * DB_BALANCE 1: the (slot, k block) items in slot-major order are cut into DB_WARPS contiguous runs of
 //     equal length (+-1), warp w the w-th -- every warp streams the same bytes, crossing slot boundaries.
 //   Per slot (down_mma_slot): A = w2[e, h0 .. h0+15, k range] x B = the pairs' intermediate rows, FP32 in the
@@ -1010,35 +813,21 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
 #ifdef WD_HOST_EMULATION
     float* partial = wdb_dynamic_shared;                             // the CPU emulation's buffer
 #else
-    extern __shared__ float partial[];                               // [DB_WARPS][T][16] (+ DB_STAGE's lists)
+    extern __shared__ float partial[];                               // [DB_WARPS][T][16]
 #endif
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int warp = threadIdx.x >> 5;
     const int h0 = blockIdx.x * 16;
     float* mine = partial + (size_t)warp * tokens * 16;
-    const int pairs_total = tokens * top_k;
-#if DB_STAGE
-    // every list int after the header (3 * slots + T*K) and the T*K routing weights, loaded at once (the lists
-    // and the weights are two kernels back: read before the PDL wait)
-    int* staged = reinterpret_cast<int*>(partial + (size_t)DB_WARPS * tokens * 16);
-    float* staged_weight = reinterpret_cast<float*>(staged + 3 * slots + pairs_total);
-    for (int j = threadIdx.x; j < 3 * slots + pairs_total; j += DB_WARPS * 32)
-        staged[j] = __ldg(lists + LIST_HEADER + j);
-    for (int j = threadIdx.x; j < pairs_total; j += DB_WARPS * 32) staged_weight[j] = __ldg(topk_weights + j);
-    const DownLists m{staged, staged + slots, staged + 2 * slots, staged + 3 * slots, staged_weight,
-                      __ldg(lists) - (__ldg(lists + 2) > 0)};
-    __syncthreads();
-#else
     const DownLists m{list_expert(lists), list_offset(lists, slots), list_count(lists, slots),
                       sorted_pairs(lists, slots), topk_weights, __ldg(lists) - (__ldg(lists + 2) > 0)};
-#endif
     down_prologue(mine, tokens * 16, lane);
 
     const int chunks = inter / 8;                                    // 16-byte chunks (I % 8 == 0)
-    const int kblocks = (chunks + 3) / 4;                            // 32-wide k blocks
     const int h_lo = min(h0 + g, hidden - 1), h_hi = min(h0 + g + 8, hidden - 1);   // past the end: last row
     bool waited = false;
 #if DB_BALANCE
+    const int kblocks = (chunks + 3) / 4;                            // 32-wide k blocks
     const long long items = (long long)m.good * kblocks;             // (slot, k block), slot-major
     int item = (int)(items * warp / DB_WARPS);
     const int item_end = (int)(items * (warp + 1) / DB_WARPS);
@@ -1051,12 +840,8 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
         item += kb_end - kb;
     }
 #else
-    constexpr int groups = DB_WARPS / DB_SPLIT;
-    const int group = warp / DB_SPLIT, part = warp - group * DB_SPLIT;
-    const int c_begin = DB_SPLIT == 1 ? 0 : 4 * (part * kblocks / DB_SPLIT);          // this warp's k range,
-    const int c_end = DB_SPLIT == 1 ? chunks : min(4 * ((part + 1) * kblocks / DB_SPLIT), chunks);  // in chunks
-    for (int a = group; a < m.good; a += groups)
-        down_mma_slot(m, a, c_begin, c_end, intermediate, w2, mine, hidden, inter, top_k, h_lo, h_hi, g, q, waited);
+    for (int a = warp; a < m.good; a += DB_WARPS)
+        down_mma_slot(m, a, 0, chunks, intermediate, w2, mine, hidden, inter, top_k, h_lo, h_hi, g, q, waited);
 #endif
     down_epilogue_wait();
     __syncthreads();

@@ -1,43 +1,30 @@
 """Warp decode in Numba CUDA: ``moe_gate_up_3d_batched`` then ``moe_down_3d_batched``, one warp per output.
 
-    gate_up  warp (t, k, i0..i0+ROWS-1): e = topk_ids[t, k]; for each of its ROWS neurons i the warp streams
-             gate row w13[e, i, :] and up row w13[e, I + i, :] once and x[t] once (shared by all rows),
-             accumulates both dot products in FP32 registers (per lane), reduces them with xor-shuffles
-             and stores bf16(SiLU(g) * u) into intermediate[t, k, i] (round to nearest even).
-    down     warp (t, h0..h0+ROWS-1): for k = 0..K-1 (SLOTS of them per round, their loads in flight
-             together) reads w2[e, h, :] and intermediate[t, k, :], folds topk_weights[t, k] * (lane's
-             partial dot) into ONE FP32 accumulator per row (slots in order k = 0, 1, ...), reduces it once
-             with xor-shuffles and writes out[t, h] once (bf16, or float32 when ``out`` is float32).
+    gate_up  warp (t, k, i0..i0+ROWS-1): e = topk_ids[t, k]; streams gate row w13[e, i, :] and up row
+             w13[e, I + i, :] for each of its ROWS neurons and x[t] once, accumulates both dots in FP32 per
+             lane, reduces with xor-shuffles, stores bf16(SiLU(g) * u) into intermediate[t, k, i] (RNE).
+    down     warp (t, h0..h0+ROWS-1): for k = 0..K-1 (SLOTS per round, their loads in flight together) reads
+             w2[e, h, :] and intermediate[t, k, :], folds topk_weights[t, k] * (lane's partial dot) into ONE
+             FP32 accumulator per row (k in order), reduces once and writes out[t, h] (bf16, or float32).
 
-An expert id outside [0, E) is never dereferenced: gate_up writes NaN into that slot's intermediate and
-down makes the whole token's output NaN.
+An expert id outside [0, E) is never dereferenced: gate_up writes NaN into that slot's intermediate and down
+makes the whole token's output NaN. bf16 travels as raw bits: arrays are viewed as uint64 (4 bf16 per word) and
+widened by integer shifts (exact).
 
-bf16 is carried as raw bits: every bf16 array is viewed as **uint64** (4 bf16 per word) and widened on the
-GPU by integer shifts (bf16 -> f32 is exact: the bits shifted left by 16, then a bitcast).
+Loads are 16 bytes per lane, ``ld.global.nc.v2.u64``: Numba alone emits 8-byte ``ld.global.u64`` at best (no
+alignment proof, no read-only marking), so the ``load16`` intrinsic emits an aligned ``<2 x i64>``
+``!invariant.load`` (the host checks every base address). Each lane holds ``unroll`` chunks per row (times
+``slots`` in down) in local arrays LLVM keeps in registers (no stack, no spills: ``offline_reports``); the
+``loads_arrived`` intrinsic makes every FMA of a round wait for all its loads, so ptxas issues them first.
 
-Load width: **16 bytes per lane** (8 bf16), ``ld.global.nc.v2.u64``. Numba alone gives 8-byte loads at best:
-indexing a uint64 view emits ``ld.global.u64`` (it cannot prove 16-byte alignment to LLVM, so two adjacent
-loads are never merged, and it never marks arrays read-only, so no ``.nc``). The ``load16`` intrinsic below
-emits one ``<2 x i64>`` load with ``align 16`` in the global address space with ``!invariant.load``, which
-NVPTX lowers to ``ld.global.nc.v2.u64``; the host checks every base address is 16-byte aligned (rows of H or
-I bf16 are multiples of 16 bytes by the contract).
+:data:`FAMILY` declares the kernels (no CUDA C: ``compiled.kernels`` is empty, its stages launch the Numba kernels):
+knobs ``warps`` per block, ``rows`` (outputs per warp: 1, 2, 4 or 8), ``unroll`` (16-byte loads per lane per row
+in flight), ``slots`` (down: routed slots per round), their limits, the [T, K, I] workspace, the offline compile
+report and the simulator self-check. Outputs are checked by ``kernels.checks.check_output`` (``SIMULATOR``).
 
-Loads in flight: each lane loads ``UNROLL`` 16-byte chunks per row (times ``SLOTS`` routed slots in the
-down kernel) into fixed-size local arrays indexed by compile-time constants, which LLVM fully unrolls into
-registers (no ``ld.local``/``st.local`` in the PTX; ptxas: no stack, no spills -- ``offline_reports``).
-ptxas, left alone, sinks each load next to its first FMA (1-2 loads in flight per lane whatever the
-unroll); the ``loads_arrived`` intrinsic (inline PTX) makes every FMA of a round depend on all of its
-loads, so they are all issued first. Checked in SASS (nvdisasm of the nvJitLink cubin, default knobs):
-gate_up issues 6 LDG.E.128.CONSTANT then 33 FFMA; down 16 LDG.E.128.CONSTANT (4 slots x 2 x (w2 +
-intermediate)) then 69 FFMA, at 56 / 126 registers.
-
-Knobs (compile-time constants of a kernel factory, one compiled pair per combination): ``warps`` per block,
-``rows`` (outputs per warp: 1, 2, 4 or 8, a divisor of 8 so it divides H and I), ``unroll`` (16-byte
-loads per lane per row in flight), ``slots`` (down kernel: routed slots whose loads share one round).
-
-Runs on CuPy arrays on the GPU (launched on CuPy's current stream, no allocation and no host sync when
-``out`` and ``workspace`` are given) and on NumPy arrays under Numba's CUDA simulator
-(``NUMBA_ENABLE_CUDASIM=1`` set before numba is imported; :mod:`kernels.simt` supplies the warp shuffles).
+Runs on CuPy arrays on the GPU (CuPy's current stream; no allocation and no host sync when ``out`` and
+``workspace`` are given) and on NumPy arrays under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1`` set before
+numba is imported; :mod:`kernels.simt` supplies the warp shuffles).
 """
 
 from __future__ import annotations
@@ -52,10 +39,12 @@ import numpy as np
 from numba import cuda
 
 from kernels import simt
+from kernels.checks import SIMULATOR, check_output
 from kernels.compile import KernelResources
 from kernels.contract import BF16, Dims, array_module, check_inputs, check_out
+from kernels.family import Compiled, KernelFamily, Launch, Stage
 from kernels.shapes import MoEShape, ceil_div, get_shape
-from kernels.variants import Variant, register
+from kernels.variants import register
 
 simt.install()  # adds warp shuffles to the CUDA simulator; does nothing off the simulator
 
@@ -120,7 +109,8 @@ else:
         ptxas otherwise sinks each load next to its first FMA, leaving one or two loads in flight per lane
         whatever the unroll; OR-ing this zero into the activation words makes every FMA of the round wait
         for *all* of its loads, so all of them are issued first. Nothing can fold it away: only the PTX
-        instruction knows the result is zero.
+        instruction knows the result is zero. (SASS of the nvJitLink cubin at the default knobs: gate_up issues
+        6 LDG.E.128.CONSTANT then 33 FFMA, down 16 then 69 FFMA, at 56 / 126 registers.)
         """
         if sink != types.uint64:
             return None
@@ -144,19 +134,29 @@ NAN_BF16 = 0x7FC0
 WORDS_PER_LOAD = 2  # uint64 words a lane loads per row per step: 16 bytes = 8 bf16
 
 
+LIMITS: dict[str, tuple[int, int]] = {"warps": (1, 32), "rows": (1, 8), "unroll": (1, 8), "slots": (1, 8)}
+ROWS = (1, 2, 4, 8)  # a divisor of 8, so it divides H and I
+UNROLLS = (1, 2, 3, 4, 6, 8)
+
+
+def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
+    """The family's rules on validated knobs (names, int types and :data:`LIMITS` checked): ``rows`` and
+    ``unroll`` take only the values the kernels are written for (ValueError)."""
+    if values["rows"] not in ROWS:
+        raise ValueError(f"rows (outputs per warp) must be 1, 2, 4 or 8 (a divisor of 8), got {values['rows']}")
+    if values["unroll"] not in UNROLLS:
+        raise ValueError(f"unroll (16-byte loads in flight per lane per row) must be 1-4, 6 or 8, "
+                         f"got {values['unroll']}")
+    return values
+
+
+def _knob_tuple(params: dict[str, int]) -> tuple[int, int, int, int]:
+    return params["warps"], params["rows"], params["unroll"], params["slots"]
+
+
 def _check_params(warps: int, rows: int, unroll: int, slots: int = 4) -> tuple[int, int, int, int]:
-    for name, value in (("warps", warps), ("rows", rows), ("unroll", unroll), ("slots", slots)):
-        if not isinstance(value, int | np.integer) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int, got {value!r}")
-    if not 1 <= warps <= 32:
-        raise ValueError(f"warps (warps per block) must lie in [1, 32], got {warps}")
-    if rows not in (1, 2, 4, 8):
-        raise ValueError(f"rows (outputs per warp) must be 1, 2, 4 or 8 (a divisor of 8), got {rows}")
-    if unroll not in (1, 2, 3, 4, 6, 8):
-        raise ValueError(f"unroll (16-byte loads in flight per lane per row) must be 1-4, 6 or 8, got {unroll}")
-    if not 1 <= slots <= 8:
-        raise ValueError(f"slots (routed slots per round of the down kernel) must lie in [1, 8], got {slots}")
-    return int(warps), int(rows), int(unroll), int(slots)
+    """The knobs validated by the family (``FAMILY.resolve``), as the (warps, rows, unroll, slots) tuple."""
+    return _knob_tuple(FAMILY.resolve(None, warps=warps, rows=rows, unroll=unroll, slots=slots))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -455,6 +455,45 @@ def _prepare(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: A
     return tuple(_to_numba(v) for v in views)
 
 
+_LOADED: dict[tuple[tuple[int, ...], bool], tuple[Any, Any]] = {}
+
+
+def _loaded_kernels(knobs: tuple[int, ...], out_f32: bool) -> tuple[Any, Any]:
+    """The jitted (gate_up, down) pair for ``knobs``, compiled and its modules loaded into the context the first
+    time (so a launch under CUDA-graph capture compiles and loads nothing); under the simulator, just the pair."""
+    pair = get_kernels(*knobs, out_f32=out_f32)
+    if simt.simulator_enabled():
+        return pair
+    key = (tuple(knobs), bool(out_f32))
+    if key not in _LOADED:
+        pair[0].compile(_gate_up_signature()).bind()  # bind: load the module into the context now
+        pair[1].compile(_down_signature(out_f32)).bind()
+        _LOADED[key] = pair
+    return pair
+
+
+def _family_workspace(dims: Dims, params: dict[str, int]) -> Any:
+    """The [T, K, I] bf16 intermediate (CuPy, current device)."""
+    import cupy
+
+    return cupy.empty((dims.tokens, dims.top_k, dims.intermediate), BF16)
+
+
+def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> list[Stage]:
+    """The layer as the two Numba launches (gate_up, down) into ``compiled``'s workspace, each on the stream
+    current when it runs. Host work only: bit views and Numba array wrappers, no allocation, no sync."""
+    knobs = _knob_tuple(compiled.params)
+    pair = _loaded_kernels(knobs, out.dtype == np.float32)
+    args = _prepare(x, w13, w2, topk_ids, topk_weights, out, compiled.workspace)
+    dims = compiled.dims
+    return [(name, functools.partial(_launch_stage, pair, dims, knobs, args, name)) for name in ("gate_up", "down")]
+
+
+def _launch_stage(pair: tuple[Any, Any], dims: Dims, knobs: tuple[int, ...], args: tuple[Any, ...],
+                  stage: str) -> None:
+    _launch(pair, dims, knobs, args, _current_stream(), stage)
+
+
 def warp_decode(
     x: Any,
     w13: Any,
@@ -469,15 +508,12 @@ def warp_decode(
 
     CuPy inputs run on the GPU on CuPy's current stream; with ``out`` and ``workspace`` (the [T, K, I] bf16
     intermediate) given nothing is allocated and the host never waits. NumPy inputs run under the CUDA
-    simulator only. ``params``: ``warps``, ``rows``, ``unroll`` (see the module docstring).
+    simulator only. ``params``: ``warps``, ``rows``, ``unroll``, ``slots`` (see :data:`FAMILY`).
     """
     dims = check_inputs(x, w13, w2, topk_ids, topk_weights)
     xp = array_module(x)
     _check_backend(xp)
-    unknown = set(params) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown parameter(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-    knobs = _check_params(**{**DEFAULTS, **params})
+    knobs = FAMILY.resolve(dims, **params)  # knob errors before any allocation
     if out is None:
         out = xp.empty((dims.tokens, dims.hidden), BF16)
     else:
@@ -486,64 +522,18 @@ def warp_decode(
         workspace = xp.empty((dims.tokens, dims.top_k, dims.intermediate), BF16)
     else:
         _check_workspace(workspace, dims, xp)
-    kernels = get_kernels(*knobs, out_f32=out.dtype == np.float32)
-    arrays = _prepare(x, w13, w2, topk_ids, topk_weights, out, workspace)
+    compiled = FAMILY.compile(dims, workspace=workspace, **knobs)
     with simt.one_cpu() if xp is np else contextlib.nullcontext():  # the simulator: faster on one CPU
-        _launch(kernels, dims, knobs, arrays, _current_stream())
+        compiled.run(x, w13, w2, topk_ids, topk_weights, out)
     return out
 
 
-def _build(dims: Dims, warps: int = DEFAULTS["warps"], rows: int = DEFAULTS["rows"], unroll: int = DEFAULTS["unroll"],
-           slots: int = DEFAULTS["slots"], out_dtype: Any = BF16) -> Any:
-    """Variant.build: compile and load both kernels and allocate the intermediate now; return ``launch``."""
-    import cupy
-
-    knobs = _check_params(warps, rows, unroll, slots)
-    workspace = cupy.empty((dims.tokens, dims.top_k, dims.intermediate), BF16)
-    compiled: dict[bool, tuple[Any, Any]] = {}
-
-    def kernels_for(out: Any) -> tuple[Any, Any]:
-        out_f32 = out.dtype == np.float32
-        pair = compiled.get(out_f32)
-        if pair is None:  # compile + load the modules outside any graph capture (build, or first launch)
-            pair = get_kernels(*knobs, out_f32=out_f32)
-            pair[0].compile(_gate_up_signature()).bind()  # bind: load the module into the context now
-            pair[1].compile(_down_signature(out_f32)).bind()
-            compiled[out_f32] = pair
-        return pair
-
-    kernels_for(cupy.empty((1, 1), np.dtype(out_dtype)))
-
-    def launch(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> None:
-        _launch(kernels_for(out), dims, knobs, _prepare(x, w13, w2, topk_ids, topk_weights, out, workspace),
-                _current_stream())
-
-    def stages(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> list[tuple[str, Any]]:
-        args = _prepare(x, w13, w2, topk_ids, topk_weights, out, workspace)
-        pair = kernels_for(out)
-        return [
-            (name, functools.partial(lambda stage: _launch(pair, dims, knobs, args, _current_stream(), stage), name))
-            for name in ("gate_up", "down")
-        ]
-
-    launch.stages = stages
-    launch.workspace = workspace
-    return launch
-
-
-VARIANT = register(
-    Variant(
-        name="numba:warp-decode",
-        backend="numba",
-        family="warp-decode",
-        build=_build,
-        reference_mode="warp_decode",
-        params=dict(DEFAULTS),
-        grid={key: list(values) for key, values in GRID.items()},
-        description="Numba CUDA warp decode: one warp per output scalar, 16-byte ld.global.nc loads, FP32 "
-        "accumulation, xor-shuffle reductions (gate_up + down kernels)",
-    )
-)
+def build(dims: Dims, out_dtype: Any = BF16, **knobs: int) -> Launch:
+    """The variant's build: resolve the knobs, allocate the intermediate, compile and load both kernels for
+    ``out_dtype`` now (another out dtype compiles at its first launch); returns the :class:`Launch`."""
+    compiled = FAMILY.compile(dims, **knobs)
+    _loaded_kernels(_knob_tuple(compiled.params), np.dtype(out_dtype) == np.float32)
+    return compiled.launch()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -634,37 +624,16 @@ def _offline_reports_without_simulator(param_sets: list[dict[str, Any]] | None,
 # ---------------------------------------------------------------------------------------------------------
 # Checks against the reference (used by the simulator tests, the GPU tests and the bench's CPU path)
 # ---------------------------------------------------------------------------------------------------------
-ULP_FLOOR_OF_RMS = 1.0 / 8.0  # ulps are measured at max(|ref|, RMS(ref) / 8): near-zero outputs carry
-# absolute errors of the bf16 intermediate (one flipped rounding moves out by ~ RMS * 2**-8 / sqrt(I))
-MAX_ULP = 4.0  # a final-rounding flip (1 ulp) on top of intermediate-rounding flips; 2.4 seen at qwen3-235b
-MAX_REL_L2 = 5e-3  # vs the fp64 oracle: bf16 output rounding alone is ~1.5e-3
-
-
 def compare(result: Any, problem: Any, out_dtype: Any = BF16) -> dict[str, Any]:
-    """rel-L2 vs the fp64 oracle, max ulp diff and bitwise fraction vs reference warp_decode mode."""
-    from kernels.numerics import bf16_ulp, rel_l2
+    """``result`` against ``reference.moe_decode(mode="warp_decode")`` and the fp64 oracle by the one output
+    checker under :data:`kernels.checks.SIMULATOR`; returns its record (``ok``, ``max_ulp``, ``rel_l2_fp64``,
+    ``bitwise_fraction``, ``all_written``, ``why`` on failure, ...)."""
     from kernels.reference import moe_decode
 
-    result = np.asarray(result.get() if hasattr(result, "get") else result)
     host = problem.compact() if not isinstance(problem.x, np.ndarray) else problem
     faithful = moe_decode(*host.arrays, mode="warp_decode", out_dtype=out_dtype)
     oracle = moe_decode(*host.arrays, mode="fp64")
-    got = result.astype(np.float64)
-    ref = faithful.astype(np.float64)
-    rms = float(np.sqrt(np.mean(ref * ref))) if ref.size else 0.0
-    ulp = bf16_ulp(np.maximum(np.abs(ref), rms * ULP_FLOOR_OF_RMS))
-    finite = bool(np.all(np.isfinite(got)))
-    max_ulp = float(np.max(np.abs(got - ref) / ulp)) if finite else float("inf")
-    rel = rel_l2(got, oracle)
-    as_bytes = (lambda a: a.view(np.uint8).reshape(a.shape + (-1,)))  # noqa: E731
-    bitwise = float(np.mean(np.all(as_bytes(result) == as_bytes(faithful), axis=-1)))
-    return {
-        "rel_l2_fp64": rel,
-        "max_ulp_vs_warp_decode": max_ulp,
-        "bitwise_fraction": bitwise,
-        "all_finite": finite,
-        "ok": bool(finite and max_ulp <= MAX_ULP and rel < MAX_REL_L2),
-    }
+    return check_output(result, faithful, SIMULATOR, oracle=oracle)
 
 
 # Cases small enough for the simulator (one Python thread per CUDA thread; rows=8 / few warps per block keep
@@ -688,8 +657,8 @@ SIM_CASES: dict[str, tuple[MoEShape | str, int, Any, dict[str, int], Any]] = {
 
 
 def simulator_selfcheck(shapes: tuple[Any, ...] = ("tiny", "odd-dup"), seed: int = 0) -> list[dict[str, Any]]:
-    """Run the real kernels on the CUDA simulator and compare with the reference; one dict per case
-    (rel-L2 vs fp64, max ulp diff vs the warp_decode reference, bitwise fraction, ok).
+    """Run the real kernels on the CUDA simulator and compare with the reference; one dict per case: ``case``,
+    ``tokens``, ``params``, ``out_dtype`` and the checker's record (:func:`compare`).
 
     ``shapes``: names from :data:`SIM_CASES`, or ``(shape, tokens, routing, knobs)`` tuples. Needs
     ``NUMBA_ENABLE_CUDASIM=1`` set before numba was first imported in this process.
@@ -737,3 +706,28 @@ def simulate_bad_ids(seed: int = 0) -> dict[str, Any]:
     result = compare(out[1:2], good)
     rows_nan = [bool(np.all(np.isnan(out[t].astype(np.float32)))) for t in range(3)]
     return {**result, "bad_rows_nan": rows_nan[0] and rows_nan[2], "good_row_finite": not rows_nan[1]}
+
+
+FAMILY = KernelFamily(
+    name="warp-decode-numba",
+    source=None,
+    knobs=dict(DEFAULTS),
+    limits=LIMITS,
+    rules=rules,
+    workspace=_family_workspace,
+    stages=stages,
+    offline_reports=offline_reports,
+    simulate=simulator_selfcheck,
+)
+VARIANT = register(
+    FAMILY.variant(
+        "numba:warp-decode",
+        backend="numba",
+        family="warp-decode",
+        build=build,
+        reference_mode="warp_decode",
+        grid={key: list(values) for key, values in GRID.items()},
+        description="Numba CUDA warp decode: one warp per output scalar, 16-byte ld.global.nc loads, FP32 "
+        "accumulation, xor-shuffle reductions (gate_up + down kernels)",
+    )
+)

@@ -66,10 +66,10 @@ def main(knobs: dict[str, int]) -> dict[str, Any]:
     out = cupy.empty((1, 2048), dtype=BF16)
     rows: dict[str, Any] = {}
 
-    strict = wdc.build(dims)
+    strict = wdc.FAMILY.build(dims)
     rows["strict_layer"] = statistics.median(time_launches([lambda i=i: strict(x, w13, w2, i, weights, out)
                                                          for i in sets]))
-    gate_up = wdc.kernels_for(strict.params)[0]
+    gate_up = wdc.FAMILY.kernels_for(dict(strict.params))[wdc.GATE_UP]
     rows["strict_gate_up"] = statistics.median(time_launches(
         [lambda i=i: wdc._launch_gate_up(gate_up, strict.params, dims, x, w13, i, strict.workspace) for i in sets]))
     print("strict", rows, flush=True)

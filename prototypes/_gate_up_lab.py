@@ -6,7 +6,8 @@ NaN with no weight read -- with the load shape exposed as knobs (see :data:`DEFA
 header): warps per block, bytes per lane per load, chunks in flight, whether loads are forced ahead of the
 FMAs (the strict kernel's ``all_loads_arrived`` trick), an interleaved gate/up weight layout (needs
 :func:`prepack`), and split-K over H (several warps per output, partial sums combined in shared memory in a
-fixed order). The down stage is the strict library kernel (``kernels.warp_decode_cupy``) at its defaults.
+fixed order). The down stage is the strict library kernel (``kernels.warp_decode_cupy.FAMILY``) at its
+knobs for the dims (``launch.facts["down_params"]``).
 
 Interleaved layout (``LAB_INTERLEAVED=1``): :func:`prepack` turns w13 [E, 2I, H] into [E, I, 2H], row i =
 ``gate_i[0:8] up_i[0:8] gate_i[8:16] up_i[8:16] ...`` -- 16-byte pieces, whatever ``LAB_BYTES`` is, so one
@@ -22,9 +23,10 @@ from typing import Any
 import numpy as np
 
 from kernels import warp_decode_cupy as wdc
-from kernels.compile import CudaSource, get_kernel, launch_ex, register_source
+from kernels.compile import CudaSource, launch_ex
 from kernels.contract import Dims
 from kernels.device_helpers import WARP_HELPERS
+from kernels.family import Compiled, KernelFamily, Launch, Stage
 
 KERNEL = "moe_gate_up_lab"
 PIECE = 8  # interleave granularity of the prepacked layout, in bf16 elements (16 bytes)
@@ -231,51 +233,40 @@ DEFAULTS: dict[str, int] = {
     "LAB_INTERLEAVED": 0,
     "LAB_SPLIT": 1,
 }
-LIMITS: dict[str, tuple[int, ...]] = {
-    "LAB_WARPS": tuple(range(1, 33)),
-    "LAB_BYTES": (8, 16, 32),
-    "LAB_UNROLL": tuple(range(1, 17)),
+LIMITS: dict[str, tuple[int, int]] = {
+    "LAB_WARPS": (1, 32),
+    "LAB_BYTES": (8, 32),  # and one of 8, 16, 32 (_rules)
+    "LAB_UNROLL": (1, 16),
     "LAB_SINK": (0, 1),
     "LAB_INTERLEAVED": (0, 1),
-    "LAB_SPLIT": tuple(range(1, 33)),
+    "LAB_SPLIT": (1, 32),
 }
 
-SOURCE = register_source(
-    CudaSource(
-        name="proto_gate_up_lab",
-        code=CODE,
-        kernels=(KERNEL,),
-        # LAB_SINK defaults to 0 in the SOURCE (1 in DEFAULTS, what build() and the variants use): tools.sweep
-        # compiles a knob given as 0 at the source's default when that is not 0 ("0 = auto" knobs), which would
-        # show SINK=1's registers for SINK=0 points. build() always passes every knob, so this changes no kernel.
-        defaults={**DEFAULTS, "LAB_SINK": 0},
-        variants=[
-            {"LAB_SINK": 1},  # the lab's DEFAULTS
-            {"LAB_SINK": 1, "LAB_BYTES": 16, "LAB_UNROLL": 4},
-            {"LAB_SINK": 1, "LAB_BYTES": 32, "LAB_UNROLL": 4},
-            {"LAB_SINK": 1, "LAB_INTERLEAVED": 1, "LAB_BYTES": 16, "LAB_UNROLL": 4},
-            {"LAB_SINK": 1, "LAB_WARPS": 8, "LAB_SPLIT": 4, "LAB_BYTES": 16, "LAB_UNROLL": 2},
-        ],
-        warps_knobs={KERNEL: "LAB_WARPS"},
-        description="prototype gate_up lab: load width / unroll / sink / interleaved w13 / split-K knobs",
-    )
+SOURCE = CudaSource(
+    name="proto_gate_up_lab",
+    code=CODE,
+    kernels=(KERNEL,),
+    # LAB_SINK defaults to 0 in the SOURCE (1 in DEFAULTS, what build(), resolve_params() and the variants use):
+    # the compile report without dims compiles a knob given as 0 at the source's default when that is not 0
+    # ("0 = auto" knobs), which would show SINK=1's registers for SINK=0 points. build() always passes every
+    # knob, so this changes no kernel.
+    defaults={**DEFAULTS, "LAB_SINK": 0},
+    variants=[
+        {"LAB_SINK": 1},  # the lab's DEFAULTS
+        {"LAB_SINK": 1, "LAB_BYTES": 16, "LAB_UNROLL": 4},
+        {"LAB_SINK": 1, "LAB_BYTES": 32, "LAB_UNROLL": 4},
+        {"LAB_SINK": 1, "LAB_INTERLEAVED": 1, "LAB_BYTES": 16, "LAB_UNROLL": 4},
+        {"LAB_SINK": 1, "LAB_WARPS": 8, "LAB_SPLIT": 4, "LAB_BYTES": 16, "LAB_UNROLL": 2},
+    ],
+    warps_knobs={KERNEL: "LAB_WARPS"},
+    description="prototype gate_up lab: load width / unroll / sink / interleaved w13 / split-K knobs",
 )
 
 
-def resolve_params(**params: Any) -> dict[str, int]:
-    """Validate the lab knobs (ValueError / TypeError naming the knob); returns every knob as an int."""
-    unknown = set(params) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown gate_up lab parameter(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-    values = dict(DEFAULTS)
-    for key, value in params.items():
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{key} must be an int, got {value!r}")
-        values[key] = int(value)
-    for key, allowed in LIMITS.items():
-        if values[key] not in allowed:
-            shown = f"{allowed[0]}..{allowed[-1]}" if len(allowed) > 3 else ", ".join(map(str, allowed))
-            raise ValueError(f"{key} must be one of {shown}, got {values[key]}")
+def _rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
+    """What the limits cannot say: the load widths that exist, and split groups that live in one block."""
+    if values["LAB_BYTES"] not in (8, 16, 32):
+        raise ValueError(f"LAB_BYTES must be one of 8, 16, 32, got {values['LAB_BYTES']}")
     if values["LAB_WARPS"] % values["LAB_SPLIT"]:
         raise ValueError(
             f"LAB_WARPS ({values['LAB_WARPS']}) must be a multiple of LAB_SPLIT ({values['LAB_SPLIT']}): "
@@ -325,21 +316,8 @@ def prepack(w13: Any, w2: Any) -> tuple[Any, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Build and launch (no allocation, no host sync in the launch)
+# The family and the build (no allocation, no host sync in the launch)
 # ---------------------------------------------------------------------------------------------------
-_HANDLES: dict[tuple[int, str, tuple[tuple[str, int], ...]], Any] = {}
-
-
-def kernel_for(params: dict[str, int]) -> Any:
-    """The compiled lab kernel for these resolved knobs (cached per device and source text)."""
-    import cupy
-
-    key = (cupy.cuda.Device().id, SOURCE.code, tuple(sorted(params.items())))
-    if key not in _HANDLES:
-        _HANDLES[key] = get_kernel(SOURCE, KERNEL, **params)
-    return _HANDLES[key]
-
-
 def blocks(dims: Dims, params: dict[str, int]) -> int:
     """Blocks of the launch: one group of LAB_SPLIT warps per output, LAB_WARPS / LAB_SPLIT groups per block."""
     outputs = dims.tokens * dims.top_k * dims.intermediate
@@ -379,38 +357,47 @@ def launch_gate_up(
     )
 
 
-def build(dims: Dims, **params: Any) -> Any:
+def _stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any,
+            out: Any) -> list[Stage]:
+    """The family's one stage: the lab gate_up into the [T, K, I] workspace (:func:`build` adds the strict down)."""
+    kernel = compiled.kernels[KERNEL]
+    return [("gate_up", lambda: launch_gate_up(kernel, compiled.params, compiled.dims, x, w13, topk_ids,
+                                               compiled.workspace))]
+
+
+FAMILY = KernelFamily(
+    name="proto-gate-up-lab",
+    source=SOURCE,
+    limits=LIMITS,
+    rules=_rules,
+    workspace=lambda dims, params: wdc.make_workspace(dims.tokens, dims.top_k, dims.intermediate),
+    stages=_stages,
+)
+
+
+def resolve_params(**knobs: Any) -> dict[str, int]:
+    """:meth:`FAMILY.resolve <kernels.family.KernelFamily.resolve>` over the lab's :data:`DEFAULTS` (LAB_SINK 1)."""
+    return FAMILY.resolve(None, **{**DEFAULTS, **knobs})
+
+
+def build(dims: Dims, **knobs: Any) -> Launch:
     """Compile once, allocate the [T, K, I] workspace once; the launch only launches (graph-capturable).
 
-    gate_up: the lab kernel with ``params``; down: the strict library kernel at ``resolve_params(dims)``.
+    gate_up: the lab kernel with ``knobs`` over :data:`DEFAULTS`; down: the strict library kernel at its knobs for
+    ``dims`` (``launch.facts["down_params"]``), reading the lab's workspace.
     """
-    resolved = resolve_params(**params)
-    gate_up_kernel = kernel_for(resolved)
-    down_params = wdc.resolve_params(dims)
-    down_kernel = wdc.kernels_for(down_params)[1]
-    workspace = wdc.make_workspace(dims.tokens, dims.top_k, dims.intermediate)
+    lab = FAMILY.compile(dims, **{**DEFAULTS, **knobs})
+    strict = wdc.FAMILY.compile(dims, workspace=lab.workspace)
 
-    def run_gate_up(x: Any, w13: Any, topk_ids: Any) -> None:
-        launch_gate_up(gate_up_kernel, resolved, dims, x, w13, topk_ids, workspace)
+    def stages(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> list[Stage]:
+        down = [stage for stage in strict.stage_list(x, w13, w2, topk_ids, topk_weights, out) if stage[0] == "down"]
+        if len(down) != 1:
+            raise RuntimeError("kernels.warp_decode_cupy.FAMILY must have exactly one stage named 'down'")
+        return [*lab.stage_list(x, w13, w2, topk_ids, topk_weights, out), *down]
 
-    def run_down(w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> None:
-        wdc._launch_down(down_kernel, down_params, dims, workspace, w2, topk_ids, topk_weights, out)
+    def run(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> None:
+        for _, stage in stages(x, w13, w2, topk_ids, topk_weights, out):
+            stage()
 
-    def launch(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> None:
-        run_gate_up(x, w13, topk_ids)
-        run_down(w2, topk_ids, topk_weights, out)
-
-    def stages(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> list[tuple[str, Any]]:
-        return [
-            ("gate_up", lambda: run_gate_up(x, w13, topk_ids)),
-            ("down", lambda: run_down(w2, topk_ids, topk_weights, out)),
-        ]
-
-    launch.stages = stages  # type: ignore[attr-defined]
-    launch.params = resolved  # type: ignore[attr-defined]
-    launch.down_params = down_params  # type: ignore[attr-defined]
-    launch.workspace = workspace  # type: ignore[attr-defined]
-    return launch
-
-
-build.source = SOURCE  # type: ignore[attr-defined]  # tools.sweep's compile columns find the lab source here
+    return Launch(run=run, stages=stages, params=lab.params, workspace=lab.workspace,
+                  facts={"down_params": strict.params})

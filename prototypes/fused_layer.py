@@ -36,16 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels.compile import (
-    CudaSource,
-    device_sm_count,
-    for_device,
-    get_kernel,
-    launch_ex,
-    max_active_blocks,
-    register_source,
-    validate_knobs,
-)
+from kernels.compile import CudaSource, device_sm_count, launch_ex, max_active_blocks
 from kernels.contract import BF16, Dims, check_aligned, check_inputs, check_out, require_cupy
 from kernels.device_helpers import (
     MMA_HELPERS,
@@ -55,7 +46,8 @@ from kernels.device_helpers import (
     padded_row_bytes,
     staged_parts,
 )
-from kernels.variants import Variant, register
+from kernels.family import Compiled, KernelFamily, Launch, Stage
+from kernels.variants import register
 
 FUSED = "moe_fused_3d"
 
@@ -313,10 +305,9 @@ def fused_shared_bytes(params: dict[str, int], dims: Dims) -> int:
     return head + pairs * rows * row + pairs * dims.intermediate * 2 + pairs * parts * rows * 4
 
 
-def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
-    """Validate the knobs and fill ``FU_ROWS`` = 0 (auto: ``ceil(H / SMs)``); with ``dims``, also check that the
-    block's shared memory fits (ValueError naming the sizes otherwise)."""
-    values = validate_knobs("fused warp-decode", params, DEFAULTS, LIMITS, AUTO_KNOBS)
+def _rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
+    """FU_BYTES a load width; fill ``FU_ROWS`` = 0 (auto: ``ceil(H / SMs)``); with ``dims``, check that the rows
+    cover H and that the block's shared memory fits (ValueError naming the sizes otherwise)."""
     if values["FU_BYTES"] not in (4, 8, 16):
         raise ValueError(f"FU_BYTES must be 4, 8 or 16, got {values['FU_BYTES']}")
     if dims is None:
@@ -339,24 +330,13 @@ def resolve_params(dims: Dims | None = None, **params: Any) -> dict[str, int]:
     return values
 
 
-def fused_supported(dims: Dims, **params: Any) -> bool:
-    """Whether the fused kernel can run ``dims`` on this GPU (its shared memory fits at these knobs)."""
-    try:
-        resolve_params(dims, **params)
-    except ValueError:
-        return False
-    return True
-
-
-SOURCE = register_source(
-    CudaSource(
-        name="proto_fused_layer",
-        code=CODE,
-        kernels=(FUSED,),
-        defaults=dict(DEFAULTS),
-        warps_knobs={FUSED: "FU_WARPS"},
-        description="fused warp decode: gate_up, grid barrier and down in one persistent kernel (sm_90+)",
-    )
+SOURCE = CudaSource(
+    name="proto_fused_layer",
+    code=CODE,
+    kernels=(FUSED,),
+    defaults=dict(DEFAULTS),
+    warps_knobs={FUSED: "FU_WARPS"},
+    description="fused warp decode: gate_up, grid barrier and down in one persistent kernel (sm_90+)",
 )
 
 
@@ -379,28 +359,6 @@ def make_workspace(dims: Dims) -> Workspace:
                      cupy.zeros(2, dtype=cupy.uint32))
 
 
-_HANDLES: dict[tuple[int, str, tuple[tuple[str, int], ...]], Any] = {}
-
-
-def kernel_for(params: dict[str, int], dims: Dims) -> Any:
-    """The compiled kernel for these resolved knobs, opted into its shared memory, checked to fit one block per
-    SM (else ValueError: the grid barrier needs every block resident)."""
-    import cupy
-
-    shared = fused_shared_bytes(params, dims)
-    key = (cupy.cuda.Device().id, SOURCE.code, tuple(sorted(params.items())))
-    kernel = _HANDLES.get(key)
-    if kernel is None:
-        kernel = get_kernel(SOURCE, FUSED, **params)
-        _HANDLES[key] = kernel
-    if kernel.max_dynamic_shared_size_bytes < shared:
-        kernel.max_dynamic_shared_size_bytes = shared
-    if max_active_blocks(kernel, params["FU_WARPS"] * 32, shared) < 1:
-        raise ValueError(f"moe_fused_3d does not fit on an SM with {shared} bytes of shared memory and "
-                         f"{params['FU_WARPS']} warps: lower FU_ROWS or FU_WARPS, or use another path")
-    return kernel
-
-
 def _launch(kernel: Any, params: dict[str, int], dims: Dims, x: Any, w13: Any, w2: Any, topk_ids: Any,
             topk_weights: Any, out: Any, ws: Workspace) -> None:
     out_f32 = np.int32(1 if out.dtype == np.float32 else 0)
@@ -414,13 +372,52 @@ def _launch(kernel: Any, params: dict[str, int], dims: Dims, x: Any, w13: Any, w
     )
 
 
-def _resolve_for_device(dims: Dims, params: dict[str, Any]) -> dict[str, int]:
-    resolved = for_device(resolve_params(dims, **params))
+def _stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any,
+            out: Any) -> list[Stage]:
+    return [("fused", lambda: _launch(compiled.kernels[FUSED], compiled.params, compiled.dims, x, w13, w2, topk_ids,
+                                      topk_weights, out, compiled.workspace))]
+
+
+FAMILY = KernelFamily(
+    name="fused-layer",
+    source=SOURCE,
+    limits=LIMITS,
+    auto_knobs=AUTO_KNOBS,
+    rules=_rules,
+    device_needs={"PDL": 90},
+    workspace=lambda dims, params: make_workspace(dims),
+    stages=_stages,
+)
+resolve_params = FAMILY.resolve  # resolve_params(dims=None, **knobs): the tests' and notes/'s name for it
+
+
+def fused_supported(dims: Dims, **params: Any) -> bool:
+    """Whether the fused kernel can run ``dims`` on this GPU (its shared memory fits at these knobs)."""
+    try:
+        FAMILY.resolve(dims, **params)
+    except ValueError:
+        return False
+    return True
+
+
+def _compile(dims: Dims, workspace: Workspace | None = None, **knobs: Any) -> Compiled:
+    """Resolve (knob errors first, before any device call), check the device (sm_90+), compile, opt the kernel into
+    its shared memory and check that one block fits per SM (else ValueError: the grid barrier needs every block
+    resident); allocates the workspace unless one is given."""
+    FAMILY.resolve(dims, **knobs)
     import cupy
 
     if int(cupy.cuda.Device().compute_capability) < 90:
         raise ValueError("the fused kernel needs sm_90+ (227 KB of shared memory a block); use another path")
-    return resolved
+    compiled = FAMILY.compile(dims, workspace=workspace, **knobs)
+    params, kernel = compiled.params, compiled.kernels[FUSED]
+    shared = fused_shared_bytes(params, dims)
+    if kernel.max_dynamic_shared_size_bytes < shared:
+        kernel.max_dynamic_shared_size_bytes = shared
+    if max_active_blocks(kernel, params["FU_WARPS"] * 32, shared) < 1:
+        raise ValueError(f"moe_fused_3d does not fit on an SM with {shared} bytes of shared memory and "
+                         f"{params['FU_WARPS']} warps: lower FU_ROWS or FU_WARPS, or use another path")
+    return compiled
 
 
 def warp_decode_fused(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any = None,
@@ -441,45 +438,26 @@ def warp_decode_fused(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: An
                             f"{type(workspace).__name__}")
         if workspace.dims != dims:
             raise ValueError(f"workspace was made for {workspace.dims}, this call needs {dims}")
-    resolved = _resolve_for_device(dims, params)
+    compiled = _compile(dims, workspace, **params)
     check_inputs(x, w13, w2, topk_ids, topk_weights)  # ids in range, weights finite (skipped under capture)
     check_aligned(x=x, w13=w13, w2=w2)
     if out is None:
         out = cupy.empty((dims.tokens, dims.hidden), dtype=BF16)
-    if workspace is None:
-        workspace = make_workspace(dims)
-    _launch(kernel_for(resolved, dims), resolved, dims, x, w13, w2, topk_ids, topk_weights, out, workspace)
+    compiled.run(x, w13, w2, topk_ids, topk_weights, out)
     return out
 
 
-def build(dims: Dims, **params: Any) -> Any:
-    """Compile once, allocate the workspace once; the returned launch only launches (graph-capturable)."""
-    resolved = _resolve_for_device(dims, params)
-    kernel = kernel_for(resolved, dims)
-    workspace = make_workspace(dims)
+def build(dims: Dims, **knobs: Any) -> Launch:
+    """Compile once, allocate the workspace once; the launch only launches (graph-capturable)."""
+    return _compile(dims, **knobs).launch()
 
-    def launch(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> None:
-        _launch(kernel, resolved, dims, x, w13, w2, topk_ids, topk_weights, out, workspace)
-
-    def stages(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> list[tuple[str, Any]]:
-        return [("fused", lambda: launch(x, w13, w2, topk_ids, topk_weights, out))]
-
-    launch.stages = stages  # type: ignore[attr-defined]
-    launch.params = resolved  # type: ignore[attr-defined]
-    launch.workspace = workspace  # type: ignore[attr-defined]
-    return launch
-
-
-build.resolve = resolve_params  # type: ignore[attr-defined]  # tools.sweep resolves auto knobs with it
 
 VARIANT = register(
-    Variant(
-        name="proto:fused-layer",
-        backend="cupy",
+    FAMILY.variant(
+        "proto:fused-layer",
         family="warp-decode",
         build=build,
         reference_mode="warp_decode",
-        params={**DEFAULTS, "FU_ROWS": 0},
         description="fused warp decode: one persistent kernel per layer (gate_up, grid barrier, down from shared "
         "memory on tensor cores); decode batches whose w2 share per SM fits in shared memory",
         grid={"FU_WARPS": [16, 24, 32], "FU_BYTES": [8, 16], "FU_UNROLL": [4, 6, 8]},  # the H200 sweep

@@ -27,32 +27,28 @@ Results: results/sweep-proto-gate-up-interleaved.json, results/sweep-proto-gate-
 
 from __future__ import annotations
 
-from kernels.variants import Variant, register
+from kernels.variants import register
 from prototypes import _gate_up_lab as lab
 
 GRID = {"LAB_BYTES": [16, 32], "LAB_UNROLL": [2, 4]}
 
 register(
-    Variant(
-        name="proto:gate-up-interleaved",
-        backend="cupy",
-        family="proto-gate-up-lab",
+    lab.FAMILY.variant(
+        "proto:gate-up-interleaved",
         build=lab.build,
+        knobs={**lab.DEFAULTS, "LAB_INTERLEAVED": 1, "LAB_BYTES": 16, "LAB_UNROLL": 4},
         reference_mode="warp_decode",
-        params={**lab.DEFAULTS, "LAB_INTERLEAVED": 1, "LAB_BYTES": 16, "LAB_UNROLL": 4},
         description="gate_up lab on w13 prepacked to [E, I, 2H] (gate/up interleaved in 16 B pieces)",
         grid=dict(GRID),
         prepack=lab.prepack,
     )
 )
 register(
-    Variant(
-        name="proto:gate-up-stacked",
-        backend="cupy",
-        family="proto-gate-up-lab",
+    lab.FAMILY.variant(
+        "proto:gate-up-stacked",
         build=lab.build,
+        knobs={**lab.DEFAULTS, "LAB_INTERLEAVED": 0, "LAB_BYTES": 16, "LAB_UNROLL": 4},
         reference_mode="warp_decode",
-        params={**lab.DEFAULTS, "LAB_INTERLEAVED": 0, "LAB_BYTES": 16, "LAB_UNROLL": 4},
         description="gate_up lab on w13 as given [E, 2I, H]: the baseline of proto:gate-up-interleaved",
         grid=dict(GRID),
     )

@@ -28,17 +28,15 @@ Results: results/sweep-proto-gate-up-load-width.json.
 
 from __future__ import annotations
 
-from kernels.variants import Variant, register
+from kernels.variants import register
 from prototypes import _gate_up_lab as lab
 
 register(
-    Variant(
-        name="proto:gate-up-load-width",
-        backend="cupy",
-        family="proto-gate-up-lab",
+    lab.FAMILY.variant(
+        "proto:gate-up-load-width",
         build=lab.build,
+        knobs=lab.DEFAULTS,
         reference_mode="warp_decode",
-        params=dict(lab.DEFAULTS),
         description="gate_up lab: bytes per lane per load (8/16/32) x chunks in flight; strict down",
         grid={"LAB_BYTES": [8, 16, 32], "LAB_UNROLL": [1, 2, 4, 8]},
     )

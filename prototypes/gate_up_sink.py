@@ -28,17 +28,15 @@ Results: results/sweep-proto-gate-up-sink.json.
 
 from __future__ import annotations
 
-from kernels.variants import Variant, register
+from kernels.variants import register
 from prototypes import _gate_up_lab as lab
 
 register(
-    Variant(
-        name="proto:gate-up-sink",
-        backend="cupy",
-        family="proto-gate-up-lab",
+    lab.FAMILY.variant(
+        "proto:gate-up-sink",
         build=lab.build,
+        knobs=lab.DEFAULTS,
         reference_mode="warp_decode",
-        params=dict(lab.DEFAULTS),
         description="gate_up lab: loads of a round forced ahead of the FMAs (LAB_SINK=1) or not; strict down",
         grid={"LAB_SINK": [0, 1], "LAB_UNROLL": [2, 4, 8], "LAB_BYTES": [8, 16]},
     )

@@ -28,17 +28,15 @@ Results: results/sweep-proto-gate-up-split-k.json.
 
 from __future__ import annotations
 
-from kernels.variants import Variant, register
+from kernels.variants import register
 from prototypes import _gate_up_lab as lab
 
 register(
-    Variant(
-        name="proto:gate-up-split-k",
-        backend="cupy",
-        family="proto-gate-up-lab",
+    lab.FAMILY.variant(
+        "proto:gate-up-split-k",
         build=lab.build,
+        knobs={**lab.DEFAULTS, "LAB_WARPS": 8, "LAB_BYTES": 16, "LAB_UNROLL": 4},
         reference_mode="warp_decode",
-        params={**lab.DEFAULTS, "LAB_WARPS": 8, "LAB_BYTES": 16, "LAB_UNROLL": 4},
         description="gate_up lab: LAB_SPLIT warps per output over H, fixed-order shared-memory combine",
         grid={"LAB_SPLIT": [1, 2, 4, 8], "LAB_UNROLL": [2, 4]},
     )

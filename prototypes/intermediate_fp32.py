@@ -33,10 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from kernels.compile import CudaSource, get_kernel, launch_ex, register_source
+from kernels.compile import CudaSource, launch_ex
 from kernels.contract import BF16, Dims
 from kernels.device_helpers import WARP_HELPERS
-from kernels.variants import Variant, register
+from kernels.family import Compiled, KernelFamily, Stage
+from kernels.variants import register
 
 GATE_UP = "proto_inter_gate_up"
 DOWN = "proto_inter_down"
@@ -238,33 +239,14 @@ LIMITS: dict[str, tuple[int, int]] = {
     "DN_MIN_BLOCKS": (0, 32),
 }
 
-
-def resolve_params(**params: Any) -> dict[str, int]:
-    """Validate the knobs (ValueError / TypeError naming the knob); returns every knob as an int."""
-    unknown = set(params) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown intermediate-fp32 parameter(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-    values = dict(DEFAULTS)
-    for key, value in params.items():
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{key} must be an int, got {value!r}")
-        low, high = LIMITS[key]
-        if not low <= int(value) <= high:
-            raise ValueError(f"{key} must be in {low}..{high}, got {value}")
-        values[key] = int(value)
-    return values
-
-
-SOURCE = register_source(
-    CudaSource(
-        name="proto_intermediate_fp32",
-        code=CODE,
-        kernels=(GATE_UP, DOWN),
-        defaults=dict(DEFAULTS),
-        variants=[{"INTER_F32": 1}],
-        warps_knobs={GATE_UP: "GU_WARPS", DOWN: "DN_WARPS"},
-        description="prototype: warp decode with a bf16 or fp32 (INTER_F32) intermediate",
-    )
+SOURCE = CudaSource(
+    name="proto_intermediate_fp32",
+    code=CODE,
+    kernels=(GATE_UP, DOWN),
+    defaults=dict(DEFAULTS),
+    variants=[{"INTER_F32": 1}],
+    warps_knobs={GATE_UP: "GU_WARPS", DOWN: "DN_WARPS"},
+    description="prototype: warp decode with a bf16 or fp32 (INTER_F32) intermediate",
 )
 
 
@@ -272,63 +254,36 @@ def intermediate_dtype(params: dict[str, int]) -> np.dtype:
     return np.dtype(np.float32) if params["INTER_F32"] else BF16
 
 
-def build(dims: Dims, **params: Any) -> Any:
-    """Compile both kernels and allocate the [T, K, I] intermediate (fp32 or bf16 by ``INTER_F32``) once;
-    the returned launch only launches (no allocation, no host sync: graph-capturable)."""
+def _workspace(dims: Dims, params: dict[str, int]) -> Any:
+    """The [T, K, I] intermediate, fp32 or bf16 by ``INTER_F32``."""
     import cupy
 
-    resolved = resolve_params(**params)
-    gate_up_kernel = get_kernel(SOURCE, GATE_UP, **resolved)
-    down_kernel = get_kernel(SOURCE, DOWN, **resolved)
-    workspace = cupy.empty((dims.tokens, dims.top_k, dims.intermediate), dtype=intermediate_dtype(resolved))
-    sizes = (
-        np.int32(dims.tokens),
-        np.int32(dims.hidden),
-        np.int32(dims.intermediate),
-        np.int32(dims.experts),
-        np.int32(dims.top_k),
-    )
-    gu_blocks = -(-dims.tokens * dims.top_k * dims.intermediate // resolved["GU_WARPS"])
-    dn_blocks = -(-dims.tokens * dims.hidden // resolved["DN_WARPS"])
-
-    def run_gate_up(x: Any, w13: Any, topk_ids: Any) -> None:
-        launch_ex(gate_up_kernel, (gu_blocks,), (32 * resolved["GU_WARPS"],), (x, w13, topk_ids, workspace, *sizes))
-
-    def run_down(w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> None:
-        out_f32 = np.int32(1 if out.dtype == np.float32 else 0)
-        launch_ex(
-            down_kernel,
-            (dn_blocks,),
-            (32 * resolved["DN_WARPS"],),
-            (workspace, w2, topk_ids, topk_weights, out, out_f32, *sizes),
-        )
-
-    def launch(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> None:
-        run_gate_up(x, w13, topk_ids)
-        run_down(w2, topk_ids, topk_weights, out)
-
-    def stages(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> list[tuple[str, Any]]:
-        return [
-            ("gate_up", lambda: run_gate_up(x, w13, topk_ids)),
-            ("down", lambda: run_down(w2, topk_ids, topk_weights, out)),
-        ]
-
-    launch.stages = stages  # type: ignore[attr-defined]
-    launch.params = resolved  # type: ignore[attr-defined]
-    launch.workspace = workspace  # type: ignore[attr-defined]
-    return launch
+    return cupy.empty((dims.tokens, dims.top_k, dims.intermediate), dtype=intermediate_dtype(params))
 
 
-build.source = SOURCE  # type: ignore[attr-defined]  # tools.sweep's compile columns
+def _stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any,
+            out: Any) -> list[Stage]:
+    dims, params, workspace = compiled.dims, compiled.params, compiled.workspace
+    sizes = (np.int32(dims.tokens), np.int32(dims.hidden), np.int32(dims.intermediate), np.int32(dims.experts),
+             np.int32(dims.top_k))
+    gu_blocks = -(-dims.tokens * dims.top_k * dims.intermediate // params["GU_WARPS"])
+    dn_blocks = -(-dims.tokens * dims.hidden // params["DN_WARPS"])
+    out_f32 = np.int32(1 if out.dtype == np.float32 else 0)
+    return [
+        ("gate_up", lambda: launch_ex(compiled.kernels[GATE_UP], (gu_blocks,), (32 * params["GU_WARPS"],),
+                                      (x, w13, topk_ids, workspace, *sizes))),
+        ("down", lambda: launch_ex(compiled.kernels[DOWN], (dn_blocks,), (32 * params["DN_WARPS"],),
+                                   (workspace, w2, topk_ids, topk_weights, out, out_f32, *sizes))),
+    ]
+
+
+FAMILY = KernelFamily(name="intermediate-fp32", source=SOURCE, limits=LIMITS, workspace=_workspace, stages=_stages)
+resolve_params = FAMILY.resolve  # the tests' and emulator's name for it
 
 VARIANT = register(
-    Variant(
-        name="proto:intermediate-fp32",
-        backend="cupy",
-        family="intermediate-fp32",
-        build=build,
+    FAMILY.variant(
+        "proto:intermediate-fp32",
         reference_mode="warp_decode",
-        params=dict(DEFAULTS),
         description="warp decode with an fp32 (INTER_F32=1) vs bf16 [T, K, I] intermediate: bytes vs accuracy",
         grid={"INTER_F32": [0, 1]},
     )

@@ -27,19 +27,16 @@ Results: results/sweep-proto-outputs-per-warp.json.
 
 from __future__ import annotations
 
-from kernels.variants import Variant, register
-from kernels.warp_decode_cupy import AUTO_KNOBS, DEFAULTS, build
+from kernels.variants import register
+from kernels.warp_decode_cupy import FAMILY
 
 GRID = {"GU_OUTS": [1, 2, 4], "DN_OUTS": [1, 2, 4]}
 
 VARIANT = register(
-    Variant(
-        name="proto:outputs-per-warp",
-        backend="cupy",
+    FAMILY.variant(
+        "proto:outputs-per-warp",
         family="outputs-per-warp",
-        build=build,
         reference_mode="warp_decode",
-        params={**DEFAULTS, **{knob: 0 for knob in AUTO_KNOBS}},
         description="strict warp decode, GU_OUTS x DN_OUTS consecutive outputs per warp (x / intermediate reuse)",
         grid=GRID,
     )

@@ -32,10 +32,11 @@ from typing import Any
 
 import numpy as np
 
-from kernels.compile import CudaSource, get_kernel, launch_ex, register_source
+from kernels.compile import CudaSource, device_sm_count, launch_ex
 from kernels.contract import BF16, Dims
 from kernels.device_helpers import WARP_HELPERS
-from kernels.variants import Variant, register
+from kernels.family import Compiled, KernelFamily, Launch, Stage
+from kernels.variants import register
 
 GATE_UP = "proto_persist_gate_up"
 DOWN = "proto_persist_down"
@@ -233,19 +234,11 @@ LIMITS: dict[str, tuple[int, int]] = {
 }
 
 
-def resolve_params(**params: Any) -> dict[str, int]:
-    """Validate the knobs (ValueError / TypeError naming the knob); returns every knob as an int."""
-    unknown = set(params) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown persistent-grid parameter(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-    values = dict(DEFAULTS)
-    for key, value in params.items():
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{key} must be an int, got {value!r}")
-        low, high = LIMITS[key]
-        if not low <= int(value) <= high:
-            raise ValueError(f"{key} must be in {low}..{high}, got {value}")
-        values[key] = int(value)
+DEFAULT_SMS = 132  # the H200's SM count, where no GPU is present
+
+
+def _rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
+    """Every block of the persistent grid must be resident at once: PERSIST_BLOCKS x WARPS <= 64 warps per SM."""
     for prefix in ("GU", "DN"):
         if values["PERSIST_BLOCKS"] * values[f"{prefix}_WARPS"] > 64:
             raise ValueError(
@@ -255,16 +248,14 @@ def resolve_params(**params: Any) -> dict[str, int]:
     return values
 
 
-SOURCE = register_source(
-    CudaSource(
-        name="proto_persistent_grid",
-        code=CODE,
-        kernels=(GATE_UP, DOWN),
-        defaults=dict(DEFAULTS),
-        variants=[{"PERSIST_BLOCKS": 8}, {"PERSIST_BLOCKS": 1, "ORDER": 0}],
-        warps_knobs={GATE_UP: "GU_WARPS", DOWN: "DN_WARPS"},
-        description="prototype: persistent-grid warp decode (SMs x PERSIST_BLOCKS blocks, grid-stride warps)",
-    )
+SOURCE = CudaSource(
+    name="proto_persistent_grid",
+    code=CODE,
+    kernels=(GATE_UP, DOWN),
+    defaults=dict(DEFAULTS),
+    variants=[{"PERSIST_BLOCKS": 8}, {"PERSIST_BLOCKS": 1, "ORDER": 0}],
+    warps_knobs={GATE_UP: "GU_WARPS", DOWN: "DN_WARPS"},
+    description="prototype: persistent-grid warp decode (SMs x PERSIST_BLOCKS blocks, grid-stride warps)",
 )
 
 
@@ -273,67 +264,57 @@ def grid_blocks(outputs: int, warps_per_block: int, sms: int, blocks_per_sm: int
     return max(1, min(sms * blocks_per_sm, -(-outputs // warps_per_block)))
 
 
-def build(dims: Dims, **params: Any) -> Any:
-    """Compile both kernels, read the SM count, size both persistent grids and allocate the bf16 intermediate
-    once; the returned launch only launches (no allocation, no host sync: graph-capturable)."""
+def launch_blocks(dims: Dims, params: dict[str, int]) -> dict[str, int]:
+    """Both persistent grids on the current GPU: ``{"gate_up": blocks, "down": blocks, "sms": SM count}``."""
+    sms = device_sm_count(DEFAULT_SMS)
+    return {
+        "gate_up": grid_blocks(dims.tokens * dims.top_k * dims.intermediate, params["GU_WARPS"], sms,
+                               params["PERSIST_BLOCKS"]),
+        "down": grid_blocks(dims.tokens * dims.hidden, params["DN_WARPS"], sms, params["PERSIST_BLOCKS"]),
+        "sms": sms,
+    }
+
+
+def _stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any,
+            out: Any) -> list[Stage]:
+    dims, params, workspace = compiled.dims, compiled.params, compiled.workspace
+    blocks = launch_blocks(dims, params)
+    sizes = (np.int32(dims.tokens), np.int32(dims.hidden), np.int32(dims.intermediate), np.int32(dims.experts),
+             np.int32(dims.top_k))
+    out_f32 = np.int32(1 if out.dtype == np.float32 else 0)
+    return [
+        ("gate_up", lambda: launch_ex(compiled.kernels[GATE_UP], (blocks["gate_up"],), (32 * params["GU_WARPS"],),
+                                      (x, w13, topk_ids, workspace, *sizes))),
+        ("down", lambda: launch_ex(compiled.kernels[DOWN], (blocks["down"],), (32 * params["DN_WARPS"],),
+                                   (workspace, w2, topk_ids, topk_weights, out, out_f32, *sizes))),
+    ]
+
+
+def _workspace(dims: Dims, params: dict[str, int]) -> Any:
+    """The bf16 [T, K, I] intermediate."""
     import cupy
 
-    resolved = resolve_params(**params)
-    gate_up_kernel = get_kernel(SOURCE, GATE_UP, **resolved)
-    down_kernel = get_kernel(SOURCE, DOWN, **resolved)
-    sms = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
-    workspace = cupy.empty((dims.tokens, dims.top_k, dims.intermediate), dtype=BF16)
-    sizes = (
-        np.int32(dims.tokens),
-        np.int32(dims.hidden),
-        np.int32(dims.intermediate),
-        np.int32(dims.experts),
-        np.int32(dims.top_k),
-    )
-    gu_blocks = grid_blocks(
-        dims.tokens * dims.top_k * dims.intermediate, resolved["GU_WARPS"], sms, resolved["PERSIST_BLOCKS"]
-    )
-    dn_blocks = grid_blocks(dims.tokens * dims.hidden, resolved["DN_WARPS"], sms, resolved["PERSIST_BLOCKS"])
-
-    def run_gate_up(x: Any, w13: Any, topk_ids: Any) -> None:
-        launch_ex(gate_up_kernel, (gu_blocks,), (32 * resolved["GU_WARPS"],), (x, w13, topk_ids, workspace, *sizes))
-
-    def run_down(w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> None:
-        out_f32 = np.int32(1 if out.dtype == np.float32 else 0)
-        launch_ex(
-            down_kernel,
-            (dn_blocks,),
-            (32 * resolved["DN_WARPS"],),
-            (workspace, w2, topk_ids, topk_weights, out, out_f32, *sizes),
-        )
-
-    def launch(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> None:
-        run_gate_up(x, w13, topk_ids)
-        run_down(w2, topk_ids, topk_weights, out)
-
-    def stages(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> list[tuple[str, Any]]:
-        return [
-            ("gate_up", lambda: run_gate_up(x, w13, topk_ids)),
-            ("down", lambda: run_down(w2, topk_ids, topk_weights, out)),
-        ]
-
-    launch.stages = stages  # type: ignore[attr-defined]
-    launch.params = resolved  # type: ignore[attr-defined]
-    launch.workspace = workspace  # type: ignore[attr-defined]
-    launch.blocks = {"gate_up": gu_blocks, "down": dn_blocks, "sms": sms}  # type: ignore[attr-defined]
-    return launch
+    return cupy.empty((dims.tokens, dims.top_k, dims.intermediate), dtype=BF16)
 
 
-build.source = SOURCE  # type: ignore[attr-defined]  # tools.sweep's compile columns
+FAMILY = KernelFamily(name="persistent-grid", source=SOURCE, limits=LIMITS, rules=_rules, workspace=_workspace,
+                      stages=_stages)
+resolve_params = FAMILY.resolve  # the tests' and emulator's name for it
+
+
+def build(dims: Dims, **knobs: Any) -> Launch:
+    """Compile both kernels and allocate the bf16 intermediate once; ``launch.facts["blocks"]``: both grids' blocks
+    and the SM count they were sized for. The launch only launches (no allocation, no host sync)."""
+    compiled = FAMILY.compile(dims, **knobs)
+    return Launch(run=compiled.run, stages=compiled.stage_list, params=compiled.params, workspace=compiled.workspace,
+                  facts={"blocks": launch_blocks(dims, compiled.params)})
+
 
 VARIANT = register(
-    Variant(
-        name="proto:persistent-grid",
-        backend="cupy",
-        family="persistent-grid",
+    FAMILY.variant(
+        "proto:persistent-grid",
         build=build,
         reference_mode="warp_decode",
-        params=dict(DEFAULTS),
         description="warp decode on a persistent grid (SMs x PERSIST_BLOCKS blocks, warps loop over outputs)",
         grid={"PERSIST_BLOCKS": [1, 2, 4, 8], "ORDER": [0, 1]},
     )

@@ -27,19 +27,16 @@ Results: results/sweep-proto-warps-per-block.json (the strict default: results/s
 
 from __future__ import annotations
 
-from kernels.variants import Variant, register
-from kernels.warp_decode_cupy import AUTO_KNOBS, DEFAULTS, build
+from kernels.variants import register
+from kernels.warp_decode_cupy import FAMILY
 
 GRID = {"GU_WARPS": [4, 8, 16], "DN_WARPS": [4, 8, 16]}
 
 VARIANT = register(
-    Variant(
-        name="proto:warps-per-block",
-        backend="cupy",
+    FAMILY.variant(
+        "proto:warps-per-block",
         family="warps-per-block",
-        build=build,
         reference_mode="warp_decode",
-        params={**DEFAULTS, **{knob: 0 for knob in AUTO_KNOBS}},
         description="strict warp decode, GU_WARPS x DN_WARPS warps per block (scheduling granularity)",
         grid=GRID,
     )

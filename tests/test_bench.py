@@ -243,7 +243,7 @@ def test_default_selection_is_the_library_prototypes_on_request():
     assert library and all(not v.prototype for v in library)
     assert {v.name for v in everything} - {v.name for v in library} == {
         name for name, v in registry.items() if v.prototype}
-    assert registry["proto:fused-layer"].prototype and registry["cupy:warp-decode-pdl"].prototype  # from prototypes/
+    assert registry["proto:fused-layer"].prototype and registry["proto:warps-per-block"].prototype  # from prototypes/
     assert not registry["cupy:warp-decode"].prototype and not registry["cupy:auto"].prototype
     assert [v.name for v in bench.select_variants(registry, ["proto:fused-layer"], prototypes=False)] == [
         "proto:fused-layer"]  # a pattern still names a prototype
@@ -507,9 +507,10 @@ def _reference_variant(name, capture_fallback=False, wrong=False, stages=False):
                 return  # "a captured fallback": correct when eager, nothing in the graph
             stream.run(lambda: compute(*args))
 
-        if stages:
-            launch.stages = lambda *args: [("all", lambda: launch(*args)), ("again", lambda: launch(*args))]
-        return launch
+        from kernels.family import Launch
+
+        both = (lambda *args: [("all", lambda: launch(*args)), ("again", lambda: launch(*args))]) if stages else None
+        return Launch(run=launch, stages=both)
 
     return Variant(name=name, backend="cupy", family="warp-decode", build=build)
 

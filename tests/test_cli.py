@@ -123,7 +123,7 @@ def test_sweep_knobs_of_registered_variants(stub_sweep: None, capsys: pytest.Cap
     with pytest.raises(_Reached):
         sweep.main(["cupy:warp-decode", "--batch", "1,8", "--grid", "DN_SLOTS=2,4", "--grid", "DN_UNROLL=1,3"])
     line = _exit_2(sweep.main, ["cupy:warp-decode", "--grid", "DN_SLOT=2,4"], capsys)
-    assert "unknown knob(s) DN_SLOT for cupy:warp-decode; known: DN_BULK" in line and "DN_SLOTS" in line, line
+    assert "unknown knob(s) DN_SLOT for cupy:warp-decode; known: DN_BYTES" in line and "DN_SLOTS" in line, line
     line = _exit_2(sweep.main, ["cupy:auto", "--grid", "DN_SLOTS=2"], capsys)
     assert line.endswith("known: none (it takes no knobs)"), line
     registry, _ = bench.load_registry()

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
-import types
 
 import pytest
 
@@ -89,16 +87,25 @@ def test_compile_errors_become_rows() -> None:
         offline.collect(["no_such_source"])
 
 
-def test_numba_rows_optional(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "kernels.warp_decode_numba", types.ModuleType("kernels.warp_decode_numba"))
-    assert offline.numba_rows() == []
+def test_numba_rows_come_from_families_without_cuda_c() -> None:
+    """Families without CUDA C report through their ``offline_reports``; nothing else is guessed."""
     from kernels.compile import KernelResources
+    from kernels.family import KernelFamily
+    from kernels.variants import REGISTRY, register
 
-    fake = types.ModuleType("kernels.warp_decode_numba")
-    fake.offline_reports = lambda: [KernelResources("moe_down_3d_batched[warps=8,rows=1]", 56, 0, 0, 0, 0)]
-    monkeypatch.setitem(sys.modules, "kernels.warp_decode_numba", fake)
-    rows = offline.numba_rows()
-    assert len(rows) == 1 and rows[0].registers == 56 and rows[0].source == "numba"
+    class Report(KernelResources):
+        params = {"warps": 8}
+        is_default = True
+        threads_per_block = 256
+
+    family = KernelFamily("fake-numba", knobs={"warps": 8},
+                          offline_reports=lambda: [Report("moe_down_3d_batched", 56, 0, 0, 0, 0)])
+    register(family.variant("numba:fake-for-test", backend="numba"))
+    try:
+        rows = [row for row in offline.numba_rows() if row.kernel == "moe_down_3d_batched" and row.registers == 56]
+    finally:
+        REGISTRY.pop("numba:fake-for-test")
+    assert len(rows) == 1 and rows[0].source == "numba"
     assert rows[0].threads_per_block == 256 and rows[0].warps_per_sm == 32
 
 
@@ -128,7 +135,7 @@ def test_offline_report_recompiles_when_the_compute_cache_swallowed_ptxas_report
 
     monkeypatch.setattr(compile_mod, "offline_compile", cached_first)
     reports = compile_mod.offline_report(wdc.SOURCE, **wdc.DEFAULTS)
-    assert {r.kernel for r in reports} == {wdc.GATE_UP, wdc.DOWN} and len(texts) == 2  # DN_STAGED 0: no staged
+    assert {r.kernel for r in reports} == {wdc.GATE_UP, wdc.DOWN} and len(texts) == 2
     assert texts[1].startswith(texts[0]) and "// offline report" in texts[1][len(texts[0]):]
     assert all(not r.kernel.startswith("offline_report_") for r in reports)  # the retry's empty kernel is dropped
 
@@ -143,7 +150,7 @@ def test_variant_rows_report_what_a_variant_runs() -> None:
     rows = offline.variant_rows(registry["cupy:warp-decode"], dims)
     assert {row.kernel for row in rows} == {"moe_gate_up_3d_batched", "moe_down_3d_batched"}
     assert all(row.variant == "cupy:warp-decode" and not row.error and row.registers > 0 for row in rows)
-    resolved = registry["cupy:warp-decode"].build.resolve(dims)
+    resolved = registry["cupy:warp-decode"].resolve(dims)
     assert all(row.params[key] == value for row in rows for key, value in resolved.items() if key in row.params)
     assert offline.variant_rows(registry["cupy:auto"], dims) == []
 

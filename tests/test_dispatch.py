@@ -397,51 +397,99 @@ def test_variants_registered() -> None:
     for name in ("cupy:auto", "cupy:auto-warp-decode"):
         variant = REGISTRY[name]
         assert variant.family == "auto" and variant.params == {}
+        assert variant.kernel_family is None and variant.source is None  # composes the registered variants
         with pytest.raises(ValueError, match="no knobs"):
             variant.build(_dims(QWEN30, 1), GB_OUTS=2)
     with pytest.raises(ValueError, match="policy"):
         dispatch.build(_dims(QWEN30, 1), "nope")
 
 
+@pytest.mark.parametrize("policy", ["fastest", "warp_decode"])
+def test_build_returns_the_chosen_launch(monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
+    """build(dims) makes the chosen variant's launch (no GPU: a stand-in variant) and returns a Launch running the
+    same work (run, stages, knobs, workspace), stating the chosen path's numerics and the decision as facts."""
+    from kernels.family import Launch
+    from kernels.variants import Variant
+
+    dims = _dims(TINY, 4)
+    calls: list[tuple[str, Any]] = []
+
+    def run(*arrays: Any) -> None:
+        calls.append(("run", arrays))
+
+    def stages(*arrays: Any) -> list[tuple[str, Any]]:
+        return [("only", lambda: calls.append(("stage", arrays)))]
+
+    made: list[tuple[Dims, dict[str, Any]]] = []
+
+    def build(got: Dims, **params: Any) -> Launch:
+        made.append((got, params))
+        return Launch(run=run, stages=stages, params={"BLOCK_N": 32}, workspace="ws", facts={"inner": 1})
+
+    chosen = Variant(name=EC, backend="cupy", family="expert-centric", build=build, reference_mode="classical",
+                     quant="fp8", params={"fuse_scatter": True})
+    asked: list[tuple[Any, ...]] = []
+
+    def choose(got: Dims, gpu: Any = None, table_dir: Any = None, policy: str = "fastest") -> tuple[str, str]:
+        asked.append((got, policy))
+        return EC, "table"
+
+    monkeypatch.setattr(dispatch, "choose", choose)
+    monkeypatch.setattr(dispatch, "get_variant", lambda name: chosen if name == EC else None)
+    variant = dispatch.VARIANT if policy == "fastest" else dispatch.VARIANT_WARP_DECODE
+    launch = variant.make(dims)
+    assert asked == [(dims, policy)] and made == [(dims, {"fuse_scatter": True})]
+    assert isinstance(launch, Launch)
+    assert (launch.reference_mode, launch.quant) == ("classical", "fp8")
+    assert launch.facts == {"inner": 1, "choice": EC, "choice_source": "table", "policy": policy}
+    assert (dict(launch.params), launch.workspace) == ({"BLOCK_N": 32}, "ws")
+    launch(1, 2, 3, 4, 5, 6)
+    [(name, stage)] = launch.stages(1, 2, 3, 4, 5, 6)
+    stage()
+    assert name == "only" and calls == [("run", (1, 2, 3, 4, 5, 6)), ("stage", (1, 2, 3, 4, 5, 6))]
+
+
 # ---------------------------------------------------------------------------------------------------
 # The bench harness checks a launch against its own numerics (NumPy stand-in for CuPy, no GPU)
 # ---------------------------------------------------------------------------------------------------
 def test_harness_checked_as() -> None:
+    from kernels.family import Launch
     from kernels.variants import Variant
     from tools import harness
 
     variant = Variant(name="fake:v", backend="cupy", family="x", build=lambda dims: None, quant=None)
 
-    def launch() -> None:
+    def run(*arrays: Any) -> None:
         pass
 
-    assert harness.checked_as(variant, launch) is variant
-    launch.reference_mode = "classical"  # type: ignore[attr-defined]
-    assert (harness.checked_as(variant, launch).reference_mode, harness.checked_as(variant, launch).quant) == (
-        "classical", None)
-    launch.quant = "fp8"  # type: ignore[attr-defined]
-    assert harness.checked_as(variant, launch).quant == "fp8"
+    assert harness.checked_as(variant, Launch(run=run)) is variant  # a launch stating nothing: the variant's
+    checked = harness.checked_as(variant, Launch(run=run, reference_mode="classical"))
+    assert (checked.reference_mode, checked.quant) == ("classical", None)
+    checked = harness.checked_as(variant, Launch(run=run, reference_mode="classical", quant="fp8"))
+    assert (checked.reference_mode, checked.quant) == ("classical", "fp8")
 
 
 def _auto_like_variant(announce: bool) -> Any:
     """A stand-in 'auto' variant (reference_mode warp_decode) whose launch computes the classical fp8 path and,
-    with ``announce``, says so (``launch.reference_mode`` / ``quant``) with a choice, as dispatch.build does."""
+    with ``announce``, says so (``launch.reference_mode`` / ``quant``) with a choice in its facts, as
+    dispatch.build does."""
+    from kernels.family import Launch
     from kernels.reference import moe_decode
     from kernels.variants import Variant
 
-    def build(dims: Dims, **params: Any) -> Any:
+    def build(dims: Dims, **params: Any) -> Launch:
         import cupy
 
         def compute(x: Any, w13: Any, w2: Any, ids: Any, weights: Any, out: Any) -> None:
             out[...] = moe_decode(x, w13, w2, ids, weights, mode="classical", quant="fp8")
 
-        def launch(*args: Any) -> None:
+        def run(*args: Any) -> None:
             cupy.cuda.get_current_stream().run(lambda: compute(*args))
 
         if announce:
-            launch.reference_mode, launch.quant = "classical", "fp8"  # type: ignore[attr-defined]
-            launch.choice, launch.choice_source = "cupy:expert-centric-fp8", "table"  # type: ignore[attr-defined]
-        return launch
+            return Launch(run=run, reference_mode="classical", quant="fp8",
+                          facts={"choice": "cupy:expert-centric-fp8", "choice_source": "table", "policy": "fastest"})
+        return Launch(run=run)
 
     return Variant(name="fake:auto", backend="cupy", family="auto", build=build, reference_mode="warp_decode")
 
@@ -599,12 +647,19 @@ def _capture_and_replay(cupy: Any, rng: np.random.Generator, problem: Any, ws: d
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [2, 16])
 def test_capture_moe_decode_and_auto_variant(cupy_mod: Any, rng: np.random.Generator, tokens: int) -> None:
+    from kernels.family import Launch
+    from kernels.variants import get_variant
+
     cupy = cupy_mod
     problem = make_problem("qwen3-30b-a3b", tokens, seed=_seed(rng), xp=cupy)
     dims = _dims(problem.shape, tokens)
     ws = dispatch.make_workspace(dims)
     launch = dispatch.VARIANT.make(dims)
-    assert (launch.choice, launch.choice_source, launch.policy) == (ws.choice, ws.source, "fastest")
+    assert isinstance(launch, Launch)
+    assert (launch.facts["choice"], launch.facts["choice_source"], launch.facts["policy"]) == (ws.choice, ws.source,
+                                                                                              "fastest")
+    assert (launch.reference_mode, launch.quant) == (get_variant(ws.choice).reference_mode,
+                                                     get_variant(ws.choice).quant)
     _capture_and_replay(cupy, rng, problem, ws, launch, "fastest", f"qwen3-30b T={tokens}")
 
 
@@ -625,7 +680,7 @@ def test_capture_policies_tiny(cupy_mod: Any, rng: np.random.Generator, policy: 
     ws = dispatch.make_workspace(dims, policy=policy)
     assert (ws.choice, ws.source) == (expected, "heuristic")
     launch = get_variant(variant).make(dims)
-    assert (launch.choice, launch.policy) == (expected, policy)
+    assert (launch.facts["choice"], launch.facts["policy"]) == (expected, policy)
     assert (launch.reference_mode, launch.quant) == (get_variant(expected).reference_mode, None)
     got = _run_three_times(cupy, problem, ws, policy)
     assert np.array_equal(got.view(np.uint16), cupy.asnumpy(_path_call(expected)(*problem.arrays)).view(np.uint16))

@@ -20,11 +20,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kernels.compile import KernelResources, offline_report
+from kernels.compile import SOURCES, KernelResources, offline_report
 from kernels.contract import BF16, Dims
 from kernels.expert_centric_cuda import DEFAULTS, EXPERT_CENTRIC_SOURCE, KERNELS, VARIANTS
 from kernels.expert_centric_path import (
     DYNAMIC_SMEM_LIMIT,
+    FAMILY,
     GRID,
     GRID_FP8,
     align_metadata_numpy,
@@ -36,6 +37,7 @@ from kernels.expert_centric_path import (
     ring_bytes,
     round_e4m3_numpy,
 )
+from kernels.family import Launch
 from kernels.numerics import bf16_to_f32, bf16_ulp, quantize, rel_l2
 from kernels.problem import make_problem
 from kernels.reference import expert_groups, moe_decode
@@ -54,6 +56,17 @@ def test_registered_variants() -> None:
     for name, quant in (("cupy:expert-centric-fp8", "fp8"), ("cupy:expert-centric-mxfp8", "mxfp8")):
         assert REGISTRY[name].quant == quant and not REGISTRY[name].baseline
         assert REGISTRY[name].reference_mode == "classical"
+    for name in ("cupy:expert-centric", "cupy:expert-centric-fp8", "cupy:expert-centric-mxfp8"):
+        variant = REGISTRY[name]
+        assert variant.kernel_family is FAMILY and variant.family == "expert-centric" and variant.backend == "cupy"
+        assert variant.source is EXPERT_CENTRIC_SOURCE and SOURCES["expert_centric"] is EXPERT_CENTRIC_SOURCE
+        # the tile knobs left to the dims (0 = auto), the scatter fused; what make(dims) runs is what resolve says
+        assert variant.params == {**DEFAULTS, "BLOCK_N": 0, "WARPS": 0, "STAGES": 0, "fuse_scatter": True}
+        for tokens in (1, 8, 9, 64):
+            dims = Dims(tokens, 2048, 768, 128, 8)
+            assert variant.resolve(dims) == check_params(dims), (name, tokens)
+        assert variant.resolve(Dims(1, 2048, 768, 128, 8), BLOCK_N=128, fuse_scatter=False) == check_params(
+            Dims(1, 2048, 768, 128, 8), BLOCK_N=128, fuse_scatter=False)
 
 
 _REPORTS: dict[str, dict[str, KernelResources]] = {}  # rendered text -> kernel -> resources, for this module
@@ -97,7 +110,8 @@ def test_sweep_grid_zero_spills(grid: dict, kernel: str) -> None:
             check_params(**params)
         except ValueError:
             # the reasons allowed: a ring too large, or a prefetch distance on the ring
-            assert ring_bytes({**DEFAULTS, **params}) > DYNAMIC_SMEM_LIMIT or params["STAGES"] * params["PREFETCH"]
+            assert ring_bytes({**DEFAULTS, **params}) > DYNAMIC_SMEM_LIMIT or (
+                params["STAGES"] >= 2 and params["PREFETCH"])
             continue
         valid.append(params)
     assert valid
@@ -116,9 +130,13 @@ def test_input_errors() -> None:
     with pytest.raises(ValueError, match="shared memory"):
         check_params(BLOCK_N=256, M_TILES=4)
     with pytest.raises(ValueError, match="STAGES"):
-        check_params(STAGES=1)
+        check_params(STAGES=9)
     with pytest.raises(ValueError, match="STAGES"):
         check_params(STAGES=-1)
+    with pytest.raises(ValueError, match="WARPS"):
+        check_params(WARPS=33)
+    with pytest.raises(TypeError, match="BLOCK_N must be an int"):
+        check_params(BLOCK_N=32.0)
     with pytest.raises(ValueError, match="PREFETCH"):
         check_params(STAGES=2, PREFETCH=1)
     with pytest.raises(ValueError, match="PREFETCH"):
@@ -139,11 +157,18 @@ def test_auto_params() -> None:
     """Tiles follow the dims (decided at build time, never from the routing): small batches small tiles."""
     small = check_params(Dims(1, 2048, 768, 128, 8))
     large = check_params(Dims(64, 2048, 768, 128, 8))
-    assert (small["BLOCK_N"], small["WARPS"], small["STAGES"]) == (32, 8, 0)
+    assert (small["BLOCK_N"], small["WARPS"], small["STAGES"]) == (32, 8, 1)  # register loads
     assert (large["BLOCK_N"], large["WARPS"], large["STAGES"]) == (64, 4, 2)  # the H200 sweep's T=64 winner
     assert small["fuse_scatter"] and large["fuse_scatter"]
     assert check_params(Dims(1, 2048, 768, 128, 8), BLOCK_N=64)["BLOCK_N"] == 64  # explicit knobs win
+    assert check_params(Dims(64, 2048, 768, 128, 8), STAGES=1)["STAGES"] == 1  # register loads at any T
     assert auto_params(None) == {**DEFAULTS, "fuse_scatter": True}
+    for dims in (Dims(1, 2048, 768, 128, 8), Dims(64, 2048, 768, 128, 8), None):  # 0 = auto, as not given
+        assert check_params(dims, BLOCK_N=0, WARPS=0, STAGES=0) == check_params(dims)
+    # resolved knobs resolve to themselves (a build re-resolves what check_params returned)
+    for dims in (Dims(1, 2048, 768, 128, 8), Dims(64, 2048, 768, 128, 8)):
+        full = check_params(dims)
+        assert check_params(dims, **full) == full
 
 
 def _ring_schedule(chunks: int, warps: int, unroll: int, stages: int) -> list[tuple[int, int, int]]:
@@ -449,10 +474,10 @@ def test_routings(routing: str, quant) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "params",
-    [dict(fuse_scatter=False), dict(BLOCK_N=32, UNROLL=4), dict(BLOCK_N=128, WARPS=8, STAGES=0), dict(M_TILES=2),
-     dict(WARPS=1, UNROLL=1), dict(STAGES=0), dict(STAGES=3, BLOCK_N=64), dict(STAGES=2, WARPS=1, UNROLL=1),
-     dict(STAGES=8, BLOCK_N=32, UNROLL=1), dict(STAGES=4, M_TILES=2, BLOCK_N=64), dict(PREFETCH=1, STAGES=0),
-     dict(PREFETCH=3, BLOCK_N=64, STAGES=0), *VARIANTS],
+    [dict(fuse_scatter=False), dict(BLOCK_N=32, UNROLL=4), dict(BLOCK_N=128, WARPS=8, STAGES=1), dict(M_TILES=2),
+     dict(WARPS=1, UNROLL=1), dict(STAGES=1), dict(STAGES=3, BLOCK_N=64), dict(STAGES=2, WARPS=1, UNROLL=1),
+     dict(STAGES=8, BLOCK_N=32, UNROLL=1), dict(STAGES=4, M_TILES=2, BLOCK_N=64), dict(PREFETCH=1, STAGES=1),
+     dict(PREFETCH=3, BLOCK_N=64, STAGES=1), *VARIANTS],
     ids=str,
 )
 def test_tile_params(params: dict) -> None:
@@ -461,7 +486,7 @@ def test_tile_params(params: dict) -> None:
     p = make_problem(PRESETS["qwen3-30b-a3b"].with_(experts=24), 20, seed=4, routing="zipf", xp=cp)
     base = _run(p)
     other = _run(p, **params)
-    for quant in ("fp8", "mxfp8") if params.get("STAGES") or params.get("PREFETCH") else ():  # (new GEMM paths)
+    for quant in ("fp8", "mxfp8") if params.get("STAGES", 0) >= 2 or params.get("PREFETCH") else ():  # ring / L2
         _check_vs_reference(p, _run(p, quant=quant, **params), quant=quant)
     _check_close(other, base, min_equal=0.95)  # same numerics; split-K order may differ with WARPS/UNROLL
     if params.get("WARPS", DEFAULTS["WARPS"]) == DEFAULTS["WARPS"] and params.get("UNROLL", 2) == 2:
@@ -510,6 +535,8 @@ def test_stages_equal_launch_and_determinism(quant) -> None:
     p = make_problem(PRESETS["qwen3-30b-a3b"].with_(experts=32), 16, seed=8, xp=cp)
     dims = Dims(16, p.shape.hidden, p.shape.intermediate, 32, p.shape.top_k)
     launch = get_variant(name).make(dims)
+    assert isinstance(launch, Launch) and launch.params == get_variant(name).resolve(dims)
+    assert launch.workspace.quant == quant and launch.reference_mode is None and not launch.facts
     runs = []
     for _ in range(3):
         out = _poisoned_out(cp, 16, p.shape.hidden)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kernels.compile import offline_report
+from kernels.compile import SOURCES, offline_report
 from kernels.contract import BF16, Dims
 from kernels.problem import Problem, make_problem
 from kernels.shapes import PRESETS
@@ -33,7 +33,6 @@ from tests.warp_checks import (
     assert_graph_replays_bitwise,
     assert_pdl_chain_bitwise,
 )
-from tools.sweep import source_of
 
 QWEN30 = PRESETS["qwen3-30b-a3b"]
 DIMS_30B_T1 = Dims(1, QWEN30.hidden, QWEN30.intermediate, QWEN30.experts, QWEN30.top_k)
@@ -80,11 +79,16 @@ def test_variant_and_source_are_registered() -> None:
     prototypes.load()
     variant = get_variant("proto:fused-layer")
     assert variant.build is wdf.build and variant.reference_mode == "warp_decode"
+    assert variant.kernel_family is wdf.FAMILY and variant.family == "warp-decode"
     assert wdf.SOURCE.kernels == (wdf.FUSED,)
+    assert SOURCES["proto_fused_layer"] is wdf.SOURCE  # tools.compile_report finds it
     assert variant.can_run(DIMS_30B_T1) and not variant.can_run(_dims(QWEN30, 2))  # the harness: "unsupported"
     assert not variant.can_run(DIMS_30B_T1, FU_ROWS=1)  # the knobs count too
     assert get_variant("cupy:warp-decode").can_run(_dims(QWEN30, 64))  # no supports(): runs every dims
-    assert source_of(variant) is wdf.SOURCE  # tools.sweep's compile columns find the source
+    assert variant.source is wdf.SOURCE  # tools.sweep's compile columns find the source
+    assert variant.params == {**wdf.DEFAULTS, "FU_ROWS": 0}  # FU_ROWS auto
+    assert variant.resolve(DIMS_30B_T1) == wdf.resolve_params(DIMS_30B_T1)  # what the compile columns report
+    assert wdf.FAMILY.device_needs == {"PDL": 90}
 
 
 def test_compiles_without_local_memory() -> None:

@@ -94,9 +94,12 @@ def test_registry_finds_the_variants() -> None:
         variant = registry[name]
         assert variant.backend == "cupy" and variant.reference_mode == "warp_decode"
         assert variant.build is lab.build and set(variant.params) == set(lab.DEFAULTS)
+        assert variant.kernel_family is lab.FAMILY and variant.family == "proto-gate-up-lab"
+        assert variant.source is lab.SOURCE and variant.params["LAB_SINK"] == 1  # the lab's default, not the source's
         assert set(variant.grid) <= set(lab.DEFAULTS)
         for point in _grid_points(variant):
             assert lab.resolve_params(**point) == point
+            assert variant.resolve(None, **point) == point  # what the compile report resolves
     assert registry["proto:gate-up-interleaved"].prepack is lab.prepack
     assert registry["proto:gate-up-interleaved"].params["LAB_INTERLEAVED"] == 1
     assert registry["proto:gate-up-stacked"].prepack is None
@@ -108,12 +111,11 @@ def test_registry_finds_the_variants() -> None:
 def test_source_is_registered_for_inspect() -> None:
     from kernels.compile import SOURCES
     from tools import compile_report as offline
-    from tools import sweep
 
     assert SOURCES["proto_gate_up_lab"] is lab.SOURCE
     assert lab.SOURCE.kernels == (lab.KERNEL,)
     assert offline.threads_per_block(lab.SOURCE, lab.KERNEL, {**lab.DEFAULTS, "LAB_WARPS": 8}) == 256
-    assert sweep.source_of(_registry()["proto:gate-up-split-k"]) is lab.SOURCE
+    assert _registry()["proto:gate-up-split-k"].source is lab.SOURCE
     for overrides in lab.SOURCE.variants:
         lab.resolve_params(**overrides)
 
@@ -475,7 +477,7 @@ def test_bitwise_identities_on_gpu(cupy_mod: Any, rng: np.random.Generator) -> N
         assert np.array_equal(interleaved, stacked) and np.array_equal(no_sink.view(np.uint16), stacked), knobs
     dims = _dims(problem.shape, 3)
     strict = _poisoned_out(cupy_mod, 3, dims.hidden)
-    wdc.build(dims, GU_BYTES=8, GU_UNROLL=8, GU_OUTS=1)(*problem.arrays, strict)
+    wdc.FAMILY.build(dims, GU_BYTES=8, GU_UNROLL=8, GU_OUTS=1)(*problem.arrays, strict)
     got = _run_variant(cupy_mod, registry["proto:gate-up-load-width"], problem, {"LAB_BYTES": 8, "LAB_UNROLL": 8})
     assert np.array_equal(got.view(np.uint16), cupy_mod.asnumpy(strict).view(np.uint16))
 
@@ -488,6 +490,8 @@ def test_stages_and_graph_replay(cupy_mod: Any, rng: np.random.Generator) -> Non
     dims = _dims(problem.shape, 7)
     expected = _run_variant(cupy, variant, problem, {}).view(np.uint16)
     launch = variant.make(dims)
+    assert launch.params == lab.resolve_params(**variant.params)
+    assert launch.facts["down_params"] == wdc.FAMILY.for_device(wdc.resolve_params(dims))  # the strict down's knobs
     w13, w2 = variant.prepack(problem.w13, problem.w2)
     out = _poisoned_out(cupy, dims.tokens, dims.hidden)
     stages = launch.stages(problem.x, w13, w2, problem.topk_ids, problem.topk_weights, out)

@@ -83,14 +83,9 @@ def _module(name: str) -> Any:
 
 
 def _compile_plan(name: str, point: dict[str, Any], dims: Dims) -> tuple[Any, dict[str, int]]:
-    """(CudaSource, resolved knobs) that ``variant.make(dims, **point)`` compiles."""
+    """(CudaSource, resolved knobs) that ``variant.make(dims, **point)`` compiles: its kernel family's."""
     variant = _registry()[name]
-    if name in STRICT_KNOBS:
-        from kernels import warp_decode_cupy as wdc
-
-        return wdc.SOURCE, wdc.resolve_params(dims, **{**variant.params, **point})
-    module = _module(name)
-    return module.SOURCE, module.resolve_params(**{**variant.params, **point})
+    return variant.source, variant.resolve(dims, **point)
 
 
 def _warps_per_block(source: Any, kernel: str, params: dict[str, int]) -> int:
@@ -102,8 +97,8 @@ def _warps_per_block(source: Any, kernel: str, params: dict[str, int]) -> int:
 # ---------------------------------------------------------------------------------------------------
 def test_registry_finds_the_prototypes() -> None:
     import prototypes
+    from kernels import warp_decode_cupy as wdc
     from kernels.compile import CudaSource
-    from tools.sweep import source_of
 
     names = prototypes.load()
     assert {"outputs_per_warp", "warps_per_block", "intermediate_fp32", "persistent_grid"} <= set(names)
@@ -112,7 +107,11 @@ def test_registry_finds_the_prototypes() -> None:
         variant = registry[name]
         assert variant.grid == EXPECTED_GRIDS[name]
         assert variant.backend == "cupy" and variant.reference_mode == "warp_decode" and variant.quant is None
-        assert isinstance(source_of(variant), CudaSource), name  # the sweep's compile columns find the source
+        assert isinstance(variant.source, CudaSource), name  # the sweep's compile columns find the source
+        family = wdc.FAMILY if name in STRICT_KNOBS else _module(name).FAMILY
+        assert variant.kernel_family is family and variant.source is family.source, name
+        # every knob of the family, the auto ones left to its rules
+        assert variant.params == {**family.defaults, **{knob: 0 for knob in family.auto_knobs}}, name
         doc = importlib.import_module("prototypes." + name.removeprefix("proto:").replace("-", "_")).__doc__
         for section in ("Hypothesis", "Prediction", "Result on the H200", "Conclusion", "qwen3-235b-a22b"):
             assert section in doc, (name, section)
@@ -210,6 +209,11 @@ def test_persistent_grid_size() -> None:
     assert persist.grid_blocks(6144, 4, 132, 8) == 132 * 8  # qwen3-30b T=1 gate_up: more work than warps
     assert persist.grid_blocks(2048, 4, 132, 8) == 512  # down: less work than a persistent wave
     assert persist.grid_blocks(1, 16, 132, 1) == 1
+    blocks = persist.launch_blocks(COMPILE_DIMS[0], persist.resolve_params(PERSIST_BLOCKS=8, DN_WARPS=8))
+    sms = blocks["sms"]  # the current GPU's, 132 (the H200's) where there is none
+    assert sms >= 1
+    assert blocks == {"gate_up": persist.grid_blocks(6144, 4, sms, 8), "down": persist.grid_blocks(2048, 8, sms, 8),
+                      "sms": sms}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -460,6 +464,10 @@ def test_grid_point_on_small_and_odd_shapes(
     for shape, tokens, routing in GPU_SHAPES:
         problem = make_problem(shape, tokens, seed=_seed(rng), routing=routing, xp=cupy_mod)
         launch = variant.make(_dims(problem), **point)
+        assert launch.params == variant.kernel_family.for_device(variant.resolve(_dims(problem), **point))
+        if name == "proto:persistent-grid":  # the grids it launches, sized for this GPU
+            assert launch.facts["blocks"] == _module(name).launch_blocks(_dims(problem), launch.params)
+            assert launch.facts["blocks"]["sms"] == cupy_mod.cuda.Device().attributes["MultiProcessorCount"]
         got = _run(cupy_mod, launch, problem)
         what = f"{name} {point} {shape.name} T={tokens}"
         if launch.params.get("INTER_F32"):

@@ -232,7 +232,7 @@ def test_crossover_later_file_wins_and_per_file_roofline():
 def test_crossover_missing_variants_and_failed_rows():
     run = _run([_row(STRICT, 1, 20.0), _row(BATCHED, 1, 10.0, status="wrong"), _row(AUTO, 1, 10.0, status="error"),
                 _row(STRICT, 2, 40.0), _row(BATCHED, 2, 45.0),
-                _row("numba:warp-decode", 2, 5.0), _row("cupy:warp-decode-pdl", 2, 5.0)])  # not crossover columns
+                _row("numba:warp-decode", 2, 5.0), _row("proto:warps-per-block", 2, 5.0)])  # not crossover columns
     record = report.crossover_table([run], MODEL, "uniform")
     p1, p2 = _point(record, 1), _point(record, 2)
     assert p1["best"] == "strict" and p1["auto_vs_best"] is None and not p1["flag"]  # failed rows never compared

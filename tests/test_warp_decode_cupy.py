@@ -51,7 +51,6 @@ from tests.warp_checks import (
     _poisoned_out,
     _references,
     _seed,
-    assert_graph_replays_bitwise,
     assert_pdl_chain_bitwise,
     build_emulator,
     run_emulator,
@@ -194,47 +193,6 @@ def test_auto_params_are_what_the_h200_sweep_chose() -> None:
     assert wdc.resolve_params(Dims(1, 2048, 768, 128, 8), DN_SLOTS=2, DN_UNROLL=6, DN_WARPS=4)["DN_MIN_BLOCKS"] == 4
 
 
-def test_staged_down_checks_its_shared_memory() -> None:
-    """DN_STAGED=1 holds every (token, slot)'s DN_ROWS w2 rows and the intermediate in one block's shared memory:
-    the size is checked up front, by name; auto DN_ROWS gives at most one block per SM (132 without a GPU)."""
-    dims = Dims(1, 2048, 768, 128, 8)
-    resolved = wdc.resolve_params(dims, DN_STAGED=1)
-    assert resolved["DN_WARPS"] == wdc.STAGED_DOWN_WARPS
-    # 8 slots x (16 rows padded to 1600 B + the 1536 B intermediate row + 16 FP32 partials), 16 B of flags
-    assert resolved["DN_ROWS"] == 16  # 2048 rows over 132 SMs (no GPU here)
-    assert wdc.down_shared_bytes(resolved, dims) == 16 + 8 * (16 * 1600 + 1536 + 4 * 16)
-    assert wdc.resolve_params(dims, DN_STAGED=1, DN_ROWS=5)["DN_ROWS"] == 5
-    assert wdc.resolve_params(dims, DN_ROWS=5)["DN_ROWS"] == wdc.DEFAULTS["DN_ROWS"]  # unused without staging
-    with pytest.raises(ValueError, match="DN_STAGED=1 needs .*DN_ROWS=16"):
-        wdc.resolve_params(Dims(2, 2048, 768, 128, 8), DN_STAGED=1, DN_ROWS=16)  # 16 x 17 x 1536 B > 227 KB
-    with pytest.raises(ValueError, match="DN_BULK=0"):
-        wdc.resolve_params(dims, DN_STAGED=1, DN_BULK=1)
-    with pytest.raises(ValueError, match="DN_ROWS must be in 0..1024"):
-        wdc.resolve_params(dims, DN_STAGED=1, DN_ROWS=2000)
-
-
-def test_staged_down_compiles_without_local_memory() -> None:
-    """The staged down keeps its accumulators in registers: no spill and no stack frame at any DN_WARPS (a runtime
-    index into its two accumulator chains once put them in local memory and cost 8 us on the H200)."""
-    from kernels.compile import offline_report
-
-    dims = Dims(1, 2048, 768, 128, 8)
-    for warps in (4, 8, 16):
-        resolved = wdc.resolve_params(dims, DN_STAGED=1, DN_WARPS=warps)
-        staged = next(r for r in offline_report(wdc.SOURCE, **resolved) if r.kernel == wdc.STAGED_DOWN)
-        assert (staged.spills, staged.stack_bytes) == (0, 0), (warps, staged)
-
-
-def test_bulk_down_checks_its_shared_memory() -> None:
-    """DN_BULK=1 lands K rows of I bf16 per warp in shared memory: the size is checked up front, by name."""
-    dims = Dims(1, 2048, 768, 128, 8)
-    assert wdc.down_shared_bytes(wdc.resolve_params(dims, DN_BULK=1, DN_WARPS=4), dims) == 4 * (16 + 8 * 768 * 2)
-    with pytest.raises(ValueError, match="DN_BULK"):
-        wdc.resolve_params(Dims(1, 7168, 2048, 256, 8), DN_BULK=1, DN_WARPS=8)  # 8 x 32 KB > 227 KB
-    with pytest.raises(ValueError, match="DN_BULK"):
-        wdc.resolve_params(Dims(1, 2048, 768, 128, 8), DN_BULK=1, DN_OUTS=2)
-
-
 def test_auto_register_caps_never_spill() -> None:
     """The auto __launch_bounds__ cap (_down_min_blocks) leaves room for the loads it was sized for: every
     point of the down sweep grids compiles for sm_90 with zero spill bytes (an older formula capped 8 slots
@@ -261,10 +219,11 @@ def test_source_and_variant_are_registered() -> None:
     from kernels.compile import SOURCES
     from kernels.variants import get_variant
 
-    assert SOURCES["warp_decode_cupy"] is wdc.SOURCE
-    assert wdc.SOURCE.kernels == ("moe_gate_up_3d_batched", "moe_down_3d_batched", "moe_down_3d_staged")
+    assert SOURCES["warp_decode_cupy"] is wdc.SOURCE is wdc.FAMILY.source
+    assert wdc.SOURCE.kernels == ("moe_gate_up_3d_batched", "moe_down_3d_batched")
     variant = get_variant("cupy:warp-decode")
-    assert variant.backend == "cupy" and variant.reference_mode == "warp_decode"
+    assert variant is wdc.VARIANT and variant.kernel_family is wdc.FAMILY and variant.source is wdc.SOURCE
+    assert variant.backend == "cupy" and variant.family == "warp-decode" and variant.reference_mode == "warp_decode"
     assert set(variant.params) == set(wdc.DEFAULTS)
     assert set(variant.grid) <= set(wdc.DEFAULTS)
     for values in variant.grid.values():
@@ -275,18 +234,25 @@ def test_source_and_variant_are_registered() -> None:
         wdc.SOURCE.render(**overrides)
 
 
+def test_family_resolves_like_resolve_params() -> None:
+    """The module is one kernel family: ``resolve_params`` is ``FAMILY.resolve``, the variant resolves through it,
+    the offline report's extra knob sets are what the presets resolve to, and PDL needs sm_90."""
+    from kernels.compile import preset_variants
+
+    dims = Dims(1, 2048, 768, 128, 8)
+    assert wdc.FAMILY.name == "warp-decode" and wdc.FAMILY.defaults == wdc.DEFAULTS
+    assert wdc.FAMILY.resolve(dims) == wdc.resolve_params(dims) == wdc.VARIANT.resolve(dims)
+    assert wdc.VARIANT.resolve(dims, DN_SLOTS=2)["DN_SLOTS"] == 2
+    assert wdc.SOURCE.variants == preset_variants(wdc.resolve_params, wdc.DEFAULTS)
+    assert wdc.FAMILY.device_needs == {"PDL": 90}
+    assert wdc.FAMILY.workspace is not None and wdc.FAMILY.stages is not None
+
+
 def test_kernel_source_guards_and_comments() -> None:
     code = wdc.CODE
-    # the opt-in DN_BULK and DN_STAGED paths (off by default) are the only places that use shared memory:
-    # a per-warp landing slice, and the staged down's block-wide copy (the one kernel with __syncthreads)
-    start, end = code.index("#if DN_BULK\n// DN_BULK=1"), code.index("#endif", code.index("#if DN_BULK\n// DN_BULK=1"))
-    staged_start = code.index("#if DN_STAGED && !defined(WD_HOST_EMULATION)")
-    staged_end = code.index("#endif", code.index("moe_down_3d_staged("))
-    assert end < staged_start
-    strict = code[:start] + code[end:staged_start] + code[staged_end:]
-    assert "__shared__" in code[start:end] and "__syncthreads" in code[staged_start:staged_end]
-    assert "__syncthreads" not in strict
-    assert "#include" not in code and "__shared__" not in strict and "atomic" not in code
+    # strict warp decode: no shared memory, no block-level sync, no atomics
+    assert "#include" not in code and "__shared__" not in code and "__syncthreads" not in code
+    assert "atomic" not in code
     assert code.count("(unsigned)experts") >= 2  # both kernels range-check ids
     assert "__ldg" in code and "uint4" in code
 
@@ -503,8 +469,7 @@ def test_out_of_range_ids_raise_outside_capture(cupy_mod: Any, rng: np.random.Ge
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("params", [{}, {"DN_STAGED": 1, "DN_ROWS": 8}], ids=["plain", "staged"])
-def test_bad_ids_in_kernel_give_nan_rows(cupy_mod: Any, rng: np.random.Generator, params: dict[str, int]) -> None:
+def test_bad_ids_in_kernel_give_nan_rows(cupy_mod: Any, rng: np.random.Generator) -> None:
     """The stages do no value checks (as under capture): bad tokens -> NaN rows, the rest still exact."""
     for shape, tokens in ((PRESETS["tiny"], 4), (ODD_SHAPES["h64-k40"], 3)):
         problem = make_problem(shape, tokens, seed=_seed(rng), xp=cupy_mod)
@@ -515,8 +480,8 @@ def test_bad_ids_in_kernel_give_nan_rows(cupy_mod: Any, rng: np.random.Generator
         dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
         out = _poisoned_out(cupy_mod, tokens, shape.hidden)
         ws = _poisoned_workspace(cupy_mod, dims)
-        wdc.gate_up(problem.x, problem.w13, ids, ws, **params)
-        wdc.down(ws, problem.w2, ids, problem.topk_weights, out, **params)
+        wdc.gate_up(problem.x, problem.w13, ids, ws)
+        wdc.down(ws, problem.w2, ids, problem.topk_weights, out)
         cupy_mod.cuda.runtime.deviceSynchronize()
         got = cupy_mod.asnumpy(out).astype(np.float32)
         assert np.all(np.isnan(got[0])) and np.all(np.isnan(got[2]))
@@ -603,12 +568,7 @@ GRID_SAMPLE = [
     {"GU_BYTES": 4, "DN_BYTES": 4, "GU_WARPS": 1, "DN_WARPS": 1},
     {"GU_WARPS": 8, "DN_WARPS": 8, "DN_SLOTS": 8, "DN_UNROLL": 1, "DN_MIN_BLOCKS": 1},
     {"DN_SLOTS": 1, "DN_UNROLL": 6, "GU_MIN_BLOCKS": 8},
-    {"GU_PREFETCH": 1, "DN_PREFETCH": 1, "DN_EARLY_INTER": 0, "PDL": 0},
-    {"GU_PREFETCH": 1, "GU_OUTS": 2, "GU_UNROLL": 1, "DN_PREFETCH": 1, "DN_OUTS": 2, "DN_SLOTS": 2},
-    {"DN_BULK": 1},
-    {"DN_BULK": 1, "DN_WARPS": 1, "DN_SLOTS": 3, "PDL": 0},
-    {"DN_STAGED": 1, "DN_ROWS": 4},
-    {"DN_STAGED": 1, "DN_ROWS": 3, "DN_WARPS": 4, "DN_SLOTS": 3, "PDL": 0},
+    {"DN_EARLY_INTER": 0, "PDL": 0},
 ]
 
 
@@ -627,9 +587,8 @@ def test_grid_sample_and_variant_grid_compile() -> None:
     with ThreadPoolExecutor(2) as pool:
         all_reports = list(pool.map(lambda resolved: offline_report(wdc.SOURCE, **resolved), all_resolved))
     for resolved, reports in zip(all_resolved, all_reports, strict=True):
-        staged = {wdc.STAGED_DOWN} if resolved["DN_STAGED"] else set()  # compiled only when asked for
-        assert {r.kernel for r in reports} == {wdc.GATE_UP, wdc.DOWN} | staged
-        assert set(wdc.SOURCE.compiled_kernels(**resolved)) == {wdc.GATE_UP, wdc.DOWN} | staged
+        assert {r.kernel for r in reports} == {wdc.GATE_UP, wdc.DOWN}
+        assert set(wdc.SOURCE.compiled_kernels(**resolved)) == {wdc.GATE_UP, wdc.DOWN}
 
 
 @pytest.mark.gpu
@@ -638,31 +597,6 @@ def test_knobs_keep_results(cupy_mod: Any, rng: np.random.Generator, params: dic
     for shape, tokens in ((ODD_SHAPES["h264-i40"], 5), (ODD_SHAPES["h64-k40"], 2), (PRESETS["qwen3-30b-a3b"], 3)):
         problem = make_problem(shape, tokens, seed=_seed(rng), xp=cupy_mod)
         _run_and_check(cupy_mod, problem, f"{shape.name} {params}", **params)
-
-
-STAGED_CASES = [
-    ("qwen3-30b-a3b", 1, {}),  # the point it is for: auto DN_ROWS (one block per SM), 192 KiB of w2 a block
-    ("qwen3-30b-a3b", 2, {"DN_ROWS": 8}),
-    ("h264-i40", 5, {}),
-    ("h64-k40", 2, {"DN_ROWS": 5}),  # K = 40 > 32, the last block owns 4 rows
-    ("h8-i8-e1-k1", 3, {}),
-    ("h2880-i264", 4, {"DN_ROWS": 7, "DN_WARPS": 4}),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("model, tokens, extra", STAGED_CASES, ids=[f"{m}-T{t}" for m, t, _ in STAGED_CASES])
-def test_staged_down_matches_and_repeats(cupy_mod: Any, rng: np.random.Generator, model: str, tokens: int,
-                                        extra: dict[str, int]) -> None:
-    """DN_STAGED=1 (w2 copied into shared memory by cp.async, dots on tensor cores) matches the fp64 oracle and
-    the bf16-faithful reference as the plain down does, with every output written (NaN-poisoned), and is bitwise
-    the same eagerly and in a replayed four-layer graph (PDL overlapping each staged down with its gate_up), twice."""
-    cupy = cupy_mod
-    shape = ODD_SHAPES.get(model) or PRESETS[model]
-    problem = make_problem(shape, tokens, seed=_seed(rng), xp=cupy)
-    dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
-    staged = _run_and_check(cupy, problem, f"{model} T={tokens} staged", DN_STAGED=1, **extra)
-    assert_graph_replays_bitwise(cupy, wdc.build(dims, DN_STAGED=1, **extra), problem, staged)
 
 
 @pytest.mark.gpu
@@ -674,8 +608,8 @@ def test_programmatic_dependent_launch_is_bitwise_the_same(cupy_mod: Any, rng: n
     cupy = cupy_mod
     problem = make_problem(model, tokens, seed=_seed(rng), xp=cupy)
     dims = Dims(tokens, problem.shape.hidden, problem.shape.intermediate, problem.shape.experts, problem.shape.top_k)
-    plain = wdc.build(dims, PDL=0)
-    pdl = wdc.build(dims, PDL=1)
+    plain = wdc.FAMILY.build(dims, PDL=0)
+    pdl = wdc.FAMILY.build(dims, PDL=1)
     expect = _poisoned_out(cupy, tokens, dims.hidden)
     plain(*problem.arrays, expect)
     got = _poisoned_out(cupy, tokens, dims.hidden)
@@ -695,8 +629,7 @@ def test_programmatic_dependent_launch_is_bitwise_the_same(cupy_mod: Any, rng: n
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("params", [{}, {"GU_UNROLL": 4, "GU_BYTES": 8}, {"DN_EARLY_INTER": 0, "DN_SLOTS": 8},
-                                    {"DN_BULK": 1}],
+@pytest.mark.parametrize("params", [{}, {"GU_UNROLL": 4, "GU_BYTES": 8}, {"DN_EARLY_INTER": 0, "DN_SLOTS": 8}],
                          ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()) or "defaults")
 def test_pdl_chain_where_each_layer_reads_the_last(cupy_mod: Any, rng: np.random.Generator,
                                                    params: dict[str, int]) -> None:
@@ -708,5 +641,5 @@ def test_pdl_chain_where_each_layer_reads_the_last(cupy_mod: Any, rng: np.random
     problem = make_problem("qwen3-30b-a3b", 2, seed=_seed(rng), xp=cupy)
     shape = problem.shape
     dims = Dims(2, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
-    assert_pdl_chain_bitwise(cupy, problem, wdc.build, dims,
+    assert_pdl_chain_bitwise(cupy, problem, wdc.FAMILY.build, dims,
                              lambda launch: launch.workspace.view(cupy.uint16).fill(0x7FC0), **params)

@@ -1,12 +1,12 @@
 """Numba warp decode: the real kernels on the CUDA simulator (CPU, in a subprocess), offline PTX checks,
 and ``@pytest.mark.gpu`` tests for the H200.
 
-GPU tolerance, per output element vs ``reference.moe_decode(mode="warp_decode")``: at most
-``MAX_ULP`` (2) bf16 ulps measured at ``max(|ref|, RMS(ref) / 8)``, and rel-L2 vs the fp64 oracle < 5e-3.
-Why not bitwise: the GPU sums in a different order than NumPy's BLAS (and contracts multiply-adds into
-FMAs), so an FP32 result may round to the neighbouring bf16 -- once in the [T, K, I] intermediate (which
-moves an output by ~RMS * 2**-8 / sqrt(I), hence the floor) and once in the output (1 ulp). Most elements
-are bitwise equal; the fraction is asserted to be high.
+Tolerance (simulator and GPU), per output element vs ``reference.moe_decode(mode="warp_decode")``: the one output
+checker, ``kernels.checks.check_output`` under ``SIMULATOR`` (at most 4 x (ulp(|ref|) + ulp(RMS(ref) / 8)), and
+rel-L2 vs the fp64 oracle < 5e-3). Why not bitwise: the GPU sums in a different order than NumPy's BLAS (and
+contracts multiply-adds into FMAs), so an FP32 result may round to the neighbouring bf16 -- once in the [T, K, I]
+intermediate (which moves an output by ~RMS * 2**-8 / sqrt(I), hence the RMS term) and once in the output (1 ulp).
+Most elements are bitwise equal; the fraction is asserted to be high.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ if hasattr(os, "sched_setaffinity"):
 import numpy as np
 from numba import cuda
 from kernels import simt
-from kernels.warp_decode_numba import simulate_bad_ids, simulator_selfcheck
+from kernels.warp_decode_numba import FAMILY, simulate_bad_ids
 
 cases, bad_ids = json.loads(sys.argv[1])
 
@@ -76,7 +76,7 @@ expect = np.stack([
 ]).astype(np.float32)
 print(json.dumps({
     "shuffles_ok": bool(np.array_equal(out, expect)),
-    "cases": simulator_selfcheck(tuple(cases)),
+    "cases": FAMILY.simulate(tuple(cases)),  # simulator_selfcheck, as the bench's CPU path calls it
     "bad_ids": simulate_bad_ids() if bad_ids else None,
 }))
 """
@@ -112,11 +112,12 @@ def simulated() -> dict:
 
 
 def _assert_case_matches(case: dict) -> None:
-    from kernels.warp_decode_numba import MAX_REL_L2, MAX_ULP
+    from kernels.checks import SIMULATOR
 
-    assert case["all_finite"], case["case"]
-    assert case["rel_l2_fp64"] < MAX_REL_L2, case
-    assert case["max_ulp_vs_warp_decode"] <= MAX_ULP, case
+    assert case["tolerance"] == SIMULATOR.name, case
+    assert case["all_written"], case["case"]
+    assert case["rel_l2_fp64"] < SIMULATOR.max_rel_l2_fp64, case
+    assert case["max_ulp"] <= SIMULATOR.max_ulp, case
     assert case["ok"], case
     if case["out_dtype"] == "bfloat16":  # the simulator rounds every FP32 op like the GPU, no FMA
         assert case["bitwise_fraction"] > 0.95, case
@@ -199,11 +200,19 @@ def test_ptx_uses_16_byte_nc_loads_and_no_local_memory(shared_ptx: Any) -> None:
 
 @needs_real_numba
 def test_variant_registered() -> None:
+    import kernels.warp_decode_numba as wdn
+    from kernels.contract import Dims
     from kernels.variants import get_variant
 
     variant = get_variant("numba:warp-decode")
     assert variant.backend == "numba" and variant.reference_mode == "warp_decode"
     assert set(variant.grid) == {"warps", "rows", "unroll", "slots"}
+    family = variant.kernel_family
+    assert family is wdn.FAMILY and family.name == "warp-decode-numba" and family.source is None
+    assert variant.source is None and family.defaults == wdn.DEFAULTS and variant.params == wdn.DEFAULTS
+    assert family.offline_reports is wdn.offline_reports and family.simulate is wdn.simulator_selfcheck
+    assert family.stages is wdn.stages and variant.build is wdn.build
+    assert variant.resolve(Dims(3, 136, 48, 6, 2), rows=2) == {**wdn.DEFAULTS, "rows": 2}
 
 
 @needs_real_numba
@@ -224,6 +233,42 @@ def test_argument_errors() -> None:
         _check_params(0, 1, 2)
     with pytest.raises(ValueError, match="slots"):
         _check_params(8, 1, 2, 0)
+    with pytest.raises(ValueError, match="unroll"):
+        _check_params(8, 1, 5)
+    from kernels.warp_decode_numba import FAMILY
+
+    with pytest.raises(TypeError, match="rows must be an int"):
+        FAMILY.resolve(None, rows=2.0)
+    with pytest.raises(ValueError, match="unknown"):
+        FAMILY.resolve(None, outs=2)
+
+
+def test_compare_is_the_one_checker() -> None:
+    """``compare`` is ``kernels.checks.check_output`` under ``SIMULATOR`` against the warp_decode mode and fp64:
+    the reference itself passes bitwise, a poison left or an output off by a few ulps of the RMS fails."""
+    from kernels.checks import SIMULATOR, check_output
+    from kernels.contract import BF16
+    from kernels.problem import make_problem
+    from kernels.reference import moe_decode
+    from kernels.warp_decode_numba import compare
+
+    problem = make_problem("tiny", 3, seed=4)
+    faithful = moe_decode(*problem.arrays, mode="warp_decode")
+    oracle = moe_decode(*problem.arrays, mode="fp64")
+    record = compare(faithful, problem)
+    assert record == check_output(faithful, faithful, SIMULATOR, oracle=oracle)
+    assert record["ok"] and record["bitwise_fraction"] == 1.0 and record["max_ulp"] == 0.0
+    assert record["tolerance"] == "simulator" and record["rel_l2_fp64"] < SIMULATOR.max_rel_l2_fp64
+    poisoned = faithful.copy()
+    poisoned[1, 5] = np.nan
+    assert not compare(poisoned, problem)["ok"] and not compare(poisoned, problem)["all_written"]
+    rms = float(np.sqrt(np.mean(faithful.astype(np.float64) ** 2)))
+    off = faithful.astype(np.float32)
+    off[2, 7] += 0.5 * rms
+    wrong = compare(off.astype(BF16), problem)
+    assert not wrong["ok"] and wrong["max_ulp"] > SIMULATOR.max_ulp and wrong["why"].startswith("|got - ref|")
+    f32 = moe_decode(*problem.arrays, mode="warp_decode", out_dtype=np.float32)
+    assert compare(f32, problem, np.float32)["ok"]
 
 
 def test_simt_does_nothing_off_the_simulator() -> None:
@@ -366,12 +411,16 @@ def test_gpu_variant_graph_capture_and_stages() -> None:
     import cupy
 
     from kernels.contract import BF16, Dims
+    from kernels.family import Launch
     from kernels.problem import make_problem
     from kernels.variants import get_variant
 
     problem = make_problem("qwen3-30b-a3b", 8, seed=7, xp=cupy)
     dims = problem.shape
-    launch = get_variant("numba:warp-decode").make(Dims(8, dims.hidden, dims.intermediate, dims.experts, dims.top_k))
+    variant = get_variant("numba:warp-decode")
+    launch = variant.make(Dims(8, dims.hidden, dims.intermediate, dims.experts, dims.top_k))
+    assert isinstance(launch, Launch) and launch.params == variant.resolve()
+    assert launch.workspace.shape == (8, dims.top_k, dims.intermediate) and launch.workspace.dtype == BF16
     out = cupy.full((8, dims.hidden), np.nan, BF16)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:

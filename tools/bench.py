@@ -316,9 +316,9 @@ def _plain(value: Any) -> Any:
 
 
 def _simulate(chosen: list[Any], tokens: int, routing: str, seed: int, steps: display.Steps) -> dict[str, Any]:
-    """The selected variants that run on Numba's CUDA simulator (the Numba ones, through their module's
-    ``simulator_selfcheck``), at the tiny shape and ``tokens`` tokens, checked against the reference."""
-    simulated = [v for v in chosen if v.backend == "numba"]
+    """The selected variants that run on Numba's CUDA simulator (those whose kernel family states ``simulate``: the
+    Numba ones), at the tiny shape and ``tokens`` tokens, checked against the reference."""
+    simulated = [v for v in chosen if v.kernel_family is not None and v.kernel_family.simulate is not None]
     if not simulated:
         return {"status": "none", "message": "no selected variant runs on the CUDA simulator (the Numba ones do)",
                 "cases": []}
@@ -327,21 +327,17 @@ def _simulate(chosen: list[Any], tokens: int, routing: str, seed: int, steps: di
         steps.start(f"{variant.name} on Numba's CUDA simulator ({SIM_SHAPE}, T={tokens}; every CUDA thread is a "
                     f"Python thread: seconds per token)")
         name = f"{variant.name} {SIM_SHAPE} T={tokens}"
-        check = getattr(sys.modules.get(variant.build.__module__), "simulator_selfcheck", None)
-        if check is None:
-            cases.append({"case": name, "ok": False,
-                          "message": f"{variant.build.__module__} has no simulator_selfcheck"})
-            continue
         try:
-            (outcome,) = check(((SIM_SHAPE, tokens, routing, dict(variant.params)),), seed=seed)
+            case = (SIM_SHAPE, tokens, routing, dict(variant.params))
+            (outcome,) = variant.kernel_family.simulate((case,), seed=seed)
         except Exception as exc:  # noqa: BLE001 - report it, no traceback
             cases.append({"case": name, "ok": False, "message": f"{type(exc).__name__}: {exc}"})
             continue
         cases.append({**_plain(outcome), "case": name, "rel_l2": outcome.get("rel_l2_fp64"),
-                      "ulp": outcome.get("max_ulp_vs_warp_decode")})
+                      "ulp": outcome.get("max_ulp")})
     ok = all(bool(c.get("ok")) for c in cases)
     return {"status": "ok" if ok else "failed", "cases": cases,
-            "message": "" if ok else "; ".join(f"{c['case']}: {c.get('message', 'outside tolerance')}"
+            "message": "" if ok else "; ".join(f"{c['case']}: {c.get('why') or c.get('message', 'outside tolerance')}"
                                                for c in cases if not c.get("ok"))}
 
 

@@ -7,7 +7,7 @@
 Compiles every registered :class:`kernels.compile.CudaSource` (library modules via
 ``kernels.variants.load_builtin()``, plus ``tools.roofline`` and ``prototypes.load()`` when present) for
 sm_90 with NVRTC -- no GPU needed -- at its defaults and at each parameter set in its ``variants`` list.
-Numba kernels join when ``kernels.warp_decode_numba.offline_reports()`` exists. The bench and the sweep
+Kernel families without CUDA C (Numba) join through their ``offline_reports``. The bench and the sweep
 reuse :func:`collect`, :func:`variant_rows`, :func:`render` and :func:`occupancy`.
 """
 
@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import math
-import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,19 +177,21 @@ def variant_rows(variant: Any, dims: Any = None, params: dict[str, Any] | None =
                  arch: str = "sm_90") -> list[Row]:
     """One row per kernel of ``variant`` compiled offline with the knobs it runs at ``dims``.
 
-    Knobs a variant fills at run time from the problem (``build.resolve(dims, **params)``) are resolved for
-    ``dims`` first, so the report is of what actually runs; without ``dims`` a knob at 0 ("auto") compiles at the
-    source's default. A Numba variant reports through its module's ``offline_reports``; a variant that composes
-    others (auto-dispatch) has no kernels of its own and yields no row. A failure is one row with ``error``.
+    The variant's kernel family answers: its knobs are resolved for ``dims`` first (``Variant.resolve``), so the
+    report is of what actually runs; without ``dims`` a knob at 0 ("auto") compiles at the source's default. A
+    family without CUDA C (Numba) reports through its ``offline_reports``; a variant that composes others
+    (auto-dispatch) has no family and yields no row. A failure is one row with ``error``.
     """
     params = {**variant.params, **(params or {})}
-    source = source_of(variant)
+    family = getattr(variant, "kernel_family", None)
+    if family is None:
+        return []
+    source = family.source
     if source is None:
-        reports_fn = getattr(sys.modules.get(variant.build.__module__), "offline_reports", None)
-        if reports_fn is None:
+        if family.offline_reports is None:
             return []
         try:
-            reports = [r for r in reports_fn([params], defaults=False)
+            reports = [r for r in family.offline_reports([params], defaults=False)
                        if all(r.params.get(k) == v for k, v in params.items()) and not r.params.get("out_f32")]
         except Exception as exc:  # noqa: BLE001 - the report must not die with one backend
             return [Row(variant.backend, "-", params, error=f"{type(exc).__name__}: {exc}"[:200], variant=variant.name)]
@@ -201,11 +201,10 @@ def variant_rows(variant: Any, dims: Any = None, params: dict[str, Any] | None =
             seen[report.kernel] = _row(variant.backend, report, dict(report.params), threads, True)
             seen[report.kernel].variant = variant.name
         return list(seen.values())
-    resolve = getattr(variant.build, "resolve", None)
-    resolved = resolve is not None and dims is not None
+    resolved = dims is not None
     if resolved:
         try:
-            params = {**params, **resolve(dims, **{k: v for k, v in params.items() if k in source.defaults})}
+            params = variant.resolve(dims, **(params or {}))
         except (TypeError, ValueError) as exc:
             return [Row(source.name, "-", params, error=f"{type(exc).__name__}: {exc}"[:200], variant=variant.name)]
     # once resolved a 0 is a value (e.g. DB_MAX_REGS 0: launch bounds only), not "auto"
@@ -225,47 +224,24 @@ def variant_rows(variant: Any, dims: Any = None, params: dict[str, Any] | None =
     return rows
 
 
-def source_of(variant: Any) -> CudaSource | None:
-    """The variant's ``CudaSource`` if one can be found (``build.source`` or the only one in its module)."""
-    source = getattr(variant.build, "source", None)
-    if isinstance(source, CudaSource):
-        return source
-    module = sys.modules.get(getattr(variant.build, "__module__", ""), None)
-    found = [v for v in vars(module).values() if isinstance(v, CudaSource)] if module else []
-    if len(found) > 1:
-        named = [s for s in found if variant.family in s.name or s.name in variant.name]
-        found = named if len(named) == 1 else found
-    return found[0] if len(found) == 1 else None
-
-
 def numba_rows() -> list[Row]:
-    """Rows from ``kernels.warp_decode_numba.offline_reports()`` when that module exists."""
-    try:
-        module = importlib.import_module("kernels.warp_decode_numba")
-    except ModuleNotFoundError as exc:
-        if exc.name == "kernels.warp_decode_numba":
-            return []
-        raise
-    reports_fn = getattr(module, "offline_reports", None)
-    if reports_fn is None:
-        return []
-    try:
-        reports = reports_fn()
-    except Exception as exc:  # noqa: BLE001 - the report must not die with one backend
-        return [Row("numba", "-", error=f"{type(exc).__name__}: {exc}"[:200])]
+    """Rows of every registered kernel family without CUDA C (the Numba ones), from its ``offline_reports``."""
+    from kernels.variants import REGISTRY, load_builtin
+
+    load_builtin()
+    families = {id(v.kernel_family): (v.backend, v.kernel_family) for v in REGISTRY.values()
+                if v.kernel_family is not None and v.kernel_family.source is None
+                and v.kernel_family.offline_reports is not None}
     rows = []
-    for report in reports:
-        params = dict(getattr(report, "params", {}) or {})
-        if not params:  # offline_reports() names kernels "name[warps=8,rows=1,...]"
-            tag = re.search(r"\[(.*)\]$", report.kernel)
-            for item in (tag.group(1).split(",") if tag else []):
-                key, _, value = item.partition("=")
-                if value.lstrip("-").isdigit():
-                    params[key] = int(value)
-        threads = getattr(report, "threads_per_block", None)
-        if threads is None:
-            threads = threads_per_block(CudaSource("numba", "", ()), "", {k.upper(): v for k, v in params.items()})
-        rows.append(_row("numba", report, params, threads, bool(getattr(report, "is_default", True))))
+    for backend, family in families.values():
+        try:
+            reports = family.offline_reports()
+        except Exception as exc:  # noqa: BLE001 - the report must not die with one backend
+            rows.append(Row(backend, "-", error=f"{type(exc).__name__}: {exc}"[:200]))
+            continue
+        for report in reports:
+            rows.append(_row(backend, report, dict(report.params), report.threads_per_block,
+                             bool(report.is_default)))
     return rows
 
 

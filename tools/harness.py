@@ -21,9 +21,9 @@ How a point (model, batch, variant) is measured:
    ``kernels.reference.moe_decode`` in the variant's mode on a compact host copy of THAT copy's touched
    experts (a captured fallback or an empty graph fails), and its error against the fp64 oracle.
    A launch may name its own numerics (``launch.reference_mode`` / ``launch.quant``, as auto-dispatch does
-   for the path it chose: :func:`checked_as`); the row then records those, and ``launch.choice`` /
-   ``launch.choice_source`` when it has them (keys ``choice`` / ``choice_source``).
-6. Per-stage times when the launch has ``.stages``.
+   for the path it chose: :func:`checked_as`); the row then records those, and the launch's ``facts["choice"]`` /
+   ``facts["choice_source"]`` when it states them (keys ``choice`` / ``choice_source``).
+6. Per-stage times when the launch has ``stages``.
 """
 
 from __future__ import annotations
@@ -50,14 +50,6 @@ TARGET_SAMPLE_US = 2000.0  # one sample's replays last about this long
 MEMORY_RESERVE = 2 << 30  # leave this much device memory free besides the pool
 CHECK_HOST_BYTES = 1 << 30  # at most this many weight bytes copied to the host per check
 CHUNK_BYTES = 512 << 20  # weights are generated in chunks of about this size (generation needs ~5x temp)
-# check tolerances against the variant's reference mode: rel-L2 vs that mode and max bf16 ulps, measured at
-# max(|ref|, rms(ref) / 8) as kernels.warp_decode_numba does (near-zero outputs carry cancellation noise).
-# Looser than the kernels' own tests: the bench's check exists to catch a wrong or empty timed graph.
-ULP_FLOOR_OF_RMS = 1.0 / 8.0
-# 32 ulps at rms/8 = 4 ulps at the output's RMS: the classical mode rounds four times (gate/up, activation,
-# per-expert output, combine), so one summation-order flip upstream moves outputs by several ulps (12 were
-# seen at qwen3-235b T=64 on the H200); garbage or a half-written output is off by orders of magnitude more.
-TOLERANCES = {None: {"rel_l2": 4e-3, "ulp": 32.0}, "quant": {"rel_l2": 3e-2, "ulp": 128.0}}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -144,36 +136,23 @@ def check_tokens(topk_ids: np.ndarray, expert_bytes: int, limit: int = CHECK_HOS
 
 
 def compare(result: np.ndarray, reference: np.ndarray, quant: str | None) -> dict[str, Any]:
-    """Result (bf16 or float) vs the variant's reference mode: all written, rel-L2, max bf16 ulps, ok.
+    """Result vs the variant's reference mode under the bench's tolerance (``kernels.checks.BENCH``, or
+    ``BENCH_QUANT`` for FP8-quantized activations): all written, rel-L2, max ulps, ok. A NaN poison left anywhere
+    in ``result`` (an element the timed graph never wrote) fails. Looser than the kernels' own tests: this check
+    exists to catch a wrong or empty timed graph."""
+    from kernels.checks import BENCH, BENCH_QUANT, check_output
 
-    A bf16 NaN poison left anywhere in ``result`` (an element the timed graph never wrote) fails.
-    """
-    from kernels.numerics import bf16_ulp, rel_l2
-
-    res = np.asarray(result.astype(np.float64) if result.dtype != BF16 else result.astype(np.float32), np.float64)
-    ref = np.asarray(reference.astype(np.float32), np.float64)
-    written = bool(np.isfinite(res).all())
-    tol = TOLERANCES["quant" if quant else None]
-    record: dict[str, Any] = {"all_written": written, "tolerance": tol}
-    if not written:
-        record.update(ok=False, max_ulp=None, rel_l2=None, nonfinite=int((~np.isfinite(res)).sum()))
-        return record
-    floor = math.sqrt(float(np.mean(ref * ref))) * ULP_FLOOR_OF_RMS
-    ulps = np.abs(res - ref) / bf16_ulp(np.maximum(np.abs(ref), floor))
-    record["max_ulp"] = float(ulps.max()) if ulps.size else 0.0
-    record["rel_l2"] = rel_l2(res, ref)
-    record["ok"] = bool(record["rel_l2"] <= tol["rel_l2"] and record["max_ulp"] <= tol["ulp"])
-    return record
+    return check_output(result, reference, BENCH_QUANT if quant else BENCH)
 
 
 def checked_as(variant: Any, launch: Any) -> Any:
-    """What a launch's output is checked against: ``variant`` itself, or -- when the launch carries
+    """What a launch's output is checked against: ``variant`` itself, or -- when the launch states its own
     ``reference_mode`` and/or ``quant`` (auto-dispatch: the numerics of the path it chose for these dims) --
-    an object with those two attributes, each taken from the launch when it has it, else from the variant."""
-    if not hasattr(launch, "reference_mode") and not hasattr(launch, "quant"):
+    an object with those two attributes, each taken from the launch when it states it, else from the variant."""
+    mode, quant = getattr(launch, "reference_mode", None), getattr(launch, "quant", None)
+    if mode is None and quant is None:
         return variant
-    return SimpleNamespace(reference_mode=getattr(launch, "reference_mode", variant.reference_mode),
-                           quant=getattr(launch, "quant", variant.quant))
+    return SimpleNamespace(reference_mode=mode or variant.reference_mode, quant=quant or variant.quant)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -485,8 +464,9 @@ class Workbench:
             launch = variant.make(self.dims, **(params or {}))
             checked = checked_as(variant, launch)
             record.update(reference_mode=checked.reference_mode, quant=checked.quant)
-            if hasattr(launch, "choice"):
-                record.update(choice=launch.choice, choice_source=getattr(launch, "choice_source", None))
+            facts = getattr(launch, "facts", {})
+            if "choice" in facts:
+                record.update(choice=facts["choice"], choice_source=facts.get("choice_source"))
             copies = []
             for c in range(self.copies):
                 w13, w2 = self.weights(c)
@@ -532,7 +512,7 @@ class Workbench:
             if not check["ok"]:
                 record["error"] = "the timed graph's output disagrees with the reference"
 
-            if stages and hasattr(launch, "stages"):
+            if stages and getattr(launch, "stages", None) is not None:
                 step("timing each stage")
                 record["stages"] = self._time_stages(stream, launch, args, max(5, repeats // 2))
         except Exception as exc:  # noqa: BLE001 - one broken variant must not stop the bench

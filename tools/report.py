@@ -38,10 +38,16 @@ from tools.roofline import bar, percent
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 HEADLINE = ("<!-- headline:begin -->", "<!-- headline:end -->")
 DIVISOR_NOTE = (
-    "TB/s = unique expert weight bytes touched by the routing, in the variant's weight format (bf16: "
-    "experts x 3*H*I*2 bytes; a scaled format counts its scales) / median time per layer; % roof = that / the "
+    "TB/s = unique expert weight bytes touched by the routing, in each row's weight format ({formats}; bf16: "
+    "experts x 3*H*I*2 bytes, a scaled format counts its scales) / median time per layer; % roof = that / the "
     "streaming-read roofline measured in the same run."
 )
+
+
+def divisor_note(data: dict[str, Any]) -> str:
+    """:data:`DIVISOR_NOTE` naming the weight formats the rows of ``data`` were counted in."""
+    formats = sorted({(row.get("bytes") or {}).get("weight_format", "bf16") for row in data.get("results") or []})
+    return DIVISOR_NOTE.format(formats="here: " + ", ".join(formats or ["bf16"]))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -437,7 +443,7 @@ def header(data: dict[str, Any]) -> FitTable:
                                    f"D2D memcpy (graph, r+w) {_fmt(roof.get('d2d_memcpy_tbps'), '.2f')} TB/s, "
                                    f"copy16 kernel (r+w) {_fmt(roof.get('copy16_tbps'), '.2f')} TB/s, "
                                    f"datasheet {'unknown' if ds is None else f'{ds:.2f} TB/s'}")
-    table.add_row("bytes", DIVISOR_NOTE)
+    table.add_row("bytes", divisor_note(data))
     return table
 
 
@@ -547,7 +553,7 @@ def markdown(data: dict[str, Any], crossovers: bool = True) -> str:
         f"GPU: {gpu.get('name', 'none')}, {env.get('date', '?')}, CuPy {env.get('cupy')}, Numba {env.get('numba')}; "
         f"streaming-read roofline {_fmt(roof.get('read_tbps'), '.2f')} TB/s "
         f"(D2D memcpy {_fmt(roof.get('d2d_memcpy_tbps'), '.2f')} TB/s r+w, datasheet "
-        f"{_fmt(roof.get('datasheet_tbps'), '.2f', 'unknown')} TB/s). {DIVISOR_NOTE}"
+        f"{_fmt(roof.get('datasheet_tbps'), '.2f', 'unknown')} TB/s). {divisor_note(data)}"
     )
     keys = ("batch", "variant", "us", "spread", "tbps", "pct", "bar", "speedup", "rel_l2", "max_abs", "check")
     titles = {key: title for key, title, _, _ in COLUMNS}

@@ -59,22 +59,14 @@ def points(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
     return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(grid[k] for k in keys))]
 
 
-def source_of(variant: Any) -> Any:
-    """The variant's ``CudaSource`` if one can be found (:func:`tools.compile_report.source_of`)."""
-    from tools import compile_report as offline
-
-    return offline.source_of(variant)
-
-
 def known_knobs(variant: Any) -> set[str]:
-    """The knob names ``--grid`` may set for ``variant``: its ``params`` and ``grid`` keys, its CudaSource's
-    defaults (see ``source_of``) and the keyword parameters ``build`` names (after ``dims``)."""
+    """The knob names ``--grid`` may set for ``variant``: its ``params`` and ``grid`` keys, its kernel family's
+    knobs and the keyword parameters ``build`` names (after ``dims``)."""
     import inspect
 
     known = set(variant.params) | set(variant.grid)
-    source = source_of(variant)
-    if source is not None:
-        known |= set(source.defaults)
+    if variant.kernel_family is not None:
+        known |= set(variant.kernel_family.defaults)
     try:
         parameters = list(inspect.signature(variant.build).parameters.values())[1:]
     except (TypeError, ValueError):  # a builtin or an odd callable: no signature to read
@@ -92,7 +84,7 @@ def compile_columns(variant: Any, params: dict[str, Any], dims: Any = None) -> d
 
     rows = offline.variant_rows(variant, dims, params)
     if not rows:
-        return {"compile": "no CudaSource"}
+        return {"compile": "no kernels of its own"}
     failed = [row.error for row in rows if row.error]
     if failed:
         return {"compile": failed[0]}
