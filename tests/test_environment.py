@@ -109,9 +109,18 @@ def test_readme_test_command_is_what_ci_runs() -> None:
     assert test_command in (ROOT / ".ci" / "run").read_text()
 
 
-def test_no_torch_anywhere() -> None:
+def test_no_torch_outside_the_peers() -> None:
+    """The lab is PyTorch-free: torch and triton are imported only by tools/peers (the optional peers extra), which
+    nothing else imports, and the project's dependencies do not name them."""
+    peers = ROOT / "tools" / "peers"
     for path in ROOT.rglob("*.py"):
-        if ".venv" in path.parts:
+        if ".venv" in path.parts or peers in path.parents:
             continue
         text = path.read_text()
-        assert not re.search(r"^\s*(import torch|from torch)", text, re.MULTILINE), path
+        assert not re.search(r"^\s*(import (torch|triton)|from (torch|triton))", text, re.MULTILINE), path
+        if path.parent != ROOT / "tests":
+            assert not re.search(r"^\s*(import tools\.peers|from tools\.peers|from tools import peers)", text,
+                                 re.MULTILINE), path
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.split()[0].lower().startswith(("torch", "triton"))]
+    assert project["optional-dependencies"]["peers"] == ["torch", "triton"]

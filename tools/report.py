@@ -131,9 +131,11 @@ CROSSOVER_PATHS = {"strict": "cupy:warp-decode", "batched": "cupy:warp-decode-ba
                    "mixed": "cupy:warp-decode-mixed", "MMA": "cupy:warp-decode-mma",
                    "expert-centric": "cupy:expert-centric"}
 CROSSOVER_AUTO = "cupy:auto"
-CROSSOVER_COLUMNS = (*CROSSOVER_PATHS, "auto")
+# the serving engines' design, re-implemented in Triton (tools/peers): shown beside the lab's paths when measured
+CROSSOVER_PEER = "triton:fused-moe"
+CROSSOVER_COLUMNS = (*CROSSOVER_PATHS, "auto", "peer")
 AUTO_SLACK = 0.03  # the issue's bar: auto may be at most 3 % slower than the best single path
-_CROSSOVER_VARIANTS = {**{v: k for k, v in CROSSOVER_PATHS.items()}, CROSSOVER_AUTO: "auto"}
+_CROSSOVER_VARIANTS = {**{v: k for k, v in CROSSOVER_PATHS.items()}, CROSSOVER_AUTO: "auto", CROSSOVER_PEER: "peer"}
 
 
 def row_routing(data: dict[str, Any], row: dict[str, Any]) -> str:
@@ -212,12 +214,14 @@ def crossover_table(datasets: list[dict[str, Any]], model: str, routing: str) ->
         auto = timed.get("auto")
         auto_cell = point_cells["auto"]
         vs_best = auto["us"] / singles[best]["us"] - 1.0 if auto is not None and best is not None else None
+        peer = timed.get("peer")
+        vs_peer = auto["us"] / peer["us"] - 1.0 if auto is not None and peer is not None else None
         points.append({
             "batch": batch, "cells": point_cells, "best": best,
             "best_us": singles[best]["us"] if best is not None else None,
             "choice": auto_cell.get("choice") if auto_cell is not None else None,
             "choice_source": auto_cell.get("choice_source") if auto_cell is not None else None,
-            "auto_vs_best": vs_best, "flag": vs_best is not None and vs_best > AUTO_SLACK,
+            "auto_vs_best": vs_best, "flag": vs_best is not None and vs_best > AUTO_SLACK, "auto_vs_peer": vs_peer,
             "mixed_runs": len({cell["source"] for cell in timed.values()}) > 1,
         })
     fastest = {c: [p["batch"] for p in points if p["best"] == c] for c in CROSSOVER_PATHS}
@@ -240,7 +244,7 @@ def _crossover_summary(record: dict[str, Any]) -> str:
         order = sorted((b, c) for c, b in ((c, bs[0]) for c, bs in record["fastest"].items() if bs))
         parts = [", ".join(f"{c} T={_t_ranges(record['fastest'][c], timed_batches)}" for _, c in order)]
     measured = {column for p in record["points"] for column, cell in p["cells"].items() if cell is not None}
-    missing = [c for c in CROSSOVER_COLUMNS if c not in measured]
+    missing = [c for c in CROSSOVER_COLUMNS if c not in measured and c != "peer"]  # the peer is optional
     if missing:
         parts[0] += f" ({', '.join(missing)} not measured)"
     if record["auto_compared"]:
@@ -253,6 +257,14 @@ def _crossover_summary(record: dict[str, Any]) -> str:
         parts.append(text)
     elif "auto" not in missing:
         parts.append("auto not compared (no timed auto and single-path rows at a common T)")
+    versus = [p for p in record["points"] if p.get("auto_vs_peer") is not None]
+    if versus:
+        behind = [p for p in versus if p["auto_vs_peer"] > 0]
+        text = f"auto at least as fast as the Triton peer at {len(versus) - len(behind)}/{len(versus)} points"
+        if behind:
+            text += " (slower at " + ", ".join(f"T={p['batch']}: {_signed_percent(p['auto_vs_peer'])}"
+                                               for p in behind) + ")"
+        parts.append(text)
     return f"{record['model']}, {record['routing']} routing: " + "; ".join(parts)
 
 
@@ -281,14 +293,23 @@ def crossover_cells(point: dict[str, Any]) -> dict[str, str]:
     out["vs_best"] = "-" if vs is None else _signed_percent(vs) + (" ⚠" if point["flag"] else "")
     if point["mixed_runs"]:
         out["vs_best"] += " †"
+    vs_peer = point.get("auto_vs_peer")
+    out["vs_peer"] = "-" if vs_peer is None else _signed_percent(vs_peer)
     return out
 
 
 CROSSOVER_TITLES = (("batch", "T"), ("strict", "strict µs (% roof)"), ("batched", "batched µs (% roof)"),
                     ("mixed", "mixed µs (% roof)"), ("MMA", "MMA µs (% roof)"),
                     ("expert-centric", "expert-centric µs (% roof)"),
-                    ("auto", "auto µs (% roof)"),
-                    ("best", "best single path"), ("choice", "auto's choice"), ("vs_best", "auto vs best"))
+                    ("auto", "auto µs (% roof)"), ("peer", "Triton peer µs (% roof)"),
+                    ("best", "best single path"), ("choice", "auto's choice"), ("vs_best", "auto vs best"),
+                    ("vs_peer", "auto vs peer"))
+
+
+def crossover_titles(record: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """:data:`CROSSOVER_TITLES`, without the peer's two columns where no peer row was measured."""
+    has_peer = any(p["cells"].get("peer") is not None for p in record["points"])
+    return tuple(t for t in CROSSOVER_TITLES if has_peer or t[0] not in ("peer", "vs_peer"))
 
 
 def crossover_title(record: dict[str, Any]) -> str:
@@ -318,11 +339,12 @@ def crossover_notes(record: dict[str, Any], names: list[str] | None = None, code
 
 def crossover_rich(record: dict[str, Any], names: list[str] | None = None) -> Group:
     drops = {"choice": 2, "best": 1}  # a narrow terminal keeps the times and auto's distance from the best
+    titles = crossover_titles(record)
     table = FitTable([Column(title, "left" if key in ("best", "choice") else "right", drops.get(key, 0))
-                      for key, title in CROSSOVER_TITLES], title=crossover_title(record))
+                      for key, title in titles], title=crossover_title(record))
     for point in record["points"]:
         c = crossover_cells(point)
-        texts = [Text(c[key], style="bold" if key == point["best"] else "") for key, _ in CROSSOVER_TITLES]
+        texts = [Text(c[key], style="bold" if key == point["best"] else "") for key, _ in titles]
         table.add_row(*texts, style="red" if point["flag"] else None)
     notes = [Text(note, style="dim") for note in crossover_notes(record, names, code=False)]
     return Group(table, *notes, Text(record["summary"], style="bold"))
@@ -332,14 +354,15 @@ def crossover_markdown(datasets: list[dict[str, Any]], names: list[str] | None =
     """One markdown table per (model, routing) with a summary line; "" when no run has two of the paths."""
     blocks = []
     for record in crossover_tables(datasets):
+        titles = crossover_titles(record)
         lines = [f"{level} {crossover_title(record)}", "",
-                 "| " + " | ".join(title for _, title in CROSSOVER_TITLES) + " |",
-                 "|" + "|".join("---" if key in ("best", "choice") else "---:" for key, _ in CROSSOVER_TITLES) + "|"]
+                 "| " + " | ".join(title for _, title in titles) + " |",
+                 "|" + "|".join("---" if key in ("best", "choice") else "---:" for key, _ in titles) + "|"]
         for point in record["points"]:
             c = crossover_cells(point)
             if point["best"] is not None:
                 c[point["best"]] = f"**{c[point['best']]}**"
-            lines.append("| " + " | ".join(c[key].replace("|", "\\|") for key, _ in CROSSOVER_TITLES) + " |")
+            lines.append("| " + " | ".join(c[key].replace("|", "\\|") for key, _ in titles) + " |")
         lines += ["", *crossover_notes(record, names), "", record["summary"]]
         blocks.append("\n".join(lines) + "\n")
     return "\n".join(blocks)

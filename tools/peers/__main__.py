@@ -1,0 +1,103 @@
+"""``python -m tools.peers``: the Triton fused-MoE peer, every tile config, beside the lab's paths, one process.
+
+    python -m tools.peers --model qwen3-30b-a3b,qwen3-235b-a22b --batch 1,8,16,32,64 --json peers.json --tune
+
+Each tile config of :data:`tools.peers.triton_fused_moe.CONFIGS` is a variant ``triton:fused-moe[<config>]``
+measured by the bench's harness (same graph structure, weight rotation and in-process roofline as the lab's paths,
+checked against ``reference.moe_decode(mode="classical")`` before and after timing). Per (model, batch) the fastest
+config's row is also recorded as ``triton:fused-moe`` (the tuned peer, ``tuned_from`` naming the config);
+``--tune`` writes those choices to ``tools/peers/tuned/<gpu slug>.json``, which the variant's ``CONFIG=-1`` reads.
+Without PyTorch, Triton or a GPU it says so in one line and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+from tools import peers
+from tools.cli import int_list
+
+LAB_DEFAULT = ("cupy:auto",)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tools.peers", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3-30b-a3b", help="comma list of presets")
+    parser.add_argument("--batch", type=int_list, default=[1, 8, 16, 32, 64], help="comma list of batch sizes")
+    parser.add_argument("--routing", default="uniform", choices=["uniform", "zipf", "same"])
+    parser.add_argument("--lab", default=",".join(LAB_DEFAULT), help="lab variants measured beside the peer")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--json", help="write the bench record (every config's rows, the tuned peer rows) here")
+    parser.add_argument("--tune", action="store_true", help="write the fastest config per point to tools/peers/tuned/")
+    return parser
+
+
+def tuned_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per (model, batch, routing), the fastest checked config row, renamed to the tuned peer."""
+    best: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for row in data.get("results", []):
+        if not row["variant"].startswith(peers.PEER + "[") or row.get("status") != "ok":
+            continue
+        key = (row["model"], row["batch"], row.get("routing"))
+        if key not in best or row["median_us"] < best[key]["median_us"]:
+            best[key] = row
+    return [{**row, "variant": peers.PEER, "tuned_from": row["variant"]} for row in best.values()]
+
+
+def write_tuned(rows: list[dict[str, Any]], gpu: str) -> Any:
+    """Merge the tuned rows' configs into ``gpu``'s table (shape key -> batch -> config index); returns its path."""
+    from kernels.contract import Dims
+    from kernels.shapes import get_shape
+    from tools.peers.triton_fused_moe import CONFIGS
+
+    path = peers.tuned_path(gpu)
+    table = json.loads(path.read_text()) if path.exists() else {}
+    names = [f"{peers.PEER}[{c.name}]" for c in CONFIGS]
+    for row in rows:
+        shape = get_shape(row["model"])
+        key = peers.shape_key(Dims(row["batch"], shape.hidden, shape.intermediate, shape.experts, shape.top_k))
+        table.setdefault(key, {})[str(row["batch"])] = names.index(row["tuned_from"])
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if peers.WHY_NOT is not None:
+        print(f"skipped: the peers {peers.WHY_NOT}")
+        return 0
+    from kernels.dispatch import current_gpu
+    from kernels.variants import REGISTRY
+    from tools import bench
+    from tools.peers.triton_fused_moe import CONFIGS
+
+    peer = REGISTRY[peers.PEER]
+    configs = [dataclasses.replace(peer, name=f"{peers.PEER}[{c.name}]", params={"CONFIG": i}, grid={})
+               for i, c in enumerate(CONFIGS)]
+    lab = [name for name in args.lab.split(",") if name]
+    result = bench.run(args.model.split(","), args.batch, variants=[*lab, *configs], routing=args.routing,
+                       repeats=args.repeats, stages=False, json_path=args.json)
+    data = result.data
+    rows = tuned_rows(data)
+    data["results"].extend(rows)
+    if args.json:
+        result.to_json(args.json)
+    for row in sorted(rows, key=lambda r: (r["model"], r["batch"])):
+        lab_rows = {r["variant"]: r for r in data["results"] if r["model"] == row["model"]
+                    and r["batch"] == row["batch"] and r["variant"] in lab and r.get("status") == "ok"}
+        versus = " ".join(f"{name} {r['median_us']:.1f} us ({r['median_us'] / row['median_us']:.2f}x)"
+                          for name, r in lab_rows.items())
+        print(f"{row['model']} T={row['batch']}: peer {row['median_us']:.1f} us ({row['tuned_from']}); {versus}")
+    if args.tune:
+        path = write_tuned(rows, current_gpu())
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

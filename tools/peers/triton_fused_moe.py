@@ -1,0 +1,242 @@
+"""The serving engines' fused-MoE design, re-implemented here in Triton: the peer the lab's paths are measured against.
+
+Not vLLM's or SGLang's code: this lab's own implementation of the design they ship (vLLM
+``model_executor/layers/fused_moe``): per layer, five launches --
+
+1. ``align``: the T*K (token, slot) pairs sorted by expert, each expert's run padded to a multiple of ``BLOCK_M``
+   (pad slots hold the sentinel T*K), the expert of every ``BLOCK_M`` block, and the padded total -- on the device;
+2. ``gemm_gate_up``: a grouped GEMM, one program per (M block of sorted pairs, N block of 2I): the block's tokens'
+   x rows gathered, times its expert's w13 rows, fp32 accumulators, stored bf16 [T*K, 2I];
+3. ``silu_mul``: ``bf16(SiLU(gate) * up)`` [T*K, I];
+4. ``gemm_down``: the same grouped GEMM over w2, the routing weight applied to the fp32 accumulator, stored bf16
+   [T*K, H];
+5. ``sum``: each token's K rows summed in fp32, one bf16 rounding.
+
+The numerics are ``reference.moe_decode(mode="classical")``'s (bf16 gate/up, activation and per-pair buffers) but
+for one rounding: the routing weight is applied before the per-pair bf16 store, as vLLM does. Tile configs
+(``CONFIGS``) are of the kind vLLM ships tuned per GPU; ``python -m tools.peers --tune`` picks one per (shape, T).
+Every buffer is allocated at build time and every launch goes on CuPy's current stream, so the layer is captured in
+the bench's CUDA graph like the lab's paths.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils.dlpack
+import triton
+import triton.language as tl
+
+from kernels.contract import Dims
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One GEMM tiling (both GEMMs use it, as vLLM's per-shape config files do)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def name(self) -> str:
+        return (f"M{self.block_m}-N{self.block_n}-K{self.block_k}-G{self.group_m}-w{self.num_warps}"
+                f"-s{self.num_stages}")
+
+
+# Tilings of the kind vLLM's H100/H200 fused-MoE config files hold for these expert shapes (small BLOCK_M for
+# decode batches, larger M and N tiles and more warps as the pairs per expert grow).
+CONFIGS: tuple[TileConfig, ...] = (
+    TileConfig(16, 64, 128, 1, 4, 3),
+    TileConfig(16, 128, 128, 1, 4, 3),
+    TileConfig(16, 64, 256, 1, 4, 3),
+    TileConfig(32, 64, 128, 1, 4, 4),
+    TileConfig(64, 64, 64, 1, 4, 4),
+    TileConfig(64, 128, 128, 16, 8, 3),
+)
+DEFAULT_CONFIG = CONFIGS[0]
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (the CPU tests)
+
+
+@triton.jit
+def _align(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, pairs, experts,
+           BLOCK_M: tl.constexpr, PAIRS_P2: tl.constexpr, EXPERTS_P2: tl.constexpr):
+    """Program e: expert e's pairs, in pair order, at its padded offset; its blocks' expert id; program 0 the
+    padded total. Ids outside [0, E) are left out (their token's output is then NaN, see ``_sum``)."""
+    e = tl.program_id(0)
+    offs = tl.arange(0, PAIRS_P2)
+    ids = tl.load(ids_ptr + offs, mask=offs < pairs, other=-1)
+    valid = (ids >= 0) & (ids < experts)
+    counts = tl.histogram(tl.where(valid, ids, EXPERTS_P2 - 1), EXPERTS_P2)  # the last bin (>= E) takes the rest
+    counts = tl.where(tl.arange(0, EXPERTS_P2) < experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    here = tl.arange(0, EXPERTS_P2) == e
+    start = tl.sum(tl.where(here, ends - padded, 0))
+    size = tl.sum(tl.where(here, padded, 0))
+    mine = valid & (ids == e)
+    rank = tl.cumsum(mine.to(tl.int32), 0) - 1
+    tl.store(sorted_ptr + start + rank, offs, mask=mine)
+    count = tl.sum(mine.to(tl.int32))
+    for j in range(count, size):  # the pad slots of this expert's run
+        tl.store(sorted_ptr + start + j, pairs)
+    for b in range(start // BLOCK_M, (start + size) // BLOCK_M):
+        tl.store(block_expert_ptr + b, e)
+    if e == 0:
+        tl.store(total_ptr, tl.sum(padded))
+
+
+@triton.jit
+def _grouped_gemm(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, total_ptr, weights_ptr,
+                  n, k, pairs, top_k, stride_a, stride_we, stride_wn, stride_c,
+                  GATHER_TOKENS: tl.constexpr, MUL_WEIGHT: tl.constexpr, DOT_F32: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """C[pair, :] = A[row] @ W[e].T for the sorted pairs of each M block (row = the pair's token when
+    GATHER_TOKENS, else the pair), times the pair's routing weight when MUL_WEIGHT; W[e] is [n, k] row-major."""
+    pid = tl.program_id(0)
+    m_blocks = tl.cdiv(tl.load(total_ptr), BLOCK_M)
+    n_blocks = tl.cdiv(n, BLOCK_N)
+    in_group = GROUP_M * n_blocks
+    group = pid // in_group
+    first_m = group * GROUP_M
+    rows_in_group = tl.minimum(m_blocks - first_m, GROUP_M)
+    if rows_in_group <= 0:
+        return
+    pid_m = first_m + (pid % in_group) % rows_in_group
+    pid_n = (pid % in_group) // rows_in_group
+    if pid_m >= m_blocks:
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m)
+    live = pair < pairs
+    if GATHER_TOKENS:
+        row = pair // top_k
+    else:
+        row = pair
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + row.to(tl.int64)[:, None] * stride_a
+    w_cols = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(k, BLOCK_K)):
+        kk = k0 * BLOCK_K + offs_k
+        a = tl.load(a_rows + kk[None, :], mask=live[:, None] & (kk[None, :] < k), other=0.0)
+        w = tl.load(w_cols + kk[:, None], mask=(kk[:, None] < k) & (offs_n[None, :] < n), other=0.0)
+        if DOT_F32:  # Triton's CPU interpreter reads bf16 dot operands as integers: widen them there
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+    if MUL_WEIGHT:
+        acc = acc * tl.load(weights_ptr + pair, mask=live, other=0.0)[:, None]
+    c = c_ptr + pair.to(tl.int64)[:, None] * stride_c + offs_n[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=live[:, None] & (offs_n[None, :] < n))
+
+
+@triton.jit
+def _silu_mul(gate_up_ptr, act_ptr, inter, BLOCK: tl.constexpr):
+    """act[pair, i] = bf16(SiLU(gate) * up) from the bf16 gate / up halves of the first GEMM's output."""
+    pair = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    gate = tl.load(gate_up_ptr + pair * 2 * inter + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + pair * 2 * inter + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    silu = gate / (1.0 + tl.exp(-gate))
+    tl.store(act_ptr + pair * inter + offs, (silu * up).to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _sum(per_pair_ptr, ids_ptr, out_ptr, hidden, experts, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, h] = bf16(sum_k per_pair[t*K + k, h]) in fp32; a token with an id outside [0, E) gets NaN."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    bad = 0
+    for s in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * TOP_K + s)
+        bad += ((e < 0) | (e >= experts)).to(tl.int32)
+        acc += tl.load(per_pair_ptr + (t * TOP_K + s) * hidden + offs, mask=mask, other=0.0).to(tl.float32)
+    acc = tl.where(bad > 0, float("nan"), acc)
+    tl.store(out_ptr + t * hidden + offs, acc.to(tl.bfloat16), mask=mask)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def as_torch(arr: Any) -> torch.Tensor:
+    """A zero-copy torch view of a CuPy or NumPy array. CuPy arrays go through a DLPack capsule (``toDlpack``: no
+    stream handshake, which a stream being captured would not allow); bf16 through a 16-bit integer view."""
+    import numpy as np
+
+    from kernels.contract import BF16
+
+    bf16 = arr.dtype == BF16
+    if isinstance(arr, np.ndarray):
+        tensor = torch.from_numpy(arr.view(np.int16) if bf16 else arr)
+    else:
+        tensor = torch.utils.dlpack.from_dlpack((arr.view(np.int16) if bf16 else arr).toDlpack())
+    return tensor.view(torch.bfloat16) if bf16 else tensor
+
+
+class FusedMoE:
+    """One layer of the design for fixed dims and one tile config: buffers allocated once, launches only."""
+
+    def __init__(self, dims: Dims, config: TileConfig = DEFAULT_CONFIG, device: str = "cuda") -> None:
+        self.dims, self.config = dims, config
+        pairs = dims.tokens * dims.top_k
+        slots = pairs + dims.experts * (config.block_m - 1)
+        self.m_blocks = triton.cdiv(slots, config.block_m)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.sorted = torch.empty(self.m_blocks * config.block_m, **i32)
+        self.block_expert = torch.empty(self.m_blocks, **i32)
+        self.total = torch.empty(1, **i32)
+        bf16 = dict(dtype=torch.bfloat16, device=device)
+        self.gate_up = torch.empty(pairs, 2 * dims.intermediate, **bf16)
+        self.act = torch.empty(pairs, dims.intermediate, **bf16)
+        self.per_pair = torch.empty(pairs, dims.hidden, **bf16)
+
+    def stages(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+               weights: torch.Tensor, out: torch.Tensor) -> list[tuple[str, Any]]:
+        d, c = self.dims, self.config
+        pairs, inter = d.tokens * d.top_k, d.intermediate
+        tiles = dict(DOT_F32=INTERPRETED, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+                     num_warps=c.num_warps, num_stages=c.num_stages)
+
+        def align() -> None:
+            _align[(d.experts,)](ids, self.sorted, self.block_expert, self.total, pairs, d.experts,
+                                 BLOCK_M=c.block_m, PAIRS_P2=_next_pow2(pairs), EXPERTS_P2=_next_pow2(d.experts + 1))
+
+        def gemm_gate_up() -> None:
+            grid = (self.m_blocks * triton.cdiv(2 * inter, c.block_n),)
+            _grouped_gemm[grid](x, w13, self.gate_up, self.sorted, self.block_expert, self.total, weights,
+                                2 * inter, d.hidden, pairs, d.top_k, x.stride(0), w13.stride(0), w13.stride(1),
+                                self.gate_up.stride(0), GATHER_TOKENS=True, MUL_WEIGHT=False, **tiles)
+
+        def silu_mul() -> None:
+            _silu_mul[(pairs, triton.cdiv(inter, 1024))](self.gate_up, self.act, inter, BLOCK=1024)
+
+        def gemm_down() -> None:
+            grid = (self.m_blocks * triton.cdiv(d.hidden, c.block_n),)
+            _grouped_gemm[grid](self.act, w2, self.per_pair, self.sorted, self.block_expert, self.total, weights,
+                                d.hidden, inter, pairs, d.top_k, self.act.stride(0), w2.stride(0), w2.stride(1),
+                                self.per_pair.stride(0), GATHER_TOKENS=False, MUL_WEIGHT=True, **tiles)
+
+        def combine() -> None:
+            _sum[(d.tokens, triton.cdiv(d.hidden, 1024))](self.per_pair, ids, out, d.hidden, d.experts,
+                                                          TOP_K=d.top_k, BLOCK=1024)
+
+        return [("align", align), ("gemm_gate_up", gemm_gate_up), ("silu_mul", silu_mul),
+                ("gemm_down", gemm_down), ("sum", combine)]
+
+    def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+                 weights: torch.Tensor, out: torch.Tensor) -> None:
+        for _, stage in self.stages(x, w13, w2, ids, weights, out):
+            stage()
