@@ -156,9 +156,9 @@ def make_problem(
     """A fresh problem: ``tokens`` decode tokens through one layer of ``shape``.
 
     ``tokens`` is an int >= 1 and ``seed`` an int >= 0 (Python or NumPy ints); ``routing`` is a generator
-    name ("uniform", "zipf", "same") or fixed ids (see ``make_routing``); ``xp`` is ``numpy`` or ``cupy``
-    (module or name; cupy generates the weights on the GPU and needs one). Every argument is checked before
-    any array is made.
+    name (``kernels.routing.GENERATORS``: "uniform", "zipf", "correlated", "same", ...) or fixed ids (see
+    ``make_routing``); ``xp`` is ``numpy`` or ``cupy`` (module or name; cupy generates the weights on the GPU and
+    needs one). Every argument is checked before any array is made.
     """
     shape = get_shape(shape)
     tokens = check_int("tokens", tokens, 1)

@@ -14,8 +14,13 @@ import numpy as np
 
 from kernels.contract import check_int
 
-ROUTINGS = ("uniform", "zipf", "same", "fixed")
-ZIPF_EXPONENT = 1.2  # hot-expert skew of the "zipf" generator: p(rank r) ~ 1 / r**1.2
+# hot-expert skew of each Zipf generator, p(rank r) ~ 1 / r**s over a random order of the experts: "zipf" (1.2) is
+# what the 2026-12-01 bench runs used; "zipf-1" is the exponent the serving comparison quotes; "zipf-2" is heavier
+ZIPF_EXPONENTS = {"zipf": 1.2, "zipf-1": 1.0, "zipf-2": 2.0}
+ZIPF_EXPONENT = ZIPF_EXPONENTS["zipf"]
+CORRELATED_KEEP = 0.75  # "correlated": the chance each slot keeps the batch's shared expert
+GENERATORS = ("uniform", *ZIPF_EXPONENTS, "correlated", "same")
+ROUTINGS = (*GENERATORS, "fixed")
 
 
 def route(logits: np.ndarray, top_k: int, renormalize: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -85,8 +90,11 @@ def make_routing(
 
     routing:
       "uniform"  each token picks ``top_k`` distinct experts uniformly at random (the bench's default);
-      "zipf"     distinct experts drawn with hot experts favoured, p(rank r) ~ 1/r**1.2, ranks shuffled;
-      "same"     every token on the same ``top_k`` experts (the worst case for weight sharing);
+      "zipf"     distinct experts drawn with hot experts favoured, p(rank r) ~ 1/r**1.2, ranks shuffled
+                 ("zipf-1": exponent 1, "zipf-2": exponent 2, heavier);
+      "correlated" the batch shares one set of ``top_k`` experts: each slot keeps its shared expert with
+                 probability 3/4, else takes a uniformly random expert outside the set (tokens of one request);
+      "same"     every token on the same ``top_k`` experts (all on one expert set);
       "fixed"    not a string: a list of ``top_k`` ids for every token, or a [T, K] array of ids
                  (duplicates allowed: their contributions add).
     """
@@ -96,24 +104,30 @@ def make_routing(
     seed = check_int("seed", seed, 0)
     rng = np.random.default_rng(seed)
     if isinstance(routing, str):
-        if routing in ("uniform", "zipf", "same") and top_k > experts:
+        if routing in GENERATORS and top_k > experts:
             raise ValueError(
                 f"routing {routing!r} picks distinct experts: top_k ({top_k}) must be <= experts ({experts})"
             )
         if routing == "uniform":
             # top-k of i.i.d. keys is a uniformly random k-subset
             topk_ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
-        elif routing == "zipf":
-            popularity = 1.0 / np.arange(1, experts + 1) ** ZIPF_EXPONENT
+        elif routing in ZIPF_EXPONENTS:
+            popularity = 1.0 / np.arange(1, experts + 1) ** ZIPF_EXPONENTS[routing]
             log_p = np.log(popularity[rng.permutation(experts)])
             # Gumbel-top-k: distinct draws without replacement, proportional to popularity
             keys = log_p[None, :] + rng.gumbel(size=(tokens, experts))
             topk_ids = np.argsort(-keys, axis=1)[:, :top_k]
+        elif routing == "correlated":
+            shared = rng.choice(experts, size=top_k, replace=False)
+            keep = rng.random((tokens, top_k)) < CORRELATED_KEEP
+            keys = rng.random((tokens, experts))  # the replacements: uniform over the experts outside the set
+            keys[:, shared] = np.where(keep, 2.0, -1.0)  # kept shared experts first; dropped ones never return
+            topk_ids = np.argsort(-keys, axis=1, kind="stable")[:, :top_k]
         elif routing == "same":
             chosen = rng.choice(experts, size=top_k, replace=False)
             topk_ids = np.broadcast_to(chosen, (tokens, top_k))
         else:
-            raise ValueError(f"routing must be one of {ROUTINGS[:3]} or a list of expert ids, got {routing!r}")
+            raise ValueError(f"routing must be one of {GENERATORS} or a list of expert ids, got {routing!r}")
     else:
         ids = np.asarray(routing)
         if ids.ndim == 1:

@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 import pytest
 
-from kernels.routing import make_routing, route, unique_experts
+from kernels.routing import GENERATORS, make_routing, route, unique_experts
 
 
 def test_route_softmax_topk_renormalize(rng: np.random.Generator) -> None:
@@ -129,7 +129,7 @@ def test_route_top_k_numpy_ints_and_bools(rng: np.random.Generator) -> None:
         route(logits, np.int32(0))
 
 
-@pytest.mark.parametrize("kind", ["uniform", "zipf", "same"])
+@pytest.mark.parametrize("kind", GENERATORS)
 def test_generators_distinct_and_deterministic(kind: str) -> None:
     ids, weights = make_routing(32, 64, 8, kind, seed=7)
     again, weights_again = make_routing(32, 64, 8, kind, seed=7)
@@ -150,6 +150,19 @@ def test_zipf_is_skewed_and_same_is_one_set() -> None:
     assert hottest > 3 * np.bincount(uniform.ravel(), minlength=128).max() / 2
     same, _ = make_routing(16, 128, 8, "same", seed=1)
     assert unique_experts(same) == 8
+
+
+def test_skew_grows_with_the_zipf_exponent_and_correlated_tokens_share_their_experts() -> None:
+    hottest = {kind: np.bincount(make_routing(512, 128, 8, kind, seed=3)[0].ravel(), minlength=128).max()
+               for kind in ("uniform", "zipf-1", "zipf", "zipf-2")}
+    assert hottest["uniform"] < hottest["zipf-1"] < hottest["zipf"] < hottest["zipf-2"] <= 512
+    ids, _ = make_routing(256, 128, 8, "correlated", seed=3)
+    counts = np.bincount(ids.ravel(), minlength=128)
+    shared = np.argsort(-counts)[:8]
+    kept = np.isin(ids, shared).mean()
+    assert 0.70 < kept < 0.80  # each slot keeps the batch's expert with probability 3/4
+    assert all(len(set(row)) == 8 for row in ids) and unique_experts(ids) > 8
+    assert unique_experts(make_routing(256, 128, 8, "uniform", seed=3)[0]) > unique_experts(ids)
 
 
 def test_fixed_routing_allows_duplicates() -> None:

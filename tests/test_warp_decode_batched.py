@@ -586,6 +586,17 @@ def test_mma_kernels(cupy_mod: Any, rng: np.random.Generator, model: str, tokens
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("routing", ["zipf-1", "zipf-2", "correlated", "same"])
+@pytest.mark.parametrize("path", ["fma", "mixed", "mma"])
+def test_batched_paths_under_skewed_routings(cupy_mod: Any, rng: np.random.Generator, routing: str, path: str) -> None:
+    """Every batched path under the routings that stand for real routers (kernels.routing.GENERATORS): a hot
+    expert's many pairs, a batch sharing most of its experts, all tokens on one set."""
+    knobs = {"fma": {}, "mixed": wdb.MIXED_KNOBS, "mma": MMA}[path]
+    problem = make_problem("qwen3-30b-a3b", 32, seed=_seed(rng), routing=routing, xp=cupy_mod)
+    _run_and_check(cupy_mod, problem, f"{path} qwen3-30b T=32 {routing}", strict_inter=path != "mma", **knobs)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(("model", "tokens", "routing"), [("qwen3-30b-a3b", 4, "uniform"), ("qwen3-30b-a3b", 8, "same"),
                                                         ("qwen3-235b-a22b", 3, "zipf")])
 def test_mixed_kernels(cupy_mod: Any, rng: np.random.Generator, model: str, tokens: int, routing: str) -> None:

@@ -38,6 +38,7 @@ from kernels import warp_decode_cupy as wdc
 from kernels.contract import BF16, Dims
 from kernels.problem import Problem, make_problem
 from kernels.reference import moe_decode
+from kernels.routing import GENERATORS
 from kernels.shapes import PRESETS, MoEShape
 from tests.warp_checks import (
     EMULATION_LOAD,
@@ -426,6 +427,14 @@ def test_routings(cupy_mod: Any, rng: np.random.Generator, routing: str) -> None
     for model, ids in zip(("tiny", "qwen3-30b-a3b"), ROUTINGS[routing], strict=True):
         problem = make_problem(model, 6, seed=_seed(rng), routing=ids, xp=cupy_mod)
         _run_and_check(cupy_mod, problem, f"{model} routing {routing}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", GENERATORS)
+def test_generated_routings(cupy_mod: Any, rng: np.random.Generator, routing: str) -> None:
+    """Every routing generator, the skewed and correlated ones included (kernels.routing.GENERATORS)."""
+    problem = make_problem("qwen3-30b-a3b", 8, seed=_seed(rng), routing=routing, xp=cupy_mod)
+    _run_and_check(cupy_mod, problem, f"qwen3-30b T=8 routing {routing}")
 
 
 @pytest.mark.gpu

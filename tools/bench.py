@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from kernels.contract import check_int
+from kernels.routing import GENERATORS
 from kernels.shapes import DEFAULT_MODEL, PRESETS, get_shape
 from tools import display, harness, report
 from tools.cli import int_list, positive_int
@@ -43,7 +44,7 @@ from tools.registry import load as load_registry
 
 SCHEMA = "warp-decode-bench/1"
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
-ROUTINGS = ("uniform", "zipf", "same")
+ROUTINGS = GENERATORS  # the routing generators of kernels.routing
 DEFAULT_REPEATS = 30
 COMPILE_REPORTS = ("summary", "full", "none")
 SIM_SHAPE = "tiny"  # the shape the CPU path simulates and checks the reference at

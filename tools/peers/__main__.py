@@ -18,6 +18,7 @@ import json
 import sys
 from typing import Any
 
+from kernels.routing import GENERATORS
 from tools import peers
 from tools.cli import int_list
 
@@ -28,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tools.peers", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-30b-a3b", help="comma list of presets")
     parser.add_argument("--batch", type=int_list, default=[1, 8, 16, 32, 64], help="comma list of batch sizes")
-    parser.add_argument("--routing", default="uniform", choices=["uniform", "zipf", "same"])
+    parser.add_argument("--routing", default="uniform", choices=GENERATORS)
     parser.add_argument("--lab", default=",".join(LAB_DEFAULT), help="lab variants measured beside the peer")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", help="write the bench record (every config's rows, the tuned peer rows) here")
