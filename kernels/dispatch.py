@@ -18,8 +18,11 @@ it never syncs with the host and a captured CUDA graph stays valid for any routi
 
 1. A table measured on the GPU (``python -m tools.dispatch_table --json kernels/dispatch_tables/<slug>.json``, slug =
    the device name lowercased with non-alphanumerics as '-', e.g. ``nvidia-h200``) holds, per shape and T in 1, 2, 4,
-   ..., 64, every candidate's median and check status; the policy's fastest candidate with status "ok" that can run
-   the dims wins. T between points uses the nearest LOWER point (below the first: the first; above the last: the
+   ..., 64, every candidate's median and check status under uniform routing and under the skewed routings of
+   :data:`TABLE_ROUTINGS` (``routings``). Since the routing is unknown when the path is chosen, the choice holds
+   under skew: among the policy's candidates with status "ok" under every recorded routing (that can run the dims),
+   the one whose WORST slowdown against that routing's fastest candidate is least wins (one routing: the fastest).
+   T between points uses the nearest LOWER point (below the first: the first; above the last: the
    last). Older tables holding only a ``choice`` per point are still read (that choice if it belongs to the policy).
 2. Otherwise :func:`heuristic`: strict at T = 1 and when ``T * K <= E / 8``, the MMA path when ``T * K >= E``, else
    batched; never the mixed or expert-centric path, never a path that cannot run the dims (:func:`batched_supported`,
@@ -62,6 +65,7 @@ WARP_DECODE = "warp_decode"
 POLICIES = (FASTEST, WARP_DECODE)
 POLICY_CANDIDATES: dict[str, tuple[str, ...]] = {FASTEST: CANDIDATES, WARP_DECODE: (STRICT, BATCHED, MIXED, MMA)}
 TABLE_POINTS = (1, 2, 4, 8, 16, 32, 64)
+TABLE_ROUTINGS = ("uniform", "zipf")  # what tools.dispatch_table measures; the choice is the best worst case
 TABLE_DIR = Path(__file__).resolve().parent / "dispatch_tables"
 SCHEMA = "warp-decode-dispatch/1"
 STRICT_PAIRS_PER_EXPERT = 0.125  # heuristic: strict while T*K <= E/8 (and at T = 1)
@@ -123,17 +127,36 @@ def supported(name: str, dims: Dims) -> bool:
 # ---------------------------------------------------------------------------------------------------
 # Tables
 # ---------------------------------------------------------------------------------------------------
+def point_routings(point: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A point's measurements per routing: ``{"uniform": point's own median_us / status, other routings:
+    point["routings"][name]}`` (a point without ``median_us`` -- the old format -- has none)."""
+    if not isinstance(point.get("median_us"), dict):
+        return {}
+    return {"uniform": point, **(point.get("routings") or {})}
+
+
+def worst_slowdowns(point: dict[str, Any], candidates: list[str] | tuple[str, ...]) -> dict[str, float]:
+    """Per candidate with status "ok" and a median under EVERY routing the point records: its largest
+    median / (that routing's fastest such candidate's median) over the routings."""
+    runs = point_routings(point)
+    ok = [n for n in candidates if all((r.get("status") or {}).get(n) == "ok" and (r.get("median_us") or {}).get(n)
+                                       for r in runs.values())]
+    if not ok:
+        return {}
+    best = {name: min(r["median_us"][n] for n in ok) for name, r in runs.items()}
+    return {n: max(r["median_us"][n] / best[name] for name, r in runs.items()) for n in ok}
+
+
 def point_choice(point: dict[str, Any], policy: str = FASTEST, dims: Dims | None = None) -> str | None:
-    """The choice of one table point under ``policy``: the fastest of the policy's candidates with status
-    "ok" and a median (among those that can run ``dims`` when given; ties -> the alphabetically first).
-    An old-format point (``choice`` only) gives its choice if it belongs to the policy (and can run the dims).
-    None when the point offers nothing for this policy."""
+    """The choice of one table point under ``policy``: among the policy's candidates with status "ok" and a
+    median under every recorded routing (and that can run ``dims`` when given), the least worst slowdown
+    (:func:`worst_slowdowns`; one routing: the fastest; ties -> the alphabetically first). An old-format point
+    (``choice`` only) gives its choice if it belongs to the policy (and can run the dims). None when the point
+    offers nothing for this policy."""
     candidates = [n for n in POLICY_CANDIDATES[check_policy(policy)] if dims is None or supported(n, dims)]
-    medians = point.get("median_us")
-    if isinstance(medians, dict):
-        status = point.get("status") or {}
-        ok = {n: medians[n] for n in candidates if status.get(n) == "ok" and medians.get(n) is not None}
-        return min(sorted(ok), key=lambda n: ok[n]) if ok else None
+    if isinstance(point.get("median_us"), dict):
+        worst = worst_slowdowns(point, candidates)
+        return min(sorted(worst), key=lambda n: worst[n]) if worst else None
     choice = point.get("choice")
     return choice if choice in candidates else None
 
@@ -163,14 +186,21 @@ def validate_table(table: Any) -> dict[str, Any]:
                 if "choice" not in point:
                     raise ValueError(f"{where}: a point needs median_us and status (or an old-format choice)")
                 continue
-            if not isinstance(medians, dict) or not isinstance(point.get("status"), dict):
-                raise ValueError(f"{where}: median_us and status must be objects keyed by variant name")
-            for name, median in medians.items():
-                if median is not None and (isinstance(median, bool) or not isinstance(median, (int, float))
-                                           or not median > 0):
-                    raise ValueError(f"{where}: median_us[{name!r}] must be a positive number or null, got {median!r}")
+            if not isinstance(point.get("routings", {}), dict):
+                raise ValueError(f"{where}: routings must be an object keyed by routing name")
+            for routing, run in point_routings(point).items():
+                medians = run.get("median_us") if isinstance(run, dict) else None
+                if not isinstance(medians, dict) or not isinstance(run.get("status"), dict):
+                    raise ValueError(f"{where} ({routing}): median_us and status must be objects keyed by variant "
+                                     "name")
+                for name, median in medians.items():
+                    if median is not None and (isinstance(median, bool) or not isinstance(median, (int, float))
+                                               or not median > 0):
+                        raise ValueError(f"{where} ({routing}): median_us[{name!r}] must be a positive number or "
+                                         f"null, got {median!r}")
             if point_choice(point, FASTEST) is None:
-                raise ValueError(f"{where}: no candidate of {CANDIDATES} was measured correctly (status 'ok')")
+                raise ValueError(f"{where}: no candidate of {CANDIDATES} was measured correctly (status 'ok' "
+                                 "under every recorded routing)")
     return table
 
 
@@ -275,7 +305,7 @@ def make_workspace(dims: Dims, gpu: str | None = None, policy: str = FASTEST,
     if choice == EXPERT_CENTRIC:
         inner = ec.make_workspace(dims, None)
     elif choice in BATCHED_KNOBS:
-        inner = wdb.make_workspace(dims)
+        inner = wdb.make_workspace(dims, **BATCHED_KNOBS[choice])
     else:
         inner = wdc.make_workspace(dims.tokens, dims.top_k, dims.intermediate)
     return Workspace(dims, choice, source, inner, policy)

@@ -41,10 +41,12 @@ from kernels.compile import CudaSource, launch_ex, preset_variants
 from kernels.contract import BF16, Dims, check_aligned, check_inputs, check_out, require_cupy
 from kernels.family import Compiled, KernelFamily, Stage
 from kernels.variants import Variant, register
-from kernels.warp_decode_batched_cuda import CODE, KERNELS, MMA_KERNELS
+from kernels.warp_decode_batched_cuda import CODE, GROUPED_KERNELS, KERNELS, MMA_KERNELS
 
 EXPERT_LISTS, GATE_UP, DOWN = KERNELS
 GATE_UP_MMA, DOWN_MMA = MMA_KERNELS
+DOWN_GROUPED, SUM_SLOTS = GROUPED_KERNELS
+SUM_THREADS = 256  # threads of a moe_sum_slots block (its __launch_bounds__), 4 columns each
 LIST_HEADER = 4  # int32s before the slot arrays in the lists buffer (must match LIST_HEADER in the CUDA C)
 SHARED_LIMIT = 48 * 1024  # dynamic shared memory without opt-in
 OPT_IN_SHARED_LIMIT = 227 * 1024  # what the down and list kernels opt into above 48 KB (sm_90; launches set it)
@@ -75,6 +77,13 @@ DEFAULTS: dict[str, int] = {
     "DB_EARLY_W2": 0,  # 1: down issues its first round of w2 loads before its PDL wait (they overlap gate_up's tail)
     "DB_BALANCE": 0,  # MMA down: 1 cuts the (slot, k block) items into equal runs, one per warp; -1 = auto
     # (auto_balance; the tensor-core paths' knob sets use it)
+    "PAIR_TILES": 0,  # MMA gate_up: 1 runs one block row per tile of 8 * GB_NBLK of a slot's pairs (the list
+    # kernel's tile table), and the balanced MMA down cuts (tile, k block) items: skew-proof work units
+    "GB_STAGES": 0,  # MMA gate_up: 2..8 streams A and x through a per-lane cp.async ring of that many rounds of
+    # GB_UNROLL k blocks in shared memory; 0 = register loads
+    "DB_GROUPED": 0,  # 1: the down as a grouped GEMM over the tiles (moe_down_grouped, DB_WARPS x 16 hidden rows per
+    # block, per-pair FP32 rows), then moe_sum_slots sums each token's slots in slot order; needs DB_MMA, PAIR_TILES;
+    # -1 = auto (auto_grouped; the tensor-core path's knob set uses it)
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK")
 MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pdl-*.json: 7-10 % over 8 at qwen3-30b)
@@ -83,13 +92,14 @@ MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pd
 MMA_WIDE_DOWN_WARPS = 24
 MMA_UNROLL = 4  # auto GB_UNROLL / DB_UNROLL of the tensor-core kernels: 32-wide k blocks of loads in flight
 MMA_WIDE_DOWN_FROM = 32
+GROUPED_DOWN_WARPS = 4  # auto DB_WARPS of the grouped down: 4 warps x 16 rows of one tile per block, as gate_up's
 LIMITS = {
     "LIST_THREADS": (32, 1024), "LIST_PER": (0, 16),
     "GB_WARPS": (1, 32), "GB_OUTS": (1, 32), "GB_TILE": (0, 32), "GB_UNROLL": (0, 64), "GB_MAX_REGS": (0, 255),
     "DB_WARPS": (0, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (0, 255),
     "DB_EARLY_INTER": (0, 1),
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (1, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
-    "DB_BALANCE": (-1, 1),
+    "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "GB_STAGES": (0, 8),
 }
 
 
@@ -139,6 +149,8 @@ def auto_down_warps(dims: Dims | None, params: dict[str, int]) -> int:
     way to launch bounds alone)."""
     if not params["DB_MMA"]:
         return DEFAULTS["DB_WARPS"]
+    if params["DB_GROUPED"]:
+        return GROUPED_DOWN_WARPS
     if dims is None or dims.tokens < MMA_WIDE_DOWN_FROM:
         return MMA_DOWN_WARPS
     cap = params["DB_MAX_REGS"]
@@ -151,10 +163,15 @@ BALANCE_BELOW = 0.85  # auto DB_BALANCE when a round-robin's last round of exper
 
 
 def auto_balance(dims: Dims | None, params: dict[str, int]) -> int:
-    """DB_BALANCE for the tensor-core down: 1 when dealing the expected active experts (E * (1 - (1 - K/E)**T), at
-    most T*K) round-robin to DB_WARPS warps leaves the last round less than :data:`BALANCE_BELOW` full on average
-    (mean / ceil(mean) experts per warp), else 0 (H200 sweeps: results/sweep-stage-*.json)."""
-    if dims is None or not params["DB_MMA"]:
+    """DB_BALANCE for the tensor-core down: 1 with PAIR_TILES; else 1 when dealing the expected active experts
+    (E * (1 - (1 - K/E)**T), at most T*K) round-robin to DB_WARPS warps leaves the last round less than
+    :data:`BALANCE_BELOW` full on average (mean / ceil(mean) experts per warp), else 0 (H200 sweeps:
+    results/sweep-stage-*.json)."""
+    if not params["DB_MMA"]:
+        return 0
+    if params["PAIR_TILES"]:  # the tile table weighs experts by their pairs: balance by it at every T
+        return 1
+    if dims is None:
         return 0
     k, e = dims.top_k, dims.experts
     active = min(e * (1.0 - (1.0 - min(k, e) / e) ** dims.tokens), dims.tokens * k)
@@ -162,14 +179,33 @@ def auto_balance(dims: Dims | None, params: dict[str, int]) -> int:
     return 1 if mean / math.ceil(mean) < BALANCE_BELOW else 0
 
 
+GROUPED_FROM_PAIRS_PER_EXPERT = 2  # auto DB_GROUPED from T*K / E >= 2 (qwen3: T >= 32)
+
+
+def auto_grouped(dims: Dims | None, params: dict[str, int]) -> int:
+    """DB_GROUPED for the tensor-core path with tiles: 1 once experts average 2 pairs (T*K >= 2E), else 0. H200,
+    qwen3-30b-a3b / qwen3-235b-a22b (results/sweep-2026-12-01-mma-grouped-*.json): from T = 32 the grouped down
+    costs <= 1 % under uniform routing and saves 3-5 % under Zipf; at T <= 16 it costs 1-16 % (its fourth launch)."""
+    if dims is None or not (params["DB_MMA"] and params["PAIR_TILES"]):
+        return 0
+    return 1 if dims.tokens * dims.top_k >= GROUPED_FROM_PAIRS_PER_EXPERT * dims.experts else 0
+
+
 def slots(dims: Dims) -> int:
     """List slots: every active expert (<= min(E, T*K)) plus one for out-of-range ids."""
     return min(dims.experts, dims.tokens * dims.top_k) + 1
 
 
+def tile_capacity(dims: Dims, tile_pairs: int = 8) -> int:
+    """Tiles of ``tile_pairs`` pairs the batch's slots can need at most: sum of ceil(count / tile) over the
+    slots <= T*K // tile + slots. The tile table is sized for 8 (the smallest tile)."""
+    return slots(dims) + dims.tokens * dims.top_k // tile_pairs
+
+
 def lists_size(dims: Dims) -> int:
-    """int32s of the lists buffer: header, expert / offset / count per slot, the sorted pairs."""
-    return LIST_HEADER + 3 * slots(dims) + dims.tokens * dims.top_k
+    """int32s of the lists buffer: header, expert / offset / count per slot, the sorted pairs, the tile table
+    (expert / first / count per tile, written with PAIR_TILES)."""
+    return LIST_HEADER + 3 * slots(dims) + dims.tokens * dims.top_k + 3 * tile_capacity(dims)
 
 
 def lists_shared_bytes(dims: Dims, params: dict[str, int]) -> int:
@@ -179,13 +215,23 @@ def lists_shared_bytes(dims: Dims, params: dict[str, int]) -> int:
     return ((dims.experts + 1) * (1 + warps) + 2 * dims.tokens * dims.top_k) * 4
 
 
+def gate_up_shared_bytes(params: dict[str, int]) -> int:
+    """Dynamic shared memory of the tensor-core gate_up with GB_STAGES: per warp a ring of GB_STAGES rounds x
+    GB_UNROLL k blocks x (2 A chunks + GB_NBLK B chunks) x 32 lanes x 16 bytes; 0 without."""
+    if not params.get("GB_STAGES"):
+        return 0
+    return params["GB_WARPS"] * params["GB_STAGES"] * params["GB_UNROLL"] * (2 + params["GB_NBLK"]) * 32 * 16
+
+
 def down_columns(params: dict[str, int]) -> int:
     """Hidden columns per down block: DB_OUTS, or 16 (the mma's M) with DB_MMA."""
     return 16 if params.get("DB_MMA") else params["DB_OUTS"]
 
 
 def down_shared_bytes(dims: Dims, params: dict[str, int]) -> int:
-    """Dynamic shared memory of the down kernel: per warp an FP32 partial [T][columns]."""
+    """Dynamic shared memory of the down kernel: per warp an FP32 partial [T][columns] (none when grouped)."""
+    if params.get("DB_GROUPED"):
+        return 0
     return params["DB_WARPS"] * dims.tokens * down_columns(params) * 4
 
 
@@ -201,6 +247,15 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         raise ValueError("DB_EARLY_W2 applies to the tensor-core down kernel: it needs DB_MMA 1")
     if values["DB_BALANCE"] == 1 and not values["DB_MMA"]:
         raise ValueError("DB_BALANCE applies to the tensor-core down kernel: it needs DB_MMA 1")
+    if values["PAIR_TILES"] and not values["GB_MMA"]:
+        raise ValueError("PAIR_TILES cuts the tensor-core gate_up's work into tiles: it needs GB_MMA 1")
+    if values["GB_STAGES"] and (values["GB_STAGES"] < 2 or not values["GB_MMA"]):
+        raise ValueError(f"GB_STAGES must be 0 or 2..8 and needs GB_MMA 1, got GB_STAGES {values['GB_STAGES']} "
+                         f"with GB_MMA {values['GB_MMA']}")
+    if values["DB_GROUPED"] == -1:
+        values["DB_GROUPED"] = auto_grouped(dims, values)
+    if values["DB_GROUPED"] and not (values["DB_MMA"] and values["PAIR_TILES"]):
+        raise ValueError("DB_GROUPED runs the tensor-core down over the tile table: it needs DB_MMA 1 and PAIR_TILES 1")
     if values["LIST_THREADS"] % 32:
         raise ValueError(f"LIST_THREADS must be a multiple of 32, got {values['LIST_THREADS']}")
     for key in ("GB_BYTES", "DB_BYTES"):
@@ -252,6 +307,9 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         values["DB_UNROLL"] = auto_down_unroll(dims, values)
     if values["GB_NBLK"] == 0:
         values["GB_NBLK"] = auto_nblk(dims)
+    if gate_up_shared_bytes(values) > OPT_IN_SHARED_LIMIT:
+        raise ValueError(f"the gate_up ring (GB_WARPS x GB_STAGES x GB_UNROLL x (2 + GB_NBLK) x 512 bytes) needs "
+                         f"{gate_up_shared_bytes(values)} bytes > {OPT_IN_SHARED_LIMIT}: lower GB_STAGES or GB_UNROLL")
     shared = down_shared_bytes(dims, values)
     if shared > OPT_IN_SHARED_LIMIT:
         raise ValueError(
@@ -275,7 +333,8 @@ def max_tokens(top_k: int = 1, **params: Any) -> int:
 # The knob sets of the other two batched paths (kernels.dispatch launches them with these). DB_EARLY_W2 1: the
 # first w2 loads before the PDL wait (results/sweep-batched-early-w2-*.json); DB_BALANCE -1: the balanced down runs
 # where auto_balance says (results/sweep-stage-*.json).
-MMA_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1}  # both kernels on tensor cores
+MMA_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1, "PAIR_TILES": 1,  # both on tensor cores
+             "DB_GROUPED": -1}
 MIXED_KNOBS = {"DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1}  # FMA gate_up (bitwise strict's), tensor-core down
 
 
@@ -284,57 +343,75 @@ MIXED_KNOBS = {"DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1}  # FMA gate_up (
 # ---------------------------------------------------------------------------------------------------
 @dataclass
 class Workspace:
-    """The two buffers batched warp decode needs, allocated once per dims."""
+    """The buffers batched warp decode needs, allocated once per dims (and knob set: the grouped down's rows)."""
 
     dims: Dims
     intermediate: Any  # [T, K, I] bf16 (the same buffer as strict warp decode's)
     lists: Any  # [lists_size(dims)] int32: routing lists written by moe_expert_lists
+    pair_out: Any = None  # [T*K, H] float32: each pair's weighted down row (DB_GROUPED only)
 
     def matches(self, dims: Dims) -> bool:
         return self.dims == dims
 
 
-def make_workspace(dims: Dims) -> Workspace:
-    """Allocate the intermediate and the routing-list buffer for ``dims`` (CuPy, current device)."""
+def make_workspace(dims: Dims, **params: Any) -> Workspace:
+    """Allocate the intermediate and the routing-list buffer for ``dims`` (CuPy, current device), and the per-pair
+    rows of the grouped down when the knobs ``params`` (as for :func:`warp_decode_batched`) run it."""
     if not isinstance(dims, Dims):
         raise TypeError(f"dims must be a kernels.contract.Dims, got {type(dims).__name__}")
     for name in ("tokens", "hidden", "intermediate", "experts", "top_k"):
         value = getattr(dims, name)
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"dims.{name} must be an int >= 1, got {value!r}")
+    grouped = resolve_params(dims, **params)["DB_GROUPED"]
     import cupy
 
     return Workspace(
         dims=dims,
         intermediate=cupy.empty((dims.tokens, dims.top_k, dims.intermediate), dtype=BF16),
         lists=cupy.zeros(lists_size(dims), dtype=cupy.int32),
+        pair_out=cupy.empty((dims.tokens * dims.top_k, dims.hidden), dtype=np.float32) if grouped else None,
     )
 
 
 def _family_workspace(dims: Dims, params: dict[str, int]) -> Workspace:
-    return make_workspace(dims)
+    return make_workspace(dims, **params)
 
 
-def kernel_names(params: dict[str, int]) -> tuple[str, str, str]:
-    """The (lists, gate_up, down) kernels these knobs compile: the FMA kernels or, with GB_MMA / DB_MMA, the
-    tensor-core ones."""
-    return (EXPERT_LISTS, GATE_UP_MMA if params.get("GB_MMA") else GATE_UP, DOWN_MMA if params.get("DB_MMA") else DOWN)
+def kernel_names(params: dict[str, int]) -> tuple[str, ...]:
+    """The (lists, gate_up, down[, sum]) kernels these knobs compile: the FMA kernels or, with GB_MMA / DB_MMA, the
+    tensor-core ones; with DB_GROUPED the grouped down and the slot sum."""
+    gate_up = GATE_UP_MMA if params.get("GB_MMA") else GATE_UP
+    if params.get("DB_GROUPED"):
+        return (EXPERT_LISTS, gate_up, DOWN_GROUPED, SUM_SLOTS)
+    return (EXPERT_LISTS, gate_up, DOWN_MMA if params.get("DB_MMA") else DOWN)
 
 
 def gate_up_blocks(dims: Dims, params: dict[str, int]) -> int:
+    """One block row (ceil(I / neurons per block) blocks) per list slot, or with PAIR_TILES per possible tile."""
     neurons_per_warp = 8 if params["GB_MMA"] else params["GB_OUTS"]
-    return slots(dims) * -(-dims.intermediate // (params["GB_WARPS"] * neurons_per_warp))
+    rows = tile_capacity(dims, 8 * params["GB_NBLK"]) if params["PAIR_TILES"] else slots(dims)
+    return rows * -(-dims.intermediate // (params["GB_WARPS"] * neurons_per_warp))
 
 
 def down_blocks(dims: Dims, params: dict[str, int]) -> int:
+    """One block per down_columns hidden columns; grouped: a block row (DB_WARPS x 16 rows each) per possible tile."""
+    if params.get("DB_GROUPED"):
+        return tile_capacity(dims, 8 * params["GB_NBLK"]) * -(-dims.hidden // (params["DB_WARPS"] * 16))
     return -(-dims.hidden // down_columns(params))
+
+
+def sum_blocks(dims: Dims) -> int:
+    """moe_sum_slots' blocks: one thread per 4 columns of a token."""
+    return -(-dims.tokens * (dims.hidden // 4) // SUM_THREADS)
 
 
 def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any,
            out: Any) -> list[Stage]:
-    """The layer as three launches (expert_lists, gate_up, down) of ``compiled``'s kernels into its workspace."""
+    """The layer as three launches (expert_lists, gate_up, down) of ``compiled``'s kernels into its workspace, four
+    with DB_GROUPED (+ sum)."""
     params, d, ws = compiled.params, compiled.dims, compiled.workspace
-    lists_k, gate_up_k, down_k = (compiled.kernels[name] for name in kernel_names(params))
+    lists_k, gate_up_k, down_k, *sum_k = (compiled.kernels[name] for name in kernel_names(params))
     i32 = np.int32
     n_slots = slots(d)
     out_f32 = i32(1 if out.dtype == np.float32 else 0)
@@ -342,7 +419,8 @@ def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_we
     programmatic = bool(params["PDL"])
     lists_shared = lists_shared_bytes(d, params)
     down_shared = down_shared_bytes(d, params)
-    for kernel, shared in ((lists_k, lists_shared), (down_k, down_shared)):  # sized by dims: opt in here, once
+    gate_up_shared = gate_up_shared_bytes(params)
+    for kernel, shared in ((lists_k, lists_shared), (down_k, down_shared), (gate_up_k, gate_up_shared)):  # opt in
         if shared > SHARED_LIMIT and kernel.max_dynamic_shared_size_bytes < shared:  # above 48 KB
             kernel.max_dynamic_shared_size_bytes = shared
 
@@ -354,7 +432,8 @@ def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_we
     def gate_up() -> None:
         launch_ex(gate_up_k, (gate_up_blocks(d, params),), (params["GB_WARPS"] * 32,),
                   (x, w13, ws.lists, ws.intermediate, i32(d.hidden), i32(d.intermediate), i32(d.experts),
-                   i32(d.top_k), i32(n_slots)), programmatic=programmatic)
+                   i32(d.top_k), i32(n_slots), i32(d.tokens * d.top_k)), shared_mem=gate_up_shared,
+                  programmatic=programmatic)
 
     def down() -> None:
         launch_ex(down_k, (down_blocks(d, params),), (params["DB_WARPS"] * 32,),
@@ -362,6 +441,18 @@ def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_we
                    i32(d.intermediate), i32(d.experts), i32(d.top_k), i32(n_slots)),
                   shared_mem=down_shared, programmatic=programmatic)
 
+    def down_grouped() -> None:
+        launch_ex(down_k, (down_blocks(d, params),), (params["DB_WARPS"] * 32,),
+                  (ws.intermediate, w2, topk_weights, ws.lists, ws.pair_out, i32(d.hidden), i32(d.intermediate),
+                   i32(d.experts), i32(d.top_k), i32(n_slots), i32(d.tokens * d.top_k)), programmatic=programmatic)
+
+    def sum_slots() -> None:
+        launch_ex(sum_k[0], (sum_blocks(d),), (SUM_THREADS,),
+                  (ws.pair_out, topk_ids, out, out_f32, i32(d.tokens), i32(d.hidden), i32(d.experts), i32(d.top_k)),
+                  programmatic=programmatic)
+
+    if sum_k:
+        return [("expert_lists", expert_lists), ("gate_up", gate_up), ("down", down_grouped), ("sum", sum_slots)]
     return [("expert_lists", expert_lists), ("gate_up", gate_up), ("down", down)]
 
 
@@ -370,9 +461,10 @@ FAMILY = KernelFamily(
     source=CudaSource(
         name="warp_decode_batched",
         code=CODE,
-        kernels=KERNELS + MMA_KERNELS,
+        kernels=KERNELS + MMA_KERNELS + GROUPED_KERNELS,
         defaults=dict(DEFAULTS),
-        warps_knobs={GATE_UP: "GB_WARPS", DOWN: "DB_WARPS", GATE_UP_MMA: "GB_WARPS", DOWN_MMA: "DB_WARPS"},
+        warps_knobs={GATE_UP: "GB_WARPS", DOWN: "DB_WARPS", GATE_UP_MMA: "GB_WARPS", DOWN_MMA: "DB_WARPS",
+                     DOWN_GROUPED: "DB_WARPS"},
         description="batched warp decode: expert lists, gate_up and down reading each expert once per batch",
     ),
     limits=LIMITS,
@@ -421,7 +513,10 @@ def warp_decode_batched(
                             f"got {type(workspace).__name__}")
         if not workspace.matches(dims):
             raise ValueError(f"workspace was made for {workspace.dims}, this call needs {dims}")
-    resolve_params(dims, **params)  # knob errors first (no device call), then the alignment, then the compile
+    resolved = resolve_params(dims, **params)  # knob errors first (no device call), then the alignment, the compile
+    if workspace is not None and resolved["DB_GROUPED"] and workspace.pair_out is None:
+        raise ValueError("workspace has no per-pair rows, which the grouped down (DB_GROUPED 1) writes: make it with "
+                         "make_workspace(dims, **params) for these knobs")
     check_aligned(x=x, w13=w13, w2=w2)
     compiled = FAMILY.compile(dims, workspace=workspace, **params)
     if out is None:

@@ -34,6 +34,16 @@ CODE = WARP_HELPERS + PDL_HELPERS + r"""
 //   and the lists do not depend on gate_up), so they stream while gate_up drains; 0: down waits first. (The FMA
 //   down's w2 loads are invariant __ldg loads that the compiler sinks below the wait: no knob there.)
 //   DB_BALANCE 1 (tensor-core down only): the warps split the (slot, k block) items evenly (below)
+//   PAIR_TILES 1 (tensor-core gate_up only): the list kernel also cuts every slot's pairs into tiles of TILE_PAIRS
+//   (= 8 * GB_NBLK, one gate_up pass) -- the tile table; gate_up then runs one block row per TILE, so a hot
+//   expert's pairs spread over as many warps as it has tiles, and the balanced tensor-core down cuts (tile, k
+//   block) items instead of (slot, k block): its warps' runs then weigh an expert by its pairs, not 1 each
+//   GB_STAGES 2..8 (tensor-core gate_up only): its A rows and x columns stream through a per-lane cp.async ring of
+//   GB_STAGES rounds of GB_UNROLL k blocks in shared memory (GB_STAGES - 1 rounds in flight while the oldest is
+//   multiplied) instead of straight into registers; 0: register loads
+//   DB_GROUPED 1 (with DB_MMA, PAIR_TILES): the down as gate_up is, one block row per tile: moe_down_grouped's warp
+//   owns 16 hidden rows of the tile's expert over the whole I and writes each pair's weighted FP32 row; a fourth
+//   kernel, moe_sum_slots, sums a token's K rows in slot order (the reference's order) and rounds once
 static_assert(LIST_THREADS >= 32 && LIST_THREADS <= 1024 && LIST_THREADS % 32 == 0, "LIST_THREADS: 32..1024, x32");
 static_assert(LIST_PER >= 1 && LIST_PER <= 16, "LIST_PER must be 1..16");
 static_assert(GB_WARPS >= 1 && GB_WARPS <= 32 && DB_WARPS >= 1 && DB_WARPS <= 32, "WARPS must be 1..32");
@@ -48,6 +58,12 @@ static_assert(GB_NBLK >= 1 && GB_NBLK <= 4 && DB_NBLK >= 1 && DB_NBLK <= 4, "NBL
 static_assert(PDL == 0 || PDL == 1, "PDL must be 0 or 1");
 static_assert(DB_EARLY_W2 == 0 || (DB_EARLY_W2 == 1 && DB_MMA == 1), "DB_EARLY_W2 is 0 or 1 (1 needs DB_MMA 1)");
 static_assert(DB_BALANCE == 0 || (DB_BALANCE == 1 && DB_MMA == 1), "DB_BALANCE is 0 or 1 (1 needs DB_MMA 1)");
+static_assert(PAIR_TILES == 0 || (PAIR_TILES == 1 && GB_MMA == 1), "PAIR_TILES is 0 or 1 (1 needs GB_MMA 1)");
+static_assert(GB_STAGES == 0 || (GB_STAGES >= 2 && GB_STAGES <= 8 && GB_MMA == 1),
+              "GB_STAGES is 0 (register loads) or 2..8 (a cp.async ring; needs GB_MMA 1)");
+static_assert(DB_GROUPED == 0 || (DB_GROUPED == 1 && DB_MMA == 1 && PAIR_TILES == 1),
+              "DB_GROUPED is 0 or 1 (1 needs DB_MMA 1 and PAIR_TILES 1)");
+#define TILE_PAIRS (8 * GB_NBLK)  // pairs per tile of the tile table: one pass of the tensor-core gate_up
 #define DOWN_WAITS_LATE DB_EARLY_W2  // the tensor-core down's wait follows its first A (w2) loads
 
 // The int32 ``lists`` buffer, S = min(E, T*K) + 1 list slots (every active expert + one for bad ids):
@@ -57,12 +73,18 @@ static_assert(DB_BALANCE == 0 || (DB_BALANCE == 1 && DB_MMA == 1), "DB_BALANCE i
 //   list_offset[S]        first index of the slot's pairs in sorted_pairs
 //   list_count[S]         number of its pairs
 //   sorted_pairs[T*K]     pair ids p = t*K + k grouped by slot, ascending p inside a slot
+// and, written with PAIR_TILES only (lists[3] = tiles used, else 0), the tile table: C = S + T*K / 8 entries
+// each (enough for any TILE_PAIRS >= 8: a slot's ceil(count / TILE) <= count / TILE + 1), tiles in slot order
+// (the bad-id slot's last), a slot's pairs cut into runs of TILE_PAIRS from its first:
+//   tile_expert[C], tile_first[C] (index into sorted_pairs), tile_count[C] (1 .. TILE_PAIRS)
 #define LIST_HEADER 4
 __device__ __forceinline__ const int* list_expert(const int* lists) { return lists + LIST_HEADER; }
 #define SLOT_ARRAY(k) (lists + LIST_HEADER + (k) * slots)
 __device__ __forceinline__ const int* list_offset(const int* lists, int slots) { return SLOT_ARRAY(1); }
 __device__ __forceinline__ const int* list_count(const int* lists, int slots) { return SLOT_ARRAY(2); }
 __device__ __forceinline__ const int* sorted_pairs(const int* lists, int slots) { return SLOT_ARRAY(3); }
+__device__ __forceinline__ int tile_capacity(int slots, int pairs) { return slots + pairs / 8; }
+#define TILE_ARRAY(k) (lists + LIST_HEADER + 3 * slots + pairs + (k) * tile_capacity(slots, pairs))
 
 // ------------------------------------------------------------------------------------------------
 // moe_expert_lists: ONE block of LIST_THREADS threads; "expert" E stands for every out-of-range id. Everything
@@ -111,6 +133,7 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
     int* warp_counts = rank_of + pairs;                              // [WARPS][E + 1]
     __shared__ int warp_pairs[WARPS];
     __shared__ int warp_slots[WARPS];
+    __shared__ int warp_tiles[WARPS];
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     int* expert_of = lists + LIST_HEADER;
@@ -177,23 +200,31 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
         my_pairs += count[j];
         my_slots += count[j] > 0;
     }
+    int my_tiles = 0;                                                // PAIR_TILES: the slots' tiles
+    #pragma unroll
+    for (int j = 0; j < LIST_PER; ++j) my_tiles += PAIR_TILES ? (count[j] + TILE_PAIRS - 1) / TILE_PAIRS : 0;
     int pairs_through = warp_inclusive_sum(my_pairs, lane);         // this warp's lanes 0 .. lane
     int slots_through = warp_inclusive_sum(my_slots, lane);
+    int tiles_through = warp_inclusive_sum(my_tiles, lane);
     if (lane == 31) {
         warp_pairs[tid >> 5] = pairs_through;
         warp_slots[tid >> 5] = slots_through;
+        warp_tiles[tid >> 5] = tiles_through;
     }
     __syncthreads();
     for (int w = 0; w < (tid >> 5); ++w) {                          // + the warps before this one
         pairs_through += warp_pairs[w];
         slots_through += warp_slots[w];
+        tiles_through += warp_tiles[w];
     }
     if (tid == LIST_THREADS - 1) {
         lists[0] = slots_through;              // slots used (the bad-id pseudo expert E is the last, if any)
-        lists[3] = 0;
+        lists[3] = tiles_through;              // tiles used (0 without PAIR_TILES)
     }
     int slot = slots_through - my_slots;       // exclusive prefixes: this thread's first slot
     int position = pairs_through - my_pairs;   // and its first position in sorted_pairs
+    int tile = tiles_through - my_tiles;       // and its first tile
+    (void)tile;
     #pragma unroll
     for (int j = 0; j < LIST_PER; ++j) {
         const int e = e_first + j;
@@ -202,6 +233,13 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
             offset_of[slot] = position;
             count_of[slot] = count[j];
             ++slot;
+#if PAIR_TILES
+            for (int first = 0; first < count[j]; first += TILE_PAIRS, ++tile) {
+                TILE_ARRAY(0)[tile] = e;
+                TILE_ARRAY(1)[tile] = position + first;
+                TILE_ARRAY(2)[tile] = min(TILE_PAIRS, count[j] - first);
+            }
+#endif
         }
         if (e == experts) {                     // the bad-id pseudo expert
             lists[1] = pairs - count[j];
@@ -324,8 +362,9 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
     const bf16_t* __restrict__ w13,           // [E, 2I, H]
     const int* __restrict__ lists,            // from moe_expert_lists
     bf16_t* __restrict__ intermediate,        // [T, K, I]
-    int hidden, int inter, int experts, int top_k, int slots)
+    int hidden, int inter, int experts, int top_k, int slots, int n_pairs)
 {
+    (void)n_pairs;                                                   // the tensor-core gate_up's tile table
     typedef typename Vec<GB_BYTES>::T vec_t;
     const int lane = threadIdx.x & 31;
     const int per_slot = (inter + GB_WARPS * GB_OUTS - 1) / (GB_WARPS * GB_OUTS);   // blocks per slot
@@ -647,8 +686,77 @@ __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const u
 #endif
 
 #if GB_MMA
+#if GB_STAGES
+// The tensor-core gate_up's k loop through a cp.async ring: GB_STAGES rounds of UNROLL 32-wide k blocks, each k block
+// PARTS = 2 + NB chunks per lane (A rows g and g + 8, then B column g of each 8-pair block), laid out
+// [round][k block][part][lane] (consecutive lanes, consecutive 16 bytes: no bank conflict). A lane copies and reads
+// back only its own slots, so its cp.async groups are the only synchronisation: no __syncwarp, no barrier.
+template <int UNROLL, int NB>
+__device__ __forceinline__ void ring_issue(uint4* slot, const uint4* rows_lo, const uint4* rows_hi,
+                                           const uint4* const (&cols)[NB], int base, int chunks, int q, int lane) {
+    constexpr int PARTS = 2 + NB;
+    #pragma unroll
+    for (int j = 0; j < UNROLL; ++j) {
+        const int c = base + 4 * j + q;
+        const bool ok = c < chunks;
+        const int at = ok ? c : 0;
+        cp_async16(slot + (j * PARTS) * 32 + lane, rows_lo + at, ok);
+        cp_async16(slot + (j * PARTS + 1) * 32 + lane, rows_hi + at, ok);
+        #pragma unroll
+        for (int nb = 0; nb < NB; ++nb) cp_async16(slot + (j * PARTS + 2 + nb) * 32 + lane, cols[nb] + at, ok);
+    }
+}
+
+template <int UNROLL, int NB, int STAGES>
+__device__ __forceinline__ void mma_rows_by_columns_ring(float (&acc)[NB][4], const uint4* rows_lo,
+                                                         const uint4* rows_hi, const uint4* const (&cols)[NB],
+                                                         int chunks, int q, uint4* ring, int lane) {
+    constexpr int ROUND = UNROLL * (2 + NB) * 32;                    // uint4s of one round (the warp's lanes)
+    #pragma unroll
+    for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
+    const int rounds = (chunks + 4 * UNROLL - 1) / (4 * UNROLL);
+    #pragma unroll
+    for (int r = 0; r < STAGES - 1; ++r) {                           // the first STAGES - 1 rounds in flight
+        if (r < rounds)
+            ring_issue<UNROLL, NB>(ring + r * ROUND, rows_lo, rows_hi, cols, r * 4 * UNROLL, chunks, q, lane);
+        cp_async_commit();
+    }
+    for (int r = 0; r < rounds; ++r) {
+        const int ahead = r + STAGES - 1;                            // into the slot read in round r - 1
+        if (ahead < rounds)
+            ring_issue<UNROLL, NB>(ring + (ahead % STAGES) * ROUND, rows_lo, rows_hi, cols, ahead * 4 * UNROLL, chunks,
+                                   q, lane);
+        cp_async_commit();                                           // (empty past the end: the count stays uniform)
+        cp_async_wait<STAGES - 1>();                                 // round r's copies have landed
+        const uint4* slot = ring + (r % STAGES) * ROUND;
+        #pragma unroll
+        for (int j = 0; j < UNROLL; ++j) {
+            const uint4 lo = slot[(j * (2 + NB)) * 32 + lane], hi = slot[(j * (2 + NB) + 1) * 32 + lane];
+            #pragma unroll
+            for (int nb = 0; nb < NB; ++nb) mma_k32(acc[nb], lo, hi, slot[(j * (2 + NB) + 2 + nb) * 32 + lane]);
+        }
+    }
+    cp_async_wait<0>();                                              // the ring is free for the next pass
+}
+#endif
+
+// A tensor-core gate_up block's work unit, read in ONE round trip after the PDL wait: with PAIR_TILES tile a of
+// the tile table (its pairs: up to TILE_PAIRS, one pass), else list slot a (all its pairs).
+struct GateUpItem { int expert, count; const int* pairs; bool unused; };
+__device__ __forceinline__ GateUpItem read_gate_up_item(const int* lists, int slots, int pairs, int a) {
+#if PAIR_TILES
+    const int used = ld_dep(lists + 3);
+    const int expert = ld_dep(TILE_ARRAY(0) + a), first = ld_dep(TILE_ARRAY(1) + a), count = ld_dep(TILE_ARRAY(2) + a);
+    return {expert, count, sorted_pairs(lists, slots) + first, a >= used || (expert | first | count) < 0};
+#else
+    const ListSlot s = read_list_slot(lists, slots, a);
+    return {s.expert, s.count, sorted_pairs(lists, slots) + s.offset, slot_unused(s, a)};
+#endif
+}
+
 // ------------------------------------------------------------------------------------------------
-// moe_gate_up_mma: block b owns list slot a (as moe_gate_up_batched); its warp w owns neurons i0 .. i0+7,
+// moe_gate_up_mma: block b owns work unit a (a list slot as moe_gate_up_batched, or with PAIR_TILES a tile of
+//   one slot's pairs); its warp w owns neurons i0 .. i0+7,
 //   i0 = ((b mod per_slot) * GB_WARPS + w) * 8: A rows 0..7 = gate rows i0+g, rows 8..15 = up rows i0+g, so
 //   lane (g, q) ends with gate AND up of neuron i0+g for pairs 2q, 2q+1 of each 8-pair block -- SiLU(g) * u
 //   and the one bf16 rounding happen in the lane, no shuffle. B column g = x[token of pair g] (L1 hits).
@@ -659,20 +767,20 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
     const bf16_t* __restrict__ w13,           // [E, 2I, H]
     const int* __restrict__ lists,            // from moe_expert_lists
     bf16_t* __restrict__ intermediate,        // [T, K, I]
-    int hidden, int inter, int experts, int top_k, int slots)
+    int hidden, int inter, int experts, int top_k, int slots, int n_pairs)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int per_slot = (inter + GB_WARPS * 8 - 1) / (GB_WARPS * 8);
     const int a = blockIdx.x / per_slot;
     pdl_wait();  // the lists (and x) come from the kernels before: read only after the wait, through ld_dep
     pdl_release();
-    const ListSlot slot = read_list_slot(lists, slots, a);
-    if (slot_unused(slot, a)) return;                                // whole block leaves together
+    const GateUpItem item = read_gate_up_item(lists, slots, n_pairs, a);
+    if (item.unused) return;                                         // whole block leaves together
     const int i0 = ((blockIdx.x - a * per_slot) * GB_WARPS + (threadIdx.x >> 5)) * 8;
     if (i0 >= inter) return;                                         // whole warp leaves together
-    const int e = slot.expert;
-    const int count = slot.count;
-    const int* pairs = sorted_pairs(lists, slots) + slot.offset;
+    const int e = item.expert;
+    const int count = item.count;
+    const int* pairs = item.pairs;
     if (e >= experts) {                                              // bad ids: NaN, no weight read
         for (int j = 0; j < count; ++j) {
             const long long p = __ldg(pairs + j);
@@ -694,8 +802,19 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
             x_row[nb] = reinterpret_cast<const uint4*>(x + (size_t)(p / top_k) * hidden);   // int: no division call
         }
         float acc[GB_NBLK][4];
+#if GB_STAGES
+#ifdef WD_HOST_EMULATION
+        uint4* ring = reinterpret_cast<uint4*>(wdb_dynamic_shared);  // the CPU emulation's buffer
+#else
+        extern __shared__ uint4 ring_shared[];                       // [GB_WARPS][GB_STAGES][round]
+        uint4* ring = ring_shared;
+#endif
+        ring += (threadIdx.x >> 5) * GB_STAGES * GB_UNROLL * (2 + GB_NBLK) * 32;
+        mma_rows_by_columns_ring<GB_UNROLL, GB_NBLK, GB_STAGES>(acc, gate_row, up_row, x_row, chunks, q, ring, lane);
+#else
         bool unused = true;
         mma_rows_by_columns<GB_UNROLL, GB_NBLK, false>(acc, gate_row, up_row, x_row, 0, chunks, q, unused);
+#endif
         #pragma unroll
         for (int nb = 0; nb < GB_NBLK; ++nb)
             #pragma unroll
@@ -719,19 +838,17 @@ struct DownLists {
     int good;                                                        // slots with a real expert (the first ones)
 };
 
-// One list slot's share of a warp's work: A = w2[e, h0 .. h0+15, chunks c_begin .. c_end-1], B column g =
-// the intermediate row of pair g of each 8-pair block of the slot's pairs; lane (g, q) ends with columns h0+g
+// A run of one expert's pairs (a list slot's, or a tile's) as a share of a warp's work: A = w2[e, h0 .. h0+15,
+// chunks c_begin .. c_end-1], B column g = the intermediate row of pair g of each 8-pair block of the pairs
+// pairs[0 .. count-1]; lane (g, q) ends with columns h0+g
 // and h0+g+8 of pairs 2q, 2q+1 and adds them times their routing weights into the warp's partial `mine`
 // [T][16]: all at once when the 8-pair block's tokens are distinct, else ONE pair at a time (__syncwarp
 // between pairs), so a token routed twice to one expert cannot race; either way each element gets the same
 // adds in the same order.
-__device__ __forceinline__ void down_mma_slot(const DownLists& m, int a, int c_begin, int c_end,
-                                              const bf16_t* __restrict__ intermediate, const bf16_t* __restrict__ w2,
-                                              float* mine, int hidden, int inter, int top_k, int h_lo, int h_hi,
-                                              int g, int q, bool& waited) {
-    const int e = __ldg(m.expert + a);
-    const int count = __ldg(m.count + a);
-    const int* pairs = m.pairs + __ldg(m.offset + a);
+__device__ __forceinline__ void down_mma_pairs(const DownLists& m, int e, const int* pairs, int count, int c_begin,
+                                               int c_end, const bf16_t* __restrict__ intermediate,
+                                               const bf16_t* __restrict__ w2, float* mine, int hidden, int inter,
+                                               int top_k, int h_lo, int h_hi, int g, int q, bool& waited) {
     const uint4* row_lo = reinterpret_cast<const uint4*>(w2 + ((size_t)e * hidden + h_lo) * inter);
     const uint4* row_hi = reinterpret_cast<const uint4*>(w2 + ((size_t)e * hidden + h_hi) * inter);
     for (int tile = 0; tile < count; tile += 8 * DB_NBLK) {
@@ -791,12 +908,21 @@ __device__ __forceinline__ void down_mma_slot(const DownLists& m, int a, int c_b
     }
 }
 
+__device__ __forceinline__ void down_mma_slot(const DownLists& m, int a, int c_begin, int c_end,
+                                              const bf16_t* __restrict__ intermediate, const bf16_t* __restrict__ w2,
+                                              float* mine, int hidden, int inter, int top_k, int h_lo, int h_hi,
+                                              int g, int q, bool& waited) {
+    down_mma_pairs(m, __ldg(m.expert + a), m.pairs + __ldg(m.offset + a), __ldg(m.count + a), c_begin, c_end,
+                   intermediate, w2, mine, hidden, inter, top_k, h_lo, h_hi, g, q, waited);
+}
+
 // ------------------------------------------------------------------------------------------------
 // moe_down_mma: block b owns hidden columns h0 .. h0+15 (h0 = 16 b) for ALL tokens. Its warps share the list
 //   slots (bad-id slot excluded: NaN at the end) in one of two ways, each a fixed schedule:
 //   * DB_BALANCE 0: warp w takes slots w, w + DB_WARPS, ... whole (k range = the full row);
 //   * DB_BALANCE 1: the (slot, k block) items in slot-major order are cut into DB_WARPS contiguous runs of
-//     equal length (+-1), warp w the w-th -- every warp streams the same bytes, crossing slot boundaries.
+//     equal length (+-1), warp w the w-th -- every warp streams the same bytes, crossing slot boundaries;
+//     with PAIR_TILES the (tile, k block) items of the tile table instead: an expert weighs its tiles.
 //   Per slot (down_mma_slot): A = w2[e, h0 .. h0+15, k range] x B = the pairs' intermediate rows, FP32 in the
 //   tensor core, adds into the warp's shared partial[w][t][16]. After __syncthreads the warps' partials are
 //   summed in warp order: deterministic, no atomics.
@@ -828,15 +954,27 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
     bool waited = false;
 #if DB_BALANCE
     const int kblocks = (chunks + 3) / 4;                            // 32-wide k blocks
-    const long long items = (long long)m.good * kblocks;             // (slot, k block), slot-major
+#if PAIR_TILES
+    const int pairs = tokens * top_k;                                // (TILE_ARRAY's names)
+    const int units = __ldg(lists + 3) - (__ldg(lists + 2) + TILE_PAIRS - 1) / TILE_PAIRS;   // the good tiles
+#else
+    const int units = m.good;                                        // the good slots
+#endif
+    const long long items = (long long)units * kblocks;              // (unit, k block), unit-major
     int item = (int)(items * warp / DB_WARPS);
     const int item_end = (int)(items * (warp + 1) / DB_WARPS);
     while (item < item_end) {                                        // warp-uniform
         const int a = item / kblocks;
         const int kb = item - a * kblocks;
         const int kb_end = min(kblocks, kb + (item_end - item));
+#if PAIR_TILES
+        down_mma_pairs(m, __ldg(TILE_ARRAY(0) + a), m.pairs + __ldg(TILE_ARRAY(1) + a), __ldg(TILE_ARRAY(2) + a),
+                       4 * kb, min(4 * kb_end, chunks), intermediate, w2, mine, hidden, inter, top_k, h_lo, h_hi, g,
+                       q, waited);
+#else
         down_mma_slot(m, a, 4 * kb, min(4 * kb_end, chunks), intermediate, w2, mine, hidden, inter, top_k, h_lo,
                       h_hi, g, q, waited);
+#endif
         item += kb_end - kb;
     }
 #else
@@ -848,8 +986,111 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
 
     write_block_outputs<16>(partial, topk_ids, out, out_f32, tokens, hidden, experts, top_k, h0);
 }
+
+#if DB_GROUPED
+// ------------------------------------------------------------------------------------------------
+// moe_down_grouped (DB_GROUPED): the down as one grouped GEMM over the tile table, like the tensor-core gate_up.
+//   Block b owns tile a = b / per_tile (tiles past lists[3] and the bad-id slot's tiles exit) and hidden rows
+//   h0 .. h0 + 16*DB_WARPS - 1; warp w the 16 rows from h0 + 16w: A = w2[e, those rows, all of I], B column g =
+//   the intermediate row of pair g of each 8-pair block of the tile (DB_NBLK blocks per pass). Lane (g, q) ends
+//   with rows h0+g, h0+g+8 of pairs 2q, 2q+1 and writes pair_out[p, h] = topk_weight[p] * dot (FP32, once per
+//   element: every good pair's row is written by exactly one warp per 16 rows). No shared memory, no atomics;
+//   the expert's later tiles re-read its rows while the first tile's blocks run (L2 hits), as in gate_up.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void DB_BOUNDS moe_down_grouped(
+    const bf16_t* __restrict__ intermediate,  // [T, K, I]
+    const bf16_t* __restrict__ w2,            // [E, H, I]
+    const float* __restrict__ topk_weights,   // [T, K]
+    const int* __restrict__ lists,            // from moe_expert_lists (the tile table)
+    float* __restrict__ pair_out,             // [T*K, H] FP32: each pair's weighted expert output
+    int hidden, int inter, int experts, int top_k, int slots, int pairs)
+{
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int per_tile = (hidden + DB_WARPS * 16 - 1) / (DB_WARPS * 16);
+    const int a = blockIdx.x / per_tile;
+    // the tile table comes from the list kernel, two kernels back: complete before this grid started
+    const int used = __ldg(lists + 3);
+    const int e = __ldg(TILE_ARRAY(0) + a), first = __ldg(TILE_ARRAY(1) + a), count = __ldg(TILE_ARRAY(2) + a);
+    const int h0 = ((blockIdx.x - a * per_tile) * DB_WARPS + (threadIdx.x >> 5)) * 16;
+#if !DOWN_WAITS_LATE
+    pdl_wait();     // the intermediate is gate_up's output: every read of it is an ld_dep after this
+    pdl_release();
+#endif
+    bool waited = false;
+    if (a < used && (e | first | count) >= 0 && e < experts && h0 < hidden) {    // warp-uniform
+        const int* tile_pairs = sorted_pairs(lists, slots) + first;
+        const int h_lo = min(h0 + g, hidden - 1), h_hi = min(h0 + g + 8, hidden - 1);   // past the end: last row
+        const uint4* row_lo = reinterpret_cast<const uint4*>(w2 + ((size_t)e * hidden + h_lo) * inter);
+        const uint4* row_hi = reinterpret_cast<const uint4*>(w2 + ((size_t)e * hidden + h_hi) * inter);
+        const int chunks = inter / 8;                                // 16-byte chunks (I % 8 == 0)
+        for (int sub = 0; sub < count; sub += 8 * DB_NBLK) {
+            const int n = min(8 * DB_NBLK, count - sub);
+            const uint4* inter_row[DB_NBLK];
+            #pragma unroll
+            for (int nb = 0; nb < DB_NBLK; ++nb) {
+                const int p = __ldg(tile_pairs + sub + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
+                inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
+            }
+            float acc[DB_NBLK][4];
+            mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, row_lo, row_hi, inter_row, 0, chunks, q, waited);
+            #pragma unroll
+            for (int nb = 0; nb < DB_NBLK; ++nb)
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int pp = nb * 8 + 2 * q + h;
+                    if (pp < n) {
+                        const long long p = __ldg(tile_pairs + sub + pp);
+                        const float weight = __ldg(topk_weights + p);
+                        float* row = pair_out + p * hidden;
+                        if (h0 + g < hidden) row[h0 + g] = __fmul_rn(weight, acc[nb][h]);
+                        if (h0 + g + 8 < hidden) row[h0 + g + 8] = __fmul_rn(weight, acc[nb][2 + h]);
+                    }
+                }
+        }
+    }
+    down_epilogue_wait();  // warps that never waited (no work, or DB_EARLY_W2 off) before the grid may end
+}
+
+// ------------------------------------------------------------------------------------------------
+// moe_sum_slots (DB_GROUPED): out[t, h] = sum over k = 0 .. K-1, in slot order from 0.0f, of pair_out[t*K + k, h]
+//   (the reference's order and roundings: one FP32 add per slot, one final rounding to bf16); a token with any
+//   expert id outside [0, E) gets NaN (its bad pairs' rows were never written). Thread j: 4 columns of one token.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(256) moe_sum_slots(
+    const float* __restrict__ pair_out,       // [T*K, H]
+    const int* __restrict__ topk_ids,         // [T, K]
+    void* __restrict__ out,                   // [T, H] bf16, or float32 when out_f32
+    int out_f32, int tokens, int hidden, int experts, int top_k)
+{
+    pdl_wait();     // pair_out is the down's output
+    pdl_release();
+    const int quads = hidden / 4;                                    // H % 8 == 0
+    const long long j = (long long)blockIdx.x * 256 + threadIdx.x;
+    if (j >= (long long)tokens * quads) return;
+    const int t = (int)(j / quads);
+    const int h = (int)(j - (long long)t * quads) * 4;
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    bool bad = false;
+    for (int k = 0; k < top_k; ++k) {
+        bad |= (unsigned)ld_dep(topk_ids + t * top_k + k) >= (unsigned)experts;
+        const uint4 w = ld_dep(reinterpret_cast<const uint4*>(pair_out + ((long long)t * top_k + k) * hidden + h));
+        v[0] = __fadd_rn(v[0], __uint_as_float(w.x));
+        v[1] = __fadd_rn(v[1], __uint_as_float(w.y));
+        v[2] = __fadd_rn(v[2], __uint_as_float(w.z));
+        v[3] = __fadd_rn(v[3], __uint_as_float(w.w));
+    }
+    const long long idx = (long long)t * hidden + h;
+    #pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        const float r = bad ? __int_as_float(0x7fc00000) : v[c];
+        if (out_f32) reinterpret_cast<float*>(out)[idx + c] = r;
+        else reinterpret_cast<bf16_t*>(out)[idx + c] = f32_to_bf16(r);  // the one final rounding
+    }
+}
+#endif  // DB_GROUPED
 #endif
 """
 
 KERNELS = ("moe_expert_lists", "moe_gate_up_batched", "moe_down_batched")
 MMA_KERNELS = ("moe_gate_up_mma", "moe_down_mma")  # compiled only with GB_MMA / DB_MMA 1
+GROUPED_KERNELS = ("moe_down_grouped", "moe_sum_slots")  # compiled only with DB_GROUPED 1

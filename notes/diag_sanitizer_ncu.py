@@ -8,6 +8,9 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_sanitizer_ncu
 * ``small``  the warp-decode paths (strict, batched, mixed, MMA) and the fused prototype, eagerly, on
              small odd shapes and on qwen3-30b-a3b T = 1; every output compared with the references (NaN-poisoned
              first), so a checker run also says the results were right under the tool.
+* ``skew``   the tensor-core batched kernels' work units (tiles of pairs, whole slots, the grouped down with its
+             slot sum, the gate_up's cp.async ring) under skewed routings on odd shapes and qwen3-30b-a3b T = 40,
+             outputs compared with the references (added 2026-12-01 evening).
 * ``t64``    the MMA path at qwen3-30b-a3b T = 64, uniform routing: 3 layers (the profiler takes the last one).
 * ``t1``     strict warp decode and the fused prototype at qwen3-30b-a3b T = 1: 3 layers each.
 """
@@ -51,6 +54,31 @@ def small() -> None:
             print("ok", name, dims, flush=True)
 
 
+SKEW_KNOBS = (
+    {"PAIR_TILES": 0, "DB_GROUPED": 0},
+    {"PAIR_TILES": 1, "DB_GROUPED": 0},
+    {"PAIR_TILES": 1, "DB_GROUPED": 1},
+    {"PAIR_TILES": 1, "DB_GROUPED": 1, "GB_STAGES": 3, "GB_UNROLL": 2},
+)
+
+
+def skew() -> None:
+    from kernels import warp_decode_batched as wdb
+
+    for shape, tokens, routing in ((ODD_SHAPES["h264-i40"], 9, "same"), (ODD_SHAPES["h2880-i264"], 37, "zipf"),
+                                   ("qwen3-30b-a3b", 40, "zipf-2")):
+        problem = make_problem(shape, tokens, seed=8, routing=routing, xp=cupy)
+        dims = _dims(problem)
+        faithful, oracle = _references(problem)
+        for knobs in SKEW_KNOBS:
+            params = {**wdb.MMA_KNOBS, **knobs}
+            out = _poisoned_out(cupy, dims.tokens, dims.hidden)
+            wdb.warp_decode_batched(*problem.arrays, out=out, **params)
+            cupy.cuda.runtime.deviceSynchronize()
+            _assert_matches(cupy.asnumpy(out), faithful, oracle, f"{knobs} {dims} {routing}", own_order=True)
+            print("ok", knobs, dims, routing, flush=True)
+
+
 def layers(name: str, model: str, tokens: int, count: int = 3) -> None:
     prototypes.load()
     problem = make_problem(model, tokens, seed=8, xp=cupy)
@@ -66,10 +94,12 @@ if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "small"
     if what == "small":
         small()
+    elif what == "skew":
+        skew()
     elif what == "t64":
         layers("cupy:warp-decode-mma", "qwen3-30b-a3b", 64)
     elif what == "t1":
         layers("cupy:warp-decode", "qwen3-30b-a3b", 1)
         layers("proto:fused-layer", "qwen3-30b-a3b", 1)
     else:
-        raise SystemExit(f"unknown workload {what!r}: small, t64 or t1")
+        raise SystemExit(f"unknown workload {what!r}: small, skew, t64 or t1")

@@ -320,12 +320,12 @@ def test_sweep_grid_parsing():
 
 
 def test_sweep_compile_columns_report_what_runs():
-    """Auto knobs are resolved for the sweep's dims, and a resolved 0 is compiled as 0: the tensor-core down at
-    T = 64 runs 24 warps under launch bounds alone (DB_MAX_REGS 0), so it must fit 85 registers."""
+    """Auto knobs are resolved for the sweep's dims, and a resolved 0 is compiled as 0: the mixed path's tensor-core
+    down at T = 64 runs 24 warps under launch bounds alone (DB_MAX_REGS 0), so it must fit 85 registers."""
     import kernels.warp_decode_batched as wdb
     from kernels.contract import Dims
 
-    columns = sweep.compile_columns(wdb.MMA_VARIANT, dict(wdb.MMA_VARIANT.params), Dims(64, 2048, 768, 128, 8))
+    columns = sweep.compile_columns(wdb.MIXED_VARIANT, dict(wdb.MIXED_VARIANT.params), Dims(64, 2048, 768, 128, 8))
     assert columns["compile"] == "ok", columns
     assert columns["registers_per_kernel"]["moe_down_mma"] <= 65536 // (24 * 32)
     assert columns["spills"] == 0 and columns["stack_bytes"] == 0 and columns["occupancy"] > 0

@@ -77,10 +77,15 @@ def _write_table(directory: Path, gpu: str, shape: Any, medians: dict[int, dict[
 
 
 def _fastest(point: dict[str, Any], policy: str) -> str | None:
-    """The fastest "ok" candidate of ``policy`` in a point, computed here independently of kernels.dispatch."""
-    ok = [(t, n) for n, t in point["median_us"].items()
-          if n in dispatch.POLICY_CANDIDATES[policy] and t is not None and point["status"].get(n) == "ok"]
-    return min(ok)[1] if ok else None
+    """The candidate of ``policy`` with the least worst slowdown over the point's routings (one routing: the fastest)
+    among those "ok" under every routing, computed here independently of kernels.dispatch."""
+    runs = [point, *point.get("routings", {}).values()]
+    ok = [n for n in dispatch.POLICY_CANDIDATES[policy]
+          if all(r["median_us"].get(n) is not None and r["status"].get(n) == "ok" for r in runs)]
+    if not ok:
+        return None
+    worst = [(max(r["median_us"][n] / min(r["median_us"][m] for m in ok) for r in runs), n) for n in ok]
+    return min(worst)[1]
 
 
 def test_gpu_slug() -> None:
@@ -114,16 +119,18 @@ def test_heuristic_boundaries(policy: str) -> None:
 def test_heuristic_never_picks_expert_centric_and_skips_what_cannot_run() -> None:
     for t in (1, 8, 64, 4096):
         assert dispatch.heuristic(_dims(QWEN30, t)) != EC
-    # the MMA down kernel keeps DB_WARPS * T * 16 fp32 partials in shared memory (227 KB, opted into), the FMA
-    # one DB_WARPS * T * DB_OUTS: between the two limits batched, beyond both strict
-    mma_max = wdb.max_tokens(**dispatch.MMA_KNOBS)
-    assert mma_max < wdb.max_tokens() < 4096
-    assert dispatch.batched_supported(_dims(QWEN30, mma_max), **dispatch.MMA_KNOBS)
-    assert not dispatch.batched_supported(_dims(QWEN30, mma_max + 1), **dispatch.MMA_KNOBS)
-    assert dispatch.heuristic(_dims(QWEN30, mma_max)) == M and dispatch.heuristic(_dims(QWEN30, mma_max + 1)) == B
+    # the mixed path's tensor-core down keeps DB_WARPS * T * 16 fp32 partials in shared memory (227 KB, opted into),
+    # the FMA one DB_WARPS * T * DB_OUTS; the MMA path's grouped down (from T*K >= 2E) keeps none, so only the list
+    # kernel's shared memory (two ints per pair) bounds it. Between the limits batched, beyond them strict.
+    mixed_max = wdb.max_tokens(**wdb.MIXED_KNOBS)
+    assert mixed_max < 2048 < wdb.max_tokens() < 4096
+    assert dispatch.batched_supported(_dims(QWEN30, mixed_max), **wdb.MIXED_KNOBS)
+    assert not dispatch.batched_supported(_dims(QWEN30, mixed_max + 1), **wdb.MIXED_KNOBS)
+    assert dispatch.supported(M, _dims(QWEN30, 2048)) and not dispatch.supported(M, _dims(QWEN30, 4096))
+    assert dispatch.heuristic(_dims(QWEN30, 2048)) == M and dispatch.heuristic(_dims(QWEN30, 4096)) == S
     big = _dims(QWEN30, 4096)
     assert not dispatch.batched_supported(big) and dispatch.heuristic(big, "warp_decode") == S
-    assert dispatch.supported(M, _dims(QWEN30, mma_max)) and not dispatch.supported(M, _dims(QWEN30, mma_max + 1))
+    assert dispatch.supported(X, _dims(QWEN30, mixed_max)) and not dispatch.supported(X, _dims(QWEN30, mixed_max + 1))
 
 
 def test_expert_centric_support_checks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,8 +157,9 @@ def test_table_lookup(tmp_path: Path) -> None:
         32: {S: 30.0, B: 12.0, M: 11.0, EC: 10.0},  # expert-centric fastest, MMA second
         64: {S: 30.0, B: 10.0, M: 9.0, EC: 11.0},  # MMA fastest, batched second
     })
-    too_many = wdb.max_tokens(**dispatch.MMA_KNOBS) + 1
-    want = {1: S, 2: B, 3: B, 7: B, 8: S, 31: S, 32: EC, 63: EC, 64: M, too_many: B}  # MMA cannot run too_many
+    too_many = 4096  # the MMA path's list kernel cannot hold the pairs (the grouped down has no other limit)
+    assert not dispatch.supported(M, _dims(QWEN30, too_many)) and dispatch.supported(M, _dims(QWEN30, 2048))
+    want = {1: S, 2: B, 3: B, 7: B, 8: S, 31: S, 32: EC, 63: EC, 64: M, 2048: M, too_many: EC}  # nor batched: EC
     for tokens, choice in want.items():
         assert dispatch.choose(_dims(QWEN30, tokens), gpu, tmp_path) == (choice, "table"), tokens
     want_wd = {1: S, 2: B, 8: S, 32: M, 63: M, 64: M}
@@ -225,10 +233,12 @@ def test_committed_h200_table_choices() -> None:
                     assert want is not None
                     assert dispatch.point_choice(point, policy) == want == point["choices"][policy], (key, tokens)
                 assert point["choice"] == point["choices"]["fastest"]
-    # what the H200 table says today (results/h200-2026-12-01-all-paths-uniform.json), under both policies: MMA
-    # from T = 32, the mixed path at T = 16 (and at qwen3-30b T = 4 / 8), strict at T = 1
+    # what the H200 table says today (results/h200-2026-12-01-peer-all-paths-tiles-{uniform,zipf}.json, the best
+    # worst case over both routings), under both policies: the MMA path from T = 4 (qwen3-30b) / T = 8 (qwen3-235b),
+    # batched at qwen3-235b T = 2 / 4, strict at T = 1
     dispatch.load_table.cache_clear()
-    for model, want in (("qwen3-30b-a3b", {8: X, 16: X, 32: M, 64: M}), ("qwen3-235b-a22b", {16: X, 32: M, 64: M})):
+    for model, want in (("qwen3-30b-a3b", {4: M, 8: M, 16: M, 32: M, 64: M}),
+                        ("qwen3-235b-a22b", {2: B, 4: B, 8: M, 16: M, 32: M, 64: M})):
         shape = PRESETS[model]
         for tokens, path in want.items():
             for policy in dispatch.POLICIES:
@@ -277,6 +287,52 @@ def test_tool_winner_and_point() -> None:
     assert point["choice"] == EC and point["choices"] == {"fastest": EC, "warp_decode": B}
     assert point["slowdown_of_others"][S] == pytest.approx(12.0 / 5.0)
     assert dispatch_table.point_record({S: _record(None, "error")}) is None
+
+
+def test_choice_by_the_worst_case_over_routings() -> None:
+    """The routing is unknown when the path is picked: a path fastest under uniform routing but 30 % behind under
+    Zipf loses to one within 2 % under both; a path wrong under any routing is never chosen."""
+    uniform = {S: _record(100.0), B: _record(102.0), X: _record(101.0), M: _record(150.0), EC: _record(140.0)}
+    zipf = {S: _record(130.0), B: _record(100.0), X: _record(104.0), M: _record(99.0, "wrong"), EC: _record(120.0)}
+    point = dispatch_table.point_record(uniform, skewed={"zipf": zipf})
+    assert point["choice"] == B and point["choices"] == {"fastest": B, "warp_decode": B}
+    assert point["worst_slowdown"][S] == pytest.approx(1.3) and point["worst_slowdown"][B] == pytest.approx(1.02)
+    assert M not in point["worst_slowdown"]  # wrong under Zipf: out, though fastest there
+    assert point["routings"]["zipf"]["median_us"][S] == 130.0 and point["median_us"][S] == 100.0
+    assert dispatch_table.point_record(uniform)["choice"] == S  # uniform alone: the fastest
+    table = dispatch_table.merge(None, "NVIDIA H200", {"date": "2026-12-01"}, "qwen3-30b-a3b",
+                                 _dims(PRESETS["qwen3-30b-a3b"], 16), 16, point)
+    assert dispatch.validate_table(table) is table
+    zipf[B] = _record(100.0, "error")
+    assert dispatch_table.point_record(uniform, skewed={"zipf": zipf})["choice"] == X
+    broken = json.loads(json.dumps(table))
+    broken["entries"][dispatch.shape_key(_dims(PRESETS["qwen3-30b-a3b"], 16))]["points"]["16"]["routings"] = {
+        "zipf": {"median_us": {S: -1.0}, "status": {S: "ok"}}}
+    with pytest.raises(ValueError, match=r"\(zipf\): median_us"):
+        dispatch.validate_table(broken)
+
+
+def test_table_from_uniform_and_zipf_bench_runs() -> None:
+    """--from-bench joins a skewed run's complete points to the uniform ones; the choice is the best worst case."""
+    uniform = _bench("2026-12-01T00:00:00Z", [_bench_row(n, 16, us) for n, us in
+                                               ((S, 250.0), (B, 200.0), (X, 180.0), (M, 182.0), (EC, 210.0))])
+    zipf = _bench("2026-12-01T00:05:00Z", [_bench_row(n, 16, us) for n, us in
+                                            ((S, 240.0), (B, 190.0), (X, 170.0), (M, 150.0), (EC, 160.0))],
+                  routing="zipf")
+    point = next(iter(dispatch_table.from_benches([("u.json", uniform), ("z.json", zipf)])["entries"].values()))[
+        "points"]["16"]
+    assert point["choice"] == M  # 1.011 worst (uniform) against mixed's 1.133 (Zipf)
+    assert point["routings"]["zipf"]["median_us"][M] == 150.0
+    uniform_only = dispatch_table.from_benches([("u.json", uniform)])
+    assert next(iter(uniform_only["entries"].values()))["points"]["16"]["choice"] == X
+
+
+@pytest.mark.parametrize("routing", ["zipf", "uniform,nope", "uniform,zipf,zipf", ""])
+def test_tool_rejects_bad_routings(tmp_path: Path, routing: str) -> None:
+    """--routing: distinct generator names, uniform first (the choice's reference), else exit 2 before any work."""
+    with pytest.raises(SystemExit) as stop:
+        dispatch_table.main(["--json", str(tmp_path / "x.json"), "--routing", routing])
+    assert stop.value.code == 2 and not (tmp_path / "x.json").exists()
 
 
 def test_tool_refuses_without_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -137,7 +137,7 @@ def test_resolve_params_validates() -> None:
     assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=0)["DB_WARPS"] == 24
     assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=80)["DB_MAX_REGS"] == 80
     resolved = wdb.resolve_params(dims)
-    switches = ("MAX_REGS", "MMA", "PDL", "EARLY_W2", "BALANCE")  # 0 is meaningful here
+    switches = ("MAX_REGS", "MMA", "PDL", "EARLY_W2", "BALANCE", "PAIR_TILES", "GROUPED")  # 0: off
     assert set(resolved) == set(wdb.DEFAULTS)
     assert all(v > 0 for k, v in resolved.items() if not any(s in k for s in switches))
 
@@ -154,16 +154,22 @@ def test_auto_knobs() -> None:
     assert wdb.resolve_params(Dims(32, 2048, 768, 128, 8))["GB_UNROLL"] == 2  # tile 4
     assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8))["GB_UNROLL"] == 4  # tile 8
     assert wdb.slots(Dims(2, 8, 8, 128, 8)) == 17 and wdb.slots(Dims(64, 8, 8, 128, 8)) == 129
-    assert wdb.lists_size(Dims(2, 8, 8, 128, 8)) == 4 + 3 * 17 + 16
+    assert wdb.lists_size(Dims(2, 8, 8, 128, 8)) == 4 + 3 * 17 + 16 + 3 * (17 + 2)
     assert wdb.lists_shared_bytes(Dims(2, 8, 8, 128, 8), wdb.resolve_params()) == (129 * 9 + 2 * 16) * 4
     assert wdb.max_tokens() == 227 * 1024 // (4 * 4 * 4)  # the down kernel opts into 227 KB above 48 KB
     assert wdb.max_tokens(GB_MMA=1, DB_MMA=1) == 227 * 1024 // (16 * 16 * 4)  # auto DB_WARPS: 16 with DB_MMA
     assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8), DB_MMA=1)["DB_WARPS"] == wdb.MMA_DOWN_WARPS
-    wide = wdb.resolve_params(Dims(32, 2048, 768, 128, 8), **wdb.MMA_KNOBS)  # from T = 32: 24 warps, launch bounds
+    wide = wdb.resolve_params(Dims(32, 2048, 768, 128, 8), **{**wdb.MMA_KNOBS, "DB_GROUPED": 0})  # from T = 32: 24
     assert (wide["DB_WARPS"], wide["DB_MAX_REGS"]) == (wdb.MMA_WIDE_DOWN_WARPS, 0)
-    assert wdb.resolve_params(Dims(32, 2048, 768, 128, 8), **wdb.MMA_KNOBS, DB_MAX_REGS=80)["DB_WARPS"] == 24
-    assert wdb.resolve_params(Dims(32, 2048, 768, 128, 8), **wdb.MMA_KNOBS, DB_MAX_REGS=96)["DB_WARPS"] == 16
-    assert wdb.resolve_params(Dims(200, 2048, 768, 128, 8), **wdb.MMA_KNOBS)["DB_WARPS"] == 16  # partials: 307 KB
+    # auto DB_GROUPED (-1 in the tensor-core knob set): the grouped down (4 warps) once experts average 2 pairs
+    grouped = {t: wdb.resolve_params(Dims(t, 2048, 768, 128, 8), **wdb.MMA_KNOBS) for t in (16, 32, 64)}
+    assert {t: (r["DB_GROUPED"], r["DB_WARPS"]) for t, r in grouped.items()} == {16: (0, 16), 32: (1, 4), 64: (1, 4)}
+    assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8), **wdb.MIXED_KNOBS, DB_GROUPED=-1)["DB_GROUPED"] == 0
+    assert wdb.kernel_names(grouped[64]) == ("moe_expert_lists", "moe_gate_up_mma", "moe_down_grouped",
+                                             "moe_sum_slots")
+    assert wdb.resolve_params(Dims(32, 2048, 768, 128, 8), **wdb.MIXED_KNOBS, DB_MAX_REGS=80)["DB_WARPS"] == 24
+    assert wdb.resolve_params(Dims(32, 2048, 768, 128, 8), **wdb.MIXED_KNOBS, DB_MAX_REGS=96)["DB_WARPS"] == 16
+    assert wdb.resolve_params(Dims(200, 2048, 768, 128, 8), **wdb.MIXED_KNOBS)["DB_WARPS"] == 16  # partials: 307 KB
     assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8))["DB_WARPS"] == 4  # the FMA down
     assert [wdb.resolve_params(Dims(t, 2048, 768, 128, 8), GB_MMA=1)["GB_NBLK"] for t in (32, 64)] == [1, 2]
     assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8), GB_MMA=1, GB_NBLK=1)["GB_NBLK"] == 1
@@ -174,7 +180,8 @@ def test_auto_knobs() -> None:
     assert balance == {2: 0, 4: 0, 8: 1, 16: 0, 32: 0, 64: 0}  # T = 8: 51.6 experts / 16 warps = 3.2 (80 %)
     assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8), DB_BALANCE=-1)["DB_BALANCE"] == 0  # the FMA down
     assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8), **{**wdb.MMA_KNOBS, "DB_BALANCE": 0})["DB_BALANCE"] == 0
-    assert wdb.resolve_params(None, **wdb.MMA_KNOBS)["DB_BALANCE"] == 0
+    assert wdb.resolve_params(None, **wdb.MIXED_KNOBS)["DB_BALANCE"] == 0
+    assert wdb.resolve_params(None, DB_MMA=1, GB_MMA=1, PAIR_TILES=1, DB_BALANCE=-1)["DB_BALANCE"] == 1  # tiles
 
 
 def test_source_and_variant_are_registered() -> None:
@@ -227,30 +234,44 @@ def test_variant_grid_corners_compile() -> None:
 # ---------------------------------------------------------------------------------------------------
 # CPU: the routing lists, modelled in NumPy
 # ---------------------------------------------------------------------------------------------------
-def expert_lists_numpy(topk_ids: np.ndarray, experts: int) -> dict[str, Any]:
-    """What moe_expert_lists writes: slots in ascending expert id (bad ids last, as expert E), pairs stable."""
+def expert_lists_numpy(topk_ids: np.ndarray, experts: int, tile_pairs: int = 0) -> dict[str, Any]:
+    """What moe_expert_lists writes: slots in ascending expert id (bad ids last, as expert E), pairs stable; with
+    ``tile_pairs`` (PAIR_TILES) the tile table: each slot's pairs in runs of tile_pairs, (expert, first, count)."""
     flat = np.asarray(topk_ids, np.int64).ravel()
     keyed = np.where((flat < 0) | (flat >= experts), experts, flat)
     order = np.argsort(keyed, kind="stable")
     slot_experts, offsets, counts = np.unique(keyed[order], return_index=True, return_counts=True)
     bad = int(np.sum(keyed == experts))
+    tiles = [(int(e), int(o) + f, min(tile_pairs, int(c) - f))
+             for e, o, c in zip(slot_experts, offsets, counts, strict=True)
+             for f in range(0, int(c), tile_pairs)] if tile_pairs else []
     return {"used": int(slot_experts.size), "good": flat.size - bad, "bad": bad, "expert": slot_experts,
-            "offset": offsets, "count": counts, "sorted": order}
+            "offset": offsets, "count": counts, "sorted": order, "tiles": np.array(tiles, np.int64).reshape(-1, 3)}
+
+
+def _tile_pairs(dims: Dims, params: dict[str, Any]) -> int:
+    """Pairs per tile of the tile table these knobs write (0: none)."""
+    resolved = wdb.resolve_params(dims, **params)
+    return 8 * resolved["GB_NBLK"] if resolved["PAIR_TILES"] else 0
 
 
 def _unpack_lists(raw: np.ndarray, dims: Dims) -> dict[str, Any]:
     s = wdb.slots(dims)
-    used = int(raw[0])
+    used, tiles = int(raw[0]), int(raw[3])
     h = wdb.LIST_HEADER
+    pairs = dims.tokens * dims.top_k
+    table = h + 3 * s + pairs
+    cap = wdb.tile_capacity(dims)
     return {"used": used, "good": int(raw[1]), "bad": int(raw[2]), "expert": raw[h:h + used],
             "offset": raw[h + s:h + s + used], "count": raw[h + 2 * s:h + 2 * s + used],
-            "sorted": raw[h + 3 * s:h + 3 * s + dims.tokens * dims.top_k]}
+            "sorted": raw[h + 3 * s:h + 3 * s + pairs],
+            "tiles": np.stack([raw[table + j * cap:table + j * cap + tiles] for j in range(3)], axis=1)}
 
 
 def _assert_lists_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
     for key in ("used", "good", "bad"):
         assert got[key] == want[key], key
-    for key in ("expert", "offset", "count", "sorted"):
+    for key in ("expert", "offset", "count", "sorted", "tiles"):
         assert np.array_equal(np.asarray(got[key]), np.asarray(want[key])), key
 
 
@@ -341,7 +362,8 @@ int main(int argc, char** argv) {
     // the larger of the list kernel's and the down kernel's (partials) shared memory
     const size_t down_shared = (size_t)DB_WARPS * T * (DB_OUTS + 16);  // DB_MMA: 16 columns
     const size_t lists_shared = ((size_t)E + 1) * (1 + LIST_THREADS / 32) + 2 * (size_t)T * K;  // + warps' counts
-    std::vector<float> shared(std::max(down_shared, lists_shared), __uint_as_float(0x7fc00000u));
+    const size_t ring_shared = (size_t)GB_WARPS * GB_STAGES * GB_UNROLL * (2 + GB_NBLK) * 32 * 4;  // GB_STAGES
+    std::vector<float> shared(std::max({down_shared, lists_shared, ring_shared}), __uint_as_float(0x7fc00000u));
     wdb_dynamic_shared = shared.data();
     launch(1, LIST_THREADS, [&] { moe_expert_lists(ids.data(), T * K, E, slots, lists.data()); });
 #if GB_MMA
@@ -355,11 +377,20 @@ int main(int argc, char** argv) {
 #define DOWN_KERNEL moe_down_batched
 #endif
     launch(gu_blocks, GB_WARPS * 32,
-           [&] { GATE_UP_KERNEL(x.data(), w13.data(), lists.data(), inter.data(), H, I, E, K, slots); });
+           [&] { GATE_UP_KERNEL(x.data(), w13.data(), lists.data(), inter.data(), H, I, E, K, slots, T * K); });
+#if DB_GROUPED
+    std::vector<float> pair_out((size_t)T * K * H, __uint_as_float(0x7fc00000u));
+    launch(dn_blocks, DB_WARPS * 32, [&] {
+        moe_down_grouped(inter.data(), w2.data(), wts.data(), lists.data(), pair_out.data(), H, I, E, K, slots, T * K);
+    });
+    launch((T * (H / 4) + 255) / 256, 256,
+           [&] { moe_sum_slots(pair_out.data(), ids.data(), out.data(), f32, T, H, E, K); });
+#else
     launch(dn_blocks, DB_WARPS * 32, [&] {
         DOWN_KERNEL(inter.data(), w2.data(), ids.data(), wts.data(), lists.data(), out.data(), f32, T, H, I, E, K,
                     slots);
     });
+#endif
     save(dir + "/lists.bin", lists);
     save(dir + "/inter.bin", inter);
     out.resize(f32 ? out.size() : (out.size() + 1) / 2);
@@ -462,6 +493,27 @@ EMULATED += [
                               "DB_UNROLL": 2, "LIST_THREADS": 32, "LIST_PER": 0}, True),
     (MULTI_SHAPE, 12, "same", {"DB_MMA": 1, "DB_WARPS": 4, "DB_BALANCE": 1, "DB_NBLK": 2, "DB_EARLY_W2": 1,
                                "LIST_THREADS": 32, "LIST_PER": 0}, False),
+    # the tile table (PAIR_TILES): hot slots cut into tiles of 8 / 16 pairs (partial last tiles), gate_up one
+    # block row per tile, the down's balanced runs over (tile, k block) items; duplicate ids in a token
+    (MULTI_SHAPE, 12, "same", {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_BALANCE": -1, "DB_WARPS": 3,
+                               "LIST_THREADS": 32, "LIST_PER": 0}, True),
+    (MULTI_SHAPE, 14, "zipf", {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_BALANCE": -1, "GB_NBLK": 2,
+                               "DB_NBLK": 2, "DB_WARPS": 4, "DB_EARLY_W2": 1, "LIST_THREADS": 32, "LIST_PER": 0},
+     False),
+    ("tiny", 6, [[5, 5], [0, 1], [2, 2], [3, 0], [1, 1], [5, 4]], {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1,
+                                                                   "DB_BALANCE": -1}, False),
+    # the grouped down (DB_GROUPED): one block row per tile, per-pair rows, the slot-order sum; partial 16-row groups
+    # over H = 200, tiles of 8 and 16 pairs, duplicate ids in a token
+    (MULTI_SHAPE, 12, "same", {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_GROUPED": 1, "DB_WARPS": 3,
+                               "LIST_THREADS": 32, "LIST_PER": 0}, True),
+    (MULTI_SHAPE, 9, "zipf", {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_GROUPED": 1, "GB_NBLK": 2, "DB_NBLK": 2,
+                              "DB_EARLY_W2": 1, "LIST_THREADS": 32, "LIST_PER": 0}, False),
+    ("tiny", 6, [[5, 5], [0, 1], [2, 2], [3, 0], [1, 1], [5, 4]], {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1,
+                                                                   "DB_GROUPED": 1}, False),
+    # the gate_up's cp.async ring (GB_STAGES): more rounds than stages (H = 200: 25 chunks), a masked tail, NBLK 2
+    (MULTI_SHAPE, 9, "zipf", {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "GB_STAGES": 3, "GB_UNROLL": 2, "GB_NBLK": 2,
+                              "LIST_THREADS": 32, "LIST_PER": 0}, False),
+    ("tiny", 5, "same", {"GB_MMA": 1, "DB_MMA": 1, "GB_STAGES": 2, "GB_UNROLL": 1}, False),
 ]
 
 
@@ -470,14 +522,16 @@ EMULATED_IDS = [f"{getattr(c[0], 'name', c[0])}-T{c[1]}-{i}" for i, c in enumera
 
 # the quick subset: the defaults (FMA kernels, bf16 and fp32 out) and the tensor-core kernels on the tiny preset with
 # duplicate ids; the rest (every knob family, odd shapes, the list kernel's warps) is slow
-@pytest.mark.parametrize(("shape", "tokens", "routing", "params", "fp32"), slow_except(EMULATED, EMULATED_IDS, {0, 11}))
+@pytest.mark.parametrize(("shape", "tokens", "routing", "params", "fp32"),
+                         slow_except(EMULATED, EMULATED_IDS, {0, 11, 17}))
 def test_cuda_source_emulated_on_cpu(rng: np.random.Generator, shape: Any, tokens: int, routing: Any,
                                      params: dict[str, int], fp32: bool) -> None:
     """The real kernel text: lists vs the NumPy model, out vs the reference, intermediate vs the strict kernel."""
     problem = make_problem(shape, tokens, seed=_seed(rng), routing=routing)
     dims = _dims(problem)
     got = _emulate(problem, **params)
-    _assert_lists_equal(_unpack_lists(got["lists"], dims), expert_lists_numpy(problem.topk_ids, dims.experts))
+    _assert_lists_equal(_unpack_lists(got["lists"], dims),
+                        expert_lists_numpy(problem.topk_ids, dims.experts, _tile_pairs(dims, params)))
     faithful = moe_decode(*problem.arrays, mode="warp_decode")
     oracle = moe_decode(*problem.arrays, mode="fp64")
     own_order = bool(params.get("GB_MMA") or params.get("DB_MMA"))
@@ -496,7 +550,11 @@ MMA_BALANCED = {"GB_MMA": 1, "DB_MMA": 1, "DB_WARPS": 3, "DB_BALANCE": 1}
 
 
 @pytest.mark.parametrize("knobs", [pytest.param({"GB_TILE": 2, "DB_TILE": 2}, id="fma"),
-                                   pytest.param(MMA_BALANCED, id="mma-balanced", marks=pytest.mark.slow)])
+                                   pytest.param(MMA_BALANCED, id="mma-balanced", marks=pytest.mark.slow),
+                                   pytest.param({**MMA_BALANCED, "PAIR_TILES": 1}, id="mma-tiles",
+                                                marks=pytest.mark.slow),
+                                   pytest.param({"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_GROUPED": 1},
+                                                id="mma-grouped", marks=pytest.mark.slow)])
 def test_bad_ids_emulated_on_cpu(rng: np.random.Generator, knobs: dict[str, int]) -> None:
     """Out-of-range ids reach the kernels (as under capture): those tokens' rows NaN, the others exact."""
     problem = make_problem("tiny", 5, seed=_seed(rng))
@@ -506,7 +564,9 @@ def test_bad_ids_emulated_on_cpu(rng: np.random.Generator, knobs: dict[str, int]
     ids[2, 1] = 2**31 - 1
     got = _emulate(problem, ids=ids, **knobs)
     assert np.all(np.isnan(got["out"][[0, 2]].astype(np.float32)))
-    _assert_lists_equal(_unpack_lists(got["lists"], _dims(problem)), expert_lists_numpy(ids, problem.shape.experts))
+    dims = _dims(problem)
+    _assert_lists_equal(_unpack_lists(got["lists"], dims),
+                        expert_lists_numpy(ids, problem.shape.experts, _tile_pairs(dims, knobs)))
     inter = got["inter"]
     assert np.all(inter[0, 1] == 0x7FC0) and np.all(inter[2] == 0x7FC0)  # bad pairs: NaN intermediate
     good = [1, 3, 4]
@@ -527,10 +587,16 @@ def cupy_mod():
     cupy.get_default_memory_pool().free_all_blocks()
 
 
-def _poisoned_workspace(cupy: Any, dims: Dims) -> wdb.Workspace:
-    ws = wdb.make_workspace(dims)
+def _poison(cupy: Any, ws: wdb.Workspace) -> None:
     ws.intermediate.view(cupy.uint16).fill(0x7FC0)
     ws.lists.fill(-7)
+    if ws.pair_out is not None:
+        ws.pair_out.fill(cupy.nan)
+
+
+def _poisoned_workspace(cupy: Any, dims: Dims, **params: Any) -> wdb.Workspace:
+    ws = wdb.make_workspace(dims, **params)
+    _poison(cupy, ws)
     return ws
 
 
@@ -538,13 +604,14 @@ def _run_and_check(cupy: Any, problem: Problem, what: str, out_dtype: Any = BF16
                    **params: Any) -> np.ndarray:
     dims = _dims(problem)
     out = _poisoned_out(cupy, dims.tokens, dims.hidden, out_dtype)
-    ws = _poisoned_workspace(cupy, dims)
+    ws = _poisoned_workspace(cupy, dims, **params)
     returned = wdb.warp_decode_batched(*problem.arrays, out=out, workspace=ws, **params)
     assert returned is out
     cupy.cuda.runtime.deviceSynchronize()
     got = cupy.asnumpy(out)
     lists = _unpack_lists(cupy.asnumpy(ws.lists), dims)
-    _assert_lists_equal(lists, expert_lists_numpy(cupy.asnumpy(problem.topk_ids), dims.experts))
+    _assert_lists_equal(lists, expert_lists_numpy(cupy.asnumpy(problem.topk_ids), dims.experts,
+                                                  _tile_pairs(dims, params)))
     if strict_inter:
         resolved = wdb.resolve_params(dims, **params)
         strict = wdc.make_workspace(dims.tokens, dims.top_k, dims.intermediate)
@@ -567,33 +634,42 @@ def test_presets(cupy_mod: Any, rng: np.random.Generator, model: str, tokens: in
 
 
 MMA = dict(wdb.MMA_KNOBS)  # what cupy:warp-decode-mma and kernels.dispatch run
+MMA_TILES = {**MMA, "PAIR_TILES": 1}  # the work units both ways: tiles of a slot's pairs, whole slots
+MMA_SLOTS = {**MMA, "PAIR_TILES": 0, "DB_GROUPED": 0}
+MMA_GROUPED = {**MMA, "PAIR_TILES": 1, "DB_GROUPED": 1}  # the down over the tiles too, then the slot-order sum
+MMA_UNITS = {"tiles": {**MMA_TILES, "DB_GROUPED": 0}, "slots": MMA_SLOTS, "grouped": MMA_GROUPED}
 MMA_CASES = [("qwen3-30b-a3b", 1, "uniform"), ("qwen3-30b-a3b", 37, "uniform"), ("qwen3-30b-a3b", 64, "zipf"),
              ("qwen3-30b-a3b", 64, "uniform"),
              ("qwen3-235b-a22b", 16, "uniform"), ("mixtral-8x7b", 8, "uniform"), ("qwen3-30b-a3b", 6, "same")]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("units", list(MMA_UNITS))
 @pytest.mark.parametrize(("model", "tokens", "routing"), MMA_CASES)
-def test_mma_kernels(cupy_mod: Any, rng: np.random.Generator, model: str, tokens: int, routing: str) -> None:
-    """The tensor-core kernels against the references (NaN-poisoned buffers), then bitwise over two more runs."""
+def test_mma_kernels(cupy_mod: Any, rng: np.random.Generator, model: str, tokens: int, routing: str,
+                     units: str) -> None:
+    """The tensor-core kernels (work units: tiles of pairs, or whole slots) against the references (NaN-poisoned
+    buffers), then bitwise over two more runs."""
+    knobs = MMA_UNITS[units]
     problem = make_problem(model, tokens, seed=_seed(rng), routing=routing, xp=cupy_mod)
-    first = _run_and_check(cupy_mod, problem, f"mma {model} T={tokens} {routing}", **MMA)
+    first = _run_and_check(cupy_mod, problem, f"mma {model} T={tokens} {routing} {units}", **knobs)
     for _ in range(2):
         out = _poisoned_out(cupy_mod, tokens, problem.shape.hidden)
-        wdb.warp_decode_batched(*problem.arrays, out=out, **MMA)
+        wdb.warp_decode_batched(*problem.arrays, out=out, **knobs)
         cupy_mod.cuda.runtime.deviceSynchronize()
         assert np.array_equal(cupy_mod.asnumpy(out).view(np.uint16), first.view(np.uint16))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("routing", ["zipf-1", "zipf-2", "correlated", "same"])
-@pytest.mark.parametrize("path", ["fma", "mixed", "mma"])
+@pytest.mark.parametrize("path", ["fma", "mixed", "mma-tiles", "mma-slots", "mma-grouped"])
 def test_batched_paths_under_skewed_routings(cupy_mod: Any, rng: np.random.Generator, routing: str, path: str) -> None:
     """Every batched path under the routings that stand for real routers (kernels.routing.GENERATORS): a hot
     expert's many pairs, a batch sharing most of its experts, all tokens on one set."""
-    knobs = {"fma": {}, "mixed": wdb.MIXED_KNOBS, "mma": MMA}[path]
+    knobs = {"fma": {}, "mixed": wdb.MIXED_KNOBS, **{f"mma-{k}": v for k, v in MMA_UNITS.items()}}[path]
     problem = make_problem("qwen3-30b-a3b", 32, seed=_seed(rng), routing=routing, xp=cupy_mod)
-    _run_and_check(cupy_mod, problem, f"{path} qwen3-30b T=32 {routing}", strict_inter=path != "mma", **knobs)
+    _run_and_check(cupy_mod, problem, f"{path} qwen3-30b T=32 {routing}", strict_inter=path in ("fma", "mixed"),
+                   **knobs)
 
 
 @pytest.mark.gpu
@@ -614,9 +690,12 @@ def test_mixed_kernels(cupy_mod: Any, rng: np.random.Generator, model: str, toke
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(ODD_SHAPES))
 def test_mma_odd_shapes(cupy_mod: Any, rng: np.random.Generator, name: str) -> None:
-    for tokens, knobs in ((5, {}), (37, {"GB_NBLK": 2, "DB_NBLK": 2, "GB_UNROLL": 8, "DB_UNROLL": 2})):
+    for tokens, knobs in ((5, {}), (37, {"GB_NBLK": 2, "DB_NBLK": 2, "GB_UNROLL": 8, "DB_UNROLL": 2}),
+                          (37, {"PAIR_TILES": 1, "GB_NBLK": 1}), (37, {"PAIR_TILES": 1, "GB_NBLK": 2, "DB_WARPS": 5}),
+                          (37, {"PAIR_TILES": 1, "DB_GROUPED": 1, "GB_NBLK": 2, "DB_NBLK": 2, "DB_WARPS": 3}),
+                          (37, {"PAIR_TILES": 1, "GB_STAGES": 3, "GB_UNROLL": 2})):
         problem = make_problem(ODD_SHAPES[name], tokens, seed=_seed(rng), routing="zipf", xp=cupy_mod)
-        _run_and_check(cupy_mod, problem, f"mma {name} T={tokens} {knobs}", **MMA, **knobs)
+        _run_and_check(cupy_mod, problem, f"mma {name} T={tokens} {knobs}", **{**MMA, **knobs})
 
 
 @pytest.mark.gpu
@@ -769,6 +848,12 @@ GRID_SAMPLE = [
     {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": 1, "DB_UNROLL": 2},
     {"DB_MMA": 1, "DB_NBLK": 2, "PDL": 0},
     {"GB_MMA": 1, "DB_MMA": 1, "DB_BALANCE": 1, "DB_WARPS": 24, "DB_MAX_REGS": 0},
+    {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_BALANCE": 1, "GB_NBLK": 2, "DB_NBLK": 2, "GB_WARPS": 2},
+    {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_BALANCE": 0, "PDL": 0},
+    {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_GROUPED": 1, "PDL": 0, "DB_WARPS": 8},
+    {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_GROUPED": 1, "DB_EARLY_W2": 1, "DB_NBLK": 2, "DB_UNROLL": 2},
+    {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "GB_STAGES": 3, "GB_UNROLL": 2, "GB_NBLK": 2},
+    {"GB_MMA": 1, "DB_MMA": 1, "GB_STAGES": 4, "GB_UNROLL": 1, "PDL": 0},
 ]
 
 
@@ -786,6 +871,8 @@ PDL_CHAIN_CASES = [  # (model, T, knobs): FMA and tensor-core kernels
     ("qwen3-30b-a3b", 64, {"GB_MMA": 1, "DB_MMA": 1}),  # 16 down warps: 64 KB of partials, opted into
     ("qwen3-30b-a3b", 37, {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1}),  # w2 loads before the wait
     ("qwen3-30b-a3b", 8, {"DB_MMA": 1, "DB_EARLY_W2": 1}),  # FMA gate_up, tensor-core down
+    ("qwen3-30b-a3b", 48, {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "PAIR_TILES": 1, "DB_BALANCE": 1}),  # tiles
+    ("qwen3-30b-a3b", 48, {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "PAIR_TILES": 1, "DB_GROUPED": 1}),  # + sum
 ]
 
 
@@ -808,8 +895,7 @@ def test_pdl_chain_where_each_layer_reads_the_last(cupy_mod: Any, rng: np.random
         routings.append((cupy.asarray(ids), cupy.asarray(weights)))
 
     def poison(launch: Any) -> None:
-        launch.workspace.intermediate.view(cupy.uint16).fill(0x7FC0)
-        launch.workspace.lists.fill(-7)
+        _poison(cupy, launch.workspace)
 
     assert_pdl_chain_bitwise(cupy, problem, wdb.FAMILY.build, _dims(problem), poison, routings=routings, replays=10,
                              **params)

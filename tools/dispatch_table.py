@@ -5,22 +5,27 @@
     python -m tools.dispatch_table --json ... --also numba:warp-decode     # record other paths too (never chosen)
     python -m tools.dispatch_table --json kernels/dispatch_tables/nvidia-h200.json --from-bench a.json b.json
 
-Every point records each candidate's (``kernels.dispatch.CANDIDATES``: strict, batched, MMA, expert-centric)
-median, status and TB/s; ``kernels.dispatch`` picks, per policy ("fastest": all four; "warp_decode": strict,
-batched and MMA), the fastest candidate of the policy with status "ok". The point's ``choices`` (per policy) and
+Every point records each candidate's (``kernels.dispatch.CANDIDATES``: strict, batched, mixed, MMA,
+expert-centric) median, status and TB/s under uniform routing (the point's own ``median_us`` / ``status`` /
+``tbps``) and under each skewed routing measured (``routings``: ``{"zipf": {...}}``). ``kernels.dispatch`` cannot
+see the routing when it picks, so it picks by the worst case: per policy ("fastest": all five; "warp_decode": the
+four warp-decode paths), the candidate with status "ok" under every routing whose largest slowdown against each
+routing's fastest is least (``worst_slowdown`` records it per candidate). The point's ``choices`` (per policy) and
 ``choice`` (policy "fastest") say what that gives, for people reading the file.
 
 ``--from-bench`` builds the table from one or more bench runs' JSON instead of timing again (no GPU needed):
-rows of the candidates measured with uniform routing (the row's ``routing``, else the run's config) are
-collected per (model, batch) in file order -- a later file overrides the same variant at the same model and
-batch -- and every (model, batch) where all four candidates have a row becomes a point, with the bench's
-medians and statuses. The files must come from one GPU; each file's name and date is recorded (``sources``,
-and per point which file each candidate's row came from).
+rows of the candidates are collected per (model, batch, routing: the row's ``routing``, else the run's config)
+in file order -- a later file overrides the same variant at the same model, batch and routing -- and every
+(model, batch) where all candidates have a uniform-routing row becomes a point, with the bench's medians and
+statuses; a skewed routing joins the point where all candidates have a row under it. The files must come from
+one GPU; each file's name and date is recorded (``sources``, and per point which file each candidate's
+uniform row came from).
 
-Measuring (no ``--from-bench``): for every preset (``--model``, default all but ``tiny``) and T in 1, 2, 4,
-..., 64 (``--batch``), each candidate is timed with ``tools.harness.Workbench.measure`` -- CUDA-graph replays,
-weights rotated past 3x L2, uniform routing, output checked against the reference before and after timing --
-a candidate that cannot run the dims is recorded as "unsupported". An existing file for the same GPU is
+Measuring (no ``--from-bench``): for every preset (``--model``, default all but ``tiny``), T in 1, 2, 4, ..., 64
+(``--batch``) and routing (``--routing``, default ``kernels.dispatch.TABLE_ROUTINGS``: uniform and Zipf), each
+candidate is timed with ``tools.harness.Workbench.measure`` -- CUDA-graph replays, weights rotated past 3x L2,
+output checked against the reference before and after timing -- a candidate that cannot run the dims is
+recorded as "unsupported". An existing file for the same GPU is
 updated in place (entries of other shapes / points kept), so a long sweep can be split into several commands
 (``--model`` one at a time). The file records the GPU's name, the date and the environment.
 ``kernels.dispatch`` reads it at run time (``kernels/dispatch_tables/<gpu slug>.json``).
@@ -36,6 +41,7 @@ from typing import Any
 
 from kernels import dispatch
 from kernels.contract import Dims
+from kernels.routing import GENERATORS
 from kernels.shapes import PRESETS, get_shape
 from kernels.variants import get_variant
 from tools.cli import int_list, positive_int
@@ -52,10 +58,26 @@ def winner(records: dict[str, dict[str, Any]], policy: str = dispatch.FASTEST) -
     return dispatch.point_choice(point, policy)
 
 
-def point_record(records: dict[str, dict[str, Any]], sources: dict[str, str] | None = None) -> dict[str, Any] | None:
-    """One table point from the measurements of a (shape, T): every path's median, status and TB/s, the choice
-    per policy (``choices``; ``choice`` = policy "fastest"); None when no candidate was measured correctly."""
-    choices = {policy: winner(records, policy) for policy in dispatch.POLICIES}
+def _measurements(records: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One routing's part of a point: every path's median, status and TB/s, and the routing's unique experts."""
+    return {
+        "median_us": {name: r.get("median_us") for name, r in records.items()},
+        "status": {name: r.get("status") for name, r in records.items()},
+        "tbps": {name: r.get("tbps") for name, r in records.items()},
+        "unique_experts": next(iter(records.values())).get("bytes", {}).get("unique_experts"),
+    }
+
+
+def point_record(records: dict[str, dict[str, Any]], sources: dict[str, str] | None = None,
+                 skewed: dict[str, dict[str, dict[str, Any]]] | None = None) -> dict[str, Any] | None:
+    """One table point from the measurements of a (shape, T): under uniform routing (``records``) and each skewed
+    routing (``skewed``: routing -> records), every path's median, status and TB/s; the choice per policy by the
+    worst case over the routings (``choices``; ``choice`` = policy "fastest"; ``worst_slowdown`` per candidate);
+    None when no candidate was measured correctly under every routing."""
+    point: dict[str, Any] = _measurements(records)
+    if skewed:
+        point["routings"] = {routing: _measurements(recs) for routing, recs in skewed.items()}
+    choices = {policy: dispatch.point_choice(point, policy) for policy in dispatch.POLICIES}
     choice = choices[dispatch.FASTEST]
     if choice is None:
         return None
@@ -63,10 +85,8 @@ def point_record(records: dict[str, dict[str, Any]], sources: dict[str, str] | N
     point = {
         "choice": choice,
         "choices": choices,
-        "median_us": {name: r.get("median_us") for name, r in records.items()},
-        "status": {name: r.get("status") for name, r in records.items()},
-        "tbps": {name: r.get("tbps") for name, r in records.items()},
-        "unique_experts": next(iter(records.values())).get("bytes", {}).get("unique_experts"),
+        **point,
+        "worst_slowdown": dispatch.worst_slowdowns(point, list(records)),
         "slowdown_of_others": {name: (r["median_us"] / best if r.get("median_us") else None)
                                for name, r in records.items() if name != choice},
     }
@@ -97,16 +117,17 @@ def _env_order(env: dict[str, Any]) -> str:
 
 
 def from_benches(benches: list[tuple[str, dict[str, Any]]], table: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A dispatch table (or ``table`` updated) from ``[(file name, tools.bench JSON), ...]``: uniform-routing
-    rows of the candidates, later files overriding the same variant at the same (model, batch); one point per
-    (model, batch) where every candidate has a row. ValueError for runs of different GPUs, or no such point."""
+    """A dispatch table (or ``table`` updated) from ``[(file name, tools.bench JSON), ...]``: the candidates' rows
+    per routing, later files overriding the same variant at the same (model, batch, routing); one point per
+    (model, batch) where every candidate has a uniform-routing row, joined by each skewed routing where every
+    candidate has a row. ValueError for runs of different GPUs, or no such point."""
     if not benches:
         raise ValueError("from_benches needs at least one bench run")
     gpu: str | None = None
-    grouped: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+    grouped: dict[tuple[str, int, str], dict[str, dict[str, Any]]] = {}
     origin: dict[tuple[str, int], dict[str, str]] = {}
     sources = []
-    contributed: list[dict[str, Any]] = []  # environments of the runs that gave at least one row
+    env_of: dict[tuple[str, int, str, str], dict[str, Any]] = {}  # the run each kept row came from
     for name, bench in benches:
         env = bench["environment"]
         run_gpu = env["gpu"]["name"]
@@ -117,26 +138,31 @@ def from_benches(benches: list[tuple[str, dict[str, Any]]], table: dict[str, Any
         sources.append({"file": name, "date": env.get("date"), "gpu": run_gpu})
         run_routing = bench.get("config", {}).get("routing", "uniform")
         for row in bench["results"]:
-            if row.get("routing", run_routing) != "uniform" or row["variant"] not in dispatch.CANDIDATES:
+            if row["variant"] not in dispatch.CANDIDATES:
                 continue
-            key = (row["model"], int(row["batch"]))
-            grouped.setdefault(key, {})[row["variant"]] = row
-            origin.setdefault(key, {})[row["variant"]] = name
-            if not contributed or contributed[-1] is not env:
-                contributed.append(env)
-    env = max(contributed, key=_env_order) if contributed else {}  # the header of the latest run that counted
-    written = 0
-    for (model, tokens), records in sorted(grouped.items()):
-        if not all(name in records for name in dispatch.CANDIDATES):
+            routing = row.get("routing", run_routing)
+            grouped.setdefault((row["model"], int(row["batch"]), routing), {})[row["variant"]] = row
+            env_of[(row["model"], int(row["batch"]), routing, row["variant"])] = env
+            if routing == "uniform":
+                origin.setdefault((row["model"], int(row["batch"])), {})[row["variant"]] = name
+    complete = {key: {name: records[name] for name in dispatch.CANDIDATES} for key, records in grouped.items()
+                if all(name in records for name in dispatch.CANDIDATES)}
+    points = []
+    for (model, tokens, routing), ordered in sorted(complete.items()):
+        if routing != "uniform":
             continue
-        ordered = {name: records[name] for name in dispatch.CANDIDATES}
-        point = point_record(ordered, {name: origin[(model, tokens)][name] for name in dispatch.CANDIDATES})
-        if point is None:
-            continue
+        skewed = {r: recs for (m, t, r), recs in sorted(complete.items()) if (m, t) == (model, tokens) and r != routing}
+        point = point_record(ordered, {name: origin[(model, tokens)][name] for name in dispatch.CANDIDATES}, skewed)
+        if point is not None:
+            points.append((model, tokens, point, [env_of[(model, tokens, r, n)] for r in ("uniform", *skewed)
+                                                  for n in dispatch.CANDIDATES]))
+    used = [env for *_, envs in points for env in envs]
+    env = max(used, key=_env_order) if used else {}  # the header of the latest run that counted
+    for model, tokens, point, _ in points:
         shape = get_shape(model)
         dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
         table = merge(table, str(gpu), env, model, dims, tokens, point)
-        written += 1
+    written = len(points)
     if table is None or not written:
         raise ValueError(f"the bench run(s) measured no point with every candidate {dispatch.CANDIDATES} under "
                          "uniform routing")
@@ -169,19 +195,25 @@ def _source_name(path: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.dispatch_table", description=__doc__.split("\n")[0],
                                      usage="%(prog)s [-h] --json PATH [--model M,...] [--batch T,...] [--repeats N] "
-                                           "[--also VARIANT,...] [--from-bench BENCH_JSON ...]")
+                                           "[--routing R,...] [--also VARIANT,...] [--from-bench BENCH_JSON ...]")
     # not required=True: an unknown option is reported before a missing --json (checked below)
     parser.add_argument("--json", metavar="PATH",
                         help="table file to write / update (kernels/dispatch_tables/<slug>.json); required")
     parser.add_argument("--model", default=",".join(DEFAULT_MODELS), help="comma-separated presets")
     parser.add_argument("--batch", type=int_list, default=list(dispatch.TABLE_POINTS))
     parser.add_argument("--repeats", type=positive_int, default=DEFAULT_REPEATS)
+    parser.add_argument("--routing", default=",".join(dispatch.TABLE_ROUTINGS),
+                        help="comma-separated routings, uniform first (the choice is the best worst case over them)")
     parser.add_argument("--also", default="", help="comma-separated variants to time and record, never chosen")
     parser.add_argument("--from-bench", metavar="BENCH_JSON", nargs="+",
                         help="build the table from bench runs' JSON (later files override earlier ones)")
     args = parser.parse_args(argv)
     if not args.json:
         parser.error("the following arguments are required: --json")
+    routings = [r.strip() for r in args.routing.split(",") if r.strip()]
+    if not routings or routings[0] != "uniform" or any(r not in GENERATORS for r in routings) \
+            or len(set(routings)) != len(routings):
+        parser.error(f"--routing: distinct names of {', '.join(GENERATORS)}, uniform first; got {args.routing!r}")
     models = [m.strip() for m in args.model.split(",") if m.strip()]
     unknown = [m for m in models if m not in PRESETS]
     if unknown or not models:
@@ -226,21 +258,23 @@ def main(argv: list[str] | None = None) -> int:
         shape = get_shape(model)
         for tokens in args.batch:
             dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
-            bench = harness.Workbench(shape, tokens, routing="uniform", seed=0)
-            try:
-                records = {}
-                for name, variant in variants.items():
-                    if name in dispatch.CANDIDATES and not dispatch.supported(name, dims):
-                        records[name] = {"status": "unsupported", "median_us": None}
-                        continue
-                    records[name] = bench.measure(variant, repeats=args.repeats, stages=False)
-            finally:
-                bench.free()
-            point = point_record(records)
-            line = "  ".join(f"{n}: {r.get('median_us') or float('nan'):9.1f} us ({r.get('status')})"
-                             for n, r in records.items())
-            choices = point["choices"] if point else "NO CORRECT PATH"
-            print(f"{model:24s} T={tokens:3d}  -> {choices}   {line}", flush=True)
+            by_routing: dict[str, dict[str, dict[str, Any]]] = {}
+            for routing in routings:
+                bench = harness.Workbench(shape, tokens, routing=routing, seed=0)
+                try:
+                    records = by_routing[routing] = {}
+                    for name, variant in variants.items():
+                        if name in dispatch.CANDIDATES and not dispatch.supported(name, dims):
+                            records[name] = {"status": "unsupported", "median_us": None}
+                            continue
+                        records[name] = bench.measure(variant, repeats=args.repeats, stages=False)
+                finally:
+                    bench.free()
+                line = "  ".join(f"{n}: {r.get('median_us') or float('nan'):9.1f} us ({r.get('status')})"
+                                 for n, r in records.items())
+                print(f"{model:24s} T={tokens:3d} {routing:8s} {line}", flush=True)
+            point = point_record(by_routing.pop("uniform"), skewed=by_routing)
+            print(f"{model:24s} T={tokens:3d}  -> {point['choices'] if point else 'NO CORRECT PATH'}", flush=True)
             if point is None:
                 continue
             table = merge(table, gpu, env, model, dims, tokens, point)
