@@ -165,28 +165,6 @@ __device__ __forceinline__ void mma_k32(float (&d)[4], const uint4& rows_lo, con
     mma_16816(d, rows_lo.z, rows_hi.z, rows_lo.w, rows_hi.w, col.z, col.w);
 }
 
-// cp.async (sm_80+): a lane's 16-byte global -> shared copy that bypasses the registers; ``ok`` false zero-fills
-// (src-size 0, no global read). Groups per thread: commit closes one, wait<N> returns once at most N of the thread's
-// groups are in flight -- then the thread's own copies of the older groups are visible to it.
-__device__ __forceinline__ void cp_async16(uint4* dst, const uint4* src, bool ok) {
-#ifdef WD_HOST_EMULATION
-    *dst = ok ? *src : make_uint4(0u, 0u, 0u, 0u);
-#else
-    const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(to), "l"(src), "r"(ok ? 16 : 0) : "memory");
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() {
-#ifndef WD_HOST_EMULATION
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#ifndef WD_HOST_EMULATION
-    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
-#endif
-}
 // ---- end of tensor-core helpers ----
 """
 

@@ -79,8 +79,6 @@ DEFAULTS: dict[str, int] = {
     # (auto_balance; the tensor-core paths' knob sets use it)
     "PAIR_TILES": 0,  # MMA gate_up: 1 runs one block row per tile of 8 * GB_NBLK of a slot's pairs (the list
     # kernel's tile table), and the balanced MMA down cuts (tile, k block) items: skew-proof work units
-    "GB_STAGES": 0,  # MMA gate_up: 2..8 streams A and x through a per-lane cp.async ring of that many rounds of
-    # GB_UNROLL k blocks in shared memory; 0 = register loads
     "DB_GROUPED": 0,  # 1: the down as a grouped GEMM over the tiles (moe_down_grouped, DB_WARPS x 16 hidden rows per
     # block, per-pair FP32 rows), then moe_sum_slots sums each token's slots in slot order; needs DB_MMA, PAIR_TILES;
     # -1 = auto (auto_grouped; the tensor-core path's knob set uses it)
@@ -99,7 +97,7 @@ LIMITS = {
     "DB_WARPS": (0, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (0, 255),
     "DB_EARLY_INTER": (0, 1),
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (1, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
-    "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "GB_STAGES": (0, 8),
+    "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1)
 }
 
 
@@ -215,14 +213,6 @@ def lists_shared_bytes(dims: Dims, params: dict[str, int]) -> int:
     return ((dims.experts + 1) * (1 + warps) + 2 * dims.tokens * dims.top_k) * 4
 
 
-def gate_up_shared_bytes(params: dict[str, int]) -> int:
-    """Dynamic shared memory of the tensor-core gate_up with GB_STAGES: per warp a ring of GB_STAGES rounds x
-    GB_UNROLL k blocks x (2 A chunks + GB_NBLK B chunks) x 32 lanes x 16 bytes; 0 without."""
-    if not params.get("GB_STAGES"):
-        return 0
-    return params["GB_WARPS"] * params["GB_STAGES"] * params["GB_UNROLL"] * (2 + params["GB_NBLK"]) * 32 * 16
-
-
 def down_columns(params: dict[str, int]) -> int:
     """Hidden columns per down block: DB_OUTS, or 16 (the mma's M) with DB_MMA."""
     return 16 if params.get("DB_MMA") else params["DB_OUTS"]
@@ -249,9 +239,6 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         raise ValueError("DB_BALANCE applies to the tensor-core down kernel: it needs DB_MMA 1")
     if values["PAIR_TILES"] and not values["GB_MMA"]:
         raise ValueError("PAIR_TILES cuts the tensor-core gate_up's work into tiles: it needs GB_MMA 1")
-    if values["GB_STAGES"] and (values["GB_STAGES"] < 2 or not values["GB_MMA"]):
-        raise ValueError(f"GB_STAGES must be 0 or 2..8 and needs GB_MMA 1, got GB_STAGES {values['GB_STAGES']} "
-                         f"with GB_MMA {values['GB_MMA']}")
     if values["DB_GROUPED"] == -1:
         values["DB_GROUPED"] = auto_grouped(dims, values)
     if values["DB_GROUPED"] and not (values["DB_MMA"] and values["PAIR_TILES"]):
@@ -307,9 +294,6 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         values["DB_UNROLL"] = auto_down_unroll(dims, values)
     if values["GB_NBLK"] == 0:
         values["GB_NBLK"] = auto_nblk(dims)
-    if gate_up_shared_bytes(values) > OPT_IN_SHARED_LIMIT:
-        raise ValueError(f"the gate_up ring (GB_WARPS x GB_STAGES x GB_UNROLL x (2 + GB_NBLK) x 512 bytes) needs "
-                         f"{gate_up_shared_bytes(values)} bytes > {OPT_IN_SHARED_LIMIT}: lower GB_STAGES or GB_UNROLL")
     shared = down_shared_bytes(dims, values)
     if shared > OPT_IN_SHARED_LIMIT:
         raise ValueError(
@@ -419,8 +403,7 @@ def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_we
     programmatic = bool(params["PDL"])
     lists_shared = lists_shared_bytes(d, params)
     down_shared = down_shared_bytes(d, params)
-    gate_up_shared = gate_up_shared_bytes(params)
-    for kernel, shared in ((lists_k, lists_shared), (down_k, down_shared), (gate_up_k, gate_up_shared)):  # opt in
+    for kernel, shared in ((lists_k, lists_shared), (down_k, down_shared)):  # sized by dims: opt in here, once
         if shared > SHARED_LIMIT and kernel.max_dynamic_shared_size_bytes < shared:  # above 48 KB
             kernel.max_dynamic_shared_size_bytes = shared
 
@@ -432,8 +415,7 @@ def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_we
     def gate_up() -> None:
         launch_ex(gate_up_k, (gate_up_blocks(d, params),), (params["GB_WARPS"] * 32,),
                   (x, w13, ws.lists, ws.intermediate, i32(d.hidden), i32(d.intermediate), i32(d.experts),
-                   i32(d.top_k), i32(n_slots), i32(d.tokens * d.top_k)), shared_mem=gate_up_shared,
-                  programmatic=programmatic)
+                   i32(d.top_k), i32(n_slots), i32(d.tokens * d.top_k)), programmatic=programmatic)
 
     def down() -> None:
         launch_ex(down_k, (down_blocks(d, params),), (params["DB_WARPS"] * 32,),

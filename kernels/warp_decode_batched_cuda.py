@@ -38,9 +38,6 @@ CODE = WARP_HELPERS + PDL_HELPERS + r"""
 //   (= 8 * GB_NBLK, one gate_up pass) -- the tile table; gate_up then runs one block row per TILE, so a hot
 //   expert's pairs spread over as many warps as it has tiles, and the balanced tensor-core down cuts (tile, k
 //   block) items instead of (slot, k block): its warps' runs then weigh an expert by its pairs, not 1 each
-//   GB_STAGES 2..8 (tensor-core gate_up only): its A rows and x columns stream through a per-lane cp.async ring of
-//   GB_STAGES rounds of GB_UNROLL k blocks in shared memory (GB_STAGES - 1 rounds in flight while the oldest is
-//   multiplied) instead of straight into registers; 0: register loads
 //   DB_GROUPED 1 (with DB_MMA, PAIR_TILES): the down as gate_up is, one block row per tile: moe_down_grouped's warp
 //   owns 16 hidden rows of the tile's expert over the whole I and writes each pair's weighted FP32 row; a fourth
 //   kernel, moe_sum_slots, sums a token's K rows in slot order (the reference's order) and rounds once
@@ -59,8 +56,6 @@ static_assert(PDL == 0 || PDL == 1, "PDL must be 0 or 1");
 static_assert(DB_EARLY_W2 == 0 || (DB_EARLY_W2 == 1 && DB_MMA == 1), "DB_EARLY_W2 is 0 or 1 (1 needs DB_MMA 1)");
 static_assert(DB_BALANCE == 0 || (DB_BALANCE == 1 && DB_MMA == 1), "DB_BALANCE is 0 or 1 (1 needs DB_MMA 1)");
 static_assert(PAIR_TILES == 0 || (PAIR_TILES == 1 && GB_MMA == 1), "PAIR_TILES is 0 or 1 (1 needs GB_MMA 1)");
-static_assert(GB_STAGES == 0 || (GB_STAGES >= 2 && GB_STAGES <= 8 && GB_MMA == 1),
-              "GB_STAGES is 0 (register loads) or 2..8 (a cp.async ring; needs GB_MMA 1)");
 static_assert(DB_GROUPED == 0 || (DB_GROUPED == 1 && DB_MMA == 1 && PAIR_TILES == 1),
               "DB_GROUPED is 0 or 1 (1 needs DB_MMA 1 and PAIR_TILES 1)");
 #define TILE_PAIRS (8 * GB_NBLK)  // pairs per tile of the tile table: one pass of the tensor-core gate_up
@@ -686,60 +681,6 @@ __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const u
 #endif
 
 #if GB_MMA
-#if GB_STAGES
-// The tensor-core gate_up's k loop through a cp.async ring: GB_STAGES rounds of UNROLL 32-wide k blocks, each k block
-// PARTS = 2 + NB chunks per lane (A rows g and g + 8, then B column g of each 8-pair block), laid out
-// [round][k block][part][lane] (consecutive lanes, consecutive 16 bytes: no bank conflict). A lane copies and reads
-// back only its own slots, so its cp.async groups are the only synchronisation: no __syncwarp, no barrier.
-template <int UNROLL, int NB>
-__device__ __forceinline__ void ring_issue(uint4* slot, const uint4* rows_lo, const uint4* rows_hi,
-                                           const uint4* const (&cols)[NB], int base, int chunks, int q, int lane) {
-    constexpr int PARTS = 2 + NB;
-    #pragma unroll
-    for (int j = 0; j < UNROLL; ++j) {
-        const int c = base + 4 * j + q;
-        const bool ok = c < chunks;
-        const int at = ok ? c : 0;
-        cp_async16(slot + (j * PARTS) * 32 + lane, rows_lo + at, ok);
-        cp_async16(slot + (j * PARTS + 1) * 32 + lane, rows_hi + at, ok);
-        #pragma unroll
-        for (int nb = 0; nb < NB; ++nb) cp_async16(slot + (j * PARTS + 2 + nb) * 32 + lane, cols[nb] + at, ok);
-    }
-}
-
-template <int UNROLL, int NB, int STAGES>
-__device__ __forceinline__ void mma_rows_by_columns_ring(float (&acc)[NB][4], const uint4* rows_lo,
-                                                         const uint4* rows_hi, const uint4* const (&cols)[NB],
-                                                         int chunks, int q, uint4* ring, int lane) {
-    constexpr int ROUND = UNROLL * (2 + NB) * 32;                    // uint4s of one round (the warp's lanes)
-    #pragma unroll
-    for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
-    const int rounds = (chunks + 4 * UNROLL - 1) / (4 * UNROLL);
-    #pragma unroll
-    for (int r = 0; r < STAGES - 1; ++r) {                           // the first STAGES - 1 rounds in flight
-        if (r < rounds)
-            ring_issue<UNROLL, NB>(ring + r * ROUND, rows_lo, rows_hi, cols, r * 4 * UNROLL, chunks, q, lane);
-        cp_async_commit();
-    }
-    for (int r = 0; r < rounds; ++r) {
-        const int ahead = r + STAGES - 1;                            // into the slot read in round r - 1
-        if (ahead < rounds)
-            ring_issue<UNROLL, NB>(ring + (ahead % STAGES) * ROUND, rows_lo, rows_hi, cols, ahead * 4 * UNROLL, chunks,
-                                   q, lane);
-        cp_async_commit();                                           // (empty past the end: the count stays uniform)
-        cp_async_wait<STAGES - 1>();                                 // round r's copies have landed
-        const uint4* slot = ring + (r % STAGES) * ROUND;
-        #pragma unroll
-        for (int j = 0; j < UNROLL; ++j) {
-            const uint4 lo = slot[(j * (2 + NB)) * 32 + lane], hi = slot[(j * (2 + NB) + 1) * 32 + lane];
-            #pragma unroll
-            for (int nb = 0; nb < NB; ++nb) mma_k32(acc[nb], lo, hi, slot[(j * (2 + NB) + 2 + nb) * 32 + lane]);
-        }
-    }
-    cp_async_wait<0>();                                              // the ring is free for the next pass
-}
-#endif
-
 // A tensor-core gate_up block's work unit, read in ONE round trip after the PDL wait: with PAIR_TILES tile a of
 // the tile table (its pairs: up to TILE_PAIRS, one pass), else list slot a (all its pairs).
 struct GateUpItem { int expert, count; const int* pairs; bool unused; };
@@ -802,19 +743,8 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
             x_row[nb] = reinterpret_cast<const uint4*>(x + (size_t)(p / top_k) * hidden);   // int: no division call
         }
         float acc[GB_NBLK][4];
-#if GB_STAGES
-#ifdef WD_HOST_EMULATION
-        uint4* ring = reinterpret_cast<uint4*>(wdb_dynamic_shared);  // the CPU emulation's buffer
-#else
-        extern __shared__ uint4 ring_shared[];                       // [GB_WARPS][GB_STAGES][round]
-        uint4* ring = ring_shared;
-#endif
-        ring += (threadIdx.x >> 5) * GB_STAGES * GB_UNROLL * (2 + GB_NBLK) * 32;
-        mma_rows_by_columns_ring<GB_UNROLL, GB_NBLK, GB_STAGES>(acc, gate_row, up_row, x_row, chunks, q, ring, lane);
-#else
         bool unused = true;
         mma_rows_by_columns<GB_UNROLL, GB_NBLK, false>(acc, gate_row, up_row, x_row, 0, chunks, q, unused);
-#endif
         #pragma unroll
         for (int nb = 0; nb < GB_NBLK; ++nb)
             #pragma unroll

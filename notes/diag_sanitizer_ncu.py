@@ -9,8 +9,9 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_sanitizer_ncu
              small odd shapes and on qwen3-30b-a3b T = 1; every output compared with the references (NaN-poisoned
              first), so a checker run also says the results were right under the tool.
 * ``skew``   the tensor-core batched kernels' work units (tiles of pairs, whole slots, the grouped down with its
-             slot sum, the gate_up's cp.async ring) under skewed routings on odd shapes and qwen3-30b-a3b T = 40,
-             outputs compared with the references (added 2026-12-01 evening).
+             slot sum) under skewed routings on odd shapes and qwen3-30b-a3b T = 40, outputs compared with the
+             references (added 2026-12-01 evening; its run also covered the gate_up cp.async ring before that left
+             the library: results/sanitizer-2026-12-01-skew-work-units.txt).
 * ``t64``    the MMA path at qwen3-30b-a3b T = 64, uniform routing: 3 layers (the profiler takes the last one).
 * ``t1``     strict warp decode and the fused prototype at qwen3-30b-a3b T = 1: 3 layers each.
 """
@@ -58,7 +59,6 @@ SKEW_KNOBS = (
     {"PAIR_TILES": 0, "DB_GROUPED": 0},
     {"PAIR_TILES": 1, "DB_GROUPED": 0},
     {"PAIR_TILES": 1, "DB_GROUPED": 1},
-    {"PAIR_TILES": 1, "DB_GROUPED": 1, "GB_STAGES": 3, "GB_UNROLL": 2},
 )
 
 

@@ -362,8 +362,7 @@ int main(int argc, char** argv) {
     // the larger of the list kernel's and the down kernel's (partials) shared memory
     const size_t down_shared = (size_t)DB_WARPS * T * (DB_OUTS + 16);  // DB_MMA: 16 columns
     const size_t lists_shared = ((size_t)E + 1) * (1 + LIST_THREADS / 32) + 2 * (size_t)T * K;  // + warps' counts
-    const size_t ring_shared = (size_t)GB_WARPS * GB_STAGES * GB_UNROLL * (2 + GB_NBLK) * 32 * 4;  // GB_STAGES
-    std::vector<float> shared(std::max({down_shared, lists_shared, ring_shared}), __uint_as_float(0x7fc00000u));
+    std::vector<float> shared(std::max(down_shared, lists_shared), __uint_as_float(0x7fc00000u));
     wdb_dynamic_shared = shared.data();
     launch(1, LIST_THREADS, [&] { moe_expert_lists(ids.data(), T * K, E, slots, lists.data()); });
 #if GB_MMA
@@ -510,10 +509,6 @@ EMULATED += [
                               "DB_EARLY_W2": 1, "LIST_THREADS": 32, "LIST_PER": 0}, False),
     ("tiny", 6, [[5, 5], [0, 1], [2, 2], [3, 0], [1, 1], [5, 4]], {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1,
                                                                    "DB_GROUPED": 1}, False),
-    # the gate_up's cp.async ring (GB_STAGES): more rounds than stages (H = 200: 25 chunks), a masked tail, NBLK 2
-    (MULTI_SHAPE, 9, "zipf", {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "GB_STAGES": 3, "GB_UNROLL": 2, "GB_NBLK": 2,
-                              "LIST_THREADS": 32, "LIST_PER": 0}, False),
-    ("tiny", 5, "same", {"GB_MMA": 1, "DB_MMA": 1, "GB_STAGES": 2, "GB_UNROLL": 1}, False),
 ]
 
 
@@ -692,8 +687,7 @@ def test_mixed_kernels(cupy_mod: Any, rng: np.random.Generator, model: str, toke
 def test_mma_odd_shapes(cupy_mod: Any, rng: np.random.Generator, name: str) -> None:
     for tokens, knobs in ((5, {}), (37, {"GB_NBLK": 2, "DB_NBLK": 2, "GB_UNROLL": 8, "DB_UNROLL": 2}),
                           (37, {"PAIR_TILES": 1, "GB_NBLK": 1}), (37, {"PAIR_TILES": 1, "GB_NBLK": 2, "DB_WARPS": 5}),
-                          (37, {"PAIR_TILES": 1, "DB_GROUPED": 1, "GB_NBLK": 2, "DB_NBLK": 2, "DB_WARPS": 3}),
-                          (37, {"PAIR_TILES": 1, "GB_STAGES": 3, "GB_UNROLL": 2})):
+                          (37, {"PAIR_TILES": 1, "DB_GROUPED": 1, "GB_NBLK": 2, "DB_NBLK": 2, "DB_WARPS": 3})):
         problem = make_problem(ODD_SHAPES[name], tokens, seed=_seed(rng), routing="zipf", xp=cupy_mod)
         _run_and_check(cupy_mod, problem, f"mma {name} T={tokens} {knobs}", **{**MMA, **knobs})
 
@@ -852,8 +846,6 @@ GRID_SAMPLE = [
     {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_BALANCE": 0, "PDL": 0},
     {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_GROUPED": 1, "PDL": 0, "DB_WARPS": 8},
     {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_GROUPED": 1, "DB_EARLY_W2": 1, "DB_NBLK": 2, "DB_UNROLL": 2},
-    {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "GB_STAGES": 3, "GB_UNROLL": 2, "GB_NBLK": 2},
-    {"GB_MMA": 1, "DB_MMA": 1, "GB_STAGES": 4, "GB_UNROLL": 1, "PDL": 0},
 ]
 
 
