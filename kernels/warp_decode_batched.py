@@ -72,18 +72,20 @@ DEFAULTS: dict[str, int] = {
     "GB_MMA": 0,  # 1: gate_up on tensor cores (moe_gate_up_mma: 8 neurons x 8-pair blocks per warp, mma.sync)
     "DB_MMA": 0,  # 1: down on tensor cores (moe_down_mma: 16 hidden columns per block)
     "GB_NBLK": 1,  # MMA: blocks of 8 pairs per pass (the A fragment shared by NBLK mma per k step); auto: auto_nblk
-    "DB_NBLK": 1,
+    "DB_NBLK": 1,  # auto (0): GB_NBLK with DB_GROUPED -- one pass per tile -- else 1
     "PDL": 1,  # programmatic dependent launch of all three kernels (sm_90+: device_needs turns it off before)
     "DB_EARLY_W2": 0,  # 1: down issues its first round of w2 loads before its PDL wait (they overlap gate_up's tail)
     "DB_BALANCE": 0,  # MMA down: 1 cuts the (slot, k block) items into equal runs, one per warp; -1 = auto
     # (auto_balance; the tensor-core paths' knob sets use it)
     "PAIR_TILES": 0,  # MMA gate_up: 1 runs one block row per tile of 8 * GB_NBLK of a slot's pairs (the list
     # kernel's tile table), and the balanced MMA down cuts (tile, k block) items: skew-proof work units
+    "GB_MT": 1,  # MMA gate_up: 16-row A tiles per warp (2: 16 neurons sharing each x chunk loaded)
+    "DB_MT": 1,  # grouped down: 16-row A tiles per warp (2: 32 hidden rows sharing each intermediate chunk loaded)
     "DB_GROUPED": 0,  # 1: the down as a grouped GEMM over the tiles (moe_down_grouped, DB_WARPS x 16 hidden rows per
     # block, per-pair FP32 rows), then moe_sum_slots sums each token's slots in slot order; needs DB_MMA, PAIR_TILES;
     # -1 = auto (auto_grouped; the tensor-core path's knob set uses it)
 }
-AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK")
+AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK", "DB_NBLK")
 MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pdl-*.json: 7-10 % over 8 at qwen3-30b)
 # ... and from T = MMA_WIDE_DOWN_FROM on: 24 warps under launch bounds alone (768 threads -> <= 85 registers each;
 # results/sweep-mma-dbwarps-*.json, sweep-split-mma24-30b.json; slower at qwen3-235b T=16, so not below 32)
@@ -96,8 +98,8 @@ LIMITS = {
     "GB_WARPS": (1, 32), "GB_OUTS": (1, 32), "GB_TILE": (0, 32), "GB_UNROLL": (0, 64), "GB_MAX_REGS": (0, 255),
     "DB_WARPS": (0, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (0, 255),
     "DB_EARLY_INTER": (0, 1),
-    "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (1, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
-    "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1)
+    "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (0, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
+    "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "GB_MT": (1, 2), "DB_MT": (1, 2)
 }
 
 
@@ -241,8 +243,13 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         raise ValueError("PAIR_TILES cuts the tensor-core gate_up's work into tiles: it needs GB_MMA 1")
     if values["DB_GROUPED"] == -1:
         values["DB_GROUPED"] = auto_grouped(dims, values)
+    if values["GB_MT"] == 2 and not values["GB_MMA"]:
+        raise ValueError("GB_MT 2 gives a tensor-core gate_up warp two 16-row tiles: it needs GB_MMA 1")
     if values["DB_GROUPED"] and not (values["DB_MMA"] and values["PAIR_TILES"]):
         raise ValueError("DB_GROUPED runs the tensor-core down over the tile table: it needs DB_MMA 1 and PAIR_TILES 1")
+    if values["DB_MT"] == 2 and not values["DB_GROUPED"]:
+        raise ValueError("DB_MT 2 gives a grouped-down warp two 16-row tiles: it needs DB_GROUPED 1 (auto: -1 "
+                         "resolved to 1 for these dims)")
     if values["LIST_THREADS"] % 32:
         raise ValueError(f"LIST_THREADS must be a multiple of 32, got {values['LIST_THREADS']}")
     for key in ("GB_BYTES", "DB_BYTES"):
@@ -294,6 +301,9 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         values["DB_UNROLL"] = auto_down_unroll(dims, values)
     if values["GB_NBLK"] == 0:
         values["GB_NBLK"] = auto_nblk(dims)
+    if values["DB_NBLK"] == 0:  # the grouped down: a tile's pairs in one pass (H200, results/sweep-2026-12-01-mma-
+        # nblk-*.json: qwen3-235b Zipf T = 64 975 -> 940 us, qwen3-30b 245 -> 241; uniform within 0.5 %)
+        values["DB_NBLK"] = values["GB_NBLK"] if values["DB_GROUPED"] else 1
     shared = down_shared_bytes(dims, values)
     if shared > OPT_IN_SHARED_LIMIT:
         raise ValueError(
@@ -318,7 +328,7 @@ def max_tokens(top_k: int = 1, **params: Any) -> int:
 # first w2 loads before the PDL wait (results/sweep-batched-early-w2-*.json); DB_BALANCE -1: the balanced down runs
 # where auto_balance says (results/sweep-stage-*.json).
 MMA_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1, "PAIR_TILES": 1,  # both on tensor cores
-             "DB_GROUPED": -1}
+             "DB_GROUPED": -1, "DB_NBLK": 0}
 MIXED_KNOBS = {"DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1}  # FMA gate_up (bitwise strict's), tensor-core down
 
 
@@ -373,7 +383,7 @@ def kernel_names(params: dict[str, int]) -> tuple[str, ...]:
 
 def gate_up_blocks(dims: Dims, params: dict[str, int]) -> int:
     """One block row (ceil(I / neurons per block) blocks) per list slot, or with PAIR_TILES per possible tile."""
-    neurons_per_warp = 8 if params["GB_MMA"] else params["GB_OUTS"]
+    neurons_per_warp = 8 * params["GB_MT"] if params["GB_MMA"] else params["GB_OUTS"]
     rows = tile_capacity(dims, 8 * params["GB_NBLK"]) if params["PAIR_TILES"] else slots(dims)
     return rows * -(-dims.intermediate // (params["GB_WARPS"] * neurons_per_warp))
 
@@ -381,7 +391,8 @@ def gate_up_blocks(dims: Dims, params: dict[str, int]) -> int:
 def down_blocks(dims: Dims, params: dict[str, int]) -> int:
     """One block per down_columns hidden columns; grouped: a block row (DB_WARPS x 16 rows each) per possible tile."""
     if params.get("DB_GROUPED"):
-        return tile_capacity(dims, 8 * params["GB_NBLK"]) * -(-dims.hidden // (params["DB_WARPS"] * 16))
+        rows = params["DB_WARPS"] * 16 * params["DB_MT"]
+        return tile_capacity(dims, 8 * params["GB_NBLK"]) * -(-dims.hidden // rows)
     return -(-dims.hidden // down_columns(params))
 
 

@@ -13,6 +13,7 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_sanitizer_ncu
              references (added 2026-12-01 evening; its run also covered the gate_up cp.async ring before that left
              the library: results/sanitizer-2026-12-01-skew-work-units.txt).
 * ``t64``    the MMA path at qwen3-30b-a3b T = 64, uniform routing: 3 layers (the profiler takes the last one).
+* ``zipf64`` the MMA path at qwen3-235b-a22b T = 64, Zipf routing: 3 layers (added 2026-12-01 evening).
 * ``t1``     strict warp decode and the fused prototype at qwen3-30b-a3b T = 1: 3 layers each.
 """
 
@@ -79,9 +80,9 @@ def skew() -> None:
             print("ok", knobs, dims, routing, flush=True)
 
 
-def layers(name: str, model: str, tokens: int, count: int = 3) -> None:
+def layers(name: str, model: str, tokens: int, count: int = 3, routing: str = "uniform") -> None:
     prototypes.load()
-    problem = make_problem(model, tokens, seed=8, xp=cupy)
+    problem = make_problem(model, tokens, seed=8, routing=routing, xp=cupy)
     launch = get_variant(name).make(_dims(problem))
     out = _poisoned_out(cupy, tokens, problem.shape.hidden)
     for _ in range(count):
@@ -98,8 +99,10 @@ if __name__ == "__main__":
         skew()
     elif what == "t64":
         layers("cupy:warp-decode-mma", "qwen3-30b-a3b", 64)
+    elif what == "zipf64":
+        layers("cupy:warp-decode-mma", "qwen3-235b-a22b", 64, routing="zipf")
     elif what == "t1":
         layers("cupy:warp-decode", "qwen3-30b-a3b", 1)
         layers("proto:fused-layer", "qwen3-30b-a3b", 1)
     else:
-        raise SystemExit(f"unknown workload {what!r}: small, skew, t64 or t1")
+        raise SystemExit(f"unknown workload {what!r}: small, skew, t64, zipf64 or t1")
