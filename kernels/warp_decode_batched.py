@@ -79,8 +79,6 @@ DEFAULTS: dict[str, int] = {
     # (auto_balance; the tensor-core paths' knob sets use it)
     "PAIR_TILES": 0,  # MMA gate_up: 1 runs one block row per tile of 8 * GB_NBLK of a slot's pairs (the list
     # kernel's tile table), and the balanced MMA down cuts (tile, k block) items: skew-proof work units
-    "GB_MT": 1,  # MMA gate_up: 16-row A tiles per warp (2: 16 neurons sharing each x chunk loaded)
-    "DB_MT": 1,  # grouped down: 16-row A tiles per warp (2: 32 hidden rows sharing each intermediate chunk loaded)
     "DB_GROUPED": 0,  # 1: the down as a grouped GEMM over the tiles (moe_down_grouped, DB_WARPS x 16 hidden rows per
     # block, per-pair FP32 rows), then moe_sum_slots sums each token's slots in slot order; needs DB_MMA, PAIR_TILES;
     # -1 = auto (auto_grouped; the tensor-core path's knob set uses it)
@@ -91,6 +89,10 @@ MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pd
 # results/sweep-mma-dbwarps-*.json, sweep-split-mma24-30b.json; slower at qwen3-235b T=16, so not below 32)
 MMA_WIDE_DOWN_WARPS = 24
 MMA_UNROLL = 4  # auto GB_UNROLL / DB_UNROLL of the tensor-core kernels: 32-wide k blocks of loads in flight
+# ... but 2 for the tensor-core gate_up from H = MMA_SHORT_ROUNDS_FROM_H on (qwen3-235b: 1.5-3.5 % faster at
+# T = 16 / 64 under uniform and Zipf routing; at qwen3-30b's H = 2048 -2.5 % to +2.2 %:
+# results/sweep-2026-12-01-mma-mt-*.json)
+MMA_SHORT_ROUNDS_FROM_H = 4096
 MMA_WIDE_DOWN_FROM = 32
 GROUPED_DOWN_WARPS = 4  # auto DB_WARPS of the grouped down: 4 warps x 16 rows of one tile per block, as gate_up's
 LIMITS = {
@@ -99,7 +101,7 @@ LIMITS = {
     "DB_WARPS": (0, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (0, 255),
     "DB_EARLY_INTER": (0, 1),
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (0, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
-    "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "GB_MT": (1, 2), "DB_MT": (1, 2)
+    "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1)
 }
 
 
@@ -243,13 +245,8 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         raise ValueError("PAIR_TILES cuts the tensor-core gate_up's work into tiles: it needs GB_MMA 1")
     if values["DB_GROUPED"] == -1:
         values["DB_GROUPED"] = auto_grouped(dims, values)
-    if values["GB_MT"] == 2 and not values["GB_MMA"]:
-        raise ValueError("GB_MT 2 gives a tensor-core gate_up warp two 16-row tiles: it needs GB_MMA 1")
     if values["DB_GROUPED"] and not (values["DB_MMA"] and values["PAIR_TILES"]):
         raise ValueError("DB_GROUPED runs the tensor-core down over the tile table: it needs DB_MMA 1 and PAIR_TILES 1")
-    if values["DB_MT"] == 2 and not values["DB_GROUPED"]:
-        raise ValueError("DB_MT 2 gives a grouped-down warp two 16-row tiles: it needs DB_GROUPED 1 (auto: -1 "
-                         "resolved to 1 for these dims)")
     if values["LIST_THREADS"] % 32:
         raise ValueError(f"LIST_THREADS must be a multiple of 32, got {values['LIST_THREADS']}")
     for key in ("GB_BYTES", "DB_BYTES"):
@@ -266,9 +263,10 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
                 f"{kernel}_WARPS {warps} x 32 threads x {kernel}_MAX_REGS {cap} registers exceeds the "
                 f"{REGISTERS_PER_BLOCK} registers of a block (the launch would fail): lower {kernel}_WARPS or "
                 f"{kernel}_MAX_REGS (0 lets __launch_bounds__ fit the block)")
-    for kernel in ("GB", "DB"):  # the tensor-core kernels' rounds do not depend on the dims
+    for kernel in ("GB", "DB"):  # the tensor-core kernels' rounds: MMA_UNROLL (gate_up: 2 from a long H)
         if values[f"{kernel}_UNROLL"] == 0 and values[f"{kernel}_MMA"]:
-            values[f"{kernel}_UNROLL"] = MMA_UNROLL
+            short = kernel == "GB" and dims is not None and dims.hidden >= MMA_SHORT_ROUNDS_FROM_H
+            values[f"{kernel}_UNROLL"] = 2 if short else MMA_UNROLL
     if values["DB_BALANCE"] == -1:
         values["DB_BALANCE"] = auto_balance(dims, values)
     if dims is None:
@@ -383,7 +381,7 @@ def kernel_names(params: dict[str, int]) -> tuple[str, ...]:
 
 def gate_up_blocks(dims: Dims, params: dict[str, int]) -> int:
     """One block row (ceil(I / neurons per block) blocks) per list slot, or with PAIR_TILES per possible tile."""
-    neurons_per_warp = 8 * params["GB_MT"] if params["GB_MMA"] else params["GB_OUTS"]
+    neurons_per_warp = 8 if params["GB_MMA"] else params["GB_OUTS"]
     rows = tile_capacity(dims, 8 * params["GB_NBLK"]) if params["PAIR_TILES"] else slots(dims)
     return rows * -(-dims.intermediate // (params["GB_WARPS"] * neurons_per_warp))
 
@@ -391,8 +389,7 @@ def gate_up_blocks(dims: Dims, params: dict[str, int]) -> int:
 def down_blocks(dims: Dims, params: dict[str, int]) -> int:
     """One block per down_columns hidden columns; grouped: a block row (DB_WARPS x 16 rows each) per possible tile."""
     if params.get("DB_GROUPED"):
-        rows = params["DB_WARPS"] * 16 * params["DB_MT"]
-        return tile_capacity(dims, 8 * params["GB_NBLK"]) * -(-dims.hidden // rows)
+        return tile_capacity(dims, 8 * params["GB_NBLK"]) * -(-dims.hidden // (params["DB_WARPS"] * 16))
     return -(-dims.hidden // down_columns(params))
 
 

@@ -38,8 +38,6 @@ CODE = WARP_HELPERS + PDL_HELPERS + r"""
 //   (= 8 * GB_NBLK, one gate_up pass) -- the tile table; gate_up then runs one block row per TILE, so a hot
 //   expert's pairs spread over as many warps as it has tiles, and the balanced tensor-core down cuts (tile, k
 //   block) items instead of (slot, k block): its warps' runs then weigh an expert by its pairs, not 1 each
-//   GB_MT / DB_MT 2 (tensor-core gate_up / grouped down): a warp owns two 16-row A tiles (16 neurons, 32 hidden rows)
-//   that share every B chunk it loads: half the x / intermediate loads per weight byte; 1: one tile
 //   DB_GROUPED 1 (with DB_MMA, PAIR_TILES): the down as gate_up is, one block row per tile: moe_down_grouped's warp
 //   owns 16 hidden rows of the tile's expert over the whole I and writes each pair's weighted FP32 row; a fourth
 //   kernel, moe_sum_slots, sums a token's K rows in slot order (the reference's order) and rounds once
@@ -58,8 +56,6 @@ static_assert(PDL == 0 || PDL == 1, "PDL must be 0 or 1");
 static_assert(DB_EARLY_W2 == 0 || (DB_EARLY_W2 == 1 && DB_MMA == 1), "DB_EARLY_W2 is 0 or 1 (1 needs DB_MMA 1)");
 static_assert(DB_BALANCE == 0 || (DB_BALANCE == 1 && DB_MMA == 1), "DB_BALANCE is 0 or 1 (1 needs DB_MMA 1)");
 static_assert(PAIR_TILES == 0 || (PAIR_TILES == 1 && GB_MMA == 1), "PAIR_TILES is 0 or 1 (1 needs GB_MMA 1)");
-static_assert(GB_MT == 1 || (GB_MT == 2 && GB_MMA == 1), "GB_MT is 1 or 2 (2 needs GB_MMA 1)");
-static_assert(DB_MT == 1 || (DB_MT == 2 && DB_GROUPED == 1), "DB_MT is 1 or 2 (2 needs DB_GROUPED 1)");
 static_assert(DB_GROUPED == 0 || (DB_GROUPED == 1 && DB_MMA == 1 && PAIR_TILES == 1),
               "DB_GROUPED is 0 or 1 (1 needs DB_MMA 1 and PAIR_TILES 1)");
 #define TILE_PAIRS (8 * GB_NBLK)  // pairs per tile of the tile table: one pass of the tensor-core gate_up
@@ -648,26 +644,20 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
 // the round's first mma.
 // COLS_DEP: B is the previous kernel's output (down's intermediate), loaded through ld_dep after the round's A
 // loads and after wait_once (DB_EARLY_W2: the first round's A loads are issued before the PDL wait).
-// MT 16-row A tiles at once (rows_lo[t] / rows_hi[t]: tile t's rows g and g + 8) share every B chunk: acc[t][nb].
-template <int UNROLL, int MT, int NB, bool COLS_DEP>
-__device__ __forceinline__ void mma_tiles_by_columns(float (&acc)[MT][NB][4], const uint4* const (&rows_lo)[MT],
-                                                     const uint4* const (&rows_hi)[MT], const uint4* const (&cols)[NB],
-                                                     int c_begin, int c_end, int q, bool& waited) {
+template <int UNROLL, int NB, bool COLS_DEP>
+__device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const uint4* rows_lo, const uint4* rows_hi,
+                                                    const uint4* const (&cols)[NB], int c_begin, int c_end, int q,
+                                                    bool& waited) {
     #pragma unroll
-    for (int t = 0; t < MT; ++t)
-        #pragma unroll
-        for (int nb = 0; nb < NB; ++nb) acc[t][nb][0] = acc[t][nb][1] = acc[t][nb][2] = acc[t][nb][3] = 0.0f;
+    for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
     for (int c0 = c_begin; c0 < c_end; c0 += 4 * UNROLL) {
-        uint4 lo[UNROLL][MT], hi[UNROLL][MT], col[UNROLL][NB];
+        uint4 lo[UNROLL][1], hi[UNROLL][1], col[UNROLL][NB];
         #pragma unroll
         for (int j = 0; j < UNROLL; ++j) {
             const int c = c0 + 4 * j + q;
             const bool ok = c < c_end;
-            #pragma unroll
-            for (int t = 0; t < MT; ++t) {
-                lo[j][t] = ldg_chunk(rows_lo[t], c, ok);
-                hi[j][t] = ldg_chunk(rows_hi[t], c, ok);
-            }
+            lo[j][0] = ldg_chunk(rows_lo, c, ok);
+            hi[j][0] = ldg_chunk(rows_hi, c, ok);
             #pragma unroll
             for (int nb = 0; nb < NB; ++nb)
                 if (!COLS_DEP) col[j][nb] = ldg_chunk(cols[nb], c, ok);
@@ -681,28 +671,12 @@ __device__ __forceinline__ void mma_tiles_by_columns(float (&acc)[MT][NB][4], co
                 for (int nb = 0; nb < NB; ++nb) col[j][nb] = ld_dep_chunk(cols[nb], c, c < c_end);
             }
         }
-        acc[0][0][0] += __uint_as_float(all_loads_arrived(lo) | all_loads_arrived(hi));   // += 0.0f
+        acc[0][0] += __uint_as_float(all_loads_arrived(lo) | all_loads_arrived(hi));   // += 0.0f
         #pragma unroll
         for (int j = 0; j < UNROLL; ++j)
             #pragma unroll
-            for (int t = 0; t < MT; ++t)
-                #pragma unroll
-                for (int nb = 0; nb < NB; ++nb) mma_k32(acc[t][nb], lo[j][t], hi[j][t], col[j][nb]);
+            for (int nb = 0; nb < NB; ++nb) mma_k32(acc[nb], lo[j][0], hi[j][0], col[j][nb]);
     }
-}
-// one 16-row A tile (rows_lo, rows_hi)
-template <int UNROLL, int NB, bool COLS_DEP>
-__device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const uint4* rows_lo, const uint4* rows_hi,
-                                                    const uint4* const (&cols)[NB], int c_begin, int c_end, int q,
-                                                    bool& waited) {
-    const uint4* const lo[1] = {rows_lo};
-    const uint4* const hi[1] = {rows_hi};
-    float tiles[1][NB][4];
-    mma_tiles_by_columns<UNROLL, 1, NB, COLS_DEP>(tiles, lo, hi, cols, c_begin, c_end, q, waited);
-    #pragma unroll
-    for (int nb = 0; nb < NB; ++nb)
-        #pragma unroll
-        for (int r = 0; r < 4; ++r) acc[nb][r] = tiles[0][nb][r];
 }
 #endif
 
@@ -723,11 +697,11 @@ __device__ __forceinline__ GateUpItem read_gate_up_item(const int* lists, int sl
 
 // ------------------------------------------------------------------------------------------------
 // moe_gate_up_mma: block b owns work unit a (a list slot as moe_gate_up_batched, or with PAIR_TILES a tile of
-//   one slot's pairs); its warp w owns neurons i0 .. i0 + 8*GB_MT - 1,
-//   i0 = ((b mod per_slot) * GB_WARPS + w) * 8 * GB_MT; A tile t: rows 0..7 = gate rows i0+8t+g, rows 8..15 = up
-//   rows i0+8t+g, so lane (g, q) ends with gate AND up of neuron i0+8t+g for pairs 2q, 2q+1 of each 8-pair block --
-//   SiLU(g) * u and the one bf16 rounding happen in the lane, no shuffle. B column g = x[token of pair g], shared
-//   by the GB_MT tiles. GB_NBLK blocks of 8 pairs per pass (A shared), GB_UNROLL k blocks of loads in flight.
+//   one slot's pairs); its warp w owns neurons i0 .. i0+7,
+//   i0 = ((b mod per_slot) * GB_WARPS + w) * 8: A rows 0..7 = gate rows i0+g, rows 8..15 = up rows i0+g, so
+//   lane (g, q) ends with gate AND up of neuron i0+g for pairs 2q, 2q+1 of each 8-pair block -- SiLU(g) * u
+//   and the one bf16 rounding happen in the lane, no shuffle. B column g = x[token of pair g] (L1 hits).
+//   GB_NBLK blocks of 8 pairs per pass (A shared), GB_UNROLL k blocks of loads in flight per lane.
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
     const bf16_t* __restrict__ x,             // [T, H]
@@ -737,14 +711,13 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
     int hidden, int inter, int experts, int top_k, int slots, int n_pairs)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    constexpr int NEURONS = 8 * GB_MT;                               // per warp
-    const int per_slot = (inter + GB_WARPS * NEURONS - 1) / (GB_WARPS * NEURONS);
+    const int per_slot = (inter + GB_WARPS * 8 - 1) / (GB_WARPS * 8);
     const int a = blockIdx.x / per_slot;
     pdl_wait();  // the lists (and x) come from the kernels before: read only after the wait, through ld_dep
     pdl_release();
     const GateUpItem item = read_gate_up_item(lists, slots, n_pairs, a);
     if (item.unused) return;                                         // whole block leaves together
-    const int i0 = ((blockIdx.x - a * per_slot) * GB_WARPS + (threadIdx.x >> 5)) * NEURONS;
+    const int i0 = ((blockIdx.x - a * per_slot) * GB_WARPS + (threadIdx.x >> 5)) * 8;
     if (i0 >= inter) return;                                         // whole warp leaves together
     const int e = item.expert;
     const int count = item.count;
@@ -752,18 +725,13 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
     if (e >= experts) {                                              // bad ids: NaN, no weight read
         for (int j = 0; j < count; ++j) {
             const long long p = __ldg(pairs + j);
-            if (lane < NEURONS && i0 + lane < inter) intermediate[p * inter + i0 + lane] = BF16_NAN;
+            if (lane < 8 && i0 + lane < inter) intermediate[p * inter + i0 + lane] = BF16_NAN;
         }
         return;
     }
-    const uint4* gate_row[GB_MT];
-    const uint4* up_row[GB_MT];
-    #pragma unroll
-    for (int t = 0; t < GB_MT; ++t) {
-        const int i = min(i0 + 8 * t + g, inter - 1);                // past-the-end neurons re-read the last row
-        gate_row[t] = reinterpret_cast<const uint4*>(w13 + ((size_t)e * 2 * inter + i) * (size_t)hidden);
-        up_row[t] = reinterpret_cast<const uint4*>(w13 + ((size_t)e * 2 * inter + inter + i) * (size_t)hidden);
-    }
+    const int i = min(i0 + g, inter - 1);                            // past-the-end neurons re-read the last row
+    const uint4* gate_row = reinterpret_cast<const uint4*>(w13 + ((size_t)e * 2 * inter + i) * (size_t)hidden);
+    const uint4* up_row = reinterpret_cast<const uint4*>(w13 + ((size_t)e * 2 * inter + inter + i) * (size_t)hidden);
     const int chunks = hidden / 8;                                   // 16-byte chunks (H % 8 == 0)
 
     for (int tile = 0; tile < count; tile += 8 * GB_NBLK) {
@@ -774,24 +742,21 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
             const int p = __ldg(pairs + tile + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
             x_row[nb] = reinterpret_cast<const uint4*>(x + (size_t)(p / top_k) * hidden);   // int: no division call
         }
-        float acc[GB_MT][GB_NBLK][4];
+        float acc[GB_NBLK][4];
         bool unused = true;
-        mma_tiles_by_columns<GB_UNROLL, GB_MT, GB_NBLK, false>(acc, gate_row, up_row, x_row, 0, chunks, q, unused);
+        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false>(acc, gate_row, up_row, x_row, 0, chunks, q, unused);
         #pragma unroll
-        for (int t = 0; t < GB_MT; ++t)
+        for (int nb = 0; nb < GB_NBLK; ++nb)
             #pragma unroll
-            for (int nb = 0; nb < GB_NBLK; ++nb)
-                #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int pp = nb * 8 + 2 * q + h;
-                    const int i = i0 + 8 * t + g;
-                    if (pp < n && i < inter) {
-                        const long long p = __ldg(pairs + tile + pp);
-                        const float gate = acc[t][nb][h], up = acc[t][nb][2 + h];
-                        const float silu = gate / (1.0f + expf(-gate));  // IEEE division (no fast-math)
-                        intermediate[p * inter + i] = f32_to_bf16(silu * up);  // the one bf16 rounding
-                    }
+            for (int h = 0; h < 2; ++h) {
+                const int pp = nb * 8 + 2 * q + h;
+                if (pp < n && i0 + g < inter) {
+                    const long long p = __ldg(pairs + tile + pp);
+                    const float gate = acc[nb][h], up = acc[nb][2 + h];
+                    const float silu = gate / (1.0f + expf(-gate));  // IEEE division (no fast-math)
+                    intermediate[p * inter + i0 + g] = f32_to_bf16(silu * up);  // the one bf16 rounding
                 }
+            }
     }
 }
 #endif
@@ -971,13 +936,12 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
     int hidden, int inter, int experts, int top_k, int slots, int pairs)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    constexpr int ROWS = 16 * DB_MT;                                 // hidden rows per warp
-    const int per_tile = (hidden + DB_WARPS * ROWS - 1) / (DB_WARPS * ROWS);
+    const int per_tile = (hidden + DB_WARPS * 16 - 1) / (DB_WARPS * 16);
     const int a = blockIdx.x / per_tile;
     // the tile table comes from the list kernel, two kernels back: complete before this grid started
     const int used = __ldg(lists + 3);
     const int e = __ldg(TILE_ARRAY(0) + a), first = __ldg(TILE_ARRAY(1) + a), count = __ldg(TILE_ARRAY(2) + a);
-    const int h0 = ((blockIdx.x - a * per_tile) * DB_WARPS + (threadIdx.x >> 5)) * ROWS;
+    const int h0 = ((blockIdx.x - a * per_tile) * DB_WARPS + (threadIdx.x >> 5)) * 16;
 #if !DOWN_WAITS_LATE
     pdl_wait();     // the intermediate is gate_up's output: every read of it is an ld_dep after this
     pdl_release();
@@ -985,14 +949,9 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
     bool waited = false;
     if (a < used && (e | first | count) >= 0 && e < experts && h0 < hidden) {    // warp-uniform
         const int* tile_pairs = sorted_pairs(lists, slots) + first;
-        const uint4* row_lo[DB_MT];
-        const uint4* row_hi[DB_MT];
-        #pragma unroll
-        for (int t = 0; t < DB_MT; ++t) {                            // past the end: the last row
-            const int h_lo = min(h0 + 16 * t + g, hidden - 1), h_hi = min(h0 + 16 * t + g + 8, hidden - 1);
-            row_lo[t] = reinterpret_cast<const uint4*>(w2 + ((size_t)e * hidden + h_lo) * inter);
-            row_hi[t] = reinterpret_cast<const uint4*>(w2 + ((size_t)e * hidden + h_hi) * inter);
-        }
+        const int h_lo = min(h0 + g, hidden - 1), h_hi = min(h0 + g + 8, hidden - 1);   // past the end: last row
+        const uint4* row_lo = reinterpret_cast<const uint4*>(w2 + ((size_t)e * hidden + h_lo) * inter);
+        const uint4* row_hi = reinterpret_cast<const uint4*>(w2 + ((size_t)e * hidden + h_hi) * inter);
         const int chunks = inter / 8;                                // 16-byte chunks (I % 8 == 0)
         for (int sub = 0; sub < count; sub += 8 * DB_NBLK) {
             const int n = min(8 * DB_NBLK, count - sub);
@@ -1002,8 +961,8 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
                 const int p = __ldg(tile_pairs + sub + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
                 inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
             }
-            float acc[DB_MT][DB_NBLK][4];
-            mma_tiles_by_columns<DB_UNROLL, DB_MT, DB_NBLK, true>(acc, row_lo, row_hi, inter_row, 0, chunks, q, waited);
+            float acc[DB_NBLK][4];
+            mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, row_lo, row_hi, inter_row, 0, chunks, q, waited);
             #pragma unroll
             for (int nb = 0; nb < DB_NBLK; ++nb)
                 #pragma unroll
@@ -1013,12 +972,8 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
                         const long long p = __ldg(tile_pairs + sub + pp);
                         const float weight = __ldg(topk_weights + p);
                         float* row = pair_out + p * hidden;
-                        #pragma unroll
-                        for (int t = 0; t < DB_MT; ++t) {
-                            const int h_lo = h0 + 16 * t + g;
-                            if (h_lo < hidden) row[h_lo] = __fmul_rn(weight, acc[t][nb][h]);
-                            if (h_lo + 8 < hidden) row[h_lo + 8] = __fmul_rn(weight, acc[t][nb][2 + h]);
-                        }
+                        if (h0 + g < hidden) row[h0 + g] = __fmul_rn(weight, acc[nb][h]);
+                        if (h0 + g + 8 < hidden) row[h0 + g + 8] = __fmul_rn(weight, acc[nb][2 + h]);
                     }
                 }
         }

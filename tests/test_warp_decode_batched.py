@@ -509,10 +509,9 @@ EMULATED += [
                               "DB_EARLY_W2": 1, "LIST_THREADS": 32, "LIST_PER": 0}, False),
     ("tiny", 6, [[5, 5], [0, 1], [2, 2], [3, 0], [1, 1], [5, 4]], {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1,
                                                                    "DB_GROUPED": 1}, False),
-    # two 16-row A tiles per warp (GB_MT / DB_MT 2): I = 136 and H = 200 end inside a warp's second tile
-    (MULTI_SHAPE, 9, "zipf", {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_GROUPED": 1, "GB_MT": 2, "DB_MT": 2,
-                              "GB_NBLK": 2, "DB_NBLK": 0, "GB_UNROLL": 2, "LIST_THREADS": 32, "LIST_PER": 0}, True),
-    ("tiny", 5, "same", {"GB_MMA": 1, "DB_MMA": 1, "GB_MT": 2, "DB_BALANCE": 1}, False),
+    # the grouped down's auto DB_NBLK (= GB_NBLK: a 16-pair tile in one pass)
+    (MULTI_SHAPE, 9, "zipf", {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_GROUPED": 1, "GB_NBLK": 2, "DB_NBLK": 0,
+                              "GB_UNROLL": 2, "LIST_THREADS": 32, "LIST_PER": 0}, True),
 ]
 
 
@@ -691,8 +690,7 @@ def test_mixed_kernels(cupy_mod: Any, rng: np.random.Generator, model: str, toke
 def test_mma_odd_shapes(cupy_mod: Any, rng: np.random.Generator, name: str) -> None:
     for tokens, knobs in ((5, {}), (37, {"GB_NBLK": 2, "DB_NBLK": 2, "GB_UNROLL": 8, "DB_UNROLL": 2}),
                           (37, {"PAIR_TILES": 1, "GB_NBLK": 1}), (37, {"PAIR_TILES": 1, "GB_NBLK": 2, "DB_WARPS": 5}),
-                          (37, {"PAIR_TILES": 1, "DB_GROUPED": 1, "GB_NBLK": 2, "DB_NBLK": 2, "DB_WARPS": 3}),
-                          (37, {"PAIR_TILES": 1, "DB_GROUPED": 1, "GB_MT": 2, "DB_MT": 2, "GB_UNROLL": 2})):
+                          (37, {"PAIR_TILES": 1, "DB_GROUPED": 1, "GB_NBLK": 2, "DB_NBLK": 2, "DB_WARPS": 3})):
         problem = make_problem(ODD_SHAPES[name], tokens, seed=_seed(rng), routing="zipf", xp=cupy_mod)
         _run_and_check(cupy_mod, problem, f"mma {name} T={tokens} {knobs}", **{**MMA, **knobs})
 
@@ -851,9 +849,7 @@ GRID_SAMPLE = [
     {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_BALANCE": 0, "PDL": 0},
     {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_GROUPED": 1, "PDL": 0, "DB_WARPS": 8},
     {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_GROUPED": 1, "DB_EARLY_W2": 1, "DB_NBLK": 2, "DB_UNROLL": 2},
-    {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_GROUPED": 1, "GB_MT": 2, "DB_MT": 2, "GB_UNROLL": 2,
-     "DB_UNROLL": 2, "DB_NBLK": 0},
-    {"GB_MMA": 1, "DB_MMA": 1, "GB_MT": 2, "GB_NBLK": 2, "PDL": 0},
+    {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_GROUPED": 1, "GB_NBLK": 2, "DB_UNROLL": 2, "DB_NBLK": 0},
 ]
 
 
