@@ -89,10 +89,6 @@ MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pd
 # results/sweep-mma-dbwarps-*.json, sweep-split-mma24-30b.json; slower at qwen3-235b T=16, so not below 32)
 MMA_WIDE_DOWN_WARPS = 24
 MMA_UNROLL = 4  # auto GB_UNROLL / DB_UNROLL of the tensor-core kernels: 32-wide k blocks of loads in flight
-# ... but 2 for the tensor-core gate_up from H = MMA_SHORT_ROUNDS_FROM_H on (qwen3-235b: 1.5-3.5 % faster at
-# T = 16 / 64 under uniform and Zipf routing; at qwen3-30b's H = 2048 -2.5 % to +2.2 %:
-# results/sweep-2026-12-01-mma-mt-*.json)
-MMA_SHORT_ROUNDS_FROM_H = 4096
 MMA_WIDE_DOWN_FROM = 32
 GROUPED_DOWN_WARPS = 4  # auto DB_WARPS of the grouped down: 4 warps x 16 rows of one tile per block, as gate_up's
 LIMITS = {
@@ -263,10 +259,9 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
                 f"{kernel}_WARPS {warps} x 32 threads x {kernel}_MAX_REGS {cap} registers exceeds the "
                 f"{REGISTERS_PER_BLOCK} registers of a block (the launch would fail): lower {kernel}_WARPS or "
                 f"{kernel}_MAX_REGS (0 lets __launch_bounds__ fit the block)")
-    for kernel in ("GB", "DB"):  # the tensor-core kernels' rounds: MMA_UNROLL (gate_up: 2 from a long H)
+    for kernel in ("GB", "DB"):  # the tensor-core kernels' rounds do not depend on the dims
         if values[f"{kernel}_UNROLL"] == 0 and values[f"{kernel}_MMA"]:
-            short = kernel == "GB" and dims is not None and dims.hidden >= MMA_SHORT_ROUNDS_FROM_H
-            values[f"{kernel}_UNROLL"] = 2 if short else MMA_UNROLL
+            values[f"{kernel}_UNROLL"] = MMA_UNROLL
     if values["DB_BALANCE"] == -1:
         values["DB_BALANCE"] = auto_balance(dims, values)
     if dims is None:
