@@ -846,6 +846,7 @@ __device__ __forceinline__ void down_mma_slot(const DownLists& m, int a, int c_b
                    intermediate, w2, mine, hidden, inter, top_k, h_lo, h_hi, g, q, waited);
 }
 
+#if !DB_GROUPED  // the grouped down (below) replaces it
 // ------------------------------------------------------------------------------------------------
 // moe_down_mma: block b owns hidden columns h0 .. h0+15 (h0 = 16 b) for ALL tokens. Its warps share the list
 //   slots (bad-id slot excluded: NaN at the end) in one of two ways, each a fixed schedule:
@@ -916,6 +917,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
 
     write_block_outputs<16>(partial, topk_ids, out, out_f32, tokens, hidden, experts, top_k, h0);
 }
+#endif  // !DB_GROUPED
 
 #if DB_GROUPED
 // ------------------------------------------------------------------------------------------------
