@@ -8,13 +8,22 @@ scales: TB/s and % of roofline are of those bytes), the report says which diviso
 ``bf16`` is the data contract's own layout (w13 [E, 2I, H], w2 [E, H, I], plain arrays, no scales) and the default
 everywhere. A scaled format stores each matrix as a :class:`Quantized` (``values`` in the bf16 layout's shape,
 ``scales``). A new format is one :class:`WeightFormat` subclass registered in :data:`FORMATS`, plus its kernels.
+
+``fp8-block128`` is what FP8 MoE checkpoints ship (Qwen3-30B-A3B-FP8, Qwen3-235B-A22B-FP8, DeepSeek-V3): float8
+e4m3fn values in the bf16 layouts' shapes and one float32 scale per 128 x 128 block, dequantized = value x scale
+(a checkpoint's ``weight_scale_inv``). w13's scales are [E, 2 ceil(I/128), ceil(H/128)] -- gate's block rows, then
+up's: the two are separate matrices in a checkpoint, so a partial last gate block never mixes with up rows -- and
+w2's [E, ceil(H/128), ceil(I/128)]; partial blocks at the edges are legal. :func:`quantize_weights` makes them from
+fp32 / bf16 weights, :func:`fp8_experts_from_checkpoint` assembles a checkpoint's per-expert tensors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from kernels.contract import BF16, array_module
@@ -57,8 +66,8 @@ class WeightFormat:
         """This format's (w13, w2) from fp32 or bf16 weights in the contract's layouts."""
         raise NotImplementedError
 
-    def dequantize(self, weights: Any) -> np.ndarray:
-        """One stored matrix (w13 or w2, as :meth:`quantize` returned it) as float32 on the host."""
+    def dequantize(self, weights: Any, matrix: str) -> np.ndarray:
+        """One stored matrix (``matrix`` "w13" or "w2", as :meth:`quantize` returned it) as float32 on the host."""
         raise NotImplementedError
 
     def check(self, name: str, weights: Any, xp: Any, what: str) -> Any:
@@ -83,10 +92,10 @@ class WeightFormat:
             return weights
         return Quantized(_host(weights.values), _host(weights.scales))
 
-    def expert(self, weights: Any, expert: int) -> np.ndarray:
-        """One expert's matrix on the host for the reference: float32 dequantized (bf16 weights: the bf16 slice).
-        Override for formats whose whole-matrix :meth:`dequantize` would not fit in memory."""
-        return self.dequantize(weights)[expert]
+    def expert(self, weights: Any, expert: int, matrix: str) -> np.ndarray:
+        """One expert's ``matrix`` ("w13" or "w2") on the host for the reference: float32 dequantized (bf16
+        weights: the bf16 slice). Override for formats whose whole-matrix :meth:`dequantize` would not fit."""
+        return self.dequantize(weights, matrix)[expert]
 
 
 @dataclass(frozen=True)
@@ -96,7 +105,7 @@ class Bf16(WeightFormat):
     def quantize(self, w13: Any, w2: Any) -> tuple[Any, Any]:
         return _as_bf16(w13, "w13"), _as_bf16(w2, "w2")
 
-    def dequantize(self, weights: Any) -> np.ndarray:
+    def dequantize(self, weights: Any, matrix: str = "") -> np.ndarray:
         host = _host(weights)
         if host.dtype != BF16:
             raise TypeError(f"bf16 weights must have dtype bfloat16, got {host.dtype}")
@@ -111,7 +120,7 @@ class Bf16(WeightFormat):
     def host(self, weights: Any) -> Any:
         return _host(weights)
 
-    def expert(self, weights: Any, expert: int) -> np.ndarray:
+    def expert(self, weights: Any, expert: int, matrix: str = "") -> np.ndarray:
         return _host(weights)[expert]
 
 
@@ -122,8 +131,117 @@ def _as_bf16(weights: Any, name: str) -> Any:
     return weights if dtype == BF16 else weights.astype(BF16)
 
 
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+BLOCK = 128  # rows and columns of an fp8-block128 scale block
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def quantize_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One expert's matrix [R, C] (float32) as e4m3fn values [R, C] and float32 scales [ceil(R/128), ceil(C/128)]:
+    per block scale = amax / 448 (a block of zeros: 1), values = w / scale rounded to the nearest e4m3fn (ties to
+    even), saturating at +-448 (float rounding of amax / scale can land a hair above it)."""
+    rows, cols = w.shape
+    padded = np.zeros((_blocks(rows) * BLOCK, _blocks(cols) * BLOCK), np.float32)
+    padded[:rows, :cols] = w
+    tiles = padded.reshape(_blocks(rows), BLOCK, _blocks(cols), BLOCK)
+    amax = np.abs(tiles).max(axis=(1, 3))
+    scales = np.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1.0)).astype(np.float32)
+    scaled = np.clip(tiles / scales[:, None, :, None], -FP8_MAX, FP8_MAX)
+    values = scaled.reshape(padded.shape)[:rows, :cols].astype(FP8)
+    return values, scales
+
+
+def dequantize_blocks(values: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """float32 [R, C] of e4m3fn ``values`` (or their uint8 bit patterns) times each one's block scale (a float32
+    multiply, what the kernels do)."""
+    vals = values.view(FP8) if values.dtype == np.uint8 else values
+    expanded = np.repeat(np.repeat(scales, BLOCK, axis=0), BLOCK, axis=1)[: vals.shape[0], : vals.shape[1]]
+    return vals.astype(np.float32) * expanded
+
+
+@dataclass(frozen=True)
+class Fp8Block128(WeightFormat):
+    """float8 e4m3fn values, one float32 scale per 128 x 128 block (gate and up blocked apart in w13). On the
+    device (CuPy has no float8 dtype) the values are uint8 arrays of the same bit patterns."""
+
+    def scale_bytes(self, hidden: int, intermediate: int) -> int:
+        return 4 * (2 * _blocks(intermediate) * _blocks(hidden) + _blocks(hidden) * _blocks(intermediate))
+
+    @staticmethod
+    def scale_shape(name: str, values_shape: tuple[int, ...]) -> tuple[int, int, int]:
+        """The scales' shape for ``name``'s values: w13 [E, 2I, H] -> [E, 2 ceil(I/128), ceil(H/128)] (gate's
+        block rows, then up's); any other matrix [E, R, C] -> [E, ceil(R/128), ceil(C/128)]."""
+        experts, rows, cols = values_shape
+        if name == "w13":
+            return experts, 2 * _blocks(rows // 2), _blocks(cols)
+        return experts, _blocks(rows), _blocks(cols)
+
+    def quantize(self, w13: Any, w2: Any) -> tuple[Quantized, Quantized]:
+        return self._quantize("w13", w13), self._quantize("w2", w2)
+
+    def _quantize(self, name: str, w: Any) -> Quantized:
+        dtype = getattr(w, "dtype", None)
+        if dtype is None or not (dtype == BF16 or np.dtype(dtype).kind == "f"):
+            raise TypeError(f"{name} must be a float32 or bfloat16 array, got {type(w).__name__} of {dtype}")
+        if w.ndim != 3:
+            raise ValueError(f"{name} must have 3 dimensions, got shape {tuple(w.shape)}")
+        if name == "w13" and w.shape[1] % 2:
+            raise ValueError(f"w13's second dimension is 2I (gate then up rows), must be even, got {w.shape[1]}")
+        xp = array_module(w)
+        experts, rows, cols = (int(d) for d in w.shape)
+        values = np.empty((experts, rows, cols), FP8)
+        scales = np.empty(self.scale_shape(name, (experts, rows, cols)), np.float32)
+        for e in range(experts):  # one expert at a time: bounded host memory at real model sizes
+            m = _host(w[e]).astype(np.float32)
+            halves = (m[: rows // 2], m[rows // 2 :]) if name == "w13" else (m,)
+            parts = [quantize_blocks(h) for h in halves]
+            values[e] = np.concatenate([v for v, _ in parts], axis=0)
+            scales[e] = np.concatenate([sc for _, sc in parts], axis=0)
+        if xp is np:
+            return Quantized(values, scales)
+        return Quantized(xp.asarray(values.view(np.uint8)), xp.asarray(scales))
+
+    def dequantize(self, weights: Any, matrix: str) -> np.ndarray:
+        host = self.host(weights)
+        return np.stack([self._expert(host, e, matrix) for e in range(host.values.shape[0])])
+
+    def expert(self, weights: Any, expert: int, matrix: str) -> np.ndarray:
+        return self._expert(self.host(weights), expert, matrix)
+
+    @staticmethod
+    def _expert(weights: Quantized, expert: int, matrix: str) -> np.ndarray:
+        values, scales = weights.values[expert], weights.scales[expert]
+        if matrix == "w13":  # gate's block rows, then up's (a partial last gate block holds gate rows only)
+            rows, half = values.shape[0] // 2, scales.shape[0] // 2
+            return np.concatenate([dequantize_blocks(values[:rows], scales[:half]),
+                                   dequantize_blocks(values[rows:], scales[half:])])
+        if matrix != "w2":
+            raise ValueError(f"matrix must be 'w13' or 'w2', got {matrix!r}")
+        return dequantize_blocks(values, scales)
+
+    def check(self, name: str, weights: Any, xp: Any, what: str) -> Any:
+        values = super().check(name, weights, xp, what)
+        allowed = (FP8, np.dtype(np.uint8)) if xp is np else (np.dtype(np.uint8),)
+        if values.dtype not in allowed:
+            raise TypeError(f"{name}.values must be {' or '.join(map(str, allowed))} (e4m3fn bit patterns), got "
+                            f"{values.dtype}")
+        if weights.scales.dtype != np.float32:
+            raise TypeError(f"{name}.scales must be float32, got {weights.scales.dtype}")
+        want = self.scale_shape(name, tuple(int(d) for d in values.shape))
+        if tuple(int(d) for d in weights.scales.shape) != want:
+            raise ValueError(f"{name}.scales must be {list(want)} for values of shape {tuple(values.shape)} "
+                             f"(one per {BLOCK} x {BLOCK} block{', gate and up apart' if name == 'w13' else ''}), "
+                             f"got {tuple(weights.scales.shape)}")
+        return values
+
+
 BF16_FORMAT = Bf16("bf16", "bfloat16 values, no scales (the data contract)", 2)
-FORMATS: dict[str, WeightFormat] = {BF16_FORMAT.name: BF16_FORMAT}
+FP8_BLOCK128 = Fp8Block128("fp8-block128", "float8 e4m3fn values, a float32 scale per 128 x 128 block", 1)
+FORMATS: dict[str, WeightFormat] = {BF16_FORMAT.name: BF16_FORMAT, FP8_BLOCK128.name: FP8_BLOCK128}
 DEFAULT_FORMAT = BF16_FORMAT.name
 
 
@@ -137,3 +255,69 @@ def get_format(weight_format: str | WeightFormat = "bf16") -> WeightFormat:
         return FORMATS[weight_format]
     except KeyError:
         raise ValueError(f"unknown weight_format {weight_format!r}; known: {', '.join(FORMATS)}") from None
+
+
+def quantize_weights(w13: Any, w2: Any, weight_format: str | WeightFormat = FP8_BLOCK128.name) -> tuple[Any, Any]:
+    """``(w13, w2)`` in ``weight_format`` from fp32 / bf16 weights in the data contract's layouts (NumPy or CuPy:
+    the result lives where the input did). For ``"fp8-block128"`` each is a :class:`Quantized` that every entry
+    point taking that format and ``reference.moe_decode(..., weight_format=)`` accept in place of bf16 weights."""
+    return get_format(weight_format).quantize(w13, w2)
+
+
+CHECKPOINT_TENSORS = ("gate_proj.weight", "gate_proj.weight_scale_inv", "up_proj.weight", "up_proj.weight_scale_inv",
+                      "down_proj.weight", "down_proj.weight_scale_inv")
+
+
+def fp8_experts_from_checkpoint(experts: Sequence[Mapping[str, Any]]) -> tuple[Quantized, Quantized]:
+    """fp8-block128 (w13, w2) on the host from an FP8 checkpoint's per-expert tensors, expert e = ``experts[e]``:
+    a mapping with :data:`CHECKPOINT_TENSORS` -- ``gate_proj.weight`` / ``up_proj.weight`` [I, H] and
+    ``down_proj.weight`` [H, I] (float8 e4m3fn or their uint8 bit patterns) and each one's ``weight_scale_inv``
+    (float32, one per 128 x 128 block; dequantized = value x scale). From a flat state dict, e.g.::
+
+        prefix = "model.layers.3.mlp.experts"
+        experts = [{k[len(f"{prefix}.{e}."):]: v for k, v in state.items() if k.startswith(f"{prefix}.{e}.")}
+                   for e in range(num_experts)]
+
+    ValueError / TypeError name the expert, the tensor and what was expected."""
+    if isinstance(experts, Mapping) or not isinstance(experts, Sequence) or not experts:
+        raise TypeError("experts must be a non-empty sequence of per-expert mappings (tensor name -> array)")
+    first = experts[0]
+    if not isinstance(first, Mapping) or "gate_proj.weight" not in first:
+        raise ValueError("experts[0] must be a mapping holding 'gate_proj.weight' (and the other checkpoint tensors)")
+    inter, hidden = (int(d) for d in np.shape(first["gate_proj.weight"]))
+    shapes = {"gate_proj.weight": (inter, hidden), "up_proj.weight": (inter, hidden),
+              "down_proj.weight": (hidden, inter),
+              "gate_proj.weight_scale_inv": (_blocks(inter), _blocks(hidden)),
+              "up_proj.weight_scale_inv": (_blocks(inter), _blocks(hidden)),
+              "down_proj.weight_scale_inv": (_blocks(hidden), _blocks(inter))}
+    count = len(experts)
+    w13 = Quantized(np.empty((count, 2 * inter, hidden), FP8), np.empty((count, 2 * _blocks(inter), _blocks(hidden)),
+                                                                        np.float32))
+    w2 = Quantized(np.empty((count, hidden, inter), FP8),
+                   np.empty((count, _blocks(hidden), _blocks(inter)), np.float32))
+    for e, tensors in enumerate(experts):
+        if not isinstance(tensors, Mapping):
+            raise TypeError(f"experts[{e}] must be a mapping of tensor name -> array, got {type(tensors).__name__}")
+        missing = [name for name in CHECKPOINT_TENSORS if name not in tensors]
+        if missing:
+            raise ValueError(f"experts[{e}] lacks {', '.join(missing)}")
+        got = {}
+        for name in CHECKPOINT_TENSORS:
+            arr = _host(tensors[name])
+            if not isinstance(arr, np.ndarray):
+                raise TypeError(f"experts[{e}][{name!r}] must be a NumPy array, got {type(arr).__name__}")
+            if tuple(arr.shape) != shapes[name]:
+                raise ValueError(f"experts[{e}][{name!r}] must be {list(shapes[name])} (I = {inter}, H = {hidden} "
+                                 f"from experts[0]'s gate_proj.weight), got {list(arr.shape)}")
+            if name.endswith("scale_inv"):
+                if arr.dtype != np.float32:
+                    raise TypeError(f"experts[{e}][{name!r}] must be float32, got {arr.dtype}")
+            elif arr.dtype not in (FP8, np.dtype(np.uint8)):
+                raise TypeError(f"experts[{e}][{name!r}] must be float8_e4m3fn (or its uint8 bit patterns), got "
+                                f"{arr.dtype}")
+            got[name] = arr.view(FP8) if arr.dtype == np.uint8 else arr
+        w13.values[e, :inter], w13.values[e, inter:] = got["gate_proj.weight"], got["up_proj.weight"]
+        w13.scales[e] = np.concatenate([got["gate_proj.weight_scale_inv"], got["up_proj.weight_scale_inv"]])
+        w2.values[e], w2.scales[e] = got["down_proj.weight"], got["down_proj.weight_scale_inv"]
+    return w13, w2
+

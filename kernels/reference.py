@@ -116,7 +116,7 @@ def moe_decode(
     per_pair = np.empty((T * K, H), acc)  # each (token, slot)'s expert output, before the routing weight
     for expert, pairs in expert_groups(topk_ids):
         tokens_of_pairs = pairs // K
-        gate_up = matmul_bf16_t(activations[tokens_of_pairs], fmt.expert(w13, expert), acc)  # [n, 2I]
+        gate_up = matmul_bf16_t(activations[tokens_of_pairs], fmt.expert(w13, expert, "w13"), acc)  # [n, 2I]
         gate, up = gate_up[:, :I], gate_up[:, I:]
         if mode == "fp64":
             hidden = silu(gate) * up
@@ -125,7 +125,7 @@ def moe_decode(
         else:  # classical: every GEMM output and the activation pass through bf16 buffers
             gate, up = through_bf16(gate), through_bf16(up)
             hidden = quantize(through_bf16(silu(gate) * up), quant)
-        down = matmul_bf16_t(hidden.astype(acc, copy=False), fmt.expert(w2, expert), acc)  # [n, H]
+        down = matmul_bf16_t(hidden.astype(acc, copy=False), fmt.expert(w2, expert, "w2"), acc)  # [n, H]
         per_pair[pairs] = through_bf16(down) if mode == "classical" else down
 
     per_pair = per_pair.reshape(T, K, H)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import kernels
+from kernels import formats
 from kernels.contract import BF16
 from kernels.formats import BF16_FORMAT, FORMATS, Quantized, WeightFormat, get_format
 from kernels.routing import make_routing
@@ -25,7 +27,7 @@ def test_bf16_quantize_rounds_to_nearest_even_and_reads_back(rng: np.random.Gene
     q13, q2 = BF16_FORMAT.quantize(w13, w2)
     assert q13.dtype == BF16 and q2.dtype == BF16
     assert np.array_equal(q13.view(np.uint16), w13.astype(BF16).view(np.uint16))
-    back = BF16_FORMAT.dequantize(q13)
+    back = BF16_FORMAT.dequantize(q13, "w13")
     assert back.dtype == np.float32 and np.max(np.abs(back - w13) / np.abs(w13)) <= 2.0**-8
     assert BF16_FORMAT.quantize(q13, q2)[0] is q13  # already bf16: unchanged
     with pytest.raises(TypeError, match="w2 must be a float32 or bfloat16 array"):
@@ -81,7 +83,7 @@ class ExpertScaled(WeightFormat):
 
         return one(w13), one(w2)
 
-    def dequantize(self, weights: Quantized) -> np.ndarray:
+    def dequantize(self, weights: Quantized, matrix: str) -> np.ndarray:
         return weights.values.astype(np.float32) * weights.scales[:, None, None]
 
 
@@ -93,8 +95,8 @@ def test_reference_reads_weights_through_their_format() -> None:
     fmt = ExpertScaled("expert-scaled", "bf16 values, one scale per expert", 2)
     q13, q2 = fmt.quantize(problem.w13, problem.w2)
     assert not np.array_equal(q13.values.view(np.uint16), problem.w13.view(np.uint16))  # really scaled
-    d13, d2 = fmt.dequantize(q13).astype(BF16), fmt.dequantize(q2).astype(BF16)
-    assert np.array_equal(d13.astype(np.float32), fmt.dequantize(q13))  # exact in bf16
+    d13, d2 = fmt.dequantize(q13, "w13").astype(BF16), fmt.dequantize(q2, "w2").astype(BF16)
+    assert np.array_equal(d13.astype(np.float32), fmt.dequantize(q13, "w13"))  # exact in bf16
     x, ids, wts = problem.x, problem.topk_ids, problem.topk_weights
     for mode, quant in (("fp64", None), ("warp_decode", None), ("classical", None), ("classical", "fp8")):
         via_format = moe_decode(x, q13, q2, ids, wts, mode=mode, quant=quant, weight_format=fmt)
@@ -106,3 +108,161 @@ def test_reference_reads_weights_through_their_format() -> None:
         moe_decode(x, problem.w13, q2, ids, wts)
     with pytest.raises(ValueError, match="w13.values must have 3 dimensions"):
         moe_decode(x, Quantized(q13.values[0], q13.scales), q2, ids, wts, weight_format=fmt)
+
+
+# ---------------------------------------------------------------------------------------------------
+# fp8-block128: the format FP8 MoE checkpoints ship
+# ---------------------------------------------------------------------------------------------------
+FP8_BLOCK = formats.FP8_BLOCK128
+
+
+def _blockwise_oracle(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """fp8-block128 of one matrix, block by block in plain loops (independent of the vectorised quantizer)."""
+    rows, cols = m.shape
+    nr, nc = -(-rows // 128), -(-cols // 128)
+    values = np.zeros((rows, cols), formats.FP8)
+    scales = np.zeros((nr, nc), np.float32)
+    for i in range(nr):
+        for j in range(nc):
+            block = m[128 * i:128 * (i + 1), 128 * j:128 * (j + 1)].astype(np.float32)
+            amax = np.float32(np.abs(block).max())
+            scale = np.float32(amax / np.float32(448.0)) if amax > 0 else np.float32(1.0)
+            scales[i, j] = scale
+            values[128 * i:128 * (i + 1), 128 * j:128 * (j + 1)] = np.clip(block / scale, -448, 448).astype(formats.FP8)
+    return values, scales
+
+
+def _fp8_weights(rng: np.random.Generator, experts: int = 3, hidden: int = 264, inter: int = 200) -> tuple:
+    """bf16 weights with partial blocks at both edges (H = 264, I = 200) and magnitudes spread over decades."""
+    w13 = (rng.standard_normal((experts, 2 * inter, hidden)) * np.exp(rng.uniform(-6, 3, (experts, 2 * inter, 1))))
+    w2 = (rng.standard_normal((experts, hidden, inter)) * np.exp(rng.uniform(-6, 3, (experts, 1, inter))))
+    return w13.astype(BF16), w2.astype(BF16)
+
+
+def test_fp8_block128_quantizes_block_by_block(rng: np.random.Generator) -> None:
+    """Values and scales equal a loop over blocks (gate and up apart), the layouts are the checkpoints', and the
+    dequantized weights sit within half an e4m3 step of the originals."""
+    w13, w2 = _fp8_weights(rng)
+    q13, q2 = kernels.quantize_weights(w13, w2, "fp8-block128")
+    assert q13.values.dtype == formats.FP8 and q13.values.shape == w13.shape
+    assert q13.scales.shape == (3, 2 * 2, 3) and q2.scales.shape == (3, 3, 2)  # I = 200: 2 gate + 2 up block rows
+    for e in range(3):
+        gate, up = w13[e, :200].astype(np.float32), w13[e, 200:].astype(np.float32)
+        for got_v, got_s, part in ((q13.values[e, :200], q13.scales[e, :2], gate),
+                                   (q13.values[e, 200:], q13.scales[e, 2:], up),
+                                   (q2.values[e], q2.scales[e], w2[e].astype(np.float32))):
+            want_v, want_s = _blockwise_oracle(part)
+            assert np.array_equal(got_s, want_s)
+            assert np.array_equal(got_v.view(np.uint8), want_v.view(np.uint8))
+    for q, w, matrix in ((q13, w13, "w13"), (q2, w2, "w2")):
+        original = w.astype(np.float32)
+        back = FP8_BLOCK.dequantize(q, matrix)
+        scale = np.abs(original).max() / 448
+        # e4m3: 3 mantissa bits (a relative half-step of 2^-4), subnormal step 2^-9 of the block's scale
+        assert np.all(np.abs(back - original) <= np.abs(original) * 2.0**-4 + 2.0**-10 * scale * 448)
+        assert np.array_equal(FP8_BLOCK.expert(q, 1, matrix), back[1])
+    assert FP8_BLOCK.expert_bytes(2048, 768) == 3 * 2048 * 768 + 4 * (2 * 6 * 16 + 16 * 6)  # qwen3-30b-a3b
+    assert 8 * FP8_BLOCK.expert_bytes(2048, 768) == 37_757_952  # T = 1 reads 8 experts: 37.8 MB
+
+
+def test_fp8_block128_keeps_gate_and_up_apart() -> None:
+    """A partial last gate block (I = 200) is scaled by gate rows only; a zero block gets scale 1 and zeros."""
+    w13 = np.zeros((1, 400, 128), np.float32)
+    w13[0, :200] = 0.001
+    w13[0, 199, 5] = 0.002  # the gate's partial second block
+    w13[0, 200:] = 1000.0  # up: 10^6 larger
+    w13[0, 328:] = 0.0  # up's second block: all zero
+    w2 = np.ones((1, 128, 200), np.float32)
+    q13, _ = FP8_BLOCK.quantize(w13, w2)
+    assert q13.scales[0, :, 0].tolist() == pytest.approx([0.001 / 448, 0.002 / 448, 1000 / 448, 1.0], rel=1e-6)
+    assert np.all(q13.values[0, 328:].astype(np.float32) == 0)
+    assert np.array_equal(FP8_BLOCK.dequantize(q13, "w13")[0, 199, 5], np.float32(0.002))
+
+
+def test_fp8_block128_checks_name_the_problem(rng: np.random.Generator) -> None:
+    from kernels.problem import make_problem
+    from kernels.reference import moe_decode
+
+    problem = make_problem("tiny", 3, seed=5)
+    q13, q2 = kernels.quantize_weights(problem.w13, problem.w2)
+    x, ids, wts = problem.x, problem.topk_ids, problem.topk_weights
+    bits = Quantized(q13.values.view(np.uint8), q13.scales)  # the uint8 bit patterns are accepted
+    assert np.array_equal(moe_decode(x, bits, q2, ids, wts, weight_format="fp8-block128"),
+                          moe_decode(x, q13, q2, ids, wts, weight_format="fp8-block128"))
+    with pytest.raises(ValueError, match=r"w13.scales must be \[6, 2, 2\]"):
+        moe_decode(x, Quantized(q13.values, np.ascontiguousarray(q13.scales[:, :1])), q2, ids, wts,
+                   weight_format="fp8-block128")
+    with pytest.raises(TypeError, match="w2.values must be float8_e4m3fn or uint8"):
+        moe_decode(x, q13, Quantized(q2.values.astype(np.float32), q2.scales), ids, wts, weight_format="fp8-block128")
+    with pytest.raises(TypeError, match="w2.scales must be float32"):
+        moe_decode(x, q13, Quantized(q2.values, q2.scales.astype(np.float64)), ids, wts, weight_format="fp8-block128")
+    with pytest.raises(TypeError, match="w13 must be a float32 or bfloat16 array"):
+        kernels.quantize_weights(problem.w13.astype(np.int32), problem.w2)
+    with pytest.raises(ValueError, match="unknown weight_format 'fp4'"):
+        kernels.quantize_weights(problem.w13, problem.w2, "fp4")
+
+
+def test_fp8_reference_is_the_dequantized_weights(rng: np.random.Generator) -> None:
+    """Every mode reads an fp8-block128 expert as value x block scale: fp64 equals a float64 computation on the
+    dequantized weights, and the format's error (fp64 on the originals) is measured apart from the modes'."""
+    from kernels.numerics import bf16_to_f32, rel_l2, silu
+    from kernels.problem import make_problem
+    from kernels.reference import moe_decode
+
+    problem = make_problem("tiny", 6, seed=11, routing="zipf")
+    q13, q2 = kernels.quantize_weights(problem.w13, problem.w2)
+    x, ids, wts = problem.x, problem.topk_ids, problem.topk_weights
+    d13, d2 = FP8_BLOCK.dequantize(q13, "w13").astype(np.float64), FP8_BLOCK.dequantize(q2, "w2").astype(np.float64)
+    xs = bf16_to_f32(x).astype(np.float64)
+    inter = d13.shape[1] // 2
+    want = np.zeros((6, x.shape[1]))
+    for t in range(6):
+        for k in range(ids.shape[1]):
+            gu = d13[ids[t, k]] @ xs[t]
+            want[t] += wts[t, k] * (d2[ids[t, k]] @ (silu(gu[:inter]) * gu[inter:]))
+    fp64 = moe_decode(x, q13, q2, ids, wts, mode="fp64", weight_format="fp8-block128")
+    assert np.allclose(fp64, want, rtol=1e-12, atol=1e-12)
+    original = moe_decode(x, problem.w13, problem.w2, ids, wts, mode="fp64")
+    kernel_numerics = moe_decode(x, q13, q2, ids, wts, mode="warp_decode", weight_format="fp8-block128")
+    served = moe_decode(x, q13, q2, ids, wts, mode="classical", quant="fp8", weight_format="fp8-block128")
+    format_error = rel_l2(fp64, original)
+    assert 1e-3 < format_error < 0.1  # e4m3's 3 mantissa bits
+    assert rel_l2(kernel_numerics.astype(np.float32), fp64) < format_error / 5  # bf16 roundings only
+    assert rel_l2(served.astype(np.float32), fp64) > rel_l2(kernel_numerics.astype(np.float32), fp64)
+
+
+def _checkpoint_tensors(q13: Quantized, q2: Quantized, inter: int) -> list[dict[str, np.ndarray]]:
+    nb = q13.scales.shape[1] // 2
+    return [{"gate_proj.weight": q13.values[e, :inter], "gate_proj.weight_scale_inv": q13.scales[e, :nb],
+             "up_proj.weight": q13.values[e, inter:], "up_proj.weight_scale_inv": q13.scales[e, nb:],
+             "down_proj.weight": q2.values[e], "down_proj.weight_scale_inv": q2.scales[e]}
+            for e in range(q13.values.shape[0])]
+
+
+def test_fp8_checkpoint_loader_assembles_the_lab_layout(rng: np.random.Generator) -> None:
+    """A checkpoint's per-expert gate / up / down tensors and their weight_scale_inv (built here: nothing is
+    downloaded) become the lab's w13 / w2, bitwise; uint8 bit patterns load too; a bad tensor is named."""
+    w13, w2 = _fp8_weights(rng)
+    q13, q2 = FP8_BLOCK.quantize(w13, w2)
+    experts = _checkpoint_tensors(q13, q2, 200)
+    got13, got2 = kernels.fp8_experts_from_checkpoint(experts)
+    for got, want in ((got13, q13), (got2, q2)):
+        assert np.array_equal(got.values.view(np.uint8), want.values.view(np.uint8))
+        assert np.array_equal(got.scales, want.scales)
+    experts[1] = {k: (v.view(np.uint8) if v.dtype == formats.FP8 else v) for k, v in experts[1].items()}
+    assert np.array_equal(kernels.fp8_experts_from_checkpoint(experts)[0].values.view(np.uint8),
+                          q13.values.view(np.uint8))
+    broken = [dict(e) for e in experts]
+    broken[2]["down_proj.weight_scale_inv"] = broken[2]["down_proj.weight_scale_inv"][:1]
+    with pytest.raises(ValueError, match=r"experts\[2\]\['down_proj.weight_scale_inv'\] must be \[3, 2\]"):
+        kernels.fp8_experts_from_checkpoint(broken)
+    broken = [dict(e) for e in experts]
+    del broken[0]["up_proj.weight_scale_inv"]
+    with pytest.raises(ValueError, match=r"experts\[0\] lacks up_proj.weight_scale_inv"):
+        kernels.fp8_experts_from_checkpoint(broken)
+    broken = [dict(e) for e in experts]
+    broken[1]["gate_proj.weight"] = broken[1]["gate_proj.weight"].astype(np.float32)
+    with pytest.raises(TypeError, match=r"experts\[1\]\['gate_proj.weight'\] must be float8_e4m3fn"):
+        kernels.fp8_experts_from_checkpoint(broken)
+    with pytest.raises(TypeError, match="non-empty sequence"):
+        kernels.fp8_experts_from_checkpoint([])
