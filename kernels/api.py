@@ -59,10 +59,11 @@ def moe_decode(
     workspace: Any = None,
     policy: str = "fastest",
 ) -> Any:
-    """The fastest path for (shape, T) on this GPU, from the committed table measured on this GPU, else a
-    documented heuristic (:mod:`kernels.dispatch`). ``policy="fastest"``: strict warp decode, batched warp
-    decode (FMA or tensor-core MMA) or the expert-centric path; ``policy="warp_decode"``: the warp-decode paths
-    only (warp decode's numerics). ``workspace``: ``kernels.dispatch.make_workspace(dims, policy=policy)``.
-    Never syncs inside a graph."""
+    """The path for (shape, T) on this GPU with the least worst slowdown over uniform and Zipf routing, from the
+    committed table measured on this GPU (it cannot see the routing when it picks), else a documented heuristic
+    (:mod:`kernels.dispatch`). ``policy="fastest"``: strict warp decode, batched warp decode (FMA, mixed or
+    tensor-core MMA) or the expert-centric path; ``policy="warp_decode"``: the warp-decode paths only (warp
+    decode's numerics). ``workspace``: ``kernels.dispatch.make_workspace(dims, policy=policy)``. Never syncs
+    inside a graph."""
     module = importlib.import_module("kernels.dispatch")
     return module.moe_decode(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace, policy=policy)
