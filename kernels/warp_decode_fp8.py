@@ -1,0 +1,322 @@
+"""Strict warp decode on fp8-block128 weights (``kernels.formats``, what FP8 checkpoints ship), CuPy RawKernel.
+
+The strict kernels' ownership and numerics with FP8 weights: a warp owns one intermediate neuron (gate_up) or one
+output (down); each lane streams its chunks of 8 e4m3fn weights (8 bytes) beside the matching 8 bf16 activations,
+widens both in registers (e4m3fn -> f16x2 -> FP32 is exact), multiplies each weight by its 128 x 128 block's
+float32 scale (the dequantized weight, rounded once in FP32, as ``reference.moe_decode(..., weight_format=
+"fp8-block128")`` reads it) and accumulates in FP32: BF16 activations, no activation quantization, the
+intermediate rounded once to bf16 -- warp decode's numerics on half the weight bytes. A lane's chunk never
+straddles a scale block (128 = 16 chunks), so it reads one scale per row per chunk (L1 hits).
+
+Status: checked on the CPU through the g++ emulation of this text and compiled for sm_90 offline; the GPU tests
+and the H200 measurements (the FP8 issue's bars) are the next step, and the bench runs it once its harness
+builds fp8 weight copies -- so no variant is registered yet. Knobs: :data:`DEFAULTS` (first guesses, unswept).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kernels.compile import CudaSource, launch_ex
+from kernels.contract import BF16, Dims, check_aligned, check_inputs, check_out, require_cupy
+from kernels.device_helpers import PDL_HELPERS, WARP_HELPERS
+from kernels.family import Compiled, KernelFamily, Stage
+from kernels.formats import FP8_BLOCK128, Quantized
+
+GATE_UP = "moe_gate_up_fp8"
+DOWN = "moe_down_fp8"
+
+CODE = WARP_HELPERS + PDL_HELPERS + r"""
+// Strict warp decode on fp8-block128 weights: values are e4m3fn bytes in the bf16 layouts, scales float32 per
+// 128 x 128 block (w13: gate's block rows, then up's). Knobs: GU_WARPS / DN_WARPS warps per block, GU_UNROLL /
+// DN_UNROLL chunk rounds in flight per lane, DN_SLOTS routed slots whose w2 rows load together, PDL.
+static_assert(GU_WARPS >= 1 && GU_WARPS <= 32 && DN_WARPS >= 1 && DN_WARPS <= 32, "WARPS must be 1..32");
+static_assert(GU_UNROLL >= 1 && DN_UNROLL >= 1, "UNROLL must be >= 1");
+static_assert(DN_SLOTS >= 1 && DN_SLOTS <= 32, "DN_SLOTS must be 1..32");
+#define FP8_BLOCK 128
+#define CHUNKS_PER_BLOCK (FP8_BLOCK / 8)   // 8 values per chunk: a chunk lies inside one scale block
+
+#ifdef WD_HOST_EMULATION
+inline float e4m3_decode(u32 b) {                          // the g++ emulation's software decode
+    const u32 mag = b & 0x7Fu;
+    const float sign = (b & 0x80u) ? -1.0f : 1.0f;
+    if (mag == 0x7Fu) return __uint_as_float(0x7fc00000u);  // e4m3fn's NaN
+    const int exp = (int)(mag >> 3), man = (int)(mag & 7u);
+    return sign * (exp == 0 ? ldexpf((float)man, -9) : ldexpf(1.0f + man / 8.0f, exp - 7));
+}
+#endif
+// the two e4m3fn bytes of a 16-bit half word -> two floats (exact: e4m3fn -> f16 -> f32 lose nothing)
+__device__ __forceinline__ void e4m3x2_to_f32(u32 pair, float& lo, float& hi) {
+#ifdef WD_HOST_EMULATION
+    lo = e4m3_decode(pair & 0xFFu);
+    hi = e4m3_decode((pair >> 8) & 0xFFu);
+#else
+    u32 h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)(pair & 0xFFFFu)));
+    asm("{\n\t.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+        : "=f"(lo), "=f"(hi) : "r"(h2));
+#endif
+}
+
+// acc += sum over the chunk's 8 values of (value x scale) x activation: words of the 8-byte weight chunk w8 hold
+// values 4w .. 4w+3, words of the 16-byte activation chunk a16 values 2v, 2v+1; ``weight`` scales the activations
+// (the down's routing weight; 1 in gate_up)
+__device__ __forceinline__ void fp8_chunk_fma(float& acc, const uint2& w8, float scale, const uint4& a16,
+                                              float weight) {
+    #pragma unroll
+    for (int v = 0; v < 4; ++v) {
+        float w_lo, w_hi;
+        e4m3x2_to_f32(word(w8, v / 2) >> (16 * (v % 2)), w_lo, w_hi);
+        const float a_lo = weight * bf16_lo(word(a16, v)), a_hi = weight * bf16_hi(word(a16, v));
+        acc = fmaf(__fmul_rn(w_lo, scale), a_lo, acc);
+        acc = fmaf(__fmul_rn(w_hi, scale), a_hi, acc);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// moe_gate_up_fp8: intermediate[t, k, i] = bf16(SiLU(gate_i . x[t]) * (up_i . x[t])), warp g owns pair
+//   p = g / I (t = p / K, k = p % K) and neuron i = g % I; lane l reads chunks c = l, l + 32, ... (GU_UNROLL
+//   rounds in flight) of the gate and up rows (8 bytes each) and of x[t] (16 bytes), one scale per row per
+//   chunk; FP32 accumulators, warp butterfly, lane 0 writes. A bad expert id writes NaN and reads no weights.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(GU_WARPS * 32) moe_gate_up_fp8(
+    const bf16_t* __restrict__ x,             // [T, H]
+    const uint2* __restrict__ w13,            // [E, 2I, H] e4m3fn, as 8-byte chunks
+    const float* __restrict__ s13,            // [E, 2 ceil(I/128), ceil(H/128)]
+    const int* __restrict__ topk_ids,         // [T, K]
+    bf16_t* __restrict__ intermediate,        // [T, K, I]
+    int tokens, int hidden, int inter, int experts, int top_k)
+{
+    const int lane = threadIdx.x & 31;
+    const long long warp = (long long)blockIdx.x * GU_WARPS + (threadIdx.x >> 5);
+    pdl_wait();     // topk_ids and x may come from the kernel right before this one
+    pdl_release();
+    if (warp >= (long long)tokens * top_k * inter) return;     // whole warp leaves together
+    const long long pair = warp / inter;
+    const int i = (int)(warp - pair * inter);
+    const long long t = pair / top_k;
+    const int e = ld_dep(topk_ids + pair);
+    if ((unsigned)e >= (unsigned)experts) {
+        if (lane == 0) intermediate[pair * inter + i] = BF16_NAN;
+        return;
+    }
+    const int chunks = hidden / 8;                             // H % 8 == 0
+    const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
+    const uint2* gate_row = w13 + ((size_t)e * 2 * inter + i) * chunks;
+    const uint2* up_row = gate_row + (size_t)inter * chunks;
+    const float* gate_scales = s13 + ((size_t)e * 2 * iblocks + i / FP8_BLOCK) * hblocks;
+    const float* up_scales = s13 + ((size_t)e * 2 * iblocks + iblocks + i / FP8_BLOCK) * hblocks;
+    const uint4* x_row = reinterpret_cast<const uint4*>(x + t * hidden);
+
+    float gate_acc = 0.0f, up_acc = 0.0f;
+    for (int base = 0; base < chunks; base += 32 * GU_UNROLL) {
+        uint2 wg[GU_UNROLL][1], wu[GU_UNROLL][1];
+        uint4 xv[GU_UNROLL];
+        float sg[GU_UNROLL], su[GU_UNROLL];
+        #pragma unroll
+        for (int j = 0; j < GU_UNROLL; ++j) {
+            const int c = base + j * 32 + lane;
+            const bool ok = c < chunks;
+            wg[j][0] = ldg_chunk(gate_row, c, ok);
+            wu[j][0] = ldg_chunk(up_row, c, ok);
+        }
+        #pragma unroll
+        for (int j = 0; j < GU_UNROLL; ++j) {
+            const int c = base + j * 32 + lane;
+            const bool ok = c < chunks;
+            xv[j] = ld_dep_chunk(x_row, c, ok);
+            sg[j] = __ldg(gate_scales + (ok ? c / CHUNKS_PER_BLOCK : 0));
+            su[j] = __ldg(up_scales + (ok ? c / CHUNKS_PER_BLOCK : 0));
+        }
+        gate_acc += __uint_as_float(all_loads_arrived(wg) | all_loads_arrived(wu));  // += 0.0f
+        #pragma unroll
+        for (int j = 0; j < GU_UNROLL; ++j) {
+            fp8_chunk_fma(gate_acc, wg[j][0], sg[j], xv[j], 1.0f);
+            fp8_chunk_fma(up_acc, wu[j][0], su[j], xv[j], 1.0f);
+        }
+    }
+    const float g = warp_sum(gate_acc);
+    const float u = warp_sum(up_acc);
+    if (lane == 0) {
+        const float silu = g / (1.0f + expf(-g));                // IEEE division (no fast-math)
+        intermediate[pair * inter + i] = f32_to_bf16(silu * u);  // the one bf16 rounding
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// moe_down_fp8: out[t, h] = sum_k topk_weights[t, k] * (w2[e_k, h, :] . intermediate[t, k, :]), warp g owns
+//   token t = g / H and output h = g % H; DN_SLOTS routed slots' w2 rows (8-byte chunks, one scale per chunk)
+//   and intermediate chunks (16 bytes) are loaded together, DN_UNROLL rounds each; ONE FP32 accumulator,
+//   acc += (value x scale) x (weight x intermediate) in slot order; warp butterfly; lane 0 writes once. Any
+//   bad expert id of the token makes its row NaN and no weight is read. Lane s < DN_SLOTS holds slot s's id
+//   and routing weight (no global load in front of a w2 address).
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(DN_WARPS * 32) moe_down_fp8(
+    const bf16_t* __restrict__ intermediate,  // [T, K, I]
+    const uint2* __restrict__ w2,             // [E, H, I] e4m3fn, as 8-byte chunks
+    const float* __restrict__ s2,             // [E, ceil(H/128), ceil(I/128)]
+    const int* __restrict__ topk_ids,         // [T, K]
+    const float* __restrict__ topk_weights,   // [T, K]
+    void* __restrict__ out,                   // [T, H] bf16, or float32 when out_f32
+    int out_f32, int tokens, int hidden, int inter, int experts, int top_k)
+{
+    const int lane = threadIdx.x & 31;
+    const long long warp = (long long)blockIdx.x * DN_WARPS + (threadIdx.x >> 5);
+    if (warp >= (long long)tokens * hidden) return;            // whole warp leaves together
+    const long long t = warp / hidden;
+    const int h = (int)(warp - t * hidden);
+    const int* ids_t = topk_ids + t * top_k;
+    const float* weights_t = topk_weights + t * top_k;
+    bool bad = false;
+    for (int k = lane; k < top_k; k += 32) bad |= (unsigned)__ldg(ids_t + k) >= (unsigned)experts;
+    const bool token_bad = __any_sync(FULL_MASK, bad);
+
+    float acc = 0.0f;
+    bool waited = false;     // PDL: the first round's w2 loads are issued before waiting for gate_up
+    if (!token_bad) {
+        const int chunks = inter / 8;                          // I % 8 == 0
+        const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
+        const uint4* inter_t = reinterpret_cast<const uint4*>(intermediate + t * top_k * (long long)inter);
+        for (int k0 = 0; k0 < top_k; k0 += DN_SLOTS) {
+            const bool lane_slot = lane < DN_SLOTS && k0 + lane < top_k;
+            const int batch_id = lane_slot ? __ldg(ids_t + k0 + lane) : 0;
+            const float batch_weight = lane_slot ? __ldg(weights_t + k0 + lane) : 0.0f;
+            const uint2* rows[DN_SLOTS];
+            const float* scales[DN_SLOTS];
+            #pragma unroll
+            for (int s = 0; s < DN_SLOTS; ++s) {
+                const int e = __shfl_sync(FULL_MASK, batch_id, s);   // past-K slots: expert 0, loads masked
+                rows[s] = w2 + ((size_t)e * hidden + h) * chunks;
+                scales[s] = s2 + ((size_t)e * hblocks + h / FP8_BLOCK) * iblocks;
+            }
+            for (int c0 = 0; c0 < chunks; c0 += 32 * DN_UNROLL) {
+                uint2 wv[DN_SLOTS * DN_UNROLL][1];
+                float sv[DN_SLOTS * DN_UNROLL];
+                #pragma unroll
+                for (int s = 0; s < DN_SLOTS; ++s)
+                    #pragma unroll
+                    for (int r = 0; r < DN_UNROLL; ++r) {
+                        const int c = c0 + r * 32 + lane;
+                        const bool ok = k0 + s < top_k && c < chunks;
+                        wv[s * DN_UNROLL + r][0] = ldg_chunk(rows[s], c, ok);
+                        sv[s * DN_UNROLL + r] = __ldg(scales[s] + (ok ? c / CHUNKS_PER_BLOCK : 0));
+                    }
+                if (!waited) {       // the intermediate is gate_up's output: read only after gate_up finished
+                    pdl_wait();
+                    waited = true;
+                }
+                uint4 iv[DN_SLOTS * DN_UNROLL][1];
+                #pragma unroll
+                for (int s = 0; s < DN_SLOTS; ++s)
+                    #pragma unroll
+                    for (int r = 0; r < DN_UNROLL; ++r) {
+                        const int c = c0 + r * 32 + lane;
+                        const bool ok = k0 + s < top_k && c < chunks;
+                        iv[s * DN_UNROLL + r][0] = ld_dep_chunk(inter_t + (size_t)(ok ? k0 + s : 0) * chunks, c, ok);
+                    }
+                acc += __uint_as_float(all_loads_arrived(wv) | all_loads_arrived(iv));  // += 0.0f, after all
+                #pragma unroll
+                for (int s = 0; s < DN_SLOTS; ++s) {
+                    const float wk = __shfl_sync(FULL_MASK, batch_weight, s);
+                    #pragma unroll
+                    for (int r = 0; r < DN_UNROLL; ++r) {
+                        const int c = c0 + r * 32 + lane;
+                        const bool ok = k0 + s < top_k && c < chunks;
+                        fp8_chunk_fma(acc, wv[s * DN_UNROLL + r][0], sv[s * DN_UNROLL + r], iv[s * DN_UNROLL + r][0],
+                                      ok ? wk : 0.0f);
+                    }
+                }
+            }
+        }
+    }
+    if (!waited) pdl_wait();  // bad tokens: before out is written (a no-op once waited)
+    pdl_release();
+    float v = warp_sum(acc);
+    if (token_bad) v = __int_as_float(0x7fc00000);
+    if (lane == 0) {
+        const long long idx = t * hidden + h;
+        if (out_f32) reinterpret_cast<float*>(out)[idx] = v;
+        else reinterpret_cast<bf16_t*>(out)[idx] = f32_to_bf16(v);  // the one final rounding
+    }
+}
+"""
+
+DEFAULTS: dict[str, int] = {
+    "GU_WARPS": 4,
+    "GU_UNROLL": 4,  # 2 x 8-byte weight chunks + a 16-byte x chunk per round and lane
+    "DN_WARPS": 4,
+    "DN_SLOTS": 4,  # the strict bf16 down's measured choice at T = 1
+    "DN_UNROLL": 2,
+    "PDL": 1,
+}
+LIMITS = {"GU_WARPS": (1, 32), "DN_WARPS": (1, 32), "GU_UNROLL": (1, 16), "DN_UNROLL": (1, 16), "DN_SLOTS": (1, 32),
+          "PDL": (0, 1)}
+
+
+def _workspace(dims: Dims, params: dict[str, int]) -> Any:
+    import cupy
+
+    return cupy.empty((dims.tokens, dims.top_k, dims.intermediate), dtype=BF16)
+
+
+def _blocks(warps: int, per_block: int) -> int:
+    return max(1, -(-warps // per_block))
+
+
+def _stages(compiled: Compiled, x: Any, w13: Quantized, w2: Quantized, topk_ids: Any, topk_weights: Any,
+            out: Any) -> list[Stage]:
+    """gate_up and down of ``compiled`` on fp8-block128 weights (values as uint8, scales float32)."""
+    k, p, d, ws = compiled.kernels, compiled.params, compiled.dims, compiled.workspace
+    i32 = np.int32
+    out_f32 = i32(1 if out.dtype == np.float32 else 0)
+
+    def gate_up() -> None:
+        launch_ex(k[GATE_UP], (_blocks(d.tokens * d.top_k * d.intermediate, p["GU_WARPS"]),), (p["GU_WARPS"] * 32,),
+                  (x, w13.values, w13.scales, topk_ids, ws, i32(d.tokens), i32(d.hidden), i32(d.intermediate),
+                   i32(d.experts), i32(d.top_k)), programmatic=bool(p["PDL"]))
+
+    def down() -> None:
+        launch_ex(k[DOWN], (_blocks(d.tokens * d.hidden, p["DN_WARPS"]),), (p["DN_WARPS"] * 32,),
+                  (ws, w2.values, w2.scales, topk_ids, topk_weights, out, out_f32, i32(d.tokens), i32(d.hidden),
+                   i32(d.intermediate), i32(d.experts), i32(d.top_k)), programmatic=bool(p["PDL"]))
+
+    return [("gate_up", gate_up), ("down", down)]
+
+
+FAMILY = KernelFamily(
+    name="warp-decode-fp8",
+    source=CudaSource(
+        name="warp_decode_fp8",
+        code=CODE,
+        kernels=(GATE_UP, DOWN),
+        defaults=dict(DEFAULTS),
+        warps_knobs={GATE_UP: "GU_WARPS", DOWN: "DN_WARPS"},
+        description="strict warp decode on fp8-block128 weights: e4m3fn values and block scales widened in registers",
+    ),
+    limits=LIMITS,
+    device_needs={"PDL": 90},
+    workspace=_workspace,
+    stages=_stages,
+)
+SOURCE = FAMILY.source
+
+
+def warp_decode_fp8(x: Any, w13: Quantized, w2: Quantized, topk_ids: Any, topk_weights: Any, out: Any = None,
+                    workspace: Any = None, **params: Any) -> Any:
+    """One MoE decode layer by strict warp decode on fp8-block128 weights (``kernels.quantize_weights(w13, w2,
+    "fp8-block128")`` of CuPy arrays); returns ``out`` [T, H] (bf16 unless a float32 ``out`` is given). With
+    ``out`` and ``workspace`` ([T, K, I] bf16) given nothing is allocated and nothing syncs with the host."""
+    cupy = require_cupy(x=x, topk_ids=topk_ids, topk_weights=topk_weights)
+    dims = check_inputs(x, w13, w2, topk_ids, topk_weights, check_values=False, weight_format=FP8_BLOCK128)
+    if out is not None:
+        require_cupy(out=out)
+        check_out(out, dims, cupy)
+    compiled = FAMILY.compile(dims, workspace=workspace, **params)
+    check_inputs(x, w13, w2, topk_ids, topk_weights, weight_format=FP8_BLOCK128)  # ids in range (not in capture)
+    check_aligned(x=x, w13=w13.values, w2=w2.values, workspace=compiled.workspace)
+    if out is None:
+        out = cupy.empty((dims.tokens, dims.hidden), dtype=BF16)
+    compiled.run(x, w13, w2, topk_ids, topk_weights, out)
+    return out
