@@ -3,6 +3,7 @@
     python -m tools.accuracy                               # all presets (minus tiny), T = 1, 8, 32
     python -m tools.accuracy --model qwen3-30b-a3b --seeds 16 --json results/accuracy.json
     python -m tools.accuracy --model tiny --seeds 2 --layers 3
+    python -m tools.accuracy --weight-format fp8-block128 --layers 0   # FP8 weights: the format's error apart
 
 Definitions (one call = one MoE layer on T tokens; y64 = reference.moe_decode(mode="fp64"), y = a path):
 
@@ -15,8 +16,14 @@ Paths: warp decode (fp32 accumulation, one bf16 rounding of the intermediate and
 expert-centric with bf16 intermediates, and with FP8 e4m3 (128-element groups) or MXFP8 activation
 quantization. On a GPU the numbers come from the registered kernels (kernels.variants) where present; a
 path without a kernel, and every path on a CPU, comes from the reference's matching mode (the output says
-which). The depth study (kernels.stack) runs L layers of RMSNorm + router + MoE + residual in fp64 and per
-path with a bf16 residual stream, always through the reference's modes on the host.
+which). With ``--weight-format fp8-block128`` every path also runs on the layer's weights quantized to FP8
+(warp decode FP8 = W8A16: bf16 activations, FP32 accumulation; EC fp8 = W8A8, the serving engines' design) and
+each such row gives two distances: to the fp64 oracle on the dequantized weights (what the path's numerics add)
+and on the original weights (format + numerics), beside the bf16 rows on the original weights (for now from the
+reference's modes only: the FP8 kernels are not registered yet).
+
+The depth study (kernels.stack) runs L layers of RMSNorm + router + MoE + residual in fp64 and per path with a
+bf16 residual stream, always through the reference's modes on the host.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from kernels.contract import BF16, check_inputs
-from kernels.formats import get_format
+from kernels.formats import FORMATS, get_format
 from kernels.numerics import max_abs, min_cosine, rel_l2
 from kernels.reference import moe_decode
 from kernels.shapes import DEFAULT_MODEL, PRESETS, MoEShape, get_shape
@@ -92,7 +99,9 @@ class Cell:
     run_shape: dict[str, int] = field(default_factory=dict)  # hidden, intermediate, experts actually run
     weight_format: str = "bf16"  # the format the weights were stored in (the variant's; the reference's is bf16)
     seeds: list[int] = field(default_factory=list)
-    rel_l2: list[float] = field(default_factory=list)
+    rel_l2: list[float] = field(default_factory=list)  # to the fp64 oracle on the weights the path read
+    # a quantized format's row: to the fp64 oracle on the ORIGINAL (bf16) weights -- format + numerics
+    rel_l2_original: list[float] = field(default_factory=list)
     max_abs: list[float] = field(default_factory=list)
     min_cos: list[float] = field(default_factory=list)
     ratio: list[float] = field(default_factory=list)  # rel_l2 / rel_l2(warp decode), same seed
@@ -102,6 +111,7 @@ class Cell:
         d["summary"] = {
             "rel_l2": summary(self.rel_l2), "max_abs": summary(self.max_abs), "min_cos": summary(self.min_cos),
             "x_closer": summary(self.ratio) if self.ratio else None,
+            "rel_l2_original": summary(self.rel_l2_original) if self.rel_l2_original else None,
         }
         return d
 
@@ -183,6 +193,11 @@ class AccuracyResult:
 # -- rendering --------------------------------------------------------------------------------------------
 
 
+def _path_label(path: str, weight_format: str) -> str:
+    """The path's label, with the weights' format when they are not bf16 (EC fp8 on fp8 weights = W8A8)."""
+    return LABELS[path] if weight_format == "bf16" else f"{LABELS[path]}, {weight_format} weights"
+
+
 def _ratio_text(values: list[float]) -> str:
     if not values:
         return "1 (ref)"
@@ -208,9 +223,12 @@ def render(result: AccuracyResult) -> list[Any]:
         caption=(f"seeds per cell: {result.config['seeds']}; model (H x I, E as run); EC = expert-centric; "
                  "source: a kernel variant, or ref = the reference's mode on the host"),
     )
-    for col, just in (("model", "left"), ("T", "right"), ("path", "left"), ("rel-L2", "right"),
-                      ("max-abs", "right"), ("min-cos", "right"), ("x closer [min, max]", "right"),
-                      ("source", "left")):
+    quantized = any(c.rel_l2_original for c in result.cells)
+    columns = [("model", "left"), ("T", "right"), ("path", "left"), ("rel-L2", "right"), ("max-abs", "right"),
+               ("min-cos", "right"), ("x closer [min, max]", "right"), ("source", "left")]
+    if quantized:
+        columns.insert(4, ("rel-L2 vs original weights", "right"))
+    for col, just in columns:
         table.add_column(col, justify=just, no_wrap=True)  # type: ignore[arg-type]
     last = None
     for cell in result.cells:
@@ -219,12 +237,14 @@ def render(result: AccuracyResult) -> list[Any]:
         first = (cell.model, cell.tokens) != last
         last = (cell.model, cell.tokens)
         run = cell.run_shape
-        table.add_row(
-            (f"{cell.model} ({run['hidden']}x{run['intermediate']}, E={run['experts']})" if first else ""),
-            str(cell.tokens) if first else "", LABELS[cell.path],
-            f"{statistics.median(cell.rel_l2):.2e}", f"{max(cell.max_abs):.2e}", f"{min(cell.min_cos):.6f}",
-            _ratio_text(cell.ratio), "ref" if cell.source.startswith("reference:") else cell.source,
-        )
+        row = [(f"{cell.model} ({run['hidden']}x{run['intermediate']}, E={run['experts']})" if first else ""),
+               str(cell.tokens) if first else "", _path_label(cell.path, cell.weight_format),
+               f"{statistics.median(cell.rel_l2):.2e}", f"{max(cell.max_abs):.2e}", f"{min(cell.min_cos):.6f}",
+               _ratio_text(cell.ratio), "ref" if cell.source.startswith("reference:") else cell.source]
+        if quantized:
+            row.insert(4, f"{statistics.median(cell.rel_l2_original):.2e}" if cell.rel_l2_original
+                       else f"{statistics.median(cell.rel_l2):.2e}")
+        table.add_row(*row)
     items.append(table)
     for depth in result.depth:
         marks = sorted({m for m in DEPTH_MARKS if m <= depth.layers} | {depth.layers})
@@ -363,8 +383,10 @@ def measure_layer(
     notes: list[str],
     log: Callable[[str], None],
     paths: Sequence[str] = tuple(PATHS),
+    weight_format: str = "bf16",
 ) -> list[Cell]:
-    """Cells for one model: every T in ``batch`` x every path, each over ``seeds``."""
+    """Cells for one model: every T in ``batch`` x every path, each over ``seeds``; with a quantized
+    ``weight_format`` (reference modes only) every path again on the weights in that format."""
     runner = _KernelRunner() if source == "kernels" else None
     cells = {
         (T, path): Cell(shape.name, T, path,
@@ -373,6 +395,14 @@ def measure_layer(
                         weight_format=kernels[path].weight_format if runner and kernels.get(path) else "bf16")
         for T in batch for path in paths
     }
+    quantized = weight_format != "bf16"
+    if quantized:
+        fmt = get_format(weight_format)
+        for T in batch:
+            for path in paths:
+                cells[(T, path, fmt.name)] = Cell(shape.name, T, path, f"reference:{path}",
+                                                  {"hidden": shape.hidden, "intermediate": shape.intermediate,
+                                                   "experts": shape.experts}, weight_format=fmt.name)
     for seed in seeds:
         cache: dict[int, Any] = {}  # experts of this seed, shared by every T (CPU path)
         weights = problem = host = None  # drop the last seed's GPU weights before generating the next
@@ -400,18 +430,36 @@ def measure_layer(
                     if host is None:
                         host = problem.compact()
                     outputs[path] = moe_decode(*host.arrays, mode=mode, quant=quant)
-            base = rel_l2(outputs["warp_decode"], oracle)
-            for path, y in outputs.items():
-                cell = cells[(T, path)]
-                err = rel_l2(y, oracle)
-                cell.seeds.append(seed)
-                cell.rel_l2.append(err)
-                cell.max_abs.append(max_abs(y, oracle))
-                cell.min_cos.append(min_cosine(y, oracle))
-                if path != "warp_decode":
-                    cell.ratio.append(err / base if base > 0 else float("inf"))
+            _record(cells, T, seed, outputs, oracle)
+            if quantized:
+                if host is None:
+                    host = problem.compact()
+                x, w13, w2, ids, wts = host.arrays
+                q13, q2 = fmt.quantize(w13, w2)
+                q_oracle = moe_decode(x, q13, q2, ids, wts, mode="fp64", weight_format=fmt)
+                q_outputs = {path: moe_decode(x, q13, q2, ids, wts, mode=PATHS[path][0], quant=PATHS[path][1],
+                                              weight_format=fmt) for path in paths}
+                _record(cells, T, seed, q_outputs, q_oracle, fmt.name, original=oracle)
         log(f"{shape.name}: seed {seed} done")
     return list(cells.values())
+
+
+def _record(cells: dict[tuple, Cell], tokens: int, seed: int, outputs: dict[str, np.ndarray], oracle: np.ndarray,
+            weight_format: str | None = None, original: np.ndarray | None = None) -> None:
+    """One seed's distances of every path's output into its cell (``weight_format``: the quantized rows, also
+    measured against ``original``, the fp64 oracle on the original weights); ratios divide by warp decode's."""
+    base = rel_l2(outputs["warp_decode"], oracle)
+    for path, y in outputs.items():
+        cell = cells[(tokens, path) if weight_format is None else (tokens, path, weight_format)]
+        err = rel_l2(y, oracle)
+        cell.seeds.append(seed)
+        cell.rel_l2.append(err)
+        cell.max_abs.append(max_abs(y, oracle))
+        cell.min_cos.append(min_cosine(y, oracle))
+        if original is not None:
+            cell.rel_l2_original.append(rel_l2(y, original))
+        if path != "warp_decode":
+            cell.ratio.append(err / base if base > 0 else float("inf"))
 
 
 def measure_depth(
@@ -466,6 +514,7 @@ def run(
     paths: Sequence[str] | None = None,
     fallback: str = "reference",
     log: Callable[[str], None] | None = None,
+    weight_format: str = "bf16",
 ) -> AccuracyResult:
     """Measure; returns an :class:`AccuracyResult` (``to_json()``, renders with rich).
 
@@ -483,6 +532,8 @@ def run(
     paths         subset of PATHS to measure (warp decode is always included: the ratios divide by it)
     fallback      with source "kernels", a path without a registered kernel: "reference" (its reference
                   mode on the host, on the compacted problem: slow at large presets) or "skip"
+    weight_format "bf16", or a quantized format (``kernels.formats``): every path also on the weights in that
+                  format, against both oracles (reference modes: source "reference" or "auto" without a GPU)
     """
     start = time.perf_counter()
     log = log or (lambda _msg: None)
@@ -494,6 +545,10 @@ def run(
         source = "kernels" if gpu else "reference"
     if source == "kernels" and not gpu:
         raise ValueError("source='kernels' needs a CUDA GPU; none is present")
+    weight_format = get_format(weight_format).name  # ValueError names the known formats
+    if weight_format != "bf16" and source == "kernels":
+        raise ValueError(f"weight_format {weight_format!r} runs the reference modes (source='reference'): the "
+                         "kernels of that format are not registered yet")
     if paths is None:
         paths = tuple(PATHS)
     bad = [p for p in paths if p not in PATHS]
@@ -561,7 +616,7 @@ def run(
         run_shape = _capped(shape, experts)
         if width == "small":
             run_shape = _shrink(run_shape)
-        cells += measure_layer(run_shape, batch, seed_list, source, kernels, notes, log, paths)
+        cells += measure_layer(run_shape, batch, seed_list, source, kernels, notes, log, paths, weight_format)
 
     depth: list[Depth] = []
     if layers != 0:
@@ -587,7 +642,7 @@ def run(
 
     config = {
         "models": [s.name for s in shapes], "paths": list(paths), "seeds": seeds, "batch": list(batch),
-        "source": source,
+        "source": source, "weight_format": weight_format,
         "experts_cap": experts, "gpu": gpu, "layers": layers, "width": width, "stack_width": stack_width,
         "kernels": {p: (v.name if v is not None else None) for p, v in kernels.items()},
     }
@@ -614,6 +669,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--paths", help=f"comma-separated subset of {','.join(PATHS)} (warp_decode always runs)")
     p.add_argument("--fallback", choices=("reference", "skip"), default="reference",
                    help="GPU: a path without a kernel runs its reference mode on the host (slow) or is skipped")
+    p.add_argument("--weight-format", choices=tuple(FORMATS), default="bf16",
+                   help="also run every path on the weights in this format, against both fp64 oracles "
+                        "(the dequantized and the original weights; reference modes)")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON (with the GPU and versions)")
     p.add_argument("--markdown-from", metavar="JSON", help="print a recorded result as markdown tables and exit")
     p.add_argument("--depth-from", metavar="JSON", help="with --markdown-from: append this result's depth study")
@@ -646,7 +704,11 @@ def markdown(data: dict[str, Any], layer: bool = True) -> str:
         ratio = summ.get("x_closer")
         ratio_text = (f"{ratio['median']:.2f}x [{ratio['min']:.2f}, {ratio['max']:.2f}]" if ratio
                       else "1 (reference)")
-        lines.append(f"| {cell['model']} | {cell['tokens']} | {PATH_LABELS.get(cell['path'], cell['path'])} | "
+        label = PATH_LABELS.get(cell["path"], cell["path"])
+        original = summ.get("rel_l2_original")
+        if cell.get("weight_format", "bf16") != "bf16":
+            label += f", {cell['weight_format']} weights (vs original weights: {original['median']:.2e})"
+        lines.append(f"| {cell['model']} | {cell['tokens']} | {label} | "
                      f"{summ['rel_l2']['median']:.2e} | {summ['max_abs']['median']:.2e} | "
                      f"{summ['min_cos']['min']:.6f} | {ratio_text} | {cell['source']} |")
     for depth in data.get("depth", []):
@@ -738,6 +800,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 parser.error(f"--paths: unknown path {p!r}; choose from {', '.join(PATHS)}")
     if args.source == "kernels" and not gpu_available():
         parser.error("--source kernels needs a CUDA GPU; none is present")
+    source = args.source
+    if args.weight_format != "bf16":
+        if source == "kernels":
+            parser.error(f"--weight-format {args.weight_format} runs the reference modes: use --source reference")
+        source = "reference"
 
     from rich.console import Console
 
@@ -749,7 +816,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run(
         models, args.seeds, batch, args.layers, "auto" if args.experts is None else args.experts,
         width=args.width, stack_batch=args.stack_batch, stack_seeds=args.stack_seeds,
-        stack_width=args.stack_width, paths=paths, source=args.source, fallback=args.fallback, log=log,
+        stack_width=args.stack_width, paths=paths, source=source, fallback=args.fallback, log=log,
+        weight_format=args.weight_format,
     )
     console.print(result)
     console.print(f"[dim]{result.seconds:.1f} s[/dim]")
