@@ -192,6 +192,10 @@ class Fp8Block128(WeightFormat):
         if name == "w13" and w.shape[1] % 2:
             raise ValueError(f"w13's second dimension is 2I (gate then up rows), must be even, got {w.shape[1]}")
         xp = array_module(w)
+        if xp is not np and w.dtype == BF16:  # on the device, where the weights are (bitwise the host result)
+            from kernels.quantize_cuda import quantize_matrix
+
+            return Quantized(*quantize_matrix(w, name))
         experts, rows, cols = (int(d) for d in w.shape)
         values = np.empty((experts, rows, cols), FP8)
         scales = np.empty(self.scale_shape(name, (experts, rows, cols)), np.float32)
@@ -203,7 +207,7 @@ class Fp8Block128(WeightFormat):
             scales[e] = np.concatenate([sc for _, sc in parts], axis=0)
         if xp is np:
             return Quantized(values, scales)
-        return Quantized(xp.asarray(values.view(np.uint8)), xp.asarray(scales))
+        return Quantized(xp.asarray(values.view(np.uint8)), xp.asarray(scales))  # float32 on the device: via host
 
     def dequantize(self, weights: Any, matrix: str) -> np.ndarray:
         host = self.host(weights)

@@ -266,3 +266,96 @@ def test_fp8_checkpoint_loader_assembles_the_lab_layout(rng: np.random.Generator
         kernels.fp8_experts_from_checkpoint(broken)
     with pytest.raises(TypeError, match="non-empty sequence"):
         kernels.fp8_experts_from_checkpoint([])
+
+
+# ---------------------------------------------------------------------------------------------------
+# fp8-block128 on the device: the quantize kernel's text through the g++ emulation, then on the GPU
+# ---------------------------------------------------------------------------------------------------
+QUANTIZE_HARNESS = r"""
+#define __shared__ static
+std::barrier<>* g_block = nullptr;
+float q_shared[128];
+inline void __syncthreads() { g_block->arrive_and_wait(); }
+#include "kernel.cu"
+template <class F> void launch(int gx, int gy, int gz, F body) {
+    std::barrier<> block_bar(128);
+    g_block = &block_bar;
+    std::vector<std::unique_ptr<WarpCtx>> warps;
+    for (int w = 0; w < 4; ++w) warps.emplace_back(new WarpCtx);
+    std::vector<std::thread> pool;
+    for (int l = 0; l < 128; ++l)
+        pool.emplace_back([&, l] {
+            g_warp = warps[l / 32].get();
+            for (int z = 0; z < gz; ++z) for (int y = 0; y < gy; ++y) for (int x = 0; x < gx; ++x) {
+                threadIdx.x = l; blockIdx.x = x; blockIdx.y = y; blockIdx.z = z;
+                body();
+                block_bar.arrive_and_wait();
+            }
+        });
+    for (auto& t : pool) t.join();
+}
+""" + "{load}" + r"""
+int main(int argc, char** argv) {
+    int E = atoi(argv[1]), R = atoi(argv[2]), C = atoi(argv[3]), split = atoi(argv[4]);
+    std::string dir = argv[5];
+    auto w = load<uint16_t>(dir + "/w.bin", (size_t)E * R * C);
+    std::vector<unsigned char> values((size_t)E * R * C, 0xFF);
+    const int cb = (C + 127) / 128;
+    const int halves = split ? 2 : 1, n = split ? R / 2 : R, srows = halves * ((n + 127) / 128);
+    std::vector<float> scales((size_t)E * srows * cb, -1.0f);
+    for (int h = 0; h < halves; ++h)
+        launch(cb, (n + 127) / 128, E, [&] {
+            quantize_fp8_block128(w.data(), (long long)R * C, h * n, n, C, values.data(), scales.data(),
+                                  (long long)srows * cb, h * ((n + 127) / 128));
+        });
+    FILE* f = fopen((dir + "/values.bin").c_str(), "wb"); fwrite(values.data(), 1, values.size(), f); fclose(f);
+    f = fopen((dir + "/scales.bin").c_str(), "wb"); fwrite(scales.data(), 4, scales.size(), f); fclose(f);
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize(("matrix", "experts", "rows", "cols"), [("w13", 2, 400, 264), ("w2", 1, 136, 200)])
+def test_device_quantizer_emulated_is_bitwise_the_host_one(rng: np.random.Generator, matrix: str, experts: int,
+                                                           rows: int, cols: int) -> None:
+    """The device kernel's text, run on the CPU, gives the host quantizer's values and scales bit for bit (partial
+    blocks at both edges; w13's gate and up halves blocked apart)."""
+    import tempfile
+
+    from kernels import quantize_cuda
+    from tests.warp_checks import EMULATION_LOAD, EMULATION_PRELUDE, build_emulator, run_emulator
+
+    w = (rng.standard_normal((experts, rows, cols)) * np.exp(rng.uniform(-8, 4, (experts, rows, 1)))).astype(BF16)
+    w[0, :5] = 0  # rows of zeros inside a block
+    binary = build_emulator(quantize_cuda.SOURCE.render(),
+                            EMULATION_PRELUDE + QUANTIZE_HARNESS.replace("{load}", EMULATION_LOAD))
+    with tempfile.TemporaryDirectory() as tmp:
+        w.tofile(f"{tmp}/w.bin")
+        run_emulator(binary, experts, rows, cols, int(matrix == "w13"), tmp)
+        values = np.fromfile(f"{tmp}/values.bin", np.uint8).reshape(experts, rows, cols)
+        scales = np.fromfile(f"{tmp}/scales.bin", np.float32)
+    want = FP8_BLOCK._quantize(matrix, w)
+    assert np.array_equal(scales.reshape(want.scales.shape), want.scales)
+    assert np.array_equal(values, want.values.view(np.uint8))
+
+
+@pytest.mark.gpu
+def test_device_quantizer_is_bitwise_the_host_one(rng: np.random.Generator) -> None:
+    import cupy
+
+    w13, w2 = _fp8_weights(rng)
+    host13, host2 = kernels.quantize_weights(w13, w2)
+    dev13, dev2 = kernels.quantize_weights(cupy.asarray(w13), cupy.asarray(w2))
+    for dev, host in ((dev13, host13), (dev2, host2)):
+        assert dev.values.dtype == cupy.uint8
+        assert np.array_equal(cupy.asnumpy(dev.values), host.values.view(np.uint8))
+        assert np.array_equal(cupy.asnumpy(dev.scales), host.scales)
+
+
+def test_device_quantizer_compiles_for_sm90() -> None:
+    """The kernel compiles for sm_90 (cvt.rn.satfinite.e4m3x2.f32 needs sm_89+) without spills."""
+    from kernels import quantize_cuda
+    from kernels.compile import offline_report
+
+    [report] = offline_report(quantize_cuda.SOURCE)
+    assert report.kernel == quantize_cuda.QUANTIZE and report.spill_stores == report.stack_bytes == 0
