@@ -78,6 +78,19 @@ __device__ __forceinline__ float warp_sum(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);
     return v;  // every lane holds the same sum (fixed butterfly order: deterministic)
 }
+
+// Whether any of a token's K expert ids lies outside [0, E) (lane k checks slots k, k + 32, ...; warp-uniform):
+// such a token's output is NaN and none of its weights is read.
+__device__ __forceinline__ bool token_has_bad_id(const int* __restrict__ ids_t, int top_k, int experts, int lane) {
+    bool bad = false;
+    for (int k = lane; k < top_k; k += 32) bad |= (unsigned)__ldg(ids_t + k) >= (unsigned)experts;
+    return __any_sync(FULL_MASK, bad);
+}
+// out[idx] = v as float32 (out_f32) or bf16 (the one final rounding)
+__device__ __forceinline__ void store_output(void* __restrict__ out, int out_f32, long long idx, float v) {
+    if (out_f32) reinterpret_cast<float*>(out)[idx] = v;
+    else reinterpret_cast<bf16_t*>(out)[idx] = f32_to_bf16(v);
+}
 // ---- end of shared device helpers ----
 """
 

@@ -169,9 +169,7 @@ extern "C" __global__ void __launch_bounds__(DN_WARPS * 32) moe_down_fp8(
     const int h = (int)(warp - t * hidden);
     const int* ids_t = topk_ids + t * top_k;
     const float* weights_t = topk_weights + t * top_k;
-    bool bad = false;
-    for (int k = lane; k < top_k; k += 32) bad |= (unsigned)__ldg(ids_t + k) >= (unsigned)experts;
-    const bool token_bad = __any_sync(FULL_MASK, bad);
+    const bool token_bad = token_has_bad_id(ids_t, top_k, experts, lane);
 
     float acc = 0.0f;
     bool waited = false;     // PDL: the first round's w2 loads are issued before waiting for gate_up
@@ -233,13 +231,8 @@ extern "C" __global__ void __launch_bounds__(DN_WARPS * 32) moe_down_fp8(
     }
     if (!waited) pdl_wait();  // bad tokens: before out is written (a no-op once waited)
     pdl_release();
-    float v = warp_sum(acc);
-    if (token_bad) v = __int_as_float(0x7fc00000);
-    if (lane == 0) {
-        const long long idx = t * hidden + h;
-        if (out_f32) reinterpret_cast<float*>(out)[idx] = v;
-        else reinterpret_cast<bf16_t*>(out)[idx] = f32_to_bf16(v);  // the one final rounding
-    }
+    const float v = warp_sum(acc);
+    if (lane == 0) store_output(out, out_f32, t * hidden + h, token_bad ? __int_as_float(0x7fc00000) : v);
 }
 """
 
