@@ -31,6 +31,7 @@ from kernels.family import Launch
 # library modules whose import registers variants (kernels never imports tools/ or prototypes/)
 BUILTIN_MODULES = (
     "kernels.warp_decode_cupy",
+    "kernels.warp_decode_fp8",
     "kernels.warp_decode_numba",
     "kernels.expert_centric_path",
     "kernels.warp_decode_batched",

@@ -8,9 +8,8 @@ float32 scale (the dequantized weight, rounded once in FP32, as ``reference.moe_
 intermediate rounded once to bf16 -- warp decode's numerics on half the weight bytes. A lane's chunk never
 straddles a scale block (128 = 16 chunks), so it reads one scale per row per chunk (L1 hits).
 
-Status: checked on the CPU through the g++ emulation of this text and compiled for sm_90 offline; the GPU tests
-and the H200 measurements (the FP8 issue's bars) are the next step, and the bench runs it once its harness
-builds fp8 weight copies -- so no variant is registered yet. Knobs: :data:`DEFAULTS` (first guesses, unswept).
+Registered as ``cupy:warp-decode-fp8`` (``weight_format="fp8-block128"``: the bench times it on fp8 copies of
+its weights and counts the FP8 bytes, values and scales). Knobs: :data:`DEFAULTS` (first guesses, unswept).
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from kernels.contract import BF16, Dims, check_aligned, check_inputs, check_out,
 from kernels.device_helpers import PDL_HELPERS, WARP_HELPERS
 from kernels.family import Compiled, KernelFamily, Stage
 from kernels.formats import FP8_BLOCK128, Quantized
+from kernels.variants import register
 
 GATE_UP = "moe_gate_up_fp8"
 DOWN = "moe_down_fp8"
@@ -313,3 +313,15 @@ def warp_decode_fp8(x: Any, w13: Quantized, w2: Quantized, topk_ids: Any, topk_w
         out = cupy.empty((dims.tokens, dims.hidden), dtype=BF16)
     compiled.run(x, w13, w2, topk_ids, topk_weights, out)
     return out
+
+
+VARIANT = register(
+    FAMILY.variant(
+        "cupy:warp-decode-fp8",
+        reference_mode="warp_decode",
+        weight_format=FP8_BLOCK128.name,
+        description="strict warp decode on fp8-block128 weights: 8-byte e4m3 chunks, block scales, FP32 accumulation",
+        grid={"GU_WARPS": [4, 8], "GU_UNROLL": [2, 4, 8], "DN_WARPS": [2, 4, 8], "DN_SLOTS": [2, 4, 8],
+              "DN_UNROLL": [1, 2, 4]},
+    )
+)

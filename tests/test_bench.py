@@ -460,7 +460,8 @@ def _fake_cupy():
     import types
 
     cupy = types.ModuleType("cupy")
-    for name in ("uint16", "uint32", "uint64", "int64", "float32", "empty", "zeros", "empty_like", "asarray", "random"):
+    for name in ("uint8", "uint16", "uint32", "uint64", "int64", "float32", "empty", "zeros", "empty_like", "asarray",
+                 "random"):
         setattr(cupy, name, getattr(np, name))
     runtime = types.SimpleNamespace(
         getDeviceCount=lambda: 1,
@@ -490,7 +491,7 @@ def _fake_cupy():
     return cupy
 
 
-def _reference_variant(name, capture_fallback=False, wrong=False, stages=False):
+def _reference_variant(name, capture_fallback=False, wrong=False, stages=False, weight_format="bf16"):
     from kernels.reference import moe_decode
     from kernels.variants import Variant
 
@@ -498,7 +499,7 @@ def _reference_variant(name, capture_fallback=False, wrong=False, stages=False):
         import cupy
 
         def compute(x, w13, w2, ids, weights, out):
-            result = moe_decode(x, w13, w2, ids, weights, mode="warp_decode")
+            result = moe_decode(x, w13, w2, ids, weights, mode="warp_decode", weight_format=weight_format)
             out[...] = (result.astype(np.float32) * (1.5 if wrong else 1.0)).astype(BF16)
 
         def launch(*args):
@@ -512,7 +513,7 @@ def _reference_variant(name, capture_fallback=False, wrong=False, stages=False):
         both = (lambda *args: [("all", lambda: launch(*args)), ("again", lambda: launch(*args))]) if stages else None
         return Launch(run=launch, stages=both)
 
-    return Variant(name=name, backend="cupy", family="warp-decode", build=build)
+    return Variant(name=name, backend="cupy", family="warp-decode", build=build, weight_format=weight_format)
 
 
 def test_harness_flow_on_a_numpy_stand_in(monkeypatch):
@@ -559,6 +560,40 @@ def test_harness_flow_on_a_numpy_stand_in(monkeypatch):
     json.dumps(data)
     assert data["environment"]["gpu"]["sm_clock_mhz"] == 1000.0
     assert "fake:fallback" in report.markdown(data)
+
+
+def test_harness_times_a_scaled_format_on_its_own_copies(monkeypatch):
+    """An fp8-block128 variant gets fp8 copies of the same experts (quantized once from the bf16 pool), enough of
+    them to rotate the FP8 bytes past 3x L2, its bytes counted in FP8, and its check and fp64 error on those weights."""
+    from kernels.formats import FP8_BLOCK128, Quantized, quantize_weights
+    from kernels.shapes import get_shape
+
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    monkeypatch.setattr(harness, "TARGET_SAMPLE_US", 1.0)
+    shape = get_shape("tiny")
+    plain = harness.Workbench(shape, 3, "uniform", seed=2)
+    work = harness.Workbench(shape, 3, "uniform", seed=2, weight_formats=(FP8_BLOCK128.name,))
+    assert work.weight_formats == ("bf16", "fp8-block128") and work.info["weight_formats"] == list(work.weight_formats)
+    fp8_bytes = harness.bytes_breakdown(shape, work.host["topk_ids"], FP8_BLOCK128)["weights"]
+    assert work.info["copies_needed"] == harness.copies_needed(fp8_bytes, work.l2_bytes) >= plain.copies
+    assert work.info["footprint_ok"] and work.info["rotated_weight_bytes"] == work.copies * fp8_bytes
+    last = work.copies - 1
+    q13, q2 = work.weights(last, FP8_BLOCK128.name)
+    assert isinstance(q13, Quantized) and q13.values.shape == (shape.experts, 2 * shape.intermediate, shape.hidden)
+    want13, want2 = quantize_weights(*work.weights(last), FP8_BLOCK128.name)  # the same experts, quantized
+    np.testing.assert_array_equal(q13.values.view(np.uint8), want13.values.view(np.uint8))
+    np.testing.assert_array_equal(q2.scales, want2.scales)
+    with pytest.raises(ValueError, match="weight_format 'mxfp4' has no pool here; this workbench holds bf16, fp8"):
+        work.weights(0, "mxfp4")
+
+    row = work.measure(_reference_variant("fake:fp8-weights", weight_format=FP8_BLOCK128.name), repeats=2)
+    assert row["status"] == "ok", row["error"]
+    assert row["check"]["max_ulp"] == 0 and row["bytes"]["weight_format"] == FP8_BLOCK128.name
+    assert row["bytes"]["weights"] == fp8_bytes
+    assert 1e-3 < row["error_vs_fp64"]["rel_l2"] < 1e-2  # fp64 on the same dequantized weights: the kernel's error
+    blind = work.measure(_reference_variant("fake:reads-bf16"), repeats=2)  # a bf16 variant on the same workbench
+    assert blind["status"] == "ok" and blind["bytes"]["weight_format"] == "bf16"
+    work.free()
 
 
 @pytest.mark.cpu_only

@@ -66,6 +66,20 @@ def test_crossover_when_the_baseline_never_wins(data):
     assert "no baseline" in report.crossover(data, "qwen3-30b-a3b")["text"]
 
 
+def test_crossover_races_the_baseline_in_its_own_weight_format(data):
+    """A faster FP8 warp-decode row reads half the bytes: it does not move the bf16 crossover."""
+    import copy
+
+    before = report.crossover(data, "qwen3-30b-a3b")
+    for row in [r for r in data["results"] if r["variant"] == "cupy:warp-decode" and r["status"] == "ok"]:
+        fp8 = copy.deepcopy(row)
+        fp8.update(variant="cupy:warp-decode-fp8", median_us=row["median_us"] / 100)
+        fp8["bytes"]["weight_format"] = "fp8-block128"
+        data["results"].append(fp8)
+    after = report.crossover(data, "qwen3-30b-a3b")
+    assert after["batch"] == before["batch"] == 64 and after["compared"] == before["compared"]
+
+
 def test_rich_report_renders_from_json_alone(data):
     text = _text(report.renderables(data))
     for needle in ("SYNTHETIC", "NVIDIA H200", "132 SMs", "4.56 TB/s", "2.72 TB/s", "cupy:warp-decode",

@@ -124,14 +124,15 @@ class BenchResult:
             lines.append(f"  simulator: {sim.get('status')} ({sum(bool(c.get('ok')) for c in cases)}/{len(cases)} "
                          f"cases ok); reference rows: {len(cpu.get('reference') or [])}; "
                          f"compile rows: {len(cpu.get('compile') or [])}")
-        best: dict[tuple[str, int], dict[str, Any]] = {}
+        best: dict[tuple[str, int, str], dict[str, Any]] = {}  # per weight format: bytes differ between them
         for row in self.rows:
             if row.get("status") == "ok" and row.get("median_us") is not None:
-                key = (row["model"], row["batch"])
+                key = (row["model"], row["batch"], (row.get("bytes") or {}).get("weight_format", "bf16"))
                 if key not in best or row["median_us"] < best[key]["median_us"]:
                     best[key] = row
-        for (model, batch), row in sorted(best.items()):
-            lines.append(f"  {model} T={batch}: fastest {row['variant']} {row['median_us']:.1f} µs")
+        for (model, batch, fmt), row in sorted(best.items()):
+            weights = "" if fmt == "bf16" else f" ({fmt} weights)"
+            lines.append(f"  {model} T={batch}{weights}: fastest {row['variant']} {row['median_us']:.1f} µs")
         failed = [r for r in self.rows if r.get("status") not in ("ok", "unsupported")]
         if failed:
             lines.append(f"  {len(failed)} rows failed: " + ", ".join(f"{r['variant']} T={r['batch']} ({r['status']})"
@@ -271,12 +272,13 @@ def _measure_all(data: dict[str, Any], models: list[str], batches: list[int], ch
     steps.log(f"streaming-read roofline: {roof:.2f} TB/s" if roof else "streaming-read roofline: not measured")
     steps.advance()
     l2 = data["environment"]["gpu"]["l2_bytes"]
+    formats = tuple(dict.fromkeys(getattr(v, "weight_format", "bf16") for v in chosen))
     for model in models:
         shape = get_shape(model)
         for tokens in batches:
-            steps.start(f"{model} T={tokens}: generating the weights")
+            steps.start(f"{model} T={tokens}: generating the weights ({', '.join(formats)})")
             try:
-                bench = harness.Workbench(shape, tokens, routing, seed, l2_bytes=l2)
+                bench = harness.Workbench(shape, tokens, routing, seed, l2_bytes=l2, weight_formats=formats)
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory for this preset
                 for variant in chosen:
                     data["results"].append({"model": model, "batch": tokens, "variant": variant.name,

@@ -6,8 +6,10 @@ How a point (model, batch, variant) is measured:
    weights on the GPU (``kernels.problem.make_weights``). The weights live in a *pool* of
    ``E + (copies - 1) * S`` experts; copy ``c`` is the contiguous view ``pool[c*S : c*S + E]``, with the
    shift ``S`` the smallest for which the experts this routing touches never overlap between copies
-   (``S = E`` means full separate copies). ``copies = max(2, ceil(3 * L2 / unique weight bytes))``, capped
-   by free memory; the JSON records both the copies needed and the copies used.
+   (``S = E`` means full separate copies). ``copies = max(2, ceil(3 * L2 / unique weight bytes))`` in the
+   most compact of the weight formats measured, capped by free memory; the JSON records both the copies
+   needed and the copies used. Each other format's pool (``weight_formats``: e.g. fp8-block128) is the bf16
+   pool quantized once, so every format's copy ``c`` holds the same experts.
 2. ``variant.make(dims)`` compiles (fresh every run: nothing is cached here across runs, so an edited
    ``CudaSource.code`` is recompiled by ``kernels.compile``); ``prepack`` runs once per copy; every copy is
    launched once eagerly (JIT compile, first touch), outside the timing.
@@ -152,7 +154,8 @@ def checked_as(variant: Any, launch: Any) -> Any:
     mode, quant = getattr(launch, "reference_mode", None), getattr(launch, "quant", None)
     if mode is None and quant is None:
         return variant
-    return SimpleNamespace(reference_mode=mode or variant.reference_mode, quant=quant or variant.quant)
+    return SimpleNamespace(reference_mode=mode or variant.reference_mode, quant=quant or variant.quant,
+                           weight_format=getattr(variant, "weight_format", "bf16"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -296,12 +299,17 @@ class Workbench:
     seed: int = 0
     l2_bytes: int = 0
     copies_cap: int | None = None  # force fewer copies (tests); None: as needed, memory permitting
+    weight_formats: tuple[str, ...] = ("bf16",)  # the formats of the variants it will measure (kernels.formats)
     info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         import cupy
 
+        from kernels.formats import get_format
+
         shape, tokens = self.shape, self.tokens
+        formats = [get_format(name) for name in self.weight_formats]
+        self.weight_formats = tuple(dict.fromkeys(["bf16", *(fmt.name for fmt in formats)]))
         ids, weights = make_routing(tokens, shape.experts, shape.top_k, self.routing, self.seed)
         rng = np.random.default_rng([self.seed, 0])
         x = (rng.standard_normal((tokens, shape.hidden), dtype=np.float32)).astype(BF16)
@@ -310,7 +318,10 @@ class Workbench:
         if not self.l2_bytes:
             self.l2_bytes = int(cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["l2CacheSize"])
         touched = np.unique(ids)
-        needed = copies_needed(self.bytes["weights"], self.l2_bytes)
+        compact = min(bytes_breakdown(shape, ids, name)["weights"] for name in self.weight_formats)
+        needed = copies_needed(compact, self.l2_bytes)  # the most compact format still rotates past 3x L2
+        per_expert = sum(get_format(name).expert_bytes(shape.hidden, shape.intermediate)
+                         for name in self.weight_formats)
         free, _ = cupy.cuda.runtime.memGetInfo()
         pool = cupy.get_default_memory_pool()
         free += pool.total_bytes() - pool.used_bytes()
@@ -318,7 +329,7 @@ class Workbench:
         while True:
             shift = copy_shift(touched, shape.experts, copies)
             pool_experts = shape.experts + (copies - 1) * shift
-            if copies == 1 or pool_experts * shape.expert_bytes + MEMORY_RESERVE <= free:
+            if copies == 1 or pool_experts * per_expert + MEMORY_RESERVE <= free:
                 break
             copies -= 1
         self.copies, self.shift, self.pool_experts = copies, shift, pool_experts
@@ -327,12 +338,16 @@ class Workbench:
             "copies_needed": needed,
             "copy_shift_experts": shift,
             "pool_experts": pool_experts,
-            "pool_bytes": pool_experts * shape.expert_bytes,
-            "rotated_weight_bytes": copies * self.bytes["weights"],
+            "pool_bytes": pool_experts * per_expert,
+            "weight_formats": list(self.weight_formats),
+            "rotated_weight_bytes": copies * compact,
             "l2_bytes": self.l2_bytes,
-            "footprint_ok": copies * self.bytes["weights"] >= L2_FACTOR * self.l2_bytes,
+            "footprint_ok": copies * compact >= L2_FACTOR * self.l2_bytes,
         }
         self.w13_pool, self.w2_pool = self._generate(pool_experts)
+        self.pools: dict[str, tuple[Any, Any]] = {"bf16": (self.w13_pool, self.w2_pool)}
+        for name in self.weight_formats[1:]:  # quantized once from the bf16 pool: the same experts in every format
+            self.pools[name] = get_format(name).quantize(self.w13_pool, self.w2_pool)
         self.x, self.topk_ids, self.topk_weights = (cupy.asarray(a) for a in (x, ids, weights))
         cupy.cuda.Device().synchronize()  # generation and copies ran on the legacy stream; timing uses another
         self.layers_per_graph = shape.layers
@@ -364,57 +379,82 @@ class Workbench:
         cupy.get_default_memory_pool().free_all_blocks()
         return w13, w2
 
-    def weights(self, copy: int) -> tuple[Any, Any]:
-        """Copy ``copy``'s ``(w13, w2)``: contiguous [E, ...] views into the pool."""
+    def weights(self, copy: int, weight_format: str = "bf16") -> tuple[Any, Any]:
+        """Copy ``copy``'s ``(w13, w2)`` in ``weight_format`` (one of ``weight_formats``): contiguous [E, ...] views
+        into that format's pool (a scaled format: a :class:`kernels.formats.Quantized` of views)."""
+        from kernels.formats import Quantized
+
+        if weight_format not in self.pools:
+            raise ValueError(f"weight_format {weight_format!r} has no pool here; this workbench holds "
+                             f"{', '.join(self.pools)} (its weight_formats)")
         start = copy * self.shift
         stop = start + self.shape.experts
-        return self.w13_pool[start:stop], self.w2_pool[start:stop]
+
+        def view(w: Any) -> Any:
+            return Quantized(w.values[start:stop], w.scales[start:stop]) if isinstance(w, Quantized) else w[start:stop]
+
+        w13, w2 = self.pools[weight_format]
+        return view(w13), view(w2)
 
     # -- reference ------------------------------------------------------------------------------
-    def _compact_copy(self, copy: int) -> dict[str, Any]:
-        """Host arrays of the checked tokens with only the experts they touch in copy ``copy``."""
+    def _compact_copy(self, copy: int, weight_format: str = "bf16") -> dict[str, Any]:
+        """Host arrays of the checked tokens with only the experts they touch in copy ``copy`` (in
+        ``weight_format``: its values as the host reads them, and its scales)."""
         import cupy
 
-        if copy not in self._compact:
+        from kernels.formats import FP8, Quantized
+
+        key = (copy, weight_format)
+        if key not in self._compact:
             tokens = self.check_token_ids
             ids = self.host["topk_ids"][tokens]
             touched, remapped = np.unique(ids, return_inverse=True)
             rows = copy * self.shift + touched
             index = cupy.asarray(rows.astype(np.int64))
-            w13 = _host(self.w13_pool.view(cupy.uint16)[index]).view(BF16)
-            w2 = _host(self.w2_pool.view(cupy.uint16)[index]).view(BF16)
-            self._compact[copy] = {
-                "x": self.host["x"][tokens], "w13": w13, "w2": w2,
+
+            def gather(w: Any) -> Any:
+                if isinstance(w, Quantized):  # fp8 values travel as their bit patterns
+                    values = _host(w.values.view(cupy.uint8)[index]).view(np.uint8).view(FP8)
+                    return Quantized(values, _host(w.scales[index]))
+                return _host(w.view(cupy.uint16)[index]).view(BF16)
+
+            w13, w2 = self.pools[weight_format]
+            self._compact[key] = {
+                "x": self.host["x"][tokens], "w13": gather(w13), "w2": gather(w2),
                 "topk_ids": remapped.reshape(ids.shape).astype(np.int32),
                 "topk_weights": self.host["topk_weights"][tokens],
             }
-        return self._compact[copy]
+        return self._compact[key]
 
-    def reference(self, mode: str, quant: str | None = None) -> np.ndarray:
-        """``kernels.reference.moe_decode`` on the check copy's checked tokens (cached per mode)."""
-        key = (mode, quant)
+    def reference(self, mode: str, quant: str | None = None, weight_format: str = "bf16") -> np.ndarray:
+        """``kernels.reference.moe_decode`` on the check copy's checked tokens, weights in ``weight_format``
+        (cached per mode and format)."""
+        key = (mode, quant, weight_format)
         if key not in self._references:
             from kernels.reference import moe_decode
 
-            c = self._compact_copy(self.check_copy)
+            c = self._compact_copy(self.check_copy, weight_format)
             self._references[key] = moe_decode(
-                c["x"], c["w13"], c["w2"], c["topk_ids"], c["topk_weights"], mode=mode, quant=quant
+                c["x"], c["w13"], c["w2"], c["topk_ids"], c["topk_weights"], mode=mode, quant=quant,
+                weight_format=weight_format,
             )
         return self._references[key]
 
     def check_output(self, out_host: np.ndarray, variant: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``(check vs the variant's reference mode, error vs fp64)`` of a [T, H] output from the check copy."""
+        """``(check vs the variant's reference mode, error vs fp64)`` of a [T, H] output from the check copy; both
+        on the weights in the variant's format (fp64: the oracle on those weights, dequantized)."""
         from kernels.numerics import max_abs, rel_l2
 
+        fmt = getattr(variant, "weight_format", "bf16")
         tokens = self.check_token_ids
         written = bool(np.isfinite(out_host.astype(np.float32)).all())
         result = out_host[tokens]
-        check = compare(result, self.reference(variant.reference_mode, variant.quant), variant.quant)
+        check = compare(result, self.reference(variant.reference_mode, variant.quant, fmt), variant.quant)
         check.update(mode=variant.reference_mode, quant=variant.quant, copy=self.check_copy,
                      tokens_checked=int(tokens.size), all_written=written and check["all_written"])
         check["ok"] = bool(check["ok"] and written)
         if check["all_written"]:
-            oracle = self.reference("fp64")
+            oracle = self.reference("fp64", None, fmt)
             values = result.astype(np.float32).astype(np.float64)
             error = {"rel_l2": rel_l2(values, oracle), "max_abs": max_abs(values, oracle)}
         else:
@@ -431,6 +471,7 @@ class Workbench:
         import cupy
 
         self.w13_pool = self.w2_pool = None
+        self.pools.clear()
         self._compact.clear()
         cupy.get_default_memory_pool().free_all_blocks()
 
@@ -469,7 +510,7 @@ class Workbench:
                 record.update(choice=facts["choice"], choice_source=facts.get("choice_source"))
             copies = []
             for c in range(self.copies):
-                w13, w2 = self.weights(c)
+                w13, w2 = self.weights(c, getattr(variant, "weight_format", "bf16"))
                 if variant.prepack is not None:
                     w13, w2 = variant.prepack(w13, w2)
                 copies.append((w13, w2))

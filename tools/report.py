@@ -94,10 +94,17 @@ def _is_warp(row: dict[str, Any]) -> bool:
     return str(row.get("family", "")).startswith("warp-decode") and not row.get("baseline")
 
 
+def _format(row: dict[str, Any]) -> str:
+    return str((row.get("bytes") or {}).get("weight_format", "bf16"))
+
+
 def crossover(data: dict[str, Any], model: str) -> dict[str, Any]:
-    """The first batch at which the baseline beats the fastest warp-decode variant, if it does."""
+    """The first batch at which the baseline beats the fastest warp-decode variant, if it does (variants reading
+    the baseline's weight format only: a format with fewer bytes is another race)."""
     rows = [r for r in data.get("results", []) if r["model"] == model]
     base = baseline_name(rows)
+    base_format = next((_format(r) for r in rows if r["variant"] == base), "bf16")
+    rows = [r for r in rows if _format(r) == base_format]
     record: dict[str, Any] = {"model": model, "baseline": base, "batch": None, "compared": []}
     if base is None:
         record["text"] = f"{model}: no baseline variant measured, no crossover computed"

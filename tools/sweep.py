@@ -158,7 +158,8 @@ def sweep(name: str, model: str = DEFAULT_MODEL, batch: list[int] | None = None,
         l2 = record["environment"]["gpu"]["l2_bytes"]
         for tokens in batches:
             steps.start(f"T={tokens}: generating the weights")
-            work = harness.Workbench(shape, tokens, routing, seed, l2_bytes=l2)
+            work = harness.Workbench(shape, tokens, routing, seed, l2_bytes=l2,
+                                     weight_formats=(getattr(variant, "weight_format", "bf16"),))
             try:
                 for entry in entries:
                     label = f"T={tokens} {' '.join(f'{k}={v}' for k, v in entry['params'].items()) or '(defaults)'}"
