@@ -92,6 +92,33 @@ def test_fp8_weights_measured_against_both_oracles():
         accuracy.run(["tiny"], seeds=1, batch=(1,), layers=0, weight_format="fp4")
 
 
+def test_kernels_are_found_per_weight_format():
+    """The bf16 table never picks a variant reading another format, and the FP8 rows name the FP8 kernels."""
+    notes: list[str] = []
+    bf16 = accuracy.find_kernels(notes)
+    fp8 = accuracy.find_kernels(notes, "fp8-block128")
+    assert all(v is None or v.weight_format == "bf16" for v in bf16.values())
+    assert fp8["warp_decode"] is not None and fp8["warp_decode"].name == "cupy:warp-decode-fp8"
+    assert all(v is None or v.weight_format == "fp8-block128" for v in fp8.values())
+
+
+@pytest.mark.gpu
+def test_fp8_kernel_rows_agree_with_their_reference_mode():
+    """--source kernels --weight-format fp8-block128: warp decode's FP8 row comes from cupy:warp-decode-fp8 (the
+    device-quantized weights), its distance to the fp64 oracle on those weights within 10 % of its reference
+    mode's."""
+    kernel = accuracy.run(["qwen3-30b-a3b"], seeds=3, batch=(1, 8), layers=0, weight_format="fp8-block128",
+                          source="kernels", paths=["warp_decode"], width="small", experts=16)
+    ref = accuracy.run(["qwen3-30b-a3b"], seeds=3, batch=(1, 8), layers=0, weight_format="fp8-block128",
+                       source="reference", paths=["warp_decode"], width="small", experts=16)
+    for got, want in zip(kernel.cells, ref.cells, strict=True):
+        assert (got.tokens, got.path, got.weight_format) == (want.tokens, want.path, want.weight_format)
+        if got.weight_format == "fp8-block128":
+            assert got.source == "cupy:warp-decode-fp8"
+            ratio = statistics.mean(got.rel_l2) / statistics.mean(want.rel_l2)
+            assert abs(ratio - 1) <= AGREE_MEAN, (got.tokens, got.rel_l2, want.rel_l2)
+
+
 @pytest.mark.parametrize(
     "argv",
     [["--seeds", "0"], ["--model", "nope"], ["--batch", "1,x"], ["--batch", "0"], ["--layers", "-1"],

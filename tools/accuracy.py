@@ -290,8 +290,9 @@ def render(result: AccuracyResult) -> list[Any]:
 # -- measurement ------------------------------------------------------------------------------------------
 
 
-def find_kernels(notes: list[str]) -> dict[str, Any]:
-    """path -> registered Variant (or None) that implements it, preferring the cupy library kernels."""
+def find_kernels(notes: list[str], weight_format: str = "bf16") -> dict[str, Any]:
+    """path -> registered Variant (or None) that implements it on ``weight_format`` weights, preferring the cupy
+    library kernels."""
     try:
         from kernels.variants import load_builtin
 
@@ -301,7 +302,8 @@ def find_kernels(notes: list[str]) -> dict[str, Any]:
         return dict.fromkeys(PATHS)
     found: dict[str, Any] = {}
     for path, (mode, quant) in PATHS.items():
-        matches = [v for v in registry.values() if v.reference_mode == mode and (v.quant or None) == quant]
+        matches = [v for v in registry.values() if v.reference_mode == mode and (v.quant or None) == quant
+                   and v.weight_format == weight_format and not v.prototype]
         preferred = registry.get(PREFERRED_VARIANTS[path])
         if preferred is not None and preferred in matches:
             found[path] = preferred
@@ -384,9 +386,12 @@ def measure_layer(
     log: Callable[[str], None],
     paths: Sequence[str] = tuple(PATHS),
     weight_format: str = "bf16",
+    format_kernels: dict[str, Any] | None = None,
 ) -> list[Cell]:
     """Cells for one model: every T in ``batch`` x every path, each over ``seeds``; with a quantized
-    ``weight_format`` (reference modes only) every path again on the weights in that format."""
+    ``weight_format`` every path again on the weights in that format (``format_kernels``: path -> the variant
+    reading that format, with source "kernels"; a path without one comes from its reference mode)."""
+    format_kernels = format_kernels if source == "kernels" else {}
     runner = _KernelRunner() if source == "kernels" else None
     cells = {
         (T, path): Cell(shape.name, T, path,
@@ -400,7 +405,9 @@ def measure_layer(
         fmt = get_format(weight_format)
         for T in batch:
             for path in paths:
-                cells[(T, path, fmt.name)] = Cell(shape.name, T, path, f"reference:{path}",
+                variant = (format_kernels or {}).get(path)
+                cells[(T, path, fmt.name)] = Cell(shape.name, T, path,
+                                                  variant.name if variant is not None else f"reference:{path}",
                                                   {"hidden": shape.hidden, "intermediate": shape.intermediate,
                                                    "experts": shape.experts}, weight_format=fmt.name)
     for seed in seeds:
@@ -435,10 +442,14 @@ def measure_layer(
                 if host is None:
                     host = problem.compact()
                 x, w13, w2, ids, wts = host.arrays
-                q13, q2 = fmt.quantize(w13, w2)
+                q13, q2 = fmt.quantize(w13, w2)  # bitwise the device quantization the kernels' runner does
                 q_oracle = moe_decode(x, q13, q2, ids, wts, mode="fp64", weight_format=fmt)
-                q_outputs = {path: moe_decode(x, q13, q2, ids, wts, mode=PATHS[path][0], quant=PATHS[path][1],
-                                              weight_format=fmt) for path in paths}
+                q_outputs = {}
+                for path in paths:
+                    variant = (format_kernels or {}).get(path)
+                    q_outputs[path] = (runner(variant, problem) if runner is not None and variant is not None else
+                                       moe_decode(x, q13, q2, ids, wts, mode=PATHS[path][0], quant=PATHS[path][1],
+                                                  weight_format=fmt))
                 _record(cells, T, seed, q_outputs, q_oracle, fmt.name, original=oracle)
         log(f"{shape.name}: seed {seed} done")
     return list(cells.values())
@@ -533,7 +544,8 @@ def run(
     fallback      with source "kernels", a path without a registered kernel: "reference" (its reference
                   mode on the host, on the compacted problem: slow at large presets) or "skip"
     weight_format "bf16", or a quantized format (``kernels.formats``): every path also on the weights in that
-                  format, against both oracles (reference modes: source "reference" or "auto" without a GPU)
+                  format, against both oracles (with source "kernels", from the variants reading that format where
+                  one is registered, else from the reference's modes)
     """
     start = time.perf_counter()
     log = log or (lambda _msg: None)
@@ -546,9 +558,6 @@ def run(
     if source == "kernels" and not gpu:
         raise ValueError("source='kernels' needs a CUDA GPU; none is present")
     weight_format = get_format(weight_format).name  # ValueError names the known formats
-    if weight_format != "bf16" and source == "kernels":
-        raise ValueError(f"weight_format {weight_format!r} runs the reference modes (source='reference'): the "
-                         "kernels of that format are not registered yet")
     if paths is None:
         paths = tuple(PATHS)
     bad = [p for p in paths if p not in PATHS]
@@ -593,6 +602,13 @@ def run(
     seed_list = list(range(seeds))
 
     kernels = find_kernels(notes) if source == "kernels" else dict.fromkeys(PATHS)
+    format_kernels = (find_kernels(notes, weight_format) if source == "kernels" and weight_format != "bf16"
+                      else dict.fromkeys(PATHS))
+    if source == "kernels" and weight_format != "bf16":
+        absent = [LABELS[p] for p in paths if format_kernels.get(p) is None]
+        if absent:
+            notes.append(f"no registered kernel reads {weight_format} weights for " + ", ".join(absent)
+                         + f": their {weight_format} rows come from the reference's modes")
     if source == "kernels":
         if fallback not in ("reference", "skip"):
             raise ValueError(f"fallback must be 'reference' or 'skip', got {fallback!r}")
@@ -616,7 +632,8 @@ def run(
         run_shape = _capped(shape, experts)
         if width == "small":
             run_shape = _shrink(run_shape)
-        cells += measure_layer(run_shape, batch, seed_list, source, kernels, notes, log, paths, weight_format)
+        cells += measure_layer(run_shape, batch, seed_list, source, kernels, notes, log, paths, weight_format,
+                               format_kernels)
 
     depth: list[Depth] = []
     if layers != 0:
@@ -671,7 +688,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="GPU: a path without a kernel runs its reference mode on the host (slow) or is skipped")
     p.add_argument("--weight-format", choices=tuple(FORMATS), default="bf16",
                    help="also run every path on the weights in this format, against both fp64 oracles "
-                        "(the dequantized and the original weights; reference modes)")
+                        "(the dequantized and the original weights; from the kernels reading that format where one "
+                        "is registered and the source is kernels, else the reference's modes)")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON (with the GPU and versions)")
     p.add_argument("--markdown-from", metavar="JSON", help="print a recorded result as markdown tables and exit")
     p.add_argument("--depth-from", metavar="JSON", help="with --markdown-from: append this result's depth study")
@@ -801,10 +819,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.source == "kernels" and not gpu_available():
         parser.error("--source kernels needs a CUDA GPU; none is present")
     source = args.source
-    if args.weight_format != "bf16":
-        if source == "kernels":
-            parser.error(f"--weight-format {args.weight_format} runs the reference modes: use --source reference")
-        source = "reference"
 
     from rich.console import Console
 
