@@ -466,10 +466,16 @@ def _loaded_kernels(knobs: tuple[int, ...], out_f32: bool) -> tuple[Any, Any]:
         return pair
     key = (tuple(knobs), bool(out_f32))
     if key not in _LOADED:
-        pair[0].compile(_gate_up_signature()).bind()  # bind: load the module into the context now
-        pair[1].compile(_down_signature(out_f32)).bind()
+        bind_kernels(pair, (_gate_up_signature(), _down_signature(out_f32)))
         _LOADED[key] = pair
     return pair
+
+
+def bind_kernels(kernels: tuple[Any, ...], signatures: tuple[tuple[Any, ...], ...]) -> None:
+    """Compile each jitted kernel for its signature and load its module into the current context now (``bind``),
+    so that a later launch -- possibly under CUDA-graph capture -- compiles and loads nothing."""
+    for kernel, signature in zip(kernels, signatures, strict=True):
+        kernel.compile(signature).bind()
 
 
 def _family_workspace(dims: Dims, params: dict[str, int]) -> Any:
@@ -575,17 +581,26 @@ def offline_reports(param_sets: list[dict[str, Any]] | None = None,
     """ptxas' registers / spills / stack of both kernels for sm_90, no GPU needed: (with ``defaults``) the default
     knobs with bf16 and with float32 ``out``, then each of ``param_sets``, each distinct set compiled once. Kernels
     carry their readable names (``moe_gate_up_3d_batched``), not Numba's mangled ones; ``params`` holds the knobs."""
+    return numba_offline_reports(__name__, lambda **knobs: compile_ptx(**knobs), DEFAULTS, param_sets, defaults)
+
+
+def numba_offline_reports(module: str, compile_fn: Any, knob_defaults: dict[str, int],
+                          param_sets: list[dict[str, Any]] | None, defaults: bool) -> list[NumbaKernelResources]:
+    """A Numba family's offline report (what :func:`offline_reports` says), for any family whose ``module`` has an
+    ``offline_reports(param_sets, defaults)`` and whose ``compile_fn(**knobs, out_f32=)`` returns {kernel: PTX}:
+    under the simulator (which cannot emit PTX) it runs in a child Python without it."""
     from kernels.compile import ptx_report
 
-    if simt.simulator_enabled():  # the simulator cannot emit PTX: compile in a process without it
-        return _offline_reports_without_simulator(param_sets, defaults)
+    if simt.simulator_enabled():
+        return _offline_reports_without_simulator(module, param_sets, defaults)
     sets: list[dict[str, Any]] = []
-    for knobs in [*([dict(DEFAULTS), {**DEFAULTS, "out_f32": True}] if defaults else []), *(param_sets or [])]:
-        if {**DEFAULTS, **knobs} not in sets:
-            sets.append({**DEFAULTS, **knobs})
+    for knobs in [*([dict(knob_defaults), {**knob_defaults, "out_f32": True}] if defaults else []),
+                  *(param_sets or [])]:
+        if {**knob_defaults, **knobs} not in sets:
+            sets.append({**knob_defaults, **knobs})
     reports = []
     for index, knobs in enumerate(sets):
-        for name, ptx in compile_ptx(**knobs).items():
+        for name, ptx in compile_fn(**knobs).items():
             for report in ptx_report(ptx):
                 fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(KernelResources)}
                 fields["kernel"] = name
@@ -596,9 +611,9 @@ def offline_reports(param_sets: list[dict[str, Any]] | None = None,
     return reports
 
 
-def _offline_reports_without_simulator(param_sets: list[dict[str, Any]] | None,
+def _offline_reports_without_simulator(module: str, param_sets: list[dict[str, Any]] | None,
                                        defaults: bool = True) -> list[NumbaKernelResources]:
-    """:func:`offline_reports` run in a child Python without ``NUMBA_ENABLE_CUDASIM`` (the bench's CPU path
+    """``module.offline_reports`` run in a child Python without ``NUMBA_ENABLE_CUDASIM`` (the bench's CPU path
     simulates the kernels and reports their registers in the same run)."""
     import json
     import os
@@ -610,7 +625,7 @@ def _offline_reports_without_simulator(param_sets: list[dict[str, Any]] | None,
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     code = ("import dataclasses, json, sys\n"
-            "from kernels.warp_decode_numba import offline_reports\n"
+            f"from {module} import offline_reports\n"
             "print(json.dumps([dataclasses.asdict(r) for r in offline_reports(json.loads(sys.argv[1]), "
             "sys.argv[2] == 'defaults')]))")
     done = subprocess.run([sys.executable, "-c", code, json.dumps(param_sets or []), "defaults" if defaults else "-"],

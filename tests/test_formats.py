@@ -69,7 +69,7 @@ def test_variants_default_to_bf16() -> None:
     fp8_families = {"warp-decode-fp8"}
     assert {v.weight_format for v in variants if v.family not in fp8_families} == {"bf16"}
     assert {v.name: v.weight_format for v in variants if v.family in fp8_families} == {
-        "cupy:warp-decode-fp8": "fp8-block128"}
+        "cupy:warp-decode-fp8": "fp8-block128", "numba:warp-decode-fp8": "fp8-block128"}
 
 
 class ExpertScaled(WeightFormat):
