@@ -94,6 +94,66 @@ __device__ __forceinline__ void store_output(void* __restrict__ out, int out_f32
 // ---- end of shared device helpers ----
 """
 
+# The FP8 weight helpers (fp8-block128: e4m3fn values, a float32 scale per 128 x 128 block), after WARP_HELPERS:
+# the strict FP8 kernels widen values to FP32 (e4m3x2_to_f32); the batched kernels' tensor-core A fragments take
+# them as bf16 (e4m3x8_to_bf16x8). The g++ emulation decodes in software, through the same bit steps.
+FP8_HELPERS = r"""
+// ---- FP8 weight helpers (kernels/device_helpers.py) ----
+#define FP8_BLOCK 128                                  // rows and columns of a scale block
+#ifdef WD_HOST_EMULATION
+inline float e4m3_decode(u32 b) {                      // the emulation's software decode of one e4m3fn byte
+    const u32 mag = b & 0x7Fu;
+    const float sign = (b & 0x80u) ? -1.0f : 1.0f;
+    if (mag == 0x7Fu) return __uint_as_float(0x7fc00000u);  // e4m3fn's NaN
+    const int exp = (int)(mag >> 3), man = (int)(mag & 7u);
+    return sign * (exp == 0 ? ldexpf((float)man, -9) : ldexpf(1.0f + man / 8.0f, exp - 7));
+}
+inline u32 f16_bits_of(float v) {                      // an e4m3fn value's fp16 bits (exact: no rounding needed)
+    const u32 u = __float_as_uint(v), sign = (u >> 16) & 0x8000u;
+    if (v != v) return 0x7fffu;
+    if ((u & 0x7fffffffu) == 0u) return sign;
+    const int e = (int)((u >> 23) & 0xffu) - 127 + 15;  // e4m3fn values are fp16 normals (e >= 6)
+    return sign | ((u32)e << 10) | ((u >> 13) & 0x3ffu);
+}
+#endif
+// the two e4m3fn bytes of a 16-bit half word -> fp16x2 (cvt.rn.f16x2.e4m3x2: exact)
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 pair) {
+#ifdef WD_HOST_EMULATION
+    return f16_bits_of(e4m3_decode(pair & 0xFFu)) | (f16_bits_of(e4m3_decode((pair >> 8) & 0xFFu)) << 16);
+#else
+    u32 h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)(pair & 0xFFFFu)));
+    return h2;
+#endif
+}
+// ... -> two floats (exact)
+__device__ __forceinline__ void e4m3x2_to_f32(u32 pair, float& lo, float& hi) {
+#ifdef WD_HOST_EMULATION
+    lo = e4m3_decode(pair & 0xFFu);
+    hi = e4m3_decode((pair >> 8) & 0xFFu);
+#else
+    const u32 h2 = e4m3x2_to_f16x2(pair);
+    asm("{\n\t.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+        : "=f"(lo), "=f"(hi) : "r"(h2));
+#endif
+}
+// 8 e4m3fn values (a uint2, value v in byte v) as 8 bf16 (a uint4, value v in half v) equal to value x 2^-112,
+// exactly and never subnormal: an fp16 value's bits shifted right by 3 are the bf16 bits of that value x 2^-112
+// (fp16's 5-bit exponent lands in bf16's 8-bit one, bias 15 instead of 127; the 3 mantissa bits e4m3 has survive;
+// the high half's zero low mantissa bits shift into the low half's bits 13..15): the shifted sign (bit 12) is
+// cleared and the sign put back at bit 15. The tensor-core kernels multiply each FP32 partial by 2^112
+// (FP8_UNSCALE) and the block scale. e4m3fn's NaN (0x7F / 0xFF) does not survive (the quantizer never writes it).
+#define FP8_UNSCALE 0x1p112f
+__device__ __forceinline__ u32 f16x2_to_bf16x2_scaled(u32 h) {
+    return ((h >> 3) & 0x0FFF0FFFu) | (h & 0x80008000u);
+}
+__device__ __forceinline__ uint4 e4m3x8_to_bf16x8(const uint2& v) {
+    return make_uint4(f16x2_to_bf16x2_scaled(e4m3x2_to_f16x2(v.x)), f16x2_to_bf16x2_scaled(e4m3x2_to_f16x2(v.x >> 16)),
+                      f16x2_to_bf16x2_scaled(e4m3x2_to_f16x2(v.y)), f16x2_to_bf16x2_scaled(e4m3x2_to_f16x2(v.y >> 16)));
+}
+// ---- end of FP8 weight helpers ----
+"""
+
 # The helpers of programmatic dependent launch, for sources with a ``PDL`` knob (0 or 1): the strict and the
 # batched kernels.
 PDL_HELPERS = r"""

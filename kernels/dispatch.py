@@ -13,6 +13,12 @@ mma.sync, FP32 accumulators -- warp decode's numerics in the tensor core's summa
 Policies (``policy=``, :data:`POLICIES`; candidates in :data:`POLICY_CANDIDATES`): ``"fastest"`` (the default), the
 fastest of the five; ``"warp_decode"``, strict / batched / mixed / MMA only, keeping warp decode's numerics.
 
+fp8-block128 weights (``kernels.quantize_weights(w13, w2, "fp8-block128")``) choose among the FP8 paths
+(:data:`FORMAT_CANDIDATES`: ``"cupy:warp-decode-fp8"``, ``"cupy:warp-decode-batched-fp8"``,
+``"cupy:warp-decode-mma-fp8"``; warp decode's numerics on the dequantized weights), from the same table under the
+format's own entries (key ``H..-K..-fp8-block128``) or the same heuristic; ``moe_decode`` sees the format in the
+weights it is given, ``make_workspace`` takes it as ``weight_format``.
+
 The choice depends only on the shape (H, I, E, K), T, the GPU and the policy -- never on ``topk_ids``' values -- so
 it never syncs with the host and a captured CUDA graph stays valid for any routing:
 
@@ -46,8 +52,10 @@ from typing import Any
 
 from kernels import warp_decode_batched as wdb
 from kernels import warp_decode_cupy as wdc
+from kernels import warp_decode_fp8 as wdf
 from kernels.contract import Dims, array_module, check_inputs
 from kernels.family import Launch
+from kernels.formats import FP8_BLOCK128, Quantized, get_format
 from kernels.variants import Variant, get_variant, register
 
 ec = importlib.import_module("kernels.expert_centric_path")
@@ -58,12 +66,23 @@ MIXED = "cupy:warp-decode-mixed"
 MMA = "cupy:warp-decode-mma"
 EXPERT_CENTRIC = "cupy:expert-centric"
 CANDIDATES = (STRICT, BATCHED, MIXED, MMA, EXPERT_CENTRIC)
+FP8 = FP8_BLOCK128.name
+FP8_STRICT = "cupy:warp-decode-fp8"
+FP8_BATCHED = "cupy:warp-decode-batched-fp8"
+FP8_MMA = "cupy:warp-decode-mma-fp8"
+FP8_CANDIDATES = (FP8_STRICT, FP8_BATCHED, FP8_MMA)
 MMA_KNOBS = wdb.MMA_KNOBS  # the batched module's tensor-core kernels (the MMA variant's params)
-BATCHED_KNOBS = {BATCHED: {}, MIXED: wdb.MIXED_KNOBS, MMA: wdb.MMA_KNOBS}  # the three batched-module paths
+BATCHED_KNOBS = {BATCHED: {}, MIXED: wdb.MIXED_KNOBS, MMA: wdb.MMA_KNOBS,  # the batched-module paths
+                 FP8_BATCHED: wdb.FP8_KNOBS, FP8_MMA: wdb.MMA_FP8_KNOBS}
 FASTEST = "fastest"
 WARP_DECODE = "warp_decode"
 POLICIES = (FASTEST, WARP_DECODE)
 POLICY_CANDIDATES: dict[str, tuple[str, ...]] = {FASTEST: CANDIDATES, WARP_DECODE: (STRICT, BATCHED, MIXED, MMA)}
+# per weight format: each policy's candidates, and the (strict, batched, tensor-core) paths the heuristic picks from
+FORMAT_CANDIDATES: dict[str, dict[str, tuple[str, ...]]] = {
+    "bf16": POLICY_CANDIDATES, FP8: {FASTEST: FP8_CANDIDATES, WARP_DECODE: FP8_CANDIDATES}}
+FORMAT_PATHS: dict[str, tuple[str, str, str]] = {"bf16": (STRICT, BATCHED, MMA),
+                                                  FP8: (FP8_STRICT, FP8_BATCHED, FP8_MMA)}
 TABLE_POINTS = (1, 2, 4, 8, 16, 32, 64)
 TABLE_ROUTINGS = ("uniform", "zipf")  # what tools.dispatch_table measures; the choice is the best worst case
 TABLE_DIR = Path(__file__).resolve().parent / "dispatch_tables"
@@ -86,9 +105,24 @@ def gpu_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def shape_key(dims: Dims) -> str:
-    """How a table names a shape: ``"H{hidden}-I{intermediate}-E{experts}-K{top_k}"``."""
-    return f"H{dims.hidden}-I{dims.intermediate}-E{dims.experts}-K{dims.top_k}"
+def shape_key(dims: Dims, weight_format: str = "bf16") -> str:
+    """How a table names a shape: ``"H{hidden}-I{intermediate}-E{experts}-K{top_k}"``, with ``-{format}`` appended
+    for weights in another format than bf16 (their entries hold that format's candidates)."""
+    key = f"H{dims.hidden}-I{dims.intermediate}-E{dims.experts}-K{dims.top_k}"
+    return key if weight_format == "bf16" else f"{key}-{weight_format}"
+
+
+def check_weight_format(weight_format: Any) -> str:
+    """The name of a weight format the dispatch has candidates for (:data:`FORMAT_CANDIDATES`), else ValueError."""
+    name = get_format(weight_format).name
+    if name not in FORMAT_CANDIDATES:
+        raise ValueError(f"no dispatch candidates read weight_format {name!r}; known: {', '.join(FORMAT_CANDIDATES)}")
+    return name
+
+
+def key_format(key: str) -> str:
+    """The weight format a table entry key names (no suffix: bf16)."""
+    return next((fmt for fmt in FORMAT_CANDIDATES if fmt != "bf16" and key.endswith(f"-{fmt}")), "bf16")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -147,13 +181,15 @@ def worst_slowdowns(point: dict[str, Any], candidates: list[str] | tuple[str, ..
     return {n: max(r["median_us"][n] / best[name] for name, r in runs.items()) for n in ok}
 
 
-def point_choice(point: dict[str, Any], policy: str = FASTEST, dims: Dims | None = None) -> str | None:
-    """The choice of one table point under ``policy``: among the policy's candidates with status "ok" and a
-    median under every recorded routing (and that can run ``dims`` when given), the least worst slowdown
+def point_choice(point: dict[str, Any], policy: str = FASTEST, dims: Dims | None = None,
+                 weight_format: str = "bf16") -> str | None:
+    """The choice of one table point under ``policy``: among the policy's candidates for ``weight_format`` with status
+    "ok" and a median under every recorded routing (and that can run ``dims`` when given), the least worst slowdown
     (:func:`worst_slowdowns`; one routing: the fastest; ties -> the alphabetically first). An old-format point
     (``choice`` only) gives its choice if it belongs to the policy (and can run the dims). None when the point
     offers nothing for this policy."""
-    candidates = [n for n in POLICY_CANDIDATES[check_policy(policy)] if dims is None or supported(n, dims)]
+    pool = FORMAT_CANDIDATES[check_weight_format(weight_format)][check_policy(policy)]
+    candidates = [n for n in pool if dims is None or supported(n, dims)]
     if isinstance(point.get("median_us"), dict):
         worst = worst_slowdowns(point, candidates)
         return min(sorted(worst), key=lambda n: worst[n]) if worst else None
@@ -170,6 +206,7 @@ def validate_table(table: Any) -> dict[str, Any]:
         if key not in table:
             raise ValueError(f"dispatch table lacks {key!r}")
     for key, entry in table["entries"].items():
+        fmt = key_format(key)
         points = entry.get("points") if isinstance(entry, dict) else None
         if not isinstance(points, dict) or not points:
             raise ValueError(f"dispatch table entry {key!r} has no points")
@@ -179,8 +216,8 @@ def validate_table(table: Any) -> dict[str, Any]:
                 raise ValueError(f"dispatch table entry {key!r}: point {tokens!r} is not a batch size")
             if not isinstance(point, dict):
                 raise ValueError(f"{where}: a point must be an object")
-            if "choice" in point and point["choice"] not in CANDIDATES:
-                raise ValueError(f"{where}: choice {point['choice']!r} is not one of {CANDIDATES}")
+            if "choice" in point and point["choice"] not in FORMAT_CANDIDATES[fmt][FASTEST]:
+                raise ValueError(f"{where}: choice {point['choice']!r} is not one of {FORMAT_CANDIDATES[fmt][FASTEST]}")
             medians = point.get("median_us")
             if medians is None:
                 if "choice" not in point:
@@ -198,9 +235,9 @@ def validate_table(table: Any) -> dict[str, Any]:
                                                or not median > 0):
                         raise ValueError(f"{where} ({routing}): median_us[{name!r}] must be a positive number or "
                                          f"null, got {median!r}")
-            if point_choice(point, FASTEST) is None:
-                raise ValueError(f"{where}: no candidate of {CANDIDATES} was measured correctly (status 'ok' "
-                                 "under every recorded routing)")
+            if point_choice(point, FASTEST, weight_format=fmt) is None:
+                raise ValueError(f"{where}: no candidate of {FORMAT_CANDIDATES[fmt][FASTEST]} was measured correctly "
+                                 "(status 'ok' under every recorded routing)")
     return table
 
 
@@ -228,9 +265,10 @@ def current_gpu() -> str:
     return _device_name(cupy.cuda.Device().id)
 
 
-def table_point(table: dict[str, Any], dims: Dims) -> dict[str, Any] | None:
-    """The table's point for ``dims`` (nearest lower measured T), or None without an entry for the shape."""
-    entry = table["entries"].get(shape_key(dims))
+def table_point(table: dict[str, Any], dims: Dims, weight_format: str = "bf16") -> dict[str, Any] | None:
+    """The table's point for ``dims`` (nearest lower measured T) in ``weight_format``'s entries, or None without an
+    entry for the shape."""
+    entry = table["entries"].get(shape_key(dims, weight_format))
     if entry is None:
         return None
     points = sorted(int(t) for t in entry["points"])
@@ -239,14 +277,14 @@ def table_point(table: dict[str, Any], dims: Dims) -> dict[str, Any] | None:
     return entry["points"][str(point)]
 
 
-def table_choice(table: dict[str, Any], dims: Dims, policy: str = FASTEST) -> str | None:
+def table_choice(table: dict[str, Any], dims: Dims, policy: str = FASTEST, weight_format: str = "bf16") -> str | None:
     """The table's choice for ``dims`` under ``policy`` (a path that can run the dims), or None (no entry for
     the shape, or the point offers no runnable candidate of the policy)."""
-    point = table_point(table, dims)
-    return None if point is None else point_choice(point, policy, dims)
+    point = table_point(table, dims, weight_format)
+    return None if point is None else point_choice(point, policy, dims, weight_format)
 
 
-def heuristic(dims: Dims, policy: str = FASTEST) -> str:
+def heuristic(dims: Dims, policy: str = FASTEST, weight_format: str = "bf16") -> str:
     """The path for ``dims`` without a measurement (see the module docstring for the evidence), either policy:
     strict at T = 1 or when ``T * K <= E / 8``; the MMA path when ``T * K >= E``; else batched (a path that
     cannot run the dims is skipped; strict runs everything).
@@ -256,32 +294,35 @@ def heuristic(dims: Dims, policy: str = FASTEST) -> str:
     qwen3-30b T=2 ~0.5 expert (~1 us) -- strict; at T=4 ~3.4 experts (~7 us; ~28 us at qwen3-235b) -- batched.
     Why E: with a pair or more per expert the FMA kernels spend their issue slots on 2 FMAs per weight element
     per pair; the tensor core takes that work off the lanes (H200: MMA fastest from T*K/E = 1 at qwen3-30b).
+    Weights in another format pick its paths by the same rule (:data:`FORMAT_PATHS`; unmeasured for FP8).
     """
     check_policy(policy)
+    strict, batched, mma = FORMAT_PATHS[check_weight_format(weight_format)]
     pairs = dims.tokens * dims.top_k
     few_pairs = dims.tokens == 1 or pairs <= STRICT_PAIRS_PER_EXPERT * dims.experts
     if few_pairs:
-        return STRICT
-    if pairs >= MMA_PAIRS_PER_EXPERT * dims.experts and batched_supported(dims, **MMA_KNOBS):
-        return MMA
-    return BATCHED if batched_supported(dims) else STRICT
+        return strict
+    if pairs >= MMA_PAIRS_PER_EXPERT * dims.experts and batched_supported(dims, **BATCHED_KNOBS[mma]):
+        return mma
+    return batched if batched_supported(dims, **BATCHED_KNOBS[batched]) else strict
 
 
 def choose(dims: Dims, gpu: str | None = None, table_dir: str | Path = TABLE_DIR,
-           policy: str = FASTEST) -> tuple[str, str]:
+           policy: str = FASTEST, weight_format: str = "bf16") -> tuple[str, str]:
     """``(variant name, "table" | "heuristic")`` for ``dims`` on ``gpu`` (default: the current device) under
-    ``policy``."""
+    ``policy``, among the paths reading ``weight_format``."""
     check_policy(policy)
+    weight_format = check_weight_format(weight_format)
     if not isinstance(dims, Dims):
         raise TypeError(f"dims must be a kernels.contract.Dims, got {type(dims).__name__}")
     if gpu is None:
         gpu = current_gpu()
     table = load_table(gpu_slug(gpu), str(table_dir))
     if table is not None:
-        choice = table_choice(table, dims, policy)
+        choice = table_choice(table, dims, policy, weight_format)
         if choice is not None:
             return choice, "table"
-    return heuristic(dims, policy), "heuristic"
+    return heuristic(dims, policy, weight_format), "heuristic"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -296,19 +337,22 @@ class Workspace:
     source: str
     inner: Any
     policy: str = FASTEST
+    weight_format: str = "bf16"
 
 
 def make_workspace(dims: Dims, gpu: str | None = None, policy: str = FASTEST,
-                   table_dir: str | Path = TABLE_DIR) -> Workspace:
-    """Decide the path for ``dims`` under ``policy`` and allocate its workspace (CuPy, current device)."""
-    choice, source = choose(dims, gpu, table_dir, policy)
+                   table_dir: str | Path = TABLE_DIR, weight_format: str = "bf16") -> Workspace:
+    """Decide the path for ``dims`` under ``policy`` among those reading ``weight_format`` and allocate its
+    workspace (CuPy, current device)."""
+    weight_format = check_weight_format(weight_format)
+    choice, source = choose(dims, gpu, table_dir, policy, weight_format)
     if choice == EXPERT_CENTRIC:
         inner = ec.make_workspace(dims, None)
     elif choice in BATCHED_KNOBS:
         inner = wdb.make_workspace(dims, **BATCHED_KNOBS[choice])
     else:
-        inner = wdc.make_workspace(dims.tokens, dims.top_k, dims.intermediate)
-    return Workspace(dims, choice, source, inner, policy)
+        inner = wdc.make_workspace(dims.tokens, dims.top_k, dims.intermediate)  # strict's [T, K, I] (FP8's too)
+    return Workspace(dims, choice, source, inner, policy, weight_format)
 
 
 def moe_decode(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any = None,
@@ -316,18 +360,20 @@ def moe_decode(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out:
     """One MoE decode layer by the fastest path of ``policy`` for this shape and T; returns ``out`` [T, H].
 
     ``policy="fastest"``: strict, batched, mixed, MMA or expert-centric (the last reproduces mode "classical");
-    ``policy="warp_decode"``: strict, batched, mixed or MMA (warp decode's numerics). With ``out`` and ``workspace``
-    (``make_workspace(dims, policy=policy)``, same policy) nothing is allocated and nothing syncs with the host
-    during CUDA-graph capture (outside capture the chosen path checks the ids' range, as every path does).
+    ``policy="warp_decode"``: strict, batched, mixed or MMA (warp decode's numerics). fp8-block128 weights: the FP8
+    paths. With ``out`` and ``workspace`` (``make_workspace(dims, policy=policy, weight_format=...)``, same policy and
+    format) nothing is allocated and nothing syncs with the host during CUDA-graph capture (outside capture the
+    chosen path checks the ids' range, as every path does).
     """
     check_policy(policy)
     xp = array_module(x)
     if xp.__name__ == "numpy":
         raise TypeError("x must be a cupy.ndarray (moe_decode runs on the GPU; reference.moe_decode is the host "
                         "version)")
-    dims = check_inputs(x, w13, w2, topk_ids, topk_weights, check_values=False)
+    weight_format = FP8 if isinstance(w13, Quantized) else "bf16"
+    dims = check_inputs(x, w13, w2, topk_ids, topk_weights, check_values=False, weight_format=weight_format)
     if workspace is None:
-        workspace = make_workspace(dims, policy=policy)
+        workspace = make_workspace(dims, policy=policy, weight_format=weight_format)
     elif not isinstance(workspace, Workspace):
         raise TypeError(f"workspace must come from kernels.dispatch.make_workspace(), got {type(workspace).__name__}")
     elif workspace.dims != dims:
@@ -335,25 +381,31 @@ def moe_decode(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out:
     elif workspace.policy != policy:
         raise ValueError(f"workspace was made under policy {workspace.policy!r}, this call uses policy {policy!r}: "
                          "pass the same policy to make_workspace and moe_decode")
+    elif workspace.weight_format != weight_format:
+        raise ValueError(f"workspace was made for {workspace.weight_format} weights, this call passes "
+                         f"{weight_format} weights: make it with make_workspace(dims, weight_format={weight_format!r})")
     if workspace.choice == EXPERT_CENTRIC:
         return ec.expert_centric(x, w13, w2, topk_ids, topk_weights, quant=None, out=out, workspace=workspace.inner)
     if workspace.choice in BATCHED_KNOBS:
         return wdb.warp_decode_batched(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace.inner,
                                        **BATCHED_KNOBS[workspace.choice])
+    if workspace.choice == FP8_STRICT:
+        return wdf.warp_decode_fp8(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace.inner)
     return wdc.warp_decode(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace.inner)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Variants
 # ---------------------------------------------------------------------------------------------------
-def build(dims: Dims, policy: str = FASTEST, **params: Any) -> Launch:
-    """Decide once for ``dims`` under ``policy`` and return the chosen variant's launch (its run, stages, knobs
-    and workspace) stating the chosen path's ``reference_mode`` / ``quant`` (what its output must match: the
-    bench harness checks against these) and ``facts`` ``choice``, ``choice_source``, ``policy``."""
+def build(dims: Dims, policy: str = FASTEST, weight_format: str = "bf16", **params: Any) -> Launch:
+    """Decide once for ``dims`` under ``policy`` (among the paths reading ``weight_format``) and return the chosen
+    variant's launch (its run, stages, knobs and workspace) stating the chosen path's ``reference_mode`` / ``quant``
+    (what its output must match: the bench harness checks against these) and ``facts`` ``choice``,
+    ``choice_source``, ``policy``."""
     check_policy(policy)
     if params:
         raise ValueError(f"auto-dispatch takes no knobs (it picks a path and uses its defaults), got {sorted(params)}")
-    choice, source = choose(dims, policy=policy)
+    choice, source = choose(dims, policy=policy, weight_format=weight_format)
     chosen = get_variant(choice)
     inner = chosen.make(dims)
     return Launch(run=inner.run, stages=inner.stages, params=inner.params, workspace=inner.workspace,
@@ -361,9 +413,9 @@ def build(dims: Dims, policy: str = FASTEST, **params: Any) -> Launch:
                   facts={**inner.facts, "choice": choice, "choice_source": source, "policy": policy})
 
 
-def _build_for(policy: str) -> Any:
+def _build_for(policy: str, weight_format: str = "bf16") -> Any:
     def build_policy(dims: Dims, **params: Any) -> Launch:
-        return build(dims, policy, **params)
+        return build(dims, policy, weight_format, **params)
 
     return build_policy
 
@@ -390,5 +442,18 @@ VARIANT_WARP_DECODE = register(
         params={},
         description="auto-dispatch, policy warp_decode: strict, batched, mixed or MMA warp decode (warp decode's "
                     "numerics) from a per-GPU measured table (or a heuristic)",
+    )
+)
+VARIANT_FP8 = register(
+    Variant(
+        name="cupy:auto-fp8",
+        backend="cupy",
+        family="auto",
+        build=_build_for(FASTEST, FP8),
+        reference_mode="warp_decode",
+        weight_format=FP8,
+        params={},
+        description="auto-dispatch on fp8-block128 weights: strict, batched or tensor-core FP8 warp decode from the "
+                    "table's FP8 entries (or the heuristic)",
     )
 )

@@ -40,6 +40,7 @@ import numpy as np
 from kernels.compile import CudaSource, launch_ex, preset_variants
 from kernels.contract import BF16, Dims, check_aligned, check_inputs, check_out, require_cupy
 from kernels.family import Compiled, KernelFamily, Stage
+from kernels.formats import FP8_BLOCK128, Quantized
 from kernels.variants import Variant, register
 from kernels.warp_decode_batched_cuda import CODE, GROUPED_KERNELS, KERNELS, MMA_KERNELS
 
@@ -82,6 +83,7 @@ DEFAULTS: dict[str, int] = {
     "DB_GROUPED": 0,  # 1: the down as a grouped GEMM over the tiles (moe_down_grouped, DB_WARPS x 16 hidden rows per
     # block, per-pair FP32 rows), then moe_sum_slots sums each token's slots in slot order; needs DB_MMA, PAIR_TILES;
     # -1 = auto (auto_grouped; the tensor-core path's knob set uses it)
+    "W_FP8": 0,  # 1: fp8-block128 weights (kernels.formats: e4m3fn values and block scales, widened in registers)
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK", "DB_NBLK")
 MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pdl-*.json: 7-10 % over 8 at qwen3-30b)
@@ -97,7 +99,7 @@ LIMITS = {
     "DB_WARPS": (0, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (0, 255),
     "DB_EARLY_INTER": (0, 1),
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (0, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
-    "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1)
+    "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "W_FP8": (0, 1),
 }
 
 
@@ -248,6 +250,9 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
     for key in ("GB_BYTES", "DB_BYTES"):
         if values[key] not in (4, 8, 16):
             raise ValueError(f"{key} must be 4, 8 or 16, got {values[key]}")
+        if values["W_FP8"] and values[key] < 8:
+            raise ValueError(f"W_FP8 loads {key} / 2 bytes of weights per activation chunk: {key} must be 8 or 16, "
+                             f"got {values[key]}")
     if values["DB_WARPS"] == 0:  # the tensor-core down wants more warps per block (one block per SM)
         values["DB_WARPS"] = auto_down_warps(dims, values)
         if values["DB_WARPS"] == MMA_WIDE_DOWN_WARPS and values["DB_MAX_REGS"] == DEFAULTS["DB_MAX_REGS"]:
@@ -323,6 +328,13 @@ def max_tokens(top_k: int = 1, **params: Any) -> int:
 MMA_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1, "PAIR_TILES": 1,  # both on tensor cores
              "DB_GROUPED": -1, "DB_NBLK": 0}
 MIXED_KNOBS = {"DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1}  # FMA gate_up (bitwise strict's), tensor-core down
+# The FP8 paths (fp8-block128 weights, W_FP8): FMA kernels with 8-value chunks (GB_BYTES 16: the gate_up's
+# intermediate is then bitwise the strict FP8 kernel's; the down capped at 160 registers, which its scales and
+# widening need to stay spill-free at the qwen3 shapes from T = 1 to 64 -- 128 spills at qwen3-235b T = 16,
+# launch bounds alone at qwen3-30b T = 1), and the tensor-core path with the bf16 path's knobs. First choices,
+# to be swept on the H200.
+FP8_KNOBS = {"W_FP8": 1, "GB_BYTES": 16, "DB_MAX_REGS": 160}
+MMA_FP8_KNOBS = {**MMA_KNOBS, "W_FP8": 1}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -393,11 +405,22 @@ def sum_blocks(dims: Dims) -> int:
     return -(-dims.tokens * (dims.hidden // 4) // SUM_THREADS)
 
 
+NO_SCALES = np.uint64(0)  # the scale pointer of bf16 weights (never read)
+
+
+def weight_args(w: Any, fp8: bool) -> tuple[Any, Any]:
+    """A weight matrix as the kernels take it: (values, scales) of fp8-block128 weights (W_FP8), (bf16 array, null)
+    otherwise."""
+    return (w.values, w.scales) if fp8 else (w, NO_SCALES)
+
+
 def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any,
            out: Any) -> list[Stage]:
     """The layer as three launches (expert_lists, gate_up, down) of ``compiled``'s kernels into its workspace, four
     with DB_GROUPED (+ sum)."""
     params, d, ws = compiled.params, compiled.dims, compiled.workspace
+    w13, s13 = weight_args(w13, bool(params["W_FP8"]))
+    w2, s2 = weight_args(w2, bool(params["W_FP8"]))
     lists_k, gate_up_k, down_k, *sum_k = (compiled.kernels[name] for name in kernel_names(params))
     i32 = np.int32
     n_slots = slots(d)
@@ -417,18 +440,18 @@ def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_we
 
     def gate_up() -> None:
         launch_ex(gate_up_k, (gate_up_blocks(d, params),), (params["GB_WARPS"] * 32,),
-                  (x, w13, ws.lists, ws.intermediate, i32(d.hidden), i32(d.intermediate), i32(d.experts),
+                  (x, w13, s13, ws.lists, ws.intermediate, i32(d.hidden), i32(d.intermediate), i32(d.experts),
                    i32(d.top_k), i32(n_slots), i32(d.tokens * d.top_k)), programmatic=programmatic)
 
     def down() -> None:
         launch_ex(down_k, (down_blocks(d, params),), (params["DB_WARPS"] * 32,),
-                  (ws.intermediate, w2, topk_ids, topk_weights, ws.lists, out, out_f32, i32(d.tokens), i32(d.hidden),
-                   i32(d.intermediate), i32(d.experts), i32(d.top_k), i32(n_slots)),
+                  (ws.intermediate, w2, s2, topk_ids, topk_weights, ws.lists, out, out_f32, i32(d.tokens),
+                   i32(d.hidden), i32(d.intermediate), i32(d.experts), i32(d.top_k), i32(n_slots)),
                   shared_mem=down_shared, programmatic=programmatic)
 
     def down_grouped() -> None:
         launch_ex(down_k, (down_blocks(d, params),), (params["DB_WARPS"] * 32,),
-                  (ws.intermediate, w2, topk_weights, ws.lists, ws.pair_out, i32(d.hidden), i32(d.intermediate),
+                  (ws.intermediate, w2, s2, topk_weights, ws.lists, ws.pair_out, i32(d.hidden), i32(d.intermediate),
                    i32(d.experts), i32(d.top_k), i32(n_slots), i32(d.tokens * d.top_k)), programmatic=programmatic)
 
     def sum_slots() -> None:
@@ -465,7 +488,10 @@ SOURCE = FAMILY.source
 # mixed paths as they run (auto knobs resolved)
 SOURCE.variants = [*preset_variants(resolve_params, DEFAULTS), resolve_params(None, **MMA_KNOBS),
                    resolve_params(None, **MIXED_KNOBS),
-                   resolve_params(None, **MMA_KNOBS, DB_WARPS=MMA_WIDE_DOWN_WARPS, DB_MAX_REGS=0)]
+                   resolve_params(None, **MMA_KNOBS, DB_WARPS=MMA_WIDE_DOWN_WARPS, DB_MAX_REGS=0),
+                   resolve_params(None, **FP8_KNOBS),
+                   resolve_params(None, **MMA_KNOBS, W_FP8=1),
+                   resolve_params(None, **{**MMA_KNOBS, "W_FP8": 1, "DB_GROUPED": 1})]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -486,9 +512,15 @@ def warp_decode_batched(
     With ``out`` and ``workspace`` (``make_workspace(dims)``) given nothing is allocated and nothing syncs
     with the host (value checks of ``topk_ids`` are skipped during CUDA-graph capture; the kernels guard
     every id: a bad id makes that token's output NaN). ``params``: compile-time knobs (:data:`DEFAULTS`).
+    fp8-block128 weights (``kernels.quantize_weights(w13, w2, "fp8-block128")``) run the W_FP8 kernels.
     """
-    cupy = require_cupy(x=x, w13=w13, w2=w2, topk_ids=topk_ids, topk_weights=topk_weights)
-    dims = check_inputs(x, w13, w2, topk_ids, topk_weights)
+    fp8 = isinstance(w13, Quantized)  # fp8-block128 weights run the W_FP8 kernels (the default for them)
+    fmt = FP8_BLOCK128 if fp8 else "bf16"
+    cupy = require_cupy(x=x, topk_ids=topk_ids, topk_weights=topk_weights,
+                        **({"w13.values": w13.values} if fp8 else {"w13": w13}),
+                        **({"w2.values": w2.values} if isinstance(w2, Quantized) else {"w2": w2}))
+    params = {"W_FP8": int(fp8), **params}
+    dims = check_inputs(x, w13, w2, topk_ids, topk_weights, weight_format=fmt)
     if out is not None:
         require_cupy(out=out)
         check_out(out, dims, cupy)
@@ -499,10 +531,13 @@ def warp_decode_batched(
         if not workspace.matches(dims):
             raise ValueError(f"workspace was made for {workspace.dims}, this call needs {dims}")
     resolved = resolve_params(dims, **params)  # knob errors first (no device call), then the alignment, the compile
+    if resolved["W_FP8"] != int(fp8):
+        raise ValueError(f"W_FP8 {resolved['W_FP8']} reads {'fp8-block128' if resolved['W_FP8'] else 'bf16'} "
+                         f"weights, but w13 / w2 are {'fp8-block128' if fp8 else 'bf16'}")
     if workspace is not None and resolved["DB_GROUPED"] and workspace.pair_out is None:
         raise ValueError("workspace has no per-pair rows, which the grouped down (DB_GROUPED 1) writes: make it with "
                          "make_workspace(dims, **params) for these knobs")
-    check_aligned(x=x, w13=w13, w2=w2)
+    check_aligned(x=x, w13=w13.values if fp8 else w13, w2=w2.values if fp8 else w2)
     compiled = FAMILY.compile(dims, workspace=workspace, **params)
     if out is None:
         out = cupy.empty((dims.tokens, dims.hidden), dtype=BF16)
@@ -536,3 +571,16 @@ MIXED_VARIANT = _register_path(
     "batched warp decode: FMA gate_up, tensor-core down (16 hidden columns per block, 16-24 warps)",
     {"GB_WARPS": [4, 8], "GB_UNROLL": [2, 4], "DB_WARPS": [8, 16], "DB_UNROLL": [2, 4]},
 )
+
+
+FP8_VARIANT = register(FAMILY.variant(
+    "cupy:warp-decode-batched-fp8", knobs=FP8_KNOBS, reference_mode="warp_decode", weight_format=FP8_BLOCK128.name,
+    description="batched warp decode on fp8-block128 weights: e4m3fn chunks widened and scaled in registers",
+    grid={"GB_WARPS": [4, 8], "GB_OUTS": [1, 2, 4], "GB_UNROLL": [1, 2, 4], "DB_WARPS": [4, 8], "DB_OUTS": [2, 4, 8],
+          "DB_UNROLL": [1, 2, 3]}))
+MMA_FP8_VARIANT = register(FAMILY.variant(
+    "cupy:warp-decode-mma-fp8", knobs=MMA_FP8_KNOBS, reference_mode="warp_decode", weight_format=FP8_BLOCK128.name,
+    description="batched warp decode on tensor cores, fp8-block128 weights: e4m3fn -> bf16 fragments, each 32-wide "
+    "k block's FP32 partial scaled",
+    grid={"GB_WARPS": [2, 4, 8], "GB_UNROLL": [4, 8], "GB_NBLK": [1, 2], "DB_WARPS": [4, 8], "DB_UNROLL": [4, 8],
+          "DB_NBLK": [1, 2]}))

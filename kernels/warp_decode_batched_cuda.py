@@ -14,9 +14,9 @@ intermediate is bitwise equal to the strict kernel's at equal load width).
 
 from __future__ import annotations
 
-from kernels.device_helpers import MMA_HELPERS, PDL_HELPERS, WARP_HELPERS
+from kernels.device_helpers import FP8_HELPERS, MMA_HELPERS, PDL_HELPERS, WARP_HELPERS
 
-CODE = WARP_HELPERS + PDL_HELPERS + r"""
+CODE = WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + r"""
 // Batched warp decode for MoE decode: every expert's weights are read ONCE per batch (per token tile).
 // bf16 travels as raw 16-bit patterns: widening is a shift / mask, narrowing is integer RNE.
 // Knobs (#defines set by kernels.compile):
@@ -41,6 +41,12 @@ CODE = WARP_HELPERS + PDL_HELPERS + r"""
 //   DB_GROUPED 1 (with DB_MMA, PAIR_TILES): the down as gate_up is, one block row per tile: moe_down_grouped's warp
 //   owns 16 hidden rows of the tile's expert over the whole I and writes each pair's weighted FP32 row; a fourth
 //   kernel, moe_sum_slots, sums a token's K rows in slot order (the reference's order) and rounds once
+//   W_FP8 1: the weights are fp8-block128 (kernels/formats.py): e4m3fn bytes in the bf16 layouts and a float32
+//   scale per 128 x 128 block (s13: gate's block rows, then up's; s2). The FMA kernels load GB_BYTES / 2 (DB_BYTES
+//   / 2) bytes of weights per chunk -- the values of a GB_BYTES activation chunk -- and multiply each widened
+//   value by its block's scale (the dequantized weight, as the strict FP8 kernels); the tensor-core kernels feed
+//   the values to mma.sync as bf16 (exact, times 2^-112) and scale each 32-wide k block's FP32 partial by its
+//   block's scale. Activations stay bf16, accumulation FP32. With W_FP8 0 the scale pointers are never read.
 static_assert(LIST_THREADS >= 32 && LIST_THREADS <= 1024 && LIST_THREADS % 32 == 0, "LIST_THREADS: 32..1024, x32");
 static_assert(LIST_PER >= 1 && LIST_PER <= 16, "LIST_PER must be 1..16");
 static_assert(GB_WARPS >= 1 && GB_WARPS <= 32 && DB_WARPS >= 1 && DB_WARPS <= 32, "WARPS must be 1..32");
@@ -58,6 +64,35 @@ static_assert(DB_BALANCE == 0 || (DB_BALANCE == 1 && DB_MMA == 1), "DB_BALANCE i
 static_assert(PAIR_TILES == 0 || (PAIR_TILES == 1 && GB_MMA == 1), "PAIR_TILES is 0 or 1 (1 needs GB_MMA 1)");
 static_assert(DB_GROUPED == 0 || (DB_GROUPED == 1 && DB_MMA == 1 && PAIR_TILES == 1),
               "DB_GROUPED is 0 or 1 (1 needs DB_MMA 1 and PAIR_TILES 1)");
+static_assert(W_FP8 == 0 || (W_FP8 == 1 && GB_BYTES >= 8 && DB_BYTES >= 8), "W_FP8 is 0 or 1 (1 needs BYTES >= 8)");
+#if W_FP8
+typedef unsigned char weight_t;                   // e4m3fn bytes
+#define GB_WBYTES (GB_BYTES / 2)                  // a weight chunk holds the values of an activation chunk
+#define DB_WBYTES (DB_BYTES / 2)
+#else
+typedef bf16_t weight_t;
+#define GB_WBYTES GB_BYTES
+#define DB_WBYTES DB_BYTES
+#endif
+// The scales of weight row `row` (in units of the matrix's rows) of expert e: w13's gate row i at (e * 2 IB +
+// i / 128) * HB, its up row at (e * 2 IB + IB + i / 128) * HB; w2's row h at (e * HB + h / 128) * IB.
+__device__ __forceinline__ const float* scale_row(const float* scales, long long block_row, int col_blocks) {
+    return scales + block_row * col_blocks;
+}
+// value pair w (0 .. BYTES/4 - 1 of the activation chunk) of weight chunk wv, dequantized: bf16 widened, or
+// e4m3fn widened and multiplied by its block's scale (rounded once in FP32, as the reference reads it)
+template <typename W>
+__device__ __forceinline__ void weight_pair(const W& wv, int w, float scale, float& lo, float& hi) {
+#if W_FP8
+    e4m3x2_to_f32(word(wv, w / 2) >> (16 * (w % 2)), lo, hi);
+    lo = __fmul_rn(lo, scale);
+    hi = __fmul_rn(hi, scale);
+#else
+    (void)scale;
+    lo = bf16_lo(word(wv, w));
+    hi = bf16_hi(word(wv, w));
+#endif
+}
 #define TILE_PAIRS (8 * GB_NBLK)  // pairs per tile of the tile table: one pass of the tensor-core gate_up
 #define DOWN_WAITS_LATE DB_EARLY_W2  // the tensor-core down's wait follows its first A (w2) loads
 
@@ -289,10 +324,15 @@ __device__ __forceinline__ bool slot_unused(const ListSlot& s, int a) {
 //   round: for each pair of the tile, the same chunks of x[t] (L1 hits) and the FMAs in the strict
 //          kernel's per-lane order into gate_acc[tt][o] / up_acc[tt][o] (FP32 registers)
 // ------------------------------------------------------------------------------------------------
-template <typename V>
-__device__ __forceinline__ void gate_up_load_round(V (&wg)[GB_UNROLL][GB_OUTS], V (&wu)[GB_UNROLL][GB_OUTS],
-                                                   const V* const (&gate_row)[GB_OUTS],
-                                                   const V* const (&up_row)[GB_OUTS], int base, int chunks, int lane) {
+// (W_FP8: each chunk's block scale too, sg / su: chunk c holds values c * GB_BYTES / 2 .., one 128-block)
+template <typename W>
+__device__ __forceinline__ void gate_up_load_round(W (&wg)[GB_UNROLL][GB_OUTS], W (&wu)[GB_UNROLL][GB_OUTS],
+                                                   float (&sg)[GB_UNROLL][GB_OUTS], float (&su)[GB_UNROLL][GB_OUTS],
+                                                   const W* const (&gate_row)[GB_OUTS],
+                                                   const W* const (&up_row)[GB_OUTS],
+                                                   const float* const (&gate_scale)[GB_OUTS],
+                                                   const float* const (&up_scale)[GB_OUTS], int base, int chunks,
+                                                   int lane) {
     #pragma unroll
     for (int j = 0; j < GB_UNROLL; ++j) {
         const int c = base + j * 32 + lane;
@@ -301,12 +341,21 @@ __device__ __forceinline__ void gate_up_load_round(V (&wg)[GB_UNROLL][GB_OUTS], 
         for (int o = 0; o < GB_OUTS; ++o) {
             wg[j][o] = ldg_chunk(gate_row[o], c, ok);
             wu[j][o] = ldg_chunk(up_row[o], c, ok);
+#if W_FP8
+            const int block = ok ? c * (GB_BYTES / 2) / FP8_BLOCK : 0;
+            sg[j][o] = __ldg(gate_scale[o] + block);
+            su[j][o] = __ldg(up_scale[o] + block);
+#else
+            sg[j][o] = su[j][o] = 1.0f;
+#endif
         }
     }
 }
 
-template <typename V>
-__device__ __forceinline__ void gate_up_round(const V (&wg)[GB_UNROLL][GB_OUTS], const V (&wu)[GB_UNROLL][GB_OUTS],
+template <typename V, typename W>
+__device__ __forceinline__ void gate_up_round(const W (&wg)[GB_UNROLL][GB_OUTS], const W (&wu)[GB_UNROLL][GB_OUTS],
+                                              const float (&sg)[GB_UNROLL][GB_OUTS],
+                                              const float (&su)[GB_UNROLL][GB_OUTS],
                                               const V* const (&x_row)[GB_TILE], int n, int base, int chunks, int lane,
                                               float zero, float (&gate_acc)[GB_TILE][GB_OUTS],
                                               float (&up_acc)[GB_TILE][GB_OUTS]) {
@@ -328,10 +377,13 @@ __device__ __forceinline__ void gate_up_round(const V (&wg)[GB_UNROLL][GB_OUTS],
                     const float x_lo = bf16_lo(word(xv[j], w)), x_hi = bf16_hi(word(xv[j], w));
                     #pragma unroll
                     for (int o = 0; o < GB_OUTS; ++o) {
-                        gate_acc[tt][o] = fmaf(bf16_lo(word(wg[j][o], w)), x_lo, gate_acc[tt][o]);
-                        gate_acc[tt][o] = fmaf(bf16_hi(word(wg[j][o], w)), x_hi, gate_acc[tt][o]);
-                        up_acc[tt][o] = fmaf(bf16_lo(word(wu[j][o], w)), x_lo, up_acc[tt][o]);
-                        up_acc[tt][o] = fmaf(bf16_hi(word(wu[j][o], w)), x_hi, up_acc[tt][o]);
+                        float g_lo, g_hi, u_lo, u_hi;
+                        weight_pair(wg[j][o], w, sg[j][o], g_lo, g_hi);
+                        weight_pair(wu[j][o], w, su[j][o], u_lo, u_hi);
+                        gate_acc[tt][o] = fmaf(g_lo, x_lo, gate_acc[tt][o]);
+                        gate_acc[tt][o] = fmaf(g_hi, x_hi, gate_acc[tt][o]);
+                        up_acc[tt][o] = fmaf(u_lo, x_lo, up_acc[tt][o]);
+                        up_acc[tt][o] = fmaf(u_hi, x_hi, up_acc[tt][o]);
                     }
                 }
             }
@@ -354,13 +406,15 @@ __device__ __forceinline__ void gate_up_round(const V (&wg)[GB_UNROLL][GB_OUTS],
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
     const bf16_t* __restrict__ x,             // [T, H]
-    const bf16_t* __restrict__ w13,           // [E, 2I, H]
+    const weight_t* __restrict__ w13,         // [E, 2I, H]
+    const float* __restrict__ s13,            // W_FP8: [E, 2 ceil(I/128), ceil(H/128)]
     const int* __restrict__ lists,            // from moe_expert_lists
     bf16_t* __restrict__ intermediate,        // [T, K, I]
     int hidden, int inter, int experts, int top_k, int slots, int n_pairs)
 {
     (void)n_pairs;                                                   // the tensor-core gate_up's tile table
     typedef typename Vec<GB_BYTES>::T vec_t;
+    typedef typename Vec<GB_WBYTES>::T wvec_t;                       // the weights' chunk (W_FP8: half the bytes)
     const int lane = threadIdx.x & 31;
     const int per_slot = (inter + GB_WARPS * GB_OUTS - 1) / (GB_WARPS * GB_OUTS);   // blocks per slot
     const int a = blockIdx.x / per_slot;
@@ -382,14 +436,19 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
     }
 
     const int chunks = hidden / (GB_BYTES / 2);                      // H % 8 == 0: whole chunks only
-    const vec_t* gate_row[GB_OUTS];
-    const vec_t* up_row[GB_OUTS];
+    const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
+    const wvec_t* gate_row[GB_OUTS];
+    const wvec_t* up_row[GB_OUTS];
+    const float* gate_scale[GB_OUTS];
+    const float* up_scale[GB_OUTS];
     #pragma unroll
     for (int o = 0; o < GB_OUTS; ++o) {
         const int i = min(i0 + o, inter - 1);                        // past-the-end neurons re-read the last row
         const size_t row = ((size_t)e * 2 * inter + i) * (size_t)hidden;
-        gate_row[o] = reinterpret_cast<const vec_t*>(w13 + row);
-        up_row[o] = reinterpret_cast<const vec_t*>(w13 + row + (size_t)inter * hidden);
+        gate_row[o] = reinterpret_cast<const wvec_t*>(w13 + row);
+        up_row[o] = reinterpret_cast<const wvec_t*>(w13 + row + (size_t)inter * hidden);
+        gate_scale[o] = scale_row(s13, (long long)e * 2 * iblocks + i / FP8_BLOCK, hblocks);
+        up_scale[o] = scale_row(s13, (long long)e * 2 * iblocks + iblocks + i / FP8_BLOCK, hblocks);
     }
 
     for (int tile = 0; tile < count; tile += GB_TILE) {              // usually ONE pass (count <= GB_TILE)
@@ -409,11 +468,12 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
         constexpr int STEP = 32 * GB_UNROLL;                         // chunks per round (all lanes)
         for (int base = 0; base < chunks; base += STEP) {
             // 1) every weight load of the round (2 * GB_OUTS * GB_UNROLL per lane): read once for the tile
-            vec_t wg[GB_UNROLL][GB_OUTS], wu[GB_UNROLL][GB_OUTS];
-            gate_up_load_round(wg, wu, gate_row, up_row, base, chunks, lane);
+            wvec_t wg[GB_UNROLL][GB_OUTS], wu[GB_UNROLL][GB_OUTS];
+            float sg[GB_UNROLL][GB_OUTS], su[GB_UNROLL][GB_OUTS];
+            gate_up_load_round(wg, wu, sg, su, gate_row, up_row, gate_scale, up_scale, base, chunks, lane);
             const float zero = __uint_as_float(all_loads_arrived(wg) | all_loads_arrived(wu));
             // 2) per pair of the tile: its x chunks (L1 hits), FMAs in the strict kernel's order
-            gate_up_round(wg, wu, x_row, n, base, chunks, lane, zero, gate_acc, up_acc);
+            gate_up_round(wg, wu, sg, su, x_row, n, base, chunks, lane, zero, gate_acc, up_acc);
         }
 
         #pragma unroll
@@ -503,7 +563,8 @@ __device__ __forceinline__ void write_block_outputs(const float* partial, const 
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void DB_BOUNDS moe_down_batched(
     const bf16_t* __restrict__ intermediate,  // [T, K, I]
-    const bf16_t* __restrict__ w2,            // [E, H, I]
+    const weight_t* __restrict__ w2,          // [E, H, I]
+    const float* __restrict__ s2,             // W_FP8: [E, ceil(H/128), ceil(I/128)]
     const int* __restrict__ topk_ids,         // [T, K]
     const float* __restrict__ topk_weights,   // [T, K]
     const int* __restrict__ lists,            // from moe_expert_lists
@@ -511,6 +572,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
     int out_f32, int tokens, int hidden, int inter, int experts, int top_k, int slots)
 {
     typedef typename Vec<DB_BYTES>::T vec_t;
+    typedef typename Vec<DB_WBYTES>::T wvec_t;                       // the weights' chunk (W_FP8: half the bytes)
     constexpr int WORDS = DB_BYTES / 4;
 #ifdef WD_HOST_EMULATION
     float* partial = wdb_dynamic_shared;                             // the CPU emulation's buffer
@@ -524,17 +586,21 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
     down_prologue(mine, tokens * DB_OUTS, lane);
 
     const int chunks = inter / (DB_BYTES / 2);                       // I % 8 == 0: whole chunks only
+    const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
+    (void)hblocks;
     const int used = __ldg(lists);
     for (int a = warp; a < used; a += DB_WARPS) {
         const int e = __ldg(list_expert(lists) + a);
         if (e >= experts) continue;                                  // the bad-id slot: NaN below
         const int count = __ldg(list_count(lists, slots) + a);
         const int* pairs = sorted_pairs(lists, slots) + __ldg(list_offset(lists, slots) + a);
-        const vec_t* rows[DB_OUTS];
+        const wvec_t* rows[DB_OUTS];
+        const float* row_scale[DB_OUTS];
         #pragma unroll
         for (int o = 0; o < DB_OUTS; ++o) {
             const int h = min(h0 + o, hidden - 1);                   // past-the-end columns re-read the last row
-            rows[o] = reinterpret_cast<const vec_t*>(w2 + ((size_t)e * hidden + h) * inter);
+            rows[o] = reinterpret_cast<const wvec_t*>(w2 + ((size_t)e * hidden + h) * inter);
+            row_scale[o] = scale_row(s2, (long long)e * hblocks + h / FP8_BLOCK, iblocks);
         }
         for (int tile = 0; tile < count; tile += DB_TILE) {
             const int n = min(DB_TILE, count - tile);
@@ -550,12 +616,20 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
 
             for (int c0 = 0; c0 < chunks; c0 += 32 * DB_UNROLL) {
                 // 1) all DB_UNROLL x DB_OUTS w2 loads of the round (once for the whole tile)
-                vec_t wv[DB_UNROLL][DB_OUTS];
+                wvec_t wv[DB_UNROLL][DB_OUTS];
+                float sv[DB_UNROLL][DB_OUTS];                        // W_FP8: each chunk's block scale
                 #pragma unroll
                 for (int r = 0; r < DB_UNROLL; ++r) {
                     const int c = c0 + r * 32 + lane;
                     #pragma unroll
-                    for (int o = 0; o < DB_OUTS; ++o) wv[r][o] = ldg_chunk(rows[o], c, c < chunks);
+                    for (int o = 0; o < DB_OUTS; ++o) {
+                        wv[r][o] = ldg_chunk(rows[o], c, c < chunks);
+#if W_FP8
+                        sv[r][o] = __ldg(row_scale[o] + (c < chunks ? c * (DB_BYTES / 2) / FP8_BLOCK : 0));
+#else
+                        sv[r][o] = 1.0f;
+#endif
+                    }
                 }
 #if DB_EARLY_INTER
                 // 2) ... and the tile's intermediate chunks in the same breath (L2 hits; pairs past n re-read
@@ -591,8 +665,10 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
                                 const float a_lo = bf16_lo(word(v, w)), a_hi = bf16_hi(word(v, w));
                                 #pragma unroll
                                 for (int o = 0; o < DB_OUTS; ++o) {
-                                    acc[tt][o] = fmaf(bf16_lo(word(wv[r][o], w)), a_lo, acc[tt][o]);
-                                    acc[tt][o] = fmaf(bf16_hi(word(wv[r][o], w)), a_hi, acc[tt][o]);
+                                    float w_lo, w_hi;
+                                    weight_pair(wv[r][o], w, sv[r][o], w_lo, w_hi);
+                                    acc[tt][o] = fmaf(w_lo, a_lo, acc[tt][o]);
+                                    acc[tt][o] = fmaf(w_hi, a_hi, acc[tt][o]);
                                 }
                             }
                         }
@@ -638,26 +714,65 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
 //   C: lane (g, q) holds rows g and g + 8 of columns 2q and 2q + 1.
 // ------------------------------------------------------------------------------------------------
 """ + MMA_HELPERS + r"""
+// The A fragments' chunk: 8 bf16 (16 bytes) or, with W_FP8, 8 e4m3fn (8 bytes) widened to bf16 in registers
+#if W_FP8
+typedef uint2 a_chunk_t;
+#else
+typedef uint4 a_chunk_t;
+#endif
+__device__ __forceinline__ uint4 a_fragment(const uint4& v) { return v; }
+__device__ __forceinline__ uint4 a_fragment(const uint2& v) { return e4m3x8_to_bf16x8(v); }   // value x 2^-112
+// one 32-wide k block into acc; W_FP8: into a zeroed partial first, then acc += partial x 2^112 x the block's scale
+// (s_lo for rows g -- acc[0], acc[1] --, s_hi for rows g + 8)
+__device__ __forceinline__ void mma_k32_scaled(float (&acc)[4], const uint4& lo, const uint4& hi, const uint4& col,
+                                               float s_lo, float s_hi) {
+#if W_FP8
+    float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    mma_k32(part, lo, hi, col);
+    acc[0] = fmaf(part[0] * FP8_UNSCALE, s_lo, acc[0]);
+    acc[1] = fmaf(part[1] * FP8_UNSCALE, s_lo, acc[1]);
+    acc[2] = fmaf(part[2] * FP8_UNSCALE, s_hi, acc[2]);
+    acc[3] = fmaf(part[3] * FP8_UNSCALE, s_hi, acc[3]);
+#else
+    (void)s_lo;
+    (void)s_hi;
+    mma_k32(acc, lo, hi, col);
+#endif
+}
+
 // A warp's k range (chunks c_begin .. c_end - 1, c_begin a multiple of 4), shared by both tensor-core kernels:
 // acc[nb] (zeroed here) = A rows g / g + 8 (rows_lo / rows_hi) times B column g of 8-pair block nb (cols[nb]).
 // Lane q loads chunk 4j + q of each 32-wide k block j; UNROLL k blocks of loads are in flight per lane before
 // the round's first mma.
 // COLS_DEP: B is the previous kernel's output (down's intermediate), loaded through ld_dep after the round's A
 // loads and after wait_once (DB_EARLY_W2: the first round's A loads are issued before the PDL wait).
+// W_FP8: scale_lo / scale_hi are the two rows' block scales along k (a 32-wide k block lies in one 128-block).
 template <int UNROLL, int NB, bool COLS_DEP>
-__device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const uint4* rows_lo, const uint4* rows_hi,
-                                                    const uint4* const (&cols)[NB], int c_begin, int c_end, int q,
-                                                    bool& waited) {
+__device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const a_chunk_t* rows_lo,
+                                                    const a_chunk_t* rows_hi, const float* scale_lo,
+                                                    const float* scale_hi, const uint4* const (&cols)[NB],
+                                                    int c_begin, int c_end, int q, bool& waited) {
     #pragma unroll
     for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
     for (int c0 = c_begin; c0 < c_end; c0 += 4 * UNROLL) {
-        uint4 lo[UNROLL][1], hi[UNROLL][1], col[UNROLL][NB];
+        a_chunk_t lo[UNROLL][1], hi[UNROLL][1];
+        uint4 col[UNROLL][NB];
+        float s_lo[UNROLL], s_hi[UNROLL];
         #pragma unroll
         for (int j = 0; j < UNROLL; ++j) {
             const int c = c0 + 4 * j + q;
             const bool ok = c < c_end;
             lo[j][0] = ldg_chunk(rows_lo, c, ok);
             hi[j][0] = ldg_chunk(rows_hi, c, ok);
+#if W_FP8
+            const int block = c0 + 4 * j < c_end ? (c0 + 4 * j) / (FP8_BLOCK / 8) : 0;   // chunks of 8 values
+            s_lo[j] = __ldg(scale_lo + block);
+            s_hi[j] = __ldg(scale_hi + block);
+#else
+            (void)scale_lo;
+            (void)scale_hi;
+            s_lo[j] = s_hi[j] = 1.0f;
+#endif
             #pragma unroll
             for (int nb = 0; nb < NB; ++nb)
                 if (!COLS_DEP) col[j][nb] = ldg_chunk(cols[nb], c, ok);
@@ -673,9 +788,11 @@ __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const u
         }
         acc[0][0] += __uint_as_float(all_loads_arrived(lo) | all_loads_arrived(hi));   // += 0.0f
         #pragma unroll
-        for (int j = 0; j < UNROLL; ++j)
+        for (int j = 0; j < UNROLL; ++j) {
+            const uint4 a_lo = a_fragment(lo[j][0]), a_hi = a_fragment(hi[j][0]);
             #pragma unroll
-            for (int nb = 0; nb < NB; ++nb) mma_k32(acc[nb], lo[j][0], hi[j][0], col[j][nb]);
+            for (int nb = 0; nb < NB; ++nb) mma_k32_scaled(acc[nb], a_lo, a_hi, col[j][nb], s_lo[j], s_hi[j]);
+        }
     }
 }
 #endif
@@ -705,7 +822,8 @@ __device__ __forceinline__ GateUpItem read_gate_up_item(const int* lists, int sl
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
     const bf16_t* __restrict__ x,             // [T, H]
-    const bf16_t* __restrict__ w13,           // [E, 2I, H]
+    const weight_t* __restrict__ w13,         // [E, 2I, H]
+    const float* __restrict__ s13,            // W_FP8: [E, 2 ceil(I/128), ceil(H/128)]
     const int* __restrict__ lists,            // from moe_expert_lists
     bf16_t* __restrict__ intermediate,        // [T, K, I]
     int hidden, int inter, int experts, int top_k, int slots, int n_pairs)
@@ -730,9 +848,13 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
         return;
     }
     const int i = min(i0 + g, inter - 1);                            // past-the-end neurons re-read the last row
-    const uint4* gate_row = reinterpret_cast<const uint4*>(w13 + ((size_t)e * 2 * inter + i) * (size_t)hidden);
-    const uint4* up_row = reinterpret_cast<const uint4*>(w13 + ((size_t)e * 2 * inter + inter + i) * (size_t)hidden);
-    const int chunks = hidden / 8;                                   // 16-byte chunks (H % 8 == 0)
+    const a_chunk_t* gate_row = reinterpret_cast<const a_chunk_t*>(w13 + ((size_t)e * 2 * inter + i) * (size_t)hidden);
+    const a_chunk_t* up_row =
+        reinterpret_cast<const a_chunk_t*>(w13 + ((size_t)e * 2 * inter + inter + i) * (size_t)hidden);
+    const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
+    const float* gate_scale = scale_row(s13, (long long)e * 2 * iblocks + i / FP8_BLOCK, hblocks);
+    const float* up_scale = scale_row(s13, (long long)e * 2 * iblocks + iblocks + i / FP8_BLOCK, hblocks);
+    const int chunks = hidden / 8;                                   // chunks of 8 values (H % 8 == 0)
 
     for (int tile = 0; tile < count; tile += 8 * GB_NBLK) {
         const int n = min(8 * GB_NBLK, count - tile);
@@ -744,7 +866,8 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
         }
         float acc[GB_NBLK][4];
         bool unused = true;
-        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false>(acc, gate_row, up_row, x_row, 0, chunks, q, unused);
+        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false>(acc, gate_row, up_row, gate_scale, up_scale, x_row, 0, chunks,
+                                                       q, unused);
         #pragma unroll
         for (int nb = 0; nb < GB_NBLK; ++nb)
             #pragma unroll
@@ -777,10 +900,14 @@ struct DownLists {
 // adds in the same order.
 __device__ __forceinline__ void down_mma_pairs(const DownLists& m, int e, const int* pairs, int count, int c_begin,
                                                int c_end, const bf16_t* __restrict__ intermediate,
-                                               const bf16_t* __restrict__ w2, float* mine, int hidden, int inter,
-                                               int top_k, int h_lo, int h_hi, int g, int q, bool& waited) {
-    const uint4* row_lo = reinterpret_cast<const uint4*>(w2 + ((size_t)e * hidden + h_lo) * inter);
-    const uint4* row_hi = reinterpret_cast<const uint4*>(w2 + ((size_t)e * hidden + h_hi) * inter);
+                                               const weight_t* __restrict__ w2, const float* __restrict__ s2,
+                                               float* mine, int hidden, int inter, int top_k, int h_lo, int h_hi,
+                                               int g, int q, bool& waited) {
+    const a_chunk_t* row_lo = reinterpret_cast<const a_chunk_t*>(w2 + ((size_t)e * hidden + h_lo) * inter);
+    const a_chunk_t* row_hi = reinterpret_cast<const a_chunk_t*>(w2 + ((size_t)e * hidden + h_hi) * inter);
+    const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
+    const float* scale_lo = scale_row(s2, (long long)e * hblocks + h_lo / FP8_BLOCK, iblocks);
+    const float* scale_hi = scale_row(s2, (long long)e * hblocks + h_hi / FP8_BLOCK, iblocks);
     for (int tile = 0; tile < count; tile += 8 * DB_NBLK) {
         const int n = min(8 * DB_NBLK, count - tile);
         // lane (g, q) holds column g of each 8-pair block: its pair, routing weight and intermediate row
@@ -796,7 +923,8 @@ __device__ __forceinline__ void down_mma_pairs(const DownLists& m, int e, const 
             inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
         }
         float acc[DB_NBLK][4];
-        mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, row_lo, row_hi, inter_row, c_begin, c_end, q, waited);
+        mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, row_lo, row_hi, scale_lo, scale_hi, inter_row, c_begin,
+                                                      c_end, q, waited);
         #pragma unroll
         for (int nb = 0; nb < DB_NBLK; ++nb) {
             // lane (g, q) holds columns h0+g, h0+g+8 of pairs 2q, 2q+1 of the block: fetch their ids / weights
@@ -839,11 +967,12 @@ __device__ __forceinline__ void down_mma_pairs(const DownLists& m, int e, const 
 }
 
 __device__ __forceinline__ void down_mma_slot(const DownLists& m, int a, int c_begin, int c_end,
-                                              const bf16_t* __restrict__ intermediate, const bf16_t* __restrict__ w2,
+                                              const bf16_t* __restrict__ intermediate,
+                                              const weight_t* __restrict__ w2, const float* __restrict__ s2,
                                               float* mine, int hidden, int inter, int top_k, int h_lo, int h_hi,
                                               int g, int q, bool& waited) {
     down_mma_pairs(m, __ldg(m.expert + a), m.pairs + __ldg(m.offset + a), __ldg(m.count + a), c_begin, c_end,
-                   intermediate, w2, mine, hidden, inter, top_k, h_lo, h_hi, g, q, waited);
+                   intermediate, w2, s2, mine, hidden, inter, top_k, h_lo, h_hi, g, q, waited);
 }
 
 #if !DB_GROUPED  // the grouped down (below) replaces it
@@ -860,7 +989,8 @@ __device__ __forceinline__ void down_mma_slot(const DownLists& m, int a, int c_b
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void DB_BOUNDS moe_down_mma(
     const bf16_t* __restrict__ intermediate,  // [T, K, I]
-    const bf16_t* __restrict__ w2,            // [E, H, I]
+    const weight_t* __restrict__ w2,          // [E, H, I]
+    const float* __restrict__ s2,             // W_FP8: [E, ceil(H/128), ceil(I/128)]
     const int* __restrict__ topk_ids,         // [T, K]
     const float* __restrict__ topk_weights,   // [T, K]
     const int* __restrict__ lists,            // from moe_expert_lists
@@ -880,7 +1010,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
                       sorted_pairs(lists, slots), topk_weights, __ldg(lists) - (__ldg(lists + 2) > 0)};
     down_prologue(mine, tokens * 16, lane);
 
-    const int chunks = inter / 8;                                    // 16-byte chunks (I % 8 == 0)
+    const int chunks = inter / 8;                                    // chunks of 8 values (I % 8 == 0)
     const int h_lo = min(h0 + g, hidden - 1), h_hi = min(h0 + g + 8, hidden - 1);   // past the end: last row
     bool waited = false;
 #if DB_BALANCE
@@ -900,17 +1030,17 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
         const int kb_end = min(kblocks, kb + (item_end - item));
 #if PAIR_TILES
         down_mma_pairs(m, __ldg(TILE_ARRAY(0) + a), m.pairs + __ldg(TILE_ARRAY(1) + a), __ldg(TILE_ARRAY(2) + a),
-                       4 * kb, min(4 * kb_end, chunks), intermediate, w2, mine, hidden, inter, top_k, h_lo, h_hi, g,
-                       q, waited);
+                       4 * kb, min(4 * kb_end, chunks), intermediate, w2, s2, mine, hidden, inter, top_k, h_lo, h_hi,
+                       g, q, waited);
 #else
-        down_mma_slot(m, a, 4 * kb, min(4 * kb_end, chunks), intermediate, w2, mine, hidden, inter, top_k, h_lo,
+        down_mma_slot(m, a, 4 * kb, min(4 * kb_end, chunks), intermediate, w2, s2, mine, hidden, inter, top_k, h_lo,
                       h_hi, g, q, waited);
 #endif
         item += kb_end - kb;
     }
 #else
     for (int a = warp; a < m.good; a += DB_WARPS)
-        down_mma_slot(m, a, 0, chunks, intermediate, w2, mine, hidden, inter, top_k, h_lo, h_hi, g, q, waited);
+        down_mma_slot(m, a, 0, chunks, intermediate, w2, s2, mine, hidden, inter, top_k, h_lo, h_hi, g, q, waited);
 #endif
     down_epilogue_wait();
     __syncthreads();
@@ -931,7 +1061,8 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void DB_BOUNDS moe_down_grouped(
     const bf16_t* __restrict__ intermediate,  // [T, K, I]
-    const bf16_t* __restrict__ w2,            // [E, H, I]
+    const weight_t* __restrict__ w2,          // [E, H, I]
+    const float* __restrict__ s2,             // W_FP8: [E, ceil(H/128), ceil(I/128)]
     const float* __restrict__ topk_weights,   // [T, K]
     const int* __restrict__ lists,            // from moe_expert_lists (the tile table)
     float* __restrict__ pair_out,             // [T*K, H] FP32: each pair's weighted expert output
@@ -952,9 +1083,12 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
     if (a < used && (e | first | count) >= 0 && e < experts && h0 < hidden) {    // warp-uniform
         const int* tile_pairs = sorted_pairs(lists, slots) + first;
         const int h_lo = min(h0 + g, hidden - 1), h_hi = min(h0 + g + 8, hidden - 1);   // past the end: last row
-        const uint4* row_lo = reinterpret_cast<const uint4*>(w2 + ((size_t)e * hidden + h_lo) * inter);
-        const uint4* row_hi = reinterpret_cast<const uint4*>(w2 + ((size_t)e * hidden + h_hi) * inter);
-        const int chunks = inter / 8;                                // 16-byte chunks (I % 8 == 0)
+        const a_chunk_t* row_lo = reinterpret_cast<const a_chunk_t*>(w2 + ((size_t)e * hidden + h_lo) * inter);
+        const a_chunk_t* row_hi = reinterpret_cast<const a_chunk_t*>(w2 + ((size_t)e * hidden + h_hi) * inter);
+        const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
+        const float* scale_lo = scale_row(s2, (long long)e * hblocks + h_lo / FP8_BLOCK, iblocks);
+        const float* scale_hi = scale_row(s2, (long long)e * hblocks + h_hi / FP8_BLOCK, iblocks);
+        const int chunks = inter / 8;                                // chunks of 8 values (I % 8 == 0)
         for (int sub = 0; sub < count; sub += 8 * DB_NBLK) {
             const int n = min(8 * DB_NBLK, count - sub);
             const uint4* inter_row[DB_NBLK];
@@ -964,7 +1098,8 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
                 inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
             }
             float acc[DB_NBLK][4];
-            mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, row_lo, row_hi, inter_row, 0, chunks, q, waited);
+            mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, row_lo, row_hi, scale_lo, scale_hi, inter_row, 0,
+                                                          chunks, q, waited);
             #pragma unroll
             for (int nb = 0; nb < DB_NBLK; ++nb)
                 #pragma unroll

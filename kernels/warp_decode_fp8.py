@@ -20,7 +20,7 @@ import numpy as np
 
 from kernels.compile import CudaSource, launch_ex
 from kernels.contract import BF16, Dims, check_aligned, check_inputs, check_out, require_cupy
-from kernels.device_helpers import PDL_HELPERS, WARP_HELPERS
+from kernels.device_helpers import FP8_HELPERS, PDL_HELPERS, WARP_HELPERS
 from kernels.family import Compiled, KernelFamily, Stage
 from kernels.formats import FP8_BLOCK128, Quantized
 from kernels.variants import register
@@ -28,37 +28,14 @@ from kernels.variants import register
 GATE_UP = "moe_gate_up_fp8"
 DOWN = "moe_down_fp8"
 
-CODE = WARP_HELPERS + PDL_HELPERS + r"""
+CODE = WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + r"""
 // Strict warp decode on fp8-block128 weights: values are e4m3fn bytes in the bf16 layouts, scales float32 per
 // 128 x 128 block (w13: gate's block rows, then up's). Knobs: GU_WARPS / DN_WARPS warps per block, GU_UNROLL /
 // DN_UNROLL chunk rounds in flight per lane, DN_SLOTS routed slots whose w2 rows load together, PDL.
 static_assert(GU_WARPS >= 1 && GU_WARPS <= 32 && DN_WARPS >= 1 && DN_WARPS <= 32, "WARPS must be 1..32");
 static_assert(GU_UNROLL >= 1 && DN_UNROLL >= 1, "UNROLL must be >= 1");
 static_assert(DN_SLOTS >= 1 && DN_SLOTS <= 32, "DN_SLOTS must be 1..32");
-#define FP8_BLOCK 128
 #define CHUNKS_PER_BLOCK (FP8_BLOCK / 8)   // 8 values per chunk: a chunk lies inside one scale block
-
-#ifdef WD_HOST_EMULATION
-inline float e4m3_decode(u32 b) {                          // the g++ emulation's software decode
-    const u32 mag = b & 0x7Fu;
-    const float sign = (b & 0x80u) ? -1.0f : 1.0f;
-    if (mag == 0x7Fu) return __uint_as_float(0x7fc00000u);  // e4m3fn's NaN
-    const int exp = (int)(mag >> 3), man = (int)(mag & 7u);
-    return sign * (exp == 0 ? ldexpf((float)man, -9) : ldexpf(1.0f + man / 8.0f, exp - 7));
-}
-#endif
-// the two e4m3fn bytes of a 16-bit half word -> two floats (exact: e4m3fn -> f16 -> f32 lose nothing)
-__device__ __forceinline__ void e4m3x2_to_f32(u32 pair, float& lo, float& hi) {
-#ifdef WD_HOST_EMULATION
-    lo = e4m3_decode(pair & 0xFFu);
-    hi = e4m3_decode((pair >> 8) & 0xFFu);
-#else
-    u32 h2;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)(pair & 0xFFFFu)));
-    asm("{\n\t.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
-        : "=f"(lo), "=f"(hi) : "r"(h2));
-#endif
-}
 
 // acc += sum over the chunk's 8 values of (value x scale) x activation: words of the 8-byte weight chunk w8 hold
 // values 4w .. 4w+3, words of the 16-byte activation chunk a16 values 2v, 2v+1; ``weight`` scales the activations

@@ -208,7 +208,7 @@ def test_cpu_path_end_to_end(tmp_path):
     assert all(r["rel_l2"] < 0.1 for r in cpu["reference"])
     assert [r["batch"] for r in cpu["expected_bytes"]] == [1, 4]
     assert cpu["simulator"]["status"] == "ok" and [c["case"] for c in cpu["simulator"]["cases"]] == [
-        "numba:warp-decode tiny T=1"]
+        "numba:warp-decode tiny T=1", "numba:warp-decode-fp8 tiny T=1"]
     kernels = {(row["variant"], row["kernel"]) for row in cpu["compile"]}
     assert ("numba:warp-decode", "moe_down_3d_batched") in kernels
     assert ("cupy:warp-decode", "moe_gate_up_3d_batched") in kernels

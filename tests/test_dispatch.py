@@ -486,7 +486,9 @@ def test_build_returns_the_chosen_launch(monkeypatch: pytest.MonkeyPatch, policy
                      quant="fp8", params={"fuse_scatter": True})
     asked: list[tuple[Any, ...]] = []
 
-    def choose(got: Dims, gpu: Any = None, table_dir: Any = None, policy: str = "fastest") -> tuple[str, str]:
+    def choose(got: Dims, gpu: Any = None, table_dir: Any = None, policy: str = "fastest",
+               weight_format: str = "bf16") -> tuple[str, str]:
+        assert weight_format == "bf16"
         asked.append((got, policy))
         return EC, "table"
 

@@ -62,14 +62,14 @@ def test_bench_bytes_follow_the_format() -> None:
 
 
 def test_variants_default_to_bf16() -> None:
-    """Every library variant reads bf16 weights unless its kernel family is an FP8 one, which says so."""
+    """Every library variant reads bf16 weights but the FP8 paths, which say so (the bench then gives them fp8
+    copies and counts FP8 bytes)."""
     from kernels.variants import load_builtin
 
-    variants = load_builtin().values()
-    fp8_families = {"warp-decode-fp8"}
-    assert {v.weight_format for v in variants if v.family not in fp8_families} == {"bf16"}
-    assert {v.name: v.weight_format for v in variants if v.family in fp8_families} == {
-        "cupy:warp-decode-fp8": "fp8-block128", "numba:warp-decode-fp8": "fp8-block128"}
+    formats = {v.name: v.weight_format for v in load_builtin().values() if not v.prototype}
+    assert {name: fmt for name, fmt in formats.items() if fmt != "bf16"} == dict.fromkeys(
+        ["cupy:warp-decode-fp8", "numba:warp-decode-fp8", "cupy:warp-decode-batched-fp8", "cupy:warp-decode-mma-fp8",
+         "cupy:auto-fp8"], "fp8-block128")
 
 
 class ExpertScaled(WeightFormat):

@@ -59,6 +59,9 @@ int main(int argc, char** argv) {
     FILE* f = fopen((dir + "/out.bin").c_str(), "wb");
     fwrite(out.data(), 1, (size_t)T * H * (f32 ? 4 : 2), f);
     fclose(f);
+    f = fopen((dir + "/inter.bin").c_str(), "wb");
+    fwrite(inter.data(), 2, inter.size(), f);
+    fclose(f);
     return 0;
 }
 """
@@ -70,8 +73,8 @@ def _dims(problem: Problem) -> Dims:
 
 
 def _emulate(problem: Problem, q13: Quantized, q2: Quantized, ids: np.ndarray | None = None,
-             out_dtype: Any = BF16, **params: int) -> np.ndarray:
-    """The two kernels' CUDA C on the CPU; returns out [T, H]."""
+             out_dtype: Any = BF16, intermediate: bool = False, **params: int) -> Any:
+    """The two kernels' CUDA C on the CPU; returns out [T, H] (``intermediate``: and the [T, K, I] bf16 bits)."""
     dims = _dims(problem)
     f32 = int(np.dtype(out_dtype) == np.float32)
     binary = build_emulator(wdf.SOURCE.render(**wdf.FAMILY.resolve(dims, **params)), EMULATION_HARNESS)
@@ -85,7 +88,9 @@ def _emulate(problem: Problem, q13: Quantized, q2: Quantized, ids: np.ndarray | 
         problem.topk_weights.tofile(f"{tmp}/wts.bin")
         run_emulator(binary, dims.tokens, dims.hidden, dims.intermediate, dims.experts, dims.top_k, f32, tmp)
         raw = np.fromfile(f"{tmp}/out.bin", np.float32 if f32 else np.uint16)
-    return raw.reshape(dims.tokens, dims.hidden) if f32 else raw.view(BF16).reshape(dims.tokens, dims.hidden)
+        inter = np.fromfile(f"{tmp}/inter.bin", np.uint16).reshape(dims.tokens, dims.top_k, dims.intermediate)
+    out = raw.reshape(dims.tokens, dims.hidden) if f32 else raw.view(BF16).reshape(dims.tokens, dims.hidden)
+    return (out, inter) if intermediate else out
 
 
 def _fp8_references(problem: Problem, q13: Quantized, q2: Quantized, ids: np.ndarray | None = None,

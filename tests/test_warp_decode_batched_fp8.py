@@ -1,0 +1,269 @@
+"""Batched and tensor-core warp decode on fp8-block128 weights (W_FP8: kernels/warp_decode_batched*.py).
+
+CPU: the kernels' own CUDA C through the g++ emulation (the batched tests' harness) against
+``reference.moe_decode(mode="warp_decode", weight_format="fp8-block128")`` and the fp64 oracle on the same weights:
+partial scale blocks at both edges (H = 200 / 136, I = 136 / 48), the FMA gate_up's intermediate bitwise the strict
+FP8 kernel's, the tensor-core kernels (tiles, balanced and grouped downs), bad ids; the e4m3 -> bf16 fragment trick
+over all 256 bytes; the sm_90 compile without spills. GPU: presets and routings, bitwise repeats, graph replay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kernels import warp_decode_batched as wdb
+from kernels import warp_decode_fp8 as wdf
+from kernels.contract import BF16, Dims
+from kernels.formats import FP8, FP8_BLOCK128, quantize_weights
+from kernels.problem import Problem, make_problem
+from kernels.reference import moe_decode
+from kernels.shapes import MoEShape
+from tests.test_warp_decode_batched import (
+    EMULATION_HARNESS,
+    MULTI_SHAPE,
+    _assert_lists_equal,
+    _tile_pairs,
+    _unpack_lists,
+    _write_inputs,
+    expert_lists_numpy,
+)
+from tests.test_warp_decode_fp8 import _emulate as strict_fp8_emulation
+from tests.warp_checks import _assert_matches, _poisoned_out, _seed, build_emulator, run_emulator, slow_except
+
+FMT = FP8_BLOCK128.name
+
+
+def _fp8_problem(problem: Problem) -> Problem:
+    """The problem with its weights in fp8-block128 (host arrays: e4m3fn values, float32 scales)."""
+    q13, q2 = quantize_weights(problem.w13, problem.w2, FMT)
+    return dataclasses.replace(problem, w13=q13, w2=q2)
+
+
+def _dims(problem: Problem) -> Dims:
+    s = problem.shape
+    return Dims(problem.tokens, s.hidden, s.intermediate, s.experts, s.top_k)
+
+
+def _emulate(problem: Problem, ids: np.ndarray | None = None, out_dtype: Any = BF16,
+             **params: int) -> dict[str, np.ndarray]:
+    dims = _dims(problem)
+    resolved = wdb.resolve_params(dims, W_FP8=1, **params)
+    binary = build_emulator(wdb.SOURCE.render(**resolved), EMULATION_HARNESS)
+    f32 = int(np.dtype(out_dtype) == np.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        _write_inputs(tmp, problem, ids)
+        run_emulator(binary, dims.tokens, dims.hidden, dims.intermediate, dims.experts, dims.top_k, f32,
+                     wdb.gate_up_blocks(dims, resolved), wdb.down_blocks(dims, resolved), wdb.slots(dims),
+                     wdb.lists_size(dims), tmp)
+        raw = np.fromfile(f"{tmp}/out.bin", np.float32 if f32 else np.uint16)
+        inter = np.fromfile(f"{tmp}/inter.bin", np.uint16).reshape(dims.tokens, dims.top_k, dims.intermediate)
+        lists = np.fromfile(f"{tmp}/lists.bin", np.int32)
+    out = raw.reshape(dims.tokens, dims.hidden) if f32 else raw.view(BF16).reshape(dims.tokens, dims.hidden)
+    return {"out": out, "inter": inter, "lists": lists}
+
+
+def _strict_fp8_intermediate(problem: Problem) -> np.ndarray:
+    """The strict FP8 kernel's emulated gate_up output [T, K, I] (bf16 bits)."""
+    return strict_fp8_emulation(problem, problem.w13, problem.w2, intermediate=True)[1]
+
+
+def _references(problem: Problem, ids: np.ndarray | None = None,
+                out_dtype: Any = BF16) -> tuple[np.ndarray, np.ndarray]:
+    args = (problem.x, problem.w13, problem.w2, problem.topk_ids if ids is None else ids, problem.topk_weights)
+    return (moe_decode(*args, mode="warp_decode", weight_format=FMT, out_dtype=out_dtype),
+            moe_decode(*args, mode="fp64", weight_format=FMT))
+
+
+SHAPE_48 = MoEShape("h200-i48", 200, 48, 6, 2)  # one partial I block, two H blocks (the second partial)
+EMULATED = [  # (shape, T, routing, knobs, also fp32 out)
+    ("tiny", 3, "uniform", {"GB_BYTES": 16}, True),  # the FMA kernels as the FP8 variant runs them
+    (MULTI_SHAPE, 9, "zipf", {"GB_BYTES": 8, "DB_BYTES": 8, "GB_OUTS": 3, "DB_OUTS": 3, "LIST_THREADS": 32,
+                              "LIST_PER": 0}, False),  # 4-byte weight chunks, partial blocks at both edges
+    (SHAPE_48, 6, [[5, 5], [0, 1], [2, 2], [3, 0], [1, 1], [5, 4]], {"GB_BYTES": 16, "GB_TILE": 2, "DB_TILE": 3},
+     False),  # duplicate ids in a token
+    # the tensor-core kernels: the tile table with the balanced down, the grouped down, the slot-balanced down
+    (MULTI_SHAPE, 12, "same", {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_BALANCE": -1, "DB_WARPS": 3,
+                               "LIST_THREADS": 32, "LIST_PER": 0}, True),
+    (MULTI_SHAPE, 9, "zipf", {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_GROUPED": 1, "GB_NBLK": 2, "DB_NBLK": 2,
+                              "DB_EARLY_W2": 1, "LIST_THREADS": 32, "LIST_PER": 0}, False),
+    (SHAPE_48, 6, [[5, 5], [0, 1], [2, 2], [3, 0], [1, 1], [5, 4]], {"GB_MMA": 1, "DB_MMA": 1, "DB_BALANCE": 1,
+                                                                     "DB_WARPS": 3}, False),
+    (MULTI_SHAPE, 7, "uniform", {"DB_MMA": 1, "DB_WARPS": 2, "GB_BYTES": 16, "LIST_THREADS": 32, "LIST_PER": 0},
+     False),  # FMA gate_up, tensor-core down
+]
+EMULATED_IDS = [f"{getattr(c[0], 'name', c[0])}-T{c[1]}-{i}" for i, c in enumerate(EMULATED)]
+
+
+@pytest.mark.parametrize(("shape", "tokens", "routing", "params", "fp32"),
+                         slow_except(EMULATED, EMULATED_IDS, {0, 4}))
+def test_cuda_source_emulated_on_cpu(rng: np.random.Generator, shape: Any, tokens: int, routing: Any,
+                                     params: dict[str, int], fp32: bool) -> None:
+    """Lists vs the NumPy model, out vs the reference on the same FP8 weights; the FMA gate_up's intermediate
+    bitwise the strict FP8 kernel's at its chunk size (GB_BYTES 16: 8 values)."""
+    problem = _fp8_problem(make_problem(shape, tokens, seed=_seed(rng), routing=routing))
+    dims = _dims(problem)
+    got = _emulate(problem, **params)
+    _assert_lists_equal(_unpack_lists(got["lists"], dims),
+                        expert_lists_numpy(problem.topk_ids, dims.experts, _tile_pairs(dims, params)))
+    faithful, oracle = _references(problem)
+    own_order = bool(params.get("GB_MMA") or params.get("DB_MMA"))
+    _assert_matches(got["out"], faithful, oracle, f"fp8 emulated {problem.shape.name} {params}", own_order=own_order)
+    if not params.get("GB_MMA") and params.get("GB_BYTES") == 16:
+        assert np.array_equal(got["inter"], _strict_fp8_intermediate(problem)), "intermediate != strict FP8's"
+    if fp32:
+        got32 = _emulate(problem, out_dtype=np.float32, **params)["out"]
+        faithful32, _ = _references(problem, out_dtype=np.float32)
+        _assert_matches(got32, faithful32, oracle, "fp8 emulated fp32 out", own_order=own_order)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("knobs", [pytest.param({"GB_BYTES": 16}, id="fma"),
+                                   pytest.param({"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_GROUPED": 1},
+                                                id="mma-grouped")])
+def test_bad_ids_emulated_on_cpu(rng: np.random.Generator, knobs: dict[str, int]) -> None:
+    """Out-of-range ids reach the FP8 kernels (as under capture): those tokens' rows NaN, the others right."""
+    problem = _fp8_problem(make_problem("tiny", 5, seed=_seed(rng)))
+    ids = problem.topk_ids.copy()
+    ids[0, 1] = problem.shape.experts
+    ids[2, 0] = -3
+    got = _emulate(problem, ids=ids, **knobs)
+    assert np.all(np.isnan(got["out"][[0, 2]].astype(np.float32)))
+    good = [1, 3, 4]
+    sub = dataclasses.replace(problem, tokens=3, x=problem.x[good], topk_ids=problem.topk_ids[good],
+                              topk_weights=problem.topk_weights[good])
+    faithful, oracle = _references(sub)
+    _assert_matches(got["out"][good], faithful, oracle, "fp8 emulated good tokens", own_order=bool(knobs.get("DB_MMA")))
+
+
+def test_fragment_widening_is_exact_and_normal() -> None:
+    """The tensor-core A fragment: fp16 bits (cvt.rn.f16x2.e4m3x2, exact) shifted right by 3 with the sign put back
+    are the bf16 bits of value x 2^-112 for every finite e4m3fn byte, never a bf16 subnormal (2^-121 at the least).
+    The same bit steps as ``f16x2_to_bf16x2_scaled`` in kernels/device_helpers.py."""
+    values = np.arange(256, dtype=np.uint8).view(FP8).astype(np.float32)
+    finite = np.isfinite(values)
+    h = values.astype(np.float16).view(np.uint16).astype(np.uint32)
+    pair = h | (h[::-1] << 16)  # two halves at once, as the kernel converts them
+    bf = ((pair >> 3) & 0x0FFF0FFF) | (pair & 0x80008000)
+    lo = ((bf & 0xFFFF) << 16).view(np.float32)
+    hi = (bf & 0xFFFF0000).view(np.float32)
+    want = values * np.float32(2.0**-112)
+    np.testing.assert_array_equal(lo[finite], want[finite])
+    np.testing.assert_array_equal(hi[finite[::-1]], want[::-1][finite[::-1]])
+    tiny = np.abs(lo[finite & (values != 0)])
+    assert tiny.min() == np.float32(2.0**-121) and np.all(tiny >= np.finfo(np.float32).tiny)
+
+
+def test_compile_without_spills() -> None:
+    """Both FP8 paths as registered, at the qwen3 shapes' batches, compile for sm_90 with no spill."""
+    from kernels.compile import offline_report
+    from kernels.shapes import get_shape
+
+    for model in ("qwen3-30b-a3b", "qwen3-235b-a22b"):
+        shape = get_shape(model)
+        for tokens, knobs in ((1, wdb.FP8_KNOBS), (4, wdb.FP8_KNOBS), (16, wdb.FP8_KNOBS), (8, wdb.MMA_FP8_KNOBS),
+                              (64, wdb.MMA_FP8_KNOBS)):
+            params = wdb.resolve_params(Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k),
+                                        **knobs)
+            for report in offline_report(wdb.SOURCE, **params):
+                assert report.spill_stores == 0 and report.spill_loads == 0, (model, tokens, report)
+
+
+def test_weights_and_knob_must_agree() -> None:
+    """W_FP8 1 needs fp8-block128 weights and 8- or 16-byte activation chunks; the variants say their format."""
+    from kernels.variants import get_variant
+
+    with pytest.raises(ValueError, match="W_FP8 loads GB_BYTES / 2 bytes"):
+        wdb.resolve_params(None, W_FP8=1, GB_BYTES=4)
+    for name in ("cupy:warp-decode-batched-fp8", "cupy:warp-decode-mma-fp8"):
+        variant = get_variant(name)
+        assert variant.weight_format == FMT and variant.params["W_FP8"] == 1
+    problem = make_problem("tiny", 2)
+    q13, q2 = quantize_weights(problem.w13, problem.w2, FMT)
+    with pytest.raises(TypeError, match="x must be a cupy.ndarray"):
+        wdb.warp_decode_batched(problem.x, q13, q2, problem.topk_ids, problem.topk_weights)
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------------
+def _device(cupy: Any, problem: Problem) -> Problem:
+    """The problem on the device with its weights quantized there (bitwise the host quantizer)."""
+    x, w13, w2, ids, wts = (cupy.asarray(a) for a in (problem.x, problem.w13, problem.w2, problem.topk_ids,
+                                                        problem.topk_weights))
+    q13, q2 = quantize_weights(w13, w2, FMT)
+    return dataclasses.replace(problem, x=x, w13=q13, w2=q2, topk_ids=ids, topk_weights=wts)
+
+
+GPU_CASES = [("qwen3-30b-a3b", 4, "uniform", "fma"), ("qwen3-30b-a3b", 8, "zipf-1", "mma"),
+             ("qwen3-30b-a3b", 64, "correlated", "mma"), ("qwen3-235b-a22b", 2, "zipf-2", "fma"),
+             ("qwen3-235b-a22b", 32, "same", "mma"), ("tiny", 5, "duplicates", "fma"), ("tiny", 7, "uniform", "mma")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("model", "tokens", "routing", "path"), GPU_CASES)
+def test_gpu_paths(model: str, tokens: int, routing: str, path: str) -> None:
+    """Against the reference on the same FP8 weights (NaN-poisoned out and workspace), bitwise over a repeat and a
+    graph replay."""
+    import cupy
+
+    from kernels.shapes import get_shape
+
+    shape = get_shape(model)
+    run_shape = shape.with_(experts=min(shape.experts, 48)) if shape.experts > 48 else shape
+    host = _fp8_problem(make_problem(run_shape, tokens, seed=tokens + 5, routing=routing))
+    problem = _device(cupy, make_problem(run_shape, tokens, seed=tokens + 5, routing=routing))
+    knobs = wdb.FP8_KNOBS if path == "fma" else wdb.MMA_FP8_KNOBS
+    dims = _dims(problem)
+    variant = wdb.FP8_VARIANT if path == "fma" else wdb.MMA_FP8_VARIANT
+
+    def run() -> np.ndarray:
+        out = _poisoned_out(cupy, tokens, shape.hidden)
+        ws = wdb.make_workspace(dims, **knobs)
+        ws.intermediate.view(cupy.uint16).fill(0x7FC0)
+        wdb.warp_decode_batched(problem.x, problem.w13, problem.w2, problem.topk_ids, problem.topk_weights, out=out,
+                                workspace=ws, **knobs)
+        cupy.cuda.runtime.deviceSynchronize()
+        return out.get()
+
+    first = run()
+    faithful, oracle = _references(host)
+    _assert_matches(first, faithful, oracle, f"fp8 {path} {model} T={tokens} {routing}", own_order=path == "mma")
+    assert np.array_equal(run().view(np.uint16), first.view(np.uint16))
+    launch = variant.make(dims)
+    replay = _poisoned_out(cupy, tokens, shape.hidden)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    args = (problem.x, problem.w13, problem.w2, problem.topk_ids, problem.topk_weights, replay)
+    with stream:
+        launch(*args)
+        stream.synchronize()
+        replay.view(cupy.uint16).fill(0x7FC0)
+        stream.begin_capture()
+        launch(*args)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+    assert np.array_equal(replay.get().view(np.uint16), first.view(np.uint16))
+
+
+@pytest.mark.gpu
+def test_gpu_fma_intermediate_is_the_strict_fp8_kernels() -> None:
+    """On the device too: the FP8 FMA gate_up at 8-value chunks writes the strict FP8 kernel's intermediate, bit for
+    bit."""
+    import cupy
+
+    problem = _device(cupy, make_problem("qwen3-30b-a3b", 4, seed=3))
+    dims = _dims(problem)
+    ws = wdb.make_workspace(dims, **wdb.FP8_KNOBS)
+    out = cupy.empty((dims.tokens, dims.hidden), BF16)
+    wdb.warp_decode_batched(problem.x, problem.w13, problem.w2, problem.topk_ids, problem.topk_weights, out=out,
+                            workspace=ws, **wdb.FP8_KNOBS)
+    strict = cupy.empty((dims.tokens, dims.top_k, dims.intermediate), BF16)
+    wdf.warp_decode_fp8(problem.x, problem.w13, problem.w2, problem.topk_ids, problem.topk_weights, workspace=strict)
+    cupy.cuda.runtime.deviceSynchronize()
+    assert np.array_equal(ws.intermediate.view(cupy.uint16).get(), strict.view(cupy.uint16).get())
+
