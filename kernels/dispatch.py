@@ -150,12 +150,12 @@ def expert_centric_supported(dims: Dims) -> bool:
 
 
 def supported(name: str, dims: Dims) -> bool:
-    """Whether candidate ``name`` can run ``dims`` (strict runs every dims)."""
+    """Whether candidate ``name`` can run ``dims`` (the strict paths run every dims)."""
     if name in BATCHED_KNOBS:
         return batched_supported(dims, **BATCHED_KNOBS[name])
     if name == EXPERT_CENTRIC:
         return expert_centric_supported(dims)
-    return name == STRICT
+    return name in (STRICT, FP8_STRICT)
 
 
 # ---------------------------------------------------------------------------------------------------

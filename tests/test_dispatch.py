@@ -744,3 +744,54 @@ def test_capture_policies_tiny(cupy_mod: Any, rng: np.random.Generator, policy: 
     assert np.array_equal(got.view(np.uint16), cupy.asnumpy(_path_call(expected)(*problem.arrays)).view(np.uint16))
     _check_chosen_mode(cupy, got, problem, expected, f"tiny T=8 {policy} (heuristic MMA)")
     _capture_and_replay(cupy, rng, problem, ws, launch, policy, f"tiny T=8 {policy}")
+
+
+# -- FP8 weights: their own candidates, entries and heuristic ------------------------------------------------------
+FS, FB, FM = dispatch.FP8_STRICT, dispatch.FP8_BATCHED, dispatch.FP8_MMA
+
+
+def test_fp8_weights_choose_among_the_fp8_paths(tmp_path: Path) -> None:
+    """The heuristic picks the FP8 paths by the bf16 rule; a table's FP8 entry (key ``...-fp8-block128``) is read for
+    FP8 weights only, and its bf16 entry never answers for them (nor the other way round)."""
+    for tokens, want in {1: FS, 2: FS, 4: FB, 8: FB, 16: FM, 64: FM}.items():
+        assert dispatch.heuristic(_dims(QWEN30, tokens), weight_format="fp8-block128") == want, tokens
+    assert dispatch.shape_key(_dims(QWEN30, 1), "fp8-block128") == "H2048-I768-E128-K8-fp8-block128"
+    assert dispatch.key_format("H2048-I768-E128-K8-fp8-block128") == "fp8-block128"
+    assert dispatch.key_format("H2048-I768-E128-K8") == "bf16"
+    with pytest.raises(ValueError, match="unknown weight_format"):
+        dispatch.choose(_dims(QWEN30, 1), "Fake GPU", tmp_path, weight_format="int4")
+    gpu = "Fake GPU 9001"
+    table = None
+    for tokens, medians in {1: {FS: 10.0, FB: 12.0, FM: 14.0}, 8: {FS: 40.0, FB: 30.0, FM: 31.0},
+                            32: {FS: 90.0, FB: 60.0, FM: 50.0}}.items():
+        point = dispatch_table.point_record({n: _record(us) for n, us in medians.items()},
+                                            weight_format="fp8-block128")
+        table = dispatch_table.merge(table, gpu, {"date": "2026-12-01"}, QWEN30.name, _dims(QWEN30, tokens), tokens,
+                                     point, "fp8-block128")
+    point = dispatch_table.point_record({n: _record(10.0) for n in (S, B, M, EC, X)})
+    table = dispatch_table.merge(table, gpu, {"date": "2026-12-01"}, QWEN30.name, _dims(QWEN30, 8), 8, point)
+    dispatch.validate_table(table)
+    (tmp_path / f"{dispatch.gpu_slug(gpu)}.json").write_text(json.dumps(table))
+    dispatch.load_table.cache_clear()
+    fp8 = {t: dispatch.choose(_dims(QWEN30, t), gpu, tmp_path, weight_format="fp8-block128") for t in (1, 4, 8, 40)}
+    assert fp8 == {1: (FS, "table"), 4: (FS, "table"), 8: (FB, "table"), 40: (FM, "table")}
+    for tokens in (1, 8, 40):  # bf16 weights: the bf16 entry (one point, every candidate tied: the first name)
+        assert dispatch.choose(_dims(QWEN30, tokens), gpu, tmp_path) == (EC, "table")
+    bad = json.loads(json.dumps(table))
+    bad["entries"]["H2048-I768-E128-K8-fp8-block128"]["points"]["1"]["choice"] = S  # a bf16 path in an FP8 entry
+    with pytest.raises(ValueError, match="is not one of"):
+        dispatch.validate_table(bad)
+
+
+def test_fp8_table_from_bench_rows() -> None:
+    """--from-bench --weight-format fp8-block128 collects the FP8 candidates' rows into the FP8 entries."""
+    bench = _bench("2026-12-01T00:00:00Z", [
+        _bench_row(FS, 1, 12.0), _bench_row(FB, 1, 14.0), _bench_row(FM, 1, 16.0),
+        _bench_row(FS, 16, 80.0), _bench_row(FB, 16, 60.0), _bench_row(FM, 16, 55.0),
+        _bench_row(S, 1, 20.0),  # a bf16 path: not a candidate here
+    ])
+    table = dispatch_table.from_bench(bench, name="fp8.json", weight_format="fp8-block128")
+    (key, entry), = table["entries"].items()
+    assert key.endswith("-fp8-block128") and entry["weight_format"] == "fp8-block128"
+    assert {t: p["choice"] for t, p in entry["points"].items()} == {"1": FS, "16": FM}
+    assert set(entry["points"]["1"]["median_us"]) == {FS, FB, FM}

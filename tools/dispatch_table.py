@@ -4,6 +4,7 @@
     python -m tools.dispatch_table --json kernels/dispatch_tables/nvidia-h200.json --model qwen3-30b-a3b --batch 1,8
     python -m tools.dispatch_table --json ... --also numba:warp-decode     # record other paths too (never chosen)
     python -m tools.dispatch_table --json kernels/dispatch_tables/nvidia-h200.json --from-bench a.json b.json
+    python -m tools.dispatch_table --json kernels/dispatch_tables/nvidia-h200.json --weight-format fp8-block128
 
 Every point records each candidate's (``kernels.dispatch.CANDIDATES``: strict, batched, mixed, MMA,
 expert-centric) median, status and TB/s under uniform routing (the point's own ``median_us`` / ``status`` /
@@ -29,6 +30,10 @@ recorded as "unsupported". An existing file for the same GPU is
 updated in place (entries of other shapes / points kept), so a long sweep can be split into several commands
 (``--model`` one at a time). The file records the GPU's name, the date and the environment.
 ``kernels.dispatch`` reads it at run time (``kernels/dispatch_tables/<gpu slug>.json``).
+
+``--weight-format fp8-block128`` measures (or collects from the bench runs) the FP8 paths instead
+(``kernels.dispatch.FORMAT_CANDIDATES``), on fp8 copies of the weights, into the shape's FP8 entries (key
+``H..-K..-fp8-block128``): ``kernels.moe_decode`` on FP8 weights reads those.
 """
 
 from __future__ import annotations
@@ -50,12 +55,19 @@ DEFAULT_MODELS = tuple(name for name in PRESETS if name != "tiny")
 DEFAULT_REPEATS = 15
 
 
-def winner(records: dict[str, dict[str, Any]], policy: str = dispatch.FASTEST) -> str | None:
+def winner(records: dict[str, dict[str, Any]], policy: str = dispatch.FASTEST,
+           weight_format: str = "bf16") -> str | None:
     """The candidate of ``policy`` with the lowest median among those measured correctly (status "ok"), or
     None (ties -> the alphabetically first name); the same rule ``kernels.dispatch`` applies to a point."""
     point = {"median_us": {n: r.get("median_us") for n, r in records.items()},
              "status": {n: r.get("status") for n, r in records.items()}}
-    return dispatch.point_choice(point, policy)
+    return dispatch.point_choice(point, policy, weight_format=weight_format)
+
+
+def candidates(weight_format: str = "bf16") -> tuple[str, ...]:
+    """Every path the table measures for ``weight_format`` (its policies' candidates, in order)."""
+    pools = dispatch.FORMAT_CANDIDATES[dispatch.check_weight_format(weight_format)]
+    return tuple(dict.fromkeys(name for names in pools.values() for name in names))
 
 
 def _measurements(records: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -69,7 +81,8 @@ def _measurements(records: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def point_record(records: dict[str, dict[str, Any]], sources: dict[str, str] | None = None,
-                 skewed: dict[str, dict[str, dict[str, Any]]] | None = None) -> dict[str, Any] | None:
+                 skewed: dict[str, dict[str, dict[str, Any]]] | None = None,
+                 weight_format: str = "bf16") -> dict[str, Any] | None:
     """One table point from the measurements of a (shape, T): under uniform routing (``records``) and each skewed
     routing (``skewed``: routing -> records), every path's median, status and TB/s; the choice per policy by the
     worst case over the routings (``choices``; ``choice`` = policy "fastest"; ``worst_slowdown`` per candidate);
@@ -77,7 +90,8 @@ def point_record(records: dict[str, dict[str, Any]], sources: dict[str, str] | N
     point: dict[str, Any] = _measurements(records)
     if skewed:
         point["routings"] = {routing: _measurements(recs) for routing, recs in skewed.items()}
-    choices = {policy: dispatch.point_choice(point, policy) for policy in dispatch.POLICIES}
+    choices = {policy: dispatch.point_choice(point, policy, weight_format=weight_format)
+               for policy in dispatch.POLICIES}
     choice = choices[dispatch.FASTEST]
     if choice is None:
         return None
@@ -96,17 +110,20 @@ def point_record(records: dict[str, dict[str, Any]], sources: dict[str, str] | N
 
 
 def merge(table: dict[str, Any] | None, gpu: str, env: dict[str, Any], model: str, dims: Dims,
-          tokens: int, point: dict[str, Any]) -> dict[str, Any]:
-    """``table`` (or a new one) with ``point`` written at (shape of ``dims``, ``tokens``)."""
+          tokens: int, point: dict[str, Any], weight_format: str = "bf16") -> dict[str, Any]:
+    """``table`` (or a new one) with ``point`` written at (shape of ``dims`` in ``weight_format``, ``tokens``)."""
     if table is None or table.get("gpu") != gpu:
         table = {"schema": dispatch.SCHEMA, "gpu": gpu, "slug": dispatch.gpu_slug(gpu), "entries": {}}
     table["candidates"] = list(dispatch.CANDIDATES)
     table["policies"] = {policy: list(names) for policy, names in dispatch.POLICY_CANDIDATES.items()}
+    table["formats"] = {fmt: {policy: list(names) for policy, names in pools.items()}
+                        for fmt, pools in dispatch.FORMAT_CANDIDATES.items()}
     table["date"] = env.get("date")
     table["environment"] = env
-    key = dispatch.shape_key(dims)
+    key = dispatch.shape_key(dims, weight_format)
     entry = table["entries"].setdefault(key, {"model": model, "hidden": dims.hidden, "intermediate": dims.intermediate,
-                                              "experts": dims.experts, "top_k": dims.top_k, "points": {}})
+                                              "experts": dims.experts, "top_k": dims.top_k,
+                                              "weight_format": weight_format, "points": {}})
     entry["points"][str(tokens)] = point
     entry["points"] = {str(t): entry["points"][str(t)] for t in sorted(int(t) for t in entry["points"])}
     return table
@@ -116,13 +133,15 @@ def _env_order(env: dict[str, Any]) -> str:
     return str(env.get("date") or "")
 
 
-def from_benches(benches: list[tuple[str, dict[str, Any]]], table: dict[str, Any] | None = None) -> dict[str, Any]:
+def from_benches(benches: list[tuple[str, dict[str, Any]]], table: dict[str, Any] | None = None,
+                 weight_format: str = "bf16") -> dict[str, Any]:
     """A dispatch table (or ``table`` updated) from ``[(file name, tools.bench JSON), ...]``: the candidates' rows
-    per routing, later files overriding the same variant at the same (model, batch, routing); one point per
-    (model, batch) where every candidate has a uniform-routing row, joined by each skewed routing where every
-    candidate has a row. ValueError for runs of different GPUs, or no such point."""
+    (of ``weight_format``'s paths) per routing, later files overriding the same variant at the same (model, batch,
+    routing); one point per (model, batch) where every candidate has a uniform-routing row, joined by each skewed
+    routing where every candidate has a row. ValueError for runs of different GPUs, or no such point."""
     if not benches:
         raise ValueError("from_benches needs at least one bench run")
+    names = candidates(weight_format)
     gpu: str | None = None
     grouped: dict[tuple[str, int, str], dict[str, dict[str, Any]]] = {}
     origin: dict[tuple[str, int], dict[str, str]] = {}
@@ -138,49 +157,50 @@ def from_benches(benches: list[tuple[str, dict[str, Any]]], table: dict[str, Any
         sources.append({"file": name, "date": env.get("date"), "gpu": run_gpu})
         run_routing = bench.get("config", {}).get("routing", "uniform")
         for row in bench["results"]:
-            if row["variant"] not in dispatch.CANDIDATES:
+            if row["variant"] not in names:
                 continue
             routing = row.get("routing", run_routing)
             grouped.setdefault((row["model"], int(row["batch"]), routing), {})[row["variant"]] = row
             env_of[(row["model"], int(row["batch"]), routing, row["variant"])] = env
             if routing == "uniform":
                 origin.setdefault((row["model"], int(row["batch"])), {})[row["variant"]] = name
-    complete = {key: {name: records[name] for name in dispatch.CANDIDATES} for key, records in grouped.items()
-                if all(name in records for name in dispatch.CANDIDATES)}
+    complete = {key: {name: records[name] for name in names} for key, records in grouped.items()
+                if all(name in records for name in names)}
     points = []
     for (model, tokens, routing), ordered in sorted(complete.items()):
         if routing != "uniform":
             continue
         skewed = {r: recs for (m, t, r), recs in sorted(complete.items()) if (m, t) == (model, tokens) and r != routing}
-        point = point_record(ordered, {name: origin[(model, tokens)][name] for name in dispatch.CANDIDATES}, skewed)
+        point = point_record(ordered, {name: origin[(model, tokens)][name] for name in names}, skewed, weight_format)
         if point is not None:
             points.append((model, tokens, point, [env_of[(model, tokens, r, n)] for r in ("uniform", *skewed)
-                                                  for n in dispatch.CANDIDATES]))
+                                                  for n in names]))
     used = [env for *_, envs in points for env in envs]
     env = max(used, key=_env_order) if used else {}  # the header of the latest run that counted
     for model, tokens, point, _ in points:
         shape = get_shape(model)
         dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
-        table = merge(table, str(gpu), env, model, dims, tokens, point)
+        table = merge(table, str(gpu), env, model, dims, tokens, point, weight_format)
     written = len(points)
     if table is None or not written:
-        raise ValueError(f"the bench run(s) measured no point with every candidate {dispatch.CANDIDATES} under "
-                         "uniform routing")
+        raise ValueError(f"the bench run(s) measured no point with every candidate {names} under uniform routing")
     new_files = {s["file"] for s in sources}
     table["sources"] = [s for s in table.get("sources", []) if s.get("file") not in new_files] + sources
     return dispatch.validate_table(table)
 
 
-def from_bench(bench: dict[str, Any], table: dict[str, Any] | None = None, name: str = "bench.json") -> dict[str, Any]:
+def from_bench(bench: dict[str, Any], table: dict[str, Any] | None = None, name: str = "bench.json",
+               weight_format: str = "bf16") -> dict[str, Any]:
     """:func:`from_benches` of one bench run (recorded as ``name``)."""
-    return from_benches([(name, bench)], table)
+    return from_benches([(name, bench)], table, weight_format)
 
 
 def _print_choices(table: dict[str, Any]) -> None:
-    for entry in table["entries"].values():
+    for key, entry in table["entries"].items():
+        fmt = dispatch.key_format(key)
         for policy in dispatch.POLICIES:
-            print(f"{entry['model']:24s} {policy:12s}",
-                  {t: dispatch.point_choice(p, policy) for t, p in entry["points"].items()})
+            print(f"{entry['model']:24s} {fmt:13s} {policy:12s}",
+                  {t: dispatch.point_choice(p, policy, weight_format=fmt) for t, p in entry["points"].items()})
 
 
 def _source_name(path: Path) -> str:
@@ -195,7 +215,8 @@ def _source_name(path: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.dispatch_table", description=__doc__.split("\n")[0],
                                      usage="%(prog)s [-h] --json PATH [--model M,...] [--batch T,...] [--repeats N] "
-                                           "[--routing R,...] [--also VARIANT,...] [--from-bench BENCH_JSON ...]")
+                                           "[--routing R,...] [--also VARIANT,...] [--weight-format F] "
+                                           "[--from-bench BENCH_JSON ...]")
     # not required=True: an unknown option is reported before a missing --json (checked below)
     parser.add_argument("--json", metavar="PATH",
                         help="table file to write / update (kernels/dispatch_tables/<slug>.json); required")
@@ -205,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--routing", default=",".join(dispatch.TABLE_ROUTINGS),
                         help="comma-separated routings, uniform first (the choice is the best worst case over them)")
     parser.add_argument("--also", default="", help="comma-separated variants to time and record, never chosen")
+    parser.add_argument("--weight-format", choices=tuple(dispatch.FORMAT_CANDIDATES), default="bf16",
+                        help="the weights' format: its paths are the candidates (default bf16)")
     parser.add_argument("--from-bench", metavar="BENCH_JSON", nargs="+",
                         help="build the table from bench runs' JSON (later files override earlier ones)")
     args = parser.parse_args(argv)
@@ -224,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.json)
         try:
             runs = [(_source_name(Path(f)), json.loads(Path(f).read_text())) for f in args.from_bench]
-            table = from_benches(runs, json.loads(path.read_text()) if path.is_file() else None)
+            table = from_benches(runs, json.loads(path.read_text()) if path.is_file() else None, args.weight_format)
         except (OSError, ValueError) as exc:  # unreadable, not JSON, runs of different GPUs, no complete point
             parser.error(f"--from-bench: {' '.join(str(exc).split())}")
         except (KeyError, TypeError) as exc:  # a JSON that is not a tools.bench run
@@ -249,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {path.name} does not match this GPU's slug {dispatch.gpu_slug(gpu)!r}; "
               "kernels.dispatch will not find it", file=sys.stderr)
     table = json.loads(path.read_text()) if path.is_file() else None
-    names = list(dispatch.CANDIDATES) + [n for n in args.also.split(",") if n and n not in dispatch.CANDIDATES]
+    pool = candidates(args.weight_format)
+    names = list(pool) + [n for n in args.also.split(",") if n and n not in pool]
     try:
         variants = {name: get_variant(name) for name in names}
     except ValueError as exc:
@@ -260,11 +284,12 @@ def main(argv: list[str] | None = None) -> int:
             dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
             by_routing: dict[str, dict[str, dict[str, Any]]] = {}
             for routing in routings:
-                bench = harness.Workbench(shape, tokens, routing=routing, seed=0)
+                formats = tuple(dict.fromkeys(v.weight_format for v in variants.values()))
+                bench = harness.Workbench(shape, tokens, routing=routing, seed=0, weight_formats=formats)
                 try:
                     records = by_routing[routing] = {}
                     for name, variant in variants.items():
-                        if name in dispatch.CANDIDATES and not dispatch.supported(name, dims):
+                        if name in pool and not dispatch.supported(name, dims):
                             records[name] = {"status": "unsupported", "median_us": None}
                             continue
                         records[name] = bench.measure(variant, repeats=args.repeats, stages=False)
@@ -273,11 +298,11 @@ def main(argv: list[str] | None = None) -> int:
                 line = "  ".join(f"{n}: {r.get('median_us') or float('nan'):9.1f} us ({r.get('status')})"
                                  for n, r in records.items())
                 print(f"{model:24s} T={tokens:3d} {routing:8s} {line}", flush=True)
-            point = point_record(by_routing.pop("uniform"), skewed=by_routing)
+            point = point_record(by_routing.pop("uniform"), skewed=by_routing, weight_format=args.weight_format)
             print(f"{model:24s} T={tokens:3d}  -> {point['choices'] if point else 'NO CORRECT PATH'}", flush=True)
             if point is None:
                 continue
-            table = merge(table, gpu, env, model, dims, tokens, point)
+            table = merge(table, gpu, env, model, dims, tokens, point, args.weight_format)
             dispatch.validate_table(table)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(table, indent=1) + "\n")  # after every point: a killed run keeps its work
