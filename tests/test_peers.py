@@ -101,6 +101,64 @@ print(json.dumps(out_rows))
         assert row["vs_ref"] < 2.5e-2 and row["vs_fp64"] < 4 * row["ref_vs_fp64"] + 1e-2, row
 
 
+@needs_peers
+def test_w8a8_layer_in_the_interpreter_matches_the_w8a8_reference() -> None:
+    """The W8A8 form on fp8-block128 weights (partial scale blocks at both edges, w13's gate and up blocked apart):
+    x quantized exactly as the reference quantizes it, and the layer within the interpreter's rounding (its bf16
+    truncation moves some values across an e4m3 step) of ``reference.moe_decode(mode="classical", quant="fp8",
+    weight_format="fp8-block128")``, no farther from the fp64 oracle than that reference is."""
+    script = r'''
+import json, numpy as np, torch
+from kernels.contract import BF16, Dims
+from kernels.formats import quantize_weights
+from kernels.numerics import bf16_to_f32, quantize_fp8_groups, rel_l2
+from kernels.problem import make_problem
+from kernels.reference import moe_decode
+from kernels.shapes import MoEShape
+from tools.peers.triton_fused_moe import GROUP, W8A8_CONFIGS, FusedMoE, as_torch
+rows = []
+for shape, tokens, routing in (("tiny", 3, "uniform"), (MoEShape("h200-i136", 200, 136, 5, 3), 4, "zipf"),
+                               (MoEShape("odd", 40, 24, 3, 2), 4, "same")):
+    p = make_problem(shape, tokens, seed=tokens, routing=routing)
+    q13, q2 = quantize_weights(p.w13, p.w2, "fp8-block128")
+    d = Dims(tokens, p.shape.hidden, p.shape.intermediate, p.shape.experts, p.shape.top_k)
+    args = (p.x, q13, q2, p.topk_ids, p.topk_weights)
+    ref = moe_decode(*args, mode="classical", quant="fp8", weight_format="fp8-block128").astype(np.float64)
+    oracle = moe_decode(*args, mode="fp64", weight_format="fp8-block128")
+    for config in W8A8_CONFIGS:
+        layer = FusedMoE(d, config, device="cpu", w8a8=True)
+        out = torch.full((tokens, d.hidden), float("nan"), dtype=torch.bfloat16)
+        w13 = (torch.from_numpy(q13.values.view(np.uint8)), torch.from_numpy(q13.scales))
+        w2 = (torch.from_numpy(q2.values.view(np.uint8)), torch.from_numpy(q2.scales))
+        layer(as_torch(p.x), w13, w2, as_torch(p.topk_ids), as_torch(p.topk_weights), out)
+        xq = layer.x_q.float().numpy() * np.repeat(layer.x_scale.numpy(), GROUP, axis=1)[:, :d.hidden]
+        got = out.view(torch.int16).numpy().view(np.uint16).view(BF16).astype(np.float64)
+        rows.append({"case": f"{p.shape.name} T={tokens} {config.name}", "written": bool(np.isfinite(got).all()),
+                     "x_exact": bool(np.array_equal(xq, quantize_fp8_groups(bf16_to_f32(p.x)))),
+                     "vs_ref": rel_l2(got, ref), "vs_fp64": rel_l2(got, oracle), "ref_vs_fp64": rel_l2(ref, oracle)})
+print(json.dumps(rows))
+'''
+    done = _interpreted(script)
+    assert done.returncode == 0, done.stderr[-3000:]
+    import json
+
+    from tools.peers.triton_fused_moe import W8A8_CONFIGS
+
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(rows) == 3 * len(W8A8_CONFIGS)
+    for row in rows:
+        assert row["written"] and row["x_exact"], row
+        assert row["vs_ref"] < 5e-2 and row["vs_fp64"] < 1.5 * row["ref_vs_fp64"] + 1e-2, row
+
+
+@needs_peers
+def test_w8a8_needs_128_wide_k_steps() -> None:
+    from tools.peers.triton_fused_moe import CONFIGS, FusedMoE
+
+    with pytest.raises(ValueError, match="block_k must be 128"):
+        FusedMoE(Dims(2, 136, 48, 6, 2), next(c for c in CONFIGS if c.block_k != 128), device="cpu", w8a8=True)
+
+
 @pytest.mark.gpu
 @needs_peers
 def test_gpu_peer_through_the_harness(tmp_path: Path) -> None:
@@ -117,6 +175,29 @@ def test_gpu_peer_through_the_harness(tmp_path: Path) -> None:
     assert len(tuned) == 2 and all(r["tuned_from"].startswith("triton:fused-moe[") for r in tuned)
 
 
+@pytest.mark.gpu
+@needs_peers
+def test_gpu_w8a8_peer_through_the_harness(tmp_path: Path) -> None:
+    """--weight-format fp8-block128: every W8A8 config benched on fp8 copies of the weights and checked against the
+    W8A8 reference like a lab path, beside the lab's FP8 auto-dispatch; the tuned row recorded."""
+    path = tmp_path / "peers-w8a8.json"
+    done = _run("--weight-format", "fp8-block128", "--model", "tiny", "--batch", "1,5", "--repeats", "3", "--json",
+                str(path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    import json
+
+    from tools.peers.triton_fused_moe import W8A8_CONFIGS
+
+    data = json.loads(path.read_text())
+    rows = [r for r in data["results"] if r["variant"].startswith("triton:fused-moe-w8a8[")]
+    assert len(rows) == 2 * len(W8A8_CONFIGS) and all(r["status"] == "ok" and r["check"]["ok"] for r in rows), rows
+    assert all(r["bytes"]["weight_format"] == "fp8-block128" and r["quant"] == "fp8" for r in rows)
+    lab = [r for r in data["results"] if r["variant"] == "cupy:auto-fp8"]
+    assert len(lab) == 2 and all(r["status"] == "ok" for r in lab), lab
+    tuned = [r for r in data["results"] if r["variant"] == "triton:fused-moe-w8a8"]
+    assert len(tuned) == 2
+
+
 def test_tuned_config_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import tools.peers as peers
 
@@ -128,3 +209,4 @@ def test_tuned_config_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert peers.tuned_config(Dims(12, 2048, 768, 128, 8), "some-gpu") == 4
     assert peers.tuned_config(Dims(13, 2048, 768, 128, 8), "some-gpu") == 5
     assert peers.tuned_config(Dims(1, 4096, 1536, 128, 8), "some-gpu") == 0  # another shape
+    assert peers.tuned_config(dims, "some-gpu", peers.PEER_W8A8) == 0  # the W8A8 peer: its own entries

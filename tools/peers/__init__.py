@@ -2,10 +2,12 @@
 
 An optional extra (``pip install ".[peers]"``: PyTorch and Triton); the lab itself stays PyTorch-free. Importing
 this package registers ``triton:fused-moe`` (:mod:`tools.peers.triton_fused_moe`, the fused-MoE design of vLLM and
-SGLang, written here) when torch, triton and a CUDA device are present; otherwise it registers nothing and
-:data:`WHY_NOT` says why in one line. Its knob ``CONFIG`` indexes :data:`~tools.peers.triton_fused_moe.CONFIGS`;
--1 (the default) takes the tile config ``python -m tools.peers --tune`` measured fastest for the shape and the
-nearest batch (``tools/peers/tuned/<gpu slug>.json``), or the first config where none was measured.
+SGLang, written here) and ``triton:fused-moe-w8a8`` (the same design on fp8-block128 weights with both activation
+quantizations: what serving engines run on FP8 checkpoints) when torch, triton and a CUDA device are present;
+otherwise it registers nothing and :data:`WHY_NOT` says why in one line. Their knob ``CONFIG`` indexes the peer's
+tile configs (:data:`PEERS`); -1 (the default) takes the tile config ``python -m tools.peers --tune`` measured
+fastest for the shape and the nearest batch (``tools/peers/tuned/<gpu slug>.json``), or the first config where
+none was measured.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from kernels.contract import Dims
 
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 PEER = "triton:fused-moe"
+PEER_W8A8 = "triton:fused-moe-w8a8"
+# peer -> the weight format it reads (its tile configs: tools.peers.triton_fused_moe.CONFIGS / W8A8_CONFIGS)
+PEERS = {PEER: "bf16", PEER_W8A8: "fp8-block128"}
 
 
 def _why_not() -> str | None:
@@ -41,17 +46,25 @@ def tuned_path(gpu: str) -> Path:
     return TUNED_DIR / f"{gpu_slug(gpu)}.json"
 
 
-def shape_key(dims: Dims) -> str:
-    return f"{dims.hidden}x{dims.intermediate}x{dims.experts}x{dims.top_k}"
+def shape_key(dims: Dims, peer: str = PEER) -> str:
+    """How the tuned table names a shape (``HxIxExK``; the W8A8 peer's entries end in ``-w8a8``)."""
+    return f"{dims.hidden}x{dims.intermediate}x{dims.experts}x{dims.top_k}" + ("-w8a8" if peer == PEER_W8A8 else "")
 
 
-def tuned_config(dims: Dims, gpu: str) -> int:
+def configs(peer: str = PEER) -> tuple[Any, ...]:
+    """The tile configs ``peer`` is tuned over."""
+    from tools.peers.triton_fused_moe import CONFIGS, W8A8_CONFIGS
+
+    return W8A8_CONFIGS if peer == PEER_W8A8 else CONFIGS
+
+
+def tuned_config(dims: Dims, gpu: str, peer: str = PEER) -> int:
     """The index of the config measured fastest for these dims' shape at the nearest measured batch (0 if none)."""
     path = tuned_path(gpu)
     if not path.exists():
         return 0
     table = json.loads(path.read_text())
-    points = table.get(shape_key(dims), {})
+    points = table.get(shape_key(dims, peer), {})
     if not points:
         return 0
     nearest = min(points, key=lambda t: (abs(int(t) - dims.tokens), int(t)))
@@ -64,16 +77,27 @@ def _register() -> None:
 
     from kernels.dispatch import current_gpu
     from kernels.family import Launch
+    from kernels.formats import Quantized
     from kernels.variants import Variant, register
-    from tools.peers.triton_fused_moe import CONFIGS, FusedMoE, as_torch
+    from tools.peers.triton_fused_moe import FusedMoE, as_torch
 
     streams: dict[int, Any] = {}
 
-    def build(dims: Dims, CONFIG: int = -1) -> Launch:  # noqa: N803 - a knob, named like the lab's
-        if isinstance(CONFIG, bool) or not isinstance(CONFIG, int) or not -1 <= CONFIG < len(CONFIGS):
-            raise ValueError(f"CONFIG must be -1 (tuned) or 0..{len(CONFIGS) - 1}, got {CONFIG!r}")
-        index = tuned_config(dims, current_gpu()) if CONFIG == -1 else CONFIG
-        layer = FusedMoE(dims, CONFIGS[index])
+    def weight_view(w: Any) -> Any:
+        return (as_torch(w.values), as_torch(w.scales)) if isinstance(w, Quantized) else as_torch(w)
+
+    def make_build(peer: str) -> Any:
+        tiles = configs(peer)
+
+        def build(dims: Dims, CONFIG: int = -1) -> Launch:  # noqa: N803 - a knob, named like the lab's
+            if isinstance(CONFIG, bool) or not isinstance(CONFIG, int) or not -1 <= CONFIG < len(tiles):
+                raise ValueError(f"CONFIG must be -1 (tuned) or 0..{len(tiles) - 1}, got {CONFIG!r}")
+            index = tuned_config(dims, current_gpu(), peer) if CONFIG == -1 else CONFIG
+            return launch_of(FusedMoE(dims, tiles[index], w8a8=peer == PEER_W8A8), index, tiles[index].name)
+
+        return build
+
+    def launch_of(layer: Any, index: int, name: str) -> Launch:
 
         def on_cupy_stream(stage: Any) -> Any:
             def run() -> None:  # launch on CuPy's current stream, so a CuPy graph capture holds it
@@ -85,21 +109,27 @@ def _register() -> None:
             return run
 
         def stages(x: Any, w13: Any, w2: Any, ids: Any, weights: Any, out: Any) -> list[tuple[str, Any]]:
-            views = [as_torch(a) for a in (x, w13, w2, ids, weights, out)]
-            return [(name, on_cupy_stream(stage)) for name, stage in layer.stages(*views)]
+            views = [as_torch(x), weight_view(w13), weight_view(w2), *(as_torch(a) for a in (ids, weights, out))]
+            return [(stage_name, on_cupy_stream(stage)) for stage_name, stage in layer.stages(*views)]
 
         def run(*args: Any) -> None:
             for _, stage in stages(*args):
                 stage()
 
-        return Launch(run=run, stages=stages, params={"CONFIG": index}, workspace=layer,
-                      facts={"config": CONFIGS[index].name})
+        return Launch(run=run, stages=stages, params={"CONFIG": index}, workspace=layer, facts={"config": name})
 
     register(Variant(
-        name=PEER, backend="triton", family="fused-moe-peer", build=build, reference_mode="classical",
-        params={"CONFIG": -1}, grid={"CONFIG": list(range(len(CONFIGS)))},
+        name=PEER, backend="triton", family="fused-moe-peer", build=make_build(PEER), reference_mode="classical",
+        params={"CONFIG": -1}, grid={"CONFIG": list(range(len(configs(PEER))))},
         description="the serving engines' fused-MoE design (align, grouped GEMMs, SiLU*up, sum) in Triton, "
                     "re-implemented here",
+    ), prototype=False)
+    register(Variant(
+        name=PEER_W8A8, backend="triton", family="fused-moe-peer", build=make_build(PEER_W8A8),
+        reference_mode="classical", quant="fp8", weight_format=PEERS[PEER_W8A8], params={"CONFIG": -1},
+        grid={"CONFIG": list(range(len(configs(PEER_W8A8))))},
+        description="the serving engines' W8A8 block-FP8 fused-MoE design in Triton, re-implemented here: x and the "
+                    "activation quantized per token and 128 channels, e4m3 x e4m3 tensor-core GEMMs",
     ), prototype=False)
 
 

@@ -7,7 +7,8 @@ measured by the bench's harness (same graph structure, weight rotation and in-pr
 checked against ``reference.moe_decode(mode="classical")`` before and after timing). Per (model, batch) the fastest
 config's row is also recorded as ``triton:fused-moe`` (the tuned peer, ``tuned_from`` naming the config);
 ``--tune`` writes those choices to ``tools/peers/tuned/<gpu slug>.json``, which the variant's ``CONFIG=-1`` reads.
-Without PyTorch, Triton or a GPU it says so in one line and exits 0.
+``--weight-format fp8-block128`` does the same for the W8A8 peer ``triton:fused-moe-w8a8`` (its own tile configs)
+beside the lab's FP8 auto-dispatch. Without PyTorch, Triton or a GPU it says so in one line and exits 0.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from kernels.routing import GENERATORS
 from tools import peers
 from tools.cli import int_list
 
-LAB_DEFAULT = ("cupy:auto",)
+LAB_DEFAULT = {"bf16": "cupy:auto", "fp8-block128": "cupy:auto-fp8"}  # what each peer is measured beside
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,37 +31,39 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="qwen3-30b-a3b", help="comma list of presets")
     parser.add_argument("--batch", type=int_list, default=[1, 8, 16, 32, 64], help="comma list of batch sizes")
     parser.add_argument("--routing", default="uniform", choices=GENERATORS)
-    parser.add_argument("--lab", default=",".join(LAB_DEFAULT), help="lab variants measured beside the peer")
+    parser.add_argument("--weight-format", choices=tuple(LAB_DEFAULT), default="bf16",
+                        help="bf16: the fused-MoE peer; fp8-block128: its W8A8 form")
+    parser.add_argument("--lab", default=None,
+                        help="lab variants measured beside the peer (default cupy:auto, or cupy:auto-fp8)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", help="write the bench record (every config's rows, the tuned peer rows) here")
     parser.add_argument("--tune", action="store_true", help="write the fastest config per point to tools/peers/tuned/")
     return parser
 
 
-def tuned_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per (model, batch, routing), the fastest checked config row, renamed to the tuned peer."""
+def tuned_rows(data: dict[str, Any], peer: str = peers.PEER) -> list[dict[str, Any]]:
+    """Per (model, batch, routing), the fastest checked config row of ``peer``, renamed to the tuned peer."""
     best: dict[tuple[Any, ...], dict[str, Any]] = {}
     for row in data.get("results", []):
-        if not row["variant"].startswith(peers.PEER + "[") or row.get("status") != "ok":
+        if not row["variant"].startswith(peer + "[") or row.get("status") != "ok":
             continue
         key = (row["model"], row["batch"], row.get("routing"))
         if key not in best or row["median_us"] < best[key]["median_us"]:
             best[key] = row
-    return [{**row, "variant": peers.PEER, "tuned_from": row["variant"]} for row in best.values()]
+    return [{**row, "variant": peer, "tuned_from": row["variant"]} for row in best.values()]
 
 
-def write_tuned(rows: list[dict[str, Any]], gpu: str) -> Any:
+def write_tuned(rows: list[dict[str, Any]], gpu: str, peer: str = peers.PEER) -> Any:
     """Merge the tuned rows' configs into ``gpu``'s table (shape key -> batch -> config index); returns its path."""
     from kernels.contract import Dims
     from kernels.shapes import get_shape
-    from tools.peers.triton_fused_moe import CONFIGS
 
     path = peers.tuned_path(gpu)
     table = json.loads(path.read_text()) if path.exists() else {}
-    names = [f"{peers.PEER}[{c.name}]" for c in CONFIGS]
+    names = [f"{peer}[{c.name}]" for c in peers.configs(peer)]
     for row in rows:
         shape = get_shape(row["model"])
-        key = peers.shape_key(Dims(row["batch"], shape.hidden, shape.intermediate, shape.experts, shape.top_k))
+        key = peers.shape_key(Dims(row["batch"], shape.hidden, shape.intermediate, shape.experts, shape.top_k), peer)
         table.setdefault(key, {})[str(row["batch"])] = names.index(row["tuned_from"])
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
@@ -75,16 +78,16 @@ def main(argv: list[str] | None = None) -> int:
     from kernels.dispatch import current_gpu
     from kernels.variants import REGISTRY
     from tools import bench
-    from tools.peers.triton_fused_moe import CONFIGS
 
-    peer = REGISTRY[peers.PEER]
-    configs = [dataclasses.replace(peer, name=f"{peers.PEER}[{c.name}]", params={"CONFIG": i}, grid={})
-               for i, c in enumerate(CONFIGS)]
-    lab = [name for name in args.lab.split(",") if name]
+    name = next(p for p, fmt in peers.PEERS.items() if fmt == args.weight_format)
+    peer = REGISTRY[name]
+    configs = [dataclasses.replace(peer, name=f"{name}[{c.name}]", params={"CONFIG": i}, grid={})
+               for i, c in enumerate(peers.configs(name))]
+    lab = [v for v in (args.lab or LAB_DEFAULT[args.weight_format]).split(",") if v]
     result = bench.run(args.model.split(","), args.batch, variants=[*lab, *configs], routing=args.routing,
                        repeats=args.repeats, stages=False, json_path=args.json)
     data = result.data
-    rows = tuned_rows(data)
+    rows = tuned_rows(data, name)
     data["results"].extend(rows)
     if args.json:
         result.to_json(args.json)
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                           for name, r in lab_rows.items())
         print(f"{row['model']} T={row['batch']}: peer {row['median_us']:.1f} us ({row['tuned_from']}); {versus}")
     if args.tune:
-        path = write_tuned(rows, current_gpu())
+        path = write_tuned(rows, current_gpu(), name)
         print(f"wrote {path}")
     return 0
 

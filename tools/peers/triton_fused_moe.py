@@ -15,6 +15,13 @@ Not vLLM's or SGLang's code: this lab's own implementation of the design they sh
 The numerics are ``reference.moe_decode(mode="classical")``'s (bf16 gate/up, activation and per-pair buffers) but
 for one rounding: the routing weight is applied before the per-pair bf16 store, as vLLM does. Tile configs
 (``CONFIGS``) are of the kind vLLM ships tuned per GPU; ``python -m tools.peers --tune`` picks one per (shape, T).
+
+The W8A8 form (``w8a8=True``: fp8-block128 weights, what serving engines run on FP8 checkpoints) adds the two
+activation quantizations of that design: x per token and 128 channels before the gate/up GEMM (``quant_x``), the
+SiLU*up activation likewise before the down GEMM (fused into ``silu_mul``), each an e4m3 value with a float32
+scale amax / 448 per group; both GEMMs multiply e4m3 by e4m3 on the tensor cores in 128-wide k blocks and scale each
+block's fp32 partial by the activation's and the weight block's scales: ``reference.moe_decode(mode="classical",
+quant="fp8", weight_format="fp8-block128")`` up to the summation order and the routing weight's place.
 Every buffer is allocated at build time and every launch goes on CuPy's current stream, so the layer is captured in
 the bench's CUDA graph like the lab's paths.
 """
@@ -61,7 +68,50 @@ CONFIGS: tuple[TileConfig, ...] = (
     TileConfig(64, 128, 128, 16, 8, 3),
 )
 DEFAULT_CONFIG = CONFIGS[0]
+# The W8A8 tilings: BLOCK_K = 128, one scale block per k step (vLLM's block-FP8 configs are all of this kind)
+W8A8_CONFIGS: tuple[TileConfig, ...] = (
+    TileConfig(16, 64, 128, 1, 4, 3),
+    TileConfig(16, 128, 128, 1, 4, 3),
+    TileConfig(16, 32, 128, 1, 4, 4),
+    TileConfig(32, 64, 128, 1, 4, 4),
+    TileConfig(64, 128, 128, 16, 8, 3),
+)
+GROUP = 128  # activation and weight scale blocks along k
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (the CPU tests)
+
+
+@triton.jit
+def _round_e4m3(v):
+    """fp32 -> the nearest e4m3fn value (ties to even), still fp32, for |v| <= 448: written out because Triton's CPU
+    interpreter rounds wrongly across binades on a plain cast; the cast of the result is then exact everywhere."""
+    a = tl.abs(v)
+    bits = a.to(tl.int32, bitcast=True)  # a >= 0: the sign bit is clear, so int32 arithmetic is the bits'
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # & 0xFFF00000
+    tiny = (a * 512.0 + 12582912.0) - 12582912.0  # below 2^-6: multiples of 2^-9 (1.5 * 2^23 rounds to integers)
+    r = tl.where(a < 0.015625, tiny * 0.001953125, normal)
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def _quantize_group(v, mask):
+    """One 128-group of fp32 values (``mask``: the real ones) -> (e4m3 values, scale amax / 448; 1 for zeros)."""
+    amax = tl.max(tl.where(mask, tl.abs(v), 0.0), axis=0)
+    scale = tl.where(amax > 0, amax / 448.0, 1.0)
+    q = _round_e4m3(tl.minimum(tl.maximum(v / scale, -448.0), 448.0))
+    return q.to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _quant_rows(src_ptr, q_ptr, scale_ptr, k, groups, BLOCK: tl.constexpr):
+    """Program (row, group): row's elements [128 g, 128 g + 128) of bf16 ``src`` as e4m3 ``q`` and their scale."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    offs = group * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < k
+    v = tl.load(src_ptr + row * k + offs, mask=mask, other=0.0).to(tl.float32)
+    q, scale = _quantize_group(v, mask)
+    tl.store(q_ptr + row * k + offs, q, mask=mask)
+    tl.store(scale_ptr + row * groups + group, scale)
 
 
 @triton.jit
@@ -95,10 +145,16 @@ def _align(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, pairs, experts,
 @triton.jit
 def _grouped_gemm(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, total_ptr, weights_ptr,
                   n, k, pairs, top_k, stride_a, stride_we, stride_wn, stride_c,
+                  a_scale_ptr, w_scale_ptr, a_groups, stride_wse, stride_wsn, split_n,
                   GATHER_TOKENS: tl.constexpr, MUL_WEIGHT: tl.constexpr, DOT_F32: tl.constexpr,
+                  W8A8: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """C[pair, :] = A[row] @ W[e].T for the sorted pairs of each M block (row = the pair's token when
-    GATHER_TOKENS, else the pair), times the pair's routing weight when MUL_WEIGHT; W[e] is [n, k] row-major."""
+    GATHER_TOKENS, else the pair), times the pair's routing weight when MUL_WEIGHT; W[e] is [n, k] row-major.
+    W8A8: A and W are e4m3 (BLOCK_K = 128); each k block's product is scaled by A's per-row group scale
+    (``a_scale`` [rows, a_groups]) and W's block scale (``w_scale`` [E, block rows, ceil(k/128)]): rows below
+    ``split_n`` in block row n // 128, the rest (w13's up rows, blocked apart from gate's) in block row
+    ceil(split_n / 128) + (n - split_n) // 128."""
     pid = tl.program_id(0)
     m_blocks = tl.cdiv(tl.load(total_ptr), BLOCK_M)
     n_blocks = tl.cdiv(n, BLOCK_N)
@@ -129,7 +185,17 @@ def _grouped_gemm(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, total_ptr, 
         kk = k0 * BLOCK_K + offs_k
         a = tl.load(a_rows + kk[None, :], mask=live[:, None] & (kk[None, :] < k), other=0.0)
         w = tl.load(w_cols + kk[:, None], mask=(kk[:, None] < k) & (offs_n[None, :] < n), other=0.0)
-        if DOT_F32:  # Triton's CPU interpreter reads bf16 dot operands as integers: widen them there
+        if W8A8:
+            a_scale = tl.load(a_scale_ptr + row.to(tl.int64) * a_groups + k0, mask=live, other=0.0)
+            block_row = tl.where(offs_n < split_n, offs_n // 128, (split_n + 127) // 128 + (offs_n - split_n) // 128)
+            w_scale = tl.load(w_scale_ptr + expert * stride_wse + block_row * stride_wsn + k0, mask=offs_n < n,
+                              other=0.0)
+            if DOT_F32:
+                part = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                part = tl.dot(a, w)
+            acc += part * a_scale[:, None] * w_scale[None, :]
+        elif DOT_F32:  # Triton's CPU interpreter reads bf16 dot operands as integers: widen them there
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)
@@ -140,15 +206,22 @@ def _grouped_gemm(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, total_ptr, 
 
 
 @triton.jit
-def _silu_mul(gate_up_ptr, act_ptr, inter, BLOCK: tl.constexpr):
-    """act[pair, i] = bf16(SiLU(gate) * up) from the bf16 gate / up halves of the first GEMM's output."""
+def _silu_mul(gate_up_ptr, act_ptr, scale_ptr, inter, groups, QUANT: tl.constexpr, BLOCK: tl.constexpr):
+    """act[pair, i] = bf16(SiLU(gate) * up) from the bf16 gate / up halves of the first GEMM's output; with QUANT
+    (BLOCK = 128: one group) that bf16 value quantized to e4m3 with the group's scale (``scale`` [pairs, groups])."""
     pair = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
     gate = tl.load(gate_up_ptr + pair * 2 * inter + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + pair * 2 * inter + inter + offs, mask=mask, other=0.0).to(tl.float32)
     silu = gate / (1.0 + tl.exp(-gate))
-    tl.store(act_ptr + pair * inter + offs, (silu * up).to(tl.bfloat16), mask=mask)
+    act = (silu * up).to(tl.bfloat16)
+    if QUANT:
+        q, scale = _quantize_group(act.to(tl.float32), mask)
+        tl.store(act_ptr + pair * inter + offs, q, mask=mask)
+        tl.store(scale_ptr + pair * groups + tl.program_id(1), scale)
+    else:
+        tl.store(act_ptr + pair * inter + offs, act, mask=mask)
 
 
 @triton.jit
@@ -186,11 +259,22 @@ def as_torch(arr: Any) -> torch.Tensor:
     return tensor.view(torch.bfloat16) if bf16 else tensor
 
 
-class FusedMoE:
-    """One layer of the design for fixed dims and one tile config: buffers allocated once, launches only."""
+def fp8_view(tensor: torch.Tensor) -> torch.Tensor:
+    """e4m3fn bytes (uint8, as the lab's CuPy fp8-block128 values are) as a torch float8_e4m3fn tensor."""
+    return tensor if tensor.dtype == torch.float8_e4m3fn else tensor.view(torch.uint8).view(torch.float8_e4m3fn)
 
-    def __init__(self, dims: Dims, config: TileConfig = DEFAULT_CONFIG, device: str = "cuda") -> None:
-        self.dims, self.config = dims, config
+
+class FusedMoE:
+    """One layer of the design for fixed dims and one tile config: buffers allocated once, launches only. ``w8a8``:
+    fp8-block128 weights (``stages`` then takes each weight as its (values, scales) tensors) and the two
+    activation quantizations."""
+
+    def __init__(self, dims: Dims, config: TileConfig = DEFAULT_CONFIG, device: str = "cuda",
+                 w8a8: bool = False) -> None:
+        if w8a8 and config.block_k != GROUP:
+            raise ValueError(f"the W8A8 GEMMs step k by the {GROUP}-wide scale blocks: block_k must be {GROUP}, got "
+                             f"{config.block_k} ({config.name})")
+        self.dims, self.config, self.w8a8 = dims, config, w8a8
         pairs = dims.tokens * dims.top_k
         slots = pairs + dims.experts * (config.block_m - 1)
         self.m_blocks = triton.cdiv(slots, config.block_m)
@@ -200,15 +284,36 @@ class FusedMoE:
         self.total = torch.empty(1, **i32)
         bf16 = dict(dtype=torch.bfloat16, device=device)
         self.gate_up = torch.empty(pairs, 2 * dims.intermediate, **bf16)
-        self.act = torch.empty(pairs, dims.intermediate, **bf16)
+        act_dtype = torch.float8_e4m3fn if w8a8 else torch.bfloat16
+        self.act = torch.empty(pairs, dims.intermediate, dtype=act_dtype, device=device)
         self.per_pair = torch.empty(pairs, dims.hidden, **bf16)
+        self.h_groups, self.i_groups = triton.cdiv(dims.hidden, GROUP), triton.cdiv(dims.intermediate, GROUP)
+        f32 = dict(dtype=torch.float32, device=device)
+        if w8a8:  # x per token and the activation per pair, e4m3 with a scale per 128-group
+            self.x_q = torch.empty(dims.tokens, dims.hidden, dtype=torch.float8_e4m3fn, device=device)
+            self.x_scale = torch.empty(dims.tokens, self.h_groups, **f32)
+            self.act_scale = torch.empty(pairs, self.i_groups, **f32)
+        else:
+            self.x_q = self.x_scale = self.act_scale = torch.empty(1, **f32)  # never read
 
-    def stages(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-               weights: torch.Tensor, out: torch.Tensor) -> list[tuple[str, Any]]:
+    def stages(self, x: torch.Tensor, w13: Any, w2: Any, ids: torch.Tensor, weights: torch.Tensor,
+               out: torch.Tensor) -> list[tuple[str, Any]]:
+        """The layer's launches, named. ``w13`` / ``w2``: bf16 tensors, or with ``w8a8`` (values, scales) pairs."""
         d, c = self.dims, self.config
         pairs, inter = d.tokens * d.top_k, d.intermediate
-        tiles = dict(DOT_F32=INTERPRETED, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
-                     num_warps=c.num_warps, num_stages=c.num_stages)
+        tiles = dict(DOT_F32=INTERPRETED, W8A8=self.w8a8, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                     GROUP_M=c.group_m, num_warps=c.num_warps, num_stages=c.num_stages)
+        if self.w8a8:
+            (w13, s13), (w2, s2) = (fp8_view(w13[0]), w13[1]), (fp8_view(w2[0]), w2[1])
+            a_gate_up, a_down = self.x_q, self.act
+        else:
+            s13 = s2 = self.x_scale  # never read
+            a_gate_up, a_down = x, self.act
+        scales13 = (self.x_scale, s13, self.h_groups, s13.stride(0), s13.stride(1) if s13.dim() > 1 else 0, inter)
+        scales2 = (self.act_scale, s2, self.i_groups, s2.stride(0), s2.stride(1) if s2.dim() > 1 else 0, d.hidden)
+
+        def quant_x() -> None:
+            _quant_rows[(d.tokens, self.h_groups)](x, self.x_q, self.x_scale, d.hidden, self.h_groups, BLOCK=GROUP)
 
         def align() -> None:
             _align[(d.experts,)](ids, self.sorted, self.block_expert, self.total, pairs, d.experts,
@@ -216,27 +321,31 @@ class FusedMoE:
 
         def gemm_gate_up() -> None:
             grid = (self.m_blocks * triton.cdiv(2 * inter, c.block_n),)
-            _grouped_gemm[grid](x, w13, self.gate_up, self.sorted, self.block_expert, self.total, weights,
-                                2 * inter, d.hidden, pairs, d.top_k, x.stride(0), w13.stride(0), w13.stride(1),
-                                self.gate_up.stride(0), GATHER_TOKENS=True, MUL_WEIGHT=False, **tiles)
+            _grouped_gemm[grid](a_gate_up, w13, self.gate_up, self.sorted, self.block_expert, self.total, weights,
+                                2 * inter, d.hidden, pairs, d.top_k, a_gate_up.stride(0), w13.stride(0),
+                                w13.stride(1), self.gate_up.stride(0), *scales13, GATHER_TOKENS=True,
+                                MUL_WEIGHT=False, **tiles)
 
         def silu_mul() -> None:
-            _silu_mul[(pairs, triton.cdiv(inter, 1024))](self.gate_up, self.act, inter, BLOCK=1024)
+            block = GROUP if self.w8a8 else 1024
+            _silu_mul[(pairs, triton.cdiv(inter, block))](self.gate_up, self.act, self.act_scale, inter,
+                                                          self.i_groups, QUANT=self.w8a8, BLOCK=block)
 
         def gemm_down() -> None:
             grid = (self.m_blocks * triton.cdiv(d.hidden, c.block_n),)
-            _grouped_gemm[grid](self.act, w2, self.per_pair, self.sorted, self.block_expert, self.total, weights,
-                                d.hidden, inter, pairs, d.top_k, self.act.stride(0), w2.stride(0), w2.stride(1),
-                                self.per_pair.stride(0), GATHER_TOKENS=False, MUL_WEIGHT=True, **tiles)
+            _grouped_gemm[grid](a_down, w2, self.per_pair, self.sorted, self.block_expert, self.total, weights,
+                                d.hidden, inter, pairs, d.top_k, a_down.stride(0), w2.stride(0), w2.stride(1),
+                                self.per_pair.stride(0), *scales2, GATHER_TOKENS=False, MUL_WEIGHT=True, **tiles)
 
         def combine() -> None:
             _sum[(d.tokens, triton.cdiv(d.hidden, 1024))](self.per_pair, ids, out, d.hidden, d.experts,
                                                           TOP_K=d.top_k, BLOCK=1024)
 
-        return [("align", align), ("gemm_gate_up", gemm_gate_up), ("silu_mul", silu_mul),
+        quant = [("quant_x", quant_x)] if self.w8a8 else []
+        return [("align", align), *quant, ("gemm_gate_up", gemm_gate_up), ("silu_mul", silu_mul),
                 ("gemm_down", gemm_down), ("sum", combine)]
 
-    def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-                 weights: torch.Tensor, out: torch.Tensor) -> None:
+    def __call__(self, x: torch.Tensor, w13: Any, w2: Any, ids: torch.Tensor, weights: torch.Tensor,
+                 out: torch.Tensor) -> None:
         for _, stage in self.stages(x, w13, w2, ids, weights, out):
             stage()
