@@ -12,16 +12,30 @@ never reaches this text from there; the text treats STAGES < 2 as the register p
 the kernel family spell the register path STAGES=0.)
 
 bf16 values travel as raw ``unsigned short`` bits (no cuda_bf16.h); conversions are bit-exact RNE.
+
+``W_FP8`` 1 (with fp8 activations: the W8A8 design serving engines run on FP8 checkpoints) reads fp8-block128
+weights: each lane loads its 8 e4m3 values of a weight row (8 bytes), widens them to bf16 fragments (exact, times
+2^-112: kernels/device_helpers.py FP8_HELPERS) and each 32-wide K chunk's MMA result is scaled by the activation
+row's group scale, the weight block's scale and 2^112. Register loads only (STAGES 1, no PREFETCH).
 """
 
 from __future__ import annotations
 
 from kernels.compile import CudaSource
+from kernels.device_helpers import FP8_HELPERS
 
 CODE = r"""
 #define BLOCK_M (16 * M_TILES)
 #define NT (BLOCK_N / 8)
 typedef unsigned short bf16;
+typedef unsigned int u32;
+static_assert(W_FP8 == 0 || (W_FP8 == 1 && STAGES < 2 && PREFETCH == 0), "W_FP8 runs on register loads only");
+#if W_FP8
+typedef unsigned char wt_t;                       // e4m3fn bytes, a float32 scale per 128 x 128 block
+#else
+typedef bf16 wt_t;
+#endif
+""" + FP8_HELPERS + r"""
 
 // ---------------------------------------------------------------- number helpers ------------------
 __device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
@@ -239,6 +253,12 @@ __device__ __forceinline__ uint4 load_weights(const bf16* p) {   // streamed onc
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
+// W_FP8: 8 e4m3 weights (8 bytes) as the 8 bf16 of a B fragment (value x 2^-112, exact)
+__device__ __forceinline__ uint4 load_weights(const unsigned char* p) {
+    uint2 v;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return e4m3x8_to_bf16x8(v);
+}
 
 // cp.async of 16 bytes global -> shared, L2 only (weights are streamed once); src_bytes 0 zero-fills the slot
 // (used for k or n past the edge; the source address is then still a valid one but is not read).
@@ -254,7 +274,7 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // Prefetch into L2 the weight bytes this lane would load for the step starting at chunk c0 (in range only).
-__device__ __forceinline__ void prefetch_step(const bf16* Wexp, int c0, int n0, int g, int t, int N, int Kd) {
+__device__ __forceinline__ void prefetch_step(const wt_t* Wexp, int c0, int n0, int g, int t, int N, int Kd) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
         const int k = (c0 + u) * 32 + 8 * t;
@@ -267,11 +287,23 @@ __device__ __forceinline__ void prefetch_step(const bf16* Wexp, int c0, int n0, 
     }
 }
 
+// W_FP8: the weight block scales of this block's n8 tiles at K chunk c, times 2^112 (the fragments' unscale);
+// w_scale is the expert's [block rows][kgroups], rows below w_split (w13's gate) in block row n / 128, the rest
+// (w13's up rows, blocked apart) in ceil(w_split / 128) + (n - w_split) / 128
+struct WeightScales { const float* w_scale; int w_split, kgroups, n0, N; };
+__device__ __forceinline__ float weight_scale(const WeightScales& s, int j, int c) {
+    const int n = s.n0 + 8 * j;
+    if (n >= s.N) return 0.0f;
+    const int block_row = n < s.w_split ? n / 128 : (s.w_split + 127) / 128 + (n - s.w_split) / 128;
+    return s.w_scale[(size_t)block_row * s.kgroups + (c >> 2)] * FP8_UNSCALE;
+}
+
 // The MMAs of one 32-wide K chunk c (chunk index, for the fp8 scales) with fragments already in registers.
 template <bool SCALED>
 __device__ __forceinline__ void chunk_mma(float (*acc)[NT][4], const uint4 (*a)[2], const uint4* b, int c,
                                           int chunks, const float* __restrict__ A_scale, int scale_groups,
-                                          size_t row0, int g) {
+                                          size_t row0, int g, const WeightScales& ws) {
+    (void)ws;
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m) {
         const uint4 lo = a[m][0], hi = a[m][1];      // rows g and g+8
@@ -293,10 +325,18 @@ __device__ __forceinline__ void chunk_mma(float (*acc)[NT][4], const uint4 (*a)[
                 float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 mma_bf16(part, lo.x, hi.x, lo.y, hi.y, b[j].x, b[j].y);
                 mma_bf16(part, lo.z, hi.z, lo.w, hi.w, b[j].z, b[j].w);
+#if W_FP8
+                const float w_s = c < chunks ? weight_scale(ws, j, c) : 0.0f;
+                acc[m][j][0] += part[0] * (s_lo * w_s);
+                acc[m][j][1] += part[1] * (s_lo * w_s);
+                acc[m][j][2] += part[2] * (s_hi * w_s);
+                acc[m][j][3] += part[3] * (s_hi * w_s);
+#else
                 acc[m][j][0] += part[0] * s_lo;
                 acc[m][j][1] += part[1] * s_lo;
                 acc[m][j][2] += part[2] * s_hi;
                 acc[m][j][3] += part[3] * s_hi;
+#endif
             }
         }
     }
@@ -325,10 +365,12 @@ __device__ __forceinline__ void chunk_mma(float (*acc)[NT][4], const uint4 (*a)[
 #endif
 template <bool SCALED>
 __device__ __forceinline__ void grouped_gemm(const bf16* __restrict__ A, const float* __restrict__ A_scale,
-                                             int scale_groups, const bf16* __restrict__ W,
+                                             int scale_groups, const wt_t* __restrict__ W,
+                                             const float* __restrict__ W_scale, int w_split,
                                              const int* __restrict__ tile_expert,
                                              int N, int Kd, int E, bf16* __restrict__ C)
 {
+    static_assert(!W_FP8 || SCALED, "W_FP8 is the W8A8 design: fp8 activations (gemm_fp8_scaled)");
     __shared__ float partial[REDUCE_SLABS * SLAB_FLOATS];
     const int tile = blockIdx.x;
     // tile_expert is -1 past the real tile count (align writes it), so one load decides the block's fate
@@ -338,7 +380,10 @@ __device__ __forceinline__ void grouped_gemm(const bf16* __restrict__ A, const f
     const int n0 = blockIdx.y * BLOCK_N;
     const size_t row0 = (size_t)tile * BLOCK_M;
     const int chunks = (Kd + 31) / 32;
-    const bf16* Wexp = W + (size_t)expert * N * Kd;
+    const wt_t* Wexp = W + (size_t)expert * N * Kd;
+    const int kgroups = (Kd + 127) / 128, w_rows = (w_split + 127) / 128 + (N - w_split + 127) / 128;
+    const WeightScales ws{W_scale != nullptr ? W_scale + (size_t)expert * w_rows * kgroups : nullptr, w_split, kgroups,
+                          n0, N};
 
     float acc[M_TILES][NT][4];
 #pragma unroll
@@ -376,7 +421,7 @@ __device__ __forceinline__ void grouped_gemm(const bf16* __restrict__ A, const f
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u)
-            chunk_mma<SCALED>(acc, a[u], b[u], c0 + u, chunks, A_scale, scale_groups, row0, g);
+            chunk_mma<SCALED>(acc, a[u], b[u], c0 + u, chunks, A_scale, scale_groups, row0, g, ws);
     }
 #else
     extern __shared__ uint4 ring[];
@@ -431,7 +476,7 @@ __device__ __forceinline__ void grouped_gemm(const bf16* __restrict__ A, const f
                 a[m][0] = *slot_of(stage, u, NT + 2 * m);
                 a[m][1] = *slot_of(stage, u, NT + 2 * m + 1);
             }
-            chunk_mma<SCALED>(acc, a, b, c0 + u, chunks, A_scale, scale_groups, row0, g);
+            chunk_mma<SCALED>(acc, a, b, c0 + u, chunks, A_scale, scale_groups, row0, g, ws);
         }
     }
     cp_async_wait<0>();                                          // nothing left in flight at exit
@@ -480,18 +525,22 @@ __device__ __forceinline__ void grouped_gemm(const bf16* __restrict__ A, const f
         }
 }
 
+#if !W_FP8
 extern "C" __global__ void GEMM_BOUNDS gemm_bf16(
     const bf16* __restrict__ A, const bf16* __restrict__ W, const int* __restrict__ tile_expert,
     int N, int Kd, int E, bf16* __restrict__ C)
 {
-    grouped_gemm<false>(A, nullptr, 0, W, tile_expert, N, Kd, E, C);
+    grouped_gemm<false>(A, nullptr, 0, W, nullptr, N, tile_expert, N, Kd, E, C);
 }
+#endif
 
+// W_FP8: W holds e4m3 bytes, W_scale its block scales [E][block rows][ceil(Kd / 128)] (w_split: see weight_scale)
 extern "C" __global__ void GEMM_BOUNDS gemm_fp8_scaled(
-    const bf16* __restrict__ A, const float* __restrict__ A_scale, int scale_groups, const bf16* __restrict__ W,
-    const int* __restrict__ tile_expert, int N, int Kd, int E, bf16* __restrict__ C)
+    const bf16* __restrict__ A, const float* __restrict__ A_scale, int scale_groups, const wt_t* __restrict__ W,
+    const float* __restrict__ W_scale, int w_split, const int* __restrict__ tile_expert, int N, int Kd, int E,
+    bf16* __restrict__ C)
 {
-    grouped_gemm<true>(A, A_scale, scale_groups, W, tile_expert, N, Kd, E, C);
+    grouped_gemm<true>(A, A_scale, scale_groups, W, W_scale, w_split, tile_expert, N, Kd, E, C);
 }
 
 // ---------------------------------------------------------------- stage 5: SiLU(gate) * up --------
@@ -594,9 +643,10 @@ extern "C" __global__ void combine(const bf16* __restrict__ src, const int* __re
 KERNELS = (
     "moe_align", "quantize_rows", "gather_rows", "gemm_bf16", "gemm_fp8_scaled", "silu_mul", "scatter_rows", "combine",
 )
+W8A8_KERNELS = tuple(k for k in KERNELS if k != "gemm_bf16")  # W_FP8 1: the bf16 GEMM is not compiled
 # DEFAULTS are the compile-time knobs of the large-batch tiles, what kernels.expert_centric_path.auto_params picks
 # above T*K = 64 (below: BLOCK_N=32, WARPS=8, register loads); VARIANTS the other sets the offline report compiles.
-DEFAULTS = {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 2, "PREFETCH": 0}
+DEFAULTS = {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 2, "PREFETCH": 0, "W_FP8": 0}
 VARIANTS = [
     {"BLOCK_N": 128, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 1, "PREFETCH": 0},
     {"BLOCK_N": 32, "WARPS": 8, "M_TILES": 1, "UNROLL": 2, "STAGES": 1, "PREFETCH": 0},
@@ -609,6 +659,8 @@ VARIANTS = [
     {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 1, "STAGES": 4, "PREFETCH": 0},
     {"BLOCK_N": 128, "WARPS": 4, "M_TILES": 1, "UNROLL": 1, "STAGES": 3, "PREFETCH": 0},
     {"BLOCK_N": 32, "WARPS": 8, "M_TILES": 1, "UNROLL": 1, "STAGES": 4, "PREFETCH": 0},
+    {"BLOCK_N": 32, "WARPS": 8, "M_TILES": 1, "UNROLL": 2, "STAGES": 1, "PREFETCH": 0, "W_FP8": 1},  # W8A8
+    {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 1, "PREFETCH": 0, "W_FP8": 1},
 ]
 
 # kernels.expert_centric_path.FAMILY registers it (tools.compile_report finds it there)

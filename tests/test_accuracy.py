@@ -99,6 +99,7 @@ def test_kernels_are_found_per_weight_format():
     fp8 = accuracy.find_kernels(notes, "fp8-block128")
     assert all(v is None or v.weight_format == "bf16" for v in bf16.values())
     assert fp8["warp_decode"] is not None and fp8["warp_decode"].name == "cupy:warp-decode-fp8"
+    assert fp8["classical+fp8"] is not None and fp8["classical+fp8"].name == "cupy:expert-centric-w8a8"
     assert all(v is None or v.weight_format == "fp8-block128" for v in fp8.values())
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import itertools
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -22,7 +23,7 @@ import pytest
 
 from kernels.compile import SOURCES, KernelResources, offline_report
 from kernels.contract import BF16, Dims
-from kernels.expert_centric_cuda import DEFAULTS, EXPERT_CENTRIC_SOURCE, KERNELS, VARIANTS
+from kernels.expert_centric_cuda import DEFAULTS, EXPERT_CENTRIC_SOURCE, KERNELS, VARIANTS, W8A8_KERNELS
 from kernels.expert_centric_path import (
     DYNAMIC_SMEM_LIMIT,
     FAMILY,
@@ -92,7 +93,7 @@ def test_offline_compile_zero_spills(which: str) -> None:
     """Every kernel compiles for sm_90 without spills, at the defaults and every listed variant."""
     param_sets = [{}] if which == "defaults" else list(VARIANTS)
     for params, reports in zip(param_sets, _reports(param_sets), strict=True):
-        assert set(reports) == set(KERNELS), params
+        assert set(reports) == set(W8A8_KERNELS if params.get("W_FP8") else KERNELS), params
         for report in reports.values():
             assert report.spills == 0 and report.stack_bytes == 0, (params, report)
             assert report.registers <= 255
@@ -640,3 +641,53 @@ def test_workspace_mismatch_and_gpu_input_errors() -> None:
         expert_centric(*p.arrays, out=cp.empty((3, 136), BF16))
     with pytest.raises(TypeError, match="cupy"):
         expert_centric(p.x.get(), *p.arrays[1:])
+
+
+# -- W8A8 on fp8-block128 weights ----------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize(("shape", "tokens", "routing"), [
+    ("qwen3-30b-a3b", 1, "uniform"), ("qwen3-30b-a3b", 64, "zipf"), ("qwen3-235b-a22b", 8, "correlated"),
+    (MoEShape("h2880", 2880, 360, 16, 4), 5, "same"),  # partial scale blocks along H and I
+    ("tiny", 6, [[5, 5], [0, 1], [2, 2], [3, 0], [1, 1], [5, 4]])])  # duplicate ids in a token
+def test_w8a8_on_fp8_weights(shape: Any, tokens: int, routing: Any) -> None:
+    """cupy:expert-centric-w8a8 against ``reference.moe_decode(mode="classical", quant="fp8", weight_format=
+    "fp8-block128")`` on the same (device-quantized, bitwise the host's) weights: NaN-poisoned out fully written,
+    within 2 bf16 ulps of each token's largest output; bitwise over a repeat."""
+    import cupy as cp
+
+    from kernels.formats import quantize_weights
+
+    base = PRESETS[shape] if isinstance(shape, str) else shape
+    run_shape = base.with_(experts=min(base.experts, 48))
+    p = make_problem(run_shape, tokens, seed=tokens + 3, routing=routing)
+    q13, q2 = quantize_weights(*(cp.asarray(w) for w in (p.w13, p.w2)), "fp8-block128")
+    x, ids, wts = (cp.asarray(a) for a in (p.x, p.topk_ids, p.topk_weights))
+
+    def run() -> np.ndarray:
+        out = cp.full((tokens, run_shape.hidden), np.nan, BF16)
+        expert_centric(x, q13, q2, ids, wts, quant="fp8", out=out, W_FP8=1)
+        cp.cuda.runtime.deviceSynchronize()
+        return out.get()
+
+    got = run()
+    host13, host2 = quantize_weights(p.w13, p.w2, "fp8-block128")
+    ref = moe_decode(p.x, host13, host2, p.topk_ids, p.topk_weights, mode="classical", quant="fp8",
+                     weight_format="fp8-block128")
+    _check_close(got, ref, min_equal=0.5)
+    assert np.array_equal(run().view(np.uint16), got.view(np.uint16))
+    with pytest.raises(ValueError, match="quant must be 'fp8'"):
+        expert_centric(x, q13, q2, ids, wts)
+    _free()
+
+
+def test_w8a8_knob_rules() -> None:
+    """W_FP8 runs the register-load GEMMs: auto STAGES becomes 1, an explicit ring or prefetch is refused."""
+    from kernels.expert_centric_path import check_params
+
+    dims = Dims(64, 2048, 768, 128, 8)
+    assert check_params(dims)["STAGES"] == 2 and check_params(dims, W_FP8=1)["STAGES"] == 1
+    with pytest.raises(ValueError, match="W_FP8 .* STAGES must be 1"):
+        check_params(dims, W_FP8=1, STAGES=2)
+    with pytest.raises(ValueError, match="PREFETCH 0"):
+        check_params(dims, W_FP8=1, PREFETCH=2)
+    assert REGISTRY["cupy:expert-centric-w8a8"].weight_format == "fp8-block128"

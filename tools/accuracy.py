@@ -59,6 +59,7 @@ PREFERRED_VARIANTS = {
     "classical+fp8": "cupy:expert-centric-fp8",
     "classical+mxfp8": "cupy:expert-centric-mxfp8",
 }
+PREFERRED_FP8 = {"warp_decode": "cupy:warp-decode-fp8", "classical+fp8": "cupy:expert-centric-w8a8"}  # fp8 weights
 DEFAULT_BATCH = (1, 8, 32)
 GPU_SEEDS, CPU_SEEDS = 16, 2
 CPU_EXPERTS = 8  # CPU default: routed experts per model capped at max(8, top_k) (weights cost ~2 s / 100M values)
@@ -303,8 +304,8 @@ def find_kernels(notes: list[str], weight_format: str = "bf16") -> dict[str, Any
     found: dict[str, Any] = {}
     for path, (mode, quant) in PATHS.items():
         matches = [v for v in registry.values() if v.reference_mode == mode and (v.quant or None) == quant
-                   and v.weight_format == weight_format and not v.prototype]
-        preferred = registry.get(PREFERRED_VARIANTS[path])
+                   and v.weight_format == weight_format and not v.prototype and v.family != "auto"]
+        preferred = registry.get((PREFERRED_VARIANTS if weight_format == "bf16" else PREFERRED_FP8).get(path, ""))
         if preferred is not None and preferred in matches:
             found[path] = preferred
         elif matches:
