@@ -199,9 +199,10 @@ def _device(cupy: Any, problem: Problem) -> Problem:
     return dataclasses.replace(problem, x=x, w13=q13, w2=q2, topk_ids=ids, topk_weights=wts)
 
 
+DUPLICATES = [[5, 5], [0, 1], [2, 2], [3, 0], [1, 1]]  # duplicate ids in a token
 GPU_CASES = [("qwen3-30b-a3b", 4, "uniform", "fma"), ("qwen3-30b-a3b", 8, "zipf-1", "mma"),
              ("qwen3-30b-a3b", 64, "correlated", "mma"), ("qwen3-235b-a22b", 2, "zipf-2", "fma"),
-             ("qwen3-235b-a22b", 32, "same", "mma"), ("tiny", 5, [[5, 5], [0, 1], [2, 2], [3, 0], [1, 1]], "fma"), ("tiny", 7, "uniform", "mma")]
+             ("qwen3-235b-a22b", 32, "same", "mma"), ("tiny", 5, DUPLICATES, "fma"), ("tiny", 7, "uniform", "mma")]
 
 
 @pytest.mark.gpu
