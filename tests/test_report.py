@@ -391,3 +391,31 @@ def test_no_number_is_cut_at_any_width(data, width):
         assert "narrow terminal" not in text and "IQR" in text
     elif width <= 100:
         assert "narrow terminal" in text
+
+
+def test_fp8_crossover_is_its_own_table():
+    """FP8 rows (the FP8 paths, the W8A8 baseline and peer, cupy:auto-fp8) make a table of their own, titled with the
+    format, without a mixed column; they never enter the bf16 table."""
+    fp8 = {"strict": "cupy:warp-decode-fp8", "batched": "cupy:warp-decode-batched-fp8",
+           "MMA": "cupy:warp-decode-mma-fp8", "expert-centric": "cupy:expert-centric-w8a8"}
+    rows = [_row(fp8["strict"], 1, 12.0), _row(fp8["batched"], 1, 14.0), _row(fp8["MMA"], 1, 16.0),
+            _row(fp8["expert-centric"], 1, 40.0), _row("cupy:auto-fp8", 1, 12.1),
+            _row("triton:fused-moe-w8a8", 1, 50.0),
+            _row(fp8["strict"], 64, 150.0), _row(fp8["MMA"], 64, 100.0), _row(fp8["expert-centric"], 64, 120.0),
+            _row("cupy:auto-fp8", 64, 101.0), _row("triton:fused-moe-w8a8", 64, 110.0),
+            _row(STRICT, 1, 20.0), _row(AUTO, 1, 20.0)]
+    run = _run(rows)
+    assert report.crossover_keys([run]) == [(MODEL, "uniform")]
+    assert report.crossover_keys([run], "fp8-block128") == [(MODEL, "uniform")]
+    tables = report.crossover_tables([run])
+    assert [t["weight_format"] for t in tables] == ["bf16", "fp8-block128"]
+    bf16, record = tables
+    assert {c for p in bf16["points"] for c, cell in p["cells"].items() if cell} == {"strict", "auto"}
+    assert report.crossover_title(record) == f"Crossover: {MODEL}, uniform routing, fp8-block128 weights"
+    assert "mixed" not in dict(report.crossover_titles(record)) and "peer" in dict(report.crossover_titles(record))
+    p1, p64 = _point(record, 1), _point(record, 64)
+    assert (p1["best"], p64["best"]) == ("strict", "MMA")
+    assert p64["auto_vs_peer"] == pytest.approx(101.0 / 110.0 - 1)
+    assert "batched not measured" not in record["summary"]  # measured at T=1
+    text = report.crossover_markdown([run])
+    assert "fp8-block128 weights" in text and text.count("### Crossover") == 2

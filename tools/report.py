@@ -143,6 +143,14 @@ CROSSOVER_PEER = "triton:fused-moe"
 CROSSOVER_COLUMNS = (*CROSSOVER_PATHS, "auto", "peer")
 AUTO_SLACK = 0.03  # the issue's bar: auto may be at most 3 % slower than the best single path
 _CROSSOVER_VARIANTS = {**{v: k for k, v in CROSSOVER_PATHS.items()}, CROSSOVER_AUTO: "auto", CROSSOVER_PEER: "peer"}
+# the same table for fp8-block128 weights: the FP8 paths, the W8A8 expert-centric baseline and the W8A8 peer
+CROSSOVER_FP8_PATHS = {"strict": "cupy:warp-decode-fp8", "batched": "cupy:warp-decode-batched-fp8",
+                       "MMA": "cupy:warp-decode-mma-fp8", "expert-centric": "cupy:expert-centric-w8a8"}
+CROSSOVER_SETS: dict[str, dict[str, str]] = {  # weight format -> variant -> column
+    "bf16": _CROSSOVER_VARIANTS,
+    "fp8-block128": {**{v: k for k, v in CROSSOVER_FP8_PATHS.items()}, "cupy:auto-fp8": "auto",
+                     "triton:fused-moe-w8a8": "peer"},
+}
 
 
 def row_routing(data: dict[str, Any], row: dict[str, Any]) -> str:
@@ -150,22 +158,26 @@ def row_routing(data: dict[str, Any], row: dict[str, Any]) -> str:
     return str(row.get("routing") or (data.get("config") or {}).get("routing") or "unknown")
 
 
-def crossover_keys(datasets: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """Every (model, routing) with rows of at least two of strict / batched / expert-centric / auto (first-seen order).
+def crossover_keys(datasets: list[dict[str, Any]], weight_format: str = "bf16") -> list[tuple[str, str]]:
+    """Every (model, routing) with rows of at least two of strict / batched / expert-centric / auto (first-seen order)
+    among the paths of ``weight_format`` (:data:`CROSSOVER_SETS`).
 
     One path alone has no crossover, so a run of the strict kernel only over many presets adds no table.
     """
+    variants = CROSSOVER_SETS[weight_format]
     columns: dict[tuple[str, str], set[str]] = {}
     for data in datasets:
         for row in data.get("results", []):
-            if row.get("variant") in _CROSSOVER_VARIANTS:
+            if row.get("variant") in variants:
                 key = (row["model"], row_routing(data, row))
-                columns.setdefault(key, set()).add(_CROSSOVER_VARIANTS[row["variant"]])
+                columns.setdefault(key, set()).add(variants[row["variant"]])
     return [key for key, seen in columns.items() if len(seen) >= 2]
 
 
 def _short(variant: str | None) -> str | None:
-    return None if variant is None else _CROSSOVER_VARIANTS.get(variant, variant)
+    if variant is None:
+        return None
+    return next((v[variant] for v in CROSSOVER_SETS.values() if variant in v), variant)
 
 
 def _signed_percent(fraction: float) -> str:
@@ -185,7 +197,8 @@ def _t_ranges(batches: list[int], everything: list[int]) -> str:
     return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
-def crossover_table(datasets: list[dict[str, Any]], model: str, routing: str) -> dict[str, Any]:
+def crossover_table(datasets: list[dict[str, Any]], model: str, routing: str,
+                    weight_format: str = "bf16") -> dict[str, Any]:
     """Strict, batched, expert-centric and auto per batch for ``model`` under ``routing``, over several bench runs.
 
     ``datasets``: bench JSON records in order. When several of them measured the same (variant, model, batch,
@@ -195,13 +208,17 @@ def crossover_table(datasets: list[dict[str, Any]], model: str, routing: str) ->
     auto / best - 1 and ``flag`` is set when that exceeds ``AUTO_SLACK`` (3 %). ``choice`` is the variant auto
     picked when its row records one (key ``choice``; ``choice_source``: "table" / "heuristic"), else None.
     ``mixed_runs``: the timed cells of that batch come from different files. ``summary``: the batch ranges where
-    each path is fastest and how often auto is within 3 % of the best.
+    each path is fastest and how often auto is within 3 % of the best. ``weight_format``: the table of that format's
+    paths (:data:`CROSSOVER_SETS`; fp8-block128: the FP8 paths, the W8A8 baseline and the W8A8 peer).
     """
+    variants = CROSSOVER_SETS[weight_format]
+    paths = {column: variant for variant, column in variants.items() if column in CROSSOVER_PATHS}
+    auto_variant = next(v for v, c in variants.items() if c == "auto")
     found: dict[tuple[str, int], dict[str, Any]] = {}
     for index, data in enumerate(datasets):
         roof = (data.get("rooflines") or {}).get("read_tbps")
         for row in data.get("results", []):
-            column = _CROSSOVER_VARIANTS.get(row.get("variant"))
+            column = variants.get(row.get("variant"))
             if column is None or row["model"] != model or row_routing(data, row) != routing:
                 continue
             timed = _timed(row)
@@ -231,10 +248,10 @@ def crossover_table(datasets: list[dict[str, Any]], model: str, routing: str) ->
             "auto_vs_best": vs_best, "flag": vs_best is not None and vs_best > AUTO_SLACK, "auto_vs_peer": vs_peer,
             "mixed_runs": len({cell["source"] for cell in timed.values()}) > 1,
         })
-    fastest = {c: [p["batch"] for p in points if p["best"] == c] for c in CROSSOVER_PATHS}
+    fastest = {c: [p["batch"] for p in points if p["best"] == c] for c in paths}
     compared = [p for p in points if p["auto_vs_best"] is not None]
     record: dict[str, Any] = {
-        "model": model, "routing": routing, "paths": dict(CROSSOVER_PATHS), "auto": CROSSOVER_AUTO,
+        "model": model, "routing": routing, "weight_format": weight_format, "paths": paths, "auto": auto_variant,
         "batches": batches, "points": points, "fastest": fastest,
         "auto_compared": len(compared), "auto_within": sum(not p["flag"] for p in compared),
         "sources": sorted({cell["source"] for cell in found.values()}),
@@ -251,7 +268,8 @@ def _crossover_summary(record: dict[str, Any]) -> str:
         order = sorted((b, c) for c, b in ((c, bs[0]) for c, bs in record["fastest"].items() if bs))
         parts = [", ".join(f"{c} T={_t_ranges(record['fastest'][c], timed_batches)}" for _, c in order)]
     measured = {column for p in record["points"] for column, cell in p["cells"].items() if cell is not None}
-    missing = [c for c in CROSSOVER_COLUMNS if c not in measured and c != "peer"]  # the peer is optional
+    columns = [*record.get("paths", CROSSOVER_PATHS), "auto"]  # the peer is optional
+    missing = [c for c in columns if c not in measured]
     if missing:
         parts[0] += f" ({', '.join(missing)} not measured)"
     if record["auto_compared"]:
@@ -276,8 +294,9 @@ def _crossover_summary(record: dict[str, Any]) -> str:
 
 
 def crossover_tables(datasets: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``crossover_table`` for every (model, routing) of ``crossover_keys``."""
-    return [crossover_table(datasets, model, routing) for model, routing in crossover_keys(datasets)]
+    """``crossover_table`` for every (model, routing) of ``crossover_keys``, bf16 first, then each other format's."""
+    return [crossover_table(datasets, model, routing, fmt) for fmt in CROSSOVER_SETS
+            for model, routing in crossover_keys(datasets, fmt)]
 
 
 def crossover_cells(point: dict[str, Any]) -> dict[str, str]:
@@ -314,13 +333,16 @@ CROSSOVER_TITLES = (("batch", "T"), ("strict", "strict µs (% roof)"), ("batched
 
 
 def crossover_titles(record: dict[str, Any]) -> tuple[tuple[str, str], ...]:
-    """:data:`CROSSOVER_TITLES`, without the peer's two columns where no peer row was measured."""
+    """:data:`CROSSOVER_TITLES`, without the peer's two columns where no peer row was measured and without the
+    paths the record's weight format has none of (FP8: no mixed path)."""
     has_peer = any(p["cells"].get("peer") is not None for p in record["points"])
-    return tuple(t for t in CROSSOVER_TITLES if has_peer or t[0] not in ("peer", "vs_peer"))
+    absent = set(CROSSOVER_PATHS) - set(record.get("paths", CROSSOVER_PATHS))
+    return tuple(t for t in CROSSOVER_TITLES if (has_peer or t[0] not in ("peer", "vs_peer")) and t[0] not in absent)
 
 
 def crossover_title(record: dict[str, Any]) -> str:
-    return f"Crossover: {record['model']}, {record['routing']} routing"
+    fmt = record.get("weight_format", "bf16")
+    return f"Crossover: {record['model']}, {record['routing']} routing" + ("" if fmt == "bf16" else f", {fmt} weights")
 
 
 def crossover_notes(record: dict[str, Any], names: list[str] | None = None, code: bool = True) -> list[str]:
