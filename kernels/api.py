@@ -63,7 +63,9 @@ def moe_decode(
     committed table measured on this GPU (it cannot see the routing when it picks), else a documented heuristic
     (:mod:`kernels.dispatch`). ``policy="fastest"``: strict warp decode, batched warp decode (FMA, mixed or
     tensor-core MMA) or the expert-centric path; ``policy="warp_decode"``: the warp-decode paths only (warp
-    decode's numerics). ``workspace``: ``kernels.dispatch.make_workspace(dims, policy=policy)``. Never syncs
-    inside a graph."""
+    decode's numerics); ``policy="batch_invariant"``: a token's output bitwise the same whatever batch it rides in
+    (the tensor-core path's grouped numerics at every T). fp8-block128 weights (``kernels.quantize_weights``) run
+    the FP8 paths. ``workspace``: ``kernels.dispatch.make_workspace(dims, policy=policy, weight_format=...)``.
+    Never syncs inside a graph."""
     module = importlib.import_module("kernels.dispatch")
     return module.moe_decode(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace, policy=policy)

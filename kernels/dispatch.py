@@ -11,7 +11,14 @@ mma.sync, FP32 accumulators -- warp decode's numerics in the tensor core's summa
 "classical")``, four bf16 roundings). The four warp-decode paths reproduce mode "warp_decode".
 
 Policies (``policy=``, :data:`POLICIES`; candidates in :data:`POLICY_CANDIDATES`): ``"fastest"`` (the default), the
-fastest of the five; ``"warp_decode"``, strict / batched / mixed / MMA only, keeping warp decode's numerics.
+fastest of the five; ``"warp_decode"``, strict / batched / mixed / MMA only, keeping warp decode's numerics;
+``"batch_invariant"``, a token's output bitwise the same whatever batch it rides in: the tensor-core path with the
+grouped down at every T (``"cupy:warp-decode-mma-grouped"``) or its per-pair form (``"cupy:warp-decode-mma-pairs"``),
+which share one numerics (``kernels.warp_decode_batched.GROUPED_KNOBS``: a pair's dots are mma chains over the whole
+k range in k order, a column never sees another, each pair's row is weighted once and a token's slots are summed in
+slot order from 0), so switching between them with T changes nothing. "fastest" and "warp_decode" are not
+batch-invariant: they switch between paths whose sums differ (strict's lane chains, the tensor core's, the batched
+downs' per-warp partials).
 
 fp8-block128 weights (``kernels.quantize_weights(w13, w2, "fp8-block128")``) choose among the FP8 paths
 (:data:`FORMAT_CANDIDATES`: ``"cupy:warp-decode-fp8"``, ``"cupy:warp-decode-batched-fp8"``,
@@ -71,16 +78,27 @@ FP8_STRICT = "cupy:warp-decode-fp8"
 FP8_BATCHED = "cupy:warp-decode-batched-fp8"
 FP8_MMA = "cupy:warp-decode-mma-fp8"
 FP8_CANDIDATES = (FP8_STRICT, FP8_BATCHED, FP8_MMA)
+MMA_GROUPED = "cupy:warp-decode-mma-grouped"
+MMA_PAIRS = "cupy:warp-decode-mma-pairs"
+FP8_MMA_GROUPED = "cupy:warp-decode-mma-grouped-fp8"
+FP8_MMA_PAIRS = "cupy:warp-decode-mma-pairs-fp8"
 MMA_KNOBS = wdb.MMA_KNOBS  # the batched module's tensor-core kernels (the MMA variant's params)
 BATCHED_KNOBS = {BATCHED: {}, MIXED: wdb.MIXED_KNOBS, MMA: wdb.MMA_KNOBS,  # the batched-module paths
-                 FP8_BATCHED: wdb.FP8_KNOBS, FP8_MMA: wdb.MMA_FP8_KNOBS}
+                 FP8_BATCHED: wdb.FP8_KNOBS, FP8_MMA: wdb.MMA_FP8_KNOBS,
+                 MMA_GROUPED: wdb.GROUPED_KNOBS, MMA_PAIRS: wdb.PER_PAIR_KNOBS,
+                 FP8_MMA_GROUPED: {**wdb.GROUPED_KNOBS, "W_FP8": 1}, FP8_MMA_PAIRS: {**wdb.PER_PAIR_KNOBS, "W_FP8": 1}}
 FASTEST = "fastest"
 WARP_DECODE = "warp_decode"
-POLICIES = (FASTEST, WARP_DECODE)
-POLICY_CANDIDATES: dict[str, tuple[str, ...]] = {FASTEST: CANDIDATES, WARP_DECODE: (STRICT, BATCHED, MIXED, MMA)}
+BATCH_INVARIANT = "batch_invariant"
+POLICIES = (FASTEST, WARP_DECODE, BATCH_INVARIANT)
+POLICY_CANDIDATES: dict[str, tuple[str, ...]] = {FASTEST: CANDIDATES, WARP_DECODE: (STRICT, BATCHED, MIXED, MMA),
+                                                 BATCH_INVARIANT: (MMA_PAIRS, MMA_GROUPED)}
 # per weight format: each policy's candidates, and the (strict, batched, tensor-core) paths the heuristic picks from
 FORMAT_CANDIDATES: dict[str, dict[str, tuple[str, ...]]] = {
-    "bf16": POLICY_CANDIDATES, FP8: {FASTEST: FP8_CANDIDATES, WARP_DECODE: FP8_CANDIDATES}}
+    "bf16": POLICY_CANDIDATES,
+    FP8: {FASTEST: FP8_CANDIDATES, WARP_DECODE: FP8_CANDIDATES, BATCH_INVARIANT: (FP8_MMA_PAIRS, FP8_MMA_GROUPED)}}
+# the batch-invariant policy's (per-pair, grouped) paths per format: per-pair while pairs are few per expert
+INVARIANT_PATHS: dict[str, tuple[str, str]] = {"bf16": (MMA_PAIRS, MMA_GROUPED), FP8: (FP8_MMA_PAIRS, FP8_MMA_GROUPED)}
 FORMAT_PATHS: dict[str, tuple[str, str, str]] = {"bf16": (STRICT, BATCHED, MMA),
                                                   FP8: (FP8_STRICT, FP8_BATCHED, FP8_MMA)}
 TABLE_POINTS = (1, 2, 4, 8, 16, 32, 64)
@@ -299,6 +317,11 @@ def heuristic(dims: Dims, policy: str = FASTEST, weight_format: str = "bf16") ->
     check_policy(policy)
     strict, batched, mma = FORMAT_PATHS[check_weight_format(weight_format)]
     pairs = dims.tokens * dims.top_k
+    if policy == BATCH_INVARIANT:  # one numerics either way: per-pair below a pair per expert (no lists), else grouped
+        per_pair, grouped = INVARIANT_PATHS[weight_format]
+        if pairs < MMA_PAIRS_PER_EXPERT * dims.experts and batched_supported(dims, **BATCHED_KNOBS[per_pair]):
+            return per_pair
+        return grouped
     few_pairs = dims.tokens == 1 or pairs <= STRICT_PAIRS_PER_EXPERT * dims.experts
     if few_pairs:
         return strict
@@ -455,5 +478,17 @@ VARIANT_FP8 = register(
         params={},
         description="auto-dispatch on fp8-block128 weights: strict, batched or tensor-core FP8 warp decode from the "
                     "table's FP8 entries (or the heuristic)",
+    )
+)
+VARIANT_INVARIANT = register(
+    Variant(
+        name="cupy:auto-invariant",
+        backend="cupy",
+        family="auto",
+        build=_build_for(BATCH_INVARIANT),
+        reference_mode="warp_decode",
+        params={},
+        description="auto-dispatch, policy batch_invariant: the grouped tensor-core path or its per-pair form (one "
+                    "numerics): a token's output bitwise the same whatever batch it rides in",
     )
 )

@@ -42,11 +42,12 @@ from kernels.contract import BF16, Dims, check_aligned, check_inputs, check_out,
 from kernels.family import Compiled, KernelFamily, Stage
 from kernels.formats import FP8_BLOCK128, Quantized
 from kernels.variants import Variant, register
-from kernels.warp_decode_batched_cuda import CODE, GROUPED_KERNELS, KERNELS, MMA_KERNELS
+from kernels.warp_decode_batched_cuda import CODE, GROUPED_KERNELS, KERNELS, MMA_KERNELS, PER_PAIR_KERNELS
 
 EXPERT_LISTS, GATE_UP, DOWN = KERNELS
 GATE_UP_MMA, DOWN_MMA = MMA_KERNELS
 DOWN_GROUPED, SUM_SLOTS = GROUPED_KERNELS
+GATE_UP_PAIR, DOWN_TOKEN = PER_PAIR_KERNELS
 SUM_THREADS = 256  # threads of a moe_sum_slots block (its __launch_bounds__), 4 columns each
 LIST_HEADER = 4  # int32s before the slot arrays in the lists buffer (must match LIST_HEADER in the CUDA C)
 SHARED_LIMIT = 48 * 1024  # dynamic shared memory without opt-in
@@ -84,6 +85,8 @@ DEFAULTS: dict[str, int] = {
     # block, per-pair FP32 rows), then moe_sum_slots sums each token's slots in slot order; needs DB_MMA, PAIR_TILES;
     # -1 = auto (auto_grouped; the tensor-core path's knob set uses it)
     "W_FP8": 0,  # 1: fp8-block128 weights (kernels.formats: e4m3fn values and block scales, widened in registers)
+    "PER_PAIR": 0,  # 1 (with GB_MMA, DB_MMA): no lists, one pair per gate_up block row, the down per token with its
+    # K slots' rows summed in slot order -- the grouped tensor-core path's numerics in two launches
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK", "DB_NBLK")
 MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pdl-*.json: 7-10 % over 8 at qwen3-30b)
@@ -100,6 +103,7 @@ LIMITS = {
     "DB_EARLY_INTER": (0, 1),
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (0, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
     "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "W_FP8": (0, 1),
+    "PER_PAIR": (0, 1),
 }
 
 
@@ -245,6 +249,12 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         values["DB_GROUPED"] = auto_grouped(dims, values)
     if values["DB_GROUPED"] and not (values["DB_MMA"] and values["PAIR_TILES"]):
         raise ValueError("DB_GROUPED runs the tensor-core down over the tile table: it needs DB_MMA 1 and PAIR_TILES 1")
+    if values["PER_PAIR"] and not (values["GB_MMA"] and values["DB_MMA"]) or \
+            values["PER_PAIR"] and (values["PAIR_TILES"] or values["DB_GROUPED"]):
+        raise ValueError("PER_PAIR runs the tensor-core kernels without lists: it needs GB_MMA 1 and DB_MMA 1, and "
+                         "PAIR_TILES 0 and DB_GROUPED 0")
+    if values["PER_PAIR"] and dims is not None and dims.top_k > 16:
+        raise ValueError(f"PER_PAIR gives each of a token's K slots a warp of one block: K <= 16, got {dims.top_k}")
     if values["LIST_THREADS"] % 32:
         raise ValueError(f"LIST_THREADS must be a multiple of 32, got {values['LIST_THREADS']}")
     for key in ("GB_BYTES", "DB_BYTES"):
@@ -328,6 +338,12 @@ def max_tokens(top_k: int = 1, **params: Any) -> int:
 MMA_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1, "PAIR_TILES": 1,  # both on tensor cores
              "DB_GROUPED": -1, "DB_NBLK": 0}
 MIXED_KNOBS = {"DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1}  # FMA gate_up (bitwise strict's), tensor-core down
+# The batch-invariant pair (kernels.dispatch policy "batch_invariant"): the tensor-core path with the grouped down
+# at every T, and its per-pair form (no lists, two launches) -- one numerics: a pair's dots are mma chains over the
+# whole k range in k order (one column of an mma never sees another), each pair's row is weighted and the slots
+# are summed in slot order from 0. Knobs that only move work (NBLK, WARPS, UNROLL) keep the numerics.
+GROUPED_KNOBS = {**MMA_KNOBS, "DB_GROUPED": 1}
+PER_PAIR_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "PER_PAIR": 1}
 # The FP8 paths (fp8-block128 weights, W_FP8): FMA kernels with 8-value chunks (GB_BYTES 16: the gate_up's
 # intermediate is then bitwise the strict FP8 kernel's; the down capped at 160 registers, which its scales and
 # widening need to stay spill-free at the qwen3 shapes from T = 1 to 64 -- 128 spills at qwen3-235b T = 16,
@@ -380,6 +396,8 @@ def _family_workspace(dims: Dims, params: dict[str, int]) -> Workspace:
 def kernel_names(params: dict[str, int]) -> tuple[str, ...]:
     """The (lists, gate_up, down[, sum]) kernels these knobs compile: the FMA kernels or, with GB_MMA / DB_MMA, the
     tensor-core ones; with DB_GROUPED the grouped down and the slot sum."""
+    if params.get("PER_PAIR"):
+        return (GATE_UP_PAIR, DOWN_TOKEN)
     gate_up = GATE_UP_MMA if params.get("GB_MMA") else GATE_UP
     if params.get("DB_GROUPED"):
         return (EXPERT_LISTS, gate_up, DOWN_GROUPED, SUM_SLOTS)
@@ -389,12 +407,17 @@ def kernel_names(params: dict[str, int]) -> tuple[str, ...]:
 def gate_up_blocks(dims: Dims, params: dict[str, int]) -> int:
     """One block row (ceil(I / neurons per block) blocks) per list slot, or with PAIR_TILES per possible tile."""
     neurons_per_warp = 8 if params["GB_MMA"] else params["GB_OUTS"]
+    if params.get("PER_PAIR"):
+        return dims.tokens * dims.top_k * -(-dims.intermediate // (params["GB_WARPS"] * 8))
     rows = tile_capacity(dims, 8 * params["GB_NBLK"]) if params["PAIR_TILES"] else slots(dims)
     return rows * -(-dims.intermediate // (params["GB_WARPS"] * neurons_per_warp))
 
 
 def down_blocks(dims: Dims, params: dict[str, int]) -> int:
-    """One block per down_columns hidden columns; grouped: a block row (DB_WARPS x 16 rows each) per possible tile."""
+    """One block per down_columns hidden columns; grouped: a block row (DB_WARPS x 16 rows each) per possible tile;
+    PER_PAIR: one block per (token, 16 hidden rows)."""
+    if params.get("PER_PAIR"):
+        return dims.tokens * -(-dims.hidden // 16)
     if params.get("DB_GROUPED"):
         return tile_capacity(dims, 8 * params["GB_NBLK"]) * -(-dims.hidden // (params["DB_WARPS"] * 16))
     return -(-dims.hidden // down_columns(params))
@@ -421,6 +444,8 @@ def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_we
     params, d, ws = compiled.params, compiled.dims, compiled.workspace
     w13, s13 = weight_args(w13, bool(params["W_FP8"]))
     w2, s2 = weight_args(w2, bool(params["W_FP8"]))
+    if params["PER_PAIR"]:
+        return _per_pair_stages(compiled, x, w13, s13, w2, s2, topk_ids, topk_weights, out)
     lists_k, gate_up_k, down_k, *sum_k = (compiled.kernels[name] for name in kernel_names(params))
     i32 = np.int32
     n_slots = slots(d)
@@ -464,15 +489,37 @@ def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_we
     return [("expert_lists", expert_lists), ("gate_up", gate_up), ("down", down)]
 
 
+def _per_pair_stages(compiled: Compiled, x: Any, w13: Any, s13: Any, w2: Any, s2: Any, topk_ids: Any,
+                     topk_weights: Any, out: Any) -> list[Stage]:
+    """PER_PAIR: gate_up one pair per block row, the down one block per (token, 16 rows) with a warp per slot."""
+    params, d, ws = compiled.params, compiled.dims, compiled.workspace
+    gate_up_k, down_k = (compiled.kernels[name] for name in PER_PAIR_KERNELS)
+    i32 = np.int32
+    programmatic = bool(params["PDL"])
+
+    def gate_up() -> None:
+        launch_ex(gate_up_k, (gate_up_blocks(d, params),), (params["GB_WARPS"] * 32,),
+                  (x, w13, s13, topk_ids, ws.intermediate, i32(d.hidden), i32(d.intermediate), i32(d.experts),
+                   i32(d.top_k), i32(d.tokens * d.top_k)), programmatic=programmatic)
+
+    def down() -> None:
+        launch_ex(down_k, (down_blocks(d, params),), (32 * d.top_k,),
+                  (ws.intermediate, w2, s2, topk_ids, topk_weights, out, i32(1 if out.dtype == np.float32 else 0),
+                   i32(d.tokens), i32(d.hidden), i32(d.intermediate), i32(d.experts), i32(d.top_k)),
+                  programmatic=programmatic)
+
+    return [("gate_up", gate_up), ("down", down)]
+
+
 FAMILY = KernelFamily(
     name="warp-decode-batched",
     source=CudaSource(
         name="warp_decode_batched",
         code=CODE,
-        kernels=KERNELS + MMA_KERNELS + GROUPED_KERNELS,
+        kernels=KERNELS + MMA_KERNELS + GROUPED_KERNELS + PER_PAIR_KERNELS,
         defaults=dict(DEFAULTS),
         warps_knobs={GATE_UP: "GB_WARPS", DOWN: "DB_WARPS", GATE_UP_MMA: "GB_WARPS", DOWN_MMA: "DB_WARPS",
-                     DOWN_GROUPED: "DB_WARPS"},
+                     DOWN_GROUPED: "DB_WARPS", GATE_UP_PAIR: "GB_WARPS"},
         description="batched warp decode: expert lists, gate_up and down reading each expert once per batch",
     ),
     limits=LIMITS,
@@ -491,7 +538,8 @@ SOURCE.variants = [*preset_variants(resolve_params, DEFAULTS), resolve_params(No
                    resolve_params(None, **MMA_KNOBS, DB_WARPS=MMA_WIDE_DOWN_WARPS, DB_MAX_REGS=0),
                    resolve_params(None, **FP8_KNOBS),
                    resolve_params(None, **MMA_KNOBS, W_FP8=1),
-                   resolve_params(None, **{**MMA_KNOBS, "W_FP8": 1, "DB_GROUPED": 1})]
+                   resolve_params(None, **{**MMA_KNOBS, "W_FP8": 1, "DB_GROUPED": 1}),
+                   resolve_params(None, **PER_PAIR_KNOBS), resolve_params(None, **PER_PAIR_KNOBS, W_FP8=1)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -584,3 +632,22 @@ MMA_FP8_VARIANT = register(FAMILY.variant(
     "k block's FP32 partial scaled",
     grid={"GB_WARPS": [2, 4, 8], "GB_UNROLL": [4, 8], "GB_NBLK": [1, 2], "DB_WARPS": [4, 8], "DB_UNROLL": [4, 8],
           "DB_NBLK": [1, 2]}))
+GROUPED_VARIANT = _register_path(
+    "cupy:warp-decode-mma-grouped", GROUPED_KNOBS,
+    "the tensor-core path with the grouped down and the slot-order sum at every T: batch-invariant numerics",
+    {"GB_WARPS": [2, 4, 8], "GB_UNROLL": [4, 8], "GB_NBLK": [1, 2], "DB_WARPS": [4, 8], "DB_NBLK": [1, 2]},
+)
+PER_PAIR_VARIANT = _register_path(
+    "cupy:warp-decode-mma-pairs", PER_PAIR_KNOBS,
+    "the grouped tensor-core path's numerics without lists: a pair per gate_up block row, a token per down block",
+    {"GB_WARPS": [2, 4, 8], "GB_UNROLL": [4, 8], "DB_UNROLL": [2, 4, 8]},
+)
+GROUPED_FP8_VARIANT = register(FAMILY.variant(
+    "cupy:warp-decode-mma-grouped-fp8", knobs={**GROUPED_KNOBS, "W_FP8": 1}, reference_mode="warp_decode",
+    weight_format=FP8_BLOCK128.name, description="the batch-invariant grouped tensor-core path on fp8-block128 weights",
+    grid={"GB_WARPS": [2, 4, 8], "GB_NBLK": [1, 2], "DB_NBLK": [1, 2]}))
+PER_PAIR_FP8_VARIANT = register(FAMILY.variant(
+    "cupy:warp-decode-mma-pairs-fp8", knobs={**PER_PAIR_KNOBS, "W_FP8": 1}, reference_mode="warp_decode",
+    weight_format=FP8_BLOCK128.name,
+    description="the batch-invariant per-pair tensor-core path on fp8-block128 weights",
+    grid={"GB_WARPS": [2, 4, 8], "GB_UNROLL": [4, 8], "DB_UNROLL": [2, 4, 8]}))

@@ -41,6 +41,12 @@ CODE = WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + r"""
 //   DB_GROUPED 1 (with DB_MMA, PAIR_TILES): the down as gate_up is, one block row per tile: moe_down_grouped's warp
 //   owns 16 hidden rows of the tile's expert over the whole I and writes each pair's weighted FP32 row; a fourth
 //   kernel, moe_sum_slots, sums a token's K rows in slot order (the reference's order) and rounds once
+//   PER_PAIR 1 (with GB_MMA, DB_MMA): the grouped tensor-core path's numerics without its lists -- moe_gate_up_pair
+//   runs the tensor-core gate_up on one pair per block row (its x row in every column) and moe_down_token gives a
+//   block one token and 16 hidden rows, warp k the pair of slot k (the grouped down's mma chain over all of I),
+//   then sums the weighted rows in slot order from 0 as moe_sum_slots does: two launches, and a token's output is
+//   bitwise what the grouped path gives it, whatever else is in the batch (the batch-invariant policy's small T);
+//   K <= 16 (a block of K warps)
 //   W_FP8 1: the weights are fp8-block128 (kernels/formats.py): e4m3fn bytes in the bf16 layouts and a float32
 //   scale per 128 x 128 block (s13: gate's block rows, then up's; s2). The FMA kernels load GB_BYTES / 2 (DB_BYTES
 //   / 2) bytes of weights per chunk -- the values of a GB_BYTES activation chunk -- and multiply each widened
@@ -65,6 +71,8 @@ static_assert(PAIR_TILES == 0 || (PAIR_TILES == 1 && GB_MMA == 1), "PAIR_TILES i
 static_assert(DB_GROUPED == 0 || (DB_GROUPED == 1 && DB_MMA == 1 && PAIR_TILES == 1),
               "DB_GROUPED is 0 or 1 (1 needs DB_MMA 1 and PAIR_TILES 1)");
 static_assert(W_FP8 == 0 || (W_FP8 == 1 && GB_BYTES >= 8 && DB_BYTES >= 8), "W_FP8 is 0 or 1 (1 needs BYTES >= 8)");
+static_assert(PER_PAIR == 0 || (PER_PAIR == 1 && GB_MMA == 1 && DB_MMA == 1 && PAIR_TILES == 0 && DB_GROUPED == 0),
+              "PER_PAIR is 0 or 1 (1 needs GB_MMA 1, DB_MMA 1 and no tiles: it runs without lists)");
 #if W_FP8
 typedef unsigned char weight_t;                   // e4m3fn bytes
 #define GB_WBYTES (GB_BYTES / 2)                  // a weight chunk holds the values of an activation chunk
@@ -147,6 +155,7 @@ __device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
     return v;
 }
 
+#if !PER_PAIR  // the per-pair path runs without lists
 extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
     const int* __restrict__ topk_ids,   // [T*K]
     int pairs, int experts, int slots,
@@ -286,6 +295,7 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
         sorted[running[key] + warp_counts[(p / range) * (experts + 1) + key] + rank_of[p]] = p;
     }
 }
+#endif  // !PER_PAIR
 
 // A gate_up block's list slot a (< slots, so always in bounds) in ONE round trip: the four loads issue back to
 // back (ld_dep: behind the PDL wait, never hoisted above it).
@@ -797,7 +807,7 @@ __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const a
 }
 #endif
 
-#if GB_MMA
+#if GB_MMA && !PER_PAIR
 // A tensor-core gate_up block's work unit, read in ONE round trip after the PDL wait: with PAIR_TILES tile a of
 // the tile table (its pairs: up to TILE_PAIRS, one pass), else list slot a (all its pairs).
 struct GateUpItem { int expert, count; const int* pairs; bool unused; };
@@ -975,7 +985,7 @@ __device__ __forceinline__ void down_mma_slot(const DownLists& m, int a, int c_b
                    intermediate, w2, s2, mine, hidden, inter, top_k, h_lo, h_hi, g, q, waited);
 }
 
-#if !DB_GROUPED  // the grouped down (below) replaces it
+#if !DB_GROUPED && !PER_PAIR  // the grouped down (below) or the per-token down replaces it
 // ------------------------------------------------------------------------------------------------
 // moe_down_mma: block b owns hidden columns h0 .. h0+15 (h0 = 16 b) for ALL tokens. Its warps share the list
 //   slots (bad-id slot excluded: NaN at the end) in one of two ways, each a fixed schedule:
@@ -1155,9 +1165,118 @@ extern "C" __global__ void __launch_bounds__(256) moe_sum_slots(
     }
 }
 #endif  // DB_GROUPED
+
+#if PER_PAIR
+// ------------------------------------------------------------------------------------------------
+// moe_gate_up_pair (PER_PAIR): block b owns pair p = b / per_pair and warp w neurons i0 .. i0+7 of it, as
+//   moe_gate_up_mma does for a tile -- A rows 0..7 gate, 8..15 up, the same mma chain over H -- with the pair's x
+//   row in every B column: lane (g, 0) ends with gate and up of neuron i0+g in column 0 and writes it. A bad id
+//   writes NaN and reads no weights.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
+    const bf16_t* __restrict__ x,             // [T, H]
+    const weight_t* __restrict__ w13,         // [E, 2I, H]
+    const float* __restrict__ s13,            // W_FP8: [E, 2 ceil(I/128), ceil(H/128)]
+    const int* __restrict__ topk_ids,         // [T, K]
+    bf16_t* __restrict__ intermediate,        // [T, K, I]
+    int hidden, int inter, int experts, int top_k, int pairs)
+{
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int per_pair = (inter + GB_WARPS * 8 - 1) / (GB_WARPS * 8);
+    const int p = blockIdx.x / per_pair;
+    const int i0 = ((blockIdx.x - p * per_pair) * GB_WARPS + (threadIdx.x >> 5)) * 8;
+    pdl_wait();  // topk_ids and x may come from the kernel right before
+    pdl_release();
+    if (p >= pairs || i0 >= inter) return;                           // whole warp leaves together
+    const int e = ld_dep(topk_ids + p);
+    if ((unsigned)e >= (unsigned)experts) {
+        if (lane < 8 && i0 + lane < inter) intermediate[(long long)p * inter + i0 + lane] = BF16_NAN;
+        return;
+    }
+    const int i = min(i0 + g, inter - 1);                            // past-the-end neurons re-read the last row
+    const a_chunk_t* gate_row =
+        reinterpret_cast<const a_chunk_t*>(w13 + ((size_t)e * 2 * inter + i) * (size_t)hidden);
+    const a_chunk_t* up_row =
+        reinterpret_cast<const a_chunk_t*>(w13 + ((size_t)e * 2 * inter + inter + i) * (size_t)hidden);
+    const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
+    const float* gate_scale = scale_row(s13, (long long)e * 2 * iblocks + i / FP8_BLOCK, hblocks);
+    const float* up_scale = scale_row(s13, (long long)e * 2 * iblocks + iblocks + i / FP8_BLOCK, hblocks);
+    const uint4* x_row[1] = {reinterpret_cast<const uint4*>(x + (size_t)(p / top_k) * hidden)};
+    float acc[1][4];
+    bool unused = true;
+    mma_rows_by_columns<GB_UNROLL, 1, false>(acc, gate_row, up_row, gate_scale, up_scale, x_row, 0, hidden / 8, q,
+                                             unused);
+    if (q == 0 && i0 + g < inter) {                                  // column 0: the pair
+        const float gate = acc[0][0], up = acc[0][2];
+        const float silu = gate / (1.0f + expf(-gate));              // IEEE division (no fast-math)
+        intermediate[(long long)p * inter + i0 + g] = f32_to_bf16(silu * up);  // the one bf16 rounding
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// moe_down_token (PER_PAIR): block b owns token t = b / per_token and hidden rows h0 .. h0+15; its K warps (one per
+//   slot) run the grouped down's mma chain over all of I for the pair (t, k) (its intermediate row in every column)
+//   and keep topk_weight * dot of column 0 in shared memory; thread r < 16 then sums the K rows in slot order from
+//   0.0f and rounds once -- moe_down_grouped + moe_sum_slots' numerics. A token with a bad id gets NaN and reads no
+//   weight of that slot.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K <= 16 warps: <= 128 registers
+    const bf16_t* __restrict__ intermediate,  // [T, K, I]
+    const weight_t* __restrict__ w2,          // [E, H, I]
+    const float* __restrict__ s2,             // W_FP8: [E, ceil(H/128), ceil(I/128)]
+    const int* __restrict__ topk_ids,         // [T, K]
+    const float* __restrict__ topk_weights,   // [T, K]
+    void* __restrict__ out,                   // [T, H] bf16, or float32 when out_f32
+    int out_f32, int tokens, int hidden, int inter, int experts, int top_k)
+{
+    __shared__ float rows[16][16];                                   // [slot][row]: the weighted dots
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, k = threadIdx.x >> 5;
+    const int per_token = (hidden + 15) / 16;
+    const int t = blockIdx.x / per_token;
+    const int h0 = (blockIdx.x - t * per_token) * 16;
+    const int e = __ldg(topk_ids + (long long)t * top_k + k);        // the routing: two kernels back
+    const bool bad = (unsigned)e >= (unsigned)experts;
+#if !DOWN_WAITS_LATE
+    pdl_wait();     // the intermediate is gate_up's output: every read of it is an ld_dep after this
+    pdl_release();
+#endif
+    bool waited = false;
+    if (!bad) {
+        const int h_lo = min(h0 + g, hidden - 1), h_hi = min(h0 + g + 8, hidden - 1);   // past the end: last row
+        const a_chunk_t* row_lo = reinterpret_cast<const a_chunk_t*>(w2 + ((size_t)e * hidden + h_lo) * inter);
+        const a_chunk_t* row_hi = reinterpret_cast<const a_chunk_t*>(w2 + ((size_t)e * hidden + h_hi) * inter);
+        const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
+        const float* scale_lo = scale_row(s2, (long long)e * hblocks + h_lo / FP8_BLOCK, iblocks);
+        const float* scale_hi = scale_row(s2, (long long)e * hblocks + h_hi / FP8_BLOCK, iblocks);
+        const uint4* inter_row[1] = {
+            reinterpret_cast<const uint4*>(intermediate + ((long long)t * top_k + k) * inter)};
+        float acc[1][4];
+        mma_rows_by_columns<DB_UNROLL, 1, true>(acc, row_lo, row_hi, scale_lo, scale_hi, inter_row, 0, inter / 8, q,
+                                                waited);
+        if (q == 0) {                                                // column 0: rows g, g + 8 of the pair
+            const float weight = __ldg(topk_weights + (long long)t * top_k + k);
+            rows[k][g] = __fmul_rn(weight, acc[0][0]);
+            rows[k][g + 8] = __fmul_rn(weight, acc[0][2]);
+        }
+    }
+    down_epilogue_wait();  // warps that never waited (a bad slot, or DB_EARLY_W2 off) before out is written
+    __syncthreads();
+    if (threadIdx.x < 16 && h0 + (int)threadIdx.x < hidden) {
+        float v = 0.0f;
+        bool token_bad = false;
+        for (int s = 0; s < top_k; ++s) {                            // slot order, as moe_sum_slots
+            token_bad |= (unsigned)__ldg(topk_ids + (long long)t * top_k + s) >= (unsigned)experts;
+            v = __fadd_rn(v, rows[s][threadIdx.x]);
+        }
+        store_output(out, out_f32, (long long)t * hidden + h0 + threadIdx.x,
+                     token_bad ? __int_as_float(0x7fc00000) : v);
+    }
+}
+#endif  // PER_PAIR
 #endif
 """
 
 KERNELS = ("moe_expert_lists", "moe_gate_up_batched", "moe_down_batched")
 MMA_KERNELS = ("moe_gate_up_mma", "moe_down_mma")  # compiled only with GB_MMA / DB_MMA 1
 GROUPED_KERNELS = ("moe_down_grouped", "moe_sum_slots")  # compiled only with DB_GROUPED 1
+PER_PAIR_KERNELS = ("moe_gate_up_pair", "moe_down_token")  # compiled only with PER_PAIR 1

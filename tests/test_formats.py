@@ -69,7 +69,8 @@ def test_variants_default_to_bf16() -> None:
     formats = {v.name: v.weight_format for v in load_builtin().values() if not v.prototype}
     assert {name: fmt for name, fmt in formats.items() if fmt != "bf16"} == dict.fromkeys(
         ["cupy:warp-decode-fp8", "numba:warp-decode-fp8", "cupy:warp-decode-batched-fp8", "cupy:warp-decode-mma-fp8",
-         "cupy:auto-fp8", "cupy:expert-centric-w8a8"], "fp8-block128")
+         "cupy:auto-fp8", "cupy:expert-centric-w8a8", "cupy:warp-decode-mma-grouped-fp8",
+         "cupy:warp-decode-mma-pairs-fp8"], "fp8-block128")
 
 
 class ExpertScaled(WeightFormat):

@@ -419,3 +419,17 @@ def test_fp8_crossover_is_its_own_table():
     assert "batched not measured" not in record["summary"]  # measured at T=1
     text = report.crossover_markdown([run])
     assert "fp8-block128 weights" in text and text.count("### Crossover") == 2
+
+
+def test_crossover_batch_invariant_column_and_cost():
+    """cupy:auto-invariant rows (policy "batch_invariant") get a column and their cost over auto, per T."""
+    run = _run([_row(STRICT, 1, 20.0), _row(AUTO, 1, 20.0), _row("cupy:auto-invariant", 1, 21.0),
+                _row(BATCHED, 16, 100.0), _row(AUTO, 16, 100.0), _row("cupy:auto-invariant", 16, 101.5)])
+    record = report.crossover_table([run], MODEL, "uniform")
+    assert _point(record, 1)["invariant_vs_auto"] == pytest.approx(0.05)
+    assert _point(record, 16)["invariant_vs_auto"] == pytest.approx(0.015)
+    titles = dict(report.crossover_titles(record))
+    assert titles["invariant"] == "batch-invariant µs (% roof)" and "invariant_cost" in titles
+    assert "the batch-invariant policy costs T=1: +5.0 %, T=16: +1.5 % over auto" in record["summary"]
+    plain = report.crossover_table([_run([_row(STRICT, 1, 20.0), _row(AUTO, 1, 20.0)])], MODEL, "uniform")
+    assert "invariant" not in dict(report.crossover_titles(plain))

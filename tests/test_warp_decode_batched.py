@@ -378,6 +378,14 @@ int main(int argc, char** argv) {
     const size_t lists_shared = ((size_t)E + 1) * (1 + LIST_THREADS / 32) + 2 * (size_t)T * K;  // + warps' counts
     std::vector<float> shared(std::max(down_shared, lists_shared), __uint_as_float(0x7fc00000u));
     wdb_dynamic_shared = shared.data();
+#if PER_PAIR  // no lists: a pair per gate_up block row, a token per down block (a warp per slot)
+    (void)slots;
+    launch(gu_blocks, GB_WARPS * 32,
+           [&] { moe_gate_up_pair(x.data(), w13.data(), s13, ids.data(), inter.data(), H, I, E, K, T * K); });
+    launch(dn_blocks, 32 * K, [&] {
+        moe_down_token(inter.data(), w2.data(), s2, ids.data(), wts.data(), out.data(), f32, T, H, I, E, K);
+    });
+#else
     launch(1, LIST_THREADS, [&] { moe_expert_lists(ids.data(), T * K, E, slots, lists.data()); });
 #if GB_MMA
 #define GATE_UP_KERNEL moe_gate_up_mma
@@ -405,6 +413,7 @@ int main(int argc, char** argv) {
                     slots);
     });
 #endif
+#endif  // PER_PAIR
     save(dir + "/lists.bin", lists);
     save(dir + "/inter.bin", inter);
     out.resize(f32 ? out.size() : (out.size() + 1) / 2);
@@ -533,6 +542,11 @@ EMULATED += [
     # the grouped down's auto DB_NBLK (= GB_NBLK: a 16-pair tile in one pass)
     (MULTI_SHAPE, 9, "zipf", {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_GROUPED": 1, "GB_NBLK": 2, "DB_NBLK": 0,
                               "GB_UNROLL": 2, "LIST_THREADS": 32, "LIST_PER": 0}, True),
+    # the per-pair path (PER_PAIR: no lists, a pair per gate_up block row, a token per down block): partial 16-row
+    # groups over H = 200, duplicate ids in a token, a k tail
+    (MULTI_SHAPE, 6, "same", {"GB_MMA": 1, "DB_MMA": 1, "PER_PAIR": 1, "DB_EARLY_W2": 1, "GB_WARPS": 2}, True),
+    ("tiny", 6, [[5, 5], [0, 1], [2, 2], [3, 0], [1, 1], [5, 4]], {"GB_MMA": 1, "DB_MMA": 1, "PER_PAIR": 1,
+                                                                   "DB_UNROLL": 2}, False),
 ]
 
 
@@ -549,8 +563,9 @@ def test_cuda_source_emulated_on_cpu(rng: np.random.Generator, shape: Any, token
     problem = make_problem(shape, tokens, seed=_seed(rng), routing=routing)
     dims = _dims(problem)
     got = _emulate(problem, **params)
-    _assert_lists_equal(_unpack_lists(got["lists"], dims),
-                        expert_lists_numpy(problem.topk_ids, dims.experts, _tile_pairs(dims, params)))
+    if not params.get("PER_PAIR"):  # the per-pair path writes no lists
+        _assert_lists_equal(_unpack_lists(got["lists"], dims),
+                            expert_lists_numpy(problem.topk_ids, dims.experts, _tile_pairs(dims, params)))
     faithful = moe_decode(*problem.arrays, mode="warp_decode")
     oracle = moe_decode(*problem.arrays, mode="fp64")
     own_order = bool(params.get("GB_MMA") or params.get("DB_MMA"))
@@ -573,7 +588,9 @@ MMA_BALANCED = {"GB_MMA": 1, "DB_MMA": 1, "DB_WARPS": 3, "DB_BALANCE": 1}
                                    pytest.param({**MMA_BALANCED, "PAIR_TILES": 1}, id="mma-tiles",
                                                 marks=pytest.mark.slow),
                                    pytest.param({"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_GROUPED": 1},
-                                                id="mma-grouped", marks=pytest.mark.slow)])
+                                                id="mma-grouped", marks=pytest.mark.slow),
+                                   pytest.param({"GB_MMA": 1, "DB_MMA": 1, "PER_PAIR": 1}, id="per-pair",
+                                                marks=pytest.mark.slow)])
 def test_bad_ids_emulated_on_cpu(rng: np.random.Generator, knobs: dict[str, int]) -> None:
     """Out-of-range ids reach the kernels (as under capture): those tokens' rows NaN, the others exact."""
     problem = make_problem("tiny", 5, seed=_seed(rng))
@@ -584,8 +601,9 @@ def test_bad_ids_emulated_on_cpu(rng: np.random.Generator, knobs: dict[str, int]
     got = _emulate(problem, ids=ids, **knobs)
     assert np.all(np.isnan(got["out"][[0, 2]].astype(np.float32)))
     dims = _dims(problem)
-    _assert_lists_equal(_unpack_lists(got["lists"], dims),
-                        expert_lists_numpy(ids, problem.shape.experts, _tile_pairs(dims, knobs)))
+    if not knobs.get("PER_PAIR"):
+        _assert_lists_equal(_unpack_lists(got["lists"], dims),
+                            expert_lists_numpy(ids, problem.shape.experts, _tile_pairs(dims, knobs)))
     inter = got["inter"]
     assert np.all(inter[0, 1] == 0x7FC0) and np.all(inter[2] == 0x7FC0)  # bad pairs: NaN intermediate
     good = [1, 3, 4]
@@ -931,15 +949,16 @@ def test_grouped_tensor_core_path_is_batch_invariant_emulated(rng: np.random.Gen
     seed = _seed(rng)
     base = make_problem(shape, 16, seed=seed)
     probe = make_problem(shape, 1, seed=seed + 1)
-    knobs = {**wdb.MMA_KNOBS, "DB_GROUPED": 1}
     rows = []
-    for tokens, position, routing in ((1, 0, "uniform"), (3, 1, "uniform"), (8, 5, "same"), (16, 11, "zipf")):
+    for tokens, position, routing, knobs in ((1, 0, "uniform", wdb.GROUPED_KNOBS), (3, 1, "uniform", wdb.GROUPED_KNOBS),
+                                             (8, 5, "same", wdb.GROUPED_KNOBS), (16, 11, "zipf", wdb.GROUPED_KNOBS),
+                                             (1, 0, "uniform", wdb.PER_PAIR_KNOBS), (5, 3, "zipf", wdb.PER_PAIR_KNOBS)):
         others = make_problem(shape, tokens, seed=seed + 2 + tokens, routing=routing)
         x, ids, wts = others.x.copy(), others.topk_ids.copy(), others.topk_weights.copy()
         x[position], ids[position], wts[position] = probe.x[0], probe.topk_ids[0], probe.topk_weights[0]
         batch = Problem(shape, tokens, seed, "fixed", x, base.w13, base.w2, ids, wts)
         rows.append(_emulate(batch, **knobs)["out"][position].view(np.uint16))
     assert wdb.resolve_params(Dims(16, shape.hidden, shape.intermediate, shape.experts, shape.top_k),
-                              **knobs)["GB_NBLK"] == 2  # the last batch runs 16-pair tiles
-    for row in rows[1:]:
+                              **wdb.GROUPED_KNOBS)["GB_NBLK"] == 2  # the 16-token batch runs 16-pair tiles
+    for row in rows[1:]:  # the per-pair path (no lists, a token per down block) gives the grouped path's bits
         assert np.array_equal(row, rows[0])

@@ -90,9 +90,9 @@ def point_record(records: dict[str, dict[str, Any]], sources: dict[str, str] | N
     point: dict[str, Any] = _measurements(records)
     if skewed:
         point["routings"] = {routing: _measurements(recs) for routing, recs in skewed.items()}
-    choices = {policy: dispatch.point_choice(point, policy, weight_format=weight_format)
-               for policy in dispatch.POLICIES}
-    choice = choices[dispatch.FASTEST]
+    choices = {policy: choice for policy in dispatch.POLICIES  # the policies whose candidates were measured
+               if (choice := dispatch.point_choice(point, policy, weight_format=weight_format)) is not None}
+    choice = choices.get(dispatch.FASTEST)
     if choice is None:
         return None
     best = records[choice]["median_us"]
@@ -142,6 +142,7 @@ def from_benches(benches: list[tuple[str, dict[str, Any]]], table: dict[str, Any
     if not benches:
         raise ValueError("from_benches needs at least one bench run")
     names = candidates(weight_format)
+    required = dispatch.FORMAT_CANDIDATES[weight_format][dispatch.FASTEST]  # the others join where measured
     gpu: str | None = None
     grouped: dict[tuple[str, int, str], dict[str, dict[str, Any]]] = {}
     origin: dict[tuple[str, int], dict[str, str]] = {}
@@ -164,17 +165,17 @@ def from_benches(benches: list[tuple[str, dict[str, Any]]], table: dict[str, Any
             env_of[(row["model"], int(row["batch"]), routing, row["variant"])] = env
             if routing == "uniform":
                 origin.setdefault((row["model"], int(row["batch"])), {})[row["variant"]] = name
-    complete = {key: {name: records[name] for name in names} for key, records in grouped.items()
-                if all(name in records for name in names)}
+    complete = {key: {name: records[name] for name in names if name in records} for key, records in grouped.items()
+                if all(name in records for name in required)}
     points = []
     for (model, tokens, routing), ordered in sorted(complete.items()):
         if routing != "uniform":
             continue
         skewed = {r: recs for (m, t, r), recs in sorted(complete.items()) if (m, t) == (model, tokens) and r != routing}
-        point = point_record(ordered, {name: origin[(model, tokens)][name] for name in names}, skewed, weight_format)
+        point = point_record(ordered, {name: origin[(model, tokens)][name] for name in ordered}, skewed, weight_format)
         if point is not None:
             points.append((model, tokens, point, [env_of[(model, tokens, r, n)] for r in ("uniform", *skewed)
-                                                  for n in names]))
+                                                  for n in required]))
     used = [env for *_, envs in points for env in envs]
     env = max(used, key=_env_order) if used else {}  # the header of the latest run that counted
     for model, tokens, point, _ in points:
@@ -183,7 +184,7 @@ def from_benches(benches: list[tuple[str, dict[str, Any]]], table: dict[str, Any
         table = merge(table, str(gpu), env, model, dims, tokens, point, weight_format)
     written = len(points)
     if table is None or not written:
-        raise ValueError(f"the bench run(s) measured no point with every candidate {names} under uniform routing")
+        raise ValueError(f"the bench run(s) measured no point with every candidate {required} under uniform routing")
     new_files = {s["file"] for s in sources}
     table["sources"] = [s for s in table.get("sources", []) if s.get("file") not in new_files] + sources
     return dispatch.validate_table(table)

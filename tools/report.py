@@ -140,9 +140,11 @@ CROSSOVER_PATHS = {"strict": "cupy:warp-decode", "batched": "cupy:warp-decode-ba
 CROSSOVER_AUTO = "cupy:auto"
 # the serving engines' design, re-implemented in Triton (tools/peers): shown beside the lab's paths when measured
 CROSSOVER_PEER = "triton:fused-moe"
-CROSSOVER_COLUMNS = (*CROSSOVER_PATHS, "auto", "peer")
+CROSSOVER_INVARIANT = "cupy:auto-invariant"  # kernels.moe_decode(policy="batch_invariant"), beside auto when measured
+CROSSOVER_COLUMNS = (*CROSSOVER_PATHS, "auto", "peer", "invariant")
 AUTO_SLACK = 0.03  # the issue's bar: auto may be at most 3 % slower than the best single path
-_CROSSOVER_VARIANTS = {**{v: k for k, v in CROSSOVER_PATHS.items()}, CROSSOVER_AUTO: "auto", CROSSOVER_PEER: "peer"}
+_CROSSOVER_VARIANTS = {**{v: k for k, v in CROSSOVER_PATHS.items()}, CROSSOVER_AUTO: "auto", CROSSOVER_PEER: "peer",
+                       CROSSOVER_INVARIANT: "invariant"}
 # the same table for fp8-block128 weights: the FP8 paths, the W8A8 expert-centric baseline and the W8A8 peer
 CROSSOVER_FP8_PATHS = {"strict": "cupy:warp-decode-fp8", "batched": "cupy:warp-decode-batched-fp8",
                        "MMA": "cupy:warp-decode-mma-fp8", "expert-centric": "cupy:expert-centric-w8a8"}
@@ -240,12 +242,15 @@ def crossover_table(datasets: list[dict[str, Any]], model: str, routing: str,
         vs_best = auto["us"] / singles[best]["us"] - 1.0 if auto is not None and best is not None else None
         peer = timed.get("peer")
         vs_peer = auto["us"] / peer["us"] - 1.0 if auto is not None and peer is not None else None
+        invariant = timed.get("invariant")
+        invariant_cost = invariant["us"] / auto["us"] - 1.0 if auto is not None and invariant is not None else None
         points.append({
             "batch": batch, "cells": point_cells, "best": best,
             "best_us": singles[best]["us"] if best is not None else None,
             "choice": auto_cell.get("choice") if auto_cell is not None else None,
             "choice_source": auto_cell.get("choice_source") if auto_cell is not None else None,
             "auto_vs_best": vs_best, "flag": vs_best is not None and vs_best > AUTO_SLACK, "auto_vs_peer": vs_peer,
+            "invariant_vs_auto": invariant_cost,
             "mixed_runs": len({cell["source"] for cell in timed.values()}) > 1,
         })
     fastest = {c: [p["batch"] for p in points if p["best"] == c] for c in paths}
@@ -268,7 +273,7 @@ def _crossover_summary(record: dict[str, Any]) -> str:
         order = sorted((b, c) for c, b in ((c, bs[0]) for c, bs in record["fastest"].items() if bs))
         parts = [", ".join(f"{c} T={_t_ranges(record['fastest'][c], timed_batches)}" for _, c in order)]
     measured = {column for p in record["points"] for column, cell in p["cells"].items() if cell is not None}
-    columns = [*record.get("paths", CROSSOVER_PATHS), "auto"]  # the peer is optional
+    columns = [*record.get("paths", CROSSOVER_PATHS), "auto"]  # the peer and the invariant policy are optional
     missing = [c for c in columns if c not in measured]
     if missing:
         parts[0] += f" ({', '.join(missing)} not measured)"
@@ -290,6 +295,10 @@ def _crossover_summary(record: dict[str, Any]) -> str:
             text += " (slower at " + ", ".join(f"T={p['batch']}: {_signed_percent(p['auto_vs_peer'])}"
                                                for p in behind) + ")"
         parts.append(text)
+    costs = [p for p in record["points"] if p.get("invariant_vs_auto") is not None]
+    if costs:
+        parts.append("the batch-invariant policy costs " + ", ".join(
+            f"T={p['batch']}: {_signed_percent(p['invariant_vs_auto'])}" for p in costs) + " over auto")
     return f"{record['model']}, {record['routing']} routing: " + "; ".join(parts)
 
 
@@ -321,6 +330,8 @@ def crossover_cells(point: dict[str, Any]) -> dict[str, str]:
         out["vs_best"] += " †"
     vs_peer = point.get("auto_vs_peer")
     out["vs_peer"] = "-" if vs_peer is None else _signed_percent(vs_peer)
+    cost = point.get("invariant_vs_auto")
+    out["invariant_cost"] = "-" if cost is None else _signed_percent(cost)
     return out
 
 
@@ -329,15 +340,21 @@ CROSSOVER_TITLES = (("batch", "T"), ("strict", "strict µs (% roof)"), ("batched
                     ("expert-centric", "expert-centric µs (% roof)"),
                     ("auto", "auto µs (% roof)"), ("peer", "Triton peer µs (% roof)"),
                     ("best", "best single path"), ("choice", "auto's choice"), ("vs_best", "auto vs best"),
-                    ("vs_peer", "auto vs peer"))
+                    ("vs_peer", "auto vs peer"), ("invariant", "batch-invariant µs (% roof)"),
+                    ("invariant_cost", "batch-invariant vs auto"))
 
 
 def crossover_titles(record: dict[str, Any]) -> tuple[tuple[str, str], ...]:
     """:data:`CROSSOVER_TITLES`, without the peer's two columns where no peer row was measured and without the
     paths the record's weight format has none of (FP8: no mixed path)."""
     has_peer = any(p["cells"].get("peer") is not None for p in record["points"])
+    has_invariant = any(p["cells"].get("invariant") is not None for p in record["points"])
     absent = set(CROSSOVER_PATHS) - set(record.get("paths", CROSSOVER_PATHS))
-    return tuple(t for t in CROSSOVER_TITLES if (has_peer or t[0] not in ("peer", "vs_peer")) and t[0] not in absent)
+    if not has_peer:
+        absent |= {"peer", "vs_peer"}
+    if not has_invariant:
+        absent |= {"invariant", "invariant_cost"}
+    return tuple(t for t in CROSSOVER_TITLES if t[0] not in absent)
 
 
 def crossover_title(record: dict[str, Any]) -> str:
