@@ -49,6 +49,7 @@ from kernels.stack import PATHS, Stack, decode_input, moe_fp64, routing_mismatch
 
 LABELS = {  # EC = expert-centric
     "warp_decode": "warp decode",
+    "batch_invariant": "batch-invariant",
     "classical": "EC bf16",
     "classical+fp8": "EC fp8",
     "classical+mxfp8": "EC mxfp8",
@@ -60,6 +61,10 @@ PREFERRED_VARIANTS = {
     "classical+mxfp8": "cupy:expert-centric-mxfp8",
 }
 PREFERRED_FP8 = {"warp_decode": "cupy:warp-decode-fp8", "classical+fp8": "cupy:expert-centric-w8a8"}  # fp8 weights
+# kernel-only rows (source "kernels"): numerics no reference mode spells -- the batch-invariant policy's tensor-core
+# grouped sums (warp decode's roundings in the tensor core's order), per weight format
+KERNEL_ROWS = {"batch_invariant": {"bf16": "cupy:warp-decode-mma-grouped",
+                                   "fp8-block128": "cupy:warp-decode-mma-grouped-fp8"}}
 DEFAULT_BATCH = (1, 8, 32)
 GPU_SEEDS, CPU_SEEDS = 16, 2
 CPU_EXPERTS = 8  # CPU default: routed experts per model capped at max(8, top_k) (weights cost ~2 s / 100M values)
@@ -394,6 +399,12 @@ def measure_layer(
     reading that format, with source "kernels"; a path without one comes from its reference mode)."""
     format_kernels = format_kernels if source == "kernels" else {}
     runner = _KernelRunner() if source == "kernels" else None
+    extra: dict[tuple[str, str], Any] = {}  # (path, format) -> the variant of a kernel-only row
+    if runner is not None:
+        from kernels.variants import get_variant
+
+        extra = {(path, fmt): get_variant(name) for path, by_format in KERNEL_ROWS.items()
+                 for fmt, name in by_format.items() if fmt in ("bf16", weight_format)}
     cells = {
         (T, path): Cell(shape.name, T, path,
                         kernels[path].name if runner and kernels.get(path) else f"reference:{path}",
@@ -401,6 +412,11 @@ def measure_layer(
                         weight_format=kernels[path].weight_format if runner and kernels.get(path) else "bf16")
         for T in batch for path in paths
     }
+    for T in batch:
+        for (path, fmt_name), variant in extra.items():
+            key = (T, path) if fmt_name == "bf16" else (T, path, fmt_name)
+            cells[key] = Cell(shape.name, T, path, variant.name, {"hidden": shape.hidden,
+                              "intermediate": shape.intermediate, "experts": shape.experts}, weight_format=fmt_name)
     quantized = weight_format != "bf16"
     if quantized:
         fmt = get_format(weight_format)
@@ -438,6 +454,9 @@ def measure_layer(
                     if host is None:
                         host = problem.compact()
                     outputs[path] = moe_decode(*host.arrays, mode=mode, quant=quant)
+            for (path, fmt_name), variant in extra.items():
+                if fmt_name == "bf16":
+                    outputs[path] = runner(variant, problem)  # type: ignore[misc]
             _record(cells, T, seed, outputs, oracle)
             if quantized:
                 if host is None:
@@ -451,6 +470,9 @@ def measure_layer(
                     q_outputs[path] = (runner(variant, problem) if runner is not None and variant is not None else
                                        moe_decode(x, q13, q2, ids, wts, mode=PATHS[path][0], quant=PATHS[path][1],
                                                   weight_format=fmt))
+                for (path, fmt_name), variant in extra.items():
+                    if fmt_name == fmt.name:
+                        q_outputs[path] = runner(variant, problem)  # type: ignore[misc]
                 _record(cells, T, seed, q_outputs, q_oracle, fmt.name, original=oracle)
         log(f"{shape.name}: seed {seed} done")
     return list(cells.values())
