@@ -443,52 +443,21 @@ def _build_for(policy: str, weight_format: str = "bf16") -> Any:
     return build_policy
 
 
-VARIANT = register(
-    Variant(
-        name="cupy:auto",
-        backend="cupy",
-        family="auto",
-        build=_build_for(FASTEST),
-        reference_mode="warp_decode",  # at T where the expert-centric path is chosen: "classical" (launch says)
-        params={},
-        description="auto-dispatch, policy fastest: strict, batched, mixed, MMA warp decode or expert-centric from a "
-                    "per-GPU measured table (or a heuristic)",
-    )
-)
-VARIANT_WARP_DECODE = register(
-    Variant(
-        name="cupy:auto-warp-decode",
-        backend="cupy",
-        family="auto",
-        build=_build_for(WARP_DECODE),
-        reference_mode="warp_decode",
-        params={},
-        description="auto-dispatch, policy warp_decode: strict, batched, mixed or MMA warp decode (warp decode's "
-                    "numerics) from a per-GPU measured table (or a heuristic)",
-    )
-)
-VARIANT_FP8 = register(
-    Variant(
-        name="cupy:auto-fp8",
-        backend="cupy",
-        family="auto",
-        build=_build_for(FASTEST, FP8),
-        reference_mode="warp_decode",
-        weight_format=FP8,
-        params={},
-        description="auto-dispatch on fp8-block128 weights: strict, batched or tensor-core FP8 warp decode from the "
-                    "table's FP8 entries (or the heuristic)",
-    )
-)
-VARIANT_INVARIANT = register(
-    Variant(
-        name="cupy:auto-invariant",
-        backend="cupy",
-        family="auto",
-        build=_build_for(BATCH_INVARIANT),
-        reference_mode="warp_decode",
-        params={},
-        description="auto-dispatch, policy batch_invariant: the grouped tensor-core path or its per-pair form (one "
-                    "numerics): a token's output bitwise the same whatever batch it rides in",
-    )
-)
+def _auto_variant(name: str, policy: str, description: str, weight_format: str = "bf16") -> Variant:
+    """A registered auto-dispatch variant: no kernel family of its own, it builds the path ``policy`` picks."""
+    return register(Variant(name=name, backend="cupy", family="auto", build=_build_for(policy, weight_format),
+                            reference_mode="warp_decode", weight_format=weight_format, params={},
+                            description=description))
+
+
+# (cupy:auto's reference mode is "classical" at a T where it picks the expert-centric path: its launch says so)
+VARIANT = _auto_variant("cupy:auto", FASTEST, "auto-dispatch, policy fastest: strict, batched, mixed, MMA warp decode "
+                        "or expert-centric from a per-GPU measured table (or a heuristic)")
+VARIANT_WARP_DECODE = _auto_variant("cupy:auto-warp-decode", WARP_DECODE, "auto-dispatch, policy warp_decode: strict, "
+                                    "batched, mixed or MMA warp decode (warp decode's numerics) from a per-GPU "
+                                    "measured table (or a heuristic)")
+VARIANT_FP8 = _auto_variant("cupy:auto-fp8", FASTEST, "auto-dispatch on fp8-block128 weights: strict, batched or "
+                            "tensor-core FP8 warp decode from the table's FP8 entries (or the heuristic)", FP8)
+VARIANT_INVARIANT = _auto_variant("cupy:auto-invariant", BATCH_INVARIANT, "auto-dispatch, policy batch_invariant: "
+                                  "the grouped tensor-core path or its per-pair form (one numerics): a token's "
+                                  "output bitwise the same whatever batch it rides in")

@@ -750,6 +750,26 @@ __device__ __forceinline__ void mma_k32_scaled(float (&acc)[4], const uint4& lo,
 #endif
 }
 
+// A tensor-core warp's two A rows of one expert (rows g and g + 8 of its 16) and their block scales along k: w13's
+// gate row i and up row i (w13_rows), or w2's rows h_lo and h_hi (w2_rows)
+struct ARows { const a_chunk_t* lo; const a_chunk_t* hi; const float* scale_lo; const float* scale_hi; };
+__device__ __forceinline__ ARows w13_rows(const weight_t* w13, const float* s13, int e, int i, int hidden, int inter) {
+    const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
+    const size_t gate = ((size_t)e * 2 * inter + i) * (size_t)hidden;
+    return {reinterpret_cast<const a_chunk_t*>(w13 + gate),
+            reinterpret_cast<const a_chunk_t*>(w13 + gate + (size_t)inter * hidden),
+            scale_row(s13, (long long)e * 2 * iblocks + i / FP8_BLOCK, hblocks),
+            scale_row(s13, (long long)e * 2 * iblocks + iblocks + i / FP8_BLOCK, hblocks)};
+}
+__device__ __forceinline__ ARows w2_rows(const weight_t* w2, const float* s2, int e, int h_lo, int h_hi, int hidden,
+                                         int inter) {
+    const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
+    return {reinterpret_cast<const a_chunk_t*>(w2 + ((size_t)e * hidden + h_lo) * inter),
+            reinterpret_cast<const a_chunk_t*>(w2 + ((size_t)e * hidden + h_hi) * inter),
+            scale_row(s2, (long long)e * hblocks + h_lo / FP8_BLOCK, iblocks),
+            scale_row(s2, (long long)e * hblocks + h_hi / FP8_BLOCK, iblocks)};
+}
+
 // A warp's k range (chunks c_begin .. c_end - 1, c_begin a multiple of 4), shared by both tensor-core kernels:
 // acc[nb] (zeroed here) = A rows g / g + 8 (rows_lo / rows_hi) times B column g of 8-pair block nb (cols[nb]).
 // Lane q loads chunk 4j + q of each 32-wide k block j; UNROLL k blocks of loads are in flight per lane before
@@ -857,13 +877,7 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
         }
         return;
     }
-    const int i = min(i0 + g, inter - 1);                            // past-the-end neurons re-read the last row
-    const a_chunk_t* gate_row = reinterpret_cast<const a_chunk_t*>(w13 + ((size_t)e * 2 * inter + i) * (size_t)hidden);
-    const a_chunk_t* up_row =
-        reinterpret_cast<const a_chunk_t*>(w13 + ((size_t)e * 2 * inter + inter + i) * (size_t)hidden);
-    const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
-    const float* gate_scale = scale_row(s13, (long long)e * 2 * iblocks + i / FP8_BLOCK, hblocks);
-    const float* up_scale = scale_row(s13, (long long)e * 2 * iblocks + iblocks + i / FP8_BLOCK, hblocks);
+    const ARows rows = w13_rows(w13, s13, e, min(i0 + g, inter - 1), hidden, inter);   // past the end: the last row
     const int chunks = hidden / 8;                                   // chunks of 8 values (H % 8 == 0)
 
     for (int tile = 0; tile < count; tile += 8 * GB_NBLK) {
@@ -876,8 +890,8 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
         }
         float acc[GB_NBLK][4];
         bool unused = true;
-        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false>(acc, gate_row, up_row, gate_scale, up_scale, x_row, 0, chunks,
-                                                       q, unused);
+        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi, x_row, 0,
+                                                       chunks, q, unused);
         #pragma unroll
         for (int nb = 0; nb < GB_NBLK; ++nb)
             #pragma unroll
@@ -913,11 +927,7 @@ __device__ __forceinline__ void down_mma_pairs(const DownLists& m, int e, const 
                                                const weight_t* __restrict__ w2, const float* __restrict__ s2,
                                                float* mine, int hidden, int inter, int top_k, int h_lo, int h_hi,
                                                int g, int q, bool& waited) {
-    const a_chunk_t* row_lo = reinterpret_cast<const a_chunk_t*>(w2 + ((size_t)e * hidden + h_lo) * inter);
-    const a_chunk_t* row_hi = reinterpret_cast<const a_chunk_t*>(w2 + ((size_t)e * hidden + h_hi) * inter);
-    const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
-    const float* scale_lo = scale_row(s2, (long long)e * hblocks + h_lo / FP8_BLOCK, iblocks);
-    const float* scale_hi = scale_row(s2, (long long)e * hblocks + h_hi / FP8_BLOCK, iblocks);
+    const ARows rows = w2_rows(w2, s2, e, h_lo, h_hi, hidden, inter);
     for (int tile = 0; tile < count; tile += 8 * DB_NBLK) {
         const int n = min(8 * DB_NBLK, count - tile);
         // lane (g, q) holds column g of each 8-pair block: its pair, routing weight and intermediate row
@@ -933,8 +943,8 @@ __device__ __forceinline__ void down_mma_pairs(const DownLists& m, int e, const 
             inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
         }
         float acc[DB_NBLK][4];
-        mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, row_lo, row_hi, scale_lo, scale_hi, inter_row, c_begin,
-                                                      c_end, q, waited);
+        mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi, inter_row,
+                                                      c_begin, c_end, q, waited);
         #pragma unroll
         for (int nb = 0; nb < DB_NBLK; ++nb) {
             // lane (g, q) holds columns h0+g, h0+g+8 of pairs 2q, 2q+1 of the block: fetch their ids / weights
@@ -1093,11 +1103,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
     if (a < used && (e | first | count) >= 0 && e < experts && h0 < hidden) {    // warp-uniform
         const int* tile_pairs = sorted_pairs(lists, slots) + first;
         const int h_lo = min(h0 + g, hidden - 1), h_hi = min(h0 + g + 8, hidden - 1);   // past the end: last row
-        const a_chunk_t* row_lo = reinterpret_cast<const a_chunk_t*>(w2 + ((size_t)e * hidden + h_lo) * inter);
-        const a_chunk_t* row_hi = reinterpret_cast<const a_chunk_t*>(w2 + ((size_t)e * hidden + h_hi) * inter);
-        const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
-        const float* scale_lo = scale_row(s2, (long long)e * hblocks + h_lo / FP8_BLOCK, iblocks);
-        const float* scale_hi = scale_row(s2, (long long)e * hblocks + h_hi / FP8_BLOCK, iblocks);
+        const ARows rows = w2_rows(w2, s2, e, h_lo, h_hi, hidden, inter);
         const int chunks = inter / 8;                                // chunks of 8 values (I % 8 == 0)
         for (int sub = 0; sub < count; sub += 8 * DB_NBLK) {
             const int n = min(8 * DB_NBLK, count - sub);
@@ -1108,8 +1114,8 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
                 inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
             }
             float acc[DB_NBLK][4];
-            mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, row_lo, row_hi, scale_lo, scale_hi, inter_row, 0,
-                                                          chunks, q, waited);
+            mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi,
+                                                          inter_row, 0, chunks, q, waited);
             #pragma unroll
             for (int nb = 0; nb < DB_NBLK; ++nb)
                 #pragma unroll
@@ -1193,19 +1199,12 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
         if (lane < 8 && i0 + lane < inter) intermediate[(long long)p * inter + i0 + lane] = BF16_NAN;
         return;
     }
-    const int i = min(i0 + g, inter - 1);                            // past-the-end neurons re-read the last row
-    const a_chunk_t* gate_row =
-        reinterpret_cast<const a_chunk_t*>(w13 + ((size_t)e * 2 * inter + i) * (size_t)hidden);
-    const a_chunk_t* up_row =
-        reinterpret_cast<const a_chunk_t*>(w13 + ((size_t)e * 2 * inter + inter + i) * (size_t)hidden);
-    const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
-    const float* gate_scale = scale_row(s13, (long long)e * 2 * iblocks + i / FP8_BLOCK, hblocks);
-    const float* up_scale = scale_row(s13, (long long)e * 2 * iblocks + iblocks + i / FP8_BLOCK, hblocks);
+    const ARows rows = w13_rows(w13, s13, e, min(i0 + g, inter - 1), hidden, inter);   // past the end: the last row
     const uint4* x_row[1] = {reinterpret_cast<const uint4*>(x + (size_t)(p / top_k) * hidden)};
     float acc[1][4];
     bool unused = true;
-    mma_rows_by_columns<GB_UNROLL, 1, false>(acc, gate_row, up_row, gate_scale, up_scale, x_row, 0, hidden / 8, q,
-                                             unused);
+    mma_rows_by_columns<GB_UNROLL, 1, false>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi, x_row, 0,
+                                             hidden / 8, q, unused);
     if (q == 0 && i0 + g < inter) {                                  // column 0: the pair
         const float gate = acc[0][0], up = acc[0][2];
         const float silu = gate / (1.0f + expf(-gate));              // IEEE division (no fast-math)
@@ -1242,17 +1241,12 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K <= 1
 #endif
     bool waited = false;
     if (!bad) {
-        const int h_lo = min(h0 + g, hidden - 1), h_hi = min(h0 + g + 8, hidden - 1);   // past the end: last row
-        const a_chunk_t* row_lo = reinterpret_cast<const a_chunk_t*>(w2 + ((size_t)e * hidden + h_lo) * inter);
-        const a_chunk_t* row_hi = reinterpret_cast<const a_chunk_t*>(w2 + ((size_t)e * hidden + h_hi) * inter);
-        const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
-        const float* scale_lo = scale_row(s2, (long long)e * hblocks + h_lo / FP8_BLOCK, iblocks);
-        const float* scale_hi = scale_row(s2, (long long)e * hblocks + h_hi / FP8_BLOCK, iblocks);
+        const ARows rows = w2_rows(w2, s2, e, min(h0 + g, hidden - 1), min(h0 + g + 8, hidden - 1), hidden, inter);
         const uint4* inter_row[1] = {
             reinterpret_cast<const uint4*>(intermediate + ((long long)t * top_k + k) * inter)};
         float acc[1][4];
-        mma_rows_by_columns<DB_UNROLL, 1, true>(acc, row_lo, row_hi, scale_lo, scale_hi, inter_row, 0, inter / 8, q,
-                                                waited);
+        mma_rows_by_columns<DB_UNROLL, 1, true>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi, inter_row, 0,
+                                                inter / 8, q, waited);
         if (q == 0) {                                                // column 0: rows g, g + 8 of the pair
             const float weight = __ldg(topk_weights + (long long)t * top_k + k);
             rows[k][g] = __fmul_rn(weight, acc[0][0]);

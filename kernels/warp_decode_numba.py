@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -678,25 +679,40 @@ def simulator_selfcheck(shapes: tuple[Any, ...] = ("tiny", "odd-dup"), seed: int
     ``shapes``: names from :data:`SIM_CASES`, or ``(shape, tokens, routing, knobs)`` tuples. Needs
     ``NUMBA_ENABLE_CUDASIM=1`` set before numba was first imported in this process.
     """
+    results = []
+    for name, problem, knobs, out in simulated_cases(shapes, SIM_CASES, seed):
+        warp_decode(*problem.arrays, out=out, **knobs)
+        results.append({"case": name, "tokens": problem.tokens, "params": {**DEFAULTS, **knobs},
+                        "out_dtype": out.dtype.name, **compare(out, problem, out.dtype)})
+    return results
+
+
+def simulated_cases(shapes: tuple[Any, ...], table: dict[str, tuple[Any, ...]],
+                    seed: int) -> Iterator[tuple[str, Any, dict[str, int], np.ndarray]]:
+    """``(name, problem, knobs, NaN-filled out)`` of each simulator case: a name from ``table`` (name -> (shape,
+    tokens, routing, knobs, out dtype)) or a ``(shape, tokens, routing, knobs)`` tuple (bf16 out). The Numba
+    families' self-checks share it; needs the simulator on."""
     from kernels.problem import make_problem
 
     if not simt.simulator_enabled():
         raise RuntimeError("simulator_selfcheck needs NUMBA_ENABLE_CUDASIM=1 before numba is imported")
-    results = []
     for case in shapes:
         if isinstance(case, str):
-            if case not in SIM_CASES:
-                raise ValueError(f"unknown simulator case {case!r}; known: {', '.join(SIM_CASES)}")
-            name, (shape, tokens, routing, knobs, out_dtype) = case, SIM_CASES[case]
+            if case not in table:
+                raise ValueError(f"unknown simulator case {case!r}; known: {', '.join(table)}")
+            name, (shape, tokens, routing, knobs, out_dtype) = case, table[case]
         else:
             shape, tokens, routing, knobs = case
             out_dtype, name = BF16, f"{get_shape(shape).name}-T{tokens}"
         problem = make_problem(shape, tokens, seed=seed, routing=routing)
-        out = np.full((tokens, get_shape(shape).hidden), np.nan, np.dtype(out_dtype))
-        warp_decode(*problem.arrays, out=out, **knobs)
-        results.append({"case": name, "tokens": tokens, "params": {**DEFAULTS, **knobs},
-                        "out_dtype": np.dtype(out_dtype).name, **compare(out, problem, out_dtype)})
-    return results
+        yield name, problem, dict(knobs), np.full((tokens, get_shape(shape).hidden), np.nan, np.dtype(out_dtype))
+
+
+def bad_ids_record(out: np.ndarray, good_row: dict[str, Any]) -> dict[str, Any]:
+    """The bad-id self-check's record: ``good_row`` (the checker's record of the one good token, row 1) with whether
+    rows 0 and 2 (the tokens given bad ids) are all NaN and row 1 is not."""
+    rows_nan = [bool(np.all(np.isnan(out[t].astype(np.float32)))) for t in range(3)]
+    return {**good_row, "bad_rows_nan": rows_nan[0] and rows_nan[2], "good_row_finite": not rows_nan[1]}
 
 
 def simulate_bad_ids(seed: int = 0) -> dict[str, Any]:
@@ -718,9 +734,7 @@ def simulate_bad_ids(seed: int = 0) -> dict[str, Any]:
     good = problem.to_numpy()
     good.tokens = 1
     good.x, good.topk_ids, good.topk_weights = problem.x[1:2], problem.topk_ids[1:2], problem.topk_weights[1:2]
-    result = compare(out[1:2], good)
-    rows_nan = [bool(np.all(np.isnan(out[t].astype(np.float32)))) for t in range(3)]
-    return {**result, "bad_rows_nan": rows_nan[0] and rows_nan[2], "good_row_finite": not rows_nan[1]}
+    return bad_ids_record(out, compare(out[1:2], good))
 
 
 FAMILY = KernelFamily(

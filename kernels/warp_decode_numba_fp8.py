@@ -34,7 +34,7 @@ from kernels.checks import SIMULATOR, check_output
 from kernels.contract import BF16, Dims, array_module, check_inputs, check_out
 from kernels.family import Compiled, KernelFamily, Launch, Stage
 from kernels.formats import FP8_BLOCK128, Quantized
-from kernels.shapes import MoEShape, ceil_div, get_shape
+from kernels.shapes import MoEShape, ceil_div
 from kernels.variants import register
 from kernels.warp_decode_numba import (
     FULL_MASK,
@@ -48,10 +48,12 @@ from kernels.warp_decode_numba import (
     _to_numba,
     as_f32,
     as_u32,
+    bad_ids_record,
     bind_kernels,
     load16,
     loads_arrived,
     numba_offline_reports,
+    simulated_cases,
 )
 
 DEFAULTS: dict[str, int] = {"warps": 8, "unroll": 2, "slots": 4}
@@ -397,26 +399,14 @@ def simulator_selfcheck(shapes: tuple[Any, ...] = ("tiny", "odd-dup"), seed: int
     """The kernels on the CUDA simulator against the reference on FP8 weights quantized from the case's problem;
     one record per case (``shapes``: names from :data:`SIM_CASES` or ``(shape, tokens, routing, knobs)``)."""
     from kernels.formats import quantize_weights
-    from kernels.problem import make_problem
 
-    if not simt.simulator_enabled():
-        raise RuntimeError("simulator_selfcheck needs NUMBA_ENABLE_CUDASIM=1 before numba is imported")
     results = []
-    for case in shapes:
-        if isinstance(case, str):
-            if case not in SIM_CASES:
-                raise ValueError(f"unknown simulator case {case!r}; known: {', '.join(SIM_CASES)}")
-            name, (shape, tokens, routing, knobs, out_dtype) = case, SIM_CASES[case]
-        else:
-            shape, tokens, routing, knobs = case
-            out_dtype, name = BF16, f"{get_shape(shape).name}-T{tokens}"
-        problem = make_problem(shape, tokens, seed=seed, routing=routing)
+    for name, problem, knobs, out in simulated_cases(shapes, SIM_CASES, seed):
         q13, q2 = quantize_weights(problem.w13, problem.w2, FP8_BLOCK128)
-        out = np.full((tokens, get_shape(shape).hidden), np.nan, np.dtype(out_dtype))
         warp_decode_fp8(problem.x, q13, q2, problem.topk_ids, problem.topk_weights, out=out, **knobs)
-        results.append({"case": name, "tokens": tokens, "params": {**DEFAULTS, **knobs},
-                        "out_dtype": np.dtype(out_dtype).name,
-                        **compare(out, problem.x, q13, q2, problem.topk_ids, problem.topk_weights, out_dtype)})
+        results.append({"case": name, "tokens": problem.tokens, "params": {**DEFAULTS, **knobs},
+                        "out_dtype": out.dtype.name,
+                        **compare(out, problem.x, q13, q2, problem.topk_ids, problem.topk_weights, out.dtype)})
     return results
 
 
@@ -439,9 +429,8 @@ def simulate_bad_ids(seed: int = 0) -> dict[str, Any]:
     args = _prepare(problem.x, q13, q2, ids, problem.topk_weights, out, workspace)
     with simt.one_cpu():
         _launch(get_kernels(*knobs), dims, knobs[0], args, 0)
-    result = compare(out[1:2], problem.x[1:2], q13, q2, problem.topk_ids[1:2], problem.topk_weights[1:2])
-    rows_nan = [bool(np.all(np.isnan(out[t].astype(np.float32)))) for t in range(3)]
-    return {**result, "bad_rows_nan": rows_nan[0] and rows_nan[2], "good_row_finite": not rows_nan[1]}
+    return bad_ids_record(out, compare(out[1:2], problem.x[1:2], q13, q2, problem.topk_ids[1:2],
+                                       problem.topk_weights[1:2]))
 
 
 FAMILY = KernelFamily(

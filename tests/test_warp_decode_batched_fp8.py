@@ -10,7 +10,6 @@ over all 256 bytes; the sm_90 compile without spills. GPU: presets and routings,
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 from typing import Any
 
 import numpy as np
@@ -24,16 +23,15 @@ from kernels.problem import Problem, make_problem
 from kernels.reference import moe_decode
 from kernels.shapes import MoEShape
 from tests.test_warp_decode_batched import (
-    EMULATION_HARNESS,
     MULTI_SHAPE,
     _assert_lists_equal,
     _tile_pairs,
     _unpack_lists,
-    _write_inputs,
     expert_lists_numpy,
 )
+from tests.test_warp_decode_batched import _emulate as emulate_batched
 from tests.test_warp_decode_fp8 import _emulate as strict_fp8_emulation
-from tests.warp_checks import _assert_matches, _poisoned_out, _seed, build_emulator, run_emulator, slow_except
+from tests.warp_checks import _assert_matches, _poisoned_out, _seed, slow_except
 
 FMT = FP8_BLOCK128.name
 
@@ -51,20 +49,8 @@ def _dims(problem: Problem) -> Dims:
 
 def _emulate(problem: Problem, ids: np.ndarray | None = None, out_dtype: Any = BF16,
              **params: int) -> dict[str, np.ndarray]:
-    dims = _dims(problem)
-    resolved = wdb.resolve_params(dims, W_FP8=1, **params)
-    binary = build_emulator(wdb.SOURCE.render(**resolved), EMULATION_HARNESS)
-    f32 = int(np.dtype(out_dtype) == np.float32)
-    with tempfile.TemporaryDirectory() as tmp:
-        _write_inputs(tmp, problem, ids)
-        run_emulator(binary, dims.tokens, dims.hidden, dims.intermediate, dims.experts, dims.top_k, f32,
-                     wdb.gate_up_blocks(dims, resolved), wdb.down_blocks(dims, resolved), wdb.slots(dims),
-                     wdb.lists_size(dims), tmp)
-        raw = np.fromfile(f"{tmp}/out.bin", np.float32 if f32 else np.uint16)
-        inter = np.fromfile(f"{tmp}/inter.bin", np.uint16).reshape(dims.tokens, dims.top_k, dims.intermediate)
-        lists = np.fromfile(f"{tmp}/lists.bin", np.int32)
-    out = raw.reshape(dims.tokens, dims.hidden) if f32 else raw.view(BF16).reshape(dims.tokens, dims.hidden)
-    return {"out": out, "inter": inter, "lists": lists}
+    """The batched tests' emulation (out, intermediate, lists) with the W_FP8 kernels on the problem's FP8 weights."""
+    return emulate_batched(problem, ids, out_dtype, W_FP8=1, **params)
 
 
 def _strict_fp8_intermediate(problem: Problem) -> np.ndarray:
