@@ -1241,12 +1241,12 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K <= 1
 #endif
     bool waited = false;
     if (!bad) {
-        const ARows rows = w2_rows(w2, s2, e, min(h0 + g, hidden - 1), min(h0 + g + 8, hidden - 1), hidden, inter);
+        const ARows a = w2_rows(w2, s2, e, min(h0 + g, hidden - 1), min(h0 + g + 8, hidden - 1), hidden, inter);
         const uint4* inter_row[1] = {
             reinterpret_cast<const uint4*>(intermediate + ((long long)t * top_k + k) * inter)};
         float acc[1][4];
-        mma_rows_by_columns<DB_UNROLL, 1, true>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi, inter_row, 0,
-                                                inter / 8, q, waited);
+        mma_rows_by_columns<DB_UNROLL, 1, true>(acc, a.lo, a.hi, a.scale_lo, a.scale_hi, inter_row, 0, inter / 8, q,
+                                                waited);
         if (q == 0) {                                                // column 0: rows g, g + 8 of the pair
             const float weight = __ldg(topk_weights + (long long)t * top_k + k);
             rows[k][g] = __fmul_rn(weight, acc[0][0]);
