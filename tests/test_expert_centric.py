@@ -658,7 +658,7 @@ def test_w8a8_on_fp8_weights(shape: Any, tokens: int, routing: Any) -> None:
     from kernels.formats import quantize_weights
 
     base = PRESETS[shape] if isinstance(shape, str) else shape
-    run_shape = base.with_(experts=min(base.experts, 48))
+    run_shape = base.with_(experts=min(base.experts, 16))  # the host quantizes every expert for the reference
     p = make_problem(run_shape, tokens, seed=tokens + 3, routing=routing)
     q13, q2 = quantize_weights(*(cp.asarray(w) for w in (p.w13, p.w2)), "fp8-block128")
     x, ids, wts = (cp.asarray(a) for a in (p.x, p.topk_ids, p.topk_weights))

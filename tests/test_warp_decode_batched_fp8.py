@@ -203,7 +203,7 @@ def test_gpu_paths(model: str, tokens: int, routing: Any, path: str) -> None:
     from kernels.shapes import get_shape
 
     shape = get_shape(model)
-    run_shape = shape.with_(experts=min(shape.experts, 48)) if shape.experts > 48 else shape
+    run_shape = shape.with_(experts=min(shape.experts, 16))  # the host quantizes every expert for the reference
     host = _fp8_problem(make_problem(run_shape, tokens, seed=tokens + 5, routing=routing))
     problem = _device(cupy, make_problem(run_shape, tokens, seed=tokens + 5, routing=routing))
     knobs = wdb.FP8_KNOBS if path == "fma" else wdb.MMA_FP8_KNOBS

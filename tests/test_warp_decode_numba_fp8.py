@@ -137,7 +137,7 @@ def test_gpu_presets(model: str, tokens: int, routing: str) -> None:
     from kernels.warp_decode_numba_fp8 import build, compare, warp_decode_fp8
 
     shape = get_shape(model)
-    run_shape = shape if tokens == 1 else shape.with_(experts=min(shape.experts, 32))
+    run_shape = shape.with_(experts=min(shape.experts, 16))  # the host quantizes every expert for the reference
     problem = make_problem(run_shape, tokens, seed=tokens + 11, routing=routing)
     q13, q2 = quantize_weights(problem.w13, problem.w2, FP8_BLOCK128)
     d13, d2 = _device(cupy, q13), _device(cupy, q2)
