@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ import pytest
 
 from kernels.contract import BF16
 from kernels.problem import make_problem
-from kernels.routing import GENERATORS
+from kernels.routing import GENERATORS, make_routing
 from kernels.shapes import PRESETS, MoEShape
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,11 +32,20 @@ BATCHES = (2, 3, 8, 16, 31, 64, 128, 256)
 DUPLICATES = "duplicates"  # the other tokens list each of their experts twice
 
 
+def _probe(shape: MoEShape, seed: int) -> SimpleNamespace:
+    """One token's x, ids and routing weights (host; no weights generated)."""
+    ids, wts = make_routing(1, shape.experts, shape.top_k, "uniform", seed)
+    x = np.random.default_rng([seed, 1]).standard_normal((1, shape.hidden), dtype=np.float32).astype(BF16)
+    return SimpleNamespace(x=x, topk_ids=ids, topk_weights=wts)
+
+
 def _batch(shape: MoEShape, probe: Any, tokens: int, routing: str, seed: int) -> tuple[Any, int]:
-    """Host arrays of a batch of ``tokens`` holding ``probe``'s token at a seeded random position; the position."""
+    """Host arrays (x, ids, weights) of a batch of ``tokens`` holding ``probe``'s token at a seeded random position;
+    the position. Only the activations and the routing are made here (the weights stay on the device)."""
     rng = np.random.default_rng([seed, tokens])
-    others = make_problem(shape, tokens, seed=seed + tokens, routing="uniform" if routing == DUPLICATES else routing)
-    x, ids, wts = others.x.copy(), others.topk_ids.copy(), others.topk_weights.copy()
+    ids, wts = make_routing(tokens, shape.experts, shape.top_k, "uniform" if routing == DUPLICATES else routing,
+                            seed + tokens)
+    x = rng.standard_normal((tokens, shape.hidden), dtype=np.float32).astype(BF16)
     if routing == DUPLICATES and shape.top_k >= 2:
         ids[:, 1::2] = ids[:, 0::2][:, : ids[:, 1::2].shape[1]]
     position = int(rng.integers(tokens))
@@ -88,7 +98,7 @@ def test_batch_invariant_policy_on_the_gpu(model: str, weight_format: str) -> No
     if weight_format != "bf16":
         w13, w2 = quantize_weights(w13, w2, weight_format)
     run_shape = weights.shape
-    probe = make_problem(run_shape, 1, seed=seed + 1)
+    probe = _probe(run_shape, seed + 1)
     alone = _run(cupy, w13, w2, (probe.x, probe.topk_ids, probe.topk_weights), "batch_invariant")
     assert alone.shape == (1, run_shape.hidden) and not np.any((alone & 0x7F80) == 0x7F80), "NaN/inf in the probe"
     assert np.array_equal(_run(cupy, w13, w2, (probe.x, probe.topk_ids, probe.topk_weights), "batch_invariant",
@@ -112,7 +122,7 @@ def test_the_other_policies_are_not_batch_invariant() -> None:
 
     shape = PRESETS["qwen3-30b-a3b"]
     weights = make_problem(shape, 1, seed=5, xp=cupy)
-    probe = make_problem(shape, 1, seed=6)
+    probe = _probe(shape, 6)
     for policy in ("fastest", "warp_decode"):
         alone = _run(cupy, weights.w13, weights.w2, (probe.x, probe.topk_ids, probe.topk_weights), policy)
         host, position = _batch(shape, probe, 64, "uniform", 5)
