@@ -15,6 +15,12 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_sanitizer_ncu
 * ``t64``    the MMA path at qwen3-30b-a3b T = 64, uniform routing: 3 layers (the profiler takes the last one).
 * ``zipf64`` the MMA path at qwen3-235b-a22b T = 64, Zipf routing: 3 layers (added 2026-12-01 evening).
 * ``t1``     strict warp decode and the fused prototype at qwen3-30b-a3b T = 1: 3 layers each.
+* ``fp8``    every path reading fp8-block128 weights (strict CuPy and Numba, batched, tensor-core with tiles and
+             the grouped down, the W8A8 expert-centric path, the batch-invariant pair) on odd shapes with partial
+             scale blocks and skewed routings, outputs compared with the references on the same weights (added
+             2026-12-01, for the FP8 and batch-invariance work).
+* ``new``    the batch-invariant pair (per-pair and grouped) and the staged-x gate_up (GB_SMEM_X) in bf16 under
+             skewed routings, compared with the references (added 2026-12-01).
 """
 
 from __future__ import annotations
@@ -80,6 +86,54 @@ def skew() -> None:
             print("ok", knobs, dims, routing, flush=True)
 
 
+FP8_PATHS = ("cupy:warp-decode-fp8", "numba:warp-decode-fp8", "cupy:warp-decode-batched-fp8",
+             "cupy:warp-decode-mma-fp8", "cupy:warp-decode-mma-grouped-fp8", "cupy:warp-decode-mma-pairs-fp8",
+             "cupy:expert-centric-w8a8")
+
+
+def _run_checked(name: str, problem: object, weights: tuple[object, object], faithful: object, oracle: object,
+                 tag: str, **knobs: int) -> None:
+    dims = _dims(problem)
+    variant = get_variant(name)
+    launch = variant.make(dims, **knobs)
+    out = _poisoned_out(cupy, dims.tokens, dims.hidden)
+    launch(problem.x, *weights, problem.topk_ids, problem.topk_weights, out)  # type: ignore[attr-defined]
+    cupy.cuda.runtime.deviceSynchronize()
+    _assert_matches(cupy.asnumpy(out), faithful, oracle, f"{name} {knobs} {tag}", own_order=True)
+    print("ok", name, knobs, tag, flush=True)
+
+
+def fp8() -> None:
+    from kernels.formats import quantize_weights
+    from kernels.reference import moe_decode
+
+    for shape, tokens, routing in ((ODD_SHAPES["h2880-i264"], 7, "zipf"), (ODD_SHAPES["h264-i40"], 9, "same"),
+                                   ("qwen3-30b-a3b", 20, "correlated")):
+        problem = make_problem(shape, tokens, seed=8, routing=routing, xp=cupy)
+        weights = quantize_weights(problem.w13, problem.w2, "fp8-block128")
+        host = problem.compact()
+        h13, h2 = quantize_weights(host.w13, host.w2, "fp8-block128")
+        args = (host.x, h13, h2, host.topk_ids, host.topk_weights)
+        oracle = moe_decode(*args, mode="fp64", weight_format="fp8-block128")
+        for name in FP8_PATHS:
+            mode, quant = ("classical", "fp8") if "w8a8" in name else ("warp_decode", None)
+            faithful = moe_decode(*args, mode=mode, quant=quant, weight_format="fp8-block128")
+            _run_checked(name, problem, weights, faithful, oracle, f"{_dims(problem)} {routing}")
+
+
+def new() -> None:
+    for shape, tokens, routing in ((ODD_SHAPES["h264-i40"], 9, "same"), (ODD_SHAPES["h2880-i264"], 37, "zipf"),
+                                   ("qwen3-30b-a3b", 24, "zipf-2")):
+        problem = make_problem(shape, tokens, seed=8, routing=routing, xp=cupy)
+        faithful, oracle = _references(problem)
+        tag = f"{_dims(problem)} {routing}"
+        for name in ("cupy:warp-decode-mma-pairs", "cupy:warp-decode-mma-grouped"):
+            _run_checked(name, problem, (problem.w13, problem.w2), faithful, oracle, tag)
+        for nblk in (1, 2):
+            _run_checked("cupy:warp-decode-mma", problem, (problem.w13, problem.w2), faithful, oracle, tag,
+                         GB_SMEM_X=1, GB_NBLK=nblk)
+
+
 def layers(name: str, model: str, tokens: int, count: int = 3, routing: str = "uniform") -> None:
     prototypes.load()
     problem = make_problem(model, tokens, seed=8, routing=routing, xp=cupy)
@@ -104,5 +158,9 @@ if __name__ == "__main__":
     elif what == "t1":
         layers("cupy:warp-decode", "qwen3-30b-a3b", 1)
         layers("proto:fused-layer", "qwen3-30b-a3b", 1)
+    elif what == "fp8":
+        fp8()
+    elif what == "new":
+        new()
     else:
-        raise SystemExit(f"unknown workload {what!r}: small, skew, t64, zipf64 or t1")
+        raise SystemExit(f"unknown workload {what!r}: small, skew, t64, zipf64, t1, fp8 or new")
