@@ -378,7 +378,8 @@ int main(int argc, char** argv) {
     const size_t down_shared = (size_t)DB_WARPS * T * (DB_OUTS + 16);  // DB_MMA: 16 columns
     const size_t lists_shared = ((size_t)E + 1) * (1 + LIST_THREADS / 32) + 2 * (size_t)T * K;  // + warps' counts
     const size_t x_shared = (size_t)8 * GB_NBLK * (H / 8 + 8) * 4;  // GB_SMEM_X: the staged x rows (uint4 = 4 floats)
-    std::vector<float> shared(std::max({down_shared, lists_shared, x_shared}), __uint_as_float(0x7fc00000u));
+    const size_t b_shared = (size_t)8 * DB_NBLK * (I / 8 + 8) * 4;  // DB_SMEM_B: the staged intermediate rows
+    std::vector<float> shared(std::max({down_shared, lists_shared, x_shared, b_shared}), __uint_as_float(0x7fc00000u));
     wdb_dynamic_shared = shared.data();
 #if PER_PAIR  // no lists: a pair per gate_up block row, a token per down block (a warp per slot)
     (void)slots;
@@ -549,7 +550,7 @@ EMULATED += [
     (MULTI_SHAPE, 12, "same", {"GB_MMA": 1, "DB_MMA": 1, "GB_SMEM_X": 1, "GB_WARPS": 3, "LIST_THREADS": 32,
                                "LIST_PER": 0}, False),
     (MULTI_SHAPE, 9, "zipf", {"GB_MMA": 1, "DB_MMA": 1, "GB_SMEM_X": 1, "PAIR_TILES": 1, "DB_GROUPED": 1,
-                              "GB_NBLK": 2, "LIST_THREADS": 32, "LIST_PER": 0}, True),
+                              "DB_SMEM_B": 1, "GB_NBLK": 2, "DB_WARPS": 3, "LIST_THREADS": 32, "LIST_PER": 0}, True),
     # the per-pair path (PER_PAIR: no lists, a pair per gate_up block row, a token per down block): partial 16-row
     # groups over H = 200, duplicate ids in a token, a k tail
     (MULTI_SHAPE, 6, "same", {"GB_MMA": 1, "DB_MMA": 1, "PER_PAIR": 1, "DB_EARLY_W2": 1, "GB_WARPS": 2}, True),
