@@ -52,7 +52,11 @@ SIMULATOR = Tolerance("simulator", floor=0.125, max_ulp=4.0, max_rel_l2_fp64=5e-
 # ulps (12 at qwen3-235b T = 64 on the H200); garbage is off by orders of magnitude more.
 BENCH = Tolerance("bench", floor=0.125, max_ulp=16.0, max_rel_l2_ref=4e-3)
 BENCH_QUANT = Tolerance("bench-quant", floor=0.125, max_ulp=64.0, max_rel_l2_ref=3e-2)  # FP8 activations
-TOLERANCES = {t.name: t for t in (EXACT_ORDER, OWN_ORDER, SIMULATOR, BENCH, BENCH_QUANT)}
+# W8A8 on fp8-block128 weights (the serving engines' FP8 design): a flip upstream can move the e4m3-quantized
+# activation by a whole step (1/16 of the value), so outputs move by up to ~100 of these units (the Triton W8A8 peer
+# on the H200: 75-103 at qwen3 T >= 8, rel-L2 1.4-1.8 % from the reference and as close to fp64 as it, 4.3-4.5e-2)
+BENCH_W8A8 = Tolerance("bench-w8a8", floor=0.125, max_ulp=256.0, max_rel_l2_ref=3e-2)
+TOLERANCES = {t.name: t for t in (EXACT_ORDER, OWN_ORDER, SIMULATOR, BENCH, BENCH_QUANT, BENCH_W8A8)}
 
 
 def _host(arr: Any) -> np.ndarray:

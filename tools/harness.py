@@ -137,14 +137,16 @@ def check_tokens(topk_ids: np.ndarray, expert_bytes: int, limit: int = CHECK_HOS
     return np.array(sorted(chosen))
 
 
-def compare(result: np.ndarray, reference: np.ndarray, quant: str | None) -> dict[str, Any]:
-    """Result vs the variant's reference mode under the bench's tolerance (``kernels.checks.BENCH``, or
-    ``BENCH_QUANT`` for FP8-quantized activations): all written, rel-L2, max ulps, ok. A NaN poison left anywhere
-    in ``result`` (an element the timed graph never wrote) fails. Looser than the kernels' own tests: this check
-    exists to catch a wrong or empty timed graph."""
-    from kernels.checks import BENCH, BENCH_QUANT, check_output
+def compare(result: np.ndarray, reference: np.ndarray, quant: str | None,
+            weight_format: str = "bf16") -> dict[str, Any]:
+    """Result vs the variant's reference mode under the bench's tolerance (``kernels.checks.BENCH``; ``BENCH_QUANT``
+    for FP8-quantized activations, ``BENCH_W8A8`` for those on quantized weights): all written, rel-L2, max ulps, ok.
+    A NaN poison left anywhere in ``result`` (an element the timed graph never wrote) fails. Looser than the kernels'
+    own tests: this check exists to catch a wrong or empty timed graph."""
+    from kernels.checks import BENCH, BENCH_QUANT, BENCH_W8A8, check_output
 
-    return check_output(result, reference, BENCH_QUANT if quant else BENCH)
+    tolerance = (BENCH_W8A8 if weight_format != "bf16" else BENCH_QUANT) if quant else BENCH
+    return check_output(result, reference, tolerance)
 
 
 def checked_as(variant: Any, launch: Any) -> Any:
@@ -449,7 +451,7 @@ class Workbench:
         tokens = self.check_token_ids
         written = bool(np.isfinite(out_host.astype(np.float32)).all())
         result = out_host[tokens]
-        check = compare(result, self.reference(variant.reference_mode, variant.quant, fmt), variant.quant)
+        check = compare(result, self.reference(variant.reference_mode, variant.quant, fmt), variant.quant, fmt)
         check.update(mode=variant.reference_mode, quant=variant.quant, copy=self.check_copy,
                      tokens_checked=int(tokens.size), all_written=written and check["all_written"])
         check["ok"] = bool(check["ok"] and written)
