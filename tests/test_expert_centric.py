@@ -478,7 +478,7 @@ def test_routings(routing: str, quant) -> None:
     [dict(fuse_scatter=False), dict(BLOCK_N=32, UNROLL=4), dict(BLOCK_N=128, WARPS=8, STAGES=1), dict(M_TILES=2),
      dict(WARPS=1, UNROLL=1), dict(STAGES=1), dict(STAGES=3, BLOCK_N=64), dict(STAGES=2, WARPS=1, UNROLL=1),
      dict(STAGES=8, BLOCK_N=32, UNROLL=1), dict(STAGES=4, M_TILES=2, BLOCK_N=64), dict(PREFETCH=1, STAGES=1),
-     dict(PREFETCH=3, BLOCK_N=64, STAGES=1), *VARIANTS],
+     dict(PREFETCH=3, BLOCK_N=64, STAGES=1), *(v for v in VARIANTS if not v.get("W_FP8"))],  # W_FP8 sets: the w8a8 test
     ids=str,
 )
 def test_tile_params(params: dict) -> None:
