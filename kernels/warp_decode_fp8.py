@@ -218,7 +218,7 @@ DEFAULTS: dict[str, int] = {
     "GU_UNROLL": 4,  # 2 x 8-byte weight chunks + a 16-byte x chunk per round and lane
     "DN_WARPS": 4,
     "DN_SLOTS": 4,  # the strict bf16 down's measured choice at T = 1
-    "DN_UNROLL": 2,
+    "DN_UNROLL": 1,  # H200, T = 1 (results/sweep-2026-12-01-strict-fp8-*-t1.json): 60.2 vs 62.2 us at qwen3-235b
     "PDL": 1,
 }
 LIMITS = {"GU_WARPS": (1, 32), "DN_WARPS": (1, 32), "GU_UNROLL": (1, 16), "DN_UNROLL": (1, 16), "DN_SLOTS": (1, 32),
