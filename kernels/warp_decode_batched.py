@@ -366,7 +366,9 @@ MIXED_KNOBS = {"DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1}  # FMA gate_up (
 # whole k range in k order (one column of an mma never sees another), each pair's row is weighted and the slots
 # are summed in slot order from 0. Knobs that only move work (NBLK, WARPS, UNROLL) keep the numerics.
 GROUPED_KNOBS = {**MMA_KNOBS, "DB_GROUPED": 1}
-PER_PAIR_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "PER_PAIR": 1}
+# (GB_UNROLL / DB_UNROLL 8: a per-pair warp streams whole rows alone -- H200, results/sweep-2026-12-01-mma-pairs-*.json:
+# qwen3-235b T = 1 86.7 us vs 116.5 at 4 / 4, T = 4 290 vs 300; qwen3-30b T = 2 44.3 vs 57.1, T = 1 27.8 vs 26.8)
+PER_PAIR_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "PER_PAIR": 1, "GB_UNROLL": 8, "DB_UNROLL": 8}
 # The FP8 paths (fp8-block128 weights, W_FP8): FMA kernels with 8-value chunks (GB_BYTES 16: the gate_up's
 # intermediate is then bitwise the strict FP8 kernel's; the down capped at 160 registers, which its scales and
 # widening need to stay spill-free at the qwen3 shapes from T = 1 to 64 -- 128 spills at qwen3-235b T = 16,
