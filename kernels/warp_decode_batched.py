@@ -85,9 +85,6 @@ DEFAULTS: dict[str, int] = {
     # block, per-pair FP32 rows), then moe_sum_slots sums each token's slots in slot order; needs DB_MMA, PAIR_TILES;
     # -1 = auto (auto_grouped; the tensor-core path's knob set uses it)
     "W_FP8": 0,  # 1: fp8-block128 weights (kernels.formats: e4m3fn values and block scales, widened in registers)
-    "GB_SMEM_X": 0,  # 1 (with GB_MMA): a gate_up block stages its pass's x rows in shared memory once (its warps
-    # then read B there, not each through L1 / L2); first measured on the H200 before it is anyone's default
-    "DB_SMEM_B": 0,  # 1 (with DB_GROUPED): the grouped down's blocks stage their pass's intermediate rows likewise
     "PER_PAIR": 0,  # 1 (with GB_MMA, DB_MMA): no lists, one pair per gate_up block row, the down per token with its
     # K slots' rows summed in slot order -- the grouped tensor-core path's numerics in two launches
 }
@@ -106,7 +103,7 @@ LIMITS = {
     "DB_EARLY_INTER": (0, 1),
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (0, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
     "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "W_FP8": (0, 1),
-    "PER_PAIR": (0, 1), "GB_SMEM_X": (0, 1), "DB_SMEM_B": (0, 1),
+    "PER_PAIR": (0, 1),
 }
 
 
@@ -227,23 +224,10 @@ def down_columns(params: dict[str, int]) -> int:
     return 16 if params.get("DB_MMA") else params["DB_OUTS"]
 
 
-def staged_bytes(rows: int, length: int) -> int:
-    """Shared memory of ``rows`` staged bf16 rows of ``length`` values: 8-value chunks, each row padded to 4 mod 8
-    chunks (``staged_stride`` in the CUDA C), 16 bytes a chunk."""
-    chunks = length // 8
-    return rows * (chunks + (12 - chunks % 8) % 8) * 16
-
-
-def gate_up_shared_bytes(dims: Dims, params: dict[str, int]) -> int:
-    """Dynamic shared memory of the tensor-core gate_up with GB_SMEM_X (its pass's 8 * GB_NBLK x rows); else 0."""
-    return staged_bytes(8 * params["GB_NBLK"], dims.hidden) if params.get("GB_SMEM_X") else 0
-
-
 def down_shared_bytes(dims: Dims, params: dict[str, int]) -> int:
-    """Dynamic shared memory of the down kernel: per warp an FP32 partial [T][columns] (grouped: none, or with
-    DB_SMEM_B its pass's 8 * DB_NBLK intermediate rows)."""
+    """Dynamic shared memory of the down kernel: per warp an FP32 partial [T][columns] (none when grouped)."""
     if params.get("DB_GROUPED"):
-        return staged_bytes(8 * params["DB_NBLK"], dims.intermediate) if params.get("DB_SMEM_B") else 0
+        return 0
     return params["DB_WARPS"] * dims.tokens * down_columns(params) * 4
 
 
@@ -265,10 +249,6 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         values["DB_GROUPED"] = auto_grouped(dims, values)
     if values["DB_GROUPED"] and not (values["DB_MMA"] and values["PAIR_TILES"]):
         raise ValueError("DB_GROUPED runs the tensor-core down over the tile table: it needs DB_MMA 1 and PAIR_TILES 1")
-    if values["GB_SMEM_X"] and not values["GB_MMA"]:
-        raise ValueError("GB_SMEM_X stages the tensor-core gate_up's x rows: it needs GB_MMA 1")
-    if values["DB_SMEM_B"] and not values["DB_GROUPED"]:
-        raise ValueError("DB_SMEM_B stages the grouped down's intermediate rows: it needs DB_GROUPED 1")
     if values["PER_PAIR"] and not (values["GB_MMA"] and values["DB_MMA"]) or \
             values["PER_PAIR"] and (values["PAIR_TILES"] or values["DB_GROUPED"]):
         raise ValueError("PER_PAIR runs the tensor-core kernels without lists: it needs GB_MMA 1 and DB_MMA 1, and "
@@ -332,9 +312,6 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
     if values["DB_NBLK"] == 0:  # the grouped down: a tile's pairs in one pass (H200, results/sweep-2026-12-01-mma-
         # nblk-*.json: qwen3-235b Zipf T = 64 975 -> 940 us, qwen3-30b 245 -> 241; uniform within 0.5 %)
         values["DB_NBLK"] = values["GB_NBLK"] if values["DB_GROUPED"] else 1
-    if gate_up_shared_bytes(dims, values) > OPT_IN_SHARED_LIMIT:
-        raise ValueError(f"GB_SMEM_X stages 8 * GB_NBLK x rows of H = {dims.hidden}: "
-                         f"{gate_up_shared_bytes(dims, values)} bytes > {OPT_IN_SHARED_LIMIT}; lower GB_NBLK")
     shared = down_shared_bytes(dims, values)
     if shared > OPT_IN_SHARED_LIMIT:
         raise ValueError(
@@ -479,8 +456,7 @@ def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_we
     programmatic = bool(params["PDL"])
     lists_shared = lists_shared_bytes(d, params)
     down_shared = down_shared_bytes(d, params)
-    gate_up_shared = gate_up_shared_bytes(d, params)
-    for kernel, shared in ((lists_k, lists_shared), (down_k, down_shared), (gate_up_k, gate_up_shared)):  # opt in once
+    for kernel, shared in ((lists_k, lists_shared), (down_k, down_shared)):  # sized by dims: opt in here, once
         if shared > SHARED_LIMIT and kernel.max_dynamic_shared_size_bytes < shared:  # above 48 KB
             kernel.max_dynamic_shared_size_bytes = shared
 
@@ -492,8 +468,7 @@ def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_we
     def gate_up() -> None:
         launch_ex(gate_up_k, (gate_up_blocks(d, params),), (params["GB_WARPS"] * 32,),
                   (x, w13, s13, ws.lists, ws.intermediate, i32(d.hidden), i32(d.intermediate), i32(d.experts),
-                   i32(d.top_k), i32(n_slots), i32(d.tokens * d.top_k)), shared_mem=gate_up_shared,
-                  programmatic=programmatic)
+                   i32(d.top_k), i32(n_slots), i32(d.tokens * d.top_k)), programmatic=programmatic)
 
     def down() -> None:
         launch_ex(down_k, (down_blocks(d, params),), (params["DB_WARPS"] * 32,),
@@ -504,8 +479,7 @@ def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_we
     def down_grouped() -> None:
         launch_ex(down_k, (down_blocks(d, params),), (params["DB_WARPS"] * 32,),
                   (ws.intermediate, w2, s2, topk_weights, ws.lists, ws.pair_out, i32(d.hidden), i32(d.intermediate),
-                   i32(d.experts), i32(d.top_k), i32(n_slots), i32(d.tokens * d.top_k)), shared_mem=down_shared,
-                  programmatic=programmatic)
+                   i32(d.experts), i32(d.top_k), i32(n_slots), i32(d.tokens * d.top_k)), programmatic=programmatic)
 
     def sum_slots() -> None:
         launch_ex(sum_k[0], (sum_blocks(d),), (SUM_THREADS,),
@@ -567,8 +541,7 @@ SOURCE.variants = [*preset_variants(resolve_params, DEFAULTS), resolve_params(No
                    resolve_params(None, **FP8_KNOBS),
                    resolve_params(None, **MMA_KNOBS, W_FP8=1),
                    resolve_params(None, **{**MMA_KNOBS, "W_FP8": 1, "DB_GROUPED": 1}),
-                   resolve_params(None, **PER_PAIR_KNOBS), resolve_params(None, **PER_PAIR_KNOBS, W_FP8=1),
-                   resolve_params(None, **{**MMA_KNOBS, "DB_GROUPED": 1}, GB_SMEM_X=1, DB_SMEM_B=1)]
+                   resolve_params(None, **PER_PAIR_KNOBS), resolve_params(None, **PER_PAIR_KNOBS, W_FP8=1)]
 
 
 # ---------------------------------------------------------------------------------------------------

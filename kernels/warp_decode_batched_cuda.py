@@ -47,11 +47,6 @@ CODE = WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + r"""
 //   then sums the weighted rows in slot order from 0 as moe_sum_slots does: two launches, and a token's output is
 //   bitwise what the grouped path gives it, whatever else is in the batch (the batch-invariant policy's small T);
 //   K <= 16 (a block of K warps)
-//   GB_SMEM_X 1 (tensor-core gate_up): each block stages its pass's x rows (the B columns its warps share) in shared
-//   memory once, rows padded to 4 mod 8 chunks so a fragment load hits 8 distinct 16-byte bank groups per phase;
-//   the warps then read B from there instead of each through L1 / L2 (same sums: only where B comes from changes)
-//   DB_SMEM_B 1 (with DB_GROUPED): the grouped down's blocks stage their pass's intermediate rows the same way (after
-//   the PDL wait: gate_up wrote them)
 //   W_FP8 1: the weights are fp8-block128 (kernels/formats.py): e4m3fn bytes in the bf16 layouts and a float32
 //   scale per 128 x 128 block (s13: gate's block rows, then up's; s2). The FMA kernels load GB_BYTES / 2 (DB_BYTES
 //   / 2) bytes of weights per chunk -- the values of a GB_BYTES activation chunk -- and multiply each widened
@@ -76,10 +71,6 @@ static_assert(PAIR_TILES == 0 || (PAIR_TILES == 1 && GB_MMA == 1), "PAIR_TILES i
 static_assert(DB_GROUPED == 0 || (DB_GROUPED == 1 && DB_MMA == 1 && PAIR_TILES == 1),
               "DB_GROUPED is 0 or 1 (1 needs DB_MMA 1 and PAIR_TILES 1)");
 static_assert(W_FP8 == 0 || (W_FP8 == 1 && GB_BYTES >= 8 && DB_BYTES >= 8), "W_FP8 is 0 or 1 (1 needs BYTES >= 8)");
-static_assert(GB_SMEM_X == 0 || (GB_SMEM_X == 1 && GB_MMA == 1), "GB_SMEM_X is 0 or 1 (1 needs GB_MMA 1)");
-static_assert(DB_SMEM_B == 0 || (DB_SMEM_B == 1 && DB_GROUPED == 1), "DB_SMEM_B is 0 or 1 (1 needs DB_GROUPED 1)");
-// rows staged in shared memory (GB_SMEM_X, DB_SMEM_B): this many 16-byte chunks apart, = 4 mod 8
-__device__ __forceinline__ int staged_stride(int chunks) { return chunks + ((12 - chunks % 8) % 8); }
 static_assert(PER_PAIR == 0 || (PER_PAIR == 1 && GB_MMA == 1 && DB_MMA == 1 && PAIR_TILES == 0 && DB_GROUPED == 0),
               "PER_PAIR is 0 or 1 (1 needs GB_MMA 1, DB_MMA 1 and no tiles: it runs without lists)");
 #if W_FP8
@@ -786,13 +777,7 @@ __device__ __forceinline__ ARows w2_rows(const weight_t* w2, const float* s2, in
 // COLS_DEP: B is the previous kernel's output (down's intermediate), loaded through ld_dep after the round's A
 // loads and after wait_once (DB_EARLY_W2: the first round's A loads are issued before the PDL wait).
 // W_FP8: scale_lo / scale_hi are the two rows' block scales along k (a 32-wide k block lies in one 128-block).
-// COLS_SHARED: the columns are rows staged in shared memory (plain loads; GB_SMEM_X).
-__device__ __forceinline__ uint4 shared_chunk(const uint4* row, int c, bool ok) {
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (ok) v = row[c];
-    return v;
-}
-template <int UNROLL, int NB, bool COLS_DEP, bool COLS_SHARED = false>
+template <int UNROLL, int NB, bool COLS_DEP>
 __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const a_chunk_t* rows_lo,
                                                     const a_chunk_t* rows_hi, const float* scale_lo,
                                                     const float* scale_hi, const uint4* const (&cols)[NB],
@@ -820,7 +805,7 @@ __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const a
 #endif
             #pragma unroll
             for (int nb = 0; nb < NB; ++nb)
-                if (!COLS_DEP) col[j][nb] = COLS_SHARED ? shared_chunk(cols[nb], c, ok) : ldg_chunk(cols[nb], c, ok);
+                if (!COLS_DEP) col[j][nb] = ldg_chunk(cols[nb], c, ok);
         }
         if (COLS_DEP) {
             wait_once(waited);
@@ -881,54 +866,32 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
     const GateUpItem item = read_gate_up_item(lists, slots, n_pairs, a);
     if (item.unused) return;                                         // whole block leaves together
     const int i0 = ((blockIdx.x - a * per_slot) * GB_WARPS + (threadIdx.x >> 5)) * 8;
-    const bool warp_live = i0 < inter;                               // (GB_SMEM_X: every warp stages, so none leaves)
-    if (!GB_SMEM_X && !warp_live) return;                            // whole warp leaves together
+    if (i0 >= inter) return;                                         // whole warp leaves together
     const int e = item.expert;
     const int count = item.count;
     const int* pairs = item.pairs;
-    if (e >= experts) {                                              // bad ids: NaN, no weight read (block-uniform)
+    if (e >= experts) {                                              // bad ids: NaN, no weight read
         for (int j = 0; j < count; ++j) {
             const long long p = __ldg(pairs + j);
-            if (warp_live && lane < 8 && i0 + lane < inter) intermediate[p * inter + i0 + lane] = BF16_NAN;
+            if (lane < 8 && i0 + lane < inter) intermediate[p * inter + i0 + lane] = BF16_NAN;
         }
         return;
     }
     const ARows rows = w13_rows(w13, s13, e, min(i0 + g, inter - 1), hidden, inter);   // past the end: the last row
     const int chunks = hidden / 8;                                   // chunks of 8 values (H % 8 == 0)
-#if GB_SMEM_X
-#ifdef WD_HOST_EMULATION
-    uint4* xs = reinterpret_cast<uint4*>(wdb_dynamic_shared);        // the CPU emulation's buffer
-#else
-    extern __shared__ uint4 xs[];                                    // [8 GB_NBLK][stride]: the pass's x rows
-#endif
-    const int stride = staged_stride(chunks);                        // = 4 mod 8 chunks (bank groups, see above)
-#endif
 
     for (int tile = 0; tile < count; tile += 8 * GB_NBLK) {
         const int n = min(8 * GB_NBLK, count - tile);
         const uint4* x_row[GB_NBLK];                                 // B column g of each 8-pair block
-#if GB_SMEM_X
-        __syncthreads();                                             // the previous pass's reads are done
-        for (int idx = threadIdx.x; idx < 8 * GB_NBLK * chunks; idx += GB_WARPS * 32) {
-            const int col = idx / chunks, c = idx - col * chunks;
-            const int p = __ldg(pairs + tile + min(col, n - 1));     // past n: pair n-1 (ignored)
-            xs[col * stride + c] = __ldg(reinterpret_cast<const uint4*>(x + (size_t)(p / top_k) * hidden) + c);
-        }
-        __syncthreads();
-        #pragma unroll
-        for (int nb = 0; nb < GB_NBLK; ++nb) x_row[nb] = xs + (nb * 8 + g) * stride;
-        if (!warp_live) continue;                                    // warp-uniform; it still stages and syncs
-#else
         #pragma unroll
         for (int nb = 0; nb < GB_NBLK; ++nb) {
             const int p = __ldg(pairs + tile + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
             x_row[nb] = reinterpret_cast<const uint4*>(x + (size_t)(p / top_k) * hidden);   // int: no division call
         }
-#endif
         float acc[GB_NBLK][4];
         bool unused = true;
-        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false, GB_SMEM_X == 1>(acc, rows.lo, rows.hi, rows.scale_lo,
-                                                                        rows.scale_hi, x_row, 0, chunks, q, unused);
+        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi, x_row, 0,
+                                                       chunks, q, unused);
         #pragma unroll
         for (int nb = 0; nb < GB_NBLK; ++nb)
             #pragma unroll
@@ -1132,54 +1095,27 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
     const int used = __ldg(lists + 3);
     const int e = __ldg(TILE_ARRAY(0) + a), first = __ldg(TILE_ARRAY(1) + a), count = __ldg(TILE_ARRAY(2) + a);
     const int h0 = ((blockIdx.x - a * per_tile) * DB_WARPS + (threadIdx.x >> 5)) * 16;
-#if !DOWN_WAITS_LATE || DB_SMEM_B
+#if !DOWN_WAITS_LATE
     pdl_wait();     // the intermediate is gate_up's output: every read of it is an ld_dep after this
     pdl_release();
 #endif
-    bool waited = DB_SMEM_B;                                         // (DB_SMEM_B: waited above, before staging)
-    const bool block_live = a < used && (e | first | count) >= 0 && e < experts;   // block-uniform
-#if DB_SMEM_B
-    if (block_live) {                                                // every warp stages (and syncs), live or not
-#else
-    if (block_live && h0 < hidden) {                                 // warp-uniform
-#endif
+    bool waited = false;
+    if (a < used && (e | first | count) >= 0 && e < experts && h0 < hidden) {    // warp-uniform
         const int* tile_pairs = sorted_pairs(lists, slots) + first;
         const int h_lo = min(h0 + g, hidden - 1), h_hi = min(h0 + g + 8, hidden - 1);   // past the end: last row
         const ARows rows = w2_rows(w2, s2, e, h_lo, h_hi, hidden, inter);
         const int chunks = inter / 8;                                // chunks of 8 values (I % 8 == 0)
-#if DB_SMEM_B
-#ifdef WD_HOST_EMULATION
-        uint4* staged = reinterpret_cast<uint4*>(wdb_dynamic_shared); // the CPU emulation's buffer
-#else
-        extern __shared__ uint4 staged[];                            // [8 DB_NBLK][stride]: the pass's intermediate
-#endif
-        const int stride = staged_stride(chunks);
-#endif
         for (int sub = 0; sub < count; sub += 8 * DB_NBLK) {
             const int n = min(8 * DB_NBLK, count - sub);
             const uint4* inter_row[DB_NBLK];
-#if DB_SMEM_B
-            __syncthreads();                                         // the previous pass's reads are done
-            for (int idx = threadIdx.x; idx < 8 * DB_NBLK * chunks; idx += DB_WARPS * 32) {
-                const int col = idx / chunks, c = idx - col * chunks;
-                const int p = __ldg(tile_pairs + sub + min(col, n - 1));   // past n: pair n-1 (ignored)
-                const uint4* row = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
-                staged[col * stride + c] = ld_dep(row + c);
-            }
-            __syncthreads();
-            #pragma unroll
-            for (int nb = 0; nb < DB_NBLK; ++nb) inter_row[nb] = staged + (nb * 8 + g) * stride;
-            if (h0 >= hidden) continue;                              // warp-uniform; it still stages and syncs
-#else
             #pragma unroll
             for (int nb = 0; nb < DB_NBLK; ++nb) {
                 const int p = __ldg(tile_pairs + sub + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
                 inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
             }
-#endif
             float acc[DB_NBLK][4];
-            mma_rows_by_columns<DB_UNROLL, DB_NBLK, !DB_SMEM_B, DB_SMEM_B == 1>(
-                acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi, inter_row, 0, chunks, q, waited);
+            mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi,
+                                                          inter_row, 0, chunks, q, waited);
             #pragma unroll
             for (int nb = 0; nb < DB_NBLK; ++nb)
                 #pragma unroll

@@ -138,8 +138,7 @@ def test_resolve_params_validates() -> None:
     assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=0)["DB_WARPS"] == 24
     assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=80)["DB_MAX_REGS"] == 80
     resolved = wdb.resolve_params(dims)
-    switches = ("MAX_REGS", "MMA", "PDL", "EARLY_W2", "BALANCE", "PAIR_TILES", "GROUPED", "W_FP8", "PER_PAIR",
-                "SMEM")  # 0: off
+    switches = ("MAX_REGS", "MMA", "PDL", "EARLY_W2", "BALANCE", "PAIR_TILES", "GROUPED", "W_FP8", "PER_PAIR")  # 0: off
     assert set(resolved) == set(wdb.DEFAULTS)
     assert all(v > 0 for k, v in resolved.items() if not any(s in k for s in switches))
 
@@ -377,9 +376,7 @@ int main(int argc, char** argv) {
     // the larger of the list kernel's and the down kernel's (partials) shared memory
     const size_t down_shared = (size_t)DB_WARPS * T * (DB_OUTS + 16);  // DB_MMA: 16 columns
     const size_t lists_shared = ((size_t)E + 1) * (1 + LIST_THREADS / 32) + 2 * (size_t)T * K;  // + warps' counts
-    const size_t x_shared = (size_t)8 * GB_NBLK * (H / 8 + 8) * 4;  // GB_SMEM_X: the staged x rows (uint4 = 4 floats)
-    const size_t b_shared = (size_t)8 * DB_NBLK * (I / 8 + 8) * 4;  // DB_SMEM_B: the staged intermediate rows
-    std::vector<float> shared(std::max({down_shared, lists_shared, x_shared, b_shared}), __uint_as_float(0x7fc00000u));
+    std::vector<float> shared(std::max(down_shared, lists_shared), __uint_as_float(0x7fc00000u));
     wdb_dynamic_shared = shared.data();
 #if PER_PAIR  // no lists: a pair per gate_up block row, a token per down block (a warp per slot)
     (void)slots;
@@ -545,12 +542,6 @@ EMULATED += [
     # the grouped down's auto DB_NBLK (= GB_NBLK: a 16-pair tile in one pass)
     (MULTI_SHAPE, 9, "zipf", {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_GROUPED": 1, "GB_NBLK": 2, "DB_NBLK": 0,
                               "GB_UNROLL": 2, "LIST_THREADS": 32, "LIST_PER": 0}, True),
-    # the gate_up's x rows staged in shared memory (GB_SMEM_X): slots over 8 / 16 pairs (several passes without
-    # tiles), tiles of 16, warps past I (H = 200: 25 chunks, padded rows)
-    (MULTI_SHAPE, 12, "same", {"GB_MMA": 1, "DB_MMA": 1, "GB_SMEM_X": 1, "GB_WARPS": 3, "LIST_THREADS": 32,
-                               "LIST_PER": 0}, False),
-    (MULTI_SHAPE, 9, "zipf", {"GB_MMA": 1, "DB_MMA": 1, "GB_SMEM_X": 1, "PAIR_TILES": 1, "DB_GROUPED": 1,
-                              "DB_SMEM_B": 1, "GB_NBLK": 2, "DB_WARPS": 3, "LIST_THREADS": 32, "LIST_PER": 0}, True),
     # the per-pair path (PER_PAIR: no lists, a pair per gate_up block row, a token per down block): partial 16-row
     # groups over H = 200, duplicate ids in a token, a k tail
     (MULTI_SHAPE, 6, "same", {"GB_MMA": 1, "DB_MMA": 1, "PER_PAIR": 1, "DB_EARLY_W2": 1, "GB_WARPS": 2}, True),
