@@ -19,8 +19,8 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_sanitizer_ncu
              the grouped down, the W8A8 expert-centric path, the batch-invariant pair) on odd shapes with partial
              scale blocks and skewed routings, outputs compared with the references on the same weights (added
              2026-12-01, for the FP8 and batch-invariance work).
-* ``new``    the batch-invariant pair (per-pair and grouped) and the staged-x gate_up (GB_SMEM_X) in bf16 under
-             skewed routings, compared with the references (added 2026-12-01).
+* ``new``    the batch-invariant pair (per-pair and grouped) in bf16 under skewed routings, compared with the
+             references (added 2026-12-01).
 """
 
 from __future__ import annotations
@@ -129,9 +129,6 @@ def new() -> None:
         tag = f"{_dims(problem)} {routing}"
         for name in ("cupy:warp-decode-mma-pairs", "cupy:warp-decode-mma-grouped"):
             _run_checked(name, problem, (problem.w13, problem.w2), faithful, oracle, tag)
-        for nblk in (1, 2):
-            _run_checked("cupy:warp-decode-mma", problem, (problem.w13, problem.w2), faithful, oracle, tag,
-                         GB_SMEM_X=1, GB_NBLK=nblk)
 
 
 def layers(name: str, model: str, tokens: int, count: int = 3, routing: str = "uniform") -> None:
