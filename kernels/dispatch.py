@@ -317,9 +317,11 @@ def heuristic(dims: Dims, policy: str = FASTEST, weight_format: str = "bf16") ->
     check_policy(policy)
     strict, batched, mma = FORMAT_PATHS[check_weight_format(weight_format)]
     pairs = dims.tokens * dims.top_k
-    if policy == BATCH_INVARIANT:  # one numerics either way: per-pair below a pair per expert (no lists), else grouped
+    if policy == BATCH_INVARIANT:  # one numerics either way: per-pair where strict would run (no lists), else grouped
+        # (H200, results/h200-2026-12-01-invariant-forms-uniform.json: per-pair 27.5 vs 30.2 us at qwen3-30b T = 1 and
+        # 155 vs 167 at qwen3-235b T = 2; from T*K > E/8 the grouped path wins, 68 vs 77 at qwen3-30b T = 4)
         per_pair, grouped = INVARIANT_PATHS[weight_format]
-        if pairs < MMA_PAIRS_PER_EXPERT * dims.experts and batched_supported(dims, **BATCHED_KNOBS[per_pair]):
+        if pairs <= STRICT_PAIRS_PER_EXPERT * dims.experts and batched_supported(dims, **BATCHED_KNOBS[per_pair]):
             return per_pair
         return grouped
     few_pairs = dims.tokens == 1 or pairs <= STRICT_PAIRS_PER_EXPERT * dims.experts

@@ -803,10 +803,10 @@ def test_fp8_table_from_bench_rows() -> None:
 
 def test_batch_invariant_policy_keeps_one_numerics() -> None:
     """policy="batch_invariant" picks only the grouped tensor-core path or its per-pair form (one numerics): the
-    per-pair form while pairs are fewer than experts, the grouped one from there, for either weight format; both
+    per-pair form where strict would run (T*K <= E/8), the grouped one from there, for either weight format; both
     knob sets force what the numerics rest on (the grouped down at every T; no lists, a token per down block)."""
-    want = {1: dispatch.MMA_PAIRS, 8: dispatch.MMA_PAIRS, 15: dispatch.MMA_PAIRS, 16: dispatch.MMA_GROUPED,
-            64: dispatch.MMA_GROUPED}
+    want = {1: dispatch.MMA_PAIRS, 2: dispatch.MMA_PAIRS, 3: dispatch.MMA_GROUPED, 8: dispatch.MMA_GROUPED,
+            64: dispatch.MMA_GROUPED}  # per-pair where strict would run (T*K <= E/8)
     assert {t: dispatch.heuristic(_dims(QWEN30, t), "batch_invariant") for t in want} == want
     assert dispatch.heuristic(_dims(QWEN30, 1), "batch_invariant", "fp8-block128") == dispatch.FP8_MMA_PAIRS
     assert dispatch.heuristic(_dims(QWEN30, 64), "batch_invariant", "fp8-block128") == dispatch.FP8_MMA_GROUPED
