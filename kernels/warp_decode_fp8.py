@@ -31,10 +31,16 @@ DOWN = "moe_down_fp8"
 CODE = WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + r"""
 // Strict warp decode on fp8-block128 weights: values are e4m3fn bytes in the bf16 layouts, scales float32 per
 // 128 x 128 block (w13: gate's block rows, then up's). Knobs: GU_WARPS / DN_WARPS warps per block, GU_UNROLL /
-// DN_UNROLL chunk rounds in flight per lane, DN_SLOTS routed slots whose w2 rows load together, PDL.
+// DN_UNROLL chunk rounds in flight per lane, DN_SLOTS routed slots whose w2 rows load together, DN_MIN_BLOCKS the
+// down's __launch_bounds__ min blocks per SM (0: ptxas chooses its registers), PDL.
 static_assert(GU_WARPS >= 1 && GU_WARPS <= 32 && DN_WARPS >= 1 && DN_WARPS <= 32, "WARPS must be 1..32");
 static_assert(GU_UNROLL >= 1 && DN_UNROLL >= 1, "UNROLL must be >= 1");
 static_assert(DN_SLOTS >= 1 && DN_SLOTS <= 32, "DN_SLOTS must be 1..32");
+#if DN_MIN_BLOCKS > 0
+#define DN_BOUNDS __launch_bounds__(DN_WARPS * 32, DN_MIN_BLOCKS)
+#else
+#define DN_BOUNDS __launch_bounds__(DN_WARPS * 32)
+#endif
 #define CHUNKS_PER_BLOCK (FP8_BLOCK / 8)   // 8 values per chunk: a chunk lies inside one scale block
 
 // acc += sum over the chunk's 8 values of (value x scale) x activation: words of the 8-byte weight chunk w8 hold
@@ -130,7 +136,7 @@ extern "C" __global__ void __launch_bounds__(GU_WARPS * 32) moe_gate_up_fp8(
 //   bad expert id of the token makes its row NaN and no weight is read. Lane s < DN_SLOTS holds slot s's id
 //   and routing weight (no global load in front of a w2 address).
 // ------------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(DN_WARPS * 32) moe_down_fp8(
+extern "C" __global__ void DN_BOUNDS moe_down_fp8(
     const bf16_t* __restrict__ intermediate,  // [T, K, I]
     const uint2* __restrict__ w2,             // [E, H, I] e4m3fn, as 8-byte chunks
     const float* __restrict__ s2,             // [E, ceil(H/128), ceil(I/128)]
@@ -219,10 +225,11 @@ DEFAULTS: dict[str, int] = {
     "DN_WARPS": 4,
     "DN_SLOTS": 4,  # the strict bf16 down's measured choice at T = 1
     "DN_UNROLL": 1,  # H200, T = 1 (results/sweep-2026-12-01-strict-fp8-*-t1.json): 60.2 vs 62.2 us at qwen3-235b
+    "DN_MIN_BLOCKS": 0,  # no register cap; 8 slots take 142 registers, two waves at qwen3-30b T = 1 (notes/FINDINGS.md)
     "PDL": 1,
 }
 LIMITS = {"GU_WARPS": (1, 32), "DN_WARPS": (1, 32), "GU_UNROLL": (1, 16), "DN_UNROLL": (1, 16), "DN_SLOTS": (1, 32),
-          "PDL": (0, 1)}
+          "DN_MIN_BLOCKS": (0, 32), "PDL": (0, 1)}
 
 
 def _workspace(dims: Dims, params: dict[str, int]) -> Any:
