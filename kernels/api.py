@@ -6,6 +6,8 @@ import importlib
 from typing import Any
 
 BACKENDS = {"cupy": "kernels.warp_decode_cupy", "numba": "kernels.warp_decode_numba"}
+# the same strict kernels on fp8-block128 weights (``kernels.quantize_weights``): each backend's ``warp_decode_fp8``
+FP8_BACKENDS = {"cupy": "kernels.warp_decode_fp8", "numba": "kernels.warp_decode_numba_fp8"}
 
 
 def warp_decode(
@@ -23,10 +25,16 @@ def warp_decode(
 
     Inputs follow :mod:`kernels.contract`; returns ``out`` [T, H] (bf16 unless ``out`` is float32) on the
     GPU. With ``out`` and ``workspace`` given the call allocates nothing and never syncs with the host
-    (CUDA-graph capturable). ``params`` are the backend's compile-time knobs.
+    (CUDA-graph capturable). ``params`` are the backend's compile-time knobs. fp8-block128 weights
+    (``kernels.quantize_weights``) run the backend's strict FP8 kernels (bf16 activations, FP32 accumulation).
     """
+    from kernels.formats import Quantized
+
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    if isinstance(w13, Quantized) or isinstance(w2, Quantized):
+        fp8 = importlib.import_module(FP8_BACKENDS[backend])
+        return fp8.warp_decode_fp8(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace, **params)
     module = importlib.import_module(BACKENDS[backend])
     return module.warp_decode(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace, **params)
 

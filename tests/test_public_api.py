@@ -49,3 +49,25 @@ def test_entry_points_refuse_host_arrays_cleanly_after_every_import() -> None:
 def test_no_module_shadows_the_standard_library() -> None:
     names = {name.split(".", 1)[1] for name in _import_everything()}
     assert not names & set(sys.stdlib_module_names), sorted(names & set(sys.stdlib_module_names))
+
+
+def test_warp_decode_takes_fp8_weights_to_the_backends_strict_fp8_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kernels
+    import kernels.warp_decode_fp8 as cupy_fp8
+    import kernels.warp_decode_numba_fp8 as numba_fp8
+
+    problem = kernels.make_problem("tiny", 2, seed=3)
+    q13, q2 = kernels.quantize_weights(problem.w13, problem.w2, "fp8-block128")
+    for backend, module in (("cupy", cupy_fp8), ("numba", numba_fp8)):
+        calls: list[tuple[tuple, dict]] = []
+        monkeypatch.setattr(module, "warp_decode_fp8",
+                            lambda *a, _calls=calls, _name=backend, **k: _calls.append((a, k)) or _name)
+        got = kernels.warp_decode(problem.x, q13, q2, problem.topk_ids, problem.topk_weights, backend=backend,
+                                  GU_WARPS=2)
+        assert got == backend and len(calls) == 1
+        args, knobs = calls[0]
+        assert args[1] is q13 and args[2] is q2 and knobs["GU_WARPS"] == 2
+    with pytest.raises(TypeError, match="cupy"):  # bf16 weights still reach the bf16 kernels
+        kernels.warp_decode(*problem.arrays)
+    with pytest.raises(ValueError, match="backend"):
+        kernels.warp_decode(problem.x, q13, q2, problem.topk_ids, problem.topk_weights, backend="triton")
