@@ -23,6 +23,10 @@ fp64 path: every step in float64 (routing ids from ``route`` on the fp64 logits,
 float64). bf16 paths: h is bf16; RMSNorm in fp32, its output rounded to bf16 (the MoE's x); router logits
 fp32-accumulated and stored bf16, softmax in fp32; the MoE by ``reference.moe_decode`` in the path's mode
 (bf16 out); the residual add in fp32, rounded to bf16.
+
+A quantized weight format (``weight_format="fp8-block128"``): every expert's generated weights quantized once
+(per expert, so the same expert has the same values in every run); the fp64 stack then runs on the dequantized
+weights (the oracle that isolates a path's numerics from the format's error) and a path reads the quantized ones.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from kernels.contract import BF16, array_module, check_int
+from kernels.formats import Quantized, get_format
 from kernels.numerics import bf16_to_f32, round_bf16
 from kernels.problem import Problem
 from kernels.reference import expert_groups, moe_decode
@@ -148,6 +153,8 @@ class _Layer:
     gamma: np.ndarray  # [H] bf16
     router: np.ndarray  # [E, H] bf16
     experts: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # generated on first use
+    # (format, expert) -> that expert's (w13, w2) quantized, each with a leading expert axis of 1
+    quantized: dict[tuple[str, int], tuple[Quantized, Quantized]] = field(default_factory=dict)
 
 
 @dataclass
@@ -180,19 +187,32 @@ class Stack:
         """The stack's input residual stream [T, H] bf16 ~ N(0, 1), deterministic by (seed, tokens)."""
         return _normal_bf16(np.random.default_rng([self.seed, 12, tokens]), (tokens, self.shape.hidden), 1.0)
 
-    def _experts(self, layer: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Compact ``(w13, w2, renumbered ids)`` for the experts ``ids`` touches at ``layer``."""
-        cache = self.layers[layer].experts
+    def _experts(self, layer: int, ids: np.ndarray, weight_format: str = "bf16") -> tuple[Any, Any, np.ndarray]:
+        """Compact ``(w13, w2, renumbered ids)`` for the experts ``ids`` touches at ``layer``, in
+        ``weight_format`` (bf16 arrays, or :class:`kernels.formats.Quantized` of a quantized format)."""
+        fmt = get_format(weight_format)
+        store = self.layers[layer]
+        cache = store.experts
         touched, remapped = np.unique(ids, return_inverse=True)
         for e in touched:
             if int(e) not in cache:
                 cache[int(e)] = expert_weights(self.shape, self.seed, int(e), layer=layer + 1)
-        w13 = np.stack([cache[int(e)][0] for e in touched])
-        w2 = np.stack([cache[int(e)][1] for e in touched])
-        return w13, w2, remapped.reshape(ids.shape).astype(np.int32)
+        local = remapped.reshape(ids.shape).astype(np.int32)
+        if fmt.name == "bf16":
+            return np.stack([cache[int(e)][0] for e in touched]), np.stack([cache[int(e)][1] for e in touched]), local
+        for e in touched:
+            if (fmt.name, int(e)) not in store.quantized:
+                w13_e, w2_e = cache[int(e)]
+                store.quantized[(fmt.name, int(e))] = fmt.quantize(w13_e[None], w2_e[None])
+        pairs = [store.quantized[(fmt.name, int(e))] for e in touched]
+        w13, w2 = (Quantized(np.concatenate([p[m].values for p in pairs]), np.concatenate([p[m].scales for p in pairs]))
+                   for m in (0, 1))
+        return w13, w2, local
 
-    def run_fp64(self, x: np.ndarray) -> PathTrace:
-        """Every step in float64 (the oracle of the whole stack)."""
+    def run_fp64(self, x: np.ndarray, weight_format: str = "bf16") -> PathTrace:
+        """Every step in float64 (the oracle of the whole stack); with a quantized ``weight_format``, on the
+        dequantized weights (float32 values x scale, widened exactly)."""
+        fmt = get_format(weight_format)
         K = self.shape.top_k
         h = bf16_to_f32(x).astype(np.float64)
         outs, all_ids = [], []
@@ -206,23 +226,27 @@ class Stack:
             weights = np.take_along_axis(probs, ids, axis=1)
             if self.shape.norm_topk_prob:
                 weights = weights / weights.sum(axis=1, keepdims=True)
-            w13, w2, local = self._experts(index, ids)
+            w13, w2, local = self._experts(index, ids, fmt.name)
+            if fmt.name != "bf16":
+                w13, w2 = fmt.dequantize(w13, "w13"), fmt.dequantize(w2, "w2")
             h = h + moe_fp64(a, w13, w2, local, weights)
             outs.append(h.copy())
             all_ids.append(ids)
         return PathTrace("fp64", outs, all_ids)
 
     def run_path(
-        self, x: np.ndarray, path: str, moe: Callable[..., np.ndarray] | None = None
+        self, x: np.ndarray, path: str, moe: Callable[..., np.ndarray] | None = None, weight_format: str = "bf16"
     ) -> PathTrace:
         """One compared path with a bf16 residual stream. ``moe(x, w13, w2, ids, weights) -> bf16 [T, H]``
-        defaults to ``reference.moe_decode`` in the path's mode (see :data:`PATHS`)."""
+        defaults to ``reference.moe_decode`` in the path's mode (see :data:`PATHS`); it gets the weights in
+        ``weight_format``."""
         if path not in PATHS:
             raise ValueError(f"path must be one of {tuple(PATHS)}, got {path!r}")
         mode, quant = PATHS[path]
+        fmt = get_format(weight_format)
         if moe is None:
-            def moe(*arrays: np.ndarray) -> np.ndarray:
-                return moe_decode(*arrays, mode=mode, quant=quant)
+            def moe(*arrays: Any) -> np.ndarray:
+                return moe_decode(*arrays, mode=mode, quant=quant, weight_format=fmt)
         K = self.shape.top_k
         h = np.ascontiguousarray(x, dtype=BF16)
         outs, all_ids = [], []
@@ -232,7 +256,7 @@ class Stack:
             a = round_bf16(hf * inv.astype(np.float32) * bf16_to_f32(layer.gamma))
             logits = bf16_to_f32(round_bf16(bf16_to_f32(a) @ bf16_to_f32(layer.router).T))
             ids, weights = route(logits, K, renormalize=self.shape.norm_topk_prob)
-            w13, w2, local = self._experts(index, ids)
+            w13, w2, local = self._experts(index, ids, fmt.name)
             out = moe(a, w13, w2, local, weights)
             h = round_bf16(hf + bf16_to_f32(np.asarray(out)))
             outs.append(h)

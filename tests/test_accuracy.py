@@ -92,6 +92,46 @@ def test_fp8_weights_measured_against_both_oracles():
         accuracy.run(["tiny"], seeds=1, batch=(1,), layers=0, weight_format="fp4")
 
 
+def test_fp8_depth_study_against_both_fp64_stacks():
+    """--weight-format with a depth study: every path again through the stack on FP8 experts. Against the fp64
+    stack on the dequantized weights warp decode keeps its bf16 distance layer by layer and the W8A8 design stays
+    several times farther; against the original weights the format's error dominates."""
+    fmt = "fp8-block128"
+    result = accuracy.run(["tiny"], seeds=2, batch=(8,), layers=4, weight_format=fmt, source="reference")
+    (depth,) = result.depth
+    assert set(depth.paths) == {accuracy.depth_key(p, f) for p in accuracy.PATHS for f in ("bf16", fmt)}
+    bf16, w8a16 = depth.paths["warp_decode"], depth.paths[accuracy.depth_key("warp_decode", fmt)]
+    w8a8 = depth.paths[accuracy.depth_key("classical+fp8", fmt)]
+    assert not bf16.rel_l2_original and w8a16.weight_format == fmt
+    for path in (w8a16, w8a8):
+        assert len(path.rel_l2_original) == 2 and all(len(r) == 4 for r in path.rel_l2_original)
+    for layer in range(4):  # over the tokens still routed like the fp64 stack (a rerouted token dominates rel-L2)
+        assert 0.5 < w8a16.median_same(layer) / bf16.median_same(layer) < 2
+        assert w8a8.median_same(layer) > 3 * w8a16.median_same(layer)
+    assert w8a16.median_original(0) > 3 * w8a16.median_rel(0)
+    blob = json.loads(json.dumps(result.to_json()))
+    text = accuracy.markdown({**blob, "environment": {}})
+    assert "warp decode, fp8-block128 weights" in text and ", orig. " in text and "dequantized weights" in text
+
+
+def test_markdown_of_several_recorded_results_into_a_report(tmp_path, capsys):
+    """--markdown-from and --depth-from repeat: each file's tables in order, the REPORT block rewritten."""
+    files = []
+    for fmt, layers in (("bf16", 0), ("fp8-block128", 0), ("bf16", 2), ("fp8-block128", 2)):
+        blob = accuracy.run(["tiny"], seeds=1, batch=(2,), layers=layers, weight_format=fmt, source="reference")
+        files.append(tmp_path / f"{fmt}-{layers}.json")
+        files[-1].write_text(json.dumps({**blob.to_json(), "environment": {}}))
+    a, b, c, d = (str(f) for f in files)
+    assert accuracy.main(["--markdown-from", a, "--markdown-from", b, "--depth-from", c, "--depth-from", d]) == 0
+    text = capsys.readouterr().out
+    assert text.count("Measured on") == 2 and text.count("Error across depth") == 2
+    assert text.index("fp8-block128 weights (vs original") < text.rindex("Error across depth")
+    report = tmp_path / "REPORT.md"
+    report.write_text("before\n" + "\n".join(accuracy.MARKERS) + "\nafter\n")
+    assert accuracy.main(["--markdown-from", a, "--markdown-from", b, "--update-readme", str(report)]) == 0
+    assert report.read_text().count("Measured on") == 2 and report.read_text().startswith("before")
+
+
 def test_kernels_are_found_per_weight_format():
     """The bf16 table never picks a variant reading another format, and the FP8 rows name the FP8 kernels."""
     notes: list[str] = []

@@ -130,6 +130,46 @@ def test_bf16_paths_run_and_stay_close_at_first_layer(path):
     assert float(np.sqrt(np.mean(oracle.outputs[-1] ** 2))) < 10
 
 
+def test_quantized_stack_reads_each_expert_quantized_once_and_its_oracle_dequantized():
+    """On fp8-block128 weights: a path gets each touched expert quantized on its own (the same values whichever
+    experts share the call), and the fp64 stack runs on exactly those values dequantized."""
+    from kernels.formats import Quantized, get_format
+
+    fmt = get_format("fp8-block128")
+    stack = Stack(TINY, 2, seed=5)
+    x = stack.input(6)
+    seen: list[tuple] = []
+
+    def record(a, w13, w2, ids, weights):
+        seen.append((w13, w2, ids))
+        return moe_decode(a, w13, w2, ids, weights, mode="warp_decode", weight_format=fmt)
+
+    trace = stack.run_path(x, "warp_decode", moe=record, weight_format=fmt.name)
+    for layer, (w13, w2, _) in enumerate(seen):
+        assert isinstance(w13, Quantized) and isinstance(w2, Quantized)
+        touched = np.unique(trace.topk_ids[layer])
+        for local, e in enumerate(touched):
+            own13, own2 = fmt.quantize(*(m[None] for m in expert_weights(TINY, stack.seed, int(e), layer + 1)))
+            np.testing.assert_array_equal(w13.values[local].view(np.uint8), own13.values[0].view(np.uint8))
+            np.testing.assert_array_equal(w2.scales[local], own2.scales[0])
+    assert stack.run_path(x, "warp_decode", weight_format=fmt.name).outputs[-1].tobytes() == trace.outputs[-1].tobytes()
+    plain, deq = stack.run_fp64(x), stack.run_fp64(x, fmt.name)
+    # one layer by hand on the dequantized experts equals the quantized oracle's first layer
+    w13, w2, local = stack._experts(0, deq.topk_ids[0], fmt.name)
+    h = bf16_to_f32(x).astype(np.float64)
+    gamma = bf16_to_f32(stack.layers[0].gamma).astype(np.float64)
+    a = h / np.sqrt(np.mean(h * h, axis=1, keepdims=True) + RMS_EPS) * gamma
+    logits = a @ bf16_to_f32(stack.layers[0].router).astype(np.float64).T
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    weights = np.take_along_axis(probs, deq.topk_ids[0], axis=1)
+    if TINY.norm_topk_prob:
+        weights = weights / weights.sum(axis=1, keepdims=True)
+    by_hand = h + moe_fp64(a, fmt.dequantize(w13, "w13"), fmt.dequantize(w2, "w2"), local, weights)
+    np.testing.assert_allclose(deq.outputs[0], by_hand, rtol=1e-12, atol=1e-12)
+    assert rel_l2(deq.outputs[0], plain.outputs[0]) > 1e-3  # a different oracle: the format's own error
+
+
 def test_stack_rejects_bad_arguments():
     with pytest.raises(ValueError, match="layers"):
         Stack(TINY, 0)

@@ -19,11 +19,12 @@ path without a kernel, and every path on a CPU, comes from the reference's match
 which). With ``--weight-format fp8-block128`` every path also runs on the layer's weights quantized to FP8
 (warp decode FP8 = W8A16: bf16 activations, FP32 accumulation; EC fp8 = W8A8, the serving engines' design) and
 each such row gives two distances: to the fp64 oracle on the dequantized weights (what the path's numerics add)
-and on the original weights (format + numerics), beside the bf16 rows on the original weights (for now from the
-reference's modes only: the FP8 kernels are not registered yet).
+and on the original weights (format + numerics), beside the bf16 rows on the original weights (on a GPU with
+``--source kernels``, from the kernels reading that format: strict FP8, W8A8 expert-centric).
 
 The depth study (kernels.stack) runs L layers of RMSNorm + router + MoE + residual in fp64 and per path with a
-bf16 residual stream, always through the reference's modes on the host.
+bf16 residual stream, always through the reference's modes on the host; with ``--weight-format`` every path also
+runs on the quantized experts, against an fp64 stack on the dequantized weights and the one on the original weights.
 """
 
 from __future__ import annotations
@@ -132,9 +133,16 @@ class DepthPath:
     # [seed][layer] rel-L2 over the tokens routed like the fp64 stack at every layer so far (NaN: none left)
     rel_l2_same_route: list[list[float]] = field(default_factory=list)
     same_route_tokens: list[list[int]] = field(default_factory=list)  # [seed][layer] how many such tokens
+    # on a quantized format's weights: rel_l2 and the routing are against the fp64 stack on the dequantized
+    # weights, this [seed][layer] against the fp64 stack on the original ones (format + numerics)
+    weight_format: str = "bf16"
+    rel_l2_original: list[list[float]] = field(default_factory=list)
 
     def median_rel(self, layer: int) -> float:
         return float(statistics.median(r[layer] for r in self.rel_l2))
+
+    def median_original(self, layer: int) -> float:
+        return float(statistics.median(r[layer] for r in self.rel_l2_original))
 
     def mean_diff(self, layer: int) -> float:
         return float(np.mean([r[layer] for r in self.routing_diff]))
@@ -204,6 +212,23 @@ def _path_label(path: str, weight_format: str) -> str:
     return LABELS[path] if weight_format == "bf16" else f"{LABELS[path]}, {weight_format} weights"
 
 
+def depth_key(path: str, weight_format: str = "bf16") -> str:
+    """A depth study's key for ``path`` on ``weight_format`` weights: the path's name, ``name@format`` if quantized."""
+    return path if weight_format == "bf16" else f"{path}@{weight_format}"
+
+
+def _depth_label(key: str, labels: dict[str, str]) -> str:
+    name, _, fmt = key.partition("@")
+    return labels.get(name, name) + (f", {fmt} weights" if fmt else "")
+
+
+def _depth_cell(p: DepthPath, layer: int) -> str:
+    text = f"{p.median_rel(layer):.2e}"
+    if p.rel_l2_original:
+        text += f" (orig. {p.median_original(layer):.2e})"
+    return f"{text} / {p.mean_diff(layer):.1f}"
+
+
 def _ratio_text(values: list[float]) -> str:
     if not values:
         return "1 (ref)"
@@ -258,13 +283,15 @@ def render(result: AccuracyResult) -> list[Any]:
             title=(f"Depth: {depth.model} stack, {depth.layers} layers, T = {depth.tokens}, "
                    f"H = {depth.shape['hidden']}, I = {depth.shape['intermediate']}, E = {depth.shape['experts']}, "
                    f"K = {depth.shape['top_k']}; rel-L2 of the residual stream vs the fp64 stack "
-                   f"(median over {len(depth.seeds)} seeds) / tokens whose top-k differs (mean)"),
+                   f"(median over {len(depth.seeds)} seeds) / tokens whose top-k differs (mean)"
+                   + ("; on quantized weights vs the fp64 stack on the dequantized weights (orig.: on the "
+                      "original weights)" if any(p.rel_l2_original for p in depth.paths.values()) else "")),
         )
         t.add_column("layer", justify="right")
         for name in depth.paths:
-            t.add_column(LABELS[name], justify="right", no_wrap=True)
+            t.add_column(_depth_label(name, LABELS), justify="right", no_wrap=True)
         for m in marks:
-            t.add_row(str(m), *(f"{p.median_rel(m - 1):.2e} / {p.mean_diff(m - 1):.1f}" for p in depth.paths.values()))
+            t.add_row(str(m), *(_depth_cell(p, m - 1) for p in depth.paths.values()))
         items.append(t)
         t2 = Table(
             title=(f"{depth.model}: rel-L2 over the tokens routed like the fp64 stack at every layer so far "
@@ -272,7 +299,7 @@ def render(result: AccuracyResult) -> list[Any]:
         )
         t2.add_column("layer", justify="right")
         for name in depth.paths:
-            t2.add_column(LABELS[name], justify="right", no_wrap=True)
+            t2.add_column(_depth_label(name, LABELS), justify="right", no_wrap=True)
         for m in marks:
             t2.add_row(str(m), *(f"{p.median_same(m - 1):.2e} / {p.mean_same_tokens(m - 1):.1f}"
                                  for p in depth.paths.values()))
@@ -285,7 +312,7 @@ def render(result: AccuracyResult) -> list[Any]:
         for m in marks:
             for i, (name, p) in enumerate(depth.paths.items()):
                 value = p.median_rel(m - 1)
-                plot.add_row(str(m) if i == 0 else "", LABELS[name], f"{_bar(value, top)} {value:.2e}")
+                plot.add_row(str(m) if i == 0 else "", _depth_label(name, LABELS), f"{_bar(value, top)} {value:.2e}")
             plot.add_section()
         items.append(plot)
     for note in result.notes:
@@ -503,19 +530,29 @@ def measure_depth(
     seeds: Sequence[int],
     log: Callable[[str], None],
     paths: Sequence[str] = tuple(PATHS),
+    weight_format: str = "bf16",
 ) -> Depth:
-    """Run the stack in fp64 and per path; rel-L2 of each path's residual stream and routing mismatches."""
-    traces = {name: DepthPath(name) for name in paths}
+    """Run the stack in fp64 and per path; rel-L2 of each path's residual stream and routing mismatches. With a
+    quantized ``weight_format`` every path runs again on those weights (key :func:`depth_key`), against the fp64
+    stack on the dequantized weights and, in ``rel_l2_original``, on the original ones."""
+    fmt = get_format(weight_format).name
+    runs = [(name, "bf16") for name in paths] + ([(name, fmt) for name in paths] if fmt != "bf16" else [])
+    traces = {depth_key(name, f): DepthPath(depth_key(name, f), weight_format=f) for name, f in runs}
     rms = []
     for seed in seeds:
         stack = Stack(shape, layers, seed)
         x = stack.input(tokens)
-        oracle = stack.run_fp64(x)
-        rms.append(float(np.sqrt(np.mean(oracle.outputs[-1] ** 2))))
-        for name in paths:
-            trace = stack.run_path(x, name)
-            rec = traces[name]
+        original = stack.run_fp64(x)
+        oracles = {"bf16": original, fmt: stack.run_fp64(x, fmt) if fmt != "bf16" else original}
+        rms.append(float(np.sqrt(np.mean(original.outputs[-1] ** 2))))
+        for name, f in runs:
+            oracle = oracles[f]
+            trace = stack.run_path(x, name, weight_format=f)
+            rec = traces[depth_key(name, f)]
             rec.rel_l2.append([rel_l2(y, y64) for y, y64 in zip(trace.outputs, oracle.outputs, strict=True)])
+            if f != "bf16":
+                rec.rel_l2_original.append([rel_l2(y, y64) for y, y64 in zip(trace.outputs, original.outputs,
+                                                                              strict=True)])
             rec.routing_diff.append(
                 [routing_mismatch(a, b) for a, b in zip(trace.topk_ids, oracle.topk_ids, strict=True)]
             )
@@ -677,8 +714,10 @@ def run(
                         f"depth study of {shape.name} at reduced width H={run_shape.hidden}, "
                         f"I={run_shape.intermediate} (real E, K and layer count; --stack-width real for real width)"
                     )
-            depth.append(measure_depth(run_shape, layers or shape.layers, tokens, list(range(stack_seeds)), log, paths))
-        notes.append("depth study: reference modes on the host (bf16 residual stream per path vs an fp64 stack)")
+            depth.append(measure_depth(run_shape, layers or shape.layers, tokens, list(range(stack_seeds)), log, paths,
+                                       weight_format))
+        notes.append("depth study: reference modes on the host (bf16 residual stream per path vs an fp64 stack)"
+                     + (f"; every path also on {weight_format} weights" if weight_format != "bf16" else ""))
 
     config = {
         "models": [s.name for s in shapes], "paths": list(paths), "seeds": seeds, "batch": list(batch),
@@ -714,8 +753,10 @@ def _parser() -> argparse.ArgumentParser:
                         "(the dequantized and the original weights; from the kernels reading that format where one "
                         "is registered and the source is kernels, else the reference's modes)")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON (with the GPU and versions)")
-    p.add_argument("--markdown-from", metavar="JSON", help="print a recorded result as markdown tables and exit")
-    p.add_argument("--depth-from", metavar="JSON", help="with --markdown-from: append this result's depth study")
+    p.add_argument("--markdown-from", metavar="JSON", action="append",
+                   help="print a recorded result as markdown tables and exit (repeatable: one after another)")
+    p.add_argument("--depth-from", metavar="JSON", action="append",
+                   help="with --markdown-from: append this result's depth study (repeatable)")
     p.add_argument("--update-readme", metavar="README",
                    help="with --markdown-from: replace the README's accuracy block with those tables")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -758,7 +799,10 @@ def markdown(data: dict[str, Any], layer: bool = True) -> str:
                       f"{len(depth['seeds'])} seeds, reference modes): median rel-L2 of the residual stream "
                       "against the fp64 stack, and tokens whose top-k set differs from it.", ""]
         names = list(depth["paths"])
-        lines.append("| layer | " + " | ".join(PATH_LABELS.get(n, n) for n in names) + " |")
+        if any(depth["paths"][n].get("rel_l2_original") for n in names):
+            lines[-2] += (" On quantized weights: against the fp64 stack on the dequantized weights, and (orig.) on "
+                          "the original weights.")
+        lines.append("| layer | " + " | ".join(_depth_label(n, PATH_LABELS) for n in names) + " |")
         lines.append("|---|" + "---|" * len(names))
         for layer in sorted({0, depth["layers"] // 8, depth["layers"] // 4, depth["layers"] // 2, depth["layers"] - 1}):
             row = []
@@ -766,7 +810,9 @@ def markdown(data: dict[str, Any], layer: bool = True) -> str:
                 path = depth["paths"][n]
                 rel = statistics.median(r[layer] for r in path["rel_l2"])
                 diff = float(np.mean([r[layer] for r in path["routing_diff"]]))
-                row.append(f"{rel:.2e} ({diff:.0f} rerouted)")
+                orig = (f", orig. {statistics.median(r[layer] for r in path['rel_l2_original']):.2e}"
+                        if path.get("rel_l2_original") else "")
+                row.append(f"{rel:.2e}{orig} ({diff:.0f} rerouted)")
             lines.append(f"| {layer + 1} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
@@ -791,9 +837,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.markdown_from:
-        text = _markdown_of(parser, "--markdown-from", args.markdown_from)
-        if args.depth_from:
-            text += _markdown_of(parser, "--depth-from", args.depth_from, layer=False)
+        text = "\n".join(_markdown_of(parser, "--markdown-from", path) for path in args.markdown_from)
+        for path in args.depth_from or []:
+            text += _markdown_of(parser, "--depth-from", path, layer=False)
         if args.update_readme:
             from tools.report import update_readme
 
