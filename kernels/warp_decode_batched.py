@@ -87,6 +87,9 @@ DEFAULTS: dict[str, int] = {
     "W_FP8": 0,  # 1: fp8-block128 weights (kernels.formats: e4m3fn values and block scales, widened in registers)
     "PER_PAIR": 0,  # 1 (with GB_MMA, DB_MMA): no lists, one pair per gate_up block row, the down per token with its
     # K slots' rows summed in slot order -- the grouped tensor-core path's numerics in two launches
+    "GB_KSPLIT": 1,  # tensor-core gate_up: each dot's k chain in this many fixed ranges, partials added in order --
+    # in one warp (tiles) or one warp per range (PER_PAIR: S x the warps at small T); not yet measured on a GPU
+    # (prototypes/invariant_ksplit.py registers the invariant pair with it)
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK", "DB_NBLK")
 MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pdl-*.json: 7-10 % over 8 at qwen3-30b)
@@ -103,7 +106,7 @@ LIMITS = {
     "DB_EARLY_INTER": (0, 1),
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (0, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
     "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "W_FP8": (0, 1),
-    "PER_PAIR": (0, 1),
+    "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8),
 }
 
 
@@ -253,6 +256,11 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
             values["PER_PAIR"] and (values["PAIR_TILES"] or values["DB_GROUPED"]):
         raise ValueError("PER_PAIR runs the tensor-core kernels without lists: it needs GB_MMA 1 and DB_MMA 1, and "
                          "PAIR_TILES 0 and DB_GROUPED 0")
+    if values["GB_KSPLIT"] > 1 and not values["GB_MMA"]:
+        raise ValueError("GB_KSPLIT cuts the tensor-core gate_up's k chains: it needs GB_MMA 1")
+    if values["PER_PAIR"] and values["GB_WARPS"] % values["GB_KSPLIT"]:
+        raise ValueError(f"PER_PAIR gives each of GB_KSPLIT k ranges a warp: GB_WARPS must be a multiple of "
+                         f"GB_KSPLIT, got {values['GB_WARPS']} and {values['GB_KSPLIT']}")
     if values["PER_PAIR"] and dims is not None and dims.top_k > 16:
         raise ValueError(f"PER_PAIR gives each of a token's K slots a warp of one block: K <= 16, got {dims.top_k}")
     if values["LIST_THREADS"] % 32:
@@ -409,8 +417,9 @@ def kernel_names(params: dict[str, int]) -> tuple[str, ...]:
 def gate_up_blocks(dims: Dims, params: dict[str, int]) -> int:
     """One block row (ceil(I / neurons per block) blocks) per list slot, or with PAIR_TILES per possible tile."""
     neurons_per_warp = 8 if params["GB_MMA"] else params["GB_OUTS"]
-    if params.get("PER_PAIR"):
-        return dims.tokens * dims.top_k * -(-dims.intermediate // (params["GB_WARPS"] * 8))
+    if params.get("PER_PAIR"):  # GB_WARPS / GB_KSPLIT groups of 8 neurons per block
+        groups = params["GB_WARPS"] // params.get("GB_KSPLIT", 1)
+        return dims.tokens * dims.top_k * -(-dims.intermediate // (groups * 8))
     rows = tile_capacity(dims, 8 * params["GB_NBLK"]) if params["PAIR_TILES"] else slots(dims)
     return rows * -(-dims.intermediate // (params["GB_WARPS"] * neurons_per_warp))
 

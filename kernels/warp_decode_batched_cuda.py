@@ -53,6 +53,11 @@ CODE = WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + r"""
 //   value by its block's scale (the dequantized weight, as the strict FP8 kernels); the tensor-core kernels feed
 //   the values to mma.sync as bf16 (exact, times 2^-112) and scale each 32-wide k block's FP32 partial by its
 //   block's scale. Activations stay bf16, accumulation FP32. With W_FP8 0 the scale pointers are never read.
+//   GB_KSPLIT S (tensor-core gate_up): each dot's k chain is cut into S fixed ranges (k_range: a function of H and
+//   S alone, never of T), each its own mma chain from 0, the partials added in range order from range 0 (FP32,
+//   __fadd_rn). moe_gate_up_mma runs the ranges one after another in one warp; moe_gate_up_pair gives each range
+//   its own warp (GB_WARPS / S neuron groups per block) and adds the partials through shared memory -- the same
+//   bits either way, with S times the warps at small T. S = 1 is the single chain over H.
 static_assert(LIST_THREADS >= 32 && LIST_THREADS <= 1024 && LIST_THREADS % 32 == 0, "LIST_THREADS: 32..1024, x32");
 static_assert(LIST_PER >= 1 && LIST_PER <= 16, "LIST_PER must be 1..16");
 static_assert(GB_WARPS >= 1 && GB_WARPS <= 32 && DB_WARPS >= 1 && DB_WARPS <= 32, "WARPS must be 1..32");
@@ -73,6 +78,9 @@ static_assert(DB_GROUPED == 0 || (DB_GROUPED == 1 && DB_MMA == 1 && PAIR_TILES =
 static_assert(W_FP8 == 0 || (W_FP8 == 1 && GB_BYTES >= 8 && DB_BYTES >= 8), "W_FP8 is 0 or 1 (1 needs BYTES >= 8)");
 static_assert(PER_PAIR == 0 || (PER_PAIR == 1 && GB_MMA == 1 && DB_MMA == 1 && PAIR_TILES == 0 && DB_GROUPED == 0),
               "PER_PAIR is 0 or 1 (1 needs GB_MMA 1, DB_MMA 1 and no tiles: it runs without lists)");
+static_assert(GB_KSPLIT >= 1 && GB_KSPLIT <= 8 && (GB_KSPLIT == 1 || GB_MMA == 1),
+              "GB_KSPLIT is 1..8 (above 1 it needs GB_MMA 1)");
+static_assert(PER_PAIR == 0 || GB_WARPS % GB_KSPLIT == 0, "PER_PAIR: GB_WARPS must be a multiple of GB_KSPLIT");
 #if W_FP8
 typedef unsigned char weight_t;                   // e4m3fn bytes
 #define GB_WBYTES (GB_BYTES / 2)                  // a weight chunk holds the values of an activation chunk
@@ -770,6 +778,14 @@ __device__ __forceinline__ ARows w2_rows(const weight_t* w2, const float* s2, in
             scale_row(s2, (long long)e * hblocks + h_hi / FP8_BLOCK, iblocks)};
 }
 
+// Range r of GB_KSPLIT over `chunks` chunks of 8 values: whole 32-wide k blocks, ceil(chunks / GB_KSPLIT) rounded
+// up to 4 chunks each (the last ranges may be short or empty); H alone fixes it.
+__device__ __forceinline__ void k_range(int chunks, int r, int& begin, int& end) {
+    const int size = ((chunks + GB_KSPLIT - 1) / GB_KSPLIT + 3) / 4 * 4;
+    begin = min(r * size, chunks);
+    end = min(begin + size, chunks);
+}
+
 // A warp's k range (chunks c_begin .. c_end - 1, c_begin a multiple of 4), shared by both tensor-core kernels:
 // acc[nb] (zeroed here) = A rows g / g + 8 (rows_lo / rows_hi) times B column g of 8-pair block nb (cols[nb]).
 // Lane q loads chunk 4j + q of each 32-wide k block j; UNROLL k blocks of loads are in flight per lane before
@@ -890,8 +906,20 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
         }
         float acc[GB_NBLK][4];
         bool unused = true;
-        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi, x_row, 0,
-                                                       chunks, q, unused);
+        int k_begin, k_end;
+        k_range(chunks, 0, k_begin, k_end);
+        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi, x_row,
+                                                       k_begin, k_end, q, unused);
+        for (int r = 1; r < GB_KSPLIT; ++r) {                        // GB_KSPLIT: the next ranges, added in order
+            float part[GB_NBLK][4];
+            k_range(chunks, r, k_begin, k_end);
+            mma_rows_by_columns<GB_UNROLL, GB_NBLK, false>(part, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi,
+                                                           x_row, k_begin, k_end, q, unused);
+            #pragma unroll
+            for (int nb = 0; nb < GB_NBLK; ++nb)
+                #pragma unroll
+                for (int v = 0; v < 4; ++v) acc[nb][v] = __fadd_rn(acc[nb][v], part[nb][v]);
+        }
         #pragma unroll
         for (int nb = 0; nb < GB_NBLK; ++nb)
             #pragma unroll
@@ -1174,10 +1202,11 @@ extern "C" __global__ void __launch_bounds__(256) moe_sum_slots(
 
 #if PER_PAIR
 // ------------------------------------------------------------------------------------------------
-// moe_gate_up_pair (PER_PAIR): block b owns pair p = b / per_pair and warp w neurons i0 .. i0+7 of it, as
-//   moe_gate_up_mma does for a tile -- A rows 0..7 gate, 8..15 up, the same mma chain over H -- with the pair's x
-//   row in every B column: lane (g, 0) ends with gate and up of neuron i0+g in column 0 and writes it. A bad id
-//   writes NaN and reads no weights.
+// moe_gate_up_pair (PER_PAIR): block b owns pair p = b / per_pair and GB_WARPS / GB_KSPLIT groups of 8 neurons of
+//   it; warp w works on group w / GB_KSPLIT over k range w % GB_KSPLIT, as moe_gate_up_mma does for a tile -- A rows
+//   0..7 gate, 8..15 up, the same mma chains -- with the pair's x row in every B column. Lane (g, 0) of a group's
+//   range-0 warp adds the ranges' column-0 partials in range order (through shared memory when GB_KSPLIT > 1) and
+//   writes neuron i0+g. A bad id writes NaN and reads no weights. No warp leaves before the block barrier.
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
     const bf16_t* __restrict__ x,             // [T, H]
@@ -1187,26 +1216,48 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
     bf16_t* __restrict__ intermediate,        // [T, K, I]
     int hidden, int inter, int experts, int top_k, int pairs)
 {
-    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    const int per_pair = (inter + GB_WARPS * 8 - 1) / (GB_WARPS * 8);
+    constexpr int GROUPS = GB_WARPS / GB_KSPLIT;
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, w = threadIdx.x >> 5, range = w % GB_KSPLIT;
+    const int per_pair = (inter + GROUPS * 8 - 1) / (GROUPS * 8);
     const int p = blockIdx.x / per_pair;
-    const int i0 = ((blockIdx.x - p * per_pair) * GB_WARPS + (threadIdx.x >> 5)) * 8;
+    const int i0 = ((blockIdx.x - p * per_pair) * GROUPS + w / GB_KSPLIT) * 8;
     pdl_wait();  // topk_ids and x may come from the kernel right before
     pdl_release();
-    if (p >= pairs || i0 >= inter) return;                           // whole warp leaves together
-    const int e = ld_dep(topk_ids + p);
-    if ((unsigned)e >= (unsigned)experts) {
+    const bool live = p < pairs && i0 < inter;                       // a group's warps agree
+    const int e = live ? ld_dep(topk_ids + p) : 0;
+    const bool bad = live && (unsigned)e >= (unsigned)experts;
+    float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+    if (live && !bad) {
+        const ARows rows = w13_rows(w13, s13, e, min(i0 + g, inter - 1), hidden, inter);   // past the end: the last
+        const uint4* x_row[1] = {reinterpret_cast<const uint4*>(x + (size_t)(p / top_k) * hidden)};
+        bool unused = true;
+        int k_begin, k_end;
+        k_range(hidden / 8, range, k_begin, k_end);
+        mma_rows_by_columns<GB_UNROLL, 1, false>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi, x_row, k_begin,
+                                                 k_end, q, unused);
+    }
+    float gate = acc[0][0], up = acc[0][2];                          // column 0: the pair
+#if GB_KSPLIT > 1
+    __shared__ float partial[GB_WARPS][16];                          // [warp][gate rows 0..7, up rows 0..7]
+    if (q == 0) {
+        partial[w][g] = gate;
+        partial[w][8 + g] = up;
+    }
+    __syncthreads();
+    const int first = w - range;                                     // the group's range-0 warp
+    gate = partial[first][g];
+    up = partial[first][8 + g];
+    for (int r = 1; r < GB_KSPLIT; ++r) {                            // range order, from range 0
+        gate = __fadd_rn(gate, partial[first + r][g]);
+        up = __fadd_rn(up, partial[first + r][8 + g]);
+    }
+#endif
+    if (!live || range != 0) return;
+    if (bad) {
         if (lane < 8 && i0 + lane < inter) intermediate[(long long)p * inter + i0 + lane] = BF16_NAN;
         return;
     }
-    const ARows rows = w13_rows(w13, s13, e, min(i0 + g, inter - 1), hidden, inter);   // past the end: the last row
-    const uint4* x_row[1] = {reinterpret_cast<const uint4*>(x + (size_t)(p / top_k) * hidden)};
-    float acc[1][4];
-    bool unused = true;
-    mma_rows_by_columns<GB_UNROLL, 1, false>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi, x_row, 0,
-                                             hidden / 8, q, unused);
-    if (q == 0 && i0 + g < inter) {                                  // column 0: the pair
-        const float gate = acc[0][0], up = acc[0][2];
+    if (q == 0 && i0 + g < inter) {
         const float silu = gate / (1.0f + expf(-gate));              // IEEE division (no fast-math)
         intermediate[(long long)p * inter + i0 + g] = f32_to_bf16(silu * up);  // the one bf16 rounding
     }

@@ -115,6 +115,50 @@ def test_batch_invariant_policy_on_the_gpu(model: str, weight_format: str) -> No
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("weight_format", ["bf16", "fp8-block128"])
+def test_split_k_forms_are_batch_invariant_on_the_gpu(weight_format: str) -> None:
+    """GB_KSPLIT 4 (prototypes/invariant_ksplit.py): the per-pair form (a warp per k range) alone and the grouped path
+    (the ranges in one warp) in batches of 2..256 under every routing give the probe the same bits -- the property
+    the policy needs before it can take these numerics."""
+    import cupy
+
+    from kernels import warp_decode_batched as wdb
+    from kernels.formats import quantize_weights
+
+    shape = PRESETS["qwen3-30b-a3b"].with_(experts=64)
+    seed = 13
+    weights = make_problem(shape, 1, seed=seed, xp=cupy)
+    w13, w2 = weights.w13, weights.w2
+    if weight_format != "bf16":
+        w13, w2 = quantize_weights(w13, w2, weight_format)
+    pairs = {**wdb.PER_PAIR_KNOBS, "GB_KSPLIT": 4, "GB_WARPS": 4}
+    grouped = {**wdb.GROUPED_KNOBS, "GB_KSPLIT": 4}
+
+    def run(host: tuple[Any, ...], knobs: dict[str, int]) -> np.ndarray:
+        x, ids, wts = (cupy.asarray(a) for a in host)
+        out = cupy.empty((x.shape[0], x.shape[1]), BF16)
+        out.view(cupy.uint16).fill(0x7FC0)
+        wdb.warp_decode_batched(x, w13, w2, ids, wts, out=out, **knobs)
+        cupy.cuda.runtime.deviceSynchronize()
+        return out.get().view(np.uint16)
+
+    probe = _probe(shape, seed + 1)
+    alone = run((probe.x, probe.topk_ids, probe.topk_weights), pairs)
+    assert not np.any((alone & 0x7F80) == 0x7F80), "NaN/inf in the probe"
+    assert np.array_equal(run((probe.x, probe.topk_ids, probe.topk_weights), grouped), alone)
+    mismatches = []
+    for routing in (*GENERATORS, DUPLICATES):
+        for tokens in BATCHES:
+            host, position = _batch(shape, probe, tokens, routing, seed)
+            for name, knobs in (("grouped", grouped), ("pairs", pairs)) if tokens <= 8 else (("grouped", grouped),):
+                got = run(host, knobs)
+                assert not np.any((got & 0x7FC0) == 0x7FC0), f"{name} {routing} T={tokens}: output not fully written"
+                if not np.array_equal(got[position], alone[0]):
+                    mismatches.append((name, routing, tokens, int((got[position] != alone[0]).sum())))
+    assert not mismatches, f"the probe's row changed (form, routing, T, elements): {mismatches}"
+
+
+@pytest.mark.gpu
 def test_the_other_policies_are_not_batch_invariant() -> None:
     """"fastest" and "warp_decode" switch paths with T (strict at T = 1, tensor cores at T = 64 on qwen3-30b):
     their sums differ, so the probe's row moves -- what the batch-invariant policy is for."""

@@ -30,6 +30,7 @@ from kernels import warp_decode_batched as wdb
 from kernels import warp_decode_cupy as wdc
 from kernels.contract import BF16, Dims
 from kernels.formats import Quantized
+from kernels.numerics import bf16_to_f32
 from kernels.problem import Problem, make_problem
 from kernels.reference import moe_decode
 from kernels.routing import make_routing
@@ -547,6 +548,9 @@ EMULATED += [
     (MULTI_SHAPE, 6, "same", {"GB_MMA": 1, "DB_MMA": 1, "PER_PAIR": 1, "DB_EARLY_W2": 1, "GB_WARPS": 2}, True),
     ("tiny", 6, [[5, 5], [0, 1], [2, 2], [3, 0], [1, 1], [5, 4]], {"GB_MMA": 1, "DB_MMA": 1, "PER_PAIR": 1,
                                                                    "DB_UNROLL": 2}, False),
+    # GB_KSPLIT: the gate_up's k chains in 4 ranges over 25 chunks (8, 8, 8, 1), a warp per range (the grouped
+    # path's ranges in one warp: test_split_k_forms_agree_and_are_batch_invariant_emulated)
+    (MULTI_SHAPE, 6, "same", {**wdb.PER_PAIR_KNOBS, "GB_KSPLIT": 4, "GB_WARPS": 4}, False),
 ]
 
 
@@ -962,3 +966,42 @@ def test_grouped_tensor_core_path_is_batch_invariant_emulated(rng: np.random.Gen
                               **wdb.GROUPED_KNOBS)["GB_NBLK"] == 2  # the 16-token batch runs 16-pair tiles
     for row in rows[1:]:  # the per-pair path (no lists, a token per down block) gives the grouped path's bits
         assert np.array_equal(row, rows[0])
+
+
+def test_split_k_forms_agree_and_are_batch_invariant_emulated(rng: np.random.Generator) -> None:
+    """GB_KSPLIT: the gate_up's k chains cut into fixed ranges (a function of H alone), the partials added in range
+    order. One warp running the ranges in turn (the grouped path, 8- and 16-pair tiles) and a warp per range (the
+    per-pair form, partials through shared memory) give a probe token the same bits alone and in any batch; at
+    tiny's H = 136 (17 chunks) 4 ranges are 8, 8, 1 and 0 chunks long, 3 ranges 8, 8, 1."""
+    shape = PRESETS["tiny"]
+    seed = _seed(rng)
+    base = make_problem(shape, 16, seed=seed)
+    probe = make_problem(shape, 1, seed=seed + 1)
+    for split in (4,):
+        grouped = {**wdb.GROUPED_KNOBS, "GB_KSPLIT": split}
+        pairs = {**wdb.PER_PAIR_KNOBS, "GB_KSPLIT": split, "GB_WARPS": split}
+        rows = []
+        for tokens, position, routing, knobs in ((1, 0, "uniform", pairs), (16, 11, "zipf", grouped),
+                                                 (3, 1, "uniform", grouped), (5, 3, "zipf", pairs)):
+            others = make_problem(shape, tokens, seed=seed + 2 + tokens, routing=routing)
+            x, ids, wts = others.x.copy(), others.topk_ids.copy(), others.topk_weights.copy()
+            x[position], ids[position], wts[position] = probe.x[0], probe.topk_ids[0], probe.topk_weights[0]
+            batch = Problem(shape, tokens, seed, "fixed", x, base.w13, base.w2, ids, wts)
+            rows.append(_emulate(batch, **knobs)["out"][position].view(np.uint16))
+        for row in rows[1:]:
+            assert np.array_equal(row, rows[0]), split
+        alone = Problem(shape, 1, seed, "fixed", probe.x, base.w13, base.w2, probe.topk_ids, probe.topk_weights)
+        _assert_matches(rows[0].view(BF16)[None], moe_decode(*alone.arrays, mode="warp_decode"),
+                        moe_decode(*alone.arrays, mode="fp64"), f"GB_KSPLIT {split}", own_order=True)
+    # the order itself, where it shows: x = 1 and a neuron whose 3 ranges sum to 2^26, -2^26 and 1 -- in range
+    # order (2^26 - 2^26) + 1 = 1, in any other 0 (1 - 2^26 rounds to -2^26); one chain over H gives 1 as well
+    w13 = base.w13.copy()
+    crafted = np.concatenate([np.full(64, 2.0**20), np.full(64, -(2.0**20)), np.full(8, 0.125)]).astype(BF16)
+    w13[:, 5], w13[:, shape.intermediate + 5] = crafted, crafted      # gate and up of neuron 5, every expert
+    ones = np.ones((4, shape.hidden), BF16)
+    expect = bf16_to_f32(np.asarray([1.0 / (1.0 + np.exp(-1.0))], np.float32).astype(BF16))[0]
+    for knobs in ({**wdb.GROUPED_KNOBS, "GB_KSPLIT": 3}, {**wdb.PER_PAIR_KNOBS, "GB_KSPLIT": 3, "GB_WARPS": 3},
+                  wdb.PER_PAIR_KNOBS):
+        crafted_problem = Problem(shape, 4, seed, "fixed", ones, w13, base.w2, base.topk_ids[:4], base.topk_weights[:4])
+        inter = _emulate(crafted_problem, **knobs)["inter"][:, :, 5].view(BF16)
+        assert np.all(bf16_to_f32(inter) == expect), (knobs, bf16_to_f32(inter))

@@ -82,6 +82,8 @@ EMULATED = [  # (shape, T, routing, knobs, also fp32 out)
     (MULTI_SHAPE, 7, "uniform", {"DB_MMA": 1, "DB_WARPS": 2, "GB_BYTES": 16, "LIST_THREADS": 32, "LIST_PER": 0},
      False),  # FMA gate_up, tensor-core down
     (MULTI_SHAPE, 6, "same", {"GB_MMA": 1, "DB_MMA": 1, "PER_PAIR": 1, "GB_WARPS": 2}, True),  # no lists
+    # GB_KSPLIT 2 over two H blocks (the second partial): a range per warp, each 32-wide k block scaled by its block
+    (SHAPE_48, 4, "zipf", {"GB_MMA": 1, "DB_MMA": 1, "PER_PAIR": 1, "GB_WARPS": 2, "GB_KSPLIT": 2}, False),
 ]
 EMULATED_IDS = [f"{getattr(c[0], 'name', c[0])}-T{c[1]}-{i}" for i, c in enumerate(EMULATED)]
 
