@@ -968,6 +968,7 @@ def test_grouped_tensor_core_path_is_batch_invariant_emulated(rng: np.random.Gen
         assert np.array_equal(row, rows[0])
 
 
+@pytest.mark.slow
 def test_split_k_forms_agree_and_are_batch_invariant_emulated(rng: np.random.Generator) -> None:
     """GB_KSPLIT: the gate_up's k chains cut into fixed ranges (a function of H alone), the partials added in range
     order. One warp running the ranges in turn (the grouped path, 8- and 16-pair tiles) and a warp per range (the
