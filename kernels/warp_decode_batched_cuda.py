@@ -906,11 +906,15 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
         }
         float acc[GB_NBLK][4];
         bool unused = true;
+#if GB_KSPLIT == 1
+        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi, x_row, 0,
+                                                       chunks, q, unused);
+#else
         int k_begin, k_end;
         k_range(chunks, 0, k_begin, k_end);
         mma_rows_by_columns<GB_UNROLL, GB_NBLK, false>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi, x_row,
                                                        k_begin, k_end, q, unused);
-        for (int r = 1; r < GB_KSPLIT; ++r) {                        // GB_KSPLIT: the next ranges, added in order
+        for (int r = 1; r < GB_KSPLIT; ++r) {                        // the next ranges, added in range order
             float part[GB_NBLK][4];
             k_range(chunks, r, k_begin, k_end);
             mma_rows_by_columns<GB_UNROLL, GB_NBLK, false>(part, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi,
@@ -920,6 +924,7 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
                 #pragma unroll
                 for (int v = 0; v < 4; ++v) acc[nb][v] = __fadd_rn(acc[nb][v], part[nb][v]);
         }
+#endif
         #pragma unroll
         for (int nb = 0; nb < GB_NBLK; ++nb)
             #pragma unroll
@@ -1216,6 +1221,31 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
     bf16_t* __restrict__ intermediate,        // [T, K, I]
     int hidden, int inter, int experts, int top_k, int pairs)
 {
+#if GB_KSPLIT == 1  // one chain over H per warp: nothing shared, no barrier
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int per_pair = (inter + GB_WARPS * 8 - 1) / (GB_WARPS * 8);
+    const int p = blockIdx.x / per_pair;
+    const int i0 = ((blockIdx.x - p * per_pair) * GB_WARPS + (threadIdx.x >> 5)) * 8;
+    pdl_wait();  // topk_ids and x may come from the kernel right before
+    pdl_release();
+    if (p >= pairs || i0 >= inter) return;                           // whole warp leaves together
+    const int e = ld_dep(topk_ids + p);
+    if ((unsigned)e >= (unsigned)experts) {
+        if (lane < 8 && i0 + lane < inter) intermediate[(long long)p * inter + i0 + lane] = BF16_NAN;
+        return;
+    }
+    const ARows rows = w13_rows(w13, s13, e, min(i0 + g, inter - 1), hidden, inter);   // past the end: the last row
+    const uint4* x_row[1] = {reinterpret_cast<const uint4*>(x + (size_t)(p / top_k) * hidden)};
+    float acc[1][4];
+    bool unused = true;
+    mma_rows_by_columns<GB_UNROLL, 1, false>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi, x_row, 0,
+                                             hidden / 8, q, unused);
+    if (q == 0 && i0 + g < inter) {                                  // column 0: the pair
+        const float gate = acc[0][0], up = acc[0][2];
+        const float silu = gate / (1.0f + expf(-gate));              // IEEE division (no fast-math)
+        intermediate[(long long)p * inter + i0 + g] = f32_to_bf16(silu * up);  // the one bf16 rounding
+    }
+#else  // a warp per (8 neurons, k range); the ranges' partials meet in shared memory
     constexpr int GROUPS = GB_WARPS / GB_KSPLIT;
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, w = threadIdx.x >> 5, range = w % GB_KSPLIT;
     const int per_pair = (inter + GROUPS * 8 - 1) / (GROUPS * 8);
@@ -1236,22 +1266,18 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
         mma_rows_by_columns<GB_UNROLL, 1, false>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi, x_row, k_begin,
                                                  k_end, q, unused);
     }
-    float gate = acc[0][0], up = acc[0][2];                          // column 0: the pair
-#if GB_KSPLIT > 1
     __shared__ float partial[GB_WARPS][16];                          // [warp][gate rows 0..7, up rows 0..7]
-    if (q == 0) {
-        partial[w][g] = gate;
-        partial[w][8 + g] = up;
+    if (q == 0) {                                                    // column 0: the pair
+        partial[w][g] = acc[0][0];
+        partial[w][8 + g] = acc[0][2];
     }
     __syncthreads();
     const int first = w - range;                                     // the group's range-0 warp
-    gate = partial[first][g];
-    up = partial[first][8 + g];
+    float gate = partial[first][g], up = partial[first][8 + g];      // column 0: the pair
     for (int r = 1; r < GB_KSPLIT; ++r) {                            // range order, from range 0
         gate = __fadd_rn(gate, partial[first + r][g]);
         up = __fadd_rn(up, partial[first + r][8 + g]);
     }
-#endif
     if (!live || range != 0) return;
     if (bad) {
         if (lane < 8 && i0 + lane < inter) intermediate[(long long)p * inter + i0 + lane] = BF16_NAN;
@@ -1261,6 +1287,7 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
         const float silu = gate / (1.0f + expf(-gate));              // IEEE division (no fast-math)
         intermediate[(long long)p * inter + i0 + g] = f32_to_bf16(silu * up);  // the one bf16 rounding
     }
+#endif
 }
 
 // ------------------------------------------------------------------------------------------------
