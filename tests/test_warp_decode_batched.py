@@ -940,6 +940,19 @@ def test_pdl_chain_where_each_layer_reads_the_last(cupy_mod: Any, rng: np.random
                              **params)
 
 
+def _probe_rows(base: Problem, probe: Problem, seed: int, cases: tuple) -> list[np.ndarray]:
+    """The emulated output row of ``probe``'s token for each (T, position, routing of the others, knobs) case: the
+    token at that position among T - 1 other tokens, on ``base``'s weights (uint16 bits)."""
+    rows = []
+    for tokens, position, routing, knobs in cases:
+        others = make_problem(base.shape, tokens, seed=seed + 2 + tokens, routing=routing)
+        x, ids, wts = others.x.copy(), others.topk_ids.copy(), others.topk_weights.copy()
+        x[position], ids[position], wts[position] = probe.x[0], probe.topk_ids[0], probe.topk_weights[0]
+        batch = Problem(base.shape, tokens, seed, "fixed", x, base.w13, base.w2, ids, wts)
+        rows.append(_emulate(batch, **knobs)["out"][position].view(np.uint16))
+    return rows
+
+
 @pytest.mark.slow
 def test_grouped_tensor_core_path_is_batch_invariant_emulated(rng: np.random.Generator) -> None:
     """With the grouped down forced at every T (DB_GROUPED 1), the tensor-core path's numerics never depend on the
@@ -953,15 +966,9 @@ def test_grouped_tensor_core_path_is_batch_invariant_emulated(rng: np.random.Gen
     seed = _seed(rng)
     base = make_problem(shape, 16, seed=seed)
     probe = make_problem(shape, 1, seed=seed + 1)
-    rows = []
-    for tokens, position, routing, knobs in ((1, 0, "uniform", wdb.GROUPED_KNOBS), (3, 1, "uniform", wdb.GROUPED_KNOBS),
-                                             (8, 5, "same", wdb.GROUPED_KNOBS), (16, 11, "zipf", wdb.GROUPED_KNOBS),
-                                             (1, 0, "uniform", wdb.PER_PAIR_KNOBS), (5, 3, "zipf", wdb.PER_PAIR_KNOBS)):
-        others = make_problem(shape, tokens, seed=seed + 2 + tokens, routing=routing)
-        x, ids, wts = others.x.copy(), others.topk_ids.copy(), others.topk_weights.copy()
-        x[position], ids[position], wts[position] = probe.x[0], probe.topk_ids[0], probe.topk_weights[0]
-        batch = Problem(shape, tokens, seed, "fixed", x, base.w13, base.w2, ids, wts)
-        rows.append(_emulate(batch, **knobs)["out"][position].view(np.uint16))
+    rows = _probe_rows(base, probe, seed, ((1, 0, "uniform", wdb.GROUPED_KNOBS), (3, 1, "uniform", wdb.GROUPED_KNOBS),
+                                           (8, 5, "same", wdb.GROUPED_KNOBS), (16, 11, "zipf", wdb.GROUPED_KNOBS),
+                                           (1, 0, "uniform", wdb.PER_PAIR_KNOBS), (5, 3, "zipf", wdb.PER_PAIR_KNOBS)))
     assert wdb.resolve_params(Dims(16, shape.hidden, shape.intermediate, shape.experts, shape.top_k),
                               **wdb.GROUPED_KNOBS)["GB_NBLK"] == 2  # the 16-token batch runs 16-pair tiles
     for row in rows[1:]:  # the per-pair path (no lists, a token per down block) gives the grouped path's bits
@@ -978,22 +985,15 @@ def test_split_k_forms_agree_and_are_batch_invariant_emulated(rng: np.random.Gen
     seed = _seed(rng)
     base = make_problem(shape, 16, seed=seed)
     probe = make_problem(shape, 1, seed=seed + 1)
-    for split in (4,):
-        grouped = {**wdb.GROUPED_KNOBS, "GB_KSPLIT": split}
-        pairs = {**wdb.PER_PAIR_KNOBS, "GB_KSPLIT": split, "GB_WARPS": split}
-        rows = []
-        for tokens, position, routing, knobs in ((1, 0, "uniform", pairs), (16, 11, "zipf", grouped),
-                                                 (3, 1, "uniform", grouped), (5, 3, "zipf", pairs)):
-            others = make_problem(shape, tokens, seed=seed + 2 + tokens, routing=routing)
-            x, ids, wts = others.x.copy(), others.topk_ids.copy(), others.topk_weights.copy()
-            x[position], ids[position], wts[position] = probe.x[0], probe.topk_ids[0], probe.topk_weights[0]
-            batch = Problem(shape, tokens, seed, "fixed", x, base.w13, base.w2, ids, wts)
-            rows.append(_emulate(batch, **knobs)["out"][position].view(np.uint16))
-        for row in rows[1:]:
-            assert np.array_equal(row, rows[0]), split
-        alone = Problem(shape, 1, seed, "fixed", probe.x, base.w13, base.w2, probe.topk_ids, probe.topk_weights)
-        _assert_matches(rows[0].view(BF16)[None], moe_decode(*alone.arrays, mode="warp_decode"),
-                        moe_decode(*alone.arrays, mode="fp64"), f"GB_KSPLIT {split}", own_order=True)
+    grouped = {**wdb.GROUPED_KNOBS, "GB_KSPLIT": 4}
+    pairs = {**wdb.PER_PAIR_KNOBS, "GB_KSPLIT": 4, "GB_WARPS": 4}
+    rows = _probe_rows(base, probe, seed, ((1, 0, "uniform", pairs), (16, 11, "zipf", grouped),
+                                           (3, 1, "uniform", grouped), (5, 3, "zipf", pairs)))
+    for row in rows[1:]:
+        assert np.array_equal(row, rows[0])
+    alone = Problem(shape, 1, seed, "fixed", probe.x, base.w13, base.w2, probe.topk_ids, probe.topk_weights)
+    _assert_matches(rows[0].view(BF16)[None], moe_decode(*alone.arrays, mode="warp_decode"),
+                    moe_decode(*alone.arrays, mode="fp64"), "GB_KSPLIT 4", own_order=True)
     # the order itself, where it shows: x = 1 and a neuron whose 3 ranges sum to 2^26, -2^26 and 1 -- in range
     # order (2^26 - 2^26) + 1 = 1, in any other 0 (1 - 2^26 rounds to -2^26); one chain over H gives 1 as well
     w13 = base.w13.copy()
