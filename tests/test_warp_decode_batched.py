@@ -125,6 +125,9 @@ BAD_KNOBS = [  # (dims, knobs, error, message)
     (QWEN30_T8, {"GB_WARPS": 32, "GB_MAX_REGS": 72}, ValueError, "GB_MAX_REGS"),
     (QWEN30_T8, {"DB_BALANCE": 1}, ValueError, "DB_BALANCE applies to the tensor-core down kernel"),
     (QWEN30_T8, {"DB_MMA": 1, "DB_BALANCE": 2}, ValueError, "DB_BALANCE"),
+    (QWEN30_T8, {"GB_KSPLIT": 2}, ValueError, "GB_KSPLIT cuts the tensor-core gate_up"),
+    (QWEN30_T8, {**wdb.PER_PAIR_KNOBS, "GB_KSPLIT": 3, "GB_WARPS": 4}, ValueError, "multiple of GB_KSPLIT"),
+    (QWEN30_T8, {"GB_MMA": 1, "GB_KSPLIT": 9}, ValueError, "GB_KSPLIT"),
 ]
 
 
