@@ -14,9 +14,10 @@ Policies (``policy=``, :data:`POLICIES`; candidates in :data:`POLICY_CANDIDATES`
 fastest of the five; ``"warp_decode"``, strict / batched / mixed / MMA only, keeping warp decode's numerics;
 ``"batch_invariant"``, a token's output bitwise the same whatever batch it rides in: the tensor-core path with the
 grouped down at every T (``"cupy:warp-decode-mma-grouped"``) or its per-pair form (``"cupy:warp-decode-mma-pairs"``),
-which share one numerics (``kernels.warp_decode_batched.GROUPED_KNOBS``: a pair's dots are mma chains over the whole
-k range in k order, a column never sees another, each pair's row is weighted once and a token's slots are summed in
-slot order from 0), so switching between them with T changes nothing. "fastest" and "warp_decode" are not
+which share one numerics (``kernels.warp_decode_batched.GROUPED_KNOBS``: a pair's gate_up dots are mma chains over
+``INVARIANT_KSPLIT`` fixed k ranges, a function of H alone, added in range order; a column never sees another; each
+pair's down row is weighted once and a token's slots are summed in slot order from 0), so switching between them
+with T changes nothing. "fastest" and "warp_decode" are not
 batch-invariant: they switch between paths whose sums differ (strict's lane chains, the tensor core's, the batched
 downs' per-warp partials).
 

@@ -88,8 +88,8 @@ DEFAULTS: dict[str, int] = {
     "PER_PAIR": 0,  # 1 (with GB_MMA, DB_MMA): no lists, one pair per gate_up block row, the down per token with its
     # K slots' rows summed in slot order -- the grouped tensor-core path's numerics in two launches
     "GB_KSPLIT": 1,  # tensor-core gate_up: each dot's k chain in this many fixed ranges, partials added in order --
-    # in one warp (tiles) or one warp per range (PER_PAIR: S x the warps at small T); not yet measured on a GPU
-    # (prototypes/invariant_ksplit.py registers the invariant pair with it)
+    # in one warp (tiles) or one warp per range (PER_PAIR: S x the warps at small T); the invariant pair's numerics
+    # (GROUPED_KNOBS, PER_PAIR_KNOBS: INVARIANT_KSPLIT)
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK", "DB_NBLK")
 MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pdl-*.json: 7-10 % over 8 at qwen3-30b)
@@ -347,13 +347,20 @@ MMA_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1, "PAIR
              "DB_GROUPED": -1, "DB_NBLK": 0}
 MIXED_KNOBS = {"DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1}  # FMA gate_up (bitwise strict's), tensor-core down
 # The batch-invariant pair (kernels.dispatch policy "batch_invariant"): the tensor-core path with the grouped down
-# at every T, and its per-pair form (no lists, two launches) -- one numerics: a pair's dots are mma chains over the
-# whole k range in k order (one column of an mma never sees another), each pair's row is weighted and the slots
-# are summed in slot order from 0. Knobs that only move work (NBLK, WARPS, UNROLL) keep the numerics.
-GROUPED_KNOBS = {**MMA_KNOBS, "DB_GROUPED": 1}
-# (GB_UNROLL / DB_UNROLL 8: a per-pair warp streams whole rows alone -- H200, results/sweep-2026-12-01-mma-pairs-*.json:
-# qwen3-235b T = 1 86.7 us vs 116.5 at 4 / 4, T = 4 290 vs 300; qwen3-30b T = 2 44.3 vs 57.1, T = 1 27.8 vs 26.8)
-PER_PAIR_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "PER_PAIR": 1, "GB_UNROLL": 8, "DB_UNROLL": 8}
+# at every T, and its per-pair form (no lists, two launches) -- one numerics: a pair's gate_up dots are mma chains
+# over INVARIANT_KSPLIT fixed k ranges (k_range: a function of H alone), added in range order (one column of an mma
+# never sees another), each pair's down row is weighted and the slots are summed in slot order from 0. Knobs that
+# only move work (NBLK, WARPS, UNROLL) keep the numerics; GB_KSPLIT is numerics, so both forms take the same.
+# GB_KSPLIT 8 (H200, results/sweep-2026-12-01-invariant-*-ksplit-*.json): the per-pair form a warp per range, 8x the
+# warps -- qwen3-30b T = 1 23.9 us vs 28.6 at one range, T = 2 41.1 vs 48.4; qwen3-235b T = 1 76.6 vs 100.7 (87.7 at
+# UNROLL 8) -- and the grouped path its ranges in turn, 4 % faster at qwen3-30b T = 8, the same from T = 16.
+INVARIANT_KSPLIT = 8
+GROUPED_KNOBS = {**MMA_KNOBS, "DB_GROUPED": 1, "GB_KSPLIT": INVARIANT_KSPLIT}
+# (GB_WARPS 8 = a block per 8 neurons, one warp per range; GB_UNROLL 4 with ranges of H / 8 (UNROLL 8: 26.6 us at
+# qwen3-30b T = 1, 25 % occupancy); DB_UNROLL 8: a per-pair down warp streams whole rows alone -- H200,
+# results/sweep-2026-12-01-mma-pairs-*.json: qwen3-235b T = 1 86.7 us vs 116.5 at 4 / 4)
+PER_PAIR_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "PER_PAIR": 1, "GB_KSPLIT": INVARIANT_KSPLIT,
+                  "GB_WARPS": INVARIANT_KSPLIT, "GB_UNROLL": 4, "DB_UNROLL": 8}
 # The FP8 paths (fp8-block128 weights, W_FP8): FMA kernels with 8-value chunks (GB_BYTES 16: the gate_up's
 # intermediate is then bitwise the strict FP8 kernel's; the down capped at 160 registers, which its scales and
 # widening need to stay spill-free at the qwen3 shapes from T = 1 to 64 -- 128 spills at qwen3-235b T = 16,

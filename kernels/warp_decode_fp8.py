@@ -9,7 +9,8 @@ intermediate rounded once to bf16 -- warp decode's numerics on half the weight b
 straddles a scale block (128 = 16 chunks), so it reads one scale per row per chunk (L1 hits).
 
 Registered as ``cupy:warp-decode-fp8`` (``weight_format="fp8-block128"``: the bench times it on fp8 copies of
-its weights and counts the FP8 bytes, values and scales). Knobs: :data:`DEFAULTS` (first guesses, unswept).
+its weights and counts the FP8 bytes, values and scales). Knobs: :data:`DEFAULTS`, the down's auto rule
+(:func:`_rules`) from the H200 sweeps.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ CODE = WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + r"""
 // Strict warp decode on fp8-block128 weights: values are e4m3fn bytes in the bf16 layouts, scales float32 per
 // 128 x 128 block (w13: gate's block rows, then up's). Knobs: GU_WARPS / DN_WARPS warps per block, GU_UNROLL /
 // DN_UNROLL chunk rounds in flight per lane, DN_SLOTS routed slots whose w2 rows load together, DN_MIN_BLOCKS the
-// down's __launch_bounds__ min blocks per SM (0: ptxas chooses its registers), PDL.
+// down's __launch_bounds__ min blocks per SM (a register cap; 0 leaves it to ptxas), PDL.
 static_assert(GU_WARPS >= 1 && GU_WARPS <= 32 && DN_WARPS >= 1 && DN_WARPS <= 32, "WARPS must be 1..32");
 static_assert(GU_UNROLL >= 1 && DN_UNROLL >= 1, "UNROLL must be >= 1");
 static_assert(DN_SLOTS >= 1 && DN_SLOTS <= 32, "DN_SLOTS must be 1..32");
@@ -219,17 +220,37 @@ extern "C" __global__ void DN_BOUNDS moe_down_fp8(
 }
 """
 
+# Concrete defaults (what the offline report compiles; qwen3-30b-a3b at T = 2). At run time the AUTO_KNOBS at 0 are
+# filled by _rules from the problem's dims.
 DEFAULTS: dict[str, int] = {
     "GU_WARPS": 4,
     "GU_UNROLL": 4,  # 2 x 8-byte weight chunks + a 16-byte x chunk per round and lane
     "DN_WARPS": 4,
-    "DN_SLOTS": 4,  # the strict bf16 down's measured choice at T = 1
+    "DN_SLOTS": 4,  # routed slots whose w2 rows load together; auto: 8 while the down grid is one wave, else 4
     "DN_UNROLL": 1,  # H200, T = 1 (results/sweep-2026-12-01-strict-fp8-*-t1.json): 60.2 vs 62.2 us at qwen3-235b
-    "DN_MIN_BLOCKS": 0,  # no register cap; 8 slots take 142 registers, two waves at qwen3-30b T = 1 (notes/FINDINGS.md)
+    "DN_MIN_BLOCKS": 4,  # the down's __launch_bounds__ min blocks per SM; auto: 16 warps per SM, <= 128 registers
     "PDL": 1,
 }
-LIMITS = {"GU_WARPS": (1, 32), "DN_WARPS": (1, 32), "GU_UNROLL": (1, 16), "DN_UNROLL": (1, 16), "DN_SLOTS": (1, 32),
+AUTO_KNOBS = ("DN_SLOTS", "DN_MIN_BLOCKS")
+LIMITS = {"GU_WARPS": (1, 32), "DN_WARPS": (1, 32), "GU_UNROLL": (1, 16), "DN_UNROLL": (1, 16), "DN_SLOTS": (0, 32),
           "DN_MIN_BLOCKS": (0, 32), "PDL": (0, 1)}
+# down warps (one per output) in one wave at 128 registers: 16 per SM x 132 SMs on the H200, as the bf16 down's rule
+ONE_WAVE_DOWN_WARPS = 2048
+DOWN_WARPS_PER_SM = 16
+
+
+def _rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
+    """The auto knobs: the down loads 8 routed slots per round while its grid (T x H warps) is one wave at 128
+    registers, else 4; its register cap is 16 warps per SM (DN_MIN_BLOCKS = 16 / DN_WARPS; 1 = no cap). H200,
+    results/sweep-2026-12-01-strict-fp8-down-*.json: qwen3-30b T = 1 19.6 us vs 21.8 at 4 slots uncapped (8 slots at
+    128 registers spill 104 bytes and still win; uncapped they take 142, two waves: 22.5); from T = 2 and at qwen3-235b
+    T = 1 (4096 warps) 4 slots, the cap 1 % faster."""
+    if values["DN_SLOTS"] == 0:
+        one_wave = dims is not None and dims.tokens * dims.hidden <= ONE_WAVE_DOWN_WARPS
+        values["DN_SLOTS"] = min(8 if one_wave else DEFAULTS["DN_SLOTS"], dims.top_k if dims is not None else 32)
+    if values["DN_MIN_BLOCKS"] == 0:
+        values["DN_MIN_BLOCKS"] = max(1, DOWN_WARPS_PER_SM // values["DN_WARPS"])
+    return values
 
 
 def _workspace(dims: Dims, params: dict[str, int]) -> Any:
@@ -273,6 +294,8 @@ FAMILY = KernelFamily(
         description="strict warp decode on fp8-block128 weights: e4m3fn values and block scales widened in registers",
     ),
     limits=LIMITS,
+    auto_knobs=AUTO_KNOBS,
+    rules=_rules,
     device_needs={"PDL": 90},
     workspace=_workspace,
     stages=_stages,

@@ -704,6 +704,34 @@ def test_mma_kernels(cupy_mod: Any, rng: np.random.Generator, model: str, tokens
         assert np.array_equal(cupy_mod.asnumpy(out).view(np.uint16), first.view(np.uint16))
 
 
+INVARIANT_CASES = [  # the batch-invariant policy's two knob sets where it runs them, and an odd shape each
+    ("qwen3-30b-a3b", 1, "uniform", "pairs"), ("qwen3-235b-a22b", 2, "zipf", "pairs"),
+    ("qwen3-30b-a3b", 2, "same", "pairs"), (MULTI_SHAPE, 3, "zipf-2", "pairs"), ("qwen3-30b-a3b", 8, "zipf", "grouped"),
+    ("qwen3-235b-a22b", 64, "uniform", "grouped"), (MULTI_SHAPE, 9, "correlated", "grouped")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("model", "tokens", "routing", "form"), [
+    pytest.param(*case, id=f"{getattr(case[0], 'name', case[0])}-{case[1]}-{case[2]}-{case[3]}")
+    for case in INVARIANT_CASES])
+def test_invariant_knob_sets(cupy_mod: Any, rng: np.random.Generator, model: Any, tokens: int, routing: str,
+                             form: str) -> None:
+    """``PER_PAIR_KNOBS`` / ``GROUPED_KNOBS`` (their GB_KSPLIT ranges included) against the references (NaN-poisoned
+    output), then bitwise over a second run."""
+    knobs = {"pairs": wdb.PER_PAIR_KNOBS, "grouped": wdb.GROUPED_KNOBS}[form]
+    problem = make_problem(model, tokens, seed=_seed(rng), routing=routing, xp=cupy_mod)
+    runs = []
+    for _ in range(2):
+        out = _poisoned_out(cupy_mod, tokens, problem.shape.hidden)
+        wdb.warp_decode_batched(*problem.arrays, out=out, **knobs)
+        cupy_mod.cuda.runtime.deviceSynchronize()
+        runs.append(cupy_mod.asnumpy(out))
+    faithful, oracle = _references(problem)
+    _assert_matches(runs[0], faithful, oracle, f"invariant {form} {problem.shape.name} T={tokens} {routing}",
+                    own_order=True)
+    assert np.array_equal(runs[1].view(np.uint16), runs[0].view(np.uint16))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("routing", ["zipf-1", "zipf-2", "correlated", "same"])
 @pytest.mark.parametrize("path", ["fma", "mixed", "mma-tiles", "mma-slots", "mma-grouped"])
@@ -1004,8 +1032,9 @@ def test_split_k_forms_agree_and_are_batch_invariant_emulated(rng: np.random.Gen
     w13[:, 5], w13[:, shape.intermediate + 5] = crafted, crafted      # gate and up of neuron 5, every expert
     ones = np.ones((4, shape.hidden), BF16)
     expect = bf16_to_f32(np.asarray([1.0 / (1.0 + np.exp(-1.0))], np.float32).astype(BF16))[0]
+    # (the library's 8 ranges, 4 chunks each: 2^25, 2^25, -2^25, -2^25, 1, then empty ones -- 1 in range order too)
     for knobs in ({**wdb.GROUPED_KNOBS, "GB_KSPLIT": 3}, {**wdb.PER_PAIR_KNOBS, "GB_KSPLIT": 3, "GB_WARPS": 3},
-                  wdb.PER_PAIR_KNOBS):
+                  {**wdb.PER_PAIR_KNOBS, "GB_KSPLIT": 1, "GB_WARPS": 4}, wdb.PER_PAIR_KNOBS, wdb.GROUPED_KNOBS):
         crafted_problem = Problem(shape, 4, seed, "fixed", ones, w13, base.w2, base.topk_ids[:4], base.topk_weights[:4])
         inter = _emulate(crafted_problem, **knobs)["inter"][:, :, 5].view(BF16)
         assert np.all(bf16_to_f32(inter) == expect), (knobs, bf16_to_f32(inter))

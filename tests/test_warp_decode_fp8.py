@@ -146,14 +146,19 @@ def test_bad_ids_emulated_on_cpu(rng: np.random.Generator) -> None:
 
 def test_offline_compile_without_spills() -> None:
     """Both kernels compile for sm_90 (the e4m3x2 conversion needs sm_89+) at the defaults and the knob corners,
-    without spills or a stack frame."""
+    without spills or a stack frame -- except the auto rule's 8-slot down under its 128-register cap, measured
+    faster with its small spill (L1-resident) than uncapped at 142 registers (kernels/warp_decode_fp8.py)."""
     from kernels.compile import offline_report
 
-    for knobs in ({}, {"GU_UNROLL": 8, "DN_SLOTS": 8, "DN_UNROLL": 1}, {"GU_UNROLL": 1, "DN_SLOTS": 1}):
+    qwen30_t1 = Dims(1, 2048, 768, 128, 8)
+    assert wdf.FAMILY.resolve(qwen30_t1)["DN_SLOTS"] == 8 and wdf.FAMILY.resolve(qwen30_t1)["DN_MIN_BLOCKS"] == 4
+    for knobs, spill_limit in (({}, 0), ({"GU_UNROLL": 8, "DN_SLOTS": 8, "DN_UNROLL": 1, "DN_MIN_BLOCKS": 1}, 0),
+                               ({"GU_UNROLL": 1, "DN_SLOTS": 1}, 0), ({"DN_SLOTS": 8}, 128)):
         reports = offline_report(wdf.SOURCE, **wdf.FAMILY.resolve(None, **knobs))
         assert {r.kernel for r in reports} == {wdf.GATE_UP, wdf.DOWN}
         for r in reports:
-            assert r.spill_stores == r.spill_loads == r.stack_bytes == 0, (knobs, r)
+            limit = spill_limit if r.kernel == wdf.DOWN else 0
+            assert max(r.spill_stores, r.spill_loads, r.stack_bytes) <= limit, (knobs, r)
 
 
 def test_inputs_must_be_fp8_weights() -> None:
