@@ -1,15 +1,16 @@
 """Strict warp decode on fp8-block128 weights (``kernels.formats``, what FP8 checkpoints ship), CuPy RawKernel.
 
 The strict kernels' ownership and numerics with FP8 weights: a warp owns one intermediate neuron (gate_up) or one
-output (down); each lane streams its chunks of 8 e4m3fn weights (8 bytes) beside the matching 8 bf16 activations,
+output (down); each lane streams its chunks of 8 or 16 e4m3fn weights (8- or 16-byte loads: ``GU_CHUNK`` /
+``DN_CHUNK``) beside the matching bf16 activations,
 widens both in registers (e4m3fn -> f16x2 -> FP32 is exact), multiplies each weight by its 128 x 128 block's
 float32 scale (the dequantized weight, rounded once in FP32, as ``reference.moe_decode(..., weight_format=
 "fp8-block128")`` reads it) and accumulates in FP32: BF16 activations, no activation quantization, the
 intermediate rounded once to bf16 -- warp decode's numerics on half the weight bytes. A lane's chunk never
-straddles a scale block (128 = 16 chunks), so it reads one scale per row per chunk (L1 hits).
+straddles a scale block (128 = 16 or 8 chunks), so it reads one scale per row per chunk (L1 hits).
 
 Registered as ``cupy:warp-decode-fp8`` (``weight_format="fp8-block128"``: the bench times it on fp8 copies of
-its weights and counts the FP8 bytes, values and scales). Knobs: :data:`DEFAULTS`, the down's auto rule
+its weights and counts the FP8 bytes, values and scales). Knobs: :data:`DEFAULTS`, the auto rules
 (:func:`_rules`) from the H200 sweeps.
 """
 
@@ -33,8 +34,10 @@ CODE = WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + r"""
 // Strict warp decode on fp8-block128 weights: values are e4m3fn bytes in the bf16 layouts, scales float32 per
 // 128 x 128 block (w13: gate's block rows, then up's). Knobs: GU_WARPS / DN_WARPS warps per block, GU_UNROLL /
 // DN_UNROLL chunk rounds in flight per lane, DN_SLOTS routed slots whose w2 rows load together, DN_MIN_BLOCKS the
-// down's __launch_bounds__ min blocks per SM (a register cap; 0 leaves it to ptxas), PDL.
+// down's __launch_bounds__ min blocks per SM (a register cap; 0 leaves it to ptxas), GU_CHUNK / DN_CHUNK e4m3
+// values per lane chunk (8: 8-byte loads; 16: 16-byte loads, H resp. I a multiple of 16), PDL.
 static_assert(GU_WARPS >= 1 && GU_WARPS <= 32 && DN_WARPS >= 1 && DN_WARPS <= 32, "WARPS must be 1..32");
+static_assert((GU_CHUNK == 8 || GU_CHUNK == 16) && (DN_CHUNK == 8 || DN_CHUNK == 16), "CHUNK must be 8 or 16");
 static_assert(GU_UNROLL >= 1 && DN_UNROLL >= 1, "UNROLL must be >= 1");
 static_assert(DN_SLOTS >= 1 && DN_SLOTS <= 32, "DN_SLOTS must be 1..32");
 #if DN_MIN_BLOCKS > 0
@@ -42,7 +45,17 @@ static_assert(DN_SLOTS >= 1 && DN_SLOTS <= 32, "DN_SLOTS must be 1..32");
 #else
 #define DN_BOUNDS __launch_bounds__(DN_WARPS * 32)
 #endif
-#define CHUNKS_PER_BLOCK (FP8_BLOCK / 8)   // 8 values per chunk: a chunk lies inside one scale block
+// a chunk of 8 or 16 values lies inside one scale block: FP8_BLOCK / CHUNK chunks per block
+#if GU_CHUNK == 16
+typedef uint4 gu_chunk_t;
+#else
+typedef uint2 gu_chunk_t;
+#endif
+#if DN_CHUNK == 16
+typedef uint4 dn_chunk_t;
+#else
+typedef uint2 dn_chunk_t;
+#endif
 
 // acc += sum over the chunk's 8 values of (value x scale) x activation: words of the 8-byte weight chunk w8 hold
 // values 4w .. 4w+3, words of the 16-byte activation chunk a16 values 2v, 2v+1; ``weight`` scales the activations
@@ -58,16 +71,27 @@ __device__ __forceinline__ void fp8_chunk_fma(float& acc, const uint2& w8, float
         acc = fmaf(__fmul_rn(w_hi, scale), a_hi, acc);
     }
 }
+// the same over a chunk of 8 or 16 values (one or two 8-value halves, in order) and its 1 or 2 activation chunks
+__device__ __forceinline__ void fp8_values_fma(float& acc, const uint2& w8, float scale, const uint4 (&a)[1],
+                                               float weight) {
+    fp8_chunk_fma(acc, w8, scale, a[0], weight);
+}
+__device__ __forceinline__ void fp8_values_fma(float& acc, const uint4& w16, float scale, const uint4 (&a)[2],
+                                               float weight) {
+    fp8_chunk_fma(acc, make_uint2(w16.x, w16.y), scale, a[0], weight);
+    fp8_chunk_fma(acc, make_uint2(w16.z, w16.w), scale, a[1], weight);
+}
 
 // ------------------------------------------------------------------------------------------------
 // moe_gate_up_fp8: intermediate[t, k, i] = bf16(SiLU(gate_i . x[t]) * (up_i . x[t])), warp g owns pair
 //   p = g / I (t = p / K, k = p % K) and neuron i = g % I; lane l reads chunks c = l, l + 32, ... (GU_UNROLL
-//   rounds in flight) of the gate and up rows (8 bytes each) and of x[t] (16 bytes), one scale per row per
-//   chunk; FP32 accumulators, warp butterfly, lane 0 writes. A bad expert id writes NaN and reads no weights.
+//   rounds in flight) of the gate and up rows (GU_CHUNK bytes each) and of x[t] (2 x GU_CHUNK bytes), one
+//   scale per row per chunk; FP32 accumulators, warp butterfly, lane 0 writes. A bad expert id writes NaN and
+//   reads no weights.
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(GU_WARPS * 32) moe_gate_up_fp8(
     const bf16_t* __restrict__ x,             // [T, H]
-    const uint2* __restrict__ w13,            // [E, 2I, H] e4m3fn, as 8-byte chunks
+    const uint2* __restrict__ w13,            // [E, 2I, H] e4m3fn (read as GU_CHUNK-byte chunks)
     const float* __restrict__ s13,            // [E, 2 ceil(I/128), ceil(H/128)]
     const int* __restrict__ topk_ids,         // [T, K]
     bf16_t* __restrict__ intermediate,        // [T, K, I]
@@ -86,18 +110,19 @@ extern "C" __global__ void __launch_bounds__(GU_WARPS * 32) moe_gate_up_fp8(
         if (lane == 0) intermediate[pair * inter + i] = BF16_NAN;
         return;
     }
-    const int chunks = hidden / 8;                             // H % 8 == 0
+    const int chunks = hidden / GU_CHUNK;                      // H % GU_CHUNK == 0 (the family's rules)
     const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
-    const uint2* gate_row = w13 + ((size_t)e * 2 * inter + i) * chunks;
-    const uint2* up_row = gate_row + (size_t)inter * chunks;
+    const gu_chunk_t* gate_row = reinterpret_cast<const gu_chunk_t*>(w13) + ((size_t)e * 2 * inter + i) * chunks;
+    const gu_chunk_t* up_row = gate_row + (size_t)inter * chunks;
     const float* gate_scales = s13 + ((size_t)e * 2 * iblocks + i / FP8_BLOCK) * hblocks;
     const float* up_scales = s13 + ((size_t)e * 2 * iblocks + iblocks + i / FP8_BLOCK) * hblocks;
     const uint4* x_row = reinterpret_cast<const uint4*>(x + t * hidden);
+    constexpr int XPER = GU_CHUNK / 8;                         // 16-byte x chunks per weight chunk
 
     float gate_acc = 0.0f, up_acc = 0.0f;
     for (int base = 0; base < chunks; base += 32 * GU_UNROLL) {
-        uint2 wg[GU_UNROLL][1], wu[GU_UNROLL][1];
-        uint4 xv[GU_UNROLL];
+        gu_chunk_t wg[GU_UNROLL][1], wu[GU_UNROLL][1];
+        uint4 xv[GU_UNROLL][XPER];
         float sg[GU_UNROLL], su[GU_UNROLL];
         #pragma unroll
         for (int j = 0; j < GU_UNROLL; ++j) {
@@ -110,15 +135,16 @@ extern "C" __global__ void __launch_bounds__(GU_WARPS * 32) moe_gate_up_fp8(
         for (int j = 0; j < GU_UNROLL; ++j) {
             const int c = base + j * 32 + lane;
             const bool ok = c < chunks;
-            xv[j] = ld_dep_chunk(x_row, c, ok);
-            sg[j] = __ldg(gate_scales + (ok ? c / CHUNKS_PER_BLOCK : 0));
-            su[j] = __ldg(up_scales + (ok ? c / CHUNKS_PER_BLOCK : 0));
+            #pragma unroll
+            for (int h = 0; h < XPER; ++h) xv[j][h] = ld_dep_chunk(x_row, c * XPER + h, ok);
+            sg[j] = __ldg(gate_scales + (ok ? c / (FP8_BLOCK / GU_CHUNK) : 0));
+            su[j] = __ldg(up_scales + (ok ? c / (FP8_BLOCK / GU_CHUNK) : 0));
         }
         gate_acc += __uint_as_float(all_loads_arrived(wg) | all_loads_arrived(wu));  // += 0.0f
         #pragma unroll
         for (int j = 0; j < GU_UNROLL; ++j) {
-            fp8_chunk_fma(gate_acc, wg[j][0], sg[j], xv[j], 1.0f);
-            fp8_chunk_fma(up_acc, wu[j][0], su[j], xv[j], 1.0f);
+            fp8_values_fma(gate_acc, wg[j][0], sg[j], xv[j], 1.0f);
+            fp8_values_fma(up_acc, wu[j][0], su[j], xv[j], 1.0f);
         }
     }
     const float g = warp_sum(gate_acc);
@@ -131,15 +157,15 @@ extern "C" __global__ void __launch_bounds__(GU_WARPS * 32) moe_gate_up_fp8(
 
 // ------------------------------------------------------------------------------------------------
 // moe_down_fp8: out[t, h] = sum_k topk_weights[t, k] * (w2[e_k, h, :] . intermediate[t, k, :]), warp g owns
-//   token t = g / H and output h = g % H; DN_SLOTS routed slots' w2 rows (8-byte chunks, one scale per chunk)
-//   and intermediate chunks (16 bytes) are loaded together, DN_UNROLL rounds each; ONE FP32 accumulator,
-//   acc += (value x scale) x (weight x intermediate) in slot order; warp butterfly; lane 0 writes once. Any
-//   bad expert id of the token makes its row NaN and no weight is read. Lane s < DN_SLOTS holds slot s's id
+//   token t = g / H and output h = g % H; DN_SLOTS routed slots' w2 rows (DN_CHUNK-byte chunks, one scale per
+//   chunk) and intermediate chunks (2 x DN_CHUNK bytes) are loaded together, DN_UNROLL rounds each; ONE FP32
+//   accumulator, acc += (value x scale) x (weight x intermediate) in slot order; warp butterfly; lane 0 writes
+//   once. Any bad expert id of the token makes its row NaN and no weight is read. Lane s < DN_SLOTS holds slot s's id
 //   and routing weight (no global load in front of a w2 address).
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void DN_BOUNDS moe_down_fp8(
     const bf16_t* __restrict__ intermediate,  // [T, K, I]
-    const uint2* __restrict__ w2,             // [E, H, I] e4m3fn, as 8-byte chunks
+    const uint2* __restrict__ w2,             // [E, H, I] e4m3fn (read as DN_CHUNK-byte chunks)
     const float* __restrict__ s2,             // [E, ceil(H/128), ceil(I/128)]
     const int* __restrict__ topk_ids,         // [T, K]
     const float* __restrict__ topk_weights,   // [T, K]
@@ -158,23 +184,24 @@ extern "C" __global__ void DN_BOUNDS moe_down_fp8(
     float acc = 0.0f;
     bool waited = false;     // PDL: the first round's w2 loads are issued before waiting for gate_up
     if (!token_bad) {
-        const int chunks = inter / 8;                          // I % 8 == 0
+        const int chunks = inter / DN_CHUNK;                   // I % DN_CHUNK == 0 (the family's rules)
         const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
         const uint4* inter_t = reinterpret_cast<const uint4*>(intermediate + t * top_k * (long long)inter);
+        constexpr int IPER = DN_CHUNK / 8;                     // 16-byte intermediate chunks per weight chunk
         for (int k0 = 0; k0 < top_k; k0 += DN_SLOTS) {
             const bool lane_slot = lane < DN_SLOTS && k0 + lane < top_k;
             const int batch_id = lane_slot ? __ldg(ids_t + k0 + lane) : 0;
             const float batch_weight = lane_slot ? __ldg(weights_t + k0 + lane) : 0.0f;
-            const uint2* rows[DN_SLOTS];
+            const dn_chunk_t* rows[DN_SLOTS];
             const float* scales[DN_SLOTS];
             #pragma unroll
             for (int s = 0; s < DN_SLOTS; ++s) {
                 const int e = __shfl_sync(FULL_MASK, batch_id, s);   // past-K slots: expert 0, loads masked
-                rows[s] = w2 + ((size_t)e * hidden + h) * chunks;
+                rows[s] = reinterpret_cast<const dn_chunk_t*>(w2) + ((size_t)e * hidden + h) * chunks;
                 scales[s] = s2 + ((size_t)e * hblocks + h / FP8_BLOCK) * iblocks;
             }
             for (int c0 = 0; c0 < chunks; c0 += 32 * DN_UNROLL) {
-                uint2 wv[DN_SLOTS * DN_UNROLL][1];
+                dn_chunk_t wv[DN_SLOTS * DN_UNROLL][1];
                 float sv[DN_SLOTS * DN_UNROLL];
                 #pragma unroll
                 for (int s = 0; s < DN_SLOTS; ++s)
@@ -183,20 +210,22 @@ extern "C" __global__ void DN_BOUNDS moe_down_fp8(
                         const int c = c0 + r * 32 + lane;
                         const bool ok = k0 + s < top_k && c < chunks;
                         wv[s * DN_UNROLL + r][0] = ldg_chunk(rows[s], c, ok);
-                        sv[s * DN_UNROLL + r] = __ldg(scales[s] + (ok ? c / CHUNKS_PER_BLOCK : 0));
+                        sv[s * DN_UNROLL + r] = __ldg(scales[s] + (ok ? c / (FP8_BLOCK / DN_CHUNK) : 0));
                     }
                 if (!waited) {       // the intermediate is gate_up's output: read only after gate_up finished
                     pdl_wait();
                     waited = true;
                 }
-                uint4 iv[DN_SLOTS * DN_UNROLL][1];
+                uint4 iv[DN_SLOTS * DN_UNROLL][IPER];
                 #pragma unroll
                 for (int s = 0; s < DN_SLOTS; ++s)
                     #pragma unroll
                     for (int r = 0; r < DN_UNROLL; ++r) {
                         const int c = c0 + r * 32 + lane;
                         const bool ok = k0 + s < top_k && c < chunks;
-                        iv[s * DN_UNROLL + r][0] = ld_dep_chunk(inter_t + (size_t)(ok ? k0 + s : 0) * chunks, c, ok);
+                        const uint4* row = inter_t + (size_t)(ok ? k0 + s : 0) * chunks * IPER;
+                        #pragma unroll
+                        for (int q = 0; q < IPER; ++q) iv[s * DN_UNROLL + r][q] = ld_dep_chunk(row, c * IPER + q, ok);
                     }
                 acc += __uint_as_float(all_loads_arrived(wv) | all_loads_arrived(iv));  // += 0.0f, after all
                 #pragma unroll
@@ -206,8 +235,8 @@ extern "C" __global__ void DN_BOUNDS moe_down_fp8(
                     for (int r = 0; r < DN_UNROLL; ++r) {
                         const int c = c0 + r * 32 + lane;
                         const bool ok = k0 + s < top_k && c < chunks;
-                        fp8_chunk_fma(acc, wv[s * DN_UNROLL + r][0], sv[s * DN_UNROLL + r], iv[s * DN_UNROLL + r][0],
-                                      ok ? wk : 0.0f);
+                        fp8_values_fma(acc, wv[s * DN_UNROLL + r][0], sv[s * DN_UNROLL + r], iv[s * DN_UNROLL + r],
+                                       ok ? wk : 0.0f);
                     }
                 }
             }
@@ -224,32 +253,53 @@ extern "C" __global__ void DN_BOUNDS moe_down_fp8(
 # filled by _rules from the problem's dims.
 DEFAULTS: dict[str, int] = {
     "GU_WARPS": 4,
-    "GU_UNROLL": 4,  # 2 x 8-byte weight chunks + a 16-byte x chunk per round and lane
+    "GU_UNROLL": 2,  # chunk rounds in flight per lane; auto: 32 values of each row (2 x 16 or 4 x 8)
+    "GU_CHUNK": 16,  # e4m3 values per lane chunk: 8 (8-byte loads) or 16 (16-byte); auto: 16 where H % 16 == 0
     "DN_WARPS": 4,
     "DN_SLOTS": 4,  # routed slots whose w2 rows load together; auto: 8 while the down grid is one wave, else 4
     "DN_UNROLL": 1,  # H200, T = 1 (results/sweep-2026-12-01-strict-fp8-*-t1.json): 60.2 vs 62.2 us at qwen3-235b
+    "DN_CHUNK": 8,  # as GU_CHUNK for the down; auto: 16 where I fills whole rounds of them and T x H <= 4096
     "DN_MIN_BLOCKS": 4,  # the down's __launch_bounds__ min blocks per SM; auto: 16 warps per SM, <= 128 registers
     "PDL": 1,
 }
-AUTO_KNOBS = ("DN_SLOTS", "DN_MIN_BLOCKS")
-LIMITS = {"GU_WARPS": (1, 32), "DN_WARPS": (1, 32), "GU_UNROLL": (1, 16), "DN_UNROLL": (1, 16), "DN_SLOTS": (0, 32),
-          "DN_MIN_BLOCKS": (0, 32), "PDL": (0, 1)}
+AUTO_KNOBS = ("GU_UNROLL", "GU_CHUNK", "DN_SLOTS", "DN_CHUNK", "DN_MIN_BLOCKS")
+LIMITS = {"GU_WARPS": (1, 32), "DN_WARPS": (1, 32), "GU_UNROLL": (0, 16), "DN_UNROLL": (1, 16), "DN_SLOTS": (0, 32),
+          "DN_MIN_BLOCKS": (0, 32), "GU_CHUNK": (0, 16), "DN_CHUNK": (0, 16), "PDL": (0, 1)}
 # down warps (one per output) in one wave at 128 registers: 16 per SM x 132 SMs on the H200, as the bf16 down's rule
 ONE_WAVE_DOWN_WARPS = 2048
 DOWN_WARPS_PER_SM = 16
+GU_VALUES_IN_FLIGHT = 32  # auto GU_UNROLL x GU_CHUNK: e4m3 values of each row in flight per lane
 
 
 def _rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
-    """The auto knobs: the down loads 8 routed slots per round while its grid (T x H warps) is one wave at 128
-    registers, else 4; its register cap is 16 warps per SM (DN_MIN_BLOCKS = 16 / DN_WARPS; 1 = no cap). H200,
-    results/sweep-2026-12-01-strict-fp8-down-*.json: qwen3-30b T = 1 19.6 us vs 21.8 at 4 slots uncapped (8 slots at
-    128 registers spill 104 bytes and still win; uncapped they take 142, two waves: 22.5); from T = 2 and at qwen3-235b
-    T = 1 (4096 warps) 4 slots, the cap 1 % faster."""
+    """The auto knobs, from the H200 sweeps (results/sweep-2026-12-01-strict-fp8-down-*.json, ...-fp8-chunks-*.json):
+
+    * gate_up: 16-value chunks (16-byte loads) where H allows, two rounds in flight -- 3 % faster than 8-value chunks
+      x 4 at qwen3-30b T = 2 / 4 and qwen3-235b T = 1 / 2;
+    * the down: 8 routed slots per round while its grid (T x H warps) is one wave at 128 registers, else 4 --
+      qwen3-30b T = 1 19.6 us vs 21.8 (8 slots at 128 registers spill 104 bytes and still win; uncapped they take
+      142 registers, two waves: 22.5); its register cap is 16 warps per SM (DN_MIN_BLOCKS = 16 / DN_WARPS; 1 = no
+      cap), ~1 % where 4 slots run;
+    * the down's 16-value chunks only where I is a whole number of 512-value rounds and T x H <= 4096 (qwen3-235b
+      T = 1: 54.2 vs 57.7 us; at T = 2 2.5 % slower, at qwen3-30b's I = 768 a half-empty round: slower)."""
+    hidden = dims.hidden if dims is not None else None
+    if values["GU_CHUNK"] == 0:
+        values["GU_CHUNK"] = 16 if hidden is None or hidden % 16 == 0 else 8
+    if values["GU_UNROLL"] == 0:
+        values["GU_UNROLL"] = GU_VALUES_IN_FLIGHT // values["GU_CHUNK"]
+    if values["DN_CHUNK"] == 0:
+        whole_rounds = dims is not None and dims.intermediate % (32 * 16) == 0
+        values["DN_CHUNK"] = 16 if whole_rounds and dims.tokens * dims.hidden <= 2 * ONE_WAVE_DOWN_WARPS else 8
     if values["DN_SLOTS"] == 0:
-        one_wave = dims is not None and dims.tokens * dims.hidden <= ONE_WAVE_DOWN_WARPS
+        one_wave = dims is not None and dims.tokens * dims.hidden <= ONE_WAVE_DOWN_WARPS and values["DN_CHUNK"] == 8
         values["DN_SLOTS"] = min(8 if one_wave else DEFAULTS["DN_SLOTS"], dims.top_k if dims is not None else 32)
     if values["DN_MIN_BLOCKS"] == 0:
         values["DN_MIN_BLOCKS"] = max(1, DOWN_WARPS_PER_SM // values["DN_WARPS"])
+    for knob, extent, name in (("GU_CHUNK", hidden, "H"), ("DN_CHUNK", dims and dims.intermediate, "I")):
+        if values[knob] not in (8, 16):
+            raise ValueError(f"{knob} must be 8 or 16 (e4m3 values per lane chunk), got {values[knob]}")
+        if extent and extent % values[knob]:
+            raise ValueError(f"{knob} {values[knob]} needs {name} to be a multiple of it, got {name} = {extent}")
     return values
 
 
@@ -327,7 +377,8 @@ VARIANT = register(
         "cupy:warp-decode-fp8",
         reference_mode="warp_decode",
         weight_format=FP8_BLOCK128.name,
-        description="strict warp decode on fp8-block128 weights: 8-byte e4m3 chunks, block scales, FP32 accumulation",
+        description="strict warp decode on fp8-block128 weights: 8 / 16-value e4m3 chunks, block scales, FP32 "
+        "accumulation",
         grid={"GU_WARPS": [4, 8], "GU_UNROLL": [2, 4, 8], "DN_WARPS": [2, 4, 8], "DN_SLOTS": [2, 4, 8],
               "DN_UNROLL": [1, 2, 4]},
     )

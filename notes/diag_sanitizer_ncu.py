@@ -20,7 +20,10 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_sanitizer_ncu
              scale blocks and skewed routings, outputs compared with the references on the same weights (added
              2026-12-01, for the FP8 and batch-invariance work).
 * ``new``    the batch-invariant pair (per-pair and grouped) in bf16 under skewed routings, compared with the
-             references (added 2026-12-01).
+             references (added 2026-12-01); ``new-odd`` its two odd shapes only (the qwen3-30b case outlasts
+             racecheck's time limit).
+* ``fp8-chunks`` strict FP8 at 16-value chunks (and 8 slots at 16-value gate_up chunks) on a shape with partial
+             scale blocks at both edges and at qwen3-30b-a3b T = 2 (added 2026-12-01 late).
 """
 
 from __future__ import annotations
@@ -127,9 +130,29 @@ def fp8() -> None:
             _run_checked(name, problem, weights, faithful, oracle, f"{_dims(problem)} {routing}")
 
 
-def new() -> None:
-    for shape, tokens, routing in ((ODD_SHAPES["h264-i40"], 9, "same"), (ODD_SHAPES["h2880-i264"], 37, "zipf"),
-                                   ("qwen3-30b-a3b", 24, "zipf-2")):
+def fp8_chunks() -> None:
+    """The strict FP8 kernels at 16-value chunks on a shape with partial scale blocks at both edges."""
+    from kernels.formats import quantize_weights
+    from kernels.reference import moe_decode
+    from kernels.shapes import MoEShape
+
+    for shape, tokens, routing in ((MoEShape("h2880-i368", 2880, 368, 16, 4), 5, "zipf"), ("qwen3-30b-a3b", 2, "same")):
+        problem = make_problem(shape, tokens, seed=8, routing=routing, xp=cupy)
+        weights = quantize_weights(problem.w13, problem.w2, "fp8-block128")
+        host = problem.compact()
+        h13, h2 = quantize_weights(host.w13, host.w2, "fp8-block128")
+        args = (host.x, h13, h2, host.topk_ids, host.topk_weights)
+        oracle = moe_decode(*args, mode="fp64", weight_format="fp8-block128")
+        faithful = moe_decode(*args, mode="warp_decode", weight_format="fp8-block128")
+        for knobs in ({"GU_CHUNK": 16, "DN_CHUNK": 16, "DN_SLOTS": 4}, {"GU_CHUNK": 16, "DN_SLOTS": 8}):
+            _run_checked("cupy:warp-decode-fp8", problem, weights, faithful, oracle, f"{_dims(problem)} {routing}",
+                         **knobs)
+
+
+def new(odd_only: bool = False) -> None:
+    cases = ((ODD_SHAPES["h264-i40"], 9, "same"), (ODD_SHAPES["h2880-i264"], 37, "zipf"),
+             ("qwen3-30b-a3b", 24, "zipf-2"))
+    for shape, tokens, routing in cases[:2] if odd_only else cases:
         problem = make_problem(shape, tokens, seed=8, routing=routing, xp=cupy)
         faithful, oracle = _references(problem)
         tag = f"{_dims(problem)} {routing}"
@@ -163,7 +186,11 @@ if __name__ == "__main__":
         layers("proto:fused-layer", "qwen3-30b-a3b", 1)
     elif what == "fp8":
         fp8()
+    elif what == "fp8-chunks":
+        fp8_chunks()
     elif what == "new":
         new()
+    elif what == "new-odd":
+        new(odd_only=True)
     else:
-        raise SystemExit(f"unknown workload {what!r}: small, skew, t64, zipf64, t1, fp8 or new")
+        raise SystemExit(f"unknown workload {what!r}: small, skew, t64, zipf64, t1, fp8, fp8-chunks, new or new-odd")

@@ -55,7 +55,7 @@ def _emulate(problem: Problem, ids: np.ndarray | None = None, out_dtype: Any = B
 
 def _strict_fp8_intermediate(problem: Problem) -> np.ndarray:
     """The strict FP8 kernel's emulated gate_up output [T, K, I] (bf16 bits)."""
-    return strict_fp8_emulation(problem, problem.w13, problem.w2, intermediate=True)[1]
+    return strict_fp8_emulation(problem, problem.w13, problem.w2, intermediate=True, GU_CHUNK=8)[1]
 
 
 def _references(problem: Problem, ids: np.ndarray | None = None,
@@ -254,7 +254,8 @@ def test_gpu_fma_intermediate_is_the_strict_fp8_kernels() -> None:
     wdb.warp_decode_batched(problem.x, problem.w13, problem.w2, problem.topk_ids, problem.topk_weights, out=out,
                             workspace=ws, **wdb.FP8_KNOBS)
     strict = cupy.empty((dims.tokens, dims.top_k, dims.intermediate), BF16)
-    wdf.warp_decode_fp8(problem.x, problem.w13, problem.w2, problem.topk_ids, problem.topk_weights, workspace=strict)
+    wdf.warp_decode_fp8(problem.x, problem.w13, problem.w2, problem.topk_ids, problem.topk_weights, workspace=strict,
+                        GU_CHUNK=8)
     cupy.cuda.runtime.deviceSynchronize()
     assert np.array_equal(ws.intermediate.view(cupy.uint16).get(), strict.view(cupy.uint16).get())
 

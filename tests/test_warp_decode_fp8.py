@@ -106,6 +106,9 @@ EMULATED = [  # (shape, T, routing, knobs, also fp32 out)
     (MoEShape("h264-i200", 264, 200, 3, 2), 4, [[1, 1], [0, 2], [2, 0], [1, 2]], {"DN_SLOTS": 1, "GU_UNROLL": 1},
      False),
     (MoEShape("h136-k5", 136, 48, 6, 5), 2, "zipf", {"DN_SLOTS": 2, "DN_UNROLL": 1, "GU_WARPS": 3}, False),
+    # 16-value chunks (16-byte loads) with partial scale blocks at both edges (H = 272, I = 208), a short last round
+    (MoEShape("h272-i208", 272, 208, 4, 3), 3, "zipf", {"GU_CHUNK": 16, "DN_CHUNK": 16, "DN_SLOTS": 2, "GU_UNROLL": 2},
+     True),
 ]
 
 
@@ -153,12 +156,24 @@ def test_offline_compile_without_spills() -> None:
     qwen30_t1 = Dims(1, 2048, 768, 128, 8)
     assert wdf.FAMILY.resolve(qwen30_t1)["DN_SLOTS"] == 8 and wdf.FAMILY.resolve(qwen30_t1)["DN_MIN_BLOCKS"] == 4
     for knobs, spill_limit in (({}, 0), ({"GU_UNROLL": 8, "DN_SLOTS": 8, "DN_UNROLL": 1, "DN_MIN_BLOCKS": 1}, 0),
-                               ({"GU_UNROLL": 1, "DN_SLOTS": 1}, 0), ({"DN_SLOTS": 8}, 128)):
+                               ({"GU_UNROLL": 1, "DN_SLOTS": 1}, 0), ({"DN_SLOTS": 8}, 128),
+                               ({"GU_CHUNK": 16, "DN_CHUNK": 16, "DN_SLOTS": 4}, 0)):
         reports = offline_report(wdf.SOURCE, **wdf.FAMILY.resolve(None, **knobs))
         assert {r.kernel for r in reports} == {wdf.GATE_UP, wdf.DOWN}
         for r in reports:
             limit = spill_limit if r.kernel == wdf.DOWN else 0
             assert max(r.spill_stores, r.spill_loads, r.stack_bytes) <= limit, (knobs, r)
+
+
+def test_chunk_knobs_refuse_what_they_cannot_cover() -> None:
+    """16-value chunks need H (gate_up) or I (down) a multiple of 16; other chunk sizes are refused, naming the knob."""
+    with pytest.raises(ValueError, match="GU_CHUNK 16 needs H"):
+        wdf.FAMILY.resolve(Dims(1, 136, 48, 6, 5), GU_CHUNK=16)
+    with pytest.raises(ValueError, match="DN_CHUNK 16 needs I"):
+        wdf.FAMILY.resolve(Dims(1, 144, 40, 6, 5), DN_CHUNK=16)
+    with pytest.raises(ValueError, match="GU_CHUNK must be 8 or 16"):
+        wdf.FAMILY.resolve(None, GU_CHUNK=12)
+    assert wdf.FAMILY.resolve(Dims(1, 144, 48, 6, 5), GU_CHUNK=16, DN_CHUNK=16)["DN_CHUNK"] == 16
 
 
 def test_inputs_must_be_fp8_weights() -> None:
@@ -185,14 +200,17 @@ def _device_fp8(cupy: Any, *weights: Quantized) -> tuple[Quantized, ...]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("model", "tokens", "routing"), [
-    ("qwen3-30b-a3b", 1, "uniform"), ("qwen3-30b-a3b", 8, "zipf"), ("qwen3-235b-a22b", 1, "uniform"),
-    ("tiny", 5, "same"), ("qwen3-30b-a3b", 4, "zipf-2"), ("qwen3-30b-a3b", 6, "correlated"),
-    (MoEShape("h2880-i360", 2880, 360, 16, 4), 3, [[1, 1, 2, 3], [0, 5, 5, 5], [15, 14, 13, 12]]),  # partial blocks
+@pytest.mark.parametrize(("model", "tokens", "routing", "knobs"), [
+    ("qwen3-30b-a3b", 1, "uniform", {}), ("qwen3-30b-a3b", 8, "zipf", {}), ("qwen3-235b-a22b", 1, "uniform", {}),
+    ("tiny", 5, "same", {}), ("qwen3-30b-a3b", 4, "zipf-2", {}), ("qwen3-30b-a3b", 6, "correlated", {}),
+    (MoEShape("h2880-i360", 2880, 360, 16, 4), 3, [[1, 1, 2, 3], [0, 5, 5, 5], [15, 14, 13, 12]], {}),  # partial blocks
+    ("qwen3-30b-a3b", 1, "uniform", {"GU_CHUNK": 16, "DN_CHUNK": 16}),  # 16-value chunks
+    (MoEShape("h2880-i368", 2880, 368, 16, 4), 3, "zipf", {"GU_CHUNK": 16, "DN_CHUNK": 16, "DN_SLOTS": 4}),
 ])
-def test_presets(cupy_mod: Any, rng: np.random.Generator, model: Any, tokens: int, routing: Any) -> None:
+def test_presets(cupy_mod: Any, rng: np.random.Generator, model: Any, tokens: int, routing: Any,
+                 knobs: dict[str, int]) -> None:
     """Against the reference on the same FP8 weights (NaN-poisoned output), bitwise over a second run and a graph
-    replay."""
+    replay; with the chunk knobs too."""
     from kernels.shapes import get_shape
 
     shape = get_shape(model)  # at most 32 experts: the host quantizes and the reference reads them all
@@ -201,17 +219,17 @@ def test_presets(cupy_mod: Any, rng: np.random.Generator, model: Any, tokens: in
     q13, q2 = _device_fp8(cupy_mod, host13, host2)
     x, ids, wts = (cupy_mod.asarray(a) for a in (problem.x, problem.topk_ids, problem.topk_weights))
     out = _poisoned_out(cupy_mod, tokens, problem.shape.hidden)
-    wdf.warp_decode_fp8(x, q13, q2, ids, wts, out=out)
+    wdf.warp_decode_fp8(x, q13, q2, ids, wts, out=out, **knobs)
     cupy_mod.cuda.runtime.deviceSynchronize()
     got = cupy_mod.asnumpy(out)
     faithful, oracle = _fp8_references(problem, host13, host2)
     _assert_matches(got, faithful, oracle, f"fp8 {model} T={tokens} {routing}", own_order=True)
     again = _poisoned_out(cupy_mod, tokens, problem.shape.hidden)
-    wdf.warp_decode_fp8(x, q13, q2, ids, wts, out=again)
+    wdf.warp_decode_fp8(x, q13, q2, ids, wts, out=again, **knobs)
     cupy_mod.cuda.runtime.deviceSynchronize()
     assert np.array_equal(cupy_mod.asnumpy(again).view(np.uint16), got.view(np.uint16))
     dims = _dims(problem)
-    compiled = wdf.FAMILY.compile(dims)
+    compiled = wdf.FAMILY.compile(dims, **knobs)
     stream = cupy_mod.cuda.Stream(non_blocking=True)
     replay = _poisoned_out(cupy_mod, tokens, problem.shape.hidden)
     with stream:
