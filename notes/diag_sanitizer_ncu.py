@@ -112,18 +112,26 @@ def _run_checked(name: str, problem: object, weights: tuple[object, object], fai
     print("ok", name, knobs, tag, flush=True)
 
 
-def fp8() -> None:
+def _fp8_case(shape: object, tokens: int, routing: str) -> tuple[object, tuple[object, object], tuple, object]:
+    """A problem on the device with its weights quantized there; the host arguments of the references on the same
+    FP8 weights, and the fp64 oracle."""
     from kernels.formats import quantize_weights
+    from kernels.reference import moe_decode
+
+    problem = make_problem(shape, tokens, seed=8, routing=routing, xp=cupy)
+    weights = quantize_weights(problem.w13, problem.w2, "fp8-block128")
+    host = problem.compact()
+    h13, h2 = quantize_weights(host.w13, host.w2, "fp8-block128")
+    args = (host.x, h13, h2, host.topk_ids, host.topk_weights)
+    return problem, weights, args, moe_decode(*args, mode="fp64", weight_format="fp8-block128")
+
+
+def fp8() -> None:
     from kernels.reference import moe_decode
 
     for shape, tokens, routing in ((ODD_SHAPES["h2880-i264"], 7, "zipf"), (ODD_SHAPES["h264-i40"], 9, "same"),
                                    ("qwen3-30b-a3b", 20, "correlated")):
-        problem = make_problem(shape, tokens, seed=8, routing=routing, xp=cupy)
-        weights = quantize_weights(problem.w13, problem.w2, "fp8-block128")
-        host = problem.compact()
-        h13, h2 = quantize_weights(host.w13, host.w2, "fp8-block128")
-        args = (host.x, h13, h2, host.topk_ids, host.topk_weights)
-        oracle = moe_decode(*args, mode="fp64", weight_format="fp8-block128")
+        problem, weights, args, oracle = _fp8_case(shape, tokens, routing)
         for name in FP8_PATHS:
             mode, quant = ("classical", "fp8") if "w8a8" in name else ("warp_decode", None)
             faithful = moe_decode(*args, mode=mode, quant=quant, weight_format="fp8-block128")
@@ -132,17 +140,11 @@ def fp8() -> None:
 
 def fp8_chunks() -> None:
     """The strict FP8 kernels at 16-value chunks on a shape with partial scale blocks at both edges."""
-    from kernels.formats import quantize_weights
     from kernels.reference import moe_decode
     from kernels.shapes import MoEShape
 
     for shape, tokens, routing in ((MoEShape("h2880-i368", 2880, 368, 16, 4), 5, "zipf"), ("qwen3-30b-a3b", 2, "same")):
-        problem = make_problem(shape, tokens, seed=8, routing=routing, xp=cupy)
-        weights = quantize_weights(problem.w13, problem.w2, "fp8-block128")
-        host = problem.compact()
-        h13, h2 = quantize_weights(host.w13, host.w2, "fp8-block128")
-        args = (host.x, h13, h2, host.topk_ids, host.topk_weights)
-        oracle = moe_decode(*args, mode="fp64", weight_format="fp8-block128")
+        problem, weights, args, oracle = _fp8_case(shape, tokens, routing)
         faithful = moe_decode(*args, mode="warp_decode", weight_format="fp8-block128")
         for knobs in ({"GU_CHUNK": 16, "DN_CHUNK": 16, "DN_SLOTS": 4}, {"GU_CHUNK": 16, "DN_SLOTS": 8}):
             _run_checked("cupy:warp-decode-fp8", problem, weights, faithful, oracle, f"{_dims(problem)} {routing}",
