@@ -92,6 +92,17 @@ def test_fp8_weights_measured_against_both_oracles():
         accuracy.run(["tiny"], seeds=1, batch=(1,), layers=0, weight_format="fp4")
 
 
+def test_format_rows_limited_to_format_paths():
+    """``format_paths`` (what --fallback skip leaves where no kernel reads the format): the quantized rows of the
+    other paths are not measured, the bf16 rows of every path are."""
+    shape = accuracy._shrink(accuracy._capped(accuracy.get_shape("tiny"), 8))
+    cells = accuracy.measure_layer(shape, (2,), [0], "reference", dict.fromkeys(accuracy.PATHS), [], lambda _m: None,
+                                   tuple(accuracy.PATHS), "fp8-block128", None, ("warp_decode", "classical+fp8"))
+    rows = {(c.path, c.weight_format) for c in cells if c.rel_l2}
+    assert rows == {(p, "bf16") for p in accuracy.PATHS} | {("warp_decode", "fp8-block128"),
+                                                           ("classical+fp8", "fp8-block128")}
+
+
 def test_fp8_depth_study_against_both_fp64_stacks():
     """--weight-format with a depth study: every path again through the stack on FP8 experts. Against the fp64
     stack on the dequantized weights warp decode keeps its bf16 distance layer by layer and the W8A8 design stays

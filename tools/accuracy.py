@@ -420,11 +420,14 @@ def measure_layer(
     paths: Sequence[str] = tuple(PATHS),
     weight_format: str = "bf16",
     format_kernels: dict[str, Any] | None = None,
+    format_paths: Sequence[str] | None = None,
 ) -> list[Cell]:
     """Cells for one model: every T in ``batch`` x every path, each over ``seeds``; with a quantized
-    ``weight_format`` every path again on the weights in that format (``format_kernels``: path -> the variant
-    reading that format, with source "kernels"; a path without one comes from its reference mode)."""
+    ``weight_format`` every path of ``format_paths`` (default: ``paths``) again on the weights in that format
+    (``format_kernels``: path -> the variant reading that format, with source "kernels"; a path without one comes
+    from its reference mode)."""
     format_kernels = format_kernels if source == "kernels" else {}
+    format_paths = tuple(paths) if format_paths is None else tuple(format_paths)
     runner = _KernelRunner() if source == "kernels" else None
     extra: dict[tuple[str, str], Any] = {}  # (path, format) -> the variant of a kernel-only row
     if runner is not None:
@@ -448,7 +451,7 @@ def measure_layer(
     if quantized:
         fmt = get_format(weight_format)
         for T in batch:
-            for path in paths:
+            for path in format_paths:
                 variant = (format_kernels or {}).get(path)
                 cells[(T, path, fmt.name)] = Cell(shape.name, T, path,
                                                   variant.name if variant is not None else f"reference:{path}",
@@ -492,7 +495,7 @@ def measure_layer(
                 q13, q2 = fmt.quantize(w13, w2)  # bitwise the device quantization the kernels' runner does
                 q_oracle = moe_decode(x, q13, q2, ids, wts, mode="fp64", weight_format=fmt)
                 q_outputs = {}
-                for path in paths:
+                for path in format_paths:
                     variant = (format_kernels or {}).get(path)
                     q_outputs[path] = (runner(variant, problem) if runner is not None and variant is not None else
                                        moe_decode(x, q13, q2, ids, wts, mode=PATHS[path][0], quant=PATHS[path][1],
@@ -601,8 +604,9 @@ def run(
     stack_seeds   seeds of the depth study (default: min(seeds, 4))
     source        "auto" (kernels if a GPU is present), "kernels" or "reference"
     paths         subset of PATHS to measure (warp decode is always included: the ratios divide by it)
-    fallback      with source "kernels", a path without a registered kernel: "reference" (its reference
-                  mode on the host, on the compacted problem: slow at large presets) or "skip"
+    fallback      with source "kernels", a path without a registered kernel (for bf16 or for ``weight_format``):
+                  "reference" (its reference mode on the host, on the compacted problem: slow at large presets)
+                  or "skip"
     weight_format "bf16", or a quantized format (``kernels.formats``): every path also on the weights in that
                   format, against both oracles (with source "kernels", from the variants reading that format where
                   one is registered, else from the reference's modes)
@@ -664,11 +668,17 @@ def run(
     kernels = find_kernels(notes) if source == "kernels" else dict.fromkeys(PATHS)
     format_kernels = (find_kernels(notes, weight_format) if source == "kernels" and weight_format != "bf16"
                       else dict.fromkeys(PATHS))
+    format_paths = tuple(paths)
     if source == "kernels" and weight_format != "bf16":
-        absent = [LABELS[p] for p in paths if format_kernels.get(p) is None]
-        if absent:
-            notes.append(f"no registered kernel reads {weight_format} weights for " + ", ".join(absent)
-                         + f": their {weight_format} rows come from the reference's modes")
+        absent = [p for p in paths if format_kernels.get(p) is None]
+        if absent and fallback == "skip":  # warp decode's row stays: the ratios divide by it
+            format_paths = tuple(p for p in paths if p not in absent or p == "warp_decode")
+            notes.append(f"no registered kernel reads {weight_format} weights for "
+                         + ", ".join(LABELS[p] for p in absent) + f": their {weight_format} rows skipped")
+        elif absent:
+            notes.append(f"no registered kernel reads {weight_format} weights for "
+                         + ", ".join(LABELS[p] for p in absent) + f": their {weight_format} rows come from the "
+                         "reference's modes")
     if source == "kernels":
         if fallback not in ("reference", "skip"):
             raise ValueError(f"fallback must be 'reference' or 'skip', got {fallback!r}")
@@ -693,7 +703,7 @@ def run(
         if width == "small":
             run_shape = _shrink(run_shape)
         cells += measure_layer(run_shape, batch, seed_list, source, kernels, notes, log, paths, weight_format,
-                               format_kernels)
+                               format_kernels, tuple(p for p in format_paths if p in paths))
 
     depth: list[Depth] = []
     if layers != 0:
