@@ -128,6 +128,9 @@ BAD_KNOBS = [  # (dims, knobs, error, message)
     (QWEN30_T8, {"GB_KSPLIT": 2}, ValueError, "GB_KSPLIT cuts the tensor-core gate_up"),
     (QWEN30_T8, {**wdb.PER_PAIR_KNOBS, "GB_KSPLIT": 3, "GB_WARPS": 4}, ValueError, "multiple of GB_KSPLIT"),
     (QWEN30_T8, {"GB_MMA": 1, "GB_KSPLIT": 9}, ValueError, "GB_KSPLIT"),
+    (QWEN30_T8, {**wdb.MMA_KNOBS, "DB_GROUPED": 0, "DB_KSPLIT": 2}, ValueError, "DB_KSPLIT cuts the grouped"),
+    (QWEN30_T8, {**wdb.PER_PAIR_KNOBS, "DB_KSPLIT": 4}, ValueError, "K x DB_KSPLIT <= 16, got 8 x 4"),
+    (QWEN30_T8, {**wdb.GROUPED_KNOBS, "DB_KSPLIT": 9}, ValueError, "DB_KSPLIT"),
 ]
 
 
@@ -218,6 +221,18 @@ def test_offline_compile_defaults_and_presets_without_spills(which: str) -> None
             assert r.spills == 0 and r.stack_bytes == 0, (params, r)
             cap = params.get("DB_MAX_REGS" if "down" in r.kernel else "GB_MAX_REGS", 0)
             assert r.registers <= max(128, cap), (params, r)  # 128, or a knob set's own higher cap (FP8's down)
+
+
+def test_down_split_knob_sets_compile_without_spills() -> None:
+    """DB_KSPLIT 2 (prototypes/invariant_down_ksplit.py) in both invariant forms, bf16 and FP8, at qwen3-30b-a3b:
+    sm_90, zero spills, the per-pair down within its 512-thread block's 128 registers."""
+    from kernels.compile import offline_report
+
+    for knobs in (wdb.PER_PAIR_KNOBS, wdb.GROUPED_KNOBS):
+        for fp8 in (0, 1):
+            params = wdb.resolve_params(Dims(2, 2048, 768, 128, 8), **knobs, DB_KSPLIT=2, W_FP8=fp8)
+            for r in offline_report(wdb.SOURCE, **params):
+                assert r.spills == 0 and r.stack_bytes == 0 and r.registers <= 128, (knobs, fp8, r)
 
 
 @pytest.mark.slow
@@ -386,7 +401,7 @@ int main(int argc, char** argv) {
     (void)slots;
     launch(gu_blocks, GB_WARPS * 32,
            [&] { moe_gate_up_pair(x.data(), w13.data(), s13, ids.data(), inter.data(), H, I, E, K, T * K); });
-    launch(dn_blocks, 32 * K, [&] {
+    launch(dn_blocks, 32 * K * DB_KSPLIT, [&] {
         moe_down_token(inter.data(), w2.data(), s2, ids.data(), wts.data(), out.data(), f32, T, H, I, E, K);
     });
 #else
@@ -971,16 +986,18 @@ def test_pdl_chain_where_each_layer_reads_the_last(cupy_mod: Any, rng: np.random
                              **params)
 
 
-def _probe_rows(base: Problem, probe: Problem, seed: int, cases: tuple) -> list[np.ndarray]:
+def _probe_rows(base: Problem, probe: Problem, seed: int, cases: tuple, out_dtype: Any = BF16) -> list[np.ndarray]:
     """The emulated output row of ``probe``'s token for each (T, position, routing of the others, knobs) case: the
-    token at that position among T - 1 other tokens, on ``base``'s weights (uint16 bits)."""
+    token at that position among T - 1 other tokens, on ``base``'s weights (its bits: uint16 for bf16, uint32 for
+    float32 out -- FP32 shows the sum orders that the bf16 rounding may hide)."""
     rows = []
     for tokens, position, routing, knobs in cases:
         others = make_problem(base.shape, tokens, seed=seed + 2 + tokens, routing=routing)
         x, ids, wts = others.x.copy(), others.topk_ids.copy(), others.topk_weights.copy()
         x[position], ids[position], wts[position] = probe.x[0], probe.topk_ids[0], probe.topk_weights[0]
         batch = Problem(base.shape, tokens, seed, "fixed", x, base.w13, base.w2, ids, wts)
-        rows.append(_emulate(batch, **knobs)["out"][position].view(np.uint16))
+        row = _emulate(batch, out_dtype=out_dtype, **knobs)["out"][position]
+        rows.append(row.view(np.uint32 if np.dtype(out_dtype) == np.float32 else np.uint16))
     return rows
 
 
@@ -999,11 +1016,37 @@ def test_grouped_tensor_core_path_is_batch_invariant_emulated(rng: np.random.Gen
     probe = make_problem(shape, 1, seed=seed + 1)
     rows = _probe_rows(base, probe, seed, ((1, 0, "uniform", wdb.GROUPED_KNOBS), (3, 1, "uniform", wdb.GROUPED_KNOBS),
                                            (8, 5, "same", wdb.GROUPED_KNOBS), (16, 11, "zipf", wdb.GROUPED_KNOBS),
-                                           (1, 0, "uniform", wdb.PER_PAIR_KNOBS), (5, 3, "zipf", wdb.PER_PAIR_KNOBS)))
+                                           (1, 0, "uniform", wdb.PER_PAIR_KNOBS), (5, 3, "zipf", wdb.PER_PAIR_KNOBS)),
+                       out_dtype=np.float32)
     assert wdb.resolve_params(Dims(16, shape.hidden, shape.intermediate, shape.experts, shape.top_k),
                               **wdb.GROUPED_KNOBS)["GB_NBLK"] == 2  # the 16-token batch runs 16-pair tiles
     for row in rows[1:]:  # the per-pair path (no lists, a token per down block) gives the grouped path's bits
         assert np.array_equal(row, rows[0])
+
+
+@pytest.mark.slow
+def test_down_split_forms_agree_and_are_batch_invariant_emulated(rng: np.random.Generator) -> None:
+    """DB_KSPLIT: each pair's down dot over I cut into fixed ranges, added in range order, then weighted. The grouped
+    down running the ranges in turn and the per-pair down giving each (slot, range) a warp (partials through shared
+    memory) give a probe token the same bits alone and in any batch, and stay at the reference's distance; at
+    I = 136 (17 chunks) 2 ranges are 12 and 5 chunks long, 3 ranges 8, 8 and 1."""
+    shape = MULTI_SHAPE
+    seed = _seed(rng)
+    base = make_problem(shape, 16, seed=seed)
+    probe = make_problem(shape, 1, seed=seed + 1)
+    for split in (2, 3):
+        grouped = {**wdb.GROUPED_KNOBS, "DB_KSPLIT": split}
+        pairs = {**wdb.PER_PAIR_KNOBS, "DB_KSPLIT": split}
+        rows = _probe_rows(base, probe, seed, ((1, 0, "uniform", pairs), (16, 11, "zipf", grouped),
+                                               (3, 1, "same", grouped), (5, 3, "zipf", pairs)), out_dtype=np.float32)
+        for row in rows[1:]:
+            assert np.array_equal(row, rows[0]), split
+        alone = Problem(shape, 1, seed, "fixed", probe.x, base.w13, base.w2, probe.topk_ids, probe.topk_weights)
+        _assert_matches(rows[0].view(np.float32)[None], moe_decode(*alone.arrays, mode="warp_decode",
+                                                                   out_dtype=np.float32),
+                        moe_decode(*alone.arrays, mode="fp64"), f"DB_KSPLIT {split}", own_order=True)
+    one_chain = _probe_rows(base, probe, seed, ((1, 0, "uniform", wdb.PER_PAIR_KNOBS),), out_dtype=np.float32)[0]
+    assert not np.array_equal(one_chain, rows[0]), "the split ranges should show in FP32 (else this test is blind)"
 
 
 @pytest.mark.slow
@@ -1019,11 +1062,12 @@ def test_split_k_forms_agree_and_are_batch_invariant_emulated(rng: np.random.Gen
     grouped = {**wdb.GROUPED_KNOBS, "GB_KSPLIT": 4}
     pairs = {**wdb.PER_PAIR_KNOBS, "GB_KSPLIT": 4, "GB_WARPS": 4}
     rows = _probe_rows(base, probe, seed, ((1, 0, "uniform", pairs), (16, 11, "zipf", grouped),
-                                           (3, 1, "uniform", grouped), (5, 3, "zipf", pairs)))
+                                           (3, 1, "uniform", grouped), (5, 3, "zipf", pairs)), out_dtype=np.float32)
     for row in rows[1:]:
         assert np.array_equal(row, rows[0])
     alone = Problem(shape, 1, seed, "fixed", probe.x, base.w13, base.w2, probe.topk_ids, probe.topk_weights)
-    _assert_matches(rows[0].view(BF16)[None], moe_decode(*alone.arrays, mode="warp_decode"),
+    _assert_matches(rows[0].view(np.float32)[None], moe_decode(*alone.arrays, mode="warp_decode",
+                                                               out_dtype=np.float32),
                     moe_decode(*alone.arrays, mode="fp64"), "GB_KSPLIT 4", own_order=True)
     # the order itself, where it shows: x = 1 and a neuron whose 3 ranges sum to 2^26, -2^26 and 1 -- in range
     # order (2^26 - 2^26) + 1 = 1, in any other 0 (1 - 2^26 rounds to -2^26); one chain over H gives 1 as well
