@@ -265,6 +265,10 @@ DEFAULTS: dict[str, int] = {
 AUTO_KNOBS = ("GU_UNROLL", "GU_CHUNK", "DN_SLOTS", "DN_CHUNK", "DN_MIN_BLOCKS")
 LIMITS = {"GU_WARPS": (1, 32), "DN_WARPS": (1, 32), "GU_UNROLL": (0, 16), "DN_UNROLL": (1, 16), "DN_SLOTS": (0, 32),
           "DN_MIN_BLOCKS": (0, 32), "GU_CHUNK": (0, 16), "DN_CHUNK": (0, 16), "PDL": (0, 1)}
+# The one spill the library accepts: the 8-slot down under its 128-register cap stores <= 128 bytes (L1-resident),
+# measured 10 % faster than uncapped at 142 registers (results/sweep-2026-12-01-strict-fp8-down-*.json); tests and
+# the bench's CPU check hold every other kernel to none.
+ACCEPTED_SPILL_BYTES = {DOWN: 128}
 # down warps (one per output) in one wave at 128 registers: 16 per SM x 132 SMs on the H200, as the bf16 down's rule
 ONE_WAVE_DOWN_WARPS = 2048
 DOWN_WARPS_PER_SM = 16

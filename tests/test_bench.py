@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kernels import warp_decode_fp8 as wdf
 from kernels.contract import BF16
 from kernels.routing import make_routing
 from kernels.shapes import get_shape
@@ -212,7 +213,9 @@ def test_cpu_path_end_to_end(tmp_path):
     kernels = {(row["variant"], row["kernel"]) for row in cpu["compile"]}
     assert ("numba:warp-decode", "moe_down_3d_batched") in kernels
     assert ("cupy:warp-decode", "moe_gate_up_3d_batched") in kernels
-    assert all(not row["error"] and row["spill_stores"] == 0 for row in cpu["compile"])
+    accepted = {("cupy:warp-decode-fp8", kernel): size for kernel, size in wdf.ACCEPTED_SPILL_BYTES.items()}
+    assert all(not row["error"] and row["spill_stores"] <= accepted.get((row["variant"], row["kernel"]), 0)
+               for row in cpu["compile"]), [row for row in cpu["compile"] if row["spill_stores"]]
     assert len(kernels) == len(cpu["compile"])  # one line per kernel
     rendered = _run("-m", "tools.report", str(out))
     assert rendered.returncode == 0 and "NO TIMING TAKEN" in rendered.stdout

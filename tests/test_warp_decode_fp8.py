@@ -156,7 +156,8 @@ def test_offline_compile_without_spills() -> None:
     qwen30_t1 = Dims(1, 2048, 768, 128, 8)
     assert wdf.FAMILY.resolve(qwen30_t1)["DN_SLOTS"] == 8 and wdf.FAMILY.resolve(qwen30_t1)["DN_MIN_BLOCKS"] == 4
     for knobs, spill_limit in (({}, 0), ({"GU_UNROLL": 8, "DN_SLOTS": 8, "DN_UNROLL": 1, "DN_MIN_BLOCKS": 1}, 0),
-                               ({"GU_UNROLL": 1, "DN_SLOTS": 1}, 0), ({"DN_SLOTS": 8}, 128),
+                               ({"GU_UNROLL": 1, "DN_SLOTS": 1}, 0),
+                               ({"DN_SLOTS": 8}, wdf.ACCEPTED_SPILL_BYTES[wdf.DOWN]),
                                ({"GU_CHUNK": 16, "DN_CHUNK": 16, "DN_SLOTS": 4}, 0)):
         reports = offline_report(wdf.SOURCE, **wdf.FAMILY.resolve(None, **knobs))
         assert {r.kernel for r in reports} == {wdf.GATE_UP, wdf.DOWN}
