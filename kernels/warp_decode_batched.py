@@ -515,7 +515,8 @@ def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_we
 
 def _per_pair_stages(compiled: Compiled, x: Any, w13: Any, s13: Any, w2: Any, s2: Any, topk_ids: Any,
                      topk_weights: Any, out: Any) -> list[Stage]:
-    """PER_PAIR: gate_up one pair per block row, the down one block per (token, 16 rows) with a warp per slot."""
+    """PER_PAIR: gate_up one pair per block row, the down one block per (token, 16 rows) with a warp per (slot, k
+    range of DB_KSPLIT)."""
     params, d, ws = compiled.params, compiled.dims, compiled.workspace
     gate_up_k, down_k = (compiled.kernels[name] for name in PER_PAIR_KERNELS)
     i32 = np.int32
