@@ -97,6 +97,10 @@ class WeightFormat:
         weights: the bf16 slice). Override for formats whose whole-matrix :meth:`dequantize` would not fit."""
         return self.dequantize(weights, matrix)[expert]
 
+    def expert_here(self, weights: Any, expert: int, matrix: str) -> Any:
+        """:meth:`expert` where the weights live (NumPy or CuPy): what a device-side fp64 oracle widens."""
+        return self.expert(weights, expert, matrix)
+
 
 @dataclass(frozen=True)
 class Bf16(WeightFormat):
@@ -123,6 +127,9 @@ class Bf16(WeightFormat):
     def expert(self, weights: Any, expert: int, matrix: str = "") -> np.ndarray:
         return _host(weights)[expert]
 
+    def expert_here(self, weights: Any, expert: int, matrix: str = "") -> Any:
+        return weights[expert]
+
 
 def _as_bf16(weights: Any, name: str) -> Any:
     dtype = getattr(weights, "dtype", None)
@@ -134,6 +141,7 @@ def _as_bf16(weights: Any, name: str) -> Any:
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 BLOCK = 128  # rows and columns of an fp8-block128 scale block
+E4M3_VALUES = np.arange(256, dtype=np.uint8).view(FP8).astype(np.float32)  # each bit pattern's value (exact)
 
 
 def _blocks(n: int) -> int:
@@ -155,12 +163,13 @@ def quantize_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return values, scales
 
 
-def dequantize_blocks(values: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """float32 [R, C] of e4m3fn ``values`` (or their uint8 bit patterns) times each one's block scale (a float32
-    multiply, what the kernels do)."""
-    vals = values.view(FP8) if values.dtype == np.uint8 else values
-    expanded = np.repeat(np.repeat(scales, BLOCK, axis=0), BLOCK, axis=1)[: vals.shape[0], : vals.shape[1]]
-    return vals.astype(np.float32) * expanded
+def dequantize_blocks(values: Any, scales: Any) -> Any:
+    """float32 [R, C] of e4m3fn ``values`` (or their uint8 bit patterns: NumPy or CuPy, which has no float8 dtype)
+    times each one's block scale (a float32 multiply, what the kernels do), where the arrays live."""
+    xp = array_module(values)
+    vals = xp.asarray(E4M3_VALUES)[values] if values.dtype == np.uint8 else values.astype(np.float32)
+    expanded = xp.repeat(xp.repeat(scales, BLOCK, axis=0), BLOCK, axis=1)[: vals.shape[0], : vals.shape[1]]
+    return vals * expanded
 
 
 @dataclass(frozen=True)
@@ -216,13 +225,16 @@ class Fp8Block128(WeightFormat):
     def expert(self, weights: Any, expert: int, matrix: str) -> np.ndarray:
         return self._expert(self.host(weights), expert, matrix)
 
+    def expert_here(self, weights: Any, expert: int, matrix: str) -> Any:
+        return self._expert(weights, expert, matrix)
+
     @staticmethod
-    def _expert(weights: Quantized, expert: int, matrix: str) -> np.ndarray:
+    def _expert(weights: Quantized, expert: int, matrix: str) -> Any:
         values, scales = weights.values[expert], weights.scales[expert]
         if matrix == "w13":  # gate's block rows, then up's (a partial last gate block holds gate rows only)
             rows, half = values.shape[0] // 2, scales.shape[0] // 2
-            return np.concatenate([dequantize_blocks(values[:rows], scales[:half]),
-                                   dequantize_blocks(values[rows:], scales[half:])])
+            return array_module(values).concatenate([dequantize_blocks(values[:rows], scales[:half]),
+                                                     dequantize_blocks(values[rows:], scales[half:])])
         if matrix != "w2":
             raise ValueError(f"matrix must be 'w13' or 'w2', got {matrix!r}")
         return dequantize_blocks(values, scales)

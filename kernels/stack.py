@@ -117,26 +117,28 @@ def _widen64(arr: Any, xp: Any) -> Any:
     return arr.astype(xp.float64)
 
 
-def moe_fp64(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any) -> Any:
+def moe_fp64(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, weight_format: str = "bf16") -> Any:
     """fp64 oracle of one MoE layer: every product and sum in float64; returns [T, H] float64.
 
     Unlike ``reference.moe_decode`` it takes activations and routing weights of any float dtype (bf16,
-    float32, float64), and runs on NumPy or CuPy (whichever owns ``x``; ``topk_ids`` is read on the host).
+    float32, float64), and runs on NumPy or CuPy (whichever owns ``x``; ``topk_ids`` is read on the host); weights
+    in ``weight_format`` are dequantized one expert at a time where they live.
     """
+    fmt = get_format(weight_format)
     xp = array_module(x)
     ids = topk_ids.get() if hasattr(topk_ids, "get") and not isinstance(topk_ids, np.ndarray) else topk_ids
     ids = np.asarray(ids)
     T, H = (int(d) for d in x.shape)
     K = int(ids.shape[1])
-    I = int(w13.shape[1]) // 2
+    I = int(getattr(w13, "values", w13).shape[1]) // 2  # a Quantized holds its values in the layout
     xs = _widen64(x, xp)
     per_pair = xp.empty((T * K, H), xp.float64)
     for expert, pairs in expert_groups(ids):
         rows = xp.asarray(pairs)
-        gate_up = xs[rows // K] @ _widen64(w13[expert], xp).T
+        gate_up = xs[rows // K] @ _widen64(fmt.expert_here(w13, expert, "w13"), xp).T
         gate, up = gate_up[:, :I], gate_up[:, I:]
         hidden = gate / (1.0 + xp.exp(-gate)) * up
-        per_pair[rows] = hidden @ _widen64(w2[expert], xp).T
+        per_pair[rows] = hidden @ _widen64(fmt.expert_here(w2, expert, "w2"), xp).T
     per_pair = per_pair.reshape(T, K, H)
     weights = xp.asarray(topk_weights).astype(xp.float64)
     out = xp.zeros((T, H), xp.float64)

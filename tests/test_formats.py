@@ -171,6 +171,16 @@ def test_fp8_block128_quantizes_block_by_block(rng: np.random.Generator) -> None
     assert 8 * FP8_BLOCK.expert_bytes(2048, 768) == 37_757_952  # T = 1 reads 8 experts: 37.8 MB
 
 
+def test_fp8_dequantize_reads_bit_patterns_by_lookup(rng: np.random.Generator) -> None:
+    """The uint8 bit patterns (CuPy's view of e4m3fn) dequantize through the value table exactly as the float8
+    values do, NaN patterns included."""
+    from kernels.formats import FP8, dequantize_blocks
+
+    values = rng.integers(0, 256, (130, 260), dtype=np.uint8)
+    scales = rng.uniform(0.5, 2.0, (2, 3)).astype(np.float32)
+    np.testing.assert_array_equal(dequantize_blocks(values, scales), dequantize_blocks(values.view(FP8), scales))
+
+
 def test_fp8_block128_keeps_gate_and_up_apart() -> None:
     """A partial last gate block (I = 200) is scaled by gate rows only; a zero block gets scale 1 and zeros."""
     w13 = np.zeros((1, 400, 128), np.float32)

@@ -44,6 +44,22 @@ def test_moe_fp64_takes_fp64_activations_and_weights():
     )
 
 
+def test_moe_fp64_on_fp8_weights_is_the_reference_oracle_on_them():
+    """weight_format="fp8-block128": each expert dequantized where the weights live -- the uint8 bit patterns the
+    device holds too (a table lookup, what runs on CuPy) -- gives the reference's fp64 oracle on those weights."""
+    from kernels.formats import Quantized, quantize_weights
+
+    problem = make_problem(ODD.with_(hidden=136, intermediate=200), 4, seed=7)  # partial blocks at both edges
+    q13, q2 = quantize_weights(problem.w13, problem.w2, "fp8-block128")
+    bits = tuple(Quantized(q.values.view(np.uint8), q.scales) for q in (q13, q2))
+    args = (problem.x, q13, q2, problem.topk_ids, problem.topk_weights)
+    ref = moe_decode(*args, mode="fp64", weight_format="fp8-block128")
+    for w13, w2 in ((q13, q2), bits):
+        ours = moe_fp64(problem.x, w13, w2, problem.topk_ids, problem.topk_weights, weight_format="fp8-block128")
+        np.testing.assert_allclose(ours, ref, rtol=1e-13, atol=1e-13)
+    assert rel_l2(moe_fp64(*problem.arrays), ref) > 1e-3  # the format's own error: the oracles differ
+
+
 def test_sparse_problem_is_the_full_problem_restricted_to_touched_experts():
     shape = ODD
     problem = sparse_problem(shape, 4, seed=5)

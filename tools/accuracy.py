@@ -457,9 +457,11 @@ def measure_layer(
                                                   variant.name if variant is not None else f"reference:{path}",
                                                   {"hidden": shape.hidden, "intermediate": shape.intermediate,
                                                    "experts": shape.experts}, weight_format=fmt.name)
+    # with every quantized row from a kernel, the GPU also computes their fp64 oracle (no host copy of the experts)
+    device_oracle = runner is not None and all((format_kernels or {}).get(p) is not None for p in format_paths)
     for seed in seeds:
         cache: dict[int, Any] = {}  # experts of this seed, shared by every T (CPU path)
-        weights = problem = host = None  # drop the last seed's GPU weights before generating the next
+        weights = problem = host = quantized_weights = None  # drop the last seed's GPU weights first
         for T in batch:
             if runner is not None:
                 import cupy
@@ -488,12 +490,18 @@ def measure_layer(
                 if fmt_name == "bf16":
                     outputs[path] = runner(variant, problem)  # type: ignore[misc]
             _record(cells, T, seed, outputs, oracle)
-            if quantized:
+            if quantized and device_oracle:
+                if quantized_weights is None:  # the seed's weights in the format, on the device, once
+                    quantized_weights = fmt.quantize(problem.w13, problem.w2)
+                q_oracle = _host(moe_fp64(problem.x, *quantized_weights, problem.topk_ids, problem.topk_weights,
+                                          weight_format=fmt.name))
+            elif quantized:
                 if host is None:
                     host = problem.compact()
                 x, w13, w2, ids, wts = host.arrays
                 q13, q2 = fmt.quantize(w13, w2)  # bitwise the device quantization the kernels' runner does
                 q_oracle = moe_decode(x, q13, q2, ids, wts, mode="fp64", weight_format=fmt)
+            if quantized:
                 q_outputs = {}
                 for path in format_paths:
                     variant = (format_kernels or {}).get(path)
