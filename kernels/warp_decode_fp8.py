@@ -26,6 +26,7 @@ from kernels.device_helpers import FP8_HELPERS, PDL_HELPERS, WARP_HELPERS
 from kernels.family import Compiled, KernelFamily, Stage
 from kernels.formats import FP8_BLOCK128, Quantized
 from kernels.variants import register
+from kernels.warp_decode_cupy import ONE_WAVE_DOWN_WARPS
 
 GATE_UP = "moe_gate_up_fp8"
 DOWN = "moe_down_fp8"
@@ -269,8 +270,8 @@ LIMITS = {"GU_WARPS": (1, 32), "DN_WARPS": (1, 32), "GU_UNROLL": (0, 16), "DN_UN
 # measured 10 % faster than uncapped at 142 registers (results/sweep-2026-12-01-strict-fp8-down-*.json); tests and
 # the bench's CPU check hold every other kernel to none.
 ACCEPTED_SPILL_BYTES = {DOWN: 128}
-# down warps (one per output) in one wave at 128 registers: 16 per SM x 132 SMs on the H200, as the bf16 down's rule
-ONE_WAVE_DOWN_WARPS = 2048
+# down warps (one per output) in one wave: the bf16 down's figure (16 per SM x 132 SMs on the H200), which the
+# 128-register cap below keeps true for the FP8 down
 DOWN_WARPS_PER_SM = 16
 GU_VALUES_IN_FLIGHT = 32  # auto GU_UNROLL x GU_CHUNK: e4m3 values of each row in flight per lane
 
