@@ -90,8 +90,6 @@ DEFAULTS: dict[str, int] = {
     "GB_KSPLIT": 1,  # tensor-core gate_up: each dot's k chain in this many fixed ranges, partials added in order --
     # in one warp (tiles) or one warp per range (PER_PAIR: S x the warps at small T); the invariant pair's numerics
     # (GROUPED_KNOBS, PER_PAIR_KNOBS: INVARIANT_KSPLIT)
-    "DB_KSPLIT": 1,  # the grouped / per-pair tensor-core down: each pair's dot over I in this many fixed ranges, in
-    # order -- in one warp (grouped) or a warp per (slot, range) (PER_PAIR: K x S warps per block); not yet measured
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK", "DB_NBLK")
 MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pdl-*.json: 7-10 % over 8 at qwen3-30b)
@@ -108,7 +106,7 @@ LIMITS = {
     "DB_EARLY_INTER": (0, 1),
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (0, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
     "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "W_FP8": (0, 1),
-    "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8), "DB_KSPLIT": (1, 8),
+    "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8),
 }
 
 
@@ -263,12 +261,8 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
     if values["PER_PAIR"] and values["GB_WARPS"] % values["GB_KSPLIT"]:
         raise ValueError(f"PER_PAIR gives each of GB_KSPLIT k ranges a warp: GB_WARPS must be a multiple of "
                          f"GB_KSPLIT, got {values['GB_WARPS']} and {values['GB_KSPLIT']}")
-    if values["DB_KSPLIT"] > 1 and not (values["DB_GROUPED"] or values["PER_PAIR"]):
-        raise ValueError("DB_KSPLIT cuts the grouped or per-pair tensor-core down's k chains: it needs DB_GROUPED 1 "
-                         "or PER_PAIR 1")
-    if values["PER_PAIR"] and dims is not None and dims.top_k * values["DB_KSPLIT"] > 16:
-        raise ValueError(f"PER_PAIR gives each of a token's K slots DB_KSPLIT warps of one block: K x DB_KSPLIT <= "
-                         f"16, got {dims.top_k} x {values['DB_KSPLIT']}")
+    if values["PER_PAIR"] and dims is not None and dims.top_k > 16:
+        raise ValueError(f"PER_PAIR gives each of a token's K slots a warp of one block: K <= 16, got {dims.top_k}")
     if values["LIST_THREADS"] % 32:
         raise ValueError(f"LIST_THREADS must be a multiple of 32, got {values['LIST_THREADS']}")
     for key in ("GB_BYTES", "DB_BYTES"):
@@ -515,8 +509,7 @@ def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_we
 
 def _per_pair_stages(compiled: Compiled, x: Any, w13: Any, s13: Any, w2: Any, s2: Any, topk_ids: Any,
                      topk_weights: Any, out: Any) -> list[Stage]:
-    """PER_PAIR: gate_up one pair per block row, the down one block per (token, 16 rows) with a warp per (slot, k
-    range of DB_KSPLIT)."""
+    """PER_PAIR: gate_up one pair per block row, the down one block per (token, 16 rows) with a warp per slot."""
     params, d, ws = compiled.params, compiled.dims, compiled.workspace
     gate_up_k, down_k = (compiled.kernels[name] for name in PER_PAIR_KERNELS)
     i32 = np.int32
@@ -528,7 +521,7 @@ def _per_pair_stages(compiled: Compiled, x: Any, w13: Any, s13: Any, w2: Any, s2
                    i32(d.top_k), i32(d.tokens * d.top_k)), programmatic=programmatic)
 
     def down() -> None:
-        launch_ex(down_k, (down_blocks(d, params),), (32 * d.top_k * params["DB_KSPLIT"],),
+        launch_ex(down_k, (down_blocks(d, params),), (32 * d.top_k,),
                   (ws.intermediate, w2, s2, topk_ids, topk_weights, out, i32(1 if out.dtype == np.float32 else 0),
                    i32(d.tokens), i32(d.hidden), i32(d.intermediate), i32(d.experts), i32(d.top_k)),
                   programmatic=programmatic)

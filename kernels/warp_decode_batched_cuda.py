@@ -58,9 +58,6 @@ CODE = WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + r"""
 //   __fadd_rn). moe_gate_up_mma runs the ranges one after another in one warp; moe_gate_up_pair gives each range
 //   its own warp (GB_WARPS / S neuron groups per block) and adds the partials through shared memory -- the same
 //   bits either way, with S times the warps at small T. S = 1 is the single chain over H.
-//   DB_KSPLIT S (the grouped or per-pair tensor-core down): the same for each pair's dot over I --
-//   moe_down_grouped runs the ranges in turn, moe_down_token gives each (slot, range) its own warp (K x S warps,
-//   <= 16); each pair's dot is its ranges' partials in range order, then times its routing weight.
 static_assert(LIST_THREADS >= 32 && LIST_THREADS <= 1024 && LIST_THREADS % 32 == 0, "LIST_THREADS: 32..1024, x32");
 static_assert(LIST_PER >= 1 && LIST_PER <= 16, "LIST_PER must be 1..16");
 static_assert(GB_WARPS >= 1 && GB_WARPS <= 32 && DB_WARPS >= 1 && DB_WARPS <= 32, "WARPS must be 1..32");
@@ -84,8 +81,6 @@ static_assert(PER_PAIR == 0 || (PER_PAIR == 1 && GB_MMA == 1 && DB_MMA == 1 && P
 static_assert(GB_KSPLIT >= 1 && GB_KSPLIT <= 8 && (GB_KSPLIT == 1 || GB_MMA == 1),
               "GB_KSPLIT is 1..8 (above 1 it needs GB_MMA 1)");
 static_assert(PER_PAIR == 0 || GB_WARPS % GB_KSPLIT == 0, "PER_PAIR: GB_WARPS must be a multiple of GB_KSPLIT");
-static_assert(DB_KSPLIT >= 1 && DB_KSPLIT <= 8 && (DB_KSPLIT == 1 || DB_GROUPED == 1 || PER_PAIR == 1),
-              "DB_KSPLIT is 1..8 (above 1 it needs the grouped or the per-pair down)");
 #if W_FP8
 typedef unsigned char weight_t;                   // e4m3fn bytes
 #define GB_WBYTES (GB_BYTES / 2)                  // a weight chunk holds the values of an activation chunk
@@ -783,16 +778,12 @@ __device__ __forceinline__ ARows w2_rows(const weight_t* w2, const float* s2, in
             scale_row(s2, (long long)e * hblocks + h_hi / FP8_BLOCK, iblocks)};
 }
 
-// Range r of SPLIT over `chunks` chunks of 8 values: whole 32-wide k blocks, ceil(chunks / SPLIT) rounded up to 4
-// chunks each (the last ranges may be short or empty); the row length alone fixes it. k_range: gate_up's (over H).
-template <int SPLIT>
-__device__ __forceinline__ void split_range(int chunks, int r, int& begin, int& end) {
-    const int size = ((chunks + SPLIT - 1) / SPLIT + 3) / 4 * 4;
+// Range r of GB_KSPLIT over `chunks` chunks of 8 values: whole 32-wide k blocks, ceil(chunks / GB_KSPLIT) rounded
+// up to 4 chunks each (the last ranges may be short or empty); H alone fixes it.
+__device__ __forceinline__ void k_range(int chunks, int r, int& begin, int& end) {
+    const int size = ((chunks + GB_KSPLIT - 1) / GB_KSPLIT + 3) / 4 * 4;
     begin = min(r * size, chunks);
     end = min(begin + size, chunks);
-}
-__device__ __forceinline__ void k_range(int chunks, int r, int& begin, int& end) {
-    split_range<GB_KSPLIT>(chunks, r, begin, end);
 }
 
 // A warp's k range (chunks c_begin .. c_end - 1, c_begin a multiple of 4), shared by both tensor-core kernels:
@@ -1156,25 +1147,8 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
                 inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
             }
             float acc[DB_NBLK][4];
-#if DB_KSPLIT == 1
             mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi,
                                                           inter_row, 0, chunks, q, waited);
-#else
-            int k_begin, k_end;
-            split_range<DB_KSPLIT>(chunks, 0, k_begin, k_end);
-            mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi,
-                                                          inter_row, k_begin, k_end, q, waited);
-            for (int r = 1; r < DB_KSPLIT; ++r) {                    // the next ranges, added in range order
-                float part[DB_NBLK][4];
-                split_range<DB_KSPLIT>(chunks, r, k_begin, k_end);
-                mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(part, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi,
-                                                              inter_row, k_begin, k_end, q, waited);
-                #pragma unroll
-                for (int nb = 0; nb < DB_NBLK; ++nb)
-                    #pragma unroll
-                    for (int v = 0; v < 4; ++v) acc[nb][v] = __fadd_rn(acc[nb][v], part[nb][v]);
-            }
-#endif
             #pragma unroll
             for (int nb = 0; nb < DB_NBLK; ++nb)
                 #pragma unroll
@@ -1317,14 +1291,13 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
 }
 
 // ------------------------------------------------------------------------------------------------
-// moe_down_token (PER_PAIR): block b owns token t = b / per_token and hidden rows h0 .. h0+15; its K x DB_KSPLIT
-//   warps (warp w: slot w / DB_KSPLIT, range w % DB_KSPLIT of I) run the grouped down's mma chain for the pair
-//   (t, k) (its intermediate row in every column) and keep column 0 in shared memory; thread r < 16 then adds each
-//   slot's ranges in range order, times the slot's routing weight, and sums the K rows in slot order from 0.0f,
-//   rounding once -- moe_down_grouped + moe_sum_slots' numerics. A token with a bad id gets NaN and reads no
+// moe_down_token (PER_PAIR): block b owns token t = b / per_token and hidden rows h0 .. h0+15; its K warps (one per
+//   slot) run the grouped down's mma chain over all of I for the pair (t, k) (its intermediate row in every column)
+//   and keep topk_weight * dot of column 0 in shared memory; thread r < 16 then sums the K rows in slot order from
+//   0.0f and rounds once -- moe_down_grouped + moe_sum_slots' numerics. A token with a bad id gets NaN and reads no
 //   weight of that slot.
 // ------------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K x DB_KSPLIT <= 16 warps: <= 128 registers
+extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K <= 16 warps: <= 128 registers
     const bf16_t* __restrict__ intermediate,  // [T, K, I]
     const weight_t* __restrict__ w2,          // [E, H, I]
     const float* __restrict__ s2,             // W_FP8: [E, ceil(H/128), ceil(I/128)]
@@ -1333,8 +1306,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K x DB
     void* __restrict__ out,                   // [T, H] bf16, or float32 when out_f32
     int out_f32, int tokens, int hidden, int inter, int experts, int top_k)
 {
-    __shared__ float rows[16][16];                                   // [warp][row]: the (weighted) dots
-    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, w = threadIdx.x >> 5, k = w / DB_KSPLIT;
+    __shared__ float rows[16][16];                                   // [slot][row]: the weighted dots
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, k = threadIdx.x >> 5;
     const int per_token = (hidden + 15) / 16;
     const int t = blockIdx.x / per_token;
     const int h0 = (blockIdx.x - t * per_token) * 16;
@@ -1350,7 +1323,6 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K x DB
         const uint4* inter_row[1] = {
             reinterpret_cast<const uint4*>(intermediate + ((long long)t * top_k + k) * inter)};
         float acc[1][4];
-#if DB_KSPLIT == 1
         mma_rows_by_columns<DB_UNROLL, 1, true>(acc, a.lo, a.hi, a.scale_lo, a.scale_hi, inter_row, 0, inter / 8, q,
                                                 waited);
         if (q == 0) {                                                // column 0: rows g, g + 8 of the pair
@@ -1358,16 +1330,6 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K x DB
             rows[k][g] = __fmul_rn(weight, acc[0][0]);
             rows[k][g + 8] = __fmul_rn(weight, acc[0][2]);
         }
-#else
-        int k_begin, k_end;
-        split_range<DB_KSPLIT>(inter / 8, w % DB_KSPLIT, k_begin, k_end);
-        mma_rows_by_columns<DB_UNROLL, 1, true>(acc, a.lo, a.hi, a.scale_lo, a.scale_hi, inter_row, k_begin, k_end, q,
-                                                waited);
-        if (q == 0) {                                                // column 0: this range's part of rows g, g + 8
-            rows[w][g] = acc[0][0];
-            rows[w][g + 8] = acc[0][2];
-        }
-#endif
     }
     down_epilogue_wait();  // warps that never waited (a bad slot, or DB_EARLY_W2 off) before out is written
     __syncthreads();
@@ -1376,13 +1338,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K x DB
         bool token_bad = false;
         for (int s = 0; s < top_k; ++s) {                            // slot order, as moe_sum_slots
             token_bad |= (unsigned)__ldg(topk_ids + (long long)t * top_k + s) >= (unsigned)experts;
-#if DB_KSPLIT == 1
             v = __fadd_rn(v, rows[s][threadIdx.x]);
-#else
-            float dot = rows[s * DB_KSPLIT][threadIdx.x];
-            for (int r = 1; r < DB_KSPLIT; ++r) dot = __fadd_rn(dot, rows[s * DB_KSPLIT + r][threadIdx.x]);
-            v = __fadd_rn(v, __fmul_rn(__ldg(topk_weights + (long long)t * top_k + s), dot));
-#endif
         }
         store_output(out, out_f32, (long long)t * hidden + h0 + threadIdx.x,
                      token_bad ? __int_as_float(0x7fc00000) : v);

@@ -22,6 +22,8 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_sanitizer_ncu
 * ``new``    the batch-invariant pair (per-pair and grouped) in bf16 under skewed routings, compared with the
              references (added 2026-12-01); ``new-odd`` its two odd shapes only (the qwen3-30b case outlasts
              racecheck's time limit).
+* ``fp8-mma-t32`` / ``fp8-strict-t1`` the tensor-core FP8 path at qwen3-30b-a3b T = 32 / strict FP8 at T = 1,
+             uniform routing: 2 layers (the profiler takes the second; added 2026-12-02, for where FP8 time goes).
 * ``fp8-chunks`` strict FP8 at 16-value chunks (and 8 slots at 16-value gate_up chunks) on a shape with partial
              scale blocks at both edges and at qwen3-30b-a3b T = 2 (added 2026-12-01 late).
 """
@@ -151,6 +153,19 @@ def fp8_chunks() -> None:
                          **knobs)
 
 
+def fp8_layers(name: str, model: str, tokens: int, count: int = 2) -> None:
+    from kernels.formats import quantize_weights
+
+    problem = make_problem(model, tokens, seed=8, xp=cupy)
+    weights = quantize_weights(problem.w13, problem.w2, "fp8-block128")
+    launch = get_variant(name).make(_dims(problem))
+    out = _poisoned_out(cupy, tokens, problem.shape.hidden)
+    for _ in range(count):
+        launch(problem.x, *weights, problem.topk_ids, problem.topk_weights, out)  # type: ignore[attr-defined]
+    cupy.cuda.runtime.deviceSynchronize()
+    print("ran", name, model, tokens, flush=True)
+
+
 def new(odd_only: bool = False) -> None:
     cases = ((ODD_SHAPES["h264-i40"], 9, "same"), (ODD_SHAPES["h2880-i264"], 37, "zipf"),
              ("qwen3-30b-a3b", 24, "zipf-2"))
@@ -190,9 +205,14 @@ if __name__ == "__main__":
         fp8()
     elif what == "fp8-chunks":
         fp8_chunks()
+    elif what == "fp8-mma-t32":
+        fp8_layers("cupy:warp-decode-mma-fp8", "qwen3-30b-a3b", 32)
+    elif what == "fp8-strict-t1":
+        fp8_layers("cupy:warp-decode-fp8", "qwen3-30b-a3b", 1)
     elif what == "new":
         new()
     elif what == "new-odd":
         new(odd_only=True)
     else:
-        raise SystemExit(f"unknown workload {what!r}: small, skew, t64, zipf64, t1, fp8, fp8-chunks, new or new-odd")
+        raise SystemExit(f"unknown workload {what!r}: small, skew, t64, zipf64, t1, fp8, fp8-chunks, fp8-mma-t32, "
+                         "fp8-strict-t1, new or new-odd")

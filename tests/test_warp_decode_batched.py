@@ -128,9 +128,6 @@ BAD_KNOBS = [  # (dims, knobs, error, message)
     (QWEN30_T8, {"GB_KSPLIT": 2}, ValueError, "GB_KSPLIT cuts the tensor-core gate_up"),
     (QWEN30_T8, {**wdb.PER_PAIR_KNOBS, "GB_KSPLIT": 3, "GB_WARPS": 4}, ValueError, "multiple of GB_KSPLIT"),
     (QWEN30_T8, {"GB_MMA": 1, "GB_KSPLIT": 9}, ValueError, "GB_KSPLIT"),
-    (QWEN30_T8, {**wdb.MMA_KNOBS, "DB_GROUPED": 0, "DB_KSPLIT": 2}, ValueError, "DB_KSPLIT cuts the grouped"),
-    (QWEN30_T8, {**wdb.PER_PAIR_KNOBS, "DB_KSPLIT": 4}, ValueError, "K x DB_KSPLIT <= 16, got 8 x 4"),
-    (QWEN30_T8, {**wdb.GROUPED_KNOBS, "DB_KSPLIT": 9}, ValueError, "DB_KSPLIT"),
 ]
 
 
@@ -221,18 +218,6 @@ def test_offline_compile_defaults_and_presets_without_spills(which: str) -> None
             assert r.spills == 0 and r.stack_bytes == 0, (params, r)
             cap = params.get("DB_MAX_REGS" if "down" in r.kernel else "GB_MAX_REGS", 0)
             assert r.registers <= max(128, cap), (params, r)  # 128, or a knob set's own higher cap (FP8's down)
-
-
-def test_down_split_knob_sets_compile_without_spills() -> None:
-    """DB_KSPLIT 2 (prototypes/invariant_down_ksplit.py) in both invariant forms, bf16 and FP8, at qwen3-30b-a3b:
-    sm_90, zero spills, the per-pair down within its 512-thread block's 128 registers."""
-    from kernels.compile import offline_report
-
-    for knobs in (wdb.PER_PAIR_KNOBS, wdb.GROUPED_KNOBS):
-        for fp8 in (0, 1):
-            params = wdb.resolve_params(Dims(2, 2048, 768, 128, 8), **knobs, DB_KSPLIT=2, W_FP8=fp8)
-            for r in offline_report(wdb.SOURCE, **params):
-                assert r.spills == 0 and r.stack_bytes == 0 and r.registers <= 128, (knobs, fp8, r)
 
 
 @pytest.mark.slow
@@ -401,7 +386,7 @@ int main(int argc, char** argv) {
     (void)slots;
     launch(gu_blocks, GB_WARPS * 32,
            [&] { moe_gate_up_pair(x.data(), w13.data(), s13, ids.data(), inter.data(), H, I, E, K, T * K); });
-    launch(dn_blocks, 32 * K * DB_KSPLIT, [&] {
+    launch(dn_blocks, 32 * K, [&] {
         moe_down_token(inter.data(), w2.data(), s2, ids.data(), wts.data(), out.data(), f32, T, H, I, E, K);
     });
 #else
@@ -1022,33 +1007,6 @@ def test_grouped_tensor_core_path_is_batch_invariant_emulated(rng: np.random.Gen
                               **wdb.GROUPED_KNOBS)["GB_NBLK"] == 2  # the 16-token batch runs 16-pair tiles
     for row in rows[1:]:  # the per-pair path (no lists, a token per down block) gives the grouped path's bits
         assert np.array_equal(row, rows[0])
-
-
-@pytest.mark.slow
-def test_down_split_forms_agree_and_are_batch_invariant_emulated(rng: np.random.Generator) -> None:
-    """DB_KSPLIT: each pair's down dot over I cut into fixed ranges, added in range order, then weighted. The grouped
-    down running the ranges in turn and the per-pair down giving each (slot, range) a warp (partials through shared
-    memory) give a probe token the same bits alone and in any batch, and stay at the reference's distance; at
-    I = 136 (17 chunks) 2 ranges are 12 and 5 chunks long, 3 ranges 8, 8 and 1."""
-    shape = MULTI_SHAPE
-    seed = _seed(rng)
-    base = make_problem(shape, 16, seed=seed)
-    probe = make_problem(shape, 1, seed=seed + 1)
-    for split, cases in ((2, ((1, 0, "uniform"), (16, 11, "zipf"), (3, 1, "same"), (5, 3, "zipf"))),
-                         (3, ((1, 0, "uniform"), (16, 11, "zipf")))):
-        grouped = {**wdb.GROUPED_KNOBS, "DB_KSPLIT": split}
-        pairs = {**wdb.PER_PAIR_KNOBS, "DB_KSPLIT": split}
-        forms = (pairs, grouped, grouped, pairs)  # the probe alone and in small batches per-pair, as the policy runs
-        rows = _probe_rows(base, probe, seed, tuple((*case, knobs) for case, knobs in zip(cases, forms, strict=False)),
-                           out_dtype=np.float32)
-        for row in rows[1:]:
-            assert np.array_equal(row, rows[0]), split
-        alone = Problem(shape, 1, seed, "fixed", probe.x, base.w13, base.w2, probe.topk_ids, probe.topk_weights)
-        _assert_matches(rows[0].view(np.float32)[None], moe_decode(*alone.arrays, mode="warp_decode",
-                                                                   out_dtype=np.float32),
-                        moe_decode(*alone.arrays, mode="fp64"), f"DB_KSPLIT {split}", own_order=True)
-    one_chain = _probe_rows(base, probe, seed, ((1, 0, "uniform", wdb.PER_PAIR_KNOBS),), out_dtype=np.float32)[0]
-    assert not np.array_equal(one_chain, rows[0]), "the split ranges should show in FP32 (else this test is blind)"
 
 
 @pytest.mark.slow
