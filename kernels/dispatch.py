@@ -78,16 +78,18 @@ FP8 = FP8_BLOCK128.name
 FP8_STRICT = "cupy:warp-decode-fp8"
 FP8_BATCHED = "cupy:warp-decode-batched-fp8"
 FP8_MMA = "cupy:warp-decode-mma-fp8"
-FP8_CANDIDATES = (FP8_STRICT, FP8_BATCHED, FP8_MMA)
 MMA_GROUPED = "cupy:warp-decode-mma-grouped"
 MMA_PAIRS = "cupy:warp-decode-mma-pairs"
 FP8_MMA_GROUPED = "cupy:warp-decode-mma-grouped-fp8"
 FP8_MMA_PAIRS = "cupy:warp-decode-mma-pairs-fp8"
+# on FP8 weights the per-pair tensor-core form is a candidate too: it beats strict FP8 from qwen3-235b T = 1 and
+# qwen3-30b T = 2 (H200, results/sweep-2026-12-02-mma-pairs-fp8-*.json)
+FP8_CANDIDATES = (FP8_STRICT, FP8_BATCHED, FP8_MMA, FP8_MMA_PAIRS)
 MMA_KNOBS = wdb.MMA_KNOBS  # the batched module's tensor-core kernels (the MMA variant's params)
 BATCHED_KNOBS = {BATCHED: {}, MIXED: wdb.MIXED_KNOBS, MMA: wdb.MMA_KNOBS,  # the batched-module paths
                  FP8_BATCHED: wdb.FP8_KNOBS, FP8_MMA: wdb.MMA_FP8_KNOBS,
                  MMA_GROUPED: wdb.GROUPED_KNOBS, MMA_PAIRS: wdb.PER_PAIR_KNOBS,
-                 FP8_MMA_GROUPED: {**wdb.GROUPED_KNOBS, "W_FP8": 1}, FP8_MMA_PAIRS: {**wdb.PER_PAIR_KNOBS, "W_FP8": 1}}
+                 FP8_MMA_GROUPED: wdb.FP8_GROUPED_KNOBS, FP8_MMA_PAIRS: wdb.FP8_PER_PAIR_KNOBS}
 FASTEST = "fastest"
 WARP_DECODE = "warp_decode"
 BATCH_INVARIANT = "batch_invariant"

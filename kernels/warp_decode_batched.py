@@ -90,13 +90,18 @@ DEFAULTS: dict[str, int] = {
     "GB_KSPLIT": 1,  # tensor-core gate_up: each dot's k chain in this many fixed ranges, partials added in order --
     # in one warp (tiles) or one warp per range (PER_PAIR: S x the warps at small T); the invariant pair's numerics
     # (GROUPED_KNOBS, PER_PAIR_KNOBS: INVARIANT_KSPLIT)
+    "FP8_LOAD16": 0,  # W_FP8 tensor-core kernels: 1 loads 16 e4m3 values per A row and lane per k step (16-byte
+    # loads, 64-wide k blocks; H and I multiples of 16), 0 loads 8 (8-byte loads, 32-wide k blocks); -1 = auto
+    # (auto_fp8_mma: 1 wherever it can run; the tensor-core knob sets use it)
+    "FP8_BLOCK_SUM": 0,  # W_FP8 tensor-core kernels: 1 sums a 128-wide scale block's k blocks in one FP32 partial
+    # before its scale multiplies it, 0 scales each k block's partial; -1 = auto (1 with W_FP8 on tensor cores)
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK", "DB_NBLK")
 MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pdl-*.json: 7-10 % over 8 at qwen3-30b)
 # ... and from T = MMA_WIDE_DOWN_FROM on: 24 warps under launch bounds alone (768 threads -> <= 85 registers each;
 # results/sweep-mma-dbwarps-*.json, sweep-split-mma24-30b.json; slower at qwen3-235b T=16, so not below 32)
 MMA_WIDE_DOWN_WARPS = 24
-MMA_UNROLL = 4  # auto GB_UNROLL / DB_UNROLL of the tensor-core kernels: 32-wide k blocks of loads in flight
+MMA_UNROLL = 4  # auto GB_UNROLL / DB_UNROLL of the tensor-core kernels: k blocks of loads in flight (DB: 2 at 64-wide)
 MMA_WIDE_DOWN_FROM = 32
 GROUPED_DOWN_WARPS = 4  # auto DB_WARPS of the grouped down: 4 warps x 16 rows of one tile per block, as gate_up's
 LIMITS = {
@@ -106,7 +111,7 @@ LIMITS = {
     "DB_EARLY_INTER": (0, 1),
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (0, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
     "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "W_FP8": (0, 1),
-    "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8),
+    "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8), "FP8_LOAD16": (-1, 1), "FP8_BLOCK_SUM": (-1, 1),
 }
 
 
@@ -134,6 +139,21 @@ def auto_nblk(dims: Dims) -> int:
     """The tensor-core gate_up's 8-pair blocks per pass: 2 once an expert averages 4 or more pairs (T*K/E >= 4,
     qwen3 T >= 64), else 1 (H200 sweeps: results/sweep-mma-30b-t64.json and the ones notes/ cite)."""
     return 2 if dims.tokens * dims.top_k >= 4 * dims.experts else 1
+
+
+def auto_fp8_mma(dims: Dims | None, values: dict[str, int]) -> None:
+    """FP8_LOAD16 and FP8_BLOCK_SUM where auto (-1): both 1 for FP8 weights on tensor cores (FP8_LOAD16 where H and
+    I are multiples of 16), else 0. H200, both models, T = 8 / 32 / 64 (results/sweep-2026-12-02-mma-fp8-load16-*.json):
+    16-value loads take the tensor-core FP8 path 11-15 % faster (qwen3-30b 95.4 / 188.8 / 240.5 -> 85.8 / 168.2 /
+    211.6 us, qwen3-235b 340.4 / 742.6 / 947.3 -> 302.7 / 649.7 / 804.8); the scale-block sums add 0-1.5 % there and
+    take the per-pair form from 21.6 to 20.6 us at qwen3-30b T = 1. A function of the dims alone, never of T: the
+    batch-invariant FP8 pair keeps one numerics."""
+    fp8_mma = bool(values["W_FP8"] and (values["GB_MMA"] or values["DB_MMA"]))
+    if values["FP8_LOAD16"] == -1:
+        fits = dims is None or (dims.hidden % 16 == 0 and dims.intermediate % 16 == 0)
+        values["FP8_LOAD16"] = int(fp8_mma and fits)
+    if values["FP8_BLOCK_SUM"] == -1:
+        values["FP8_BLOCK_SUM"] = int(fp8_mma)
 
 
 def auto_down_unroll(dims: Dims, params: dict[str, int]) -> int:
@@ -258,6 +278,14 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
                          "PAIR_TILES 0 and DB_GROUPED 0")
     if values["GB_KSPLIT"] > 1 and not values["GB_MMA"]:
         raise ValueError("GB_KSPLIT cuts the tensor-core gate_up's k chains: it needs GB_MMA 1")
+    auto_fp8_mma(dims, values)
+    for key in ("FP8_LOAD16", "FP8_BLOCK_SUM"):
+        if values[key] and not (values["W_FP8"] and (values["GB_MMA"] or values["DB_MMA"])):
+            raise ValueError(f"{key} shapes the tensor-core kernels' FP8 loads and scaling: it needs W_FP8 1 and "
+                             "GB_MMA or DB_MMA 1")
+    if values["FP8_LOAD16"] and dims is not None and (dims.hidden % 16 or dims.intermediate % 16):
+        raise ValueError(f"FP8_LOAD16 loads 16 e4m3 values per row and lane: H and I must be multiples of 16, got "
+                         f"H = {dims.hidden}, I = {dims.intermediate}")
     if values["PER_PAIR"] and values["GB_WARPS"] % values["GB_KSPLIT"]:
         raise ValueError(f"PER_PAIR gives each of GB_KSPLIT k ranges a warp: GB_WARPS must be a multiple of "
                          f"GB_KSPLIT, got {values['GB_WARPS']} and {values['GB_KSPLIT']}")
@@ -285,6 +313,8 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
     for kernel in ("GB", "DB"):  # the tensor-core kernels' rounds do not depend on the dims
         if values[f"{kernel}_UNROLL"] == 0 and values[f"{kernel}_MMA"]:
             values[f"{kernel}_UNROLL"] = MMA_UNROLL
+            if kernel == "DB" and values["FP8_LOAD16"]:  # 64-wide k blocks: half the rounds, the same bytes
+                values["DB_UNROLL"] = MMA_UNROLL // 2
     if values["DB_BALANCE"] == -1:
         values["DB_BALANCE"] = auto_balance(dims, values)
     if dims is None:
@@ -344,7 +374,7 @@ def max_tokens(top_k: int = 1, **params: Any) -> int:
 # first w2 loads before the PDL wait (results/sweep-batched-early-w2-*.json); DB_BALANCE -1: the balanced down runs
 # where auto_balance says (results/sweep-stage-*.json).
 MMA_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1, "PAIR_TILES": 1,  # both on tensor cores
-             "DB_GROUPED": -1, "DB_NBLK": 0}
+             "DB_GROUPED": -1, "DB_NBLK": 0, "FP8_LOAD16": -1, "FP8_BLOCK_SUM": -1}
 MIXED_KNOBS = {"DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1}  # FMA gate_up (bitwise strict's), tensor-core down
 # The batch-invariant pair (kernels.dispatch policy "batch_invariant"): the tensor-core path with the grouped down
 # at every T, and its per-pair form (no lists, two launches) -- one numerics: a pair's gate_up dots are mma chains
@@ -360,13 +390,19 @@ GROUPED_KNOBS = {**MMA_KNOBS, "DB_GROUPED": 1, "GB_KSPLIT": INVARIANT_KSPLIT}
 # qwen3-30b T = 1, 25 % occupancy); DB_UNROLL 8: a per-pair down warp streams whole rows alone -- H200,
 # results/sweep-2026-12-01-mma-pairs-*.json: qwen3-235b T = 1 86.7 us vs 116.5 at 4 / 4)
 PER_PAIR_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "PER_PAIR": 1, "GB_KSPLIT": INVARIANT_KSPLIT,
-                  "GB_WARPS": INVARIANT_KSPLIT, "GB_UNROLL": 4, "DB_UNROLL": 8}
+                  "GB_WARPS": INVARIANT_KSPLIT, "GB_UNROLL": 4, "DB_UNROLL": 8, "FP8_LOAD16": -1, "FP8_BLOCK_SUM": -1}
 # The FP8 paths (fp8-block128 weights, W_FP8): FMA kernels with 8-value chunks (GB_BYTES 16: the gate_up's
 # intermediate is then bitwise the strict FP8 kernel's; the down capped at 160 registers, which its scales and
 # widening need to stay spill-free at the qwen3 shapes from T = 1 to 64 -- 128 spills at qwen3-235b T = 16,
 # launch bounds alone at qwen3-30b T = 1), and the tensor-core path with the bf16 path's knobs. First choices,
 # to be swept on the H200.
 FP8_KNOBS = {"W_FP8": 1, "GB_BYTES": 16, "DB_MAX_REGS": 160}
+# The batch-invariant pair on FP8 weights: the same numerics knobs in both forms (GB_KSPLIT; FP8_LOAD16 and
+# FP8_BLOCK_SUM auto, from the dims alone); the per-pair form's rounds from its H200 sweep
+# (results/sweep-2026-12-02-mma-pairs-fp8-*.json: GB_UNROLL 2, DB_UNROLL 4 -- qwen3-30b T = 1 / 2 / 4 20.6 / 30.2 /
+# 56.1 us against 24.3 / 37.5 / 69.7 at the bf16 form's 4 / 8)
+FP8_GROUPED_KNOBS = {**GROUPED_KNOBS, "W_FP8": 1}
+FP8_PER_PAIR_KNOBS = {**PER_PAIR_KNOBS, "W_FP8": 1, "GB_UNROLL": 2, "DB_UNROLL": 4}
 MMA_FP8_KNOBS = {**MMA_KNOBS, "W_FP8": 1}
 
 
@@ -646,8 +682,8 @@ FP8_VARIANT = register(FAMILY.variant(
           "DB_UNROLL": [1, 2, 3]}))
 MMA_FP8_VARIANT = register(FAMILY.variant(
     "cupy:warp-decode-mma-fp8", knobs=MMA_FP8_KNOBS, reference_mode="warp_decode", weight_format=FP8_BLOCK128.name,
-    description="batched warp decode on tensor cores, fp8-block128 weights: e4m3fn -> bf16 fragments, each 32-wide "
-    "k block's FP32 partial scaled",
+    description="batched warp decode on tensor cores, fp8-block128 weights: 16-value e4m3fn loads -> bf16 fragments, "
+    "each 128-wide scale block's FP32 partial scaled once",
     grid={"GB_WARPS": [2, 4, 8], "GB_UNROLL": [4, 8], "GB_NBLK": [1, 2], "DB_WARPS": [4, 8], "DB_UNROLL": [4, 8],
           "DB_NBLK": [1, 2]}))
 GROUPED_VARIANT = _register_path(
@@ -661,11 +697,11 @@ PER_PAIR_VARIANT = _register_path(
     {"GB_WARPS": [2, 4, 8], "GB_UNROLL": [4, 8], "DB_UNROLL": [2, 4, 8]},
 )
 GROUPED_FP8_VARIANT = register(FAMILY.variant(
-    "cupy:warp-decode-mma-grouped-fp8", knobs={**GROUPED_KNOBS, "W_FP8": 1}, reference_mode="warp_decode",
+    "cupy:warp-decode-mma-grouped-fp8", knobs=FP8_GROUPED_KNOBS, reference_mode="warp_decode",
     weight_format=FP8_BLOCK128.name, description="the batch-invariant grouped tensor-core path on fp8-block128 weights",
     grid={"GB_WARPS": [2, 4, 8], "GB_NBLK": [1, 2], "DB_NBLK": [1, 2]}))
 PER_PAIR_FP8_VARIANT = register(FAMILY.variant(
-    "cupy:warp-decode-mma-pairs-fp8", knobs={**PER_PAIR_KNOBS, "W_FP8": 1}, reference_mode="warp_decode",
+    "cupy:warp-decode-mma-pairs-fp8", knobs=FP8_PER_PAIR_KNOBS, reference_mode="warp_decode",
     weight_format=FP8_BLOCK128.name,
     description="the batch-invariant per-pair tensor-core path on fp8-block128 weights",
     grid={"GB_WARPS": [2, 4, 8], "GB_UNROLL": [4, 8], "DB_UNROLL": [2, 4, 8]}))

@@ -26,7 +26,8 @@ CODE = WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + r"""
 //   *_BYTES bytes per lane per load (4, 8, 16), *_MAX_REGS register cap (0: __launch_bounds__ only),
 //   DB_EARLY_INTER 1: the down kernel issues a round's intermediate loads together with its w2 loads
 //   GB_MMA / DB_MMA 1: the tensor-core kernels moe_gate_up_mma / moe_down_mma instead (16-byte loads; *_UNROLL
-//   = 32-wide k blocks in flight, *_NBLK = blocks of 8 pairs per pass; *_OUTS / *_TILE / *_BYTES unused)
+//   = k blocks (32-wide; 64 with FP8_LOAD16) in flight, *_NBLK = blocks of 8 pairs per pass; *_OUTS / *_TILE /
+//   *_BYTES unused)
 //   PDL 1: programmatic dependent launch (sm_90+): each kernel waits (griddepcontrol.wait) before it reads
 //   what the kernel right before it wrote, then lets the next kernel's blocks launch; down reads the lists
 //   (two kernels back) before its wait
@@ -51,8 +52,13 @@ CODE = WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + r"""
 //   scale per 128 x 128 block (s13: gate's block rows, then up's; s2). The FMA kernels load GB_BYTES / 2 (DB_BYTES
 //   / 2) bytes of weights per chunk -- the values of a GB_BYTES activation chunk -- and multiply each widened
 //   value by its block's scale (the dequantized weight, as the strict FP8 kernels); the tensor-core kernels feed
-//   the values to mma.sync as bf16 (exact, times 2^-112) and scale each 32-wide k block's FP32 partial by its
-//   block's scale. Activations stay bf16, accumulation FP32. With W_FP8 0 the scale pointers are never read.
+//   the values to mma.sync as bf16 (exact, times 2^-112) and scale each k block's FP32 partial by its block's
+//   scale. Activations stay bf16, accumulation FP32. With W_FP8 0 the scale pointers are never read.
+//   FP8_LOAD16 1 (W_FP8, tensor-core kernels): a lane loads 16 e4m3 values of each A row per k step (16-byte
+//   loads, 64-wide k blocks, H and I multiples of 16) instead of 8 (8-byte loads, 32-wide k blocks).
+//   FP8_BLOCK_SUM 1 (W_FP8, tensor-core kernels): the k blocks of one 128-wide scale block accumulate into one
+//   FP32 partial (in the tensor core), scaled once when the scale block (or the warp's k range) ends; 0: each
+//   k block's partial is scaled on its own. Either way a function of k alone: never of T or the batch.
 //   GB_KSPLIT S (tensor-core gate_up): each dot's k chain is cut into S fixed ranges (k_range: a function of H and
 //   S alone, never of T), each its own mma chain from 0, the partials added in range order from range 0 (FP32,
 //   __fadd_rn). moe_gate_up_mma runs the ranges one after another in one warp; moe_gate_up_pair gives each range
@@ -81,6 +87,9 @@ static_assert(PER_PAIR == 0 || (PER_PAIR == 1 && GB_MMA == 1 && DB_MMA == 1 && P
 static_assert(GB_KSPLIT >= 1 && GB_KSPLIT <= 8 && (GB_KSPLIT == 1 || GB_MMA == 1),
               "GB_KSPLIT is 1..8 (above 1 it needs GB_MMA 1)");
 static_assert(PER_PAIR == 0 || GB_WARPS % GB_KSPLIT == 0, "PER_PAIR: GB_WARPS must be a multiple of GB_KSPLIT");
+static_assert((FP8_LOAD16 == 0 || FP8_LOAD16 == 1) && (FP8_BLOCK_SUM == 0 || FP8_BLOCK_SUM == 1) &&
+              (W_FP8 == 1 || (FP8_LOAD16 == 0 && FP8_BLOCK_SUM == 0)),
+              "FP8_LOAD16 / FP8_BLOCK_SUM are 0 or 1 (1 needs W_FP8 1)");
 #if W_FP8
 typedef unsigned char weight_t;                   // e4m3fn bytes
 #define GB_WBYTES (GB_BYTES / 2)                  // a weight chunk holds the values of an activation chunk
@@ -732,30 +741,39 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
 //   C: lane (g, q) holds rows g and g + 8 of columns 2q and 2q + 1.
 // ------------------------------------------------------------------------------------------------
 """ + MMA_HELPERS + r"""
-// The A fragments' chunk: 8 bf16 (16 bytes) or, with W_FP8, 8 e4m3fn (8 bytes) widened to bf16 in registers
+// The A rows' chunk of 8 values: 8 bf16 (16 bytes) or, with W_FP8, 8 e4m3fn (8 bytes) widened to bf16 in
+// registers. A lane's load per A row and k block (a_load_t) is one chunk, or two with FP8_LOAD16 (MMA_HALVES).
 #if W_FP8
 typedef uint2 a_chunk_t;
 #else
 typedef uint4 a_chunk_t;
 #endif
-__device__ __forceinline__ uint4 a_fragment(const uint4& v) { return v; }
-__device__ __forceinline__ uint4 a_fragment(const uint2& v) { return e4m3x8_to_bf16x8(v); }   // value x 2^-112
-// one 32-wide k block into acc; W_FP8: into a zeroed partial first, then acc += partial x 2^112 x the block's scale
-// (s_lo for rows g -- acc[0], acc[1] --, s_hi for rows g + 8)
-__device__ __forceinline__ void mma_k32_scaled(float (&acc)[4], const uint4& lo, const uint4& hi, const uint4& col,
-                                               float s_lo, float s_hi) {
+#if W_FP8 && FP8_LOAD16
+typedef uint4 a_load_t;
+#define MMA_HALVES 2
+#else
+typedef a_chunk_t a_load_t;
+#define MMA_HALVES 1
+#endif
+#define MMA_KB (4 * MMA_HALVES)                      // chunks of 8 values per k block: 32- or 64-wide
+// half h of a lane's A load as a bf16 fragment (W_FP8: value x 2^-112)
+__device__ __forceinline__ uint4 a_fragment(const uint4& v, int h) {
 #if W_FP8
-    float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    mma_k32(part, lo, hi, col);
+    return e4m3x8_to_bf16x8(h == 0 ? make_uint2(v.x, v.y) : make_uint2(v.z, v.w));
+#else
+    (void)h;
+    return v;
+#endif
+}
+__device__ __forceinline__ uint4 a_fragment(const uint2& v, int h) { (void)h; return e4m3x8_to_bf16x8(v); }
+// W_FP8: acc += part x 2^112 x the block's scale (s_lo for rows g -- acc[0], acc[1] --, s_hi for rows g + 8), part
+// zeroed for the next block
+__device__ __forceinline__ void fp8_flush(float (&acc)[4], float (&part)[4], float s_lo, float s_hi) {
     acc[0] = fmaf(part[0] * FP8_UNSCALE, s_lo, acc[0]);
     acc[1] = fmaf(part[1] * FP8_UNSCALE, s_lo, acc[1]);
     acc[2] = fmaf(part[2] * FP8_UNSCALE, s_hi, acc[2]);
     acc[3] = fmaf(part[3] * FP8_UNSCALE, s_hi, acc[3]);
-#else
-    (void)s_lo;
-    (void)s_hi;
-    mma_k32(acc, lo, hi, col);
-#endif
+    part[0] = part[1] = part[2] = part[3] = 0.0f;
 }
 
 // A tensor-core warp's two A rows of one expert (rows g and g + 8 of its 16) and their block scales along k: w13's
@@ -778,21 +796,23 @@ __device__ __forceinline__ ARows w2_rows(const weight_t* w2, const float* s2, in
             scale_row(s2, (long long)e * hblocks + h_hi / FP8_BLOCK, iblocks)};
 }
 
-// Range r of GB_KSPLIT over `chunks` chunks of 8 values: whole 32-wide k blocks, ceil(chunks / GB_KSPLIT) rounded
-// up to 4 chunks each (the last ranges may be short or empty); H alone fixes it.
+// Range r of GB_KSPLIT over `chunks` chunks of 8 values: whole k blocks, ceil(chunks / GB_KSPLIT) rounded up to
+// MMA_KB chunks each (the last ranges may be short or empty); H (and the knobs) alone fix it.
 __device__ __forceinline__ void k_range(int chunks, int r, int& begin, int& end) {
-    const int size = ((chunks + GB_KSPLIT - 1) / GB_KSPLIT + 3) / 4 * 4;
+    const int size = ((chunks + GB_KSPLIT - 1) / GB_KSPLIT + MMA_KB - 1) / MMA_KB * MMA_KB;
     begin = min(r * size, chunks);
     end = min(begin + size, chunks);
 }
 
-// A warp's k range (chunks c_begin .. c_end - 1, c_begin a multiple of 4), shared by both tensor-core kernels:
-// acc[nb] (zeroed here) = A rows g / g + 8 (rows_lo / rows_hi) times B column g of 8-pair block nb (cols[nb]).
-// Lane q loads chunk 4j + q of each 32-wide k block j; UNROLL k blocks of loads are in flight per lane before
-// the round's first mma.
+// A warp's k range (chunks c_begin .. c_end - 1, c_begin a multiple of MMA_KB), shared by both tensor-core
+// kernels: acc[nb] (zeroed here) = A rows g / g + 8 (rows_lo / rows_hi) times B column g of 8-pair block nb
+// (cols[nb]). Lane q loads chunk(s) MMA_KB j + MMA_HALVES q (+ 1) of each k block j; UNROLL k blocks of loads are in
+// flight per lane before the round's first mma.
 // COLS_DEP: B is the previous kernel's output (down's intermediate), loaded through ld_dep after the round's A
 // loads and after wait_once (DB_EARLY_W2: the first round's A loads are issued before the PDL wait).
-// W_FP8: scale_lo / scale_hi are the two rows' block scales along k (a 32-wide k block lies in one 128-block).
+// W_FP8: scale_lo / scale_hi are the two rows' block scales along k (a k block lies in one 128-block); the mma
+// results go to a partial that is scaled into acc at the end of each k block, or with FP8_BLOCK_SUM at the end of
+// each scale block and of the range.
 template <int UNROLL, int NB, bool COLS_DEP>
 __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const a_chunk_t* rows_lo,
                                                     const a_chunk_t* rows_hi, const float* scale_lo,
@@ -800,44 +820,78 @@ __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const a
                                                     int c_begin, int c_end, int q, bool& waited) {
     #pragma unroll
     for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
-    for (int c0 = c_begin; c0 < c_end; c0 += 4 * UNROLL) {
-        a_chunk_t lo[UNROLL][1], hi[UNROLL][1];
-        uint4 col[UNROLL][NB];
+#if W_FP8
+    float part[NB][4];
+    #pragma unroll
+    for (int nb = 0; nb < NB; ++nb) part[nb][0] = part[nb][1] = part[nb][2] = part[nb][3] = 0.0f;
+#else
+    (void)scale_lo;
+    (void)scale_hi;
+#endif
+    const a_load_t* lo_row = reinterpret_cast<const a_load_t*>(rows_lo);
+    const a_load_t* hi_row = reinterpret_cast<const a_load_t*>(rows_hi);
+    for (int c0 = c_begin; c0 < c_end; c0 += MMA_KB * UNROLL) {
+        a_load_t lo[UNROLL][1], hi[UNROLL][1];
+        uint4 col[UNROLL][NB][MMA_HALVES];
+#if W_FP8
         float s_lo[UNROLL], s_hi[UNROLL];
+        bool flush[UNROLL];
+#endif
         #pragma unroll
         for (int j = 0; j < UNROLL; ++j) {
-            const int c = c0 + 4 * j + q;
+            const int c = c0 + MMA_KB * j + MMA_HALVES * q;          // the lane's first chunk of k block j
             const bool ok = c < c_end;
-            lo[j][0] = ldg_chunk(rows_lo, c, ok);
-            hi[j][0] = ldg_chunk(rows_hi, c, ok);
+            lo[j][0] = ldg_chunk(lo_row, c / MMA_HALVES, ok);
+            hi[j][0] = ldg_chunk(hi_row, c / MMA_HALVES, ok);
 #if W_FP8
-            const int block = c0 + 4 * j < c_end ? (c0 + 4 * j) / (FP8_BLOCK / 8) : 0;   // chunks of 8 values
-            s_lo[j] = __ldg(scale_lo + block);
-            s_hi[j] = __ldg(scale_hi + block);
-#else
-            (void)scale_lo;
-            (void)scale_hi;
-            s_lo[j] = s_hi[j] = 1.0f;
+            const int first = c0 + MMA_KB * j, next = first + MMA_KB;       // k block j's chunks: first .. next-1
+            flush[j] = !FP8_BLOCK_SUM || next % (FP8_BLOCK / 8) == 0 || next >= c_end;
+            const int block = flush[j] && first < c_end ? first / (FP8_BLOCK / 8) : 0;
+            s_lo[j] = flush[j] ? __ldg(scale_lo + block) : 0.0f;
+            s_hi[j] = flush[j] ? __ldg(scale_hi + block) : 0.0f;
 #endif
             #pragma unroll
             for (int nb = 0; nb < NB; ++nb)
-                if (!COLS_DEP) col[j][nb] = ldg_chunk(cols[nb], c, ok);
+                #pragma unroll
+                for (int h = 0; h < MMA_HALVES; ++h)
+                    if (!COLS_DEP) col[j][nb][h] = ldg_chunk(cols[nb], c + h, ok);
         }
         if (COLS_DEP) {
             wait_once(waited);
             #pragma unroll
             for (int j = 0; j < UNROLL; ++j) {
-                const int c = c0 + 4 * j + q;
+                const int c = c0 + MMA_KB * j + MMA_HALVES * q;
                 #pragma unroll
-                for (int nb = 0; nb < NB; ++nb) col[j][nb] = ld_dep_chunk(cols[nb], c, c < c_end);
+                for (int nb = 0; nb < NB; ++nb)
+                    #pragma unroll
+                    for (int h = 0; h < MMA_HALVES; ++h) col[j][nb][h] = ld_dep_chunk(cols[nb], c + h, c < c_end);
             }
         }
+#if W_FP8
+        part[0][0] += __uint_as_float(all_loads_arrived(lo) | all_loads_arrived(hi));  // += 0.0f, before any mma
+#else
         acc[0][0] += __uint_as_float(all_loads_arrived(lo) | all_loads_arrived(hi));   // += 0.0f
+#endif
         #pragma unroll
         for (int j = 0; j < UNROLL; ++j) {
-            const uint4 a_lo = a_fragment(lo[j][0]), a_hi = a_fragment(hi[j][0]);
             #pragma unroll
-            for (int nb = 0; nb < NB; ++nb) mma_k32_scaled(acc[nb], a_lo, a_hi, col[j][nb], s_lo[j], s_hi[j]);
+            for (int h = 0; h < MMA_HALVES; ++h) {
+                const uint4 a_lo = a_fragment(lo[j][0], h), a_hi = a_fragment(hi[j][0], h);
+                #pragma unroll
+                for (int nb = 0; nb < NB; ++nb) {
+#if W_FP8
+                    mma_k32(part[nb], a_lo, a_hi, col[j][nb][h]);
+#else
+                    mma_k32(acc[nb], a_lo, a_hi, col[j][nb][h]);
+#endif
+                }
+            }
+#if W_FP8
+            if (flush[j]) {                                          // warp-uniform
+                #pragma unroll
+                for (int nb = 0; nb < NB; ++nb) fp8_flush(acc[nb], part[nb], s_lo[j], s_hi[j]);
+            }
+#endif
         }
     }
 }
@@ -1067,7 +1121,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
     const int h_lo = min(h0 + g, hidden - 1), h_hi = min(h0 + g + 8, hidden - 1);   // past the end: last row
     bool waited = false;
 #if DB_BALANCE
-    const int kblocks = (chunks + 3) / 4;                            // 32-wide k blocks
+    const int kblocks = (chunks + MMA_KB - 1) / MMA_KB;              // k blocks (32- or 64-wide)
 #if PAIR_TILES
     const int pairs = tokens * top_k;                                // (TILE_ARRAY's names)
     const int units = __ldg(lists + 3) - (__ldg(lists + 2) + TILE_PAIRS - 1) / TILE_PAIRS;   // the good tiles
@@ -1083,11 +1137,11 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
         const int kb_end = min(kblocks, kb + (item_end - item));
 #if PAIR_TILES
         down_mma_pairs(m, __ldg(TILE_ARRAY(0) + a), m.pairs + __ldg(TILE_ARRAY(1) + a), __ldg(TILE_ARRAY(2) + a),
-                       4 * kb, min(4 * kb_end, chunks), intermediate, w2, s2, mine, hidden, inter, top_k, h_lo, h_hi,
-                       g, q, waited);
+                       MMA_KB * kb, min(MMA_KB * kb_end, chunks), intermediate, w2, s2, mine, hidden, inter, top_k,
+                       h_lo, h_hi, g, q, waited);
 #else
-        down_mma_slot(m, a, 4 * kb, min(4 * kb_end, chunks), intermediate, w2, s2, mine, hidden, inter, top_k, h_lo,
-                      h_hi, g, q, waited);
+        down_mma_slot(m, a, MMA_KB * kb, min(MMA_KB * kb_end, chunks), intermediate, w2, s2, mine, hidden, inter,
+                      top_k, h_lo, h_hi, g, q, waited);
 #endif
         item += kb_end - kb;
     }

@@ -751,7 +751,7 @@ def test_capture_policies_tiny(cupy_mod: Any, rng: np.random.Generator, policy: 
 
 
 # -- FP8 weights: their own candidates, entries and heuristic ------------------------------------------------------
-FS, FB, FM = dispatch.FP8_STRICT, dispatch.FP8_BATCHED, dispatch.FP8_MMA
+FS, FB, FM, FP = dispatch.FP8_STRICT, dispatch.FP8_BATCHED, dispatch.FP8_MMA, dispatch.FP8_MMA_PAIRS
 
 
 def test_fp8_weights_choose_among_the_fp8_paths(tmp_path: Path) -> None:
@@ -790,15 +790,15 @@ def test_fp8_weights_choose_among_the_fp8_paths(tmp_path: Path) -> None:
 def test_fp8_table_from_bench_rows() -> None:
     """--from-bench --weight-format fp8-block128 collects the FP8 candidates' rows into the FP8 entries."""
     bench = _bench("2026-12-01T00:00:00Z", [
-        _bench_row(FS, 1, 12.0), _bench_row(FB, 1, 14.0), _bench_row(FM, 1, 16.0),
-        _bench_row(FS, 16, 80.0), _bench_row(FB, 16, 60.0), _bench_row(FM, 16, 55.0),
+        _bench_row(FS, 1, 12.0), _bench_row(FB, 1, 14.0), _bench_row(FM, 1, 16.0), _bench_row(FP, 1, 13.0),
+        _bench_row(FS, 16, 80.0), _bench_row(FB, 16, 60.0), _bench_row(FM, 16, 55.0), _bench_row(FP, 16, 70.0),
         _bench_row(S, 1, 20.0),  # a bf16 path: not a candidate here
     ])
     table = dispatch_table.from_bench(bench, name="fp8.json", weight_format="fp8-block128")
     (key, entry), = table["entries"].items()
     assert key.endswith("-fp8-block128") and entry["weight_format"] == "fp8-block128"
     assert {t: p["choice"] for t, p in entry["points"].items()} == {"1": FS, "16": FM}
-    assert set(entry["points"]["1"]["median_us"]) == {FS, FB, FM}
+    assert set(entry["points"]["1"]["median_us"]) == {FS, FB, FM, FP}
 
 
 def test_batch_invariant_policy_keeps_one_numerics() -> None:

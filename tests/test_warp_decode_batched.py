@@ -142,7 +142,8 @@ def test_resolve_params_validates() -> None:
     assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=0)["DB_WARPS"] == 24
     assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=80)["DB_MAX_REGS"] == 80
     resolved = wdb.resolve_params(dims)
-    switches = ("MAX_REGS", "MMA", "PDL", "EARLY_W2", "BALANCE", "PAIR_TILES", "GROUPED", "W_FP8", "PER_PAIR")  # 0: off
+    switches = ("MAX_REGS", "MMA", "PDL", "EARLY_W2", "BALANCE", "PAIR_TILES", "GROUPED", "W_FP8", "PER_PAIR",
+                "FP8_")  # 0: off
     assert set(resolved) == set(wdb.DEFAULTS)
     assert all(v > 0 for k, v in resolved.items() if not any(s in k for s in switches))
 

@@ -66,6 +66,7 @@ def _references(problem: Problem, ids: np.ndarray | None = None,
 
 
 SHAPE_48 = MoEShape("h200-i48", 200, 48, 6, 2)  # one partial I block, two H blocks (the second partial)
+SHAPE_16 = MoEShape("h208-i144", 208, 144, 6, 2)  # multiples of 16 with a partial last scale block along H and I
 EMULATED = [  # (shape, T, routing, knobs, also fp32 out)
     ("tiny", 3, "uniform", {"GB_BYTES": 16}, True),  # the FMA kernels as the FP8 variant runs them
     (MULTI_SHAPE, 9, "zipf", {"GB_BYTES": 8, "DB_BYTES": 8, "GB_OUTS": 3, "DB_OUTS": 3, "LIST_THREADS": 32,
@@ -84,6 +85,15 @@ EMULATED = [  # (shape, T, routing, knobs, also fp32 out)
     (MULTI_SHAPE, 6, "same", {"GB_MMA": 1, "DB_MMA": 1, "PER_PAIR": 1, "GB_WARPS": 2}, True),  # no lists
     # GB_KSPLIT 2 over two H blocks (the second partial): a range per warp, each 32-wide k block scaled by its block
     (SHAPE_48, 4, "zipf", {"GB_MMA": 1, "DB_MMA": 1, "PER_PAIR": 1, "GB_WARPS": 2, "GB_KSPLIT": 2}, False),
+    # 16-value A loads (64-wide k blocks) and scale-block sums, partial blocks at both edges (H = 208, I = 144)
+    (SHAPE_16, 7, "zipf", {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_GROUPED": 1, "GB_NBLK": 2, "DB_NBLK": 2,
+                           "FP8_LOAD16": 1, "FP8_BLOCK_SUM": 1, "LIST_THREADS": 32, "LIST_PER": 0}, True),
+    (SHAPE_16, 6, "uniform", {"GB_MMA": 1, "DB_MMA": 1, "DB_BALANCE": 1, "DB_WARPS": 3, "FP8_LOAD16": 1,
+                              "GB_UNROLL": 1, "LIST_THREADS": 32, "LIST_PER": 0}, False),  # runs cut mid-scale-block
+    (SHAPE_16, 6, "same", {"GB_MMA": 1, "DB_MMA": 1, "DB_BALANCE": 1, "DB_WARPS": 3, "FP8_BLOCK_SUM": 1,
+                           "DB_UNROLL": 3, "LIST_THREADS": 32, "LIST_PER": 0}, False),
+    (SHAPE_16, 5, "zipf", {"GB_MMA": 1, "DB_MMA": 1, "PER_PAIR": 1, "GB_WARPS": 2, "GB_KSPLIT": 2, "FP8_LOAD16": 1,
+                           "FP8_BLOCK_SUM": 1}, False),  # ranges of 16 + 10 chunks, flushed at each range's end
 ]
 EMULATED_IDS = [f"{getattr(c[0], 'name', c[0])}-T{c[1]}-{i}" for i, c in enumerate(EMULATED)]
 
@@ -98,8 +108,9 @@ def test_cuda_source_emulated_on_cpu(rng: np.random.Generator, shape: Any, token
     dims = _dims(problem)
     got = _emulate(problem, **params)
     if not params.get("PER_PAIR"):  # the per-pair path writes no lists
-        _assert_lists_equal(_unpack_lists(got["lists"], dims),
-                            expert_lists_numpy(problem.topk_ids, dims.experts, _tile_pairs(dims, params)))
+        tiles = _tile_pairs(dims, {**params, "W_FP8": 1})
+        want = expert_lists_numpy(problem.topk_ids, dims.experts, tiles)
+        _assert_lists_equal(_unpack_lists(got["lists"], dims), want)
     faithful, oracle = _references(problem)
     own_order = bool(params.get("GB_MMA") or params.get("DB_MMA"))
     _assert_matches(got["out"], faithful, oracle, f"fp8 emulated {problem.shape.name} {params}", own_order=own_order)
@@ -192,7 +203,11 @@ def _device(cupy: Any, problem: Problem) -> Problem:
 DUPLICATES = [[5, 5], [0, 1], [2, 2], [3, 0], [1, 1]]  # duplicate ids in a token
 GPU_CASES = [("qwen3-30b-a3b", 4, "uniform", "fma"), ("qwen3-30b-a3b", 8, "zipf-1", "mma"),
              ("qwen3-30b-a3b", 64, "correlated", "mma"), ("qwen3-235b-a22b", 2, "zipf-2", "fma"),
-             ("qwen3-235b-a22b", 32, "same", "mma"), ("tiny", 5, DUPLICATES, "fma"), ("tiny", 7, "uniform", "mma")]
+             ("qwen3-235b-a22b", 32, "same", "mma"), ("tiny", 5, DUPLICATES, "fma"), ("tiny", 7, "uniform", "mma"),
+             ("qwen3-30b-a3b", 2, "uniform", "pairs"), ("qwen3-235b-a22b", 3, "zipf-2", "pairs")]
+# (tiny's H = 136 runs the tensor-core kernels with 8-value loads: FP8_LOAD16 auto is 0 there, 1 at the presets)
+PATHS = {"fma": (wdb.FP8_KNOBS, wdb.FP8_VARIANT), "mma": (wdb.MMA_FP8_KNOBS, wdb.MMA_FP8_VARIANT),
+         "pairs": (wdb.FP8_PER_PAIR_KNOBS, wdb.PER_PAIR_FP8_VARIANT)}
 
 
 @pytest.mark.gpu
@@ -208,9 +223,8 @@ def test_gpu_paths(model: str, tokens: int, routing: Any, path: str) -> None:
     run_shape = shape.with_(experts=min(shape.experts, 16))  # the host quantizes every expert for the reference
     host = _fp8_problem(make_problem(run_shape, tokens, seed=tokens + 5, routing=routing))
     problem = _device(cupy, make_problem(run_shape, tokens, seed=tokens + 5, routing=routing))
-    knobs = wdb.FP8_KNOBS if path == "fma" else wdb.MMA_FP8_KNOBS
+    knobs, variant = PATHS[path]
     dims = _dims(problem)
-    variant = wdb.FP8_VARIANT if path == "fma" else wdb.MMA_FP8_VARIANT
 
     def run() -> np.ndarray:
         out = _poisoned_out(cupy, tokens, shape.hidden)
@@ -223,7 +237,7 @@ def test_gpu_paths(model: str, tokens: int, routing: Any, path: str) -> None:
 
     first = run()
     faithful, oracle = _references(host)
-    _assert_matches(first, faithful, oracle, f"fp8 {path} {model} T={tokens} {routing}", own_order=path == "mma")
+    _assert_matches(first, faithful, oracle, f"fp8 {path} {model} T={tokens} {routing}", own_order=path != "fma")
     assert np.array_equal(run().view(np.uint16), first.view(np.uint16))
     launch = variant.make(dims)
     replay = _poisoned_out(cupy, tokens, shape.hidden)
