@@ -76,11 +76,11 @@ def _write_table(directory: Path, gpu: str, shape: Any, medians: dict[int, dict[
     return path
 
 
-def _fastest(point: dict[str, Any], policy: str) -> str | None:
+def _fastest(point: dict[str, Any], policy: str, weight_format: str = "bf16") -> str | None:
     """The candidate of ``policy`` with the least worst slowdown over the point's routings (one routing: the fastest)
     among those "ok" under every routing, computed here independently of kernels.dispatch."""
     runs = [point, *point.get("routings", {}).values()]
-    ok = [n for n in dispatch.POLICY_CANDIDATES[policy]
+    ok = [n for n in dispatch.FORMAT_CANDIDATES[weight_format][policy]
           if all(r["median_us"].get(n) is not None and r["status"].get(n) == "ok" for r in runs)]
     if not ok:
         return None
@@ -228,14 +228,16 @@ def test_committed_h200_table_choices() -> None:
         assert table["candidates"] == list(dispatch.CANDIDATES) and table["sources"], path
         for key, entry in table["entries"].items():
             for tokens, point in entry["points"].items():
-                assert set(dispatch.CANDIDATES) <= set(point["median_us"]), (path, key, tokens)
+                fmt = dispatch.key_format(key)  # an FP8 entry holds the FP8 candidates
+                assert set(dispatch.FORMAT_CANDIDATES[fmt]["fastest"]) <= set(point["median_us"]), (path, key, tokens)
                 for policy in dispatch.POLICIES:
-                    want = _fastest(point, policy)
+                    want = _fastest(point, policy, fmt)
                     if policy == "batch_invariant" and want is None:  # its paths not in this table's runs yet
                         assert policy not in point["choices"]
                         continue
                     assert want is not None
-                    assert dispatch.point_choice(point, policy) == want == point["choices"][policy], (key, tokens)
+                    got = dispatch.point_choice(point, policy, weight_format=fmt)
+                    assert got == want == point["choices"][policy], (key, tokens)
                 assert point["choice"] == point["choices"]["fastest"]
     # what the H200 table says today (results/h200-2026-12-01-peer-all-paths-tiles-{uniform,zipf}.json, the best
     # worst case over both routings), under both policies: the MMA path from T = 4 (qwen3-30b) / T = 8 (qwen3-235b),
@@ -247,6 +249,12 @@ def test_committed_h200_table_choices() -> None:
         for tokens, path in want.items():
             for policy in ("fastest", "warp_decode"):
                 assert dispatch.choose(_dims(shape, tokens), "NVIDIA H200", policy=policy) == (path, "table")
+    # its FP8 entries (results/h200-2026-12-02-fp8-paths-*.json): strict at qwen3-30b T = 1, the per-pair tensor-core
+    # form at qwen3-30b T = 2 and qwen3-235b T = 1 / 2, the tensor-core path from T = 4
+    for model, want in (("qwen3-30b-a3b", {1: FS, 2: FP, 4: FM, 64: FM}), ("qwen3-235b-a22b", {1: FP, 2: FP, 4: FM})):
+        for tokens, path in want.items():
+            got = dispatch.choose(_dims(PRESETS[model], tokens), "NVIDIA H200", weight_format="fp8-block128")
+            assert got == (path, "table"), (model, tokens)
         assert dispatch.choose(_dims(shape, 1), "NVIDIA H200") == (S, "table")
 
 

@@ -141,13 +141,17 @@ CROSSOVER_AUTO = "cupy:auto"
 # the serving engines' design, re-implemented in Triton (tools/peers): shown beside the lab's paths when measured
 CROSSOVER_PEER = "triton:fused-moe"
 CROSSOVER_INVARIANT = "cupy:auto-invariant"  # kernels.moe_decode(policy="batch_invariant"), beside auto when measured
-CROSSOVER_COLUMNS = (*CROSSOVER_PATHS, "auto", "peer", "invariant")
+# every single-path column any format's table may have, in table order (a format shows those it has paths for)
+PATH_COLUMNS = ("strict", "batched", "mixed", "MMA", "per-pair", "expert-centric")
+CROSSOVER_COLUMNS = (*PATH_COLUMNS, "auto", "peer", "invariant")
 AUTO_SLACK = 0.03  # the issue's bar: auto may be at most 3 % slower than the best single path
 _CROSSOVER_VARIANTS = {**{v: k for k, v in CROSSOVER_PATHS.items()}, CROSSOVER_AUTO: "auto", CROSSOVER_PEER: "peer",
                        CROSSOVER_INVARIANT: "invariant"}
 # the same table for fp8-block128 weights: the FP8 paths, the W8A8 expert-centric baseline and the W8A8 peer
+# (and the per-pair tensor-core form, a candidate of FP8's fastest policy)
 CROSSOVER_FP8_PATHS = {"strict": "cupy:warp-decode-fp8", "batched": "cupy:warp-decode-batched-fp8",
-                       "MMA": "cupy:warp-decode-mma-fp8", "expert-centric": "cupy:expert-centric-w8a8"}
+                       "MMA": "cupy:warp-decode-mma-fp8", "per-pair": "cupy:warp-decode-mma-pairs-fp8",
+                       "expert-centric": "cupy:expert-centric-w8a8"}
 CROSSOVER_SETS: dict[str, dict[str, str]] = {  # weight format -> variant -> column
     "bf16": _CROSSOVER_VARIANTS,
     "fp8-block128": {**{v: k for k, v in CROSSOVER_FP8_PATHS.items()}, "cupy:auto-fp8": "auto",
@@ -214,7 +218,7 @@ def crossover_table(datasets: list[dict[str, Any]], model: str, routing: str,
     paths (:data:`CROSSOVER_SETS`; fp8-block128: the FP8 paths, the W8A8 baseline and the W8A8 peer).
     """
     variants = CROSSOVER_SETS[weight_format]
-    paths = {column: variant for variant, column in variants.items() if column in CROSSOVER_PATHS}
+    paths = {column: variant for variant, column in variants.items() if column in PATH_COLUMNS}
     auto_variant = next(v for v, c in variants.items() if c == "auto")
     found: dict[tuple[str, int], dict[str, Any]] = {}
     for index, data in enumerate(datasets):
@@ -235,7 +239,7 @@ def crossover_table(datasets: list[dict[str, Any]], model: str, routing: str,
     for batch in batches:
         point_cells = {column: found.get((column, batch)) for column in CROSSOVER_COLUMNS}
         timed = {c: cell for c, cell in point_cells.items() if cell is not None and cell["us"] is not None}
-        singles = {c: cell for c, cell in timed.items() if c in CROSSOVER_PATHS}
+        singles = {c: cell for c, cell in timed.items() if c in PATH_COLUMNS}
         best = min(singles, key=lambda c: singles[c]["us"]) if singles else None
         auto = timed.get("auto")
         auto_cell = point_cells["auto"]
@@ -336,7 +340,7 @@ def crossover_cells(point: dict[str, Any]) -> dict[str, str]:
 
 
 CROSSOVER_TITLES = (("batch", "T"), ("strict", "strict µs (% roof)"), ("batched", "batched µs (% roof)"),
-                    ("mixed", "mixed µs (% roof)"), ("MMA", "MMA µs (% roof)"),
+                    ("mixed", "mixed µs (% roof)"), ("MMA", "MMA µs (% roof)"), ("per-pair", "per-pair µs (% roof)"),
                     ("expert-centric", "expert-centric µs (% roof)"),
                     ("auto", "auto µs (% roof)"), ("peer", "Triton peer µs (% roof)"),
                     ("best", "best single path"), ("choice", "auto's choice"), ("vs_best", "auto vs best"),
@@ -349,7 +353,7 @@ def crossover_titles(record: dict[str, Any]) -> tuple[tuple[str, str], ...]:
     paths the record's weight format has none of (FP8: no mixed path)."""
     has_peer = any(p["cells"].get("peer") is not None for p in record["points"])
     has_invariant = any(p["cells"].get("invariant") is not None for p in record["points"])
-    absent = set(CROSSOVER_PATHS) - set(record.get("paths", CROSSOVER_PATHS))
+    absent = set(PATH_COLUMNS) - set(record.get("paths", CROSSOVER_PATHS))
     if not has_peer:
         absent |= {"peer", "vs_peer"}
     if not has_invariant:
