@@ -592,8 +592,8 @@ SOURCE.variants = [*preset_variants(resolve_params, DEFAULTS), resolve_params(No
                    resolve_params(None, **MMA_KNOBS, DB_WARPS=MMA_WIDE_DOWN_WARPS, DB_MAX_REGS=0),
                    resolve_params(None, **FP8_KNOBS),
                    resolve_params(None, **MMA_KNOBS, W_FP8=1),
-                   resolve_params(None, **{**MMA_KNOBS, "W_FP8": 1, "DB_GROUPED": 1}),
-                   resolve_params(None, **PER_PAIR_KNOBS), resolve_params(None, **PER_PAIR_KNOBS, W_FP8=1)]
+                   resolve_params(None, **FP8_GROUPED_KNOBS),
+                   resolve_params(None, **PER_PAIR_KNOBS), resolve_params(None, **FP8_PER_PAIR_KNOBS)]
 
 
 # ---------------------------------------------------------------------------------------------------
