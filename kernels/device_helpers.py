@@ -212,36 +212,6 @@ __device__ __forceinline__ void pdl_release() {
     asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 }
-// One Hopper bulk prefetch (cp.async.bulk.prefetch.L2, sm_90+): the copy engine brings `bytes` (a multiple of 16,
-// 16-byte aligned) at `p` into L2 -- no registers held, nothing waited on. The g++ emulation logs the call where its
-// harness defines WD_PREFETCH_LOG (a test of which bytes a kernel asks for).
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
-#if defined(WD_HOST_EMULATION)
-#ifdef WD_PREFETCH_LOG
-    WD_PREFETCH_LOG(p, bytes);
-#else
-    (void)p;
-    (void)bytes;
-#endif
-#else
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes));
-#endif
-}
-// Bytes [lo, lo + len) of the pairs' matrices, one after another: pair p's is the `mat_bytes` at mats + ids[p] *
-// mat_bytes (a pair with an id outside [0, experts) is skipped). 16-byte multiples in, 16-byte pieces out. ids is the
-// routing: read through ld_dep, after the PDL wait.
-__device__ __forceinline__ void prefetch_pairs_l2(const unsigned char* mats, long long mat_bytes, const int* ids,
-                                                  int pairs, int experts, long long lo, long long len) {
-    const long long end = min(lo + len, (long long)pairs * mat_bytes);
-    while (lo < end) {
-        const int p = (int)(lo / mat_bytes);
-        const long long offset = lo - (long long)p * mat_bytes;
-        const long long piece = min(end - lo, mat_bytes - offset);
-        const int e = ld_dep(ids + p);
-        if ((unsigned)e < (unsigned)experts) prefetch_l2(mats + (long long)e * mat_bytes + offset, (unsigned)piece);
-        lo += piece;
-    }
-}
 // ---- end of PDL helpers ----
 """
 

@@ -36,13 +36,11 @@ CODE = WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + r"""
 // 128 x 128 block (w13: gate's block rows, then up's). Knobs: GU_WARPS / DN_WARPS warps per block, GU_UNROLL /
 // DN_UNROLL chunk rounds in flight per lane, DN_SLOTS routed slots whose w2 rows load together, DN_MIN_BLOCKS the
 // down's __launch_bounds__ min blocks per SM (a register cap; 0 leaves it to ptxas), GU_CHUNK / DN_CHUNK e4m3
-// values per lane chunk (8: 8-byte loads; 16: 16-byte loads, H resp. I a multiple of 16), PDL, GU_PREFETCH_W2 (1:
-// each gate_up block asks the copy engine to bring its share of the pairs' w2 values into L2 for the down).
+// values per lane chunk (8: 8-byte loads; 16: 16-byte loads, H resp. I a multiple of 16), PDL.
 static_assert(GU_WARPS >= 1 && GU_WARPS <= 32 && DN_WARPS >= 1 && DN_WARPS <= 32, "WARPS must be 1..32");
 static_assert((GU_CHUNK == 8 || GU_CHUNK == 16) && (DN_CHUNK == 8 || DN_CHUNK == 16), "CHUNK must be 8 or 16");
 static_assert(GU_UNROLL >= 1 && DN_UNROLL >= 1, "UNROLL must be >= 1");
 static_assert(DN_SLOTS >= 1 && DN_SLOTS <= 32, "DN_SLOTS must be 1..32");
-static_assert(GU_PREFETCH_W2 == 0 || GU_PREFETCH_W2 == 1, "GU_PREFETCH_W2 must be 0 or 1");
 #if DN_MIN_BLOCKS > 0
 #define DN_BOUNDS __launch_bounds__(DN_WARPS * 32, DN_MIN_BLOCKS)
 #else
@@ -96,9 +94,6 @@ extern "C" __global__ void __launch_bounds__(GU_WARPS * 32) moe_gate_up_fp8(
     const bf16_t* __restrict__ x,             // [T, H]
     const uint2* __restrict__ w13,            // [E, 2I, H] e4m3fn (read as GU_CHUNK-byte chunks)
     const float* __restrict__ s13,            // [E, 2 ceil(I/128), ceil(H/128)]
-#if GU_PREFETCH_W2
-    const unsigned char* __restrict__ w2,     // [E, H, I] e4m3fn: never loaded here, only prefetched into L2
-#endif
     const int* __restrict__ topk_ids,         // [T, K]
     bf16_t* __restrict__ intermediate,        // [T, K, I]
     int tokens, int hidden, int inter, int experts, int top_k)
@@ -107,13 +102,6 @@ extern "C" __global__ void __launch_bounds__(GU_WARPS * 32) moe_gate_up_fp8(
     const long long warp = (long long)blockIdx.x * GU_WARPS + (threadIdx.x >> 5);
     pdl_wait();     // topk_ids and x may come from the kernel right before this one
     pdl_release();
-#if GU_PREFETCH_W2
-    if (threadIdx.x == 0) {  // this block's even share of the pairs' w2 bytes, into L2 for the down (H x I % 16 == 0)
-        const long long mat = (long long)hidden * inter, total = (long long)tokens * top_k * mat;
-        const long long share = ((total + gridDim.x - 1) / gridDim.x + 15) / 16 * 16;
-        prefetch_pairs_l2(w2, mat, topk_ids, tokens * top_k, experts, (long long)blockIdx.x * share, share);
-    }
-#endif
     if (warp >= (long long)tokens * top_k * inter) return;     // whole warp leaves together
     const long long pair = warp / inter;
     const int i = (int)(warp - pair * inter);
@@ -274,12 +262,10 @@ DEFAULTS: dict[str, int] = {
     "DN_CHUNK": 8,  # as GU_CHUNK for the down; auto: 16 where I fills whole rounds of them and T x H <= 4096
     "DN_MIN_BLOCKS": 4,  # the down's __launch_bounds__ min blocks per SM; auto: 16 warps per SM, <= 128 registers
     "PDL": 1,
-    "GU_PREFETCH_W2": 0,  # 1: the gate_up prefetches the down's w2 rows into L2 (sm_90 bulk prefetch); not yet measured
 }
 AUTO_KNOBS = ("GU_UNROLL", "GU_CHUNK", "DN_SLOTS", "DN_CHUNK", "DN_MIN_BLOCKS")
 LIMITS = {"GU_WARPS": (1, 32), "DN_WARPS": (1, 32), "GU_UNROLL": (0, 16), "DN_UNROLL": (1, 16), "DN_SLOTS": (0, 32),
-          "DN_MIN_BLOCKS": (0, 32), "GU_CHUNK": (0, 16), "DN_CHUNK": (0, 16), "PDL": (0, 1),
-          "GU_PREFETCH_W2": (0, 1)}
+          "DN_MIN_BLOCKS": (0, 32), "GU_CHUNK": (0, 16), "DN_CHUNK": (0, 16), "PDL": (0, 1)}
 # The one spill the library accepts: the 8-slot down under its 128-register cap stores <= 128 bytes (L1-resident),
 # measured 10 % faster than uncapped at 142 registers (results/sweep-2026-12-01-strict-fp8-down-*.json); tests and
 # the bench's CPU check hold every other kernel to none.
@@ -314,9 +300,6 @@ def _rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         values["DN_SLOTS"] = min(8 if one_wave else DEFAULTS["DN_SLOTS"], dims.top_k if dims is not None else 32)
     if values["DN_MIN_BLOCKS"] == 0:
         values["DN_MIN_BLOCKS"] = max(1, DOWN_WARPS_PER_SM // values["DN_WARPS"])
-    if values["GU_PREFETCH_W2"] and dims is not None and (dims.hidden * dims.intermediate) % 16:
-        raise ValueError(f"GU_PREFETCH_W2 prefetches whole 16-byte pieces of each w2 matrix: H x I must be a multiple "
-                         f"of 16, got {dims.hidden} x {dims.intermediate}")
     for knob, extent, name in (("GU_CHUNK", hidden, "H"), ("DN_CHUNK", dims and dims.intermediate, "I")):
         if values[knob] not in (8, 16):
             raise ValueError(f"{knob} must be 8 or 16 (e4m3 values per lane chunk), got {values[knob]}")
@@ -343,10 +326,9 @@ def _stages(compiled: Compiled, x: Any, w13: Quantized, w2: Quantized, topk_ids:
     out_f32 = i32(1 if out.dtype == np.float32 else 0)
 
     def gate_up() -> None:
-        w2_arg = (w2.values,) if p["GU_PREFETCH_W2"] else ()  # the kernel takes w2 only to prefetch it
         launch_ex(k[GATE_UP], (_blocks(d.tokens * d.top_k * d.intermediate, p["GU_WARPS"]),), (p["GU_WARPS"] * 32,),
-                  (x, w13.values, w13.scales, *w2_arg, topk_ids, ws, i32(d.tokens), i32(d.hidden),
-                   i32(d.intermediate), i32(d.experts), i32(d.top_k)), programmatic=bool(p["PDL"]))
+                  (x, w13.values, w13.scales, topk_ids, ws, i32(d.tokens), i32(d.hidden), i32(d.intermediate),
+                   i32(d.experts), i32(d.top_k)), programmatic=bool(p["PDL"]))
 
     def down() -> None:
         launch_ex(k[DOWN], (_blocks(d.tokens * d.hidden, p["DN_WARPS"]),), (p["DN_WARPS"] * 32,),
@@ -369,7 +351,7 @@ FAMILY = KernelFamily(
     limits=LIMITS,
     auto_knobs=AUTO_KNOBS,
     rules=_rules,
-    device_needs={"PDL": 90, "GU_PREFETCH_W2": 90},
+    device_needs={"PDL": 90},
     workspace=_workspace,
     stages=_stages,
 )

@@ -35,11 +35,6 @@ FMT = "fp8-block128"
 
 EMULATION_HARNESS = EMULATION_PRELUDE + r"""
 inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
-#include <mutex>
-static std::vector<std::pair<const void*, unsigned>> prefetched;  // what prefetch_l2 was asked for (GU_PREFETCH_W2)
-static std::mutex prefetched_mutex;
-#define WD_PREFETCH_LOG(p, n) \
-    do { std::lock_guard<std::mutex> lock(prefetched_mutex); prefetched.emplace_back((p), (n)); } while (0)
 #include "kernel.cu"
 """ + WARP_LOCKSTEP_LAUNCH + EMULATION_LOAD + r"""
 int main(int argc, char** argv) {
@@ -57,14 +52,7 @@ int main(int argc, char** argv) {
     std::vector<uint16_t> inter((size_t)T * K * I, 0x7fc0);
     std::vector<uint32_t> out((size_t)T * H, 0x7fc07fc0u);  // NaN poison in either view
     launch(((long long)T * K * I + GU_WARPS - 1) / GU_WARPS, GU_WARPS * 32,
-           [&] {
-#if GU_PREFETCH_W2
-               moe_gate_up_fp8(x.data(), w13.data(), s13.data(), reinterpret_cast<const unsigned char*>(w2.data()),
-                               ids.data(), inter.data(), T, H, I, E, K);
-#else
-               moe_gate_up_fp8(x.data(), w13.data(), s13.data(), ids.data(), inter.data(), T, H, I, E, K);
-#endif
-           });
+           [&] { moe_gate_up_fp8(x.data(), w13.data(), s13.data(), ids.data(), inter.data(), T, H, I, E, K); });
     launch(((long long)T * H + DN_WARPS - 1) / DN_WARPS, DN_WARPS * 32, [&] {
         moe_down_fp8(inter.data(), w2.data(), s2.data(), ids.data(), wts.data(), out.data(), f32, T, H, I, E, K);
     });
@@ -73,12 +61,6 @@ int main(int argc, char** argv) {
     fclose(f);
     f = fopen((dir + "/inter.bin").c_str(), "wb");
     fwrite(inter.data(), 2, inter.size(), f);
-    fclose(f);
-    f = fopen((dir + "/prefetch.bin").c_str(), "wb");  // (byte offset into w2, bytes) per prefetch
-    for (const auto& [p, n] : prefetched) {
-        const long long piece[2] = {(long long)((const unsigned char*)p - (const unsigned char*)w2.data()), n};
-        fwrite(piece, sizeof piece, 1, f);
-    }
     fclose(f);
     return 0;
 }
@@ -91,9 +73,8 @@ def _dims(problem: Problem) -> Dims:
 
 
 def _emulate(problem: Problem, q13: Quantized, q2: Quantized, ids: np.ndarray | None = None,
-             out_dtype: Any = BF16, intermediate: bool = False, prefetched: bool = False, **params: int) -> Any:
-    """The two kernels' CUDA C on the CPU; returns out [T, H] (``intermediate``: and the [T, K, I] bf16 bits;
-    ``prefetched``: and the gate_up's L2 prefetches as (byte offset into w2, bytes) rows)."""
+             out_dtype: Any = BF16, intermediate: bool = False, **params: int) -> Any:
+    """The two kernels' CUDA C on the CPU; returns out [T, H] (``intermediate``: and the [T, K, I] bf16 bits)."""
     dims = _dims(problem)
     f32 = int(np.dtype(out_dtype) == np.float32)
     binary = build_emulator(wdf.SOURCE.render(**wdf.FAMILY.resolve(dims, **params)), EMULATION_HARNESS)
@@ -108,10 +89,7 @@ def _emulate(problem: Problem, q13: Quantized, q2: Quantized, ids: np.ndarray | 
         run_emulator(binary, dims.tokens, dims.hidden, dims.intermediate, dims.experts, dims.top_k, f32, tmp)
         raw = np.fromfile(f"{tmp}/out.bin", np.float32 if f32 else np.uint16)
         inter = np.fromfile(f"{tmp}/inter.bin", np.uint16).reshape(dims.tokens, dims.top_k, dims.intermediate)
-        pieces = np.fromfile(f"{tmp}/prefetch.bin", np.int64).reshape(-1, 2)
     out = raw.reshape(dims.tokens, dims.hidden) if f32 else raw.view(BF16).reshape(dims.tokens, dims.hidden)
-    if prefetched:
-        return out, pieces
     return (out, inter) if intermediate else out
 
 
@@ -150,30 +128,6 @@ def test_cuda_source_emulated_on_cpu(rng: np.random.Generator, shape: Any, token
         got32 = _emulate(problem, q13, q2, out_dtype=np.float32, **params)
         faithful32, _ = _fp8_references(problem, q13, q2, out_dtype=np.float32)
         _assert_matches(got32, faithful32, oracle, "fp8 emulated fp32 out", own_order=True)
-
-
-def test_w2_prefetch_asks_for_exactly_the_pairs_w2_emulated(rng: np.random.Generator) -> None:
-    """GU_PREFETCH_W2: the gate_up blocks' L2 prefetches, together, cover each routed pair's w2 matrix once (a byte
-    of an expert routed n times, n times), in 16-byte aligned pieces inside one matrix, nothing for a bad id; the
-    outputs are bitwise those without it (a prefetch changes no value)."""
-    shape = MoEShape("h144-i48", 144, 48, 6, 3)
-    problem = make_problem(shape, 5, seed=_seed(rng), routing="zipf")
-    ids = problem.topk_ids.copy()
-    ids[1, 2] = shape.experts  # a bad id: its token's row NaN, its pair not prefetched
-    ids[3, 1] = ids[3, 0]  # an expert twice in a token
-    q13, q2 = quantize_weights(problem.w13, problem.w2, FMT)
-    plain = _emulate(problem, q13, q2, ids=ids, GU_WARPS=3)
-    got, pieces = _emulate(problem, q13, q2, ids=ids, prefetched=True, GU_WARPS=3, GU_PREFETCH_W2=1)
-    assert np.array_equal(got.view(np.uint16), plain.view(np.uint16))
-    mat = shape.hidden * shape.intermediate
-    assert len(pieces) and np.all(pieces % 16 == 0) and np.all(pieces[:, 1] > 0)
-    assert np.all(pieces[:, 0] // mat == (pieces[:, 0] + pieces[:, 1] - 1) // mat), "a piece crosses two matrices"
-    counts = np.zeros(shape.experts * mat, np.int64)
-    for offset, size in pieces:
-        counts[offset:offset + size] += 1
-    routed = np.bincount(ids[ids < shape.experts].ravel(), minlength=shape.experts)
-    assert np.array_equal(counts.reshape(shape.experts, mat), np.repeat(routed[:, None], mat, axis=1))
-    assert not np.any(_emulate(problem, q13, q2, ids=ids, prefetched=True, GU_WARPS=3)[1]), "prefetched with it off"
 
 
 @pytest.mark.slow
@@ -253,7 +207,6 @@ def _device_fp8(cupy: Any, *weights: Quantized) -> tuple[Quantized, ...]:
     (MoEShape("h2880-i360", 2880, 360, 16, 4), 3, [[1, 1, 2, 3], [0, 5, 5, 5], [15, 14, 13, 12]], {}),  # partial blocks
     ("qwen3-30b-a3b", 1, "uniform", {"GU_CHUNK": 16, "DN_CHUNK": 16}),  # 16-value chunks
     (MoEShape("h2880-i368", 2880, 368, 16, 4), 3, "zipf", {"GU_CHUNK": 16, "DN_CHUNK": 16, "DN_SLOTS": 4}),
-    ("qwen3-30b-a3b", 1, "uniform", {"GU_PREFETCH_W2": 1}), ("qwen3-30b-a3b", 2, "same", {"GU_PREFETCH_W2": 1}),
 ])
 def test_presets(cupy_mod: Any, rng: np.random.Generator, model: Any, tokens: int, routing: Any,
                  knobs: dict[str, int]) -> None:
