@@ -394,8 +394,8 @@ PER_PAIR_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "PER_PAIR": 1, "GB
 # The FP8 paths (fp8-block128 weights, W_FP8): FMA kernels with 8-value chunks (GB_BYTES 16: the gate_up's
 # intermediate is then bitwise the strict FP8 kernel's; the down capped at 160 registers, which its scales and
 # widening need to stay spill-free at the qwen3 shapes from T = 1 to 64 -- 128 spills at qwen3-235b T = 16,
-# launch bounds alone at qwen3-30b T = 1), and the tensor-core path with the bf16 path's knobs. First choices,
-# to be swept on the H200.
+# launch bounds alone at qwen3-30b T = 1), and the tensor-core path with the bf16 path's knobs, its FP8 loads and
+# scaling auto (auto_fp8_mma, swept on the H200).
 FP8_KNOBS = {"W_FP8": 1, "GB_BYTES": 16, "DB_MAX_REGS": 160}
 # The batch-invariant pair on FP8 weights: the same numerics knobs in both forms (GB_KSPLIT; FP8_LOAD16 and
 # FP8_BLOCK_SUM auto, from the dims alone); the per-pair form's rounds from its H200 sweep
