@@ -23,8 +23,9 @@ downs' per-warp partials).
 
 fp8-block128 weights (``kernels.quantize_weights(w13, w2, "fp8-block128")``) choose among the FP8 paths
 (:data:`FORMAT_CANDIDATES`: ``"cupy:warp-decode-fp8"``, ``"cupy:warp-decode-batched-fp8"``,
-``"cupy:warp-decode-mma-fp8"``; warp decode's numerics on the dequantized weights), from the same table under the
-format's own entries (key ``H..-K..-fp8-block128``) or the same heuristic; ``moe_decode`` sees the format in the
+``"cupy:warp-decode-mma-fp8"``, ``"cupy:warp-decode-mma-pairs-fp8"``; warp decode's numerics on the dequantized
+weights), from the same table under the format's own entries (key ``H..-K..-fp8-block128``; the H200's are measured)
+or the same heuristic; ``moe_decode`` sees the format in the
 weights it is given, ``make_workspace`` takes it as ``weight_format``.
 
 The choice depends only on the shape (H, I, E, K), T, the GPU and the policy -- never on ``topk_ids``' values -- so
@@ -102,8 +103,10 @@ FORMAT_CANDIDATES: dict[str, dict[str, tuple[str, ...]]] = {
     FP8: {FASTEST: FP8_CANDIDATES, WARP_DECODE: FP8_CANDIDATES, BATCH_INVARIANT: (FP8_MMA_PAIRS, FP8_MMA_GROUPED)}}
 # the batch-invariant policy's (per-pair, grouped) paths per format: per-pair while pairs are few per expert
 INVARIANT_PATHS: dict[str, tuple[str, str]] = {"bf16": (MMA_PAIRS, MMA_GROUPED), FP8: (FP8_MMA_PAIRS, FP8_MMA_GROUPED)}
+# (FP8: the tensor-core path in the batched slot too -- on the H200 it beat the batched FP8 path at every T the
+# heuristic would give the latter, 50.1 vs 58.8 us at qwen3-30b T = 4: results/h200-2026-12-02-fp8-paths-*.json)
 FORMAT_PATHS: dict[str, tuple[str, str, str]] = {"bf16": (STRICT, BATCHED, MMA),
-                                                  FP8: (FP8_STRICT, FP8_BATCHED, FP8_MMA)}
+                                                  FP8: (FP8_STRICT, FP8_MMA, FP8_MMA)}
 TABLE_POINTS = (1, 2, 4, 8, 16, 32, 64)
 TABLE_ROUTINGS = ("uniform", "zipf")  # what tools.dispatch_table measures; the choice is the best worst case
 TABLE_DIR = Path(__file__).resolve().parent / "dispatch_tables"
@@ -315,7 +318,8 @@ def heuristic(dims: Dims, policy: str = FASTEST, weight_format: str = "bf16") ->
     qwen3-30b T=2 ~0.5 expert (~1 us) -- strict; at T=4 ~3.4 experts (~7 us; ~28 us at qwen3-235b) -- batched.
     Why E: with a pair or more per expert the FMA kernels spend their issue slots on 2 FMAs per weight element
     per pair; the tensor core takes that work off the lanes (H200: MMA fastest from T*K/E = 1 at qwen3-30b).
-    Weights in another format pick its paths by the same rule (:data:`FORMAT_PATHS`; unmeasured for FP8).
+    Weights in another format pick its paths by the same rule (:data:`FORMAT_PATHS`: FP8 runs its tensor-core path
+    wherever bf16 would run batched or MMA, as measured at the qwen3 shapes).
     """
     check_policy(policy)
     strict, batched, mma = FORMAT_PATHS[check_weight_format(weight_format)]
