@@ -41,6 +41,7 @@ from kernels.compile import CudaSource, launch_ex, preset_variants
 from kernels.contract import BF16, Dims, check_aligned, check_inputs, check_out, require_cupy
 from kernels.family import Compiled, KernelFamily, Stage
 from kernels.formats import FP8_BLOCK128, Quantized
+from kernels.shapes import PRESETS
 from kernels.variants import Variant, register
 from kernels.warp_decode_batched_cuda import CODE, GROUPED_KERNELS, KERNELS, MMA_KERNELS, PER_PAIR_KERNELS
 
@@ -103,6 +104,11 @@ MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pd
 MMA_WIDE_DOWN_WARPS = 24
 MMA_UNROLL = 4  # auto GB_UNROLL / DB_UNROLL of the tensor-core kernels: k blocks of loads in flight (DB: 2 at 64-wide)
 MMA_WIDE_DOWN_FROM = 32
+# The bf16 split-chain gate_up (the grouped invariant path) with one 8-pair block: 96 registers keep 5 blocks of 4 warps
+# per SM (92-99 uncapped: 4 blocks), spill-free; 2 % faster at qwen3-30b / qwen3-235b T = 4 / 16 (H200,
+# results/sweep-2026-12-02-whole-rounds-grouped-regs-*.json; two 8-pair blocks spill under it)
+SPLIT_GATE_UP_REGS = 96
+PAIR_FULL_WARPS = 64 * 132  # the per-pair gate_up's warps from which 2 k blocks in flight beat 4 (the H200's 132 SMs)
 GROUPED_DOWN_WARPS = 4  # auto DB_WARPS of the grouped down: 4 warps x 16 rows of one tile per block, as gate_up's
 LIMITS = {
     "LIST_THREADS": (32, 1024), "LIST_PER": (0, 16),
@@ -154,6 +160,25 @@ def auto_fp8_mma(dims: Dims | None, values: dict[str, int]) -> None:
         values["FP8_LOAD16"] = int(fp8_mma and fits)
     if values["FP8_BLOCK_SUM"] == -1:
         values["FP8_BLOCK_SUM"] = int(fp8_mma)
+
+
+def auto_mma_gate_up_unroll(dims: Dims, values: dict[str, int]) -> int:
+    """The tensor-core gate_up's k blocks of loads in flight per lane (H200 sweeps,
+    results/sweep-2026-12-02-unroll-*.json; knobs that only move work, never the numerics):
+
+    * the per-pair form on bf16: 4 while its warps (T*K pairs x I/8 neuron groups x GB_KSPLIT ranges) number fewer
+      than PAIR_FULL_WARPS, 2 from there -- qwen3-30b T = 1 23.1 vs 23.7 us, T = 2 38.5 vs 40.3; qwen3-235b T = 1
+      73.8 vs 75.4;
+    * FP8 16-value loads with split chains and two 8-pair blocks (the grouped invariant path from T*K >= 4E): 2, which
+      stays under the 128-register cap (4 spilled) -- qwen3-30b T = 64 218.7 vs 222.8 us, qwen3-235b 788.8 vs 809.8;
+    * else MMA_UNROLL.
+    """
+    if values["PER_PAIR"] and not values["W_FP8"]:
+        warps = dims.tokens * dims.top_k * -(-dims.intermediate // 8) * values["GB_KSPLIT"]
+        return MMA_UNROLL if warps < PAIR_FULL_WARPS else MMA_UNROLL // 2
+    if values["FP8_LOAD16"] and values["GB_KSPLIT"] > 1 and values["GB_NBLK"] > 1:
+        return MMA_UNROLL // 2
+    return MMA_UNROLL
 
 
 def auto_down_unroll(dims: Dims, params: dict[str, int]) -> int:
@@ -310,7 +335,8 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
                 f"{kernel}_WARPS {warps} x 32 threads x {kernel}_MAX_REGS {cap} registers exceeds the "
                 f"{REGISTERS_PER_BLOCK} registers of a block (the launch would fail): lower {kernel}_WARPS or "
                 f"{kernel}_MAX_REGS (0 lets __launch_bounds__ fit the block)")
-    for kernel in ("GB", "DB"):  # the tensor-core kernels' rounds do not depend on the dims
+    mma_gate_up_unroll_auto = values["GB_UNROLL"] == 0 and values["GB_MMA"]
+    for kernel in ("GB", "DB"):  # the tensor-core kernels' rounds (the gate_up's refined from the dims below)
         if values[f"{kernel}_UNROLL"] == 0 and values[f"{kernel}_MMA"]:
             values[f"{kernel}_UNROLL"] = MMA_UNROLL
             if kernel == "DB" and values["FP8_LOAD16"]:  # 64-wide k blocks: half the rounds, the same bytes
@@ -350,6 +376,11 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
     if values["DB_NBLK"] == 0:  # the grouped down: a tile's pairs in one pass (H200, results/sweep-2026-12-01-mma-
         # nblk-*.json: qwen3-235b Zipf T = 64 975 -> 940 us, qwen3-30b 245 -> 241; uniform within 0.5 %)
         values["DB_NBLK"] = values["GB_NBLK"] if values["DB_GROUPED"] else 1
+    if mma_gate_up_unroll_auto:
+        values["GB_UNROLL"] = auto_mma_gate_up_unroll(dims, values)
+    if values["GB_MMA"] and values["GB_KSPLIT"] > 1 and not (values["PER_PAIR"] or values["W_FP8"]) and \
+            values["GB_NBLK"] == 1 and values["GB_MAX_REGS"] == DEFAULTS["GB_MAX_REGS"]:
+        values["GB_MAX_REGS"] = SPLIT_GATE_UP_REGS
     shared = down_shared_bytes(dims, values)
     if shared > OPT_IN_SHARED_LIMIT:
         raise ValueError(
@@ -386,11 +417,11 @@ MIXED_KNOBS = {"DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1}  # FMA gate_up (
 # UNROLL 8) -- and the grouped path its ranges in turn, 4 % faster at qwen3-30b T = 8, the same from T = 16.
 INVARIANT_KSPLIT = 8
 GROUPED_KNOBS = {**MMA_KNOBS, "DB_GROUPED": 1, "GB_KSPLIT": INVARIANT_KSPLIT}
-# (GB_WARPS 8 = a block per 8 neurons, one warp per range; GB_UNROLL 4 with ranges of H / 8 (UNROLL 8: 26.6 us at
-# qwen3-30b T = 1, 25 % occupancy); DB_UNROLL 8: a per-pair down warp streams whole rows alone -- H200,
+# (GB_WARPS 8 = a block per 8 neurons, one warp per range; GB_UNROLL auto (auto_mma_gate_up_unroll: 4 or 2; UNROLL 8
+# was 26.6 us at qwen3-30b T = 1, 25 % occupancy); DB_UNROLL 8: a per-pair down warp streams whole rows alone -- H200,
 # results/sweep-2026-12-01-mma-pairs-*.json: qwen3-235b T = 1 86.7 us vs 116.5 at 4 / 4)
 PER_PAIR_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "PER_PAIR": 1, "GB_KSPLIT": INVARIANT_KSPLIT,
-                  "GB_WARPS": INVARIANT_KSPLIT, "GB_UNROLL": 4, "DB_UNROLL": 8, "FP8_LOAD16": -1, "FP8_BLOCK_SUM": -1}
+                  "GB_WARPS": INVARIANT_KSPLIT, "GB_UNROLL": 0, "DB_UNROLL": 8, "FP8_LOAD16": -1, "FP8_BLOCK_SUM": -1}
 # The FP8 paths (fp8-block128 weights, W_FP8): FMA kernels with 8-value chunks (GB_BYTES 16: the gate_up's
 # intermediate is then bitwise the strict FP8 kernel's; the down capped at 160 registers, which its scales and
 # widening need to stay spill-free at the qwen3 shapes from T = 1 to 64 -- 128 spills at qwen3-235b T = 16,
@@ -586,14 +617,18 @@ FAMILY = KernelFamily(
 )
 SOURCE = FAMILY.source
 # what the offline report compiles besides the defaults: every preset's resolved knobs, and the tensor-core and
-# mixed paths as they run (auto knobs resolved)
+# mixed paths as they run (auto knobs resolved; the FP8 tensor-core sets also with two 8-pair blocks, qwen3-30b-a3b's
+# at T = 64: the ones nearest the register cap)
+_QWEN30_T64 = Dims(64, PRESETS["qwen3-30b-a3b"].hidden, PRESETS["qwen3-30b-a3b"].intermediate,
+                   PRESETS["qwen3-30b-a3b"].experts, PRESETS["qwen3-30b-a3b"].top_k)
 SOURCE.variants = [*preset_variants(resolve_params, DEFAULTS), resolve_params(None, **MMA_KNOBS),
                    resolve_params(None, **MIXED_KNOBS),
                    resolve_params(None, **MMA_KNOBS, DB_WARPS=MMA_WIDE_DOWN_WARPS, DB_MAX_REGS=0),
                    resolve_params(None, **FP8_KNOBS),
                    resolve_params(None, **MMA_KNOBS, W_FP8=1),
                    resolve_params(None, **FP8_GROUPED_KNOBS),
-                   resolve_params(None, **PER_PAIR_KNOBS), resolve_params(None, **FP8_PER_PAIR_KNOBS)]
+                   resolve_params(None, **PER_PAIR_KNOBS), resolve_params(None, **FP8_PER_PAIR_KNOBS),
+                   resolve_params(_QWEN30_T64, **MMA_FP8_KNOBS), resolve_params(_QWEN30_T64, **FP8_GROUPED_KNOBS)]
 
 
 # ---------------------------------------------------------------------------------------------------

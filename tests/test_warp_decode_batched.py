@@ -190,6 +190,28 @@ def test_auto_knobs() -> None:
     assert wdb.resolve_params(None, DB_MMA=1, GB_MMA=1, PAIR_TILES=1, DB_BALANCE=-1)["DB_BALANCE"] == 1  # tiles
 
 
+
+def test_tensor_core_gate_up_rounds_and_register_cap() -> None:
+    """The tensor-core gate_up's rules from the dims: the per-pair bf16 form keeps 4 k blocks in flight below
+    PAIR_FULL_WARPS warps, 2 from there; the FP8 split chains with two 8-pair blocks take 2; the bf16 split-chain
+    gate_up with one 8-pair block runs under SPLIT_GATE_UP_REGS; an explicit knob wins over a rule."""
+    def gate_up(knobs: dict[str, int], tokens: int, hidden: int = 2048, inter: int = 768, **extra: int) -> tuple:
+        r = wdb.resolve_params(Dims(tokens, hidden, inter, 128, 8), **{**knobs, **extra})
+        return r["GB_UNROLL"], r["GB_MAX_REGS"]
+
+    assert 1 * 8 * 96 * 8 < wdb.PAIR_FULL_WARPS <= 2 * 8 * 96 * 8  # qwen3-30b: T = 1 below, T = 2 at or above
+    assert [gate_up(wdb.PER_PAIR_KNOBS, t)[0] for t in (1, 2, 4)] == [4, 2, 2]
+    assert gate_up(wdb.PER_PAIR_KNOBS, 1, 4096, 1536)[0] == 2  # qwen3-235b T = 1: 12288 warps
+    assert gate_up(wdb.PER_PAIR_KNOBS, 2, GB_UNROLL=8)[0] == 8
+    assert [gate_up(wdb.FP8_PER_PAIR_KNOBS, t)[0] for t in (1, 2)] == [2, 2]  # its own sweep's rounds
+    assert [gate_up(wdb.FP8_GROUPED_KNOBS, t)[0] for t in (16, 64)] == [4, 2]  # two 8-pair blocks from T*K >= 4E
+    assert [gate_up(wdb.MMA_FP8_KNOBS, t)[0] for t in (16, 64)] == [4, 4]  # one chain: no spills at 4
+    assert [gate_up(wdb.GROUPED_KNOBS, t) for t in (4, 64)] == [(4, wdb.SPLIT_GATE_UP_REGS), (4, 128)]
+    assert gate_up(wdb.GROUPED_KNOBS, 4, GB_MAX_REGS=0)[1] == 0
+    assert gate_up(wdb.FP8_GROUPED_KNOBS, 4)[1] == 128 and gate_up(wdb.MMA_KNOBS, 4)[1] == 128
+    assert wdb.resolve_params(None, **wdb.PER_PAIR_KNOBS)["GB_UNROLL"] == wdb.MMA_UNROLL  # no dims: the default
+
+
 def test_source_and_variant_are_registered() -> None:
     from kernels.compile import SOURCES
     from kernels.variants import REGISTRY
