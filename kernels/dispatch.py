@@ -40,7 +40,8 @@ it never syncs with the host and a captured CUDA graph stays valid for any routi
    T between points uses the nearest LOWER point (below the first: the first; above the last: the
    last). Older tables holding only a ``choice`` per point are still read (that choice if it belongs to the policy).
 2. Otherwise :func:`heuristic`: strict at T = 1 and when ``T * K <= E / 8``, the MMA path when ``T * K >= E``, else
-   batched; never the mixed or expert-centric path, never a path that cannot run the dims (:func:`batched_supported`,
+   batched (FP8: the per-pair tensor-core form in strict's place, the tensor-core path in batched's); never the mixed
+   or expert-centric path, never a path that cannot run the dims (:func:`batched_supported`,
    :func:`expert_centric_supported`; strict runs everything). The H200 runs behind it: notes/FINDINGS.md.
 
 Variants ``"cupy:auto"`` (policy "fastest") and ``"cupy:auto-warp-decode"`` (no kernel family of their own: they
@@ -97,16 +98,20 @@ BATCH_INVARIANT = "batch_invariant"
 POLICIES = (FASTEST, WARP_DECODE, BATCH_INVARIANT)
 POLICY_CANDIDATES: dict[str, tuple[str, ...]] = {FASTEST: CANDIDATES, WARP_DECODE: (STRICT, BATCHED, MIXED, MMA),
                                                  BATCH_INVARIANT: (MMA_PAIRS, MMA_GROUPED)}
-# per weight format: each policy's candidates, and the (strict, batched, tensor-core) paths the heuristic picks from
+# per weight format: each policy's candidates
 FORMAT_CANDIDATES: dict[str, dict[str, tuple[str, ...]]] = {
     "bf16": POLICY_CANDIDATES,
     FP8: {FASTEST: FP8_CANDIDATES, WARP_DECODE: FP8_CANDIDATES, BATCH_INVARIANT: (FP8_MMA_PAIRS, FP8_MMA_GROUPED)}}
 # the batch-invariant policy's (per-pair, grouped) paths per format: per-pair while pairs are few per expert
 INVARIANT_PATHS: dict[str, tuple[str, str]] = {"bf16": (MMA_PAIRS, MMA_GROUPED), FP8: (FP8_MMA_PAIRS, FP8_MMA_GROUPED)}
-# (FP8: the tensor-core path in the batched slot too -- on the H200 it beat the batched FP8 path at every T the
-# heuristic would give the latter, 50.1 vs 58.8 us at qwen3-30b T = 4: results/h200-2026-12-02-fp8-paths-*.json)
+# The heuristic's (few pairs, batched, MMA) paths per format, and the strict path any dims can run. FP8: the per-pair
+# tensor-core form where strict would run -- on the H200 it beat strict FP8 at T = 1 / 2 on both qwen3 shapes (30b
+# 18.0 / 27.1 vs 19.2 / 33.0 us, 235b 46.3 / 88.4 vs 53.8 / 104.6: results/h200-2026-12-02-fp8-paths-t1-t2-*.json)
+# -- and the tensor-core path in the batched slot too (50.1 vs 58.8 us at qwen3-30b T = 4:
+# results/h200-2026-12-02-fp8-paths-*.json)
 FORMAT_PATHS: dict[str, tuple[str, str, str]] = {"bf16": (STRICT, BATCHED, MMA),
-                                                  FP8: (FP8_STRICT, FP8_MMA, FP8_MMA)}
+                                                  FP8: (FP8_MMA_PAIRS, FP8_MMA, FP8_MMA)}
+FORMAT_STRICT: dict[str, str] = {"bf16": STRICT, FP8: FP8_STRICT}
 TABLE_POINTS = (1, 2, 4, 8, 16, 32, 64)
 TABLE_ROUTINGS = ("uniform", "zipf")  # what tools.dispatch_table measures; the choice is the best worst case
 TABLE_DIR = Path(__file__).resolve().parent / "dispatch_tables"
@@ -318,11 +323,13 @@ def heuristic(dims: Dims, policy: str = FASTEST, weight_format: str = "bf16") ->
     qwen3-30b T=2 ~0.5 expert (~1 us) -- strict; at T=4 ~3.4 experts (~7 us; ~28 us at qwen3-235b) -- batched.
     Why E: with a pair or more per expert the FMA kernels spend their issue slots on 2 FMAs per weight element
     per pair; the tensor core takes that work off the lanes (H200: MMA fastest from T*K/E = 1 at qwen3-30b).
-    Weights in another format pick its paths by the same rule (:data:`FORMAT_PATHS`: FP8 runs its tensor-core path
-    wherever bf16 would run batched or MMA, as measured at the qwen3 shapes).
+    Weights in another format pick its paths by the same rule (:data:`FORMAT_PATHS`: FP8 runs its per-pair tensor-core
+    form where bf16 would run strict, its tensor-core path wherever bf16 would run batched or MMA, as measured at the
+    qwen3 shapes; strict FP8 where those cannot run the dims).
     """
     check_policy(policy)
-    strict, batched, mma = FORMAT_PATHS[check_weight_format(weight_format)]
+    few, batched, mma = FORMAT_PATHS[check_weight_format(weight_format)]
+    strict = FORMAT_STRICT[weight_format]
     pairs = dims.tokens * dims.top_k
     if policy == BATCH_INVARIANT:  # one numerics either way: per-pair where strict would run (no lists), else grouped
         # (H200, results/h200-2026-12-01-invariant-forms-uniform.json: per-pair 27.5 vs 30.2 us at qwen3-30b T = 1 and
@@ -333,7 +340,7 @@ def heuristic(dims: Dims, policy: str = FASTEST, weight_format: str = "bf16") ->
         return grouped
     few_pairs = dims.tokens == 1 or pairs <= STRICT_PAIRS_PER_EXPERT * dims.experts
     if few_pairs:
-        return strict
+        return few if few == strict or batched_supported(dims, **BATCHED_KNOBS[few]) else strict
     if pairs >= MMA_PAIRS_PER_EXPERT * dims.experts and batched_supported(dims, **BATCHED_KNOBS[mma]):
         return mma
     return batched if batched_supported(dims, **BATCHED_KNOBS[batched]) else strict

@@ -226,6 +226,9 @@ def test_committed_h200_table_choices() -> None:
         assert path.stem == dispatch.gpu_slug(table["gpu"]) == table["slug"], path
         assert table["environment"]["gpu"]["name"] == table["gpu"], f"{path}: not measured on {table['gpu']}"
         assert table["candidates"] == list(dispatch.CANDIDATES) and table["sources"], path
+        root = Path(__file__).resolve().parents[1]
+        missing = [src["file"] for src in table["sources"] if not (root / src["file"]).is_file()]
+        assert not missing, f"{path} cites bench runs that are not committed: {missing}"
         for key, entry in table["entries"].items():
             for tokens, point in entry["points"].items():
                 fmt = dispatch.key_format(key)  # an FP8 entry holds the FP8 candidates
@@ -249,9 +252,9 @@ def test_committed_h200_table_choices() -> None:
         for tokens, path in want.items():
             for policy in ("fastest", "warp_decode"):
                 assert dispatch.choose(_dims(shape, tokens), "NVIDIA H200", policy=policy) == (path, "table")
-    # its FP8 entries (results/h200-2026-12-02-fp8-paths-*.json): strict at qwen3-30b T = 1, the per-pair tensor-core
-    # form at qwen3-30b T = 2 and qwen3-235b T = 1 / 2, the tensor-core path from T = 4
-    for model, want in (("qwen3-30b-a3b", {1: FS, 2: FP, 4: FM, 64: FM}), ("qwen3-235b-a22b", {1: FP, 2: FP, 4: FM})):
+    # its FP8 entries (results/h200-2026-12-02-fp8-paths-*.json; T = 1 / 2 from results/h200-2026-12-02-fp8-paths-t1-t2-
+    # *.json): the per-pair tensor-core form at T = 1 / 2, the tensor-core path from T = 4
+    for model, want in (("qwen3-30b-a3b", {1: FP, 2: FP, 4: FM, 64: FM}), ("qwen3-235b-a22b", {1: FP, 2: FP, 4: FM})):
         for tokens, path in want.items():
             got = dispatch.choose(_dims(PRESETS[model], tokens), "NVIDIA H200", weight_format="fp8-block128")
             assert got == (path, "table"), (model, tokens)
@@ -763,11 +766,14 @@ FS, FB, FM, FP = dispatch.FP8_STRICT, dispatch.FP8_BATCHED, dispatch.FP8_MMA, di
 
 
 def test_fp8_weights_choose_among_the_fp8_paths(tmp_path: Path) -> None:
-    """The heuristic picks the FP8 paths by the bf16 rule, the tensor-core path in batched's place; a table's FP8 entry
-    (key ``...-fp8-block128``) is read for FP8 weights only, and its bf16 entry never answers for them (nor the other
-    way round)."""
-    for tokens, want in {1: FS, 2: FS, 4: FM, 8: FM, 16: FM, 64: FM}.items():
+    """The heuristic picks the FP8 paths by the bf16 rule, the per-pair tensor-core form in strict's place (strict
+    FP8 where it cannot run: K > 16) and the tensor-core path in batched's; a table's FP8 entry (key
+    ``...-fp8-block128``) is read for FP8 weights only, and its bf16 entry never answers for them (nor the other way
+    round)."""
+    for tokens, want in {1: FP, 2: FP, 4: FM, 8: FM, 16: FM, 64: FM}.items():
         assert dispatch.heuristic(_dims(QWEN30, tokens), weight_format="fp8-block128") == want, tokens
+    assert dispatch.heuristic(Dims(1, 2048, 768, 512, 20), weight_format="fp8-block128") == FS  # K = 20 > 16
+    assert dispatch.heuristic(_dims(QWEN30, 1)) == S  # bf16: strict
     assert dispatch.shape_key(_dims(QWEN30, 1), "fp8-block128") == "H2048-I768-E128-K8-fp8-block128"
     assert dispatch.key_format("H2048-I768-E128-K8-fp8-block128") == "fp8-block128"
     assert dispatch.key_format("H2048-I768-E128-K8") == "bf16"
