@@ -104,9 +104,9 @@ MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pd
 MMA_WIDE_DOWN_WARPS = 24
 MMA_UNROLL = 4  # auto GB_UNROLL / DB_UNROLL of the tensor-core kernels: k blocks of loads in flight (DB: 2 at 64-wide)
 MMA_WIDE_DOWN_FROM = 32
-# The bf16 split-chain gate_up (the grouped invariant path) with one 8-pair block: 96 registers keep 5 blocks of 4 warps
-# per SM (92-99 uncapped: 4 blocks), spill-free; 2 % faster at qwen3-30b / qwen3-235b T = 4 / 16 (H200,
-# results/sweep-2026-12-02-whole-rounds-grouped-regs-*.json; two 8-pair blocks spill under it)
+# The bf16 split-chain gate_up (the grouped invariant path) with one 8-pair block, where GB_MAX_REGS is left at its
+# default: 96 registers keep 5 blocks of 4 warps per SM, spill-free; 2 % faster at qwen3-30b / qwen3-235b T = 4 / 16
+# (H200, results/sweep-2026-12-02-whole-rounds-grouped-regs-*.json; two 8-pair blocks spill under it)
 SPLIT_GATE_UP_REGS = 96
 PAIR_FULL_WARPS = 64 * 132  # the per-pair gate_up's warps from which 2 k blocks in flight beat 4 (the H200's 132 SMs)
 GROUPED_DOWN_WARPS = 4  # auto DB_WARPS of the grouped down: 4 warps x 16 rows of one tile per block, as gate_up's
