@@ -287,7 +287,11 @@ template <class F> void launch(long long blocks, int threads, F body) {
 # ------------------------------------------------------------------------------------------------
 # Building an emulator: g++ once per (kernel text, harness, defines) per test run
 # ------------------------------------------------------------------------------------------------
-EMULATION_FLAGS = ("-std=c++20", "-O1", "-ffp-contract=off", "-pthread")
+# WD_EMULATION_SANITIZE=address builds the emulators under AddressSanitizer (the CPU's stand-in for compute-sanitizer
+# memcheck: every device array is a vector of its exact size, so a kernel's out-of-bounds read aborts the test)
+EMULATION_FLAGS = ("-std=c++20", "-O1", "-ffp-contract=off", "-pthread",
+                   *(("-fsanitize=address", "-fno-omit-frame-pointer")
+                     if os.environ.get("WD_EMULATION_SANITIZE") == "address" else ()))
 _EMULATORS: dict[tuple[str, ...], str] = {}
 _PRECOMPILED: list[tuple[str, ...]] = []  # [g++ flags that use the precompiled EMULATION_HEADERS] once built
 
