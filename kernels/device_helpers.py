@@ -144,6 +144,47 @@ __device__ __forceinline__ void e4m3x2_to_f32(u32 pair, float& lo, float& hi) {
 // cleared and the sign put back at bit 15. The tensor-core kernels multiply each FP32 partial by 2^112
 // (FP8_UNSCALE) and the block scale. e4m3fn's NaN (0x7F / 0xFF) does not survive (the quantizer never writes it).
 #define FP8_UNSCALE 0x1p112f
+#if defined(FP8_PRMT) && FP8_PRMT
+// FP8_PRMT 1: the same bf16 bits in 4 instructions per 2 values instead of 4.5 (the pairs' byte moves are free):
+// bytes 2n and 2n + 1 of w, each sign-extended to 16 bits (prmt.b32: a selector nibble's bit 3 replicates the
+// selected byte's sign), shifted left by 4 and masked -- sign at bit 15, the 7 exponent and mantissa bits at 10..4:
+// the bf16 bits of value x 2^-120, e4m3fn's subnormals as bf16 subnormals -- then one exact bf16x2 multiply by 2^8.
+// The tensor cores take subnormals exactly (notes/diag_mma_subnormals.py), but x 2^-120 would put products and
+// partials 2^8 closer to FP32's underflow: the multiply keeps the two widenings' outputs bitwise equal.
+__device__ __forceinline__ u32 sext_byte_pair(u32 w, u32 selector) {
+#ifdef WD_HOST_EMULATION
+    u32 out = 0;
+    for (int n = 0; n < 4; ++n) {
+        const u32 nib = (selector >> (4 * n)) & 0xFu, byte = (w >> (8 * (nib & 3u))) & 0xFFu;
+        out |= ((nib & 8u) ? ((byte & 0x80u) ? 0xFFu : 0u) : byte) << (8 * n);
+    }
+    return out;
+#else
+    u32 out;
+    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(out) : "r"(w), "r"(selector));
+    return out;
+#endif
+}
+__device__ __forceinline__ u32 e4m3x2_to_bf16x2_scaled(u32 w, u32 selector) {
+    const u32 low = (sext_byte_pair(w, selector) << 4) & 0x87F087F0u;  // value x 2^-120
+#ifdef WD_HOST_EMULATION
+    u32 out = 0;
+    for (int half = 0; half < 2; ++half) {  // x 2^8 in float, exact, back to the bf16 bits
+        const u32 bits = __float_as_uint(__uint_as_float(((low >> (16 * half)) & 0xFFFFu) << 16) * 256.0f);
+        out |= (bits >> 16) << (16 * half);
+    }
+    return out;
+#else
+    u32 out;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out) : "r"(low), "r"(0x43804380u));  // 2^8 in both halves
+    return out;
+#endif
+}
+__device__ __forceinline__ uint4 e4m3x8_to_bf16x8(const uint2& v) {
+    return make_uint4(e4m3x2_to_bf16x2_scaled(v.x, 0x9180u), e4m3x2_to_bf16x2_scaled(v.x, 0xB3A2u),
+                      e4m3x2_to_bf16x2_scaled(v.y, 0x9180u), e4m3x2_to_bf16x2_scaled(v.y, 0xB3A2u));
+}
+#else
 __device__ __forceinline__ u32 f16x2_to_bf16x2_scaled(u32 h) {
     return ((h >> 3) & 0x0FFF0FFFu) | (h & 0x80008000u);
 }
@@ -151,6 +192,7 @@ __device__ __forceinline__ uint4 e4m3x8_to_bf16x8(const uint2& v) {
     return make_uint4(f16x2_to_bf16x2_scaled(e4m3x2_to_f16x2(v.x)), f16x2_to_bf16x2_scaled(e4m3x2_to_f16x2(v.x >> 16)),
                       f16x2_to_bf16x2_scaled(e4m3x2_to_f16x2(v.y)), f16x2_to_bf16x2_scaled(e4m3x2_to_f16x2(v.y >> 16)));
 }
+#endif
 // ---- end of FP8 weight helpers ----
 """
 

@@ -96,6 +96,10 @@ DEFAULTS: dict[str, int] = {
     # (auto_fp8_mma: 1 wherever it can run; the tensor-core knob sets use it)
     "FP8_BLOCK_SUM": 0,  # W_FP8 tensor-core kernels: 1 sums a 128-wide scale block's k blocks in one FP32 partial
     # before its scale multiplies it, 0 scales each k block's partial; -1 = auto (1 with W_FP8 on tensor cores)
+    "FP8_PRMT": 0,  # W_FP8 tensor-core kernels: how e4m3 bytes become bf16 fragments (value x 2^-112, the same
+    # bits either way): 1 by a sign-extending byte permute, a shift, a mask and a bf16x2 multiply (4 instructions per
+    # 2 values), 0 through cvt.rn.f16x2.e4m3x2, a shift and two masks (4.5); -1 = auto (auto_fp8_widening; the
+    # tensor-core knob sets use it)
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK", "DB_NBLK")
 MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pdl-*.json: 7-10 % over 8 at qwen3-30b)
@@ -118,6 +122,7 @@ LIMITS = {
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (0, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
     "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "W_FP8": (0, 1),
     "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8), "FP8_LOAD16": (-1, 1), "FP8_BLOCK_SUM": (-1, 1),
+    "FP8_PRMT": (-1, 1),
 }
 
 
@@ -160,6 +165,19 @@ def auto_fp8_mma(dims: Dims | None, values: dict[str, int]) -> None:
         values["FP8_LOAD16"] = int(fp8_mma and fits)
     if values["FP8_BLOCK_SUM"] == -1:
         values["FP8_BLOCK_SUM"] = int(fp8_mma)
+
+
+def auto_fp8_widening(values: dict[str, int]) -> int:
+    """FP8_PRMT where auto (-1): the byte-permute widening (1) on FP8 tensor-core kernels except the plain
+    tensor-core gate_up with two 8-pair blocks (GB_NBLK 2, no split chains: qwen3 T >= 64), where it spills at 4 k
+    blocks in flight; 0 without FP8 tensor-core kernels. A work knob (the outputs are bitwise the same). H200, both
+    models (results/sweep-2026-12-02-fp8-widening-*.json): the per-pair FP8 form 9-13 % faster (qwen3-30b T = 1 18.2
+    -> 15.8 us, T = 2 26.8 -> 24.9; qwen3-235b 46.3 -> 42.1, 88.2 -> 80.2), the grouped FP8 path 2-7 % (qwen3-30b T =
+    16 116.2 -> 108.3), the tensor-core FP8 path 2-3 % at T = 8, 0-1.6 % at T = 32 and 0.3-0.7 % slower at T = 64."""
+    if not (values["W_FP8"] and (values["GB_MMA"] or values["DB_MMA"])):
+        return 0
+    plain_two_blocks = values["GB_MMA"] and values["GB_NBLK"] > 1 and values["GB_KSPLIT"] == 1
+    return 0 if plain_two_blocks else 1
 
 
 def auto_mma_gate_up_unroll(dims: Dims, values: dict[str, int]) -> int:
@@ -308,6 +326,9 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         if values[key] and not (values["W_FP8"] and (values["GB_MMA"] or values["DB_MMA"])):
             raise ValueError(f"{key} shapes the tensor-core kernels' FP8 loads and scaling: it needs W_FP8 1 and "
                              "GB_MMA or DB_MMA 1")
+    if values["FP8_PRMT"] == 1 and not (values["W_FP8"] and (values["GB_MMA"] or values["DB_MMA"])):
+        raise ValueError("FP8_PRMT widens the tensor-core kernels' e4m3 fragments: it needs W_FP8 1 and GB_MMA or "
+                         "DB_MMA 1")
     if values["FP8_LOAD16"] and dims is not None and (dims.hidden % 16 or dims.intermediate % 16):
         raise ValueError(f"FP8_LOAD16 loads 16 e4m3 values per row and lane: H and I must be multiples of 16, got "
                          f"H = {dims.hidden}, I = {dims.intermediate}")
@@ -347,6 +368,8 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         for key in AUTO_KNOBS:
             if values[key] == 0:
                 values[key] = DEFAULTS[key]
+        if values["FP8_PRMT"] == -1:
+            values["FP8_PRMT"] = auto_fp8_widening(values)
         return values
     if values["LIST_PER"] == 0:
         values["LIST_PER"] = -(-(dims.experts + 1) // values["LIST_THREADS"])
@@ -376,6 +399,8 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
     if values["DB_NBLK"] == 0:  # the grouped down: a tile's pairs in one pass (H200, results/sweep-2026-12-01-mma-
         # nblk-*.json: qwen3-235b Zipf T = 64 975 -> 940 us, qwen3-30b 245 -> 241; uniform within 0.5 %)
         values["DB_NBLK"] = values["GB_NBLK"] if values["DB_GROUPED"] else 1
+    if values["FP8_PRMT"] == -1:
+        values["FP8_PRMT"] = auto_fp8_widening(values)
     if mma_gate_up_unroll_auto:
         values["GB_UNROLL"] = auto_mma_gate_up_unroll(dims, values)
     if values["GB_MMA"] and values["GB_KSPLIT"] > 1 and not (values["PER_PAIR"] or values["W_FP8"]) and \
@@ -405,7 +430,7 @@ def max_tokens(top_k: int = 1, **params: Any) -> int:
 # first w2 loads before the PDL wait (results/sweep-batched-early-w2-*.json); DB_BALANCE -1: the balanced down runs
 # where auto_balance says (results/sweep-stage-*.json).
 MMA_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1, "PAIR_TILES": 1,  # both on tensor cores
-             "DB_GROUPED": -1, "DB_NBLK": 0, "FP8_LOAD16": -1, "FP8_BLOCK_SUM": -1}
+             "DB_GROUPED": -1, "DB_NBLK": 0, "FP8_LOAD16": -1, "FP8_BLOCK_SUM": -1, "FP8_PRMT": -1}
 MIXED_KNOBS = {"DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1}  # FMA gate_up (bitwise strict's), tensor-core down
 # The batch-invariant pair (kernels.dispatch policy "batch_invariant"): the tensor-core path with the grouped down
 # at every T, and its per-pair form (no lists, two launches) -- one numerics: a pair's gate_up dots are mma chains
@@ -421,7 +446,8 @@ GROUPED_KNOBS = {**MMA_KNOBS, "DB_GROUPED": 1, "GB_KSPLIT": INVARIANT_KSPLIT}
 # was 26.6 us at qwen3-30b T = 1, 25 % occupancy); DB_UNROLL 8: a per-pair down warp streams whole rows alone -- H200,
 # results/sweep-2026-12-01-mma-pairs-*.json: qwen3-235b T = 1 86.7 us vs 116.5 at 4 / 4)
 PER_PAIR_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "PER_PAIR": 1, "GB_KSPLIT": INVARIANT_KSPLIT,
-                  "GB_WARPS": INVARIANT_KSPLIT, "GB_UNROLL": 0, "DB_UNROLL": 8, "FP8_LOAD16": -1, "FP8_BLOCK_SUM": -1}
+                  "GB_WARPS": INVARIANT_KSPLIT, "GB_UNROLL": 0, "DB_UNROLL": 8, "FP8_LOAD16": -1, "FP8_BLOCK_SUM": -1,
+                  "FP8_PRMT": -1}
 # The FP8 paths (fp8-block128 weights, W_FP8): FMA kernels with 8-value chunks (GB_BYTES 16: the gate_up's
 # intermediate is then bitwise the strict FP8 kernel's; the down capped at 160 registers, which its scales and
 # widening need to stay spill-free at the qwen3 shapes from T = 1 to 64 -- 128 spills at qwen3-235b T = 16,

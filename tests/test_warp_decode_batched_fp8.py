@@ -79,21 +79,23 @@ EMULATED = [  # (shape, T, routing, knobs, also fp32 out)
     (MULTI_SHAPE, 9, "zipf", {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_GROUPED": 1, "GB_NBLK": 2, "DB_NBLK": 2,
                               "DB_EARLY_W2": 1, "LIST_THREADS": 32, "LIST_PER": 0}, False),
     (SHAPE_48, 6, [[5, 5], [0, 1], [2, 2], [3, 0], [1, 1], [5, 4]], {"GB_MMA": 1, "DB_MMA": 1, "DB_BALANCE": 1,
-                                                                     "DB_WARPS": 3}, False),
+                                                                     "DB_WARPS": 3, "FP8_PRMT": 1}, False),
     (MULTI_SHAPE, 7, "uniform", {"DB_MMA": 1, "DB_WARPS": 2, "GB_BYTES": 16, "LIST_THREADS": 32, "LIST_PER": 0},
      False),  # FMA gate_up, tensor-core down
-    (MULTI_SHAPE, 6, "same", {"GB_MMA": 1, "DB_MMA": 1, "PER_PAIR": 1, "GB_WARPS": 2}, True),  # no lists
+    (MULTI_SHAPE, 6, "same", {"GB_MMA": 1, "DB_MMA": 1, "PER_PAIR": 1, "GB_WARPS": 2, "FP8_PRMT": 1},
+     True),  # no lists; the byte-permute widening here and below where FP8_PRMT is 1
     # GB_KSPLIT 2 over two H blocks (the second partial): a range per warp, each 32-wide k block scaled by its block
     (SHAPE_48, 4, "zipf", {"GB_MMA": 1, "DB_MMA": 1, "PER_PAIR": 1, "GB_WARPS": 2, "GB_KSPLIT": 2}, False),
     # 16-value A loads (64-wide k blocks) and scale-block sums, partial blocks at both edges (H = 208, I = 144)
     (SHAPE_16, 7, "zipf", {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_GROUPED": 1, "GB_NBLK": 2, "DB_NBLK": 2,
-                           "FP8_LOAD16": 1, "FP8_BLOCK_SUM": 1, "LIST_THREADS": 32, "LIST_PER": 0}, True),
+                           "FP8_LOAD16": 1, "FP8_BLOCK_SUM": 1, "FP8_PRMT": 1, "LIST_THREADS": 32, "LIST_PER": 0},
+     True),
     (SHAPE_16, 6, "uniform", {"GB_MMA": 1, "DB_MMA": 1, "DB_BALANCE": 1, "DB_WARPS": 3, "FP8_LOAD16": 1,
                               "GB_UNROLL": 1, "LIST_THREADS": 32, "LIST_PER": 0}, False),  # runs cut mid-scale-block
     (SHAPE_16, 6, "same", {"GB_MMA": 1, "DB_MMA": 1, "DB_BALANCE": 1, "DB_WARPS": 3, "FP8_BLOCK_SUM": 1,
                            "DB_UNROLL": 3, "LIST_THREADS": 32, "LIST_PER": 0}, False),
     (SHAPE_16, 5, "zipf", {"GB_MMA": 1, "DB_MMA": 1, "PER_PAIR": 1, "GB_WARPS": 2, "GB_KSPLIT": 2, "FP8_LOAD16": 1,
-                           "FP8_BLOCK_SUM": 1}, False),  # ranges of 16 + 10 chunks, flushed at each range's end
+                           "FP8_BLOCK_SUM": 1, "FP8_PRMT": 1}, False),  # ranges of 16 + 10 chunks, each flushed
 ]
 EMULATED_IDS = [f"{getattr(c[0], 'name', c[0])}-T{c[1]}-{i}" for i, c in enumerate(EMULATED)]
 
@@ -142,21 +144,35 @@ def test_bad_ids_emulated_on_cpu(rng: np.random.Generator, knobs: dict[str, int]
 
 
 def test_fragment_widening_is_exact_and_normal() -> None:
-    """The tensor-core A fragment: fp16 bits (cvt.rn.f16x2.e4m3x2, exact) shifted right by 3 with the sign put back
-    are the bf16 bits of value x 2^-112 for every finite e4m3fn byte, never a bf16 subnormal (2^-121 at the least).
-    The same bit steps as ``f16x2_to_bf16x2_scaled`` in kernels/device_helpers.py."""
-    values = np.arange(256, dtype=np.uint8).view(FP8).astype(np.float32)
+    """The tensor-core A fragment, both widenings (FP8_PRMT 0 / 1), over every finite e4m3fn byte in both halves of
+    a word: the bf16 bits of value x 2^-112, exactly and never subnormal (2^-121 at the least), as the tensor cores
+    need them. FP8_PRMT 0: fp16 bits (cvt.rn.f16x2.e4m3x2, exact) shifted right by 3 with the sign put back.
+    FP8_PRMT 1: each byte sign-extended to 16 bits (prmt.b32), shifted left by 4 and masked with 0x87F0 -- value x
+    2^-120, subnormals as bf16 subnormals -- then multiplied by 2^8 in bf16 (exact). The bit steps of
+    kernels/device_helpers.py."""
+    codes = np.arange(256, dtype=np.uint32)
+    values = codes.astype(np.uint8).view(FP8).astype(np.float32)
     finite = np.isfinite(values)
     h = values.astype(np.float16).view(np.uint16).astype(np.uint32)
     pair = h | (h[::-1] << 16)  # two halves at once, as the kernel converts them
-    bf = ((pair >> 3) & 0x0FFF0FFF) | (pair & 0x80008000)
-    lo = ((bf & 0xFFFF) << 16).view(np.float32)
-    hi = (bf & 0xFFFF0000).view(np.float32)
-    want = values * np.float32(2.0**-112)
-    np.testing.assert_array_equal(lo[finite], want[finite])
-    np.testing.assert_array_equal(hi[finite[::-1]], want[::-1][finite[::-1]])
-    tiny = np.abs(lo[finite & (values != 0)])
-    assert tiny.min() == np.float32(2.0**-121) and np.all(tiny >= np.finfo(np.float32).tiny)
+    by_cvt = ((pair >> 3) & 0x0FFF0FFF) | (pair & 0x80008000)
+    sext = np.where(codes & 0x80, codes | 0xFF00, codes)  # a sign-extended byte: one 16-bit half
+    word = (((sext | (sext[::-1] << 16)) << 4) & 0xFFFFFFFF) & 0x87F087F0  # the high half drops the low's sign copies
+    for half, vals in ((0, values), (1, values[::-1])):
+        low = (((word >> (16 * half)) & 0xFFFF).astype(np.uint32) << 16).view(np.float32)
+        ok = np.isfinite(vals)
+        np.testing.assert_array_equal(low[ok], vals[ok] * np.float32(2.0**-120))
+    scaled = np.stack([((word >> (16 * k)) & 0xFFFF).astype(np.uint32) << 16 for k in (0, 1)]).view(np.float32) * 256
+    by_prmt = (scaled.view(np.uint32) >> 16)
+    by_prmt = by_prmt[0] | (by_prmt[1] << 16)
+    for bf in (by_cvt, by_prmt):
+        lo = ((bf & 0xFFFF) << 16).astype(np.uint32).view(np.float32)
+        hi = (bf & 0xFFFF0000).astype(np.uint32).view(np.float32)
+        want = values * np.float32(2.0**-112)
+        np.testing.assert_array_equal(lo[finite], want[finite])
+        np.testing.assert_array_equal(hi[finite[::-1]], want[::-1][finite[::-1]])
+        tiny = np.abs(lo[finite & (values != 0)])
+        assert tiny.min() == np.float32(2.0**-121) and np.all(tiny >= np.finfo(np.float32).tiny)
 
 
 def test_compile_without_spills() -> None:
@@ -253,6 +269,42 @@ def test_gpu_paths(model: str, tokens: int, routing: Any, path: str) -> None:
         graph.launch(stream)
         stream.synchronize()
     assert np.array_equal(replay.get().view(np.uint16), first.view(np.uint16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["mma", "pairs", "grouped"])
+def test_gpu_subnormal_weights(path: str) -> None:
+    """Weights that are all e4m3fn subnormals against the reference on the same weights, x scaled by 2^18 so that
+    every product and partial stays in FP32's normal range: the widened A fragments must carry every subnormal
+    exactly (a widening that lost them would zero the output: 170 x the check's bound, seen on the host by flushing
+    the reference's weights). The byte-permute widening: FP8_PRMT auto is 1 on these paths at T = 5."""
+    import cupy
+
+    from kernels.shapes import get_shape
+
+    shape = get_shape("qwen3-30b-a3b").with_(experts=8)
+    rng = np.random.default_rng(11)
+    host = _fp8_problem(make_problem(shape, 5, seed=11, routing="zipf"))
+
+    def subnormal(q: Any) -> Any:  # every value: exponent 0, a random nonzero mantissa, the sign kept
+        codes = (q.values.view(np.uint8) & 0x80) | rng.integers(1, 8, q.values.shape, dtype=np.uint8)
+        return dataclasses.replace(q, values=codes.astype(np.uint8).view(FP8))
+
+    x = (host.x.astype(np.float32) * np.float32(2.0**18)).astype(BF16)  # exact: a power of two
+    host = dataclasses.replace(host, x=x, w13=subnormal(host.w13), w2=subnormal(host.w2))
+    device = dataclasses.replace(
+        host, x=cupy.asarray(host.x), topk_ids=cupy.asarray(host.topk_ids),
+        topk_weights=cupy.asarray(host.topk_weights),
+        w13=dataclasses.replace(host.w13, values=cupy.asarray(host.w13.values.view(np.uint8)),
+                                scales=cupy.asarray(host.w13.scales)),
+        w2=dataclasses.replace(host.w2, values=cupy.asarray(host.w2.values.view(np.uint8)),
+                               scales=cupy.asarray(host.w2.scales)))
+    knobs = {"mma": wdb.MMA_FP8_KNOBS, "pairs": wdb.FP8_PER_PAIR_KNOBS, "grouped": wdb.FP8_GROUPED_KNOBS}[path]
+    out = _poisoned_out(cupy, host.tokens, shape.hidden)
+    wdb.warp_decode_batched(device.x, device.w13, device.w2, device.topk_ids, device.topk_weights, out=out, **knobs)
+    cupy.cuda.runtime.deviceSynchronize()
+    faithful, oracle = _references(host)
+    _assert_matches(out.get(), faithful, oracle, f"fp8 {path} subnormal weights", own_order=True)
 
 
 @pytest.mark.gpu
