@@ -152,30 +152,36 @@ def auto_nblk(dims: Dims) -> int:
     return 2 if dims.tokens * dims.top_k >= 4 * dims.experts else 1
 
 
+def fp8_on_tensor_cores(values: dict[str, int]) -> bool:
+    """FP8 weights reach tensor-core kernels: what the FP8_* knobs shape."""
+    return bool(values["W_FP8"] and (values["GB_MMA"] or values["DB_MMA"]))
+
+
 def auto_fp8_mma(dims: Dims | None, values: dict[str, int]) -> None:
     """FP8_LOAD16 and FP8_BLOCK_SUM where auto (-1): both 1 for FP8 weights on tensor cores (FP8_LOAD16 where H and
     I are multiples of 16), else 0. H200, both models, T = 8 / 32 / 64 (results/sweep-2026-12-02-mma-fp8-load16-*.json):
     16-value loads take the tensor-core FP8 path 11-15 % faster (qwen3-30b 95.4 / 188.8 / 240.5 -> 85.8 / 168.2 /
     211.6 us, qwen3-235b 340.4 / 742.6 / 947.3 -> 302.7 / 649.7 / 804.8); the scale-block sums add 0-1.5 % there and
     take the per-pair form from 21.6 to 20.6 us at qwen3-30b T = 1. A function of the dims alone, never of T: the
-    batch-invariant FP8 pair keeps one numerics."""
-    fp8_mma = bool(values["W_FP8"] and (values["GB_MMA"] or values["DB_MMA"]))
+    batch-invariant FP8 pair keeps one numerics. FP8_PRMT auto is 0 here without FP8 tensor-core kernels (else
+    auto_fp8_widening, once GB_NBLK is known)."""
+    fp8_mma = fp8_on_tensor_cores(values)
     if values["FP8_LOAD16"] == -1:
         fits = dims is None or (dims.hidden % 16 == 0 and dims.intermediate % 16 == 0)
         values["FP8_LOAD16"] = int(fp8_mma and fits)
     if values["FP8_BLOCK_SUM"] == -1:
         values["FP8_BLOCK_SUM"] = int(fp8_mma)
+    if values["FP8_PRMT"] == -1 and not fp8_mma:
+        values["FP8_PRMT"] = 0
 
 
 def auto_fp8_widening(values: dict[str, int]) -> int:
-    """FP8_PRMT where auto (-1): the byte-permute widening (1) on FP8 tensor-core kernels except the plain
+    """FP8_PRMT where auto (-1) on FP8 tensor-core kernels: the byte-permute widening (1) except with the plain
     tensor-core gate_up with two 8-pair blocks (GB_NBLK 2, no split chains: qwen3 T >= 64), where it spills at 4 k
-    blocks in flight; 0 without FP8 tensor-core kernels. A work knob (the outputs are bitwise the same). H200, both
+    blocks in flight. A work knob (the outputs are bitwise the same). H200, both
     models (results/sweep-2026-12-02-fp8-widening-*.json): the per-pair FP8 form 9-13 % faster (qwen3-30b T = 1 18.2
     -> 15.8 us, T = 2 26.8 -> 24.9; qwen3-235b 46.3 -> 42.1, 88.2 -> 80.2), the grouped FP8 path 2-7 % (qwen3-30b T =
     16 116.2 -> 108.3), the tensor-core FP8 path 2-3 % at T = 8, 0-1.6 % at T = 32 and 0.3-0.7 % slower at T = 64."""
-    if not (values["W_FP8"] and (values["GB_MMA"] or values["DB_MMA"])):
-        return 0
     plain_two_blocks = values["GB_MMA"] and values["GB_NBLK"] > 1 and values["GB_KSPLIT"] == 1
     return 0 if plain_two_blocks else 1
 
@@ -322,13 +328,10 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
     if values["GB_KSPLIT"] > 1 and not values["GB_MMA"]:
         raise ValueError("GB_KSPLIT cuts the tensor-core gate_up's k chains: it needs GB_MMA 1")
     auto_fp8_mma(dims, values)
-    for key in ("FP8_LOAD16", "FP8_BLOCK_SUM"):
-        if values[key] and not (values["W_FP8"] and (values["GB_MMA"] or values["DB_MMA"])):
-            raise ValueError(f"{key} shapes the tensor-core kernels' FP8 loads and scaling: it needs W_FP8 1 and "
-                             "GB_MMA or DB_MMA 1")
-    if values["FP8_PRMT"] == 1 and not (values["W_FP8"] and (values["GB_MMA"] or values["DB_MMA"])):
-        raise ValueError("FP8_PRMT widens the tensor-core kernels' e4m3 fragments: it needs W_FP8 1 and GB_MMA or "
-                         "DB_MMA 1")
+    for key in ("FP8_LOAD16", "FP8_BLOCK_SUM", "FP8_PRMT"):
+        if values[key] == 1 and not fp8_on_tensor_cores(values):
+            raise ValueError(f"{key} shapes the tensor-core kernels' FP8 loads, widening and scaling: it needs W_FP8 1 "
+                             "and GB_MMA or DB_MMA 1")
     if values["FP8_LOAD16"] and dims is not None and (dims.hidden % 16 or dims.intermediate % 16):
         raise ValueError(f"FP8_LOAD16 loads 16 e4m3 values per row and lane: H and I must be multiples of 16, got "
                          f"H = {dims.hidden}, I = {dims.intermediate}")
