@@ -289,26 +289,23 @@ def test_fp8_checkpoint_loader_assembles_the_lab_layout(rng: np.random.Generator
 # ---------------------------------------------------------------------------------------------------
 QUANTIZE_HARNESS = r"""
 #define __shared__ static
-std::barrier<>* g_block = nullptr;
+EmuBarrier* g_block = nullptr;
 float q_shared[128];
 inline void __syncthreads() { g_block->arrive_and_wait(); }
 #include "kernel.cu"
 template <class F> void launch(int gx, int gy, int gz, F body) {
-    std::barrier<> block_bar(128);
+    EmuBarrier block_bar(128);
     g_block = &block_bar;
     std::vector<std::unique_ptr<WarpCtx>> warps;
     for (int w = 0; w < 4; ++w) warps.emplace_back(new WarpCtx);
-    std::vector<std::thread> pool;
-    for (int l = 0; l < 128; ++l)
-        pool.emplace_back([&, l] {
-            g_warp = warps[l / 32].get();
-            for (int z = 0; z < gz; ++z) for (int y = 0; y < gy; ++y) for (int x = 0; x < gx; ++x) {
-                threadIdx.x = l; blockIdx.x = x; blockIdx.y = y; blockIdx.z = z;
-                body();
-                block_bar.arrive_and_wait();
-            }
-        });
-    for (auto& t : pool) t.join();
+    run_lanes(128, [&](int l) {
+        g_warp = warps[l / 32].get();
+        for (int z = 0; z < gz; ++z) for (int y = 0; y < gy; ++y) for (int x = 0; x < gx; ++x) {
+            threadIdx.x = l; blockIdx.x = x; blockIdx.y = y; blockIdx.z = z;
+            body();
+            block_bar.arrive_and_wait();
+        }
+    });
 }
 """ + "{load}" + r"""
 int main(int argc, char** argv) {

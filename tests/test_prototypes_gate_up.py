@@ -2,7 +2,7 @@
 
 CPU tests: every grid point of every lab variant compiles for sm_90 (NVRTC, offline) with zero spill bytes;
 the interleaved prepack against a NumPy re-derivation and its inverse; knob validation; the registry and the
-source registration; the launch's layout check. The lab's CUDA C also runs on the CPU (g++, one std::thread
+source registration; the launch's layout check. The lab's CUDA C also runs on the CPU (g++, one lane
 per CUDA thread of a block, shuffles and __syncthreads through barriers) against a NumPy intermediate:
 index math of every layout / width / split, partial last chunks, bad expert ids.
 
@@ -238,11 +238,11 @@ def test_sweep_compile_columns_show_each_point() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# CPU: the CUDA C emulated (g++; one std::thread per CUDA thread of a block)
+# CPU: the CUDA C emulated (g++; one lane per CUDA thread of a block)
 # ---------------------------------------------------------------------------------------------------
 EMULATION_HARNESS = EMULATION_PRELUDE + r"""
 #define __shared__ static  // one block at a time: a function-static array is the block's shared memory
-std::barrier<>* g_block = nullptr;
+EmuBarrier* g_block = nullptr;
 inline void __syncthreads() { g_block->arrive_and_wait(); }
 #include "kernel.cu"
 """ + EMULATION_LOAD + r"""
@@ -255,20 +255,17 @@ int main(int argc, char** argv) {
     auto ids = load<int>(dir + "/ids.bin", (size_t)T * K);
     std::vector<uint16_t> inter((size_t)T * K * I, 0x7fc0);  // NaN poison
     std::vector<WarpCtx> warps(LAB_WARPS);
-    std::barrier<> block(LAB_WARPS * 32);
+    EmuBarrier block(LAB_WARPS * 32);
     g_block = &block;
-    std::vector<std::thread> threads;
-    for (int tid = 0; tid < LAB_WARPS * 32; ++tid)
-        threads.emplace_back([&, tid] {
-            g_warp = &warps[tid / 32];  // the lane's warp: shuffles exchange through it
-            for (long long b = 0; b < blocks; ++b) {  // blocks in lockstep: a barrier after each
-                threadIdx.x = tid;
-                blockIdx.x = (unsigned)b;
-                moe_gate_up_lab(x.data(), w13.data(), ids.data(), inter.data(), T, H, I, E, K);
-                block.arrive_and_wait();
-            }
-        });
-    for (auto& t : threads) t.join();
+    run_lanes(LAB_WARPS * 32, [&](int tid) {
+        g_warp = &warps[tid / 32];  // the lane's warp: shuffles exchange through it
+        for (long long b = 0; b < blocks; ++b) {  // blocks in lockstep: a barrier after each
+            threadIdx.x = tid;
+            blockIdx.x = (unsigned)b;
+            moe_gate_up_lab(x.data(), w13.data(), ids.data(), inter.data(), T, H, I, E, K);
+            block.arrive_and_wait();
+        }
+    });
     FILE* f = fopen((dir + "/inter.bin").c_str(), "wb");
     fwrite(inter.data(), 2, inter.size(), f);
     fclose(f);

@@ -259,7 +259,7 @@ def test_fp32_intermediate_within_harness_tolerance_and_closer_to_fp64(seed: int
 
 
 # ---------------------------------------------------------------------------------------------------
-# CPU: the new CUDA sources emulated (g++: one std::thread per lane, shuffles through a barrier)
+# CPU: the new CUDA sources emulated (g++: one lane per CUDA thread, shuffles through a barrier)
 # ---------------------------------------------------------------------------------------------------
 EMULATION_HARNESS = EMULATION_PRELUDE + r"""
 #include "kernel.cu"

@@ -2,7 +2,7 @@
 
 CPU tests: argument checks before any device call (stand-in "cupy" arrays), knob validation and the auto
 knobs, the offline compile (zero spills / stack) of the defaults and of every preset's resolved knobs, the
-variant registration, and the CUDA C itself emulated on the CPU (g++, one std::thread per thread of a
+variant registration, and the CUDA C itself emulated on the CPU (g++, one lane per thread of a
 block, shuffles and __syncthreads through barriers): the routing lists against a NumPy model, the whole
 layer against ``reference.moe_decode``, the gate/up intermediate BITWISE against the strict kernel's
 (kernels/warp_decode_cupy.py, emulated the same way), bad ids -> NaN rows.
@@ -305,12 +305,12 @@ def _assert_lists_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# CPU: the CUDA C emulated (g++; all threads of a block as std::threads, barriers for warps and blocks)
+# CPU: the CUDA C emulated (g++; all threads of a block as lanes, barriers for warps and blocks)
 # ---------------------------------------------------------------------------------------------------
 EMULATION_HARNESS = EMULATION_PRELUDE + r"""
 #define __maxnreg__(...)
 #define __shared__ static
-std::barrier<>* g_block = nullptr;
+EmuBarrier* g_block = nullptr;
 float* wdb_dynamic_shared = nullptr;
 inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
@@ -350,23 +350,20 @@ inline void emulated_mma_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned
 #include "kernel.cu"
 
 template <class F> void launch(long long blocks, int threads, F body) {
-    // every thread of a block is a std::thread; blocks run one after another (a block barrier between)
-    std::barrier<> block_bar(threads);
+    // every thread of a block is a lane; blocks run one after another (a block barrier between)
+    EmuBarrier block_bar(threads);
     g_block = &block_bar;
     std::vector<std::unique_ptr<WarpCtx>> warps;
     for (int w = 0; w < threads / 32; ++w) warps.emplace_back(new WarpCtx);
-    std::vector<std::thread> pool;
-    for (int l = 0; l < threads; ++l)
-        pool.emplace_back([&, l] {
-            g_warp = warps[l / 32].get();
-            for (long long b = 0; b < blocks; ++b) {
-                threadIdx.x = l;
-                blockIdx.x = (unsigned)b;
-                body();
-                block_bar.arrive_and_wait();
-            }
-        });
-    for (auto& t : pool) t.join();
+    run_lanes(threads, [&](int l) {
+        g_warp = warps[l / 32].get();
+        for (long long b = 0; b < blocks; ++b) {
+            threadIdx.x = l;
+            blockIdx.x = (unsigned)b;
+            body();
+            block_bar.arrive_and_wait();
+        }
+    });
 }
 """ + EMULATION_LOAD + r"""
 template <class T> void save(const std::string& path, const std::vector<T>& v) {

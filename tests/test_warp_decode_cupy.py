@@ -259,7 +259,7 @@ def test_kernel_source_guards_and_comments() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# CPU: the CUDA C itself, emulated (g++; one std::thread per lane, shuffles through a barrier)
+# CPU: the CUDA C itself, emulated (g++; one lane per CUDA thread, shuffles through a barrier)
 # ---------------------------------------------------------------------------------------------------
 EMULATION_HARNESS = EMULATION_PRELUDE + '#include "kernel.cu"\n' + WARP_LOCKSTEP_LAUNCH + EMULATION_LOAD + r"""
 int main(int argc, char** argv) {

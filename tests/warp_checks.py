@@ -197,9 +197,14 @@ ODD_SHAPES = {
 
 # ------------------------------------------------------------------------------------------------
 # The g++ emulation of the CUDA C (the real kernel text run on a CPU): what every harness shares.
-# One std::thread per lane, shuffles through a per-warp barrier; each test file adds its kernels' extras
-# (block barrier, shared memory, ...) after EMULATION_PRELUDE, then '#include "kernel.cu"', then its launch
-# and main. WD_HOST_EMULATION swaps the sources' inline PTX for plain C++ (kernels/device_helpers.py).
+# Every CUDA thread of a block is a lane (run_lanes), shuffles go through a per-warp barrier (EmuBarrier); each test
+# file adds its kernels' extras (block barrier, shared memory, ...) after EMULATION_PRELUDE, then
+# '#include "kernel.cu"', then its launch and main. WD_HOST_EMULATION swaps the sources' inline PTX for plain C++
+# (kernels/device_helpers.py).
+# Lanes are fibers of one OS thread (ucontext): a lane that waits at a barrier switches straight to the next lane
+# that can run. With one std::thread per lane (the form under AddressSanitizer, WD_EMU_OS_THREADS) each barrier was
+# a round of kernel context switches: 70 % of an emulation's time went to the system (4 million switches in 9 s
+# for one tensor-core case).
 # ------------------------------------------------------------------------------------------------
 EMULATION_HEADERS = r"""
 #include <barrier>
@@ -213,6 +218,7 @@ EMULATION_HEADERS = r"""
 #include <thread>
 #include <vector>
 #include <algorithm>
+#include <ucontext.h>
 """
 EMULATION_PRELUDE = EMULATION_HEADERS + r"""#define WD_HOST_EMULATION 1
 #define __global__
@@ -227,8 +233,101 @@ inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 struct Dim3 { unsigned x = 0, y = 0, z = 0; };
 thread_local Dim3 threadIdx, blockIdx;
 Dim3 gridDim;  // set by launch() before its threads start
-struct WarpCtx { std::barrier<> bar{32}; uint32_t slots[32]; uint32_t frags[32][6]; };  // frags: emulated mma
+struct WarpCtx;
 thread_local WarpCtx* g_warp = nullptr;
+#ifdef WD_EMU_OS_THREADS
+using EmuBarrier = std::barrier<>;
+template <class F> void run_lanes(int n, F body) {  // body(l) for l in 0 .. n-1, one std::thread each
+    std::vector<std::thread> pool;
+    for (int l = 0; l < n; ++l) pool.emplace_back([&body, l] { body(l); });
+    for (auto& t : pool) t.join();
+}
+#else
+// Lanes as fibers: each has its own stack and its own threadIdx / blockIdx / g_warp, swapped in when it resumes.
+struct EmuBarrier;
+struct Lane {
+    ucontext_t ctx;
+    std::unique_ptr<char[]> stack;
+    Dim3 tid, bid;
+    WarpCtx* warp = nullptr;
+    const EmuBarrier* waiting = nullptr;  // the barrier it waits at, and that barrier's phase when it arrived
+    unsigned long long phase = 0;
+    bool done = false;
+};
+struct Lanes {
+    std::vector<Lane> lanes;
+    int current = -1;
+    ucontext_t main_ctx;
+    void (*entry)(void*, int) = nullptr;
+    void* body = nullptr;
+};
+inline Lanes g_lanes;
+struct EmuBarrier {
+    explicit EmuBarrier(std::ptrdiff_t n) : expected(n) {}
+    void arrive_and_wait();
+    std::ptrdiff_t expected, count = 0;
+    unsigned long long phase = 0;
+};
+inline bool lane_runnable(const Lane& f) { return !f.done && (!f.waiting || f.waiting->phase != f.phase); }
+inline void resume_lane(int j, ucontext_t* from) {  // switch to lane j, its CUDA registers restored
+    Lane& f = g_lanes.lanes[j];
+    g_lanes.current = j;
+    threadIdx = f.tid;
+    blockIdx = f.bid;
+    g_warp = f.warp;
+    swapcontext(from, &f.ctx);
+}
+inline int next_runnable(int after) {
+    const int n = (int)g_lanes.lanes.size();
+    for (int s = 1; s <= n; ++s)
+        if (lane_runnable(g_lanes.lanes[(after + s) % n])) return (after + s) % n;
+    return -1;
+}
+inline void EmuBarrier::arrive_and_wait() {
+    if (++count == expected) {  // the last to arrive opens the barrier and runs on
+        count = 0;
+        ++phase;
+        return;
+    }
+    const int me = g_lanes.current;
+    Lane& self = g_lanes.lanes[me];
+    self.waiting = this;
+    self.phase = phase;
+    self.tid = threadIdx;
+    self.bid = blockIdx;
+    self.warp = g_warp;
+    while (phase == self.phase) {
+        const int j = next_runnable(me);
+        if (j < 0) { fprintf(stderr, "emulation deadlock: every lane waits at a barrier\n"); abort(); }
+        resume_lane(j, &self.ctx);
+    }
+    self.waiting = nullptr;
+}
+inline void lane_entry(int l) {
+    g_lanes.entry(g_lanes.body, l);
+    g_lanes.lanes[l].done = true;  // back to run_lanes (uc_link)
+}
+template <class F> void run_lanes(int n, F body) {  // body(l) for l in 0 .. n-1, cooperatively
+    constexpr size_t kStack = 256 * 1024;
+    g_lanes.lanes = std::vector<Lane>(n);
+    g_lanes.body = &body;
+    g_lanes.entry = [](void* b, int l) { (*static_cast<F*>(b))(l); };
+    for (int l = 0; l < n; ++l) {
+        Lane& f = g_lanes.lanes[l];
+        f.stack.reset(new char[kStack]);
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = f.stack.get();
+        f.ctx.uc_stack.ss_size = kStack;
+        f.ctx.uc_link = &g_lanes.main_ctx;
+        makecontext(&f.ctx, reinterpret_cast<void (*)()>(lane_entry), 1, l);
+    }
+    for (int j = n - 1; (j = next_runnable(j)) >= 0;) resume_lane(j, &g_lanes.main_ctx);  // till every lane ends
+    for (const Lane& f : g_lanes.lanes)
+        if (!f.done) { fprintf(stderr, "emulation deadlock: a lane never finished\n"); abort(); }
+    g_lanes.lanes.clear();
+}
+#endif
+struct WarpCtx { EmuBarrier bar{32}; uint32_t slots[32]; uint32_t frags[32][6]; };  // frags: emulated mma
 template <class T> inline T __ldg(const T* p) { return *p; }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -267,19 +366,16 @@ WARP_LOCKSTEP_LAUNCH = r"""
 template <class F> void launch(long long blocks, int threads, F body) {
     WarpCtx ctx;  // a barrier after each warp
     gridDim.x = (unsigned)blocks;
-    std::vector<std::thread> lanes;
-    for (int l = 0; l < 32; ++l)
-        lanes.emplace_back([&, l] {
-            g_warp = &ctx;
-            for (long long b = 0; b < blocks; ++b)
-                for (int w = 0; w < threads / 32; ++w) {
-                    threadIdx.x = w * 32 + l;
-                    blockIdx.x = (unsigned)b;
-                    body();
-                    ctx.bar.arrive_and_wait();
-                }
-        });
-    for (auto& t : lanes) t.join();
+    run_lanes(32, [&](int l) {
+        g_warp = &ctx;
+        for (long long b = 0; b < blocks; ++b)
+            for (int w = 0; w < threads / 32; ++w) {
+                threadIdx.x = w * 32 + l;
+                blockIdx.x = (unsigned)b;
+                body();
+                ctx.bar.arrive_and_wait();
+            }
+    });
 }
 """
 
@@ -289,8 +385,8 @@ template <class F> void launch(long long blocks, int threads, F body) {
 # ------------------------------------------------------------------------------------------------
 # WD_EMULATION_SANITIZE=address builds the emulators under AddressSanitizer (the CPU's stand-in for compute-sanitizer
 # memcheck: every device array is a vector of its exact size, so a kernel's out-of-bounds read aborts the test)
-EMULATION_FLAGS = ("-std=c++20", "-O1", "-ffp-contract=off", "-pthread",
-                   *(("-fsanitize=address", "-fno-omit-frame-pointer")
+EMULATION_FLAGS = ("-std=c++20", "-Og", "-ffp-contract=off", "-pthread",
+                   *(("-fsanitize=address", "-fno-omit-frame-pointer", "-DWD_EMU_OS_THREADS")
                      if os.environ.get("WD_EMULATION_SANITIZE") == "address" else ()))
 _EMULATORS: dict[tuple[str, ...], str] = {}
 _PRECOMPILED: list[tuple[str, ...]] = []  # [g++ flags that use the precompiled EMULATION_HEADERS] once built
@@ -335,9 +431,9 @@ def build_emulator(kernel_text: str, harness: str, *defines: str) -> str:
 
 
 def _one_cpu() -> None:
-    """In the emulator's process, before it starts: keep it on one CPU. Its std::threads (one per CUDA thread) meet at
-    a barrier every step; across cores each wake-up crosses to the other core, which on a busy 2-core machine made
-    the same emulation several times slower than on one core."""
+    """In the emulator's process, before it starts: keep it on one CPU. Under AddressSanitizer its lanes are
+    std::threads that meet at a barrier every step; across cores each wake-up crosses to the other core, which on a
+    busy 2-core machine made the same emulation several times slower than on one core."""
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 
