@@ -100,6 +100,9 @@ DEFAULTS: dict[str, int] = {
     # bits either way): 1 by a sign-extending byte permute, a shift, a mask and a bf16x2 multiply (4 instructions per
     # 2 values), 0 through cvt.rn.f16x2.e4m3x2, a shift and two masks (4.5); -1 = auto (auto_fp8_widening; the
     # tensor-core knob sets use it)
+    "DB_WHOLE_RANGES": 0,  # the bf16 grouped down (DB_GROUPED): 1 compiles whole rounds only, no masked round --
+    # its k range (I / 8 chunks) must be a whole number of rounds of 4 x DB_UNROLL chunks (checked) -- 0 masks every
+    # round; -1 = auto (auto_whole_ranges; the tensor-core knob sets use it)
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK", "DB_NBLK")
 MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pdl-*.json: 7-10 % over 8 at qwen3-30b)
@@ -122,7 +125,7 @@ LIMITS = {
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (0, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
     "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "W_FP8": (0, 1),
     "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8), "FP8_LOAD16": (-1, 1), "FP8_BLOCK_SUM": (-1, 1),
-    "FP8_PRMT": (-1, 1),
+    "FP8_PRMT": (-1, 1), "DB_WHOLE_RANGES": (-1, 1),
 }
 
 
@@ -184,6 +187,21 @@ def auto_fp8_widening(values: dict[str, int]) -> int:
     16 116.2 -> 108.3), the tensor-core FP8 path 2-3 % at T = 8, 0-1.6 % at T = 32 and 0.3-0.7 % slower at T = 64."""
     plain_two_blocks = values["GB_MMA"] and values["GB_NBLK"] > 1 and values["GB_KSPLIT"] == 1
     return 0 if plain_two_blocks else 1
+
+
+def whole_ranges(dims: Dims | None, values: dict[str, int]) -> bool:
+    """Whether DB_WHOLE_RANGES 1 can run: bf16 weights, the grouped down, and its k range (I / 8 chunks of 8 values)
+    a whole number of rounds of 4 x DB_UNROLL chunks. False without dims."""
+    return bool(dims is not None and not values["W_FP8"] and values["DB_GROUPED"] == 1
+                and (dims.intermediate // 8) % (4 * values["DB_UNROLL"]) == 0)
+
+
+def auto_whole_ranges(dims: Dims | None, values: dict[str, int]) -> int:
+    """DB_WHOLE_RANGES where auto (-1): 1 where it can run with one 8-pair block per pass (DB_NBLK 1). H200, both
+    models, the grouped path (results/sweep-2026-12-02-whole-ranges-*.json): 1-2 % faster at T = 4 / 16 (qwen3-30b
+    66.3 / 183.3 -> 65.3 / 181.8 us, qwen3-235b 235.8 / 701.6 -> 231.5 / 691.5), 3 % slower at T = 64 with two blocks
+    (293.5 -> 302.1, 1123 -> 1159: 128 registers instead of 112), the plain tensor-core path's grouped down too."""
+    return int(whole_ranges(dims, values) and values["DB_NBLK"] == 1)
 
 
 def auto_mma_gate_up_unroll(dims: Dims, values: dict[str, int]) -> int:
@@ -373,6 +391,7 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
                 values[key] = DEFAULTS[key]
         if values["FP8_PRMT"] == -1:
             values["FP8_PRMT"] = auto_fp8_widening(values)
+        values["DB_WHOLE_RANGES"] = max(values["DB_WHOLE_RANGES"], 0)  # the dims decide: checked where known
         return values
     if values["LIST_PER"] == 0:
         values["LIST_PER"] = -(-(dims.experts + 1) // values["LIST_THREADS"])
@@ -406,6 +425,13 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         values["FP8_PRMT"] = auto_fp8_widening(values)
     if mma_gate_up_unroll_auto:
         values["GB_UNROLL"] = auto_mma_gate_up_unroll(dims, values)
+    if values["DB_WHOLE_RANGES"] == -1:
+        values["DB_WHOLE_RANGES"] = auto_whole_ranges(dims, values)
+    elif values["DB_WHOLE_RANGES"] == 1 and not whole_ranges(dims, values):
+        raise ValueError(
+            f"DB_WHOLE_RANGES 1 compiles the grouped down's whole rounds only, with no masked round: it needs bf16 "
+            f"weights, DB_GROUPED 1 and I / 8 a multiple of 4 x DB_UNROLL, got W_FP8 {values['W_FP8']}, DB_GROUPED "
+            f"{values['DB_GROUPED']}, I = {dims.intermediate}, DB_UNROLL {values['DB_UNROLL']}")
     if values["GB_MMA"] and values["GB_KSPLIT"] > 1 and not (values["PER_PAIR"] or values["W_FP8"]) and \
             values["GB_NBLK"] == 1 and values["GB_MAX_REGS"] == DEFAULTS["GB_MAX_REGS"]:
         values["GB_MAX_REGS"] = SPLIT_GATE_UP_REGS
@@ -433,7 +459,8 @@ def max_tokens(top_k: int = 1, **params: Any) -> int:
 # first w2 loads before the PDL wait (results/sweep-batched-early-w2-*.json); DB_BALANCE -1: the balanced down runs
 # where auto_balance says (results/sweep-stage-*.json).
 MMA_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1, "PAIR_TILES": 1,  # both on tensor cores
-             "DB_GROUPED": -1, "DB_NBLK": 0, "FP8_LOAD16": -1, "FP8_BLOCK_SUM": -1, "FP8_PRMT": -1}
+             "DB_GROUPED": -1, "DB_NBLK": 0, "FP8_LOAD16": -1, "FP8_BLOCK_SUM": -1, "FP8_PRMT": -1,
+             "DB_WHOLE_RANGES": -1}
 MIXED_KNOBS = {"DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1}  # FMA gate_up (bitwise strict's), tensor-core down
 # The batch-invariant pair (kernels.dispatch policy "batch_invariant"): the tensor-core path with the grouped down
 # at every T, and its per-pair form (no lists, two launches) -- one numerics: a pair's gate_up dots are mma chains

@@ -883,17 +883,24 @@ __device__ __forceinline__ void mma_round(float (&acc)[NB][4], float (&part)[NB]
 // A warp's k range (chunks c_begin .. c_end - 1, c_begin a multiple of MMA_KB), shared by both tensor-core
 // kernels: acc[nb] (zeroed here) = A rows g / g + 8 (rows_lo / rows_hi) times B column g of 8-pair block nb
 // (cols[nb]). Lane q loads chunk(s) MMA_KB j + MMA_HALVES q (+ 1) of each k block j; UNROLL k blocks of loads are in
-// flight per lane before the round's first mma. WHOLE: whole rounds run unmasked (a last partial round masked) --
-// on the H200 6-10 % faster for FP8 weights and 3-9 % for the bf16 tensor-core path, but 2-3 % slower in the bf16
-// grouped path's split-chain gate_up and grouped down (GATE_UP_WHOLE, DOWN_GROUPED_WHOLE); else every round masked.
+// flight per lane before the round's first mma. ROUNDS: WHOLE_ROUNDS runs whole rounds unmasked and a last partial
+// round masked -- on the H200 6-10 % faster for FP8 weights and 3-9 % for the bf16 tensor-core path, but 2-3 % slower
+// in the bf16 grouped path's split-chain gate_up and grouped down, which keep MASKED_ROUNDS (every round masked);
+// ONLY_WHOLE_ROUNDS compiles no masked round at all, for a range the host knows to be whole rounds (the bf16 grouped
+// down with DB_WHOLE_RANGES: 1-2 % faster with one 8-pair block, 3 % slower with two; the split-chain gate_up was
+// 2-4 % slower that way: results/sweep-2026-12-02-whole-ranges-*.json).
 // COLS_DEP: B is the previous kernel's output (down's intermediate), loaded through ld_dep after the round's A
 // loads and after wait_once (DB_EARLY_W2: the first round's A loads are issued before the PDL wait).
 // W_FP8: scale_lo / scale_hi are the two rows' block scales along k (a k block lies in one 128-block); the mma
 // results go to a partial that is scaled into acc at the end of each k block, or with FP8_BLOCK_SUM at the end of
 // each scale block and of the range.
-#define GATE_UP_WHOLE (W_FP8 || GB_KSPLIT == 1)       // results/sweep-2026-12-02-whole-rounds-*.json
-#define DOWN_GROUPED_WHOLE (W_FP8 == 1)
-template <int UNROLL, int NB, bool COLS_DEP, bool WHOLE = true>
+#define MASKED_ROUNDS 0
+#define WHOLE_ROUNDS 1
+#define ONLY_WHOLE_ROUNDS 2
+// results/sweep-2026-12-02-whole-rounds-*.json
+#define GATE_UP_ROUNDS (W_FP8 || GB_KSPLIT == 1 ? WHOLE_ROUNDS : MASKED_ROUNDS)
+#define DOWN_GROUPED_ROUNDS (W_FP8 ? WHOLE_ROUNDS : DB_WHOLE_RANGES ? ONLY_WHOLE_ROUNDS : MASKED_ROUNDS)
+template <int UNROLL, int NB, bool COLS_DEP, int ROUNDS = WHOLE_ROUNDS>
 __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const a_chunk_t* rows_lo,
                                                     const a_chunk_t* rows_hi, const float* scale_lo,
                                                     const float* scale_hi, const uint4* const (&cols)[NB],
@@ -907,11 +914,11 @@ __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const a
     const a_load_t* lo_row = reinterpret_cast<const a_load_t*>(rows_lo);
     const a_load_t* hi_row = reinterpret_cast<const a_load_t*>(rows_hi);
     int c0 = c_begin;
-    if (WHOLE) {
+    if (ROUNDS != MASKED_ROUNDS) {
         for (; c0 + MMA_KB * UNROLL <= c_end; c0 += MMA_KB * UNROLL)
             mma_round<UNROLL, NB, COLS_DEP, false>(acc, part, lo_row, hi_row, scale_lo, scale_hi, cols, c0, c_end, q,
                                                    waited);
-        if (c0 < c_end)
+        if (ROUNDS == WHOLE_ROUNDS && c0 < c_end)
             mma_round<UNROLL, NB, COLS_DEP, true>(acc, part, lo_row, hi_row, scale_lo, scale_hi, cols, c0, c_end, q,
                                                   waited);
     } else {
@@ -986,17 +993,17 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
         float acc[GB_NBLK][4];
         bool unused = true;
 #if GB_KSPLIT == 1
-        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false, GATE_UP_WHOLE>(acc, rows.lo, rows.hi, rows.scale_lo,
+        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false, GATE_UP_ROUNDS>(acc, rows.lo, rows.hi, rows.scale_lo,
                                                                       rows.scale_hi, x_row, 0, chunks, q, unused);
 #else
         int k_begin, k_end;
         k_range(chunks, 0, k_begin, k_end);
-        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false, GATE_UP_WHOLE>(acc, rows.lo, rows.hi, rows.scale_lo,
+        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false, GATE_UP_ROUNDS>(acc, rows.lo, rows.hi, rows.scale_lo,
                                                                       rows.scale_hi, x_row, k_begin, k_end, q, unused);
         for (int r = 1; r < GB_KSPLIT; ++r) {                        // the next ranges, added in range order
             float part[GB_NBLK][4];
             k_range(chunks, r, k_begin, k_end);
-            mma_rows_by_columns<GB_UNROLL, GB_NBLK, false, GATE_UP_WHOLE>(part, rows.lo, rows.hi, rows.scale_lo,
+            mma_rows_by_columns<GB_UNROLL, GB_NBLK, false, GATE_UP_ROUNDS>(part, rows.lo, rows.hi, rows.scale_lo,
                                                                           rows.scale_hi, x_row, k_begin, k_end, q,
                                                                           unused);
             #pragma unroll
@@ -1227,7 +1234,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
                 inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
             }
             float acc[DB_NBLK][4];
-            mma_rows_by_columns<DB_UNROLL, DB_NBLK, true, DOWN_GROUPED_WHOLE>(acc, rows.lo, rows.hi, rows.scale_lo,
+            mma_rows_by_columns<DB_UNROLL, DB_NBLK, true, DOWN_GROUPED_ROUNDS>(acc, rows.lo, rows.hi, rows.scale_lo,
                                                                               rows.scale_hi, inter_row, 0, chunks, q,
                                                                               waited);
             #pragma unroll

@@ -143,7 +143,7 @@ def test_resolve_params_validates() -> None:
     assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=80)["DB_MAX_REGS"] == 80
     resolved = wdb.resolve_params(dims)
     switches = ("MAX_REGS", "MMA", "PDL", "EARLY_W2", "BALANCE", "PAIR_TILES", "GROUPED", "W_FP8", "PER_PAIR",
-                "FP8_")  # 0: off
+                "FP8_", "WHOLE_RANGES")  # 0: off
     assert set(resolved) == set(wdb.DEFAULTS)
     assert all(v > 0 for k, v in resolved.items() if not any(s in k for s in switches))
 
@@ -1027,6 +1027,46 @@ def test_grouped_tensor_core_path_is_batch_invariant_emulated(rng: np.random.Gen
                               **wdb.GROUPED_KNOBS)["GB_NBLK"] == 2  # the 16-token batch runs 16-pair tiles
     for row in rows[1:]:  # the per-pair path (no lists, a token per down block) gives the grouped path's bits
         assert np.array_equal(row, rows[0])
+
+
+# I = 64: 8 chunks of 8 values, the grouped down's k range one whole round of 2 k blocks (H = 256: 4 ranges of 8
+# chunks for the split-chain gate_up)
+ALIGNED_SHAPE = MoEShape("h256-i64", 256, 64, 5, 3)
+ALIGNED_GROUPED = {**wdb.GROUPED_KNOBS, "GB_KSPLIT": 4, "GB_UNROLL": 2, "DB_UNROLL": 2, "LIST_THREADS": 32,
+                   "LIST_PER": 0}
+
+
+def test_whole_ranges_emulated(rng: np.random.Generator) -> None:
+    """DB_WHOLE_RANGES 1 (no masked round compiled in the bf16 grouped down) gives the masked rounds' bits, and a
+    probe token the per-pair form's bits in any batch; auto takes it where the down's range is whole rounds and
+    one 8-pair block runs per pass, and asking for it elsewhere is an error."""
+    seed = _seed(rng)
+    base = make_problem(ALIGNED_SHAPE, 9, seed=seed, routing="zipf")
+    probe = make_problem(ALIGNED_SHAPE, 1, seed=seed + 1)
+    whole, masked = {**ALIGNED_GROUPED, "DB_WHOLE_RANGES": 1}, {**ALIGNED_GROUPED, "DB_WHOLE_RANGES": 0}
+    pairs = {**wdb.PER_PAIR_KNOBS, "GB_KSPLIT": 4, "GB_WARPS": 4}
+    rows = _probe_rows(base, probe, seed, ((1, 0, "uniform", pairs), (9, 4, "zipf", whole), (9, 4, "zipf", masked),
+                                           (12, 7, "same", {**whole, "GB_NBLK": 2})), out_dtype=np.float32)
+    for row in rows[1:]:
+        assert np.array_equal(row, rows[0])
+    got = _emulate(base, **whole)["out"]
+    _assert_matches(got, moe_decode(*base.arrays, mode="warp_decode"), moe_decode(*base.arrays, mode="fp64"),
+                    "whole ranges", own_order=True)
+
+    def resolved(shape: MoEShape, tokens: int = 4, **knobs: int) -> int:
+        dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
+        return wdb.resolve_params(dims, **knobs)["DB_WHOLE_RANGES"]
+
+    auto = {**ALIGNED_GROUPED, "DB_WHOLE_RANGES": -1}
+    assert [resolved(ALIGNED_SHAPE, **auto), resolved(ALIGNED_SHAPE, **{**auto, "DB_UNROLL": 4}),
+            resolved(ALIGNED_SHAPE, **{**auto, "GB_NBLK": 2}), resolved(PRESETS["tiny"], **auto)] == [1, 0, 0, 0]
+    qwen = PRESETS["qwen3-30b-a3b"]  # I = 768: 96 chunks; two 8-pair blocks from T = 64
+    assert [resolved(qwen, t, **wdb.GROUPED_KNOBS) for t in (1, 16, 64)] == [1, 1, 0]
+    assert [resolved(qwen, 16, **k) for k in (wdb.MMA_KNOBS, wdb.FP8_GROUPED_KNOBS, wdb.PER_PAIR_KNOBS)] == [0, 0, 0]
+    with pytest.raises(ValueError, match="DB_WHOLE_RANGES 1 compiles the grouped down's whole rounds only"):
+        resolved(PRESETS["tiny"], **{**ALIGNED_GROUPED, "DB_WHOLE_RANGES": 1})  # I = 48: 6 chunks
+    with pytest.raises(ValueError, match="DB_WHOLE_RANGES 1 compiles the grouped down's whole rounds only"):
+        resolved(ALIGNED_SHAPE, **{**wdb.FP8_GROUPED_KNOBS, "DB_WHOLE_RANGES": 1})
 
 
 @pytest.mark.slow
