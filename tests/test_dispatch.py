@@ -252,9 +252,11 @@ def test_committed_h200_table_choices() -> None:
         for tokens, path in want.items():
             for policy in ("fastest", "warp_decode"):
                 assert dispatch.choose(_dims(shape, tokens), "NVIDIA H200", policy=policy) == (path, "table")
-    # its FP8 entries (results/h200-2026-12-02-fp8-paths-*.json; T = 1 / 2 from results/h200-2026-12-02-fp8-paths-t1-t2-
-    # *.json): the per-pair tensor-core form at T = 1 / 2, the tensor-core path from T = 4
-    for model, want in (("qwen3-30b-a3b", {1: FP, 2: FP, 4: FM, 64: FM}), ("qwen3-235b-a22b", {1: FP, 2: FP, 4: FM})):
+    # its FP8 entries (results/h200-2026-12-02-fp8-paths-*.json; T = 1 from results/h200-2026-12-02-fp8-paths-t1-t2-
+    # *.json; T = 2 / 4 / 8 re-measured with the byte-permute widening): the per-pair tensor-core form at T = 1 / 2
+    # (and T = 4 at qwen3-30b), the grouped form at qwen3-235b T = 4, the tensor-core path from T = 8
+    for model, want in (("qwen3-30b-a3b", {1: FP, 2: FP, 4: FP, 8: FM, 64: FM}),
+                        ("qwen3-235b-a22b", {1: FP, 2: FP, 4: FG, 8: FM})):
         for tokens, path in want.items():
             got = dispatch.choose(_dims(PRESETS[model], tokens), "NVIDIA H200", weight_format="fp8-block128")
             assert got == (path, "table"), (model, tokens)
@@ -763,6 +765,7 @@ def test_capture_policies_tiny(cupy_mod: Any, rng: np.random.Generator, policy: 
 
 # -- FP8 weights: their own candidates, entries and heuristic ------------------------------------------------------
 FS, FB, FM, FP = dispatch.FP8_STRICT, dispatch.FP8_BATCHED, dispatch.FP8_MMA, dispatch.FP8_MMA_PAIRS
+FG = dispatch.FP8_MMA_GROUPED
 
 
 def test_fp8_weights_choose_among_the_fp8_paths(tmp_path: Path) -> None:
@@ -806,14 +809,15 @@ def test_fp8_table_from_bench_rows() -> None:
     """--from-bench --weight-format fp8-block128 collects the FP8 candidates' rows into the FP8 entries."""
     bench = _bench("2026-12-01T00:00:00Z", [
         _bench_row(FS, 1, 12.0), _bench_row(FB, 1, 14.0), _bench_row(FM, 1, 16.0), _bench_row(FP, 1, 13.0),
-        _bench_row(FS, 16, 80.0), _bench_row(FB, 16, 60.0), _bench_row(FM, 16, 55.0), _bench_row(FP, 16, 70.0),
+        _bench_row(FG, 1, 15.0), _bench_row(FS, 16, 80.0), _bench_row(FB, 16, 60.0), _bench_row(FM, 16, 55.0),
+        _bench_row(FP, 16, 70.0), _bench_row(FG, 16, 57.0),
         _bench_row(S, 1, 20.0),  # a bf16 path: not a candidate here
     ])
     table = dispatch_table.from_bench(bench, name="fp8.json", weight_format="fp8-block128")
     (key, entry), = table["entries"].items()
     assert key.endswith("-fp8-block128") and entry["weight_format"] == "fp8-block128"
     assert {t: p["choice"] for t, p in entry["points"].items()} == {"1": FS, "16": FM}
-    assert set(entry["points"]["1"]["median_us"]) == {FS, FB, FM, FP}
+    assert set(entry["points"]["1"]["median_us"]) == {FS, FB, FM, FP, FG}
 
 
 def test_batch_invariant_policy_keeps_one_numerics() -> None:
