@@ -100,6 +100,11 @@ DEFAULTS: dict[str, int] = {
     # bits either way): 1 by a sign-extending byte permute, a shift, a mask and a bf16x2 multiply (4 instructions per
     # 2 values), 0 through cvt.rn.f16x2.e4m3x2, a shift and two masks (4.5); -1 = auto (auto_fp8_widening; the
     # tensor-core knob sets use it)
+    "GB_RANGE_FLUSH": 0,  # the bf16 split-chain gate_up (GB_MMA, GB_KSPLIT > 1, lists): 1 walks H in one loop of
+    # rounds and adds each range's chain at its end (the same sums as a loop per range, 0); needs every range a whole
+    # number of rounds of 4 x GB_UNROLL chunks (checked); -1 = auto: 1 wherever it can run (range_flush_allowed;
+    # the tensor-core knob sets use it: H200, results/sweep-2026-12-02-range-flush-*.json, 2-4 % faster at both
+    # models, T = 4 / 16 / 64)
     "DB_WHOLE_RANGES": 0,  # the bf16 grouped down (DB_GROUPED): 1 compiles whole rounds only, no masked round --
     # its k range (I / 8 chunks) must be a whole number of rounds of 4 x DB_UNROLL chunks (checked) -- 0 masks every
     # round; -1 = auto (auto_whole_ranges; the tensor-core knob sets use it)
@@ -125,7 +130,7 @@ LIMITS = {
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (0, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
     "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "W_FP8": (0, 1),
     "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8), "FP8_LOAD16": (-1, 1), "FP8_BLOCK_SUM": (-1, 1),
-    "FP8_PRMT": (-1, 1), "DB_WHOLE_RANGES": (-1, 1),
+    "FP8_PRMT": (-1, 1), "DB_WHOLE_RANGES": (-1, 1), "GB_RANGE_FLUSH": (-1, 1),
 }
 
 
@@ -194,6 +199,16 @@ def whole_ranges(dims: Dims | None, values: dict[str, int]) -> bool:
     a whole number of rounds of 4 x DB_UNROLL chunks. False without dims."""
     return bool(dims is not None and not values["W_FP8"] and values["DB_GROUPED"] == 1
                 and (dims.intermediate // 8) % (4 * values["DB_UNROLL"]) == 0)
+
+
+def range_flush_allowed(dims: Dims | None, values: dict[str, int]) -> bool:
+    """Whether GB_RANGE_FLUSH 1 can run: bf16 weights, the split-chain gate_up of the lists path, and k_range's range
+    size (whole 32-wide k blocks of H / 8 chunks) a multiple of a round's 4 x GB_UNROLL chunks, so that no round
+    straddles two ranges. False without dims."""
+    if dims is None or values["W_FP8"] or not values["GB_MMA"] or values["GB_KSPLIT"] == 1 or values["PER_PAIR"]:
+        return False
+    per_range = -(-(dims.hidden // 8) // values["GB_KSPLIT"])
+    return (-(-per_range // 4) * 4) % (4 * values["GB_UNROLL"]) == 0
 
 
 def auto_whole_ranges(dims: Dims | None, values: dict[str, int]) -> int:
@@ -391,7 +406,8 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
                 values[key] = DEFAULTS[key]
         if values["FP8_PRMT"] == -1:
             values["FP8_PRMT"] = auto_fp8_widening(values)
-        values["DB_WHOLE_RANGES"] = max(values["DB_WHOLE_RANGES"], 0)  # the dims decide: checked where known
+        for key in ("DB_WHOLE_RANGES", "GB_RANGE_FLUSH"):  # the dims decide: checked where known
+            values[key] = max(values[key], 0)
         return values
     if values["LIST_PER"] == 0:
         values["LIST_PER"] = -(-(dims.experts + 1) // values["LIST_THREADS"])
@@ -425,6 +441,14 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         values["FP8_PRMT"] = auto_fp8_widening(values)
     if mma_gate_up_unroll_auto:
         values["GB_UNROLL"] = auto_mma_gate_up_unroll(dims, values)
+    if values["GB_RANGE_FLUSH"] == -1:
+        values["GB_RANGE_FLUSH"] = int(range_flush_allowed(dims, values))
+    elif values["GB_RANGE_FLUSH"] == 1 and not range_flush_allowed(dims, values):
+        raise ValueError(
+            f"GB_RANGE_FLUSH 1 runs the split-chain gate_up's ranges in one loop of whole rounds: it needs bf16 "
+            f"weights, GB_MMA 1, GB_KSPLIT > 1, PER_PAIR 0 and each range a whole number of rounds of 4 x GB_UNROLL "
+            f"chunks of H / 8, got W_FP8 {values['W_FP8']}, GB_KSPLIT {values['GB_KSPLIT']}, PER_PAIR "
+            f"{values['PER_PAIR']}, H = {dims.hidden}, GB_UNROLL {values['GB_UNROLL']}")
     if values["DB_WHOLE_RANGES"] == -1:
         values["DB_WHOLE_RANGES"] = auto_whole_ranges(dims, values)
     elif values["DB_WHOLE_RANGES"] == 1 and not whole_ranges(dims, values):
@@ -460,7 +484,7 @@ def max_tokens(top_k: int = 1, **params: Any) -> int:
 # where auto_balance says (results/sweep-stage-*.json).
 MMA_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1, "PAIR_TILES": 1,  # both on tensor cores
              "DB_GROUPED": -1, "DB_NBLK": 0, "FP8_LOAD16": -1, "FP8_BLOCK_SUM": -1, "FP8_PRMT": -1,
-             "DB_WHOLE_RANGES": -1}
+             "DB_WHOLE_RANGES": -1, "GB_RANGE_FLUSH": -1}
 MIXED_KNOBS = {"DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1}  # FMA gate_up (bitwise strict's), tensor-core down
 # The batch-invariant pair (kernels.dispatch policy "batch_invariant"): the tensor-core path with the grouped down
 # at every T, and its per-pair form (no lists, two launches) -- one numerics: a pair's gate_up dots are mma chains

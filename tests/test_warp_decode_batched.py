@@ -143,7 +143,7 @@ def test_resolve_params_validates() -> None:
     assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=80)["DB_MAX_REGS"] == 80
     resolved = wdb.resolve_params(dims)
     switches = ("MAX_REGS", "MMA", "PDL", "EARLY_W2", "BALANCE", "PAIR_TILES", "GROUPED", "W_FP8", "PER_PAIR",
-                "FP8_", "WHOLE_RANGES")  # 0: off
+                "FP8_", "WHOLE_RANGES", "RANGE_FLUSH")  # 0: off
     assert set(resolved) == set(wdb.DEFAULTS)
     assert all(v > 0 for k, v in resolved.items() if not any(s in k for s in switches))
 
@@ -1067,6 +1067,58 @@ def test_whole_ranges_emulated(rng: np.random.Generator) -> None:
         resolved(PRESETS["tiny"], **{**ALIGNED_GROUPED, "DB_WHOLE_RANGES": 1})  # I = 48: 6 chunks
     with pytest.raises(ValueError, match="DB_WHOLE_RANGES 1 compiles the grouped down's whole rounds only"):
         resolved(ALIGNED_SHAPE, **{**wdb.FP8_GROUPED_KNOBS, "DB_WHOLE_RANGES": 1})
+
+
+def test_range_flush_emulated(rng: np.random.Generator) -> None:
+    """GB_RANGE_FLUSH 1 (the split-chain gate_up's ranges in one loop, each chain added at its range's end) gives
+    the loop per range's bits and the per-pair form's in any batch -- also with a short last range ending in a
+    partial round and an empty range past H -- and is chosen exactly where no round straddles two ranges."""
+    seed = _seed(rng)
+    base = make_problem(ALIGNED_SHAPE, 9, seed=seed, routing="zipf")
+    probe = make_problem(ALIGNED_SHAPE, 1, seed=seed + 1)
+    flush, per_range = {**ALIGNED_GROUPED, "GB_RANGE_FLUSH": 1}, {**ALIGNED_GROUPED, "GB_RANGE_FLUSH": 0}
+    pairs = {**wdb.PER_PAIR_KNOBS, "GB_KSPLIT": 4, "GB_WARPS": 4}
+    rows = _probe_rows(base, probe, seed, ((1, 0, "uniform", pairs), (9, 4, "zipf", flush), (9, 4, "zipf", per_range),
+                                           (12, 7, "same", {**flush, "GB_NBLK": 2})), out_dtype=np.float32)
+    for row in rows[1:]:
+        assert np.array_equal(row, rows[0])
+    # H = 200: 25 chunks in 8 ranges of 4 -- the seventh 1 chunk long (a partial round), the eighth empty
+    odd = make_problem(MULTI_SHAPE, 7, seed=seed + 2, routing="zipf")
+    knobs = {**wdb.GROUPED_KNOBS, "GB_UNROLL": 1, "LIST_THREADS": 32, "LIST_PER": 0}
+    got = _emulate(odd, out_dtype=np.float32, **knobs, GB_RANGE_FLUSH=1)
+    want = _emulate(odd, out_dtype=np.float32, **knobs, GB_RANGE_FLUSH=0)
+    assert np.array_equal(got["inter"], want["inter"]) and np.array_equal(got["out"].view(np.uint32),
+                                                                          want["out"].view(np.uint32))
+    _assert_matches(got["out"], moe_decode(*odd.arrays, mode="warp_decode", out_dtype=np.float32),
+                    moe_decode(*odd.arrays, mode="fp64"), "range flush, H = 200", own_order=True)
+
+    # the order itself: x = 1 and a neuron whose 4 ranges of 64 sum to 2^25, 4 (32 x 0.125: two mma of 2 each),
+    # -2^25 and 0 -- a chain per range gives 2^25 + 4 - 2^25 = 4; one chain over H, or a chain over two ranges, loses
+    # each 2 against 2^25 (ulp 4, a tie to even) and gives 0
+    w13 = base.w13.copy()
+    crafted = np.concatenate([np.full(64, 2.0**19), np.full(32, 0.125), np.zeros(32), np.full(64, -(2.0**19)),
+                              np.zeros(64)]).astype(BF16)
+    w13[:, 5], w13[:, ALIGNED_SHAPE.intermediate + 5] = crafted, crafted      # gate and up of neuron 5
+    ones = Problem(ALIGNED_SHAPE, 4, seed, "fixed", np.ones((4, ALIGNED_SHAPE.hidden), BF16), w13, base.w2,
+                   base.topk_ids[:4], base.topk_weights[:4])
+    expect = bf16_to_f32(np.asarray([4.0 * 4.0 / (1.0 + np.exp(-4.0))], np.float32).astype(BF16))[0]
+    for case in (flush, per_range, pairs):
+        inter = bf16_to_f32(_emulate(ones, **case)["inter"][:, :, 5].view(BF16))
+        assert np.all(inter == expect), (case, inter)
+
+    def resolved(shape: MoEShape, **knobs: int) -> int:
+        dims = Dims(4, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
+        return wdb.resolve_params(dims, **knobs)["GB_RANGE_FLUSH"]
+
+    auto = {"GB_RANGE_FLUSH": -1}
+    assert [resolved(ALIGNED_SHAPE, **ALIGNED_GROUPED, **auto), resolved(MULTI_SHAPE, **knobs, **auto),
+            resolved(MULTI_SHAPE, **{**knobs, "GB_UNROLL": 2}, **auto),  # 4-chunk ranges, 8-chunk rounds
+            resolved(PRESETS["qwen3-30b-a3b"], **wdb.GROUPED_KNOBS, **auto),
+            resolved(PRESETS["qwen3-30b-a3b"], **wdb.MMA_KNOBS, **auto)] == [1, 1, 0, 1, 0]
+    with pytest.raises(ValueError, match="GB_RANGE_FLUSH 1 runs the split-chain gate_up's ranges"):
+        resolved(MULTI_SHAPE, **{**knobs, "GB_UNROLL": 2, "GB_RANGE_FLUSH": 1})
+    with pytest.raises(ValueError, match="GB_RANGE_FLUSH 1 runs the split-chain gate_up's ranges"):
+        resolved(ALIGNED_SHAPE, **{**wdb.FP8_GROUPED_KNOBS, "GB_RANGE_FLUSH": 1})
 
 
 @pytest.mark.slow
