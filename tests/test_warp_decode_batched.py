@@ -1085,8 +1085,8 @@ def test_range_flush_emulated(rng: np.random.Generator) -> None:
     # H = 200: 25 chunks in 8 ranges of 4 -- the seventh 1 chunk long (a partial round), the eighth empty
     odd = make_problem(MULTI_SHAPE, 7, seed=seed + 2, routing="zipf")
     knobs = {**wdb.GROUPED_KNOBS, "GB_UNROLL": 1, "LIST_THREADS": 32, "LIST_PER": 0}
-    got = _emulate(odd, out_dtype=np.float32, **knobs, GB_RANGE_FLUSH=1)
-    want = _emulate(odd, out_dtype=np.float32, **knobs, GB_RANGE_FLUSH=0)
+    got = _emulate(odd, out_dtype=np.float32, **{**knobs, "GB_RANGE_FLUSH": 1})
+    want = _emulate(odd, out_dtype=np.float32, **{**knobs, "GB_RANGE_FLUSH": 0})
     assert np.array_equal(got["inter"], want["inter"]) and np.array_equal(got["out"].view(np.uint32),
                                                                           want["out"].view(np.uint32))
     _assert_matches(got["out"], moe_decode(*odd.arrays, mode="warp_decode", out_dtype=np.float32),
@@ -1111,10 +1111,11 @@ def test_range_flush_emulated(rng: np.random.Generator) -> None:
         return wdb.resolve_params(dims, **knobs)["GB_RANGE_FLUSH"]
 
     auto = {"GB_RANGE_FLUSH": -1}
-    assert [resolved(ALIGNED_SHAPE, **ALIGNED_GROUPED, **auto), resolved(MULTI_SHAPE, **knobs, **auto),
-            resolved(MULTI_SHAPE, **{**knobs, "GB_UNROLL": 2}, **auto),  # 4-chunk ranges, 8-chunk rounds
-            resolved(PRESETS["qwen3-30b-a3b"], **wdb.GROUPED_KNOBS, **auto),
-            resolved(PRESETS["qwen3-30b-a3b"], **wdb.MMA_KNOBS, **auto)] == [1, 1, 0, 1, 0]
+    assert [resolved(ALIGNED_SHAPE, **{**ALIGNED_GROUPED, **auto}), resolved(MULTI_SHAPE, **{**knobs, **auto}),
+            resolved(MULTI_SHAPE, **{**knobs, "GB_UNROLL": 2, **auto}),  # 4-chunk ranges, 8-chunk rounds
+            resolved(PRESETS["qwen3-30b-a3b"], **{**wdb.GROUPED_KNOBS, **auto}),
+            resolved(PRESETS["qwen3-30b-a3b"], **{**wdb.MMA_KNOBS, **auto})] == [1, 1, 0, 1, 0]
+    assert wdb.GROUPED_KNOBS["GB_RANGE_FLUSH"] == -1  # the invariant path's knob set takes it where it can run
     with pytest.raises(ValueError, match="GB_RANGE_FLUSH 1 runs the split-chain gate_up's ranges"):
         resolved(MULTI_SHAPE, **{**knobs, "GB_UNROLL": 2, "GB_RANGE_FLUSH": 1})
     with pytest.raises(ValueError, match="GB_RANGE_FLUSH 1 runs the split-chain gate_up's ranges"):
