@@ -1036,19 +1036,27 @@ ALIGNED_GROUPED = {**wdb.GROUPED_KNOBS, "GB_KSPLIT": 4, "GB_UNROLL": 2, "DB_UNRO
                    "LIST_PER": 0}
 
 
+def _aligned_forms_agree(rng: np.random.Generator, key: str) -> tuple[Problem, int, dict[str, int], dict[str, int]]:
+    """A probe token's FP32 row on ALIGNED_SHAPE: the per-pair form alone, the grouped path with knob ``key`` 1 and 0
+    in a batch of 9 (Zipf), and with ``key`` 1 and 16-pair tiles in a batch of 12 (all on one set) -- asserted to be
+    the same bits. Returns the batch of 9, its seed, the grouped knobs with ``key`` 1 and the per-pair knobs."""
+    seed = _seed(rng)
+    base = make_problem(ALIGNED_SHAPE, 9, seed=seed, routing="zipf")
+    probe = make_problem(ALIGNED_SHAPE, 1, seed=seed + 1)
+    on, off = {**ALIGNED_GROUPED, key: 1}, {**ALIGNED_GROUPED, key: 0}
+    pairs = {**wdb.PER_PAIR_KNOBS, "GB_KSPLIT": 4, "GB_WARPS": 4}
+    rows = _probe_rows(base, probe, seed, ((1, 0, "uniform", pairs), (9, 4, "zipf", on), (9, 4, "zipf", off),
+                                           (12, 7, "same", {**on, "GB_NBLK": 2})), out_dtype=np.float32)
+    for row in rows[1:]:
+        assert np.array_equal(row, rows[0]), key
+    return base, seed, on, pairs
+
+
 def test_whole_ranges_emulated(rng: np.random.Generator) -> None:
     """DB_WHOLE_RANGES 1 (no masked round compiled in the bf16 grouped down) gives the masked rounds' bits, and a
     probe token the per-pair form's bits in any batch; auto takes it where the down's range is whole rounds and
     one 8-pair block runs per pass, and asking for it elsewhere is an error."""
-    seed = _seed(rng)
-    base = make_problem(ALIGNED_SHAPE, 9, seed=seed, routing="zipf")
-    probe = make_problem(ALIGNED_SHAPE, 1, seed=seed + 1)
-    whole, masked = {**ALIGNED_GROUPED, "DB_WHOLE_RANGES": 1}, {**ALIGNED_GROUPED, "DB_WHOLE_RANGES": 0}
-    pairs = {**wdb.PER_PAIR_KNOBS, "GB_KSPLIT": 4, "GB_WARPS": 4}
-    rows = _probe_rows(base, probe, seed, ((1, 0, "uniform", pairs), (9, 4, "zipf", whole), (9, 4, "zipf", masked),
-                                           (12, 7, "same", {**whole, "GB_NBLK": 2})), out_dtype=np.float32)
-    for row in rows[1:]:
-        assert np.array_equal(row, rows[0])
+    base, _, whole, _ = _aligned_forms_agree(rng, "DB_WHOLE_RANGES")
     got = _emulate(base, **whole)["out"]
     _assert_matches(got, moe_decode(*base.arrays, mode="warp_decode"), moe_decode(*base.arrays, mode="fp64"),
                     "whole ranges", own_order=True)
@@ -1073,15 +1081,8 @@ def test_range_flush_emulated(rng: np.random.Generator) -> None:
     """GB_RANGE_FLUSH 1 (the split-chain gate_up's ranges in one loop, each chain added at its range's end) gives
     the loop per range's bits and the per-pair form's in any batch -- also with a short last range ending in a
     partial round and an empty range past H -- and is chosen exactly where no round straddles two ranges."""
-    seed = _seed(rng)
-    base = make_problem(ALIGNED_SHAPE, 9, seed=seed, routing="zipf")
-    probe = make_problem(ALIGNED_SHAPE, 1, seed=seed + 1)
-    flush, per_range = {**ALIGNED_GROUPED, "GB_RANGE_FLUSH": 1}, {**ALIGNED_GROUPED, "GB_RANGE_FLUSH": 0}
-    pairs = {**wdb.PER_PAIR_KNOBS, "GB_KSPLIT": 4, "GB_WARPS": 4}
-    rows = _probe_rows(base, probe, seed, ((1, 0, "uniform", pairs), (9, 4, "zipf", flush), (9, 4, "zipf", per_range),
-                                           (12, 7, "same", {**flush, "GB_NBLK": 2})), out_dtype=np.float32)
-    for row in rows[1:]:
-        assert np.array_equal(row, rows[0])
+    base, seed, flush, pairs = _aligned_forms_agree(rng, "GB_RANGE_FLUSH")
+    per_range = {**flush, "GB_RANGE_FLUSH": 0}
     # H = 200: 25 chunks in 8 ranges of 4 -- the seventh 1 chunk long (a partial round), the eighth empty
     odd = make_problem(MULTI_SHAPE, 7, seed=seed + 2, routing="zipf")
     knobs = {**wdb.GROUPED_KNOBS, "GB_UNROLL": 1, "LIST_THREADS": 32, "LIST_PER": 0}
