@@ -100,11 +100,11 @@ DEFAULTS: dict[str, int] = {
     # bits either way): 1 by a sign-extending byte permute, a shift, a mask and a bf16x2 multiply (4 instructions per
     # 2 values), 0 through cvt.rn.f16x2.e4m3x2, a shift and two masks (4.5); -1 = auto (auto_fp8_widening; the
     # tensor-core knob sets use it)
-    "GB_RANGE_FLUSH": 0,  # the bf16 split-chain gate_up (GB_MMA, GB_KSPLIT > 1, lists): 1 walks H in one loop of
-    # rounds and adds each range's chain at its end (the same sums as a loop per range, 0); needs every range a whole
-    # number of rounds of 4 x GB_UNROLL chunks (checked); -1 = auto: 1 wherever it can run (range_flush_allowed;
-    # the tensor-core knob sets use it: H200, results/sweep-2026-12-02-range-flush-*.json, 2-4 % faster at both
-    # models, T = 4 / 16 / 64)
+    "GB_RANGE_FLUSH": 0,  # the split-chain gate_up (GB_MMA, GB_KSPLIT > 1, lists): 1 walks H in one loop of rounds
+    # and adds each range's chain at its end (the same sums as a loop per range, 0); needs every range a whole number
+    # of rounds (and of scale blocks with FP8_BLOCK_SUM; checked: range_flush_allowed); -1 = auto: 1 wherever it can
+    # run on bf16 weights (the tensor-core knob sets use it: H200, results/sweep-2026-12-02-range-flush-*.json, 2-4 %
+    # faster at both models, T = 4 / 16 / 64); FP8 not yet measured, so auto leaves it 0 there
     "DB_WHOLE_RANGES": 0,  # the bf16 grouped down (DB_GROUPED): 1 compiles whole rounds only, no masked round --
     # its k range (I / 8 chunks) must be a whole number of rounds of 4 x DB_UNROLL chunks (checked) -- 0 masks every
     # round; -1 = auto (auto_whole_ranges; the tensor-core knob sets use it)
@@ -202,13 +202,17 @@ def whole_ranges(dims: Dims | None, values: dict[str, int]) -> bool:
 
 
 def range_flush_allowed(dims: Dims | None, values: dict[str, int]) -> bool:
-    """Whether GB_RANGE_FLUSH 1 can run: bf16 weights, the split-chain gate_up of the lists path, and k_range's range
-    size (whole 32-wide k blocks of H / 8 chunks) a multiple of a round's 4 x GB_UNROLL chunks, so that no round
-    straddles two ranges. False without dims."""
-    if dims is None or values["W_FP8"] or not values["GB_MMA"] or values["GB_KSPLIT"] == 1 or values["PER_PAIR"]:
+    """Whether GB_RANGE_FLUSH 1 can run: the split-chain gate_up of the lists path, and k_range's range size (whole
+    k blocks of 4 chunks of 8 values, 8 with FP8_LOAD16) a multiple of a round's k blocks x GB_UNROLL, so that no
+    round straddles two ranges -- and with FP8_BLOCK_SUM a multiple of a 128-wide scale block, so that each range
+    ends on one. False without dims."""
+    if dims is None or not values["GB_MMA"] or values["GB_KSPLIT"] == 1 or values["PER_PAIR"]:
         return False
+    block = 8 if values["W_FP8"] and values["FP8_LOAD16"] else 4  # chunks per k block (MMA_KB)
     per_range = -(-(dims.hidden // 8) // values["GB_KSPLIT"])
-    return (-(-per_range // 4) * 4) % (4 * values["GB_UNROLL"]) == 0
+    size = -(-per_range // block) * block
+    scale_ok = not (values["W_FP8"] and values["FP8_BLOCK_SUM"]) or size % 16 == 0
+    return size % (block * values["GB_UNROLL"]) == 0 and scale_ok
 
 
 def auto_whole_ranges(dims: Dims | None, values: dict[str, int]) -> int:
@@ -441,14 +445,15 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         values["FP8_PRMT"] = auto_fp8_widening(values)
     if mma_gate_up_unroll_auto:
         values["GB_UNROLL"] = auto_mma_gate_up_unroll(dims, values)
-    if values["GB_RANGE_FLUSH"] == -1:
-        values["GB_RANGE_FLUSH"] = int(range_flush_allowed(dims, values))
+    if values["GB_RANGE_FLUSH"] == -1:  # measured on bf16 weights; FP8 runs it where asked (1)
+        values["GB_RANGE_FLUSH"] = int(range_flush_allowed(dims, values) and not values["W_FP8"])
     elif values["GB_RANGE_FLUSH"] == 1 and not range_flush_allowed(dims, values):
         raise ValueError(
-            f"GB_RANGE_FLUSH 1 runs the split-chain gate_up's ranges in one loop of whole rounds: it needs bf16 "
-            f"weights, GB_MMA 1, GB_KSPLIT > 1, PER_PAIR 0 and each range a whole number of rounds of 4 x GB_UNROLL "
-            f"chunks of H / 8, got W_FP8 {values['W_FP8']}, GB_KSPLIT {values['GB_KSPLIT']}, PER_PAIR "
-            f"{values['PER_PAIR']}, H = {dims.hidden}, GB_UNROLL {values['GB_UNROLL']}")
+            f"GB_RANGE_FLUSH 1 runs the split-chain gate_up's ranges in one loop of whole rounds: it needs GB_MMA 1, "
+            f"GB_KSPLIT > 1, PER_PAIR 0 and each range a whole number of rounds of GB_UNROLL k blocks (and of 128-wide "
+            f"scale blocks with FP8_BLOCK_SUM), got GB_KSPLIT {values['GB_KSPLIT']}, PER_PAIR {values['PER_PAIR']}, "
+            f"H = {dims.hidden if dims else None}, GB_UNROLL {values['GB_UNROLL']}, W_FP8 {values['W_FP8']}, "
+            f"FP8_LOAD16 {values['FP8_LOAD16']}, FP8_BLOCK_SUM {values['FP8_BLOCK_SUM']}")
     if values["DB_WHOLE_RANGES"] == -1:
         values["DB_WHOLE_RANGES"] = auto_whole_ranges(dims, values)
     elif values["DB_WHOLE_RANGES"] == 1 and not whole_ranges(dims, values):

@@ -930,11 +930,13 @@ __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const a
 #endif
 
 #if GB_MMA && GB_RANGE_FLUSH
-// GB_RANGE_FLUSH (bf16, GB_KSPLIT > 1, every range a whole number of rounds -- the host checks): the split-chain
+// GB_RANGE_FLUSH (GB_KSPLIT > 1, every range a whole number of rounds -- the host checks): the split-chain
 // gate_up's sums in one loop over H. Each range's chain starts from zero and is added to the total at the range's end
 // (range 0's becomes it, the next ones through __fadd_rn in range order), and each empty range past H adds +0.0f --
 // the same operations on the same values as one mma_rows_by_columns call per range, without a loop per range
-// (whole rounds unmasked, a masked last round only at the end of H): 2-4 % faster on the H200.
+// (whole rounds unmasked, a masked last round only at the end of H): 2-4 % faster on the H200 (bf16). W_FP8: the
+// scale block's partial lives across rounds as in one range's loop; a range ends on a scale block's end (the host
+// checks it with FP8_BLOCK_SUM), where mma_round has flushed it into the range's chain.
 template <int NB>
 __device__ __forceinline__ void split_chain_one_loop(float (&total)[NB][4], const ARows& rows,
                                                      const uint4* const (&cols)[NB], int chunks, int q, bool& waited) {
@@ -942,11 +944,11 @@ __device__ __forceinline__ void split_chain_one_loop(float (&total)[NB][4], cons
     int size, unused_end;
     k_range(chunks, 0, size, unused_end);
     size = unused_end;                                               // range 0 is chunks 0 .. size - 1
-    float part[NB][4], unused_part[NB][4];
+    float part[NB][4], scale_part[NB][4];                            // W_FP8: the scale block's mma sums
     #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
         #pragma unroll
-        for (int v = 0; v < 4; ++v) part[nb][v] = total[nb][v] = 0.0f;
+        for (int v = 0; v < 4; ++v) part[nb][v] = scale_part[nb][v] = total[nb][v] = 0.0f;
     const a_load_t* lo_row = reinterpret_cast<const a_load_t*>(rows.lo);
     const a_load_t* hi_row = reinterpret_cast<const a_load_t*>(rows.hi);
     int flushed = 0;
@@ -962,12 +964,12 @@ __device__ __forceinline__ void split_chain_one_loop(float (&total)[NB][4], cons
     };
     int c0 = 0;
     for (; c0 + ROUND <= chunks; c0 += ROUND) {
-        mma_round<GB_UNROLL, NB, false, false>(part, unused_part, lo_row, hi_row, rows.scale_lo, rows.scale_hi, cols,
+        mma_round<GB_UNROLL, NB, false, false>(part, scale_part, lo_row, hi_row, rows.scale_lo, rows.scale_hi, cols,
                                                c0, chunks, q, waited);
         if ((c0 + ROUND) % size == 0 || c0 + ROUND == chunks) flush();
     }
     if (c0 < chunks) {                                               // the last range's partial last round
-        mma_round<GB_UNROLL, NB, false, true>(part, unused_part, lo_row, hi_row, rows.scale_lo, rows.scale_hi, cols,
+        mma_round<GB_UNROLL, NB, false, true>(part, scale_part, lo_row, hi_row, rows.scale_lo, rows.scale_hi, cols,
                                              c0, chunks, q, waited);
         flush();
     }

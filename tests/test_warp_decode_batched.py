@@ -1052,6 +1052,7 @@ def _aligned_forms_agree(rng: np.random.Generator, key: str) -> tuple[Problem, i
     return base, seed, on, pairs
 
 
+@pytest.mark.slow
 def test_whole_ranges_emulated(rng: np.random.Generator) -> None:
     """DB_WHOLE_RANGES 1 (no masked round compiled in the bf16 grouped down) gives the masked rounds' bits, and a
     probe token the per-pair form's bits in any batch; auto takes it where the down's range is whole rounds and
@@ -1077,6 +1078,7 @@ def test_whole_ranges_emulated(rng: np.random.Generator) -> None:
         resolved(ALIGNED_SHAPE, **{**wdb.FP8_GROUPED_KNOBS, "DB_WHOLE_RANGES": 1})
 
 
+@pytest.mark.slow
 def test_range_flush_emulated(rng: np.random.Generator) -> None:
     """GB_RANGE_FLUSH 1 (the split-chain gate_up's ranges in one loop, each chain added at its range's end) gives
     the loop per range's bits and the per-pair form's in any batch -- also with a short last range ending in a
@@ -1120,7 +1122,8 @@ def test_range_flush_emulated(rng: np.random.Generator) -> None:
     with pytest.raises(ValueError, match="GB_RANGE_FLUSH 1 runs the split-chain gate_up's ranges"):
         resolved(MULTI_SHAPE, **{**knobs, "GB_UNROLL": 2, "GB_RANGE_FLUSH": 1})
     with pytest.raises(ValueError, match="GB_RANGE_FLUSH 1 runs the split-chain gate_up's ranges"):
-        resolved(ALIGNED_SHAPE, **{**wdb.FP8_GROUPED_KNOBS, "GB_RANGE_FLUSH": 1})
+        resolved(ALIGNED_SHAPE, **{**ALIGNED_GROUPED, "PER_PAIR": 1, "PAIR_TILES": 0, "DB_GROUPED": 0,
+                                   "GB_WARPS": 4, "GB_RANGE_FLUSH": 1})  # the per-pair form: a warp per range
 
 
 @pytest.mark.slow
