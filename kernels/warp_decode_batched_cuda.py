@@ -941,9 +941,8 @@ template <int NB>
 __device__ __forceinline__ void split_chain_one_loop(float (&total)[NB][4], const ARows& rows,
                                                      const uint4* const (&cols)[NB], int chunks, int q, bool& waited) {
     constexpr int ROUND = MMA_KB * GB_UNROLL;
-    int size, unused_end;
-    k_range(chunks, 0, size, unused_end);
-    size = unused_end;                                               // range 0 is chunks 0 .. size - 1
+    int zero, size;
+    k_range(chunks, 0, zero, size);                                  // range 0: chunks 0 .. size - 1
     float part[NB][4], scale_part[NB][4];                            // W_FP8: the scale block's mma sums
     #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
