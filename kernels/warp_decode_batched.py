@@ -102,9 +102,8 @@ DEFAULTS: dict[str, int] = {
     # tensor-core knob sets use it)
     "GB_RANGE_FLUSH": 0,  # the split-chain gate_up (GB_MMA, GB_KSPLIT > 1, lists): 1 walks H in one loop of rounds
     # and adds each range's chain at its end (the same sums as a loop per range, 0); needs every range a whole number
-    # of rounds (and of scale blocks with FP8_BLOCK_SUM; checked: range_flush_allowed); -1 = auto: 1 wherever it can
-    # run on bf16 weights (the tensor-core knob sets use it: H200, results/sweep-2026-12-02-range-flush-*.json, 2-4 %
-    # faster at both models, T = 4 / 16 / 64); FP8 not yet measured, so auto leaves it 0 there
+    # of rounds (and of scale blocks with FP8_BLOCK_SUM; checked: range_flush_allowed); -1 = auto (auto_range_flush;
+    # the tensor-core knob sets use it)
     "DB_WHOLE_RANGES": 0,  # the bf16 grouped down (DB_GROUPED): 1 compiles whole rounds only, no masked round --
     # its k range (I / 8 chunks) must be a whole number of rounds of 4 x DB_UNROLL chunks (checked) -- 0 masks every
     # round; -1 = auto (auto_whole_ranges; the tensor-core knob sets use it)
@@ -213,6 +212,16 @@ def range_flush_allowed(dims: Dims | None, values: dict[str, int]) -> bool:
     size = -(-per_range // block) * block
     scale_ok = not (values["W_FP8"] and values["FP8_BLOCK_SUM"]) or size % 16 == 0
     return size % (block * values["GB_UNROLL"]) == 0 and scale_ok
+
+
+def auto_range_flush(dims: Dims | None, values: dict[str, int]) -> int:
+    """GB_RANGE_FLUSH where auto (-1): 1 wherever it can run on bf16 weights, and on FP8 weights with one 8-pair block
+    per pass (GB_NBLK 1). H200, the grouped path at T = 4 / 16 / 64: bf16 2-4 % faster everywhere
+    (results/sweep-2026-12-02-range-flush-grouped-*.json: qwen3-30b 65.0 / 179.5 / 291.4 -> 63.4 / 175.5 / 284.0
+    us); FP8 (results/sweep-2026-12-02-range-flush-grouped-fp8-*.json) 1.3-2.5 % faster at T = 4 (qwen3-30b 49.4 ->
+    48.1, qwen3-235b 141.8 -> 140.0), within 0.6 % at T = 16, 1-2 % slower at T = 64 with two blocks and 2 rounds
+    in flight (211.4 -> 213.6, 770.2 -> 786.3)."""
+    return int(range_flush_allowed(dims, values) and (not values["W_FP8"] or values["GB_NBLK"] == 1))
 
 
 def auto_whole_ranges(dims: Dims | None, values: dict[str, int]) -> int:
@@ -445,8 +454,8 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         values["FP8_PRMT"] = auto_fp8_widening(values)
     if mma_gate_up_unroll_auto:
         values["GB_UNROLL"] = auto_mma_gate_up_unroll(dims, values)
-    if values["GB_RANGE_FLUSH"] == -1:  # measured on bf16 weights; FP8 runs it where asked (1)
-        values["GB_RANGE_FLUSH"] = int(range_flush_allowed(dims, values) and not values["W_FP8"])
+    if values["GB_RANGE_FLUSH"] == -1:
+        values["GB_RANGE_FLUSH"] = auto_range_flush(dims, values)
     elif values["GB_RANGE_FLUSH"] == 1 and not range_flush_allowed(dims, values):
         raise ValueError(
             f"GB_RANGE_FLUSH 1 runs the split-chain gate_up's ranges in one loop of whole rounds: it needs GB_MMA 1, "

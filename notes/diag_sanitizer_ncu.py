@@ -24,6 +24,10 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_sanitizer_ncu
              racecheck's time limit).
 * ``fp8-mma-t32`` / ``fp8-strict-t1`` the tensor-core FP8 path at qwen3-30b-a3b T = 32 / strict FP8 at T = 1,
              uniform routing: 2 layers (the profiler takes the second; added 2026-12-02, for where FP8 time goes).
+* ``whole-flush`` the whole-rounds grouped down (DB_WHOLE_RANGES 1) and the one-loop split-chain gate_up
+             (GB_RANGE_FLUSH 1), bf16 (grouped and plain tensor-core paths) and FP8 (grouped), on a small shape where
+             both can run, under Zipf and all-on-one-set routings, outputs compared with the references (added
+             2026-12-02, for those two forms).
 * ``fp8-chunks`` strict FP8 at 16-value chunks (and 8 slots at 16-value gate_up chunks) on a shape with partial
              scale blocks at both edges and at qwen3-30b-a3b T = 2 (added 2026-12-01 late).
 """
@@ -37,6 +41,7 @@ import cupy
 import prototypes
 from kernels.contract import Dims
 from kernels.problem import make_problem
+from kernels.shapes import MoEShape
 from kernels.variants import get_variant
 from tests.warp_checks import ODD_SHAPES, _assert_matches, _poisoned_out, _references
 
@@ -143,7 +148,6 @@ def fp8() -> None:
 def fp8_chunks() -> None:
     """The strict FP8 kernels at 16-value chunks on a shape with partial scale blocks at both edges."""
     from kernels.reference import moe_decode
-    from kernels.shapes import MoEShape
 
     for shape, tokens, routing in ((MoEShape("h2880-i368", 2880, 368, 16, 4), 5, "zipf"), ("qwen3-30b-a3b", 2, "same")):
         problem, weights, args, oracle = _fp8_case(shape, tokens, routing)
@@ -177,6 +181,29 @@ def new(odd_only: bool = False) -> None:
             _run_checked(name, problem, (problem.w13, problem.w2), faithful, oracle, tag)
 
 
+WHOLE_FLUSH_SHAPE = MoEShape("h1024-i128", 1024, 128, 8, 4)  # 16-chunk gate_up ranges, 16-chunk down rows
+
+
+def whole_flush() -> None:
+    """Both forms on, checked by resolve_params (which refuses them where they cannot run)."""
+    from kernels import warp_decode_batched as wdb
+    from kernels.reference import moe_decode
+
+    both = {"DB_WHOLE_RANGES": 1, "GB_RANGE_FLUSH": 1}
+    for tokens, routing in ((9, "zipf"), (6, "same")):
+        problem = make_problem(WHOLE_FLUSH_SHAPE, tokens, seed=8, routing=routing, xp=cupy)
+        faithful, oracle = _references(problem)
+        tag = f"{_dims(problem)} {routing}"
+        _run_checked("cupy:warp-decode-mma-grouped", problem, (problem.w13, problem.w2), faithful, oracle, tag, **both)
+        _run_checked("cupy:warp-decode-mma", problem, (problem.w13, problem.w2), faithful, oracle, tag,
+                     DB_GROUPED=1, DB_WHOLE_RANGES=1)
+        problem, weights, args, oracle = _fp8_case(WHOLE_FLUSH_SHAPE, tokens, routing)
+        faithful = moe_decode(*args, mode="warp_decode", weight_format="fp8-block128")
+        _run_checked("cupy:warp-decode-mma-grouped-fp8", problem, weights, faithful, oracle, tag, GB_UNROLL=2,
+                     GB_RANGE_FLUSH=1)
+    print("resolved", wdb.resolve_params(_dims(problem), **{**wdb.GROUPED_KNOBS, **both}), flush=True)
+
+
 def layers(name: str, model: str, tokens: int, count: int = 3, routing: str = "uniform") -> None:
     prototypes.load()
     problem = make_problem(model, tokens, seed=8, routing=routing, xp=cupy)
@@ -203,6 +230,8 @@ if __name__ == "__main__":
         layers("proto:fused-layer", "qwen3-30b-a3b", 1)
     elif what == "fp8":
         fp8()
+    elif what == "whole-flush":
+        whole_flush()
     elif what == "fp8-chunks":
         fp8_chunks()
     elif what == "fp8-mma-t32":
@@ -215,4 +244,4 @@ if __name__ == "__main__":
         new(odd_only=True)
     else:
         raise SystemExit(f"unknown workload {what!r}: small, skew, t64, zipf64, t1, fp8, fp8-chunks, fp8-mma-t32, "
-                         "fp8-strict-t1, new or new-odd")
+                         "fp8-strict-t1, new, new-odd or whole-flush")

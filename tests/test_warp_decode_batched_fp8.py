@@ -225,9 +225,9 @@ SHAPE_400 = MoEShape("h400-i64", 400, 64, 5, 3)  # 50 chunks: ranges of 16, 16, 
 def test_range_flush_emulated() -> None:
     """GB_RANGE_FLUSH 1 on FP8 weights (the split-chain gate_up's ranges in one loop, the scale block's partial kept
     across rounds): the loop per range's bits and the per-pair form's, with 16-value loads and scale-block sums, a
-    short last range ending in a masked round and a partial last scale block. Auto leaves it off on FP8 (not
-    measured there); asked for where a range would end inside a scale block, it is an error. Rounds of one 64-wide
-    k block: a scale block spans two of them."""
+    short last range ending in a masked round and a partial last scale block. Auto takes it on FP8 with one 8-pair
+    block per pass (auto_range_flush); asked for where a range would end inside a scale block, it is an error.
+    Rounds of one 64-wide k block: a scale block spans two of them."""
     problem = _fp8_problem(make_problem(SHAPE_400, 9, seed=11, routing="zipf"))
     knobs = {**{k: v for k, v in wdb.FP8_GROUPED_KNOBS.items() if k != "W_FP8"}, "GB_KSPLIT": 4, "GB_UNROLL": 1,
              "LIST_THREADS": 32, "LIST_PER": 0}
@@ -243,7 +243,10 @@ def test_range_flush_emulated() -> None:
                           got["out"].view(np.uint32))
     faithful, oracle = _references(problem, out_dtype=np.float32)
     _assert_matches(got["out"], faithful, oracle, "FP8 range flush", own_order=True)
-    assert wdb.resolve_params(dims, W_FP8=1, **{**knobs, "GB_RANGE_FLUSH": -1})["GB_RANGE_FLUSH"] == 0
+    def auto(**more: int) -> int:
+        return wdb.resolve_params(dims, W_FP8=1, **{**knobs, "GB_RANGE_FLUSH": -1, **more})["GB_RANGE_FLUSH"]
+
+    assert (auto(GB_NBLK=1), auto(GB_NBLK=2)) == (1, 0)  # on FP8 with one 8-pair block per pass
     with pytest.raises(ValueError, match="GB_RANGE_FLUSH 1 runs the split-chain gate_up's ranges"):
         wdb.resolve_params(dims, W_FP8=1, **{**knobs, "GB_KSPLIT": 8, "GB_RANGE_FLUSH": 1})  # 8-chunk ranges
 
@@ -368,3 +371,42 @@ def test_gpu_fma_intermediate_is_the_strict_fp8_kernels() -> None:
     cupy.cuda.runtime.deviceSynchronize()
     assert np.array_equal(ws.intermediate.view(cupy.uint16).get(), strict.view(cupy.uint16).get())
 
+
+
+FLUSH_CASES = [("qwen3-30b-a3b", 16, "zipf"), ("qwen3-235b-a22b", 4, "uniform"), ("qwen3-30b-a3b", 64, "correlated"),
+               ("qwen3-235b-a22b", 32, "zipf-2")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("model", "tokens", "routing"), FLUSH_CASES)
+def test_gpu_range_flush_bitwise(model: str, tokens: int, routing: str) -> None:
+    """GB_RANGE_FLUSH 1 on FP8 weights at the presets' widths (H = 2048 / 4096: 32 / 64-chunk ranges, two / four
+    scale blocks each) gives the bits of the loop per range and of the per-pair form, every output written
+    (NaN-poisoned out and intermediate), and matches the reference on the same weights."""
+    import cupy
+
+    from kernels.shapes import get_shape
+
+    shape = get_shape(model)
+    run_shape = shape.with_(experts=min(shape.experts, 16))  # the host quantizes every expert for the reference
+    host = _fp8_problem(make_problem(run_shape, tokens, seed=tokens + 9, routing=routing))
+    problem = _device(cupy, make_problem(run_shape, tokens, seed=tokens + 9, routing=routing))
+    dims = _dims(problem)
+
+    def run(**knobs: int) -> np.ndarray:
+        out = _poisoned_out(cupy, tokens, shape.hidden)
+        ws = wdb.make_workspace(dims, **knobs)
+        ws.intermediate.view(cupy.uint16).fill(0x7FC0)
+        wdb.warp_decode_batched(problem.x, problem.w13, problem.w2, problem.topk_ids, problem.topk_weights, out=out,
+                                workspace=ws, **knobs)
+        cupy.cuda.runtime.deviceSynchronize()
+        return out.get()
+
+    flush_knobs = {**wdb.FP8_GROUPED_KNOBS, "GB_RANGE_FLUSH": 1}
+    assert wdb.resolve_params(dims, **flush_knobs)["GB_RANGE_FLUSH"] == 1
+    flush = run(**flush_knobs)
+    faithful, oracle = _references(host)
+    _assert_matches(flush, faithful, oracle, f"fp8 range flush {model} T={tokens} {routing}", own_order=True)
+    assert np.array_equal(run(**{**wdb.FP8_GROUPED_KNOBS, "GB_RANGE_FLUSH": 0}).view(np.uint16), flush.view(np.uint16))
+    assert np.array_equal(run(**wdb.FP8_PER_PAIR_KNOBS).view(np.uint16), flush.view(np.uint16))
+    assert np.array_equal(run(**flush_knobs).view(np.uint16), flush.view(np.uint16))
