@@ -104,6 +104,9 @@ DEFAULTS: dict[str, int] = {
     # and adds each range's chain at its end (the same sums as a loop per range, 0); needs every range a whole number
     # of rounds (and of scale blocks with FP8_BLOCK_SUM; checked: range_flush_allowed); -1 = auto (auto_range_flush;
     # the tensor-core knob sets use it)
+    "PAIRS_INNER": 0,  # PER_PAIR: 1 numbers the blocks pairs (the down: tokens) fastest, so that the pairs of a batch
+    # that share an expert read each row block of it back to back (the second read from L2); 0 pair-major. Moves
+    # work only: the numerics are the same. -1 = auto (auto_pairs_inner; the per-pair knob set uses it)
     "DB_WHOLE_RANGES": 0,  # the bf16 grouped down (DB_GROUPED): 1 compiles whole rounds only, no masked round --
     # its k range (I / 8 chunks) must be a whole number of rounds of 4 x DB_UNROLL chunks (checked) -- 0 masks every
     # round; -1 = auto (auto_whole_ranges; the tensor-core knob sets use it)
@@ -129,7 +132,7 @@ LIMITS = {
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (0, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
     "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "W_FP8": (0, 1),
     "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8), "FP8_LOAD16": (-1, 1), "FP8_BLOCK_SUM": (-1, 1),
-    "FP8_PRMT": (-1, 1), "DB_WHOLE_RANGES": (-1, 1), "GB_RANGE_FLUSH": (-1, 1),
+    "FP8_PRMT": (-1, 1), "DB_WHOLE_RANGES": (-1, 1), "GB_RANGE_FLUSH": (-1, 1), "PAIRS_INNER": (-1, 1),
 }
 
 
@@ -212,6 +215,15 @@ def range_flush_allowed(dims: Dims | None, values: dict[str, int]) -> bool:
     size = -(-per_range // block) * block
     scale_ok = not (values["W_FP8"] and values["FP8_BLOCK_SUM"]) or size % 16 == 0
     return size % (block * values["GB_UNROLL"]) == 0 and scale_ok
+
+
+def auto_pairs_inner(dims: Dims | None, values: dict[str, int]) -> int:
+    """PAIRS_INNER where auto (-1): 1 for the per-pair kernels from T = 2 on (a token's K experts are distinct, so
+    only the pairs of different tokens can share one), else 0. H200, bf16, T = 1 / 2 / 4
+    (results/sweep-2026-12-02-pairs-inner-*.json): at T = 4 10-17 % faster under both routings (qwen3-235b 280.6
+    -> 239.9 us uniform, 279.0 -> 232.0 Zipf); at T = 2 1-10 % faster under Zipf (qwen3-235b 143.9 -> 130.0) and
+    1.4-2.8 % slower under uniform routing, which shares no expert there; at T = 1 0.6-1.9 % slower."""
+    return int(bool(values["PER_PAIR"]) and dims is not None and dims.tokens >= 2)
 
 
 def auto_range_flush(dims: Dims | None, values: dict[str, int]) -> int:
@@ -371,6 +383,10 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
             values["PER_PAIR"] and (values["PAIR_TILES"] or values["DB_GROUPED"]):
         raise ValueError("PER_PAIR runs the tensor-core kernels without lists: it needs GB_MMA 1 and DB_MMA 1, and "
                          "PAIR_TILES 0 and DB_GROUPED 0")
+    if values["PAIRS_INNER"] == -1:
+        values["PAIRS_INNER"] = auto_pairs_inner(dims, values)
+    elif values["PAIRS_INNER"] and not values["PER_PAIR"]:
+        raise ValueError("PAIRS_INNER orders the per-pair kernels' blocks: it needs PER_PAIR 1")
     if values["GB_KSPLIT"] > 1 and not values["GB_MMA"]:
         raise ValueError("GB_KSPLIT cuts the tensor-core gate_up's k chains: it needs GB_MMA 1")
     auto_fp8_mma(dims, values)
@@ -515,7 +531,7 @@ GROUPED_KNOBS = {**MMA_KNOBS, "DB_GROUPED": 1, "GB_KSPLIT": INVARIANT_KSPLIT}
 # results/sweep-2026-12-01-mma-pairs-*.json: qwen3-235b T = 1 86.7 us vs 116.5 at 4 / 4)
 PER_PAIR_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "PER_PAIR": 1, "GB_KSPLIT": INVARIANT_KSPLIT,
                   "GB_WARPS": INVARIANT_KSPLIT, "GB_UNROLL": 0, "DB_UNROLL": 8, "FP8_LOAD16": -1, "FP8_BLOCK_SUM": -1,
-                  "FP8_PRMT": -1}
+                  "FP8_PRMT": -1, "PAIRS_INNER": -1}
 # The FP8 paths (fp8-block128 weights, W_FP8): FMA kernels with 8-value chunks (GB_BYTES 16: the gate_up's
 # intermediate is then bitwise the strict FP8 kernel's; the down capped at 160 registers, which its scales and
 # widening need to stay spill-free at the qwen3 shapes from T = 1 to 64 -- 128 spills at qwen3-235b T = 16,
@@ -525,9 +541,11 @@ FP8_KNOBS = {"W_FP8": 1, "GB_BYTES": 16, "DB_MAX_REGS": 160}
 # The batch-invariant pair on FP8 weights: the same numerics knobs in both forms (GB_KSPLIT; FP8_LOAD16 and
 # FP8_BLOCK_SUM auto, from the dims alone); the per-pair form's rounds from its H200 sweep
 # (results/sweep-2026-12-02-mma-pairs-fp8-*.json: GB_UNROLL 2, DB_UNROLL 4 -- qwen3-30b T = 1 / 2 / 4 20.6 / 30.2 /
-# 56.1 us against 24.3 / 37.5 / 69.7 at the bf16 form's 4 / 8)
+# 56.1 us against 24.3 / 37.5 / 69.7 at the bf16 form's 4 / 8); PAIRS_INNER 0: on FP8 weights 1 changed T = 1 / 2
+# by -1.8 to +2.3 % (both models, both routings) and saved 1.8-2.4 % at qwen3-30b T = 4 (235b T = 4 not measured;
+# results/sweep-2026-12-02-pairs-inner-fp8-*) -- not yet a case for a rule
 FP8_GROUPED_KNOBS = {**GROUPED_KNOBS, "W_FP8": 1}
-FP8_PER_PAIR_KNOBS = {**PER_PAIR_KNOBS, "W_FP8": 1, "GB_UNROLL": 2, "DB_UNROLL": 4}
+FP8_PER_PAIR_KNOBS = {**PER_PAIR_KNOBS, "W_FP8": 1, "GB_UNROLL": 2, "DB_UNROLL": 4, "PAIRS_INNER": 0}
 MMA_FP8_KNOBS = {**MMA_KNOBS, "W_FP8": 1}
 
 

@@ -1348,9 +1348,10 @@ extern "C" __global__ void __launch_bounds__(256) moe_sum_slots(
 
 #if PER_PAIR
 // ------------------------------------------------------------------------------------------------
-// moe_gate_up_pair (PER_PAIR): block b owns pair p = b / per_pair and GB_WARPS / GB_KSPLIT groups of 8 neurons of
-//   it; warp w works on group w / GB_KSPLIT over k range w % GB_KSPLIT, as moe_gate_up_mma does for a tile -- A rows
-//   0..7 gate, 8..15 up, the same mma chains -- with the pair's x row in every B column. Lane (g, 0) of a group's
+// moe_gate_up_pair (PER_PAIR): block b owns pair p = b / per_pair (PAIRS_INNER: b % pairs, so that pairs sharing an
+//   expert read its rows back to back) and GB_WARPS / GB_KSPLIT groups of 8 neurons of it; warp w works on group
+//   w / GB_KSPLIT over k range w % GB_KSPLIT, as moe_gate_up_mma does for a tile -- A rows 0..7 gate, 8..15 up, the
+//   same mma chains -- with the pair's x row in every B column. Lane (g, 0) of a group's
 //   range-0 warp adds the ranges' column-0 partials in range order (through shared memory when GB_KSPLIT > 1) and
 //   writes neuron i0+g. A bad id writes NaN and reads no weights. No warp leaves before the block barrier.
 // ------------------------------------------------------------------------------------------------
@@ -1365,8 +1366,8 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
 #if GB_KSPLIT == 1  // one chain over H per warp: nothing shared, no barrier
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int per_pair = (inter + GB_WARPS * 8 - 1) / (GB_WARPS * 8);
-    const int p = blockIdx.x / per_pair;
-    const int i0 = ((blockIdx.x - p * per_pair) * GB_WARPS + (threadIdx.x >> 5)) * 8;
+    const int p = PAIRS_INNER ? blockIdx.x % pairs : blockIdx.x / per_pair;
+    const int i0 = ((PAIRS_INNER ? blockIdx.x / pairs : blockIdx.x - p * per_pair) * GB_WARPS + (threadIdx.x >> 5)) * 8;
     pdl_wait();  // topk_ids and x may come from the kernel right before
     pdl_release();
     if (p >= pairs || i0 >= inter) return;                           // whole warp leaves together
@@ -1390,8 +1391,8 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
     constexpr int GROUPS = GB_WARPS / GB_KSPLIT;
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, w = threadIdx.x >> 5, range = w % GB_KSPLIT;
     const int per_pair = (inter + GROUPS * 8 - 1) / (GROUPS * 8);
-    const int p = blockIdx.x / per_pair;
-    const int i0 = ((blockIdx.x - p * per_pair) * GROUPS + w / GB_KSPLIT) * 8;
+    const int p = PAIRS_INNER ? blockIdx.x % pairs : blockIdx.x / per_pair;
+    const int i0 = ((PAIRS_INNER ? blockIdx.x / pairs : blockIdx.x - p * per_pair) * GROUPS + w / GB_KSPLIT) * 8;
     pdl_wait();  // topk_ids and x may come from the kernel right before
     pdl_release();
     const bool live = p < pairs && i0 < inter;                       // a group's warps agree
@@ -1432,7 +1433,8 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
 }
 
 // ------------------------------------------------------------------------------------------------
-// moe_down_token (PER_PAIR): block b owns token t = b / per_token and hidden rows h0 .. h0+15; its K warps (one per
+// moe_down_token (PER_PAIR): block b owns token t = b / per_token (PAIRS_INNER: b % tokens) and hidden rows
+//   h0 .. h0+15; its K warps (one per
 //   slot) run the grouped down's mma chain over all of I for the pair (t, k) (its intermediate row in every column)
 //   and keep topk_weight * dot of column 0 in shared memory; thread r < 16 then sums the K rows in slot order from
 //   0.0f and rounds once -- moe_down_grouped + moe_sum_slots' numerics. A token with a bad id gets NaN and reads no
@@ -1450,8 +1452,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K <= 1
     __shared__ float rows[16][16];                                   // [slot][row]: the weighted dots
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, k = threadIdx.x >> 5;
     const int per_token = (hidden + 15) / 16;
-    const int t = blockIdx.x / per_token;
-    const int h0 = (blockIdx.x - t * per_token) * 16;
+    const int t = PAIRS_INNER ? blockIdx.x % tokens : blockIdx.x / per_token;
+    const int h0 = (PAIRS_INNER ? blockIdx.x / tokens : blockIdx.x - t * per_token) * 16;
     const int e = __ldg(topk_ids + (long long)t * top_k + k);        // the routing: two kernels back
     const bool bad = (unsigned)e >= (unsigned)experts;
 #if !DOWN_WAITS_LATE

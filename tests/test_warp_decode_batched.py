@@ -128,6 +128,7 @@ BAD_KNOBS = [  # (dims, knobs, error, message)
     (QWEN30_T8, {"GB_KSPLIT": 2}, ValueError, "GB_KSPLIT cuts the tensor-core gate_up"),
     (QWEN30_T8, {**wdb.PER_PAIR_KNOBS, "GB_KSPLIT": 3, "GB_WARPS": 4}, ValueError, "multiple of GB_KSPLIT"),
     (QWEN30_T8, {"GB_MMA": 1, "GB_KSPLIT": 9}, ValueError, "GB_KSPLIT"),
+    (QWEN30_T8, {**wdb.MMA_KNOBS, "PAIRS_INNER": 1}, ValueError, "PAIRS_INNER orders the per-pair kernels"),
 ]
 
 
@@ -143,7 +144,7 @@ def test_resolve_params_validates() -> None:
     assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=80)["DB_MAX_REGS"] == 80
     resolved = wdb.resolve_params(dims)
     switches = ("MAX_REGS", "MMA", "PDL", "EARLY_W2", "BALANCE", "PAIR_TILES", "GROUPED", "W_FP8", "PER_PAIR",
-                "FP8_", "WHOLE_RANGES", "RANGE_FLUSH")  # 0: off
+                "FP8_", "WHOLE_RANGES", "RANGE_FLUSH", "PAIRS_INNER")  # 0: off
     assert set(resolved) == set(wdb.DEFAULTS)
     assert all(v > 0 for k, v in resolved.items() if not any(s in k for s in switches))
 
@@ -574,6 +575,9 @@ EMULATED += [
     # GB_KSPLIT: the gate_up's k chains in 4 ranges over 25 chunks (8, 8, 8, 1), a warp per range (the grouped
     # path's ranges in one warp: test_split_k_forms_agree_and_are_batch_invariant_emulated)
     (MULTI_SHAPE, 6, "same", {**wdb.PER_PAIR_KNOBS, "GB_KSPLIT": 4, "GB_WARPS": 4}, False),
+    # PAIRS_INNER: the per-pair blocks numbered pairs (tokens) fastest, one chain and split chains
+    (MULTI_SHAPE, 6, "same", {"GB_MMA": 1, "DB_MMA": 1, "PER_PAIR": 1, "GB_WARPS": 2, "PAIRS_INNER": 1}, True),
+    (MULTI_SHAPE, 5, "zipf", {**wdb.PER_PAIR_KNOBS, "GB_KSPLIT": 4, "GB_WARPS": 4, "PAIRS_INNER": 1}, False),
 ]
 
 
@@ -1021,7 +1025,8 @@ def test_grouped_tensor_core_path_is_batch_invariant_emulated(rng: np.random.Gen
     probe = make_problem(shape, 1, seed=seed + 1)
     rows = _probe_rows(base, probe, seed, ((1, 0, "uniform", wdb.GROUPED_KNOBS), (3, 1, "uniform", wdb.GROUPED_KNOBS),
                                            (8, 5, "same", wdb.GROUPED_KNOBS), (16, 11, "zipf", wdb.GROUPED_KNOBS),
-                                           (1, 0, "uniform", wdb.PER_PAIR_KNOBS), (5, 3, "zipf", wdb.PER_PAIR_KNOBS)),
+                                           (1, 0, "uniform", wdb.PER_PAIR_KNOBS), (5, 3, "zipf", wdb.PER_PAIR_KNOBS),
+                                           (5, 3, "zipf", {**wdb.PER_PAIR_KNOBS, "PAIRS_INNER": 1})),
                        out_dtype=np.float32)
     assert wdb.resolve_params(Dims(16, shape.hidden, shape.intermediate, shape.experts, shape.top_k),
                               **wdb.GROUPED_KNOBS)["GB_NBLK"] == 2  # the 16-token batch runs 16-pair tiles
