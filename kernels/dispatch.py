@@ -6,12 +6,13 @@
 Candidates: ``"cupy:warp-decode"`` (strict: one warp per (token, slot, neuron); best when few pairs share an expert),
 ``"cupy:warp-decode-batched"`` (each active expert's weights read once per batch), ``"cupy:warp-decode-mixed"``
 (batched with the FMA gate_up and the tensor-core down), ``"cupy:warp-decode-mma"`` (batched on tensor cores:
-mma.sync, FP32 accumulators -- warp decode's numerics in the tensor core's summation order) and
-``"cupy:expert-centric"`` (align, gather, grouped GEMMs, SiLU, combine: reproduces ``reference.moe_decode(mode=
-"classical")``, four bf16 roundings). The four warp-decode paths reproduce mode "warp_decode".
+mma.sync, FP32 accumulators -- warp decode's numerics in the tensor core's summation order), the batch-invariant
+pair (below: ``"cupy:warp-decode-mma-pairs"``, ``"cupy:warp-decode-mma-grouped"``) and ``"cupy:expert-centric"``
+(align, gather, grouped GEMMs, SiLU, combine: reproduces ``reference.moe_decode(mode="classical")``, four bf16
+roundings). The six warp-decode paths reproduce mode "warp_decode".
 
 Policies (``policy=``, :data:`POLICIES`; candidates in :data:`POLICY_CANDIDATES`): ``"fastest"`` (the default), the
-fastest of the five; ``"warp_decode"``, strict / batched / mixed / MMA only, keeping warp decode's numerics;
+fastest of the seven; ``"warp_decode"``, the six warp-decode paths only, keeping warp decode's numerics;
 ``"batch_invariant"``, a token's output bitwise the same whatever batch it rides in: the tensor-core path with the
 grouped down at every T (``"cupy:warp-decode-mma-grouped"``) or its per-pair form (``"cupy:warp-decode-mma-pairs"``),
 which share one numerics (``kernels.warp_decode_batched.GROUPED_KNOBS``: a pair's gate_up dots are mma chains over
@@ -76,7 +77,6 @@ BATCHED = "cupy:warp-decode-batched"
 MIXED = "cupy:warp-decode-mixed"
 MMA = "cupy:warp-decode-mma"
 EXPERT_CENTRIC = "cupy:expert-centric"
-CANDIDATES = (STRICT, BATCHED, MIXED, MMA, EXPERT_CENTRIC)
 FP8 = FP8_BLOCK128.name
 FP8_STRICT = "cupy:warp-decode-fp8"
 FP8_BATCHED = "cupy:warp-decode-batched-fp8"
@@ -85,6 +85,11 @@ MMA_GROUPED = "cupy:warp-decode-mma-grouped"
 MMA_PAIRS = "cupy:warp-decode-mma-pairs"
 FP8_MMA_GROUPED = "cupy:warp-decode-mma-grouped-fp8"
 FP8_MMA_PAIRS = "cupy:warp-decode-mma-pairs-fp8"
+# the batch-invariant pair are candidates of the other policies too: the per-pair form, whose pairs sharing an expert
+# read it back to back, led at qwen3-235b T = 2 by the worst case over uniform and Zipf routing, and the grouped path
+# at qwen3-235b T = 4 / 8 / 16 (H200, results/h200-2026-12-02-candidates-*.json)
+WARP_DECODE_CANDIDATES = (STRICT, BATCHED, MIXED, MMA, MMA_PAIRS, MMA_GROUPED)
+CANDIDATES = (*WARP_DECODE_CANDIDATES, EXPERT_CENTRIC)
 # on FP8 weights the per-pair tensor-core form is a candidate too: it beats strict FP8 from qwen3-235b T = 1 and
 # qwen3-30b T = 2 (H200, results/sweep-2026-12-02-mma-pairs-fp8-*.json); so is the grouped form, which led at
 # qwen3-235b T = 4 once the FP8 paths were re-measured (139.5 vs 143.1 us uniform, 137.2 vs 136.9 Zipf)
@@ -98,7 +103,7 @@ FASTEST = "fastest"
 WARP_DECODE = "warp_decode"
 BATCH_INVARIANT = "batch_invariant"
 POLICIES = (FASTEST, WARP_DECODE, BATCH_INVARIANT)
-POLICY_CANDIDATES: dict[str, tuple[str, ...]] = {FASTEST: CANDIDATES, WARP_DECODE: (STRICT, BATCHED, MIXED, MMA),
+POLICY_CANDIDATES: dict[str, tuple[str, ...]] = {FASTEST: CANDIDATES, WARP_DECODE: WARP_DECODE_CANDIDATES,
                                                  BATCH_INVARIANT: (MMA_PAIRS, MMA_GROUPED)}
 # per weight format: each policy's candidates
 FORMAT_CANDIDATES: dict[str, dict[str, tuple[str, ...]]] = {
@@ -400,11 +405,11 @@ def moe_decode(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out:
                workspace: Workspace | None = None, policy: str = FASTEST) -> Any:
     """One MoE decode layer by the fastest path of ``policy`` for this shape and T; returns ``out`` [T, H].
 
-    ``policy="fastest"``: strict, batched, mixed, MMA or expert-centric (the last reproduces mode "classical");
-    ``policy="warp_decode"``: strict, batched, mixed or MMA (warp decode's numerics). fp8-block128 weights: the FP8
-    paths. With ``out`` and ``workspace`` (``make_workspace(dims, policy=policy, weight_format=...)``, same policy and
-    format) nothing is allocated and nothing syncs with the host during CUDA-graph capture (outside capture the
-    chosen path checks the ids' range, as every path does).
+    ``policy="fastest"``: strict, batched, mixed, MMA, the invariant pair or expert-centric (the last reproduces
+    mode "classical"); ``policy="warp_decode"``: all but expert-centric (warp decode's numerics). fp8-block128
+    weights: the FP8 paths. With ``out`` and ``workspace`` (``make_workspace(dims, policy=policy,
+    weight_format=...)``, same policy and format) nothing is allocated and nothing syncs with the host during
+    CUDA-graph capture (outside capture the chosen path checks the ids' range, as every path does).
     """
     check_policy(policy)
     xp = array_module(x)

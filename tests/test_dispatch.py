@@ -42,6 +42,7 @@ QWEN30 = PRESETS["qwen3-30b-a3b"]
 TINY = PRESETS["tiny"]
 S, B, M, EC = dispatch.STRICT, dispatch.BATCHED, dispatch.MMA, dispatch.EXPERT_CENTRIC
 X = dispatch.MIXED
+P, G = dispatch.MMA_PAIRS, dispatch.MMA_GROUPED
 
 
 def _dims(shape: Any, tokens: int) -> Dims:
@@ -97,10 +98,10 @@ def test_gpu_slug() -> None:
 
 def test_policies_and_candidates() -> None:
     assert dispatch.POLICIES == ("fastest", "warp_decode", "batch_invariant")
-    assert dispatch.CANDIDATES == (S, B, X, M, EC) and EC == "cupy:expert-centric" and M == "cupy:warp-decode-mma"
-    assert X == "cupy:warp-decode-mixed"
-    assert dispatch.POLICY_CANDIDATES == {"fastest": (S, B, X, M, EC), "warp_decode": (S, B, X, M),
-                                          "batch_invariant": (dispatch.MMA_PAIRS, dispatch.MMA_GROUPED)}
+    assert dispatch.CANDIDATES == (S, B, X, M, P, G, EC) and EC == "cupy:expert-centric"
+    assert (M, X) == ("cupy:warp-decode-mma", "cupy:warp-decode-mixed")
+    assert dispatch.POLICY_CANDIDATES == {"fastest": (S, B, X, M, P, G, EC), "warp_decode": (S, B, X, M, P, G),
+                                          "batch_invariant": (P, G)}
     for bad in ("Fastest", "classical", None, 3):
         with pytest.raises(ValueError, match=r"policy must be one of \('fastest', 'warp_decode', 'batch_invariant'\)"):
             dispatch.check_policy(bad)
@@ -242,16 +243,20 @@ def test_committed_h200_table_choices() -> None:
                     got = dispatch.point_choice(point, policy, weight_format=fmt)
                     assert got == want == point["choices"][policy], (key, tokens)
                 assert point["choice"] == point["choices"]["fastest"]
-    # what the H200 table says today (results/h200-2026-12-01-peer-all-paths-tiles-{uniform,zipf}.json, the best
-    # worst case over both routings), under both policies: the MMA path from T = 4 (qwen3-30b) / T = 8 (qwen3-235b),
-    # batched at qwen3-235b T = 2 / 4, strict at T = 1
+    # what the H200 table says today (results/h200-2026-12-02-candidates-*.json, the best worst case over both
+    # routings), under both policies: strict at T = 1 (and qwen3-30b T = 2), the per-pair form at qwen3-235b T = 2,
+    # the grouped path at qwen3-235b T = 4-16 and qwen3-30b T = 16, the MMA path elsewhere; the invariant policy
+    # per-pair up to T = 2 (qwen3-30b: 4), grouped from there
     dispatch.load_table.cache_clear()
-    for model, want in (("qwen3-30b-a3b", {4: M, 8: M, 16: M, 32: M, 64: M}),
-                        ("qwen3-235b-a22b", {2: B, 4: B, 8: M, 16: M, 32: M, 64: M})):
+    for model, want, invariant in (
+            ("qwen3-30b-a3b", {1: S, 2: S, 4: M, 8: M, 16: G, 32: M, 64: M}, {1: P, 2: P, 4: P, 8: G, 64: G}),
+            ("qwen3-235b-a22b", {1: S, 2: P, 4: G, 8: G, 16: G, 32: M, 64: M}, {1: P, 2: P, 4: G, 64: G})):
         shape = PRESETS[model]
         for tokens, path in want.items():
             for policy in ("fastest", "warp_decode"):
                 assert dispatch.choose(_dims(shape, tokens), "NVIDIA H200", policy=policy) == (path, "table")
+        for tokens, path in invariant.items():
+            assert dispatch.choose(_dims(shape, tokens), "NVIDIA H200", policy="batch_invariant") == (path, "table")
     # its FP8 entries (results/h200-2026-12-02-fp8-paths-*.json; T = 1 from results/h200-2026-12-02-fp8-paths-t1-t2-
     # *.json; T = 2 / 4 / 8 re-measured with the byte-permute widening): the per-pair tensor-core form at T = 1 / 2
     # (and T = 4 at qwen3-30b), the grouped form at qwen3-235b T = 4, the tensor-core path from T = 8
@@ -332,13 +337,16 @@ def test_choice_by_the_worst_case_over_routings() -> None:
 def test_table_from_uniform_and_zipf_bench_runs() -> None:
     """--from-bench joins a skewed run's complete points to the uniform ones; the choice is the best worst case."""
     uniform = _bench("2026-12-01T00:00:00Z", [_bench_row(n, 16, us) for n, us in
-                                               ((S, 250.0), (B, 200.0), (X, 180.0), (M, 182.0), (EC, 210.0))])
+                                               ((S, 250.0), (B, 200.0), (X, 180.0), (M, 182.0), (EC, 210.0),
+                                                (P, 260.0), (G, 185.0))])
     zipf = _bench("2026-12-01T00:05:00Z", [_bench_row(n, 16, us) for n, us in
-                                            ((S, 240.0), (B, 190.0), (X, 170.0), (M, 150.0), (EC, 160.0))],
+                                            ((S, 240.0), (B, 190.0), (X, 170.0), (M, 150.0), (EC, 160.0),
+                                             (P, 250.0), (G, 153.0))],
                   routing="zipf")
     point = next(iter(dispatch_table.from_benches([("u.json", uniform), ("z.json", zipf)])["entries"].values()))[
         "points"]["16"]
     assert point["choice"] == M  # 1.011 worst (uniform) against mixed's 1.133 (Zipf)
+    assert point["choices"]["batch_invariant"] == G  # its own pair: the grouped path's 1.02 (Zipf)
     assert point["routings"]["zipf"]["median_us"][M] == 150.0
     uniform_only = dispatch_table.from_benches([("u.json", uniform)])
     assert next(iter(uniform_only["entries"].values()))["points"]["16"]["choice"] == X
@@ -380,14 +388,16 @@ def test_table_from_a_bench_run() -> None:
         _bench_row(S, 8, 140.0), _bench_row(B, 8, 130.0), _bench_row(M, 8, 135.0), _bench_row(EC, 8, 150.0),
         _bench_row(S, 64, 900.0), _bench_row(B, 64, 500.0, status="wrong"), _bench_row(M, 64, 450.0, status="error"),
         _bench_row(EC, 64, 400.0), _bench_row(X, 1, 29.0), _bench_row(X, 8, 131.0), _bench_row(X, 64, 950.0),
+        *[_bench_row(n, t, us) for t, us in ((1, 27.0), (8, 150.0), (64, 960.0)) for n in (P, G)],
         _bench_row(S, 2, 30.0), _bench_row(B, 2, 31.0), _bench_row(M, 2, 32.0),  # EC not measured: no point
         _bench_row("numba:warp-decode", 1, 1.0), _bench_row("cupy:auto", 1, 1.0),  # never candidates
     ])
     table = dispatch_table.from_bench(bench, name="run.json")
     points = next(iter(table["entries"].values()))["points"]
     assert {t: p["choices"] for t, p in points.items()} == {
-        "1": {"fastest": S, "warp_decode": S}, "8": {"fastest": B, "warp_decode": B},
-        "64": {"fastest": EC, "warp_decode": S}}
+        "1": {"fastest": S, "warp_decode": S, "batch_invariant": G}, "8": {"fastest": B, "warp_decode": B,
+                                                                         "batch_invariant": G},
+        "64": {"fastest": EC, "warp_decode": S, "batch_invariant": G}}  # P, G tied: the alphabetically first
     assert set(points["1"]["median_us"]) == set(dispatch.CANDIDATES)
     assert table["gpu"] == table["environment"]["gpu"]["name"] == "NVIDIA H200"
     assert table["sources"] == [{"file": "run.json", "date": "2026-11-30T00:00:00Z", "gpu": "NVIDIA H200"}]
@@ -401,6 +411,7 @@ def test_table_from_several_bench_runs(tmp_path: Path) -> None:
         _bench_row(S, 1, 23.0), _bench_row(B, 1, 28.0), _bench_row(M, 1, 33.0), _bench_row(EC, 1, 40.0),
         _bench_row(S, 32, 530.0), _bench_row(B, 32, 368.0), _bench_row(M, 32, 310.0), _bench_row(EC, 32, 314.0),
         _bench_row(X, 1, 29.0), _bench_row(X, 32, 320.0),
+        *[_bench_row(n, t, 1000.0) for t in (1, 32) for n in (P, G)],
     ])
     final = _bench("2026-11-30T19:08:00Z", [
         _bench_row(S, 1, 22.0), _bench_row(B, 1, 20.0),
@@ -415,12 +426,12 @@ def test_table_from_several_bench_runs(tmp_path: Path) -> None:
     assert dispatch_table.main(["--json", str(out), "--from-bench", *map(str, paths)]) == 0
     table = dispatch.validate_table(json.loads(out.read_text()))
     points = next(iter(table["entries"].values()))["points"]
-    assert points["1"]["median_us"] == {S: 22.0, B: 20.0, X: 29.0, M: 33.0, EC: 40.0}
+    assert points["1"]["median_us"] == {S: 22.0, B: 20.0, X: 29.0, M: 33.0, EC: 40.0, P: 1000.0, G: 1000.0}
     assert points["1"]["sources"] == {S: "final.json", B: "final.json", X: "evening.json", M: "evening.json",
-                                      EC: "evening.json"}
-    assert points["1"]["choices"] == {"fastest": B, "warp_decode": B}
-    assert points["32"]["median_us"] == {S: 530.0, B: 300.0, X: 320.0, M: 310.0, EC: 314.0}
-    assert points["32"]["choices"] == {"fastest": B, "warp_decode": B}
+                                      EC: "evening.json", P: "evening.json", G: "evening.json"}
+    assert points["1"]["choices"] == {"fastest": B, "warp_decode": B, "batch_invariant": G}
+    assert points["32"]["median_us"] == {S: 530.0, B: 300.0, X: 320.0, M: 310.0, EC: 314.0, P: 1000.0, G: 1000.0}
+    assert points["32"]["choices"] == {"fastest": B, "warp_decode": B, "batch_invariant": G}
     assert [s["file"] for s in table["sources"]] == ["evening.json", "final.json", "zipf.json"]
     assert table["date"] == "2026-11-30T19:08:00Z"  # the latest run that gave rows (zipf.json gave none)
     other = _bench("2026-12-01T00:00:00Z", evening["results"], gpu="NVIDIA B200")

@@ -204,10 +204,12 @@ def test_crossover_table_best_path_auto_and_flag():
     c1, c8 = report.crossover_cells(p1), report.crossover_cells(p8)
     assert c1["vs_best"] == "+0.4 %" and c1["choice"] == "-" and c1["best"] == "strict"
     assert c8["vs_best"] == "+3.5 % ⚠" and "†" not in c8["vs_best"]
-    assert record["fastest"] == {"strict": [1], "batched": [8], "mixed": [], "MMA": [], "expert-centric": [64]}
+    assert record["fastest"] == {"strict": [1], "batched": [8], "mixed": [], "MMA": [], "per-pair": [], "grouped": [],
+                                 "expert-centric": [64]}
     assert (record["auto_within"], record["auto_compared"]) == (1, 3)
     assert record["summary"] == ("qwen3-30b-a3b, uniform routing: strict T=1, batched T=8, expert-centric T=64 "
-                                 "(mixed, MMA not measured); auto within 3 % of the best at 1/3 points "
+                                 "(mixed, MMA, per-pair, grouped not measured); "
+                                 "auto within 3 % of the best at 1/3 points "
                                  "(slower at T=8: +3.5 %, T=64: +42.9 %)")
 
 
@@ -256,7 +258,8 @@ def test_crossover_missing_variants_and_failed_rows():
     c2 = report.crossover_cells(p2)
     assert c2["expert-centric"] == "-" and c2["auto"] == "-" and c2["choice"] == "-" and c2["best"] == "strict"
     assert record["summary"].startswith(
-        "qwen3-30b-a3b, uniform routing: strict T=1-2 (mixed, MMA, expert-centric not measured)")
+        "qwen3-30b-a3b, uniform routing: strict T=1-2 (mixed, MMA, per-pair, grouped, expert-centric not "
+        "measured)")
     assert "auto not compared" in record["summary"]
     # a later failure hides an earlier timing: that kernel changed since
     later = _run([_row(STRICT, 2, 40.0, status="wrong")])
@@ -296,7 +299,7 @@ def test_crossover_t_ranges_in_the_summary():
         rows.append(_row(AUTO, batch, 10.0 * batch * 1.01))
     record = report.crossover_table([_run(rows)], MODEL, "uniform")
     assert record["summary"] == ("qwen3-30b-a3b, uniform routing: strict T=1-4, batched T=8-16, "
-                                 "expert-centric T=32-64 (mixed, MMA not measured); "
+                                 "expert-centric T=32-64 (mixed, MMA, per-pair, grouped not measured); "
                                  "auto within 3 % of the best at 7/7 points")
     assert report._t_ranges([1, 2, 16], [1, 2, 4, 8, 16]) == "1-2, 16"
 
@@ -313,7 +316,8 @@ def test_crossover_markdown_and_rich():
     assert "strict µs (% roof)" in header and "auto vs best" in header and "auto's choice" in header
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| T |")]
     assert len(rows) == 3 and all(line.count("|") == header.count("|") for line in rows)
-    row_1 = "| 1 | **20.00 (125%)** | 25.00 (100%) | - | - | 40.00 (62%) | 21.00 (119%) | strict | - | +5.0 % ⚠ |"
+    row_1 = ("| 1 | **20.00 (125%)** | 25.00 (100%) | - | - | - | - | 40.00 (62%) | 21.00 (119%) | strict | - "
+             "| +5.0 % ⚠ |")
     assert row_1 in rows
     assert "`u.json`: strict, batched, expert-centric, auto" in md and "`z.json`: strict, batched" in md
     assert "⚠ auto more than 3 % slower" in md and "†" not in md

@@ -6,13 +6,14 @@
     python -m tools.dispatch_table --json kernels/dispatch_tables/nvidia-h200.json --from-bench a.json b.json
     python -m tools.dispatch_table --json kernels/dispatch_tables/nvidia-h200.json --weight-format fp8-block128
 
-Every point records each candidate's (``kernels.dispatch.CANDIDATES``: strict, batched, mixed, MMA,
-expert-centric) median, status and TB/s under uniform routing (the point's own ``median_us`` / ``status`` /
-``tbps``) and under each skewed routing measured (``routings``: ``{"zipf": {...}}``). ``kernels.dispatch`` cannot
-see the routing when it picks, so it picks by the worst case: per policy ("fastest": all five; "warp_decode": the
-four warp-decode paths), the candidate with status "ok" under every routing whose largest slowdown against each
-routing's fastest is least (``worst_slowdown`` records it per candidate). The point's ``choices`` (per policy) and
-``choice`` (policy "fastest") say what that gives, for people reading the file.
+Every point records each candidate's (``kernels.dispatch.CANDIDATES``: strict, batched, mixed, MMA, the per-pair and
+grouped tensor-core forms, expert-centric) median, status and TB/s under uniform routing (the point's own
+``median_us`` / ``status`` / ``tbps``) and under each skewed routing measured (``routings``: ``{"zipf": {...}}``).
+``kernels.dispatch`` cannot see the routing when it picks, so it picks by the worst case: per policy ("fastest": all
+seven; "warp_decode": the six warp-decode paths; "batch_invariant": the per-pair and grouped forms), the candidate
+with status "ok" under every routing whose largest slowdown against each routing's fastest is least
+(``worst_slowdown`` records it per candidate). The point's ``choices`` (per policy) and ``choice`` (policy "fastest")
+say what that gives, for people reading the file.
 
 ``--from-bench`` builds the table from one or more bench runs' JSON instead of timing again (no GPU needed):
 rows of the candidates are collected per (model, batch, routing: the row's ``routing``, else the run's config)

@@ -136,22 +136,23 @@ def crossover(data: dict[str, Any], model: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------
 CROSSOVER_PATHS = {"strict": "cupy:warp-decode", "batched": "cupy:warp-decode-batched",
                    "mixed": "cupy:warp-decode-mixed", "MMA": "cupy:warp-decode-mma",
+                   "per-pair": "cupy:warp-decode-mma-pairs", "grouped": "cupy:warp-decode-mma-grouped",
                    "expert-centric": "cupy:expert-centric"}
 CROSSOVER_AUTO = "cupy:auto"
 # the serving engines' design, re-implemented in Triton (tools/peers): shown beside the lab's paths when measured
 CROSSOVER_PEER = "triton:fused-moe"
 CROSSOVER_INVARIANT = "cupy:auto-invariant"  # kernels.moe_decode(policy="batch_invariant"), beside auto when measured
 # every single-path column any format's table may have, in table order (a format shows those it has paths for)
-PATH_COLUMNS = ("strict", "batched", "mixed", "MMA", "per-pair", "expert-centric")
+PATH_COLUMNS = ("strict", "batched", "mixed", "MMA", "per-pair", "grouped", "expert-centric")
 CROSSOVER_COLUMNS = (*PATH_COLUMNS, "auto", "peer", "invariant")
 AUTO_SLACK = 0.03  # the issue's bar: auto may be at most 3 % slower than the best single path
 _CROSSOVER_VARIANTS = {**{v: k for k, v in CROSSOVER_PATHS.items()}, CROSSOVER_AUTO: "auto", CROSSOVER_PEER: "peer",
                        CROSSOVER_INVARIANT: "invariant"}
 # the same table for fp8-block128 weights: the FP8 paths, the W8A8 expert-centric baseline and the W8A8 peer
-# (and the per-pair tensor-core form, a candidate of FP8's fastest policy)
+# (and the per-pair and grouped tensor-core forms, candidates of every policy)
 CROSSOVER_FP8_PATHS = {"strict": "cupy:warp-decode-fp8", "batched": "cupy:warp-decode-batched-fp8",
                        "MMA": "cupy:warp-decode-mma-fp8", "per-pair": "cupy:warp-decode-mma-pairs-fp8",
-                       "expert-centric": "cupy:expert-centric-w8a8"}
+                       "grouped": "cupy:warp-decode-mma-grouped-fp8", "expert-centric": "cupy:expert-centric-w8a8"}
 CROSSOVER_SETS: dict[str, dict[str, str]] = {  # weight format -> variant -> column
     "bf16": _CROSSOVER_VARIANTS,
     "fp8-block128": {**{v: k for k, v in CROSSOVER_FP8_PATHS.items()}, "cupy:auto-fp8": "auto",
@@ -341,7 +342,7 @@ def crossover_cells(point: dict[str, Any]) -> dict[str, str]:
 
 CROSSOVER_TITLES = (("batch", "T"), ("strict", "strict µs (% roof)"), ("batched", "batched µs (% roof)"),
                     ("mixed", "mixed µs (% roof)"), ("MMA", "MMA µs (% roof)"), ("per-pair", "per-pair µs (% roof)"),
-                    ("expert-centric", "expert-centric µs (% roof)"),
+                    ("grouped", "grouped µs (% roof)"), ("expert-centric", "expert-centric µs (% roof)"),
                     ("auto", "auto µs (% roof)"), ("peer", "Triton peer µs (% roof)"),
                     ("best", "best single path"), ("choice", "auto's choice"), ("vs_best", "auto vs best"),
                     ("vs_peer", "auto vs peer"), ("invariant", "batch-invariant µs (% roof)"),
