@@ -262,6 +262,18 @@ def _device(cupy: Any, problem: Problem) -> Problem:
     return dataclasses.replace(problem, x=x, w13=q13, w2=q2, topk_ids=ids, topk_weights=wts)
 
 
+def _run_poisoned(cupy: Any, problem: Problem, **knobs: int) -> np.ndarray:
+    """One batched layer on the device with ``knobs``, out and the intermediate NaN-poisoned first; out on the host."""
+    dims = _dims(problem)
+    out = _poisoned_out(cupy, dims.tokens, dims.hidden)
+    ws = wdb.make_workspace(dims, **knobs)
+    ws.intermediate.view(cupy.uint16).fill(0x7FC0)
+    wdb.warp_decode_batched(problem.x, problem.w13, problem.w2, problem.topk_ids, problem.topk_weights, out=out,
+                            workspace=ws, **knobs)
+    cupy.cuda.runtime.deviceSynchronize()
+    return out.get()
+
+
 DUPLICATES = [[5, 5], [0, 1], [2, 2], [3, 0], [1, 1]]  # duplicate ids in a token
 GPU_CASES = [("qwen3-30b-a3b", 4, "uniform", "fma"), ("qwen3-30b-a3b", 8, "zipf-1", "mma"),
              ("qwen3-30b-a3b", 64, "correlated", "mma"), ("qwen3-235b-a22b", 2, "zipf-2", "fma"),
@@ -289,13 +301,7 @@ def test_gpu_paths(model: str, tokens: int, routing: Any, path: str) -> None:
     dims = _dims(problem)
 
     def run() -> np.ndarray:
-        out = _poisoned_out(cupy, tokens, shape.hidden)
-        ws = wdb.make_workspace(dims, **knobs)
-        ws.intermediate.view(cupy.uint16).fill(0x7FC0)
-        wdb.warp_decode_batched(problem.x, problem.w13, problem.w2, problem.topk_ids, problem.topk_weights, out=out,
-                                workspace=ws, **knobs)
-        cupy.cuda.runtime.deviceSynchronize()
-        return out.get()
+        return _run_poisoned(cupy, problem, **knobs)
 
     first = run()
     faithful, oracle = _references(host)
@@ -394,13 +400,7 @@ def test_gpu_range_flush_bitwise(model: str, tokens: int, routing: str) -> None:
     dims = _dims(problem)
 
     def run(**knobs: int) -> np.ndarray:
-        out = _poisoned_out(cupy, tokens, shape.hidden)
-        ws = wdb.make_workspace(dims, **knobs)
-        ws.intermediate.view(cupy.uint16).fill(0x7FC0)
-        wdb.warp_decode_batched(problem.x, problem.w13, problem.w2, problem.topk_ids, problem.topk_weights, out=out,
-                                workspace=ws, **knobs)
-        cupy.cuda.runtime.deviceSynchronize()
-        return out.get()
+        return _run_poisoned(cupy, problem, **knobs)
 
     flush_knobs = {**wdb.FP8_GROUPED_KNOBS, "GB_RANGE_FLUSH": 1}
     assert wdb.resolve_params(dims, **flush_knobs)["GB_RANGE_FLUSH"] == 1
