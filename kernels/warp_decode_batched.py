@@ -217,6 +217,15 @@ def range_flush_allowed(dims: Dims | None, values: dict[str, int]) -> bool:
     return size % (block * values["GB_UNROLL"]) == 0 and scale_ok
 
 
+def _auto_or_refuse(values: dict[str, int], key: str, auto: int, can_run: bool, needs: str) -> None:
+    """An on/off knob that the dims decide: -1 takes ``auto``; 1 where it cannot run is a ValueError saying what
+    it needs (``needs``, after "<key> 1 ")."""
+    if values[key] == -1:
+        values[key] = auto
+    elif values[key] == 1 and not can_run:
+        raise ValueError(f"{key} 1 {needs}")
+
+
 def auto_pairs_inner(dims: Dims | None, values: dict[str, int]) -> int:
     """PAIRS_INNER where auto (-1): 1 for the per-pair kernels from T = 2 on (a token's K experts are distinct, so
     only the pairs of different tokens can share one), else 0. H200, bf16, T = 1 / 2 / 4
@@ -470,22 +479,16 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         values["FP8_PRMT"] = auto_fp8_widening(values)
     if mma_gate_up_unroll_auto:
         values["GB_UNROLL"] = auto_mma_gate_up_unroll(dims, values)
-    if values["GB_RANGE_FLUSH"] == -1:
-        values["GB_RANGE_FLUSH"] = auto_range_flush(dims, values)
-    elif values["GB_RANGE_FLUSH"] == 1 and not range_flush_allowed(dims, values):
-        raise ValueError(
-            f"GB_RANGE_FLUSH 1 runs the split-chain gate_up's ranges in one loop of whole rounds: it needs GB_MMA 1, "
-            f"GB_KSPLIT > 1, PER_PAIR 0 and each range a whole number of rounds of GB_UNROLL k blocks (and of 128-wide "
-            f"scale blocks with FP8_BLOCK_SUM), got GB_KSPLIT {values['GB_KSPLIT']}, PER_PAIR {values['PER_PAIR']}, "
-            f"H = {dims.hidden if dims else None}, GB_UNROLL {values['GB_UNROLL']}, W_FP8 {values['W_FP8']}, "
-            f"FP8_LOAD16 {values['FP8_LOAD16']}, FP8_BLOCK_SUM {values['FP8_BLOCK_SUM']}")
-    if values["DB_WHOLE_RANGES"] == -1:
-        values["DB_WHOLE_RANGES"] = auto_whole_ranges(dims, values)
-    elif values["DB_WHOLE_RANGES"] == 1 and not whole_ranges(dims, values):
-        raise ValueError(
-            f"DB_WHOLE_RANGES 1 compiles the grouped down's whole rounds only, with no masked round: it needs bf16 "
-            f"weights, DB_GROUPED 1 and I / 8 a multiple of 4 x DB_UNROLL, got W_FP8 {values['W_FP8']}, DB_GROUPED "
-            f"{values['DB_GROUPED']}, I = {dims.intermediate}, DB_UNROLL {values['DB_UNROLL']}")
+    _auto_or_refuse(values, "GB_RANGE_FLUSH", auto_range_flush(dims, values), range_flush_allowed(dims, values), (
+        f"runs the split-chain gate_up's ranges in one loop of whole rounds: it needs GB_MMA 1, GB_KSPLIT > 1, "
+        f"PER_PAIR 0 and each range a whole number of rounds of GB_UNROLL k blocks (and of 128-wide scale blocks with "
+        f"FP8_BLOCK_SUM), got GB_KSPLIT {values['GB_KSPLIT']}, PER_PAIR {values['PER_PAIR']}, H = {dims.hidden}, "
+        f"GB_UNROLL {values['GB_UNROLL']}, W_FP8 {values['W_FP8']}, FP8_LOAD16 {values['FP8_LOAD16']}, "
+        f"FP8_BLOCK_SUM {values['FP8_BLOCK_SUM']}"))
+    _auto_or_refuse(values, "DB_WHOLE_RANGES", auto_whole_ranges(dims, values), whole_ranges(dims, values), (
+        f"compiles the grouped down's whole rounds only, with no masked round: it needs bf16 weights, DB_GROUPED 1 "
+        f"and I / 8 a multiple of 4 x DB_UNROLL, got W_FP8 {values['W_FP8']}, DB_GROUPED {values['DB_GROUPED']}, "
+        f"I = {dims.intermediate}, DB_UNROLL {values['DB_UNROLL']}"))
     if values["GB_MMA"] and values["GB_KSPLIT"] > 1 and not (values["PER_PAIR"] or values["W_FP8"]) and \
             values["GB_NBLK"] == 1 and values["GB_MAX_REGS"] == DEFAULTS["GB_MAX_REGS"]:
         values["GB_MAX_REGS"] = SPLIT_GATE_UP_REGS
