@@ -1347,6 +1347,13 @@ extern "C" __global__ void __launch_bounds__(256) moe_sum_slots(
 #endif  // DB_GROUPED
 
 #if PER_PAIR
+// Block b of a per-pair kernel over `count` items (pairs, or tokens in the down) of `per` blocks each: (item, block
+// of it) -- item-major, or with PAIRS_INNER items fastest, so that items sharing an expert read its rows together.
+__device__ __forceinline__ int2 pair_block(unsigned b, int count, int per) {   // b: blockIdx.x
+    const int item = PAIRS_INNER ? b % count : b / per;
+    return make_int2(item, PAIRS_INNER ? b / count : b - item * per);
+}
+
 // ------------------------------------------------------------------------------------------------
 // moe_gate_up_pair (PER_PAIR): block b owns pair p = b / per_pair (PAIRS_INNER: b % pairs, so that pairs sharing an
 //   expert read its rows back to back) and GB_WARPS / GB_KSPLIT groups of 8 neurons of it; warp w works on group
@@ -1366,8 +1373,9 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
 #if GB_KSPLIT == 1  // one chain over H per warp: nothing shared, no barrier
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int per_pair = (inter + GB_WARPS * 8 - 1) / (GB_WARPS * 8);
-    const int p = PAIRS_INNER ? blockIdx.x % pairs : blockIdx.x / per_pair;
-    const int i0 = ((PAIRS_INNER ? blockIdx.x / pairs : blockIdx.x - p * per_pair) * GB_WARPS + (threadIdx.x >> 5)) * 8;
+    const int2 pb = pair_block(blockIdx.x, pairs, per_pair);
+    const int p = pb.x;
+    const int i0 = (pb.y * GB_WARPS + (threadIdx.x >> 5)) * 8;
     pdl_wait();  // topk_ids and x may come from the kernel right before
     pdl_release();
     if (p >= pairs || i0 >= inter) return;                           // whole warp leaves together
@@ -1391,8 +1399,9 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
     constexpr int GROUPS = GB_WARPS / GB_KSPLIT;
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, w = threadIdx.x >> 5, range = w % GB_KSPLIT;
     const int per_pair = (inter + GROUPS * 8 - 1) / (GROUPS * 8);
-    const int p = PAIRS_INNER ? blockIdx.x % pairs : blockIdx.x / per_pair;
-    const int i0 = ((PAIRS_INNER ? blockIdx.x / pairs : blockIdx.x - p * per_pair) * GROUPS + w / GB_KSPLIT) * 8;
+    const int2 pb = pair_block(blockIdx.x, pairs, per_pair);
+    const int p = pb.x;
+    const int i0 = (pb.y * GROUPS + w / GB_KSPLIT) * 8;
     pdl_wait();  // topk_ids and x may come from the kernel right before
     pdl_release();
     const bool live = p < pairs && i0 < inter;                       // a group's warps agree
@@ -1452,8 +1461,9 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K <= 1
     __shared__ float rows[16][16];                                   // [slot][row]: the weighted dots
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, k = threadIdx.x >> 5;
     const int per_token = (hidden + 15) / 16;
-    const int t = PAIRS_INNER ? blockIdx.x % tokens : blockIdx.x / per_token;
-    const int h0 = (PAIRS_INNER ? blockIdx.x / tokens : blockIdx.x - t * per_token) * 16;
+    const int2 tb = pair_block(blockIdx.x, tokens, per_token);
+    const int t = tb.x;
+    const int h0 = tb.y * 16;
     const int e = __ldg(topk_ids + (long long)t * top_k + k);        // the routing: two kernels back
     const bool bad = (unsigned)e >= (unsigned)experts;
 #if !DOWN_WAITS_LATE

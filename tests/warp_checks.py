@@ -228,8 +228,10 @@ EMULATION_PRELUDE = EMULATION_HEADERS + r"""#define WD_HOST_EMULATION 1
 #define __restrict__ __restrict
 struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
+struct int2 { int x, y; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
+inline int2 make_int2(int a, int b) { return {a, b}; }
 struct Dim3 { unsigned x = 0, y = 0, z = 0; };
 thread_local Dim3 threadIdx, blockIdx;
 Dim3 gridDim;  // set by launch() before its threads start
