@@ -156,10 +156,14 @@ def auto_down_tile(dims: Dims) -> int:
     return min(auto_tile(dims), 4)
 
 
-def auto_nblk(dims: Dims) -> int:
-    """The tensor-core gate_up's 8-pair blocks per pass: 2 once an expert averages 4 or more pairs (T*K/E >= 4,
-    qwen3 T >= 64), else 1 (H200 sweeps: results/sweep-mma-30b-t64.json and the ones notes/ cite)."""
-    return 2 if dims.tokens * dims.top_k >= 4 * dims.experts else 1
+def auto_nblk(dims: Dims, fp8: bool = False) -> int:
+    """The tensor-core gate_up's 8-pair blocks per pass: bf16 2 once an expert averages 4 or more pairs (T*K/E >= 4,
+    qwen3 T >= 64), else 1 (H200 sweeps: results/sweep-mma-30b-t64.json and the ones notes/ cite). FP8 weights 1:
+    a second block's x fragments cost the registers the widening needs, and the grouped down's second block its
+    occupancy (H200, T = 64, uniform: the tensor-core FP8 path qwen3-30b 199.7 -> 169.5 us, qwen3-235b 740.0 ->
+    612.3, results/sweep-2026-12-02-fp8-nblk-*.json; the grouped FP8 path 209.6 -> 167.1 and 747.2 -> 602.5,
+    results/sweep-2026-12-02-fp8-grouped-nblk-*.json)."""
+    return 2 if not fp8 and dims.tokens * dims.top_k >= 4 * dims.experts else 1
 
 
 def fp8_on_tensor_cores(values: dict[str, int]) -> bool:
@@ -187,7 +191,7 @@ def auto_fp8_mma(dims: Dims | None, values: dict[str, int]) -> None:
 
 def auto_fp8_widening(values: dict[str, int]) -> int:
     """FP8_PRMT where auto (-1) on FP8 tensor-core kernels: the byte-permute widening (1) except with the plain
-    tensor-core gate_up with two 8-pair blocks (GB_NBLK 2, no split chains: qwen3 T >= 64), where it spills at 4 k
+    tensor-core gate_up with two 8-pair blocks (GB_NBLK 2 set by hand, no split chains), where it spills at 4 k
     blocks in flight. A work knob (the outputs are bitwise the same). H200, both
     models (results/sweep-2026-12-02-fp8-widening-*.json): the per-pair FP8 form 9-13 % faster (qwen3-30b T = 1 18.2
     -> 15.8 us, T = 2 26.8 -> 24.9; qwen3-235b 46.3 -> 42.1, 88.2 -> 80.2), the grouped FP8 path 2-7 % (qwen3-30b T =
@@ -260,7 +264,7 @@ def auto_mma_gate_up_unroll(dims: Dims, values: dict[str, int]) -> int:
     * the per-pair form on bf16: 4 while its warps (T*K pairs x I/8 neuron groups x GB_KSPLIT ranges) number fewer
       than PAIR_FULL_WARPS, 2 from there -- qwen3-30b T = 1 23.1 vs 23.7 us, T = 2 38.5 vs 40.3; qwen3-235b T = 1
       73.8 vs 75.4;
-    * FP8 16-value loads with split chains and two 8-pair blocks (the grouped invariant path from T*K >= 4E): 2, which
+    * FP8 16-value loads with split chains and two 8-pair blocks (set by hand: auto_nblk gives FP8 one): 2, which
       stays under the 128-register cap (4 spilled) -- qwen3-30b T = 64 218.7 vs 222.8 us, qwen3-235b 788.8 vs 809.8;
     * else MMA_UNROLL.
     """
@@ -471,7 +475,7 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
     if values["DB_UNROLL"] == 0:
         values["DB_UNROLL"] = auto_down_unroll(dims, values)
     if values["GB_NBLK"] == 0:
-        values["GB_NBLK"] = auto_nblk(dims)
+        values["GB_NBLK"] = auto_nblk(dims, bool(values["W_FP8"]))
     if values["DB_NBLK"] == 0:  # the grouped down: a tile's pairs in one pass (H200, results/sweep-2026-12-01-mma-
         # nblk-*.json: qwen3-235b Zipf T = 64 975 -> 940 us, qwen3-30b 245 -> 241; uniform within 0.5 %)
         values["DB_NBLK"] = values["GB_NBLK"] if values["DB_GROUPED"] else 1
@@ -732,8 +736,8 @@ FAMILY = KernelFamily(
 )
 SOURCE = FAMILY.source
 # what the offline report compiles besides the defaults: every preset's resolved knobs, and the tensor-core and
-# mixed paths as they run (auto knobs resolved; the FP8 tensor-core sets also with two 8-pair blocks, qwen3-30b-a3b's
-# at T = 64: the ones nearest the register cap)
+# mixed paths as they run (auto knobs resolved; the FP8 tensor-core sets also at qwen3-30b-a3b T = 64, as auto runs
+# them and with two 8-pair blocks set by hand: the ones nearest the register cap)
 _QWEN30_T64 = Dims(64, PRESETS["qwen3-30b-a3b"].hidden, PRESETS["qwen3-30b-a3b"].intermediate,
                    PRESETS["qwen3-30b-a3b"].experts, PRESETS["qwen3-30b-a3b"].top_k)
 SOURCE.variants = [*preset_variants(resolve_params, DEFAULTS), resolve_params(None, **MMA_KNOBS),
@@ -743,7 +747,9 @@ SOURCE.variants = [*preset_variants(resolve_params, DEFAULTS), resolve_params(No
                    resolve_params(None, **MMA_KNOBS, W_FP8=1),
                    resolve_params(None, **FP8_GROUPED_KNOBS),
                    resolve_params(None, **PER_PAIR_KNOBS), resolve_params(None, **FP8_PER_PAIR_KNOBS),
-                   resolve_params(_QWEN30_T64, **MMA_FP8_KNOBS), resolve_params(_QWEN30_T64, **FP8_GROUPED_KNOBS)]
+                   resolve_params(_QWEN30_T64, **MMA_FP8_KNOBS), resolve_params(_QWEN30_T64, **FP8_GROUPED_KNOBS),
+                   resolve_params(_QWEN30_T64, **MMA_FP8_KNOBS, GB_NBLK=2),
+                   resolve_params(_QWEN30_T64, **FP8_GROUPED_KNOBS, GB_NBLK=2)]
 
 
 # ---------------------------------------------------------------------------------------------------

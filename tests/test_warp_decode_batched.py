@@ -180,6 +180,8 @@ def test_auto_knobs() -> None:
     assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8))["DB_WARPS"] == 4  # the FMA down
     assert [wdb.resolve_params(Dims(t, 2048, 768, 128, 8), GB_MMA=1)["GB_NBLK"] for t in (32, 64)] == [1, 2]
     assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8), GB_MMA=1, GB_NBLK=1)["GB_NBLK"] == 1
+    fp8 = wdb.resolve_params(Dims(64, 2048, 768, 128, 8), **wdb.MMA_KNOBS, W_FP8=1)  # FP8: one block, byte permute
+    assert (fp8["GB_NBLK"], fp8["DB_NBLK"], fp8["FP8_PRMT"]) == (1, 1, 1)
     assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8), DB_MMA=1, DB_WARPS=4)["DB_WARPS"] == 4
     # auto DB_BALANCE (-1 in the tensor-core knob sets): where the round-robin's last round is < 85 % full on average
     balance = {t: wdb.resolve_params(Dims(t, 2048, 768, 128, 8), **wdb.MIXED_KNOBS)["DB_BALANCE"]
@@ -194,8 +196,8 @@ def test_auto_knobs() -> None:
 
 def test_tensor_core_gate_up_rounds_and_register_cap() -> None:
     """The tensor-core gate_up's rules from the dims: the per-pair bf16 form keeps 4 k blocks in flight below
-    PAIR_FULL_WARPS warps, 2 from there; the FP8 split chains with two 8-pair blocks take 2; the bf16 split-chain
-    gate_up with one 8-pair block runs under SPLIT_GATE_UP_REGS; an explicit knob wins over a rule."""
+    PAIR_FULL_WARPS warps, 2 from there; the FP8 split chains with two 8-pair blocks (set by hand) take 2; the bf16
+    split-chain gate_up with one 8-pair block runs under SPLIT_GATE_UP_REGS; an explicit knob wins over a rule."""
     def gate_up(knobs: dict[str, int], tokens: int, hidden: int = 2048, inter: int = 768, **extra: int) -> tuple:
         r = wdb.resolve_params(Dims(tokens, hidden, inter, 128, 8), **{**knobs, **extra})
         return r["GB_UNROLL"], r["GB_MAX_REGS"]
@@ -205,7 +207,8 @@ def test_tensor_core_gate_up_rounds_and_register_cap() -> None:
     assert gate_up(wdb.PER_PAIR_KNOBS, 1, 4096, 1536)[0] == 2  # qwen3-235b T = 1: 12288 warps
     assert gate_up(wdb.PER_PAIR_KNOBS, 2, GB_UNROLL=8)[0] == 8
     assert [gate_up(wdb.FP8_PER_PAIR_KNOBS, t)[0] for t in (1, 2)] == [2, 2]  # its own sweep's rounds
-    assert [gate_up(wdb.FP8_GROUPED_KNOBS, t)[0] for t in (16, 64)] == [4, 2]  # two 8-pair blocks from T*K >= 4E
+    assert [gate_up(wdb.FP8_GROUPED_KNOBS, t)[0] for t in (16, 64)] == [4, 4]  # FP8: one 8-pair block per pass
+    assert gate_up(wdb.FP8_GROUPED_KNOBS, 64, GB_NBLK=2)[0] == 2  # two blocks: 2, under the register cap
     assert [gate_up(wdb.MMA_FP8_KNOBS, t)[0] for t in (16, 64)] == [4, 4]  # one chain: no spills at 4
     assert [gate_up(wdb.GROUPED_KNOBS, t) for t in (4, 64)] == [(4, wdb.SPLIT_GATE_UP_REGS), (4, 128)]
     assert gate_up(wdb.GROUPED_KNOBS, 4, GB_MAX_REGS=0)[1] == 0

@@ -207,11 +207,12 @@ def test_weights_and_knob_must_agree() -> None:
 
 def test_widening_rule() -> None:
     """FP8_PRMT auto: the byte permute on the FP8 tensor-core kernels but the plain gate_up with two 8-pair blocks
-    (qwen3-30b T = 64: it spills there); 0 off FP8 tensor-core kernels; 1 there is an error."""
-    def widening(knobs: dict[str, int], tokens: int) -> int:
-        return wdb.resolve_params(Dims(tokens, 2048, 768, 128, 8), **knobs)["FP8_PRMT"]
+    (set by hand: it spills there); 0 off FP8 tensor-core kernels; 1 there is an error."""
+    def widening(knobs: dict[str, int], tokens: int, **more: int) -> int:
+        return wdb.resolve_params(Dims(tokens, 2048, 768, 128, 8), **knobs, **more)["FP8_PRMT"]
 
-    assert [widening(wdb.MMA_FP8_KNOBS, t) for t in (1, 8, 32, 64)] == [1, 1, 1, 0]
+    assert [widening(wdb.MMA_FP8_KNOBS, t) for t in (1, 8, 32, 64)] == [1, 1, 1, 1]
+    assert widening(wdb.MMA_FP8_KNOBS, 64, GB_NBLK=2) == 0
     assert [widening(k, 64) for k in (wdb.FP8_GROUPED_KNOBS, wdb.FP8_PER_PAIR_KNOBS)] == [1, 1]
     assert [widening(k, 8) for k in (wdb.MMA_KNOBS, wdb.FP8_KNOBS)] == [0, 0]
     with pytest.raises(ValueError, match="FP8_PRMT shapes the tensor-core kernels' FP8"):
