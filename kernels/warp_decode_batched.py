@@ -76,6 +76,11 @@ DEFAULTS: dict[str, int] = {
     "DB_MMA": 0,  # 1: down on tensor cores (moe_down_mma: 16 hidden columns per block)
     "GB_NBLK": 1,  # MMA: blocks of 8 pairs per pass (the A fragment shared by NBLK mma per k step); auto: auto_nblk
     "DB_NBLK": 1,  # auto (0): GB_NBLK with DB_GROUPED -- one pass per tile -- else 1
+    "HOT_NBLK": 0,  # tiles (PAIR_TILES) of up to 8 * HOT_NBLK pairs where HOT_NBLK > GB_NBLK: a tile with more pairs
+    # than one gate_up pass runs in ONE pass of HOT_NBLK 8-pair blocks (its weights loaded and widened once), with
+    # GB_UNROLL * GB_NBLK / HOT_NBLK k blocks in flight; the grouped down likewise. The gate_up and the grouped down
+    # give the same bits (the balanced down's runs follow the tile table); 0 = off, -1 = auto (auto_hot_nblk; the
+    # tensor-core knob sets use it)
     "PDL": 1,  # programmatic dependent launch of all three kernels (sm_90+: device_needs turns it off before)
     "DB_EARLY_W2": 0,  # 1: down issues its first round of w2 loads before its PDL wait (they overlap gate_up's tail)
     "DB_BALANCE": 0,  # MMA down: 1 cuts the (slot, k block) items into equal runs, one per warp; -1 = auto
@@ -128,7 +133,7 @@ LIMITS = {
     "LIST_THREADS": (32, 1024), "LIST_PER": (0, 16),
     "GB_WARPS": (1, 32), "GB_OUTS": (1, 32), "GB_TILE": (0, 32), "GB_UNROLL": (0, 64), "GB_MAX_REGS": (0, 255),
     "DB_WARPS": (0, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (0, 255),
-    "DB_EARLY_INTER": (0, 1),
+    "DB_EARLY_INTER": (0, 1), "HOT_NBLK": (-1, 4),
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (0, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
     "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "W_FP8": (0, 1),
     "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8), "FP8_LOAD16": (-1, 1), "FP8_BLOCK_SUM": (-1, 1),
@@ -164,6 +169,17 @@ def auto_nblk(dims: Dims, fp8: bool = False) -> int:
     612.3, results/sweep-2026-12-02-fp8-nblk-*.json; the grouped FP8 path 209.6 -> 167.1 and 747.2 -> 602.5,
     results/sweep-2026-12-02-fp8-grouped-nblk-*.json)."""
     return 2 if not fp8 and dims.tokens * dims.top_k >= 4 * dims.experts else 1
+
+
+def auto_hot_nblk(dims: Dims | None, values: dict[str, int]) -> int:
+    """HOT_NBLK where auto (-1): 2 for FP8 weights on the tile table with one 8-pair block per pass once an expert
+    averages 4 pairs (T*K >= 4E, qwen3 T >= 64), else 0. H200, Zipf routing (results/sweep-2026-12-02-hot-nblk-*.json):
+    at T = 64 the tensor-core FP8 path 568.5 -> 533.8 us at qwen3-235b, the grouped FP8 path 573.6 -> 541.4 and 154.8
+    -> 149.3 at qwen3-30b; at T = 32 within +-2 %; uniform T = 64 606.0 -> 613.4 (+1.2 %). bf16: within 1 % at 2
+    (its two-block passes from T = 64 already cover most hot tiles), 4 costs occupancy."""
+    if dims is None or not (values["W_FP8"] and values["PAIR_TILES"] and values["GB_NBLK"] == 1):
+        return 0
+    return 2 if dims.tokens * dims.top_k >= 4 * dims.experts else 0
 
 
 def fp8_on_tensor_cores(values: dict[str, int]) -> bool:
@@ -349,6 +365,11 @@ def tile_capacity(dims: Dims, tile_pairs: int = 8) -> int:
     return slots(dims) + dims.tokens * dims.top_k // tile_pairs
 
 
+def tile_pairs(params: dict[str, int]) -> int:
+    """Pairs per tile of the tile table: one gate_up pass, 8 * GB_NBLK, or 8 * HOT_NBLK where that is wider."""
+    return 8 * max(params["GB_NBLK"], params.get("HOT_NBLK", 0))
+
+
 def lists_size(dims: Dims) -> int:
     """int32s of the lists buffer: header, expert / offset / count per slot, the sorted pairs, the tile table
     (expert / first / count per tile, written with PAIR_TILES)."""
@@ -400,6 +421,8 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         values["PAIRS_INNER"] = auto_pairs_inner(dims, values)
     elif values["PAIRS_INNER"] and not values["PER_PAIR"]:
         raise ValueError("PAIRS_INNER orders the per-pair kernels' blocks: it needs PER_PAIR 1")
+    if values["HOT_NBLK"] > 0 and not values["GB_MMA"]:
+        raise ValueError("HOT_NBLK widens the tensor-core gate_up's passes over a hot expert: it needs GB_MMA 1")
     if values["GB_KSPLIT"] > 1 and not values["GB_MMA"]:
         raise ValueError("GB_KSPLIT cuts the tensor-core gate_up's k chains: it needs GB_MMA 1")
     auto_fp8_mma(dims, values)
@@ -448,7 +471,7 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
                 values[key] = DEFAULTS[key]
         if values["FP8_PRMT"] == -1:
             values["FP8_PRMT"] = auto_fp8_widening(values)
-        for key in ("DB_WHOLE_RANGES", "GB_RANGE_FLUSH"):  # the dims decide: checked where known
+        for key in ("DB_WHOLE_RANGES", "GB_RANGE_FLUSH", "HOT_NBLK"):  # the dims decide: checked where known
             values[key] = max(values[key], 0)
         return values
     if values["LIST_PER"] == 0:
@@ -481,6 +504,8 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         values["DB_NBLK"] = values["GB_NBLK"] if values["DB_GROUPED"] else 1
     if values["FP8_PRMT"] == -1:
         values["FP8_PRMT"] = auto_fp8_widening(values)
+    if values["HOT_NBLK"] == -1:
+        values["HOT_NBLK"] = auto_hot_nblk(dims, values)
     if mma_gate_up_unroll_auto:
         values["GB_UNROLL"] = auto_mma_gate_up_unroll(dims, values)
     _auto_or_refuse(values, "GB_RANGE_FLUSH", auto_range_flush(dims, values), range_flush_allowed(dims, values), (
@@ -521,7 +546,7 @@ def max_tokens(top_k: int = 1, **params: Any) -> int:
 # where auto_balance says (results/sweep-stage-*.json).
 MMA_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1, "PAIR_TILES": 1,  # both on tensor cores
              "DB_GROUPED": -1, "DB_NBLK": 0, "FP8_LOAD16": -1, "FP8_BLOCK_SUM": -1, "FP8_PRMT": -1,
-             "DB_WHOLE_RANGES": -1, "GB_RANGE_FLUSH": -1}
+             "DB_WHOLE_RANGES": -1, "GB_RANGE_FLUSH": -1, "HOT_NBLK": -1}
 MIXED_KNOBS = {"DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1}  # FMA gate_up (bitwise strict's), tensor-core down
 # The batch-invariant pair (kernels.dispatch policy "batch_invariant"): the tensor-core path with the grouped down
 # at every T, and its per-pair form (no lists, two launches) -- one numerics: a pair's gate_up dots are mma chains
@@ -613,7 +638,7 @@ def gate_up_blocks(dims: Dims, params: dict[str, int]) -> int:
     if params.get("PER_PAIR"):  # GB_WARPS / GB_KSPLIT groups of 8 neurons per block
         groups = params["GB_WARPS"] // params.get("GB_KSPLIT", 1)
         return dims.tokens * dims.top_k * -(-dims.intermediate // (groups * 8))
-    rows = tile_capacity(dims, 8 * params["GB_NBLK"]) if params["PAIR_TILES"] else slots(dims)
+    rows = tile_capacity(dims, tile_pairs(params)) if params["PAIR_TILES"] else slots(dims)
     return rows * -(-dims.intermediate // (params["GB_WARPS"] * neurons_per_warp))
 
 
@@ -623,7 +648,7 @@ def down_blocks(dims: Dims, params: dict[str, int]) -> int:
     if params.get("PER_PAIR"):
         return dims.tokens * -(-dims.hidden // 16)
     if params.get("DB_GROUPED"):
-        return tile_capacity(dims, 8 * params["GB_NBLK"]) * -(-dims.hidden // (params["DB_WARPS"] * 16))
+        return tile_capacity(dims, tile_pairs(params)) * -(-dims.hidden // (params["DB_WARPS"] * 16))
     return -(-dims.hidden // down_columns(params))
 
 

@@ -36,9 +36,11 @@ CODE = WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + r"""
 //   down's w2 loads are invariant __ldg loads that the compiler sinks below the wait: no knob there.)
 //   DB_BALANCE 1 (tensor-core down only): the warps split the (slot, k block) items evenly (below)
 //   PAIR_TILES 1 (tensor-core gate_up only): the list kernel also cuts every slot's pairs into tiles of TILE_PAIRS
-//   (= 8 * GB_NBLK, one gate_up pass) -- the tile table; gate_up then runs one block row per TILE, so a hot
-//   expert's pairs spread over as many warps as it has tiles, and the balanced tensor-core down cuts (tile, k
-//   block) items instead of (slot, k block): its warps' runs then weigh an expert by its pairs, not 1 each
+//   (= 8 * GB_NBLK, one gate_up pass, or 8 * HOT_NBLK) -- the tile table; gate_up then runs one block row per
+//   TILE, so a hot expert's pairs spread over as many warps as it has tiles, and the balanced tensor-core down cuts
+//   (tile, k block) items instead of (slot, k block): its warps' runs then weigh an expert by its pairs, not 1 each
+//   HOT_NBLK > GB_NBLK (with PAIR_TILES): tiles of up to 8 * HOT_NBLK pairs; one with more than a GB_NBLK pass runs
+//   in one pass of HOT_NBLK blocks (gate_up and grouped down; TILE_PAIRS below)
 //   DB_GROUPED 1 (with DB_MMA, PAIR_TILES): the down as gate_up is, one block row per tile: moe_down_grouped's warp
 //   owns 16 hidden rows of the tile's expert over the whole I and writes each pair's weighted FP32 row; a fourth
 //   kernel, moe_sum_slots, sums a token's K rows in slot order (the reference's order) and rounds once
@@ -76,6 +78,7 @@ static_assert(DB_EARLY_INTER == 0 || DB_EARLY_INTER == 1, "DB_EARLY_INTER must b
 static_assert((GB_MMA == 0 || GB_MMA == 1) && (DB_MMA == 0 || DB_MMA == 1), "GB_MMA / DB_MMA must be 0 or 1");
 static_assert(GB_NBLK >= 1 && GB_NBLK <= 4 && DB_NBLK >= 1 && DB_NBLK <= 4, "NBLK must be 1..4");
 static_assert(PDL == 0 || PDL == 1, "PDL must be 0 or 1");
+static_assert(HOT_NBLK >= 0 && HOT_NBLK <= 4 && (HOT_NBLK == 0 || GB_MMA == 1), "HOT_NBLK is 0..4 (needs GB_MMA 1)");
 static_assert(DB_EARLY_W2 == 0 || (DB_EARLY_W2 == 1 && DB_MMA == 1), "DB_EARLY_W2 is 0 or 1 (1 needs DB_MMA 1)");
 static_assert(DB_BALANCE == 0 || (DB_BALANCE == 1 && DB_MMA == 1), "DB_BALANCE is 0 or 1 (1 needs DB_MMA 1)");
 static_assert(PAIR_TILES == 0 || (PAIR_TILES == 1 && GB_MMA == 1), "PAIR_TILES is 0 or 1 (1 needs GB_MMA 1)");
@@ -118,7 +121,14 @@ __device__ __forceinline__ void weight_pair(const W& wv, int w, float scale, flo
     hi = bf16_hi(word(wv, w));
 #endif
 }
-#define TILE_PAIRS (8 * GB_NBLK)  // pairs per tile of the tile table: one pass of the tensor-core gate_up
+// HOT_NBLK > GB_NBLK: a tile holds up to 8 * HOT_NBLK pairs, and a tile with more than one GB_NBLK pass of pairs
+// runs in ONE pass of HOT_NBLK 8-pair blocks (the A fragments loaded and widened once for all of them) with fewer k
+// blocks in flight (the B fragments' registers stay those of the normal pass); the grouped down likewise with DB_NBLK.
+// A work knob: each column's mma chain is the same, so the outputs are bitwise the same.
+#define HOT_GB (HOT_NBLK > GB_NBLK)
+#define HOT_DB (HOT_NBLK > DB_NBLK)
+#define TILE_PAIRS (8 * (HOT_GB ? HOT_NBLK : GB_NBLK))  // pairs per tile of the tile table: one gate_up pass
+#define HOT_UNROLL(unroll, nblk) ((unroll) * (nblk) / HOT_NBLK > 0 ? (unroll) * (nblk) / HOT_NBLK : 1)
 #define DOWN_WAITS_LATE DB_EARLY_W2  // the tensor-core down's wait follows its first A (w2) loads
 
 // The int32 ``lists`` buffer, S = min(E, T*K) + 1 list slots (every active expert + one for bad ids):
@@ -937,10 +947,10 @@ __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const a
 // (whole rounds unmasked, a masked last round only at the end of H): 2-4 % faster on the H200 (bf16). W_FP8: the
 // scale block's partial lives across rounds as in one range's loop; a range ends on a scale block's end (the host
 // checks it with FP8_BLOCK_SUM), where mma_round has flushed it into the range's chain.
-template <int NB>
+template <int NB, int UNROLL>
 __device__ __forceinline__ void split_chain_one_loop(float (&total)[NB][4], const ARows& rows,
                                                      const uint4* const (&cols)[NB], int chunks, int q, bool& waited) {
-    constexpr int ROUND = MMA_KB * GB_UNROLL;
+    constexpr int ROUND = MMA_KB * UNROLL;
     int zero, size;
     k_range(chunks, 0, zero, size);                                  // range 0: chunks 0 .. size - 1
     float part[NB][4], scale_part[NB][4];                            // W_FP8: the scale block's mma sums
@@ -963,12 +973,12 @@ __device__ __forceinline__ void split_chain_one_loop(float (&total)[NB][4], cons
     };
     int c0 = 0;
     for (; c0 + ROUND <= chunks; c0 += ROUND) {
-        mma_round<GB_UNROLL, NB, false, false>(part, scale_part, lo_row, hi_row, rows.scale_lo, rows.scale_hi, cols,
+        mma_round<UNROLL, NB, false, false>(part, scale_part, lo_row, hi_row, rows.scale_lo, rows.scale_hi, cols,
                                                c0, chunks, q, waited);
         if ((c0 + ROUND) % size == 0 || c0 + ROUND == chunks) flush();
     }
     if (c0 < chunks) {                                               // the last range's partial last round
-        mma_round<GB_UNROLL, NB, false, true>(part, scale_part, lo_row, hi_row, rows.scale_lo, rows.scale_hi, cols,
+        mma_round<UNROLL, NB, false, true>(part, scale_part, lo_row, hi_row, rows.scale_lo, rows.scale_hi, cols,
                                              c0, chunks, q, waited);
         flush();
     }
@@ -995,13 +1005,67 @@ __device__ __forceinline__ GateUpItem read_gate_up_item(const int* lists, int sl
 #endif
 }
 
+// A gate_up warp's passes over `count` pairs (pairs[0 .. count - 1]) of expert rows `rows`: NB 8-pair blocks per
+// pass, UNROLL k blocks of loads in flight per lane; lane (g, q) writes the intermediate of neuron i0 + g.
+template <int NB, int UNROLL>
+__device__ __forceinline__ void gate_up_passes(const ARows& rows, const bf16_t* __restrict__ x, const int* pairs,
+                                               int count, bf16_t* __restrict__ intermediate, int hidden, int inter,
+                                               int top_k, int i0, int g, int q) {
+    const int chunks = hidden / 8;                                   // chunks of 8 values (H % 8 == 0)
+    for (int tile = 0; tile < count; tile += 8 * NB) {
+        const int n = min(8 * NB, count - tile);
+        const uint4* x_row[NB];                                      // B column g of each 8-pair block
+        #pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+            const int p = __ldg(pairs + tile + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
+            x_row[nb] = reinterpret_cast<const uint4*>(x + (size_t)(p / top_k) * hidden);   // int: no division call
+        }
+        float acc[NB][4];
+        bool unused = true;
+#if GB_KSPLIT == 1
+        mma_rows_by_columns<UNROLL, NB, false, GATE_UP_ROUNDS>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi,
+                                                               x_row, 0, chunks, q, unused);
+#elif GB_RANGE_FLUSH
+        split_chain_one_loop<NB, UNROLL>(acc, rows, x_row, chunks, q, unused);
+#else
+        int k_begin, k_end;
+        k_range(chunks, 0, k_begin, k_end);
+        mma_rows_by_columns<UNROLL, NB, false, GATE_UP_ROUNDS>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi,
+                                                               x_row, k_begin, k_end, q, unused);
+        for (int r = 1; r < GB_KSPLIT; ++r) {                        // the next ranges, added in range order
+            float part[NB][4];
+            k_range(chunks, r, k_begin, k_end);
+            mma_rows_by_columns<UNROLL, NB, false, GATE_UP_ROUNDS>(part, rows.lo, rows.hi, rows.scale_lo,
+                                                                   rows.scale_hi, x_row, k_begin, k_end, q, unused);
+            #pragma unroll
+            for (int nb = 0; nb < NB; ++nb)
+                #pragma unroll
+                for (int v = 0; v < 4; ++v) acc[nb][v] = __fadd_rn(acc[nb][v], part[nb][v]);
+        }
+#endif
+        #pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int pp = nb * 8 + 2 * q + h;
+                if (pp < n && i0 + g < inter) {
+                    const long long p = __ldg(pairs + tile + pp);
+                    const float gate = acc[nb][h], up = acc[nb][2 + h];
+                    const float silu = gate / (1.0f + expf(-gate));  // IEEE division (no fast-math)
+                    intermediate[p * inter + i0 + g] = f32_to_bf16(silu * up);  // the one bf16 rounding
+                }
+            }
+    }
+}
+
 // ------------------------------------------------------------------------------------------------
 // moe_gate_up_mma: block b owns work unit a (a list slot as moe_gate_up_batched, or with PAIR_TILES a tile of
 //   one slot's pairs); its warp w owns neurons i0 .. i0+7,
 //   i0 = ((b mod per_slot) * GB_WARPS + w) * 8: A rows 0..7 = gate rows i0+g, rows 8..15 = up rows i0+g, so
 //   lane (g, q) ends with gate AND up of neuron i0+g for pairs 2q, 2q+1 of each 8-pair block -- SiLU(g) * u
 //   and the one bf16 rounding happen in the lane, no shuffle. B column g = x[token of pair g] (L1 hits).
-//   GB_NBLK blocks of 8 pairs per pass (A shared), GB_UNROLL k blocks of loads in flight per lane.
+//   GB_NBLK blocks of 8 pairs per pass (A shared), GB_UNROLL k blocks of loads in flight per lane; with HOT_GB a
+//   tile of more than 8 * GB_NBLK pairs (a hot expert's) in one pass of HOT_NBLK blocks.
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
     const bf16_t* __restrict__ x,             // [T, H]
@@ -1031,53 +1095,14 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
         return;
     }
     const ARows rows = w13_rows(w13, s13, e, min(i0 + g, inter - 1), hidden, inter);   // past the end: the last row
-    const int chunks = hidden / 8;                                   // chunks of 8 values (H % 8 == 0)
-
-    for (int tile = 0; tile < count; tile += 8 * GB_NBLK) {
-        const int n = min(8 * GB_NBLK, count - tile);
-        const uint4* x_row[GB_NBLK];                                 // B column g of each 8-pair block
-        #pragma unroll
-        for (int nb = 0; nb < GB_NBLK; ++nb) {
-            const int p = __ldg(pairs + tile + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
-            x_row[nb] = reinterpret_cast<const uint4*>(x + (size_t)(p / top_k) * hidden);   // int: no division call
-        }
-        float acc[GB_NBLK][4];
-        bool unused = true;
-#if GB_KSPLIT == 1
-        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false, GATE_UP_ROUNDS>(acc, rows.lo, rows.hi, rows.scale_lo,
-                                                                      rows.scale_hi, x_row, 0, chunks, q, unused);
-#elif GB_RANGE_FLUSH
-        split_chain_one_loop(acc, rows, x_row, chunks, q, unused);
-#else
-        int k_begin, k_end;
-        k_range(chunks, 0, k_begin, k_end);
-        mma_rows_by_columns<GB_UNROLL, GB_NBLK, false, GATE_UP_ROUNDS>(acc, rows.lo, rows.hi, rows.scale_lo,
-                                                                      rows.scale_hi, x_row, k_begin, k_end, q, unused);
-        for (int r = 1; r < GB_KSPLIT; ++r) {                        // the next ranges, added in range order
-            float part[GB_NBLK][4];
-            k_range(chunks, r, k_begin, k_end);
-            mma_rows_by_columns<GB_UNROLL, GB_NBLK, false, GATE_UP_ROUNDS>(part, rows.lo, rows.hi, rows.scale_lo,
-                                                                          rows.scale_hi, x_row, k_begin, k_end, q,
-                                                                          unused);
-            #pragma unroll
-            for (int nb = 0; nb < GB_NBLK; ++nb)
-                #pragma unroll
-                for (int v = 0; v < 4; ++v) acc[nb][v] = __fadd_rn(acc[nb][v], part[nb][v]);
-        }
-#endif
-        #pragma unroll
-        for (int nb = 0; nb < GB_NBLK; ++nb)
-            #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int pp = nb * 8 + 2 * q + h;
-                if (pp < n && i0 + g < inter) {
-                    const long long p = __ldg(pairs + tile + pp);
-                    const float gate = acc[nb][h], up = acc[nb][2 + h];
-                    const float silu = gate / (1.0f + expf(-gate));  // IEEE division (no fast-math)
-                    intermediate[p * inter + i0 + g] = f32_to_bf16(silu * up);  // the one bf16 rounding
-                }
-            }
+#if HOT_GB
+    if (count > 8 * GB_NBLK) {                                       // warp-uniform: a hot expert's tile
+        gate_up_passes<HOT_NBLK, HOT_UNROLL(GB_UNROLL, GB_NBLK)>(rows, x, pairs, count, intermediate, hidden, inter,
+                                                                 top_k, i0, g, q);
+        return;
     }
+#endif
+    gate_up_passes<GB_NBLK, GB_UNROLL>(rows, x, pairs, count, intermediate, hidden, inter, top_k, i0, g, q);
 }
 #endif
 
@@ -1243,13 +1268,50 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
 #endif  // !DB_GROUPED
 
 #if DB_GROUPED
+// The grouped down warp's passes over a tile's `count` pairs (tile_pairs[0 .. count - 1]): NB 8-pair blocks per pass,
+// UNROLL k blocks of loads in flight per lane; lane (g, q) writes rows h0+g, h0+g+8 of its pairs' FP32 rows.
+template <int NB, int UNROLL>
+__device__ __forceinline__ void down_grouped_passes(const ARows& rows, const int* tile_pairs, int count,
+                                                    const bf16_t* __restrict__ intermediate,
+                                                    const float* __restrict__ topk_weights,
+                                                    float* __restrict__ pair_out, int hidden, int inter, int h0, int g,
+                                                    int q, bool& waited) {
+    const int chunks = inter / 8;                                    // chunks of 8 values (I % 8 == 0)
+    for (int sub = 0; sub < count; sub += 8 * NB) {
+        const int n = min(8 * NB, count - sub);
+        const uint4* inter_row[NB];
+        #pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+            const int p = __ldg(tile_pairs + sub + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
+            inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
+        }
+        float acc[NB][4];
+        mma_rows_by_columns<UNROLL, NB, true, DOWN_GROUPED_ROUNDS>(acc, rows.lo, rows.hi, rows.scale_lo,
+                                                                   rows.scale_hi, inter_row, 0, chunks, q, waited);
+        #pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int pp = nb * 8 + 2 * q + h;
+                if (pp < n) {
+                    const long long p = __ldg(tile_pairs + sub + pp);
+                    const float weight = __ldg(topk_weights + p);
+                    float* row = pair_out + p * hidden;
+                    if (h0 + g < hidden) row[h0 + g] = __fmul_rn(weight, acc[nb][h]);
+                    if (h0 + g + 8 < hidden) row[h0 + g + 8] = __fmul_rn(weight, acc[nb][2 + h]);
+                }
+            }
+    }
+}
+
 // ------------------------------------------------------------------------------------------------
 // moe_down_grouped (DB_GROUPED): the down as one grouped GEMM over the tile table, like the tensor-core gate_up.
 //   Block b owns tile a = b / per_tile (tiles past lists[3] and the bad-id slot's tiles exit) and hidden rows
 //   h0 .. h0 + 16*DB_WARPS - 1; warp w the 16 rows from h0 + 16w: A = w2[e, those rows, all of I], B column g =
-//   the intermediate row of pair g of each 8-pair block of the tile (DB_NBLK blocks per pass). Lane (g, q) ends
-//   with rows h0+g, h0+g+8 of pairs 2q, 2q+1 and writes pair_out[p, h] = topk_weight[p] * dot (FP32, once per
-//   element: every good pair's row is written by exactly one warp per 16 rows). No shared memory, no atomics;
+//   the intermediate row of pair g of each 8-pair block of the tile (DB_NBLK blocks per pass; HOT_NBLK for a tile of
+//   more than 8 * DB_NBLK pairs, HOT_DB). Lane (g, q) ends with rows h0+g, h0+g+8 of pairs 2q, 2q+1 and writes
+//   pair_out[p, h] = topk_weight[p] * dot (FP32, once per element: every good pair's row is written by exactly one
+//   warp per 16 rows). No shared memory, no atomics;
 //   the expert's later tiles re-read its rows while the first tile's blocks run (L2 hits), as in gate_up.
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void DB_BOUNDS moe_down_grouped(
@@ -1277,33 +1339,15 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
         const int* tile_pairs = sorted_pairs(lists, slots) + first;
         const int h_lo = min(h0 + g, hidden - 1), h_hi = min(h0 + g + 8, hidden - 1);   // past the end: last row
         const ARows rows = w2_rows(w2, s2, e, h_lo, h_hi, hidden, inter);
-        const int chunks = inter / 8;                                // chunks of 8 values (I % 8 == 0)
-        for (int sub = 0; sub < count; sub += 8 * DB_NBLK) {
-            const int n = min(8 * DB_NBLK, count - sub);
-            const uint4* inter_row[DB_NBLK];
-            #pragma unroll
-            for (int nb = 0; nb < DB_NBLK; ++nb) {
-                const int p = __ldg(tile_pairs + sub + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
-                inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
-            }
-            float acc[DB_NBLK][4];
-            mma_rows_by_columns<DB_UNROLL, DB_NBLK, true, DOWN_GROUPED_ROUNDS>(acc, rows.lo, rows.hi, rows.scale_lo,
-                                                                              rows.scale_hi, inter_row, 0, chunks, q,
-                                                                              waited);
-            #pragma unroll
-            for (int nb = 0; nb < DB_NBLK; ++nb)
-                #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int pp = nb * 8 + 2 * q + h;
-                    if (pp < n) {
-                        const long long p = __ldg(tile_pairs + sub + pp);
-                        const float weight = __ldg(topk_weights + p);
-                        float* row = pair_out + p * hidden;
-                        if (h0 + g < hidden) row[h0 + g] = __fmul_rn(weight, acc[nb][h]);
-                        if (h0 + g + 8 < hidden) row[h0 + g + 8] = __fmul_rn(weight, acc[nb][2 + h]);
-                    }
-                }
-        }
+#if HOT_DB
+        if (count > 8 * DB_NBLK)                                     // warp-uniform: a hot expert's tile
+            down_grouped_passes<HOT_NBLK, HOT_UNROLL(DB_UNROLL, DB_NBLK)>(rows, tile_pairs, count, intermediate,
+                                                                         topk_weights, pair_out, hidden, inter, h0, g,
+                                                                         q, waited);
+        else
+#endif
+            down_grouped_passes<DB_NBLK, DB_UNROLL>(rows, tile_pairs, count, intermediate, topk_weights, pair_out,
+                                                    hidden, inter, h0, g, q, waited);
     }
     down_epilogue_wait();  // warps that never waited (no work, or DB_EARLY_W2 off) before the grid may end
 }

@@ -144,7 +144,7 @@ def test_resolve_params_validates() -> None:
     assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=80)["DB_MAX_REGS"] == 80
     resolved = wdb.resolve_params(dims)
     switches = ("MAX_REGS", "MMA", "PDL", "EARLY_W2", "BALANCE", "PAIR_TILES", "GROUPED", "W_FP8", "PER_PAIR",
-                "FP8_", "WHOLE_RANGES", "RANGE_FLUSH", "PAIRS_INNER")  # 0: off
+                "FP8_", "WHOLE_RANGES", "RANGE_FLUSH", "PAIRS_INNER", "HOT_NBLK")  # 0: off
     assert set(resolved) == set(wdb.DEFAULTS)
     assert all(v > 0 for k, v in resolved.items() if not any(s in k for s in switches))
 
@@ -182,6 +182,13 @@ def test_auto_knobs() -> None:
     assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8), GB_MMA=1, GB_NBLK=1)["GB_NBLK"] == 1
     fp8 = wdb.resolve_params(Dims(64, 2048, 768, 128, 8), **wdb.MMA_KNOBS, W_FP8=1)  # FP8: one block, byte permute
     assert (fp8["GB_NBLK"], fp8["DB_NBLK"], fp8["FP8_PRMT"]) == (1, 1, 1)
+    # auto HOT_NBLK: 2 on FP8 from T*K >= 4E (qwen3 T = 64: a hot tile in one two-block pass), else 0; bf16 0
+    hot = {(knobs, t): wdb.resolve_params(Dims(t, 2048, 768, 128, 8), **getattr(wdb, knobs))["HOT_NBLK"]
+           for knobs in ("MMA_FP8_KNOBS", "FP8_GROUPED_KNOBS", "MMA_KNOBS", "FP8_PER_PAIR_KNOBS") for t in (32, 64)}
+    assert [hot[k, t] for k in ("MMA_FP8_KNOBS", "FP8_GROUPED_KNOBS") for t in (32, 64)] == [0, 2, 0, 2]
+    assert hot["MMA_KNOBS", 64] == hot["FP8_PER_PAIR_KNOBS", 64] == 0
+    assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8), **wdb.MMA_FP8_KNOBS, GB_NBLK=2)["HOT_NBLK"] == 0
+    assert wdb.tile_pairs(fp8) == 16 and wdb.tile_pairs(wdb.resolve_params(None, **wdb.MMA_FP8_KNOBS)) == 8
     assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8), DB_MMA=1, DB_WARPS=4)["DB_WARPS"] == 4
     # auto DB_BALANCE (-1 in the tensor-core knob sets): where the round-robin's last round is < 85 % full on average
     balance = {t: wdb.resolve_params(Dims(t, 2048, 768, 128, 8), **wdb.MIXED_KNOBS)["DB_BALANCE"]
@@ -285,7 +292,7 @@ def expert_lists_numpy(topk_ids: np.ndarray, experts: int, tile_pairs: int = 0) 
 def _tile_pairs(dims: Dims, params: dict[str, Any]) -> int:
     """Pairs per tile of the tile table these knobs write (0: none)."""
     resolved = wdb.resolve_params(dims, **params)
-    return 8 * resolved["GB_NBLK"] if resolved["PAIR_TILES"] else 0
+    return wdb.tile_pairs(resolved) if resolved["PAIR_TILES"] else 0
 
 
 def _unpack_lists(raw: np.ndarray, dims: Dims) -> dict[str, Any]:
@@ -581,6 +588,10 @@ EMULATED += [
     # PAIRS_INNER: the per-pair blocks numbered pairs (tokens) fastest, one chain and split chains
     (MULTI_SHAPE, 6, "same", {"GB_MMA": 1, "DB_MMA": 1, "PER_PAIR": 1, "GB_WARPS": 2, "PAIRS_INNER": 1}, True),
     (MULTI_SHAPE, 5, "zipf", {**wdb.PER_PAIR_KNOBS, "GB_KSPLIT": 4, "GB_WARPS": 4, "PAIRS_INNER": 1}, False),
+    # HOT_NBLK 3: tiles of up to 24 pairs, each (12 pairs) in one gate_up pass of three 8-pair blocks, the last
+    # empty; the balanced down's (tile, k block) runs over them
+    (MULTI_SHAPE, 12, "same", {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_BALANCE": -1, "HOT_NBLK": 3,
+                               "DB_WARPS": 3, "LIST_THREADS": 32, "LIST_PER": 0}, False),
 ]
 
 

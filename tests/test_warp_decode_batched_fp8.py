@@ -255,6 +255,31 @@ def test_range_flush_emulated() -> None:
         wdb.resolve_params(dims, W_FP8=1, **{**knobs, "GB_KSPLIT": 8, "GB_RANGE_FLUSH": 1})  # 8-chunk ranges
 
 
+@pytest.mark.slow
+def test_hot_tiles_emulated() -> None:
+    """HOT_NBLK 2: the tile table holds tiles of up to 16 pairs, and a tile with more than 8 runs in ONE pass of two
+    8-pair blocks with half the k blocks in flight. In the batch-invariant grouped path (split-chain gate_up with the
+    range flush, 16-value loads, scale-block sums; the grouped down) that moves work only: the same bits as one block
+    per pass, on FP8 and bf16 weights, with hot tiles (up to 12 pairs) beside ordinary ones."""
+    base = make_problem(SHAPE_400, 12, seed=12, routing="zipf")
+    counts = np.bincount(base.topk_ids.ravel(), minlength=SHAPE_400.experts)
+    assert counts.max() > 8 and 0 < counts.min() <= 8  # hot tiles and ordinary ones
+    knobs = {**{k: v for k, v in wdb.FP8_GROUPED_KNOBS.items() if k != "W_FP8"}, "GB_KSPLIT": 4, "GB_UNROLL": 2,
+             "GB_NBLK": 1, "LIST_THREADS": 32, "LIST_PER": 0}
+    for problem, w_fp8 in ((_fp8_problem(base), 1), (base, 0)):
+        dims = _dims(problem)
+        hot = wdb.resolve_params(dims, W_FP8=w_fp8, **{**knobs, "HOT_NBLK": 2})
+        assert (hot["GB_NBLK"], hot["DB_NBLK"], hot["GB_RANGE_FLUSH"], wdb.tile_pairs(hot)) == (1, 1, 1, 16)
+        run = _emulate if w_fp8 else emulate_batched
+        got = run(problem, out_dtype=np.float32, **{**knobs, "HOT_NBLK": 2})
+        want = run(problem, out_dtype=np.float32, **{**knobs, "HOT_NBLK": 0})
+        _assert_lists_equal(_unpack_lists(got["lists"], dims), expert_lists_numpy(problem.topk_ids, dims.experts, 16))
+        assert np.array_equal(got["inter"], want["inter"]), w_fp8
+        assert np.array_equal(got["out"].view(np.uint32), want["out"].view(np.uint32)), w_fp8
+    with pytest.raises(ValueError, match="HOT_NBLK widens the tensor-core gate_up's passes"):
+        wdb.resolve_params(dims, HOT_NBLK=2)
+
+
 # ---------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------
@@ -414,3 +439,28 @@ def test_gpu_range_flush_bitwise(model: str, tokens: int, routing: str) -> None:
     assert np.array_equal(run(**{**wdb.FP8_GROUPED_KNOBS, "GB_RANGE_FLUSH": 0}).view(np.uint16), flush.view(np.uint16))
     assert np.array_equal(run(**wdb.FP8_PER_PAIR_KNOBS).view(np.uint16), flush.view(np.uint16))
     assert np.array_equal(run(**flush_knobs).view(np.uint16), flush.view(np.uint16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("model", "tokens", "routing"),
+                         [("qwen3-30b-a3b", 32, "zipf"), ("qwen3-235b-a22b", 64, "same")])
+def test_gpu_hot_tiles_bitwise(model: str, tokens: int, routing: str) -> None:
+    """HOT_NBLK 2 at the presets' widths, 16 experts (hot ones hold up to T pairs): the grouped FP8 path gives the bits
+    of one 8-pair block per pass, every output written (NaN-poisoned out and intermediate); the plain tensor-core FP8
+    path, whose balanced down follows the wider tiles, matches the reference on the same weights."""
+    import cupy
+
+    from kernels.shapes import get_shape
+
+    run_shape = get_shape(model).with_(experts=16)
+    host = _fp8_problem(make_problem(run_shape, tokens, seed=tokens + 3, routing=routing))
+    problem = _device(cupy, make_problem(run_shape, tokens, seed=tokens + 3, routing=routing))
+    assert np.bincount(host.topk_ids.ravel()).max() > 8
+    hot = _run_poisoned(cupy, problem, **{**wdb.FP8_GROUPED_KNOBS, "HOT_NBLK": 2})
+    faithful, oracle = _references(host)
+    _assert_matches(hot, faithful, oracle, f"fp8 hot tiles {model} T={tokens} {routing}", own_order=True)
+    one_block = _run_poisoned(cupy, problem, **{**wdb.FP8_GROUPED_KNOBS, "HOT_NBLK": 0})
+    assert np.array_equal(one_block.view(np.uint16), hot.view(np.uint16))
+    plain = _run_poisoned(cupy, problem, **{**wdb.MMA_FP8_KNOBS, "HOT_NBLK": 2})
+    _assert_matches(plain, faithful, oracle, f"fp8 hot tiles, plain path {model} T={tokens}", own_order=True)
+
