@@ -28,6 +28,9 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_sanitizer_ncu
              (GB_RANGE_FLUSH 1), bf16 (grouped and plain tensor-core paths) and FP8 (grouped), on a small shape where
              both can run, under Zipf and all-on-one-set routings, outputs compared with the references (added
              2026-12-02, for those two forms).
+* ``hot``    a hot expert's tile in one pass of 2 / 3 8-pair blocks (HOT_NBLK), bf16 and FP8, the grouped and the
+             balanced downs, under Zipf and all-on-one-set routings, outputs compared with the references (added
+             2026-12-02, for hot tiles).
 * ``fp8-chunks`` strict FP8 at 16-value chunks (and 8 slots at 16-value gate_up chunks) on a shape with partial
              scale blocks at both edges and at qwen3-30b-a3b T = 2 (added 2026-12-01 late).
 """
@@ -204,6 +207,34 @@ def whole_flush() -> None:
     print("resolved", wdb.resolve_params(_dims(problem), **{**wdb.GROUPED_KNOBS, **both}), flush=True)
 
 
+HOT_CASES = (  # (variant, knobs): a hot tile in one pass of 2 / 3 blocks, the grouped and the balanced downs
+    ("cupy:warp-decode-mma-grouped", {"GB_NBLK": 1, "HOT_NBLK": 3}),
+    ("cupy:warp-decode-mma", {"GB_NBLK": 1, "HOT_NBLK": 2, "DB_GROUPED": 0}),
+    ("cupy:warp-decode-mma-grouped-fp8", {"GB_UNROLL": 2, "HOT_NBLK": 2, "GB_RANGE_FLUSH": 1}),
+    ("cupy:warp-decode-mma-fp8", {"HOT_NBLK": 2, "DB_GROUPED": 0}),
+)
+
+
+def hot() -> None:
+    """HOT_NBLK: tiles of up to 16 / 24 pairs, a hot expert's tile in one pass of 2 / 3 8-pair blocks, bf16 and FP8,
+    under Zipf and all-on-one-set routings (added 2026-12-02, for hot tiles)."""
+    from kernels import warp_decode_batched as wdb
+    from kernels.reference import moe_decode
+
+    for tokens, routing in ((12, "zipf"), (16, "same")):
+        problem = make_problem(WHOLE_FLUSH_SHAPE, tokens, seed=8, routing=routing, xp=cupy)
+        faithful, oracle = _references(problem)
+        fp8_problem, weights, args, fp8_oracle = _fp8_case(WHOLE_FLUSH_SHAPE, tokens, routing)
+        fp8_faithful = moe_decode(*args, mode="warp_decode", weight_format="fp8-block128")
+        tag = f"{_dims(problem)} {routing}"
+        for name, knobs in HOT_CASES:
+            if name.endswith("fp8"):
+                _run_checked(name, fp8_problem, weights, fp8_faithful, fp8_oracle, tag, **knobs)
+            else:
+                _run_checked(name, problem, (problem.w13, problem.w2), faithful, oracle, tag, **knobs)
+    print("resolved", wdb.resolve_params(_dims(problem), **{**wdb.MMA_FP8_KNOBS, **HOT_CASES[-1][1]}), flush=True)
+
+
 def layers(name: str, model: str, tokens: int, count: int = 3, routing: str = "uniform") -> None:
     prototypes.load()
     problem = make_problem(model, tokens, seed=8, routing=routing, xp=cupy)
@@ -232,6 +263,8 @@ if __name__ == "__main__":
         fp8()
     elif what == "whole-flush":
         whole_flush()
+    elif what == "hot":
+        hot()
     elif what == "fp8-chunks":
         fp8_chunks()
     elif what == "fp8-mma-t32":
