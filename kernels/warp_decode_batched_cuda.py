@@ -124,7 +124,8 @@ __device__ __forceinline__ void weight_pair(const W& wv, int w, float scale, flo
 // HOT_NBLK > GB_NBLK: a tile holds up to 8 * HOT_NBLK pairs, and a tile with more than one GB_NBLK pass of pairs
 // runs in ONE pass of HOT_NBLK 8-pair blocks (the A fragments loaded and widened once for all of them) with fewer k
 // blocks in flight (the B fragments' registers stay those of the normal pass); the grouped down likewise with DB_NBLK.
-// A work knob: each column's mma chain is the same, so the outputs are bitwise the same.
+// A work knob: each column's mma chain is the same, so the gate_up's and the grouped down's outputs are bitwise the
+// same (the balanced tensor-core down's runs follow the tile table: its sums may change order).
 #define HOT_GB (HOT_NBLK > GB_NBLK)
 #define HOT_DB (HOT_NBLK > DB_NBLK)
 #define TILE_PAIRS (8 * (HOT_GB ? HOT_NBLK : GB_NBLK))  // pairs per tile of the tile table: one gate_up pass
@@ -974,12 +975,12 @@ __device__ __forceinline__ void split_chain_one_loop(float (&total)[NB][4], cons
     int c0 = 0;
     for (; c0 + ROUND <= chunks; c0 += ROUND) {
         mma_round<UNROLL, NB, false, false>(part, scale_part, lo_row, hi_row, rows.scale_lo, rows.scale_hi, cols,
-                                               c0, chunks, q, waited);
+                                            c0, chunks, q, waited);
         if ((c0 + ROUND) % size == 0 || c0 + ROUND == chunks) flush();
     }
     if (c0 < chunks) {                                               // the last range's partial last round
         mma_round<UNROLL, NB, false, true>(part, scale_part, lo_row, hi_row, rows.scale_lo, rows.scale_hi, cols,
-                                             c0, chunks, q, waited);
+                                           c0, chunks, q, waited);
         flush();
     }
     for (; flushed < GB_KSPLIT; ++flushed)                           // empty ranges: + 0.0f each
