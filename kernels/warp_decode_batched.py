@@ -161,6 +161,11 @@ def auto_down_tile(dims: Dims) -> int:
     return min(auto_tile(dims), 4)
 
 
+def experts_average_four_pairs(dims: Dims) -> bool:
+    """T*K >= 4E (qwen3: T >= 64): where a second 8-pair block per pass pays (bf16 always, FP8 for hot tiles)."""
+    return dims.tokens * dims.top_k >= 4 * dims.experts
+
+
 def auto_nblk(dims: Dims, fp8: bool = False) -> int:
     """The tensor-core gate_up's 8-pair blocks per pass: bf16 2 once an expert averages 4 or more pairs (T*K/E >= 4,
     qwen3 T >= 64), else 1 (H200 sweeps: results/sweep-mma-30b-t64.json and the ones notes/ cite). FP8 weights 1:
@@ -168,7 +173,7 @@ def auto_nblk(dims: Dims, fp8: bool = False) -> int:
     occupancy (H200, T = 64, uniform: the tensor-core FP8 path qwen3-30b 199.7 -> 169.5 us, qwen3-235b 740.0 ->
     612.3, results/sweep-2026-12-02-fp8-nblk-*.json; the grouped FP8 path 209.6 -> 167.1 and 747.2 -> 602.5,
     results/sweep-2026-12-02-fp8-grouped-nblk-*.json)."""
-    return 2 if not fp8 and dims.tokens * dims.top_k >= 4 * dims.experts else 1
+    return 2 if not fp8 and experts_average_four_pairs(dims) else 1
 
 
 def auto_hot_nblk(dims: Dims | None, values: dict[str, int]) -> int:
@@ -179,7 +184,7 @@ def auto_hot_nblk(dims: Dims | None, values: dict[str, int]) -> int:
     (its two-block passes from T = 64 already cover most hot tiles), 4 costs occupancy."""
     if dims is None or not (values["W_FP8"] and values["PAIR_TILES"] and values["GB_NBLK"] == 1):
         return 0
-    return 2 if dims.tokens * dims.top_k >= 4 * dims.experts else 0
+    return 2 if experts_average_four_pairs(dims) else 0
 
 
 def fp8_on_tensor_cores(values: dict[str, int]) -> bool:
