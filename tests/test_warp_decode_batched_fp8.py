@@ -447,7 +447,8 @@ def test_gpu_range_flush_bitwise(model: str, tokens: int, routing: str) -> None:
 def test_gpu_hot_tiles_bitwise(model: str, tokens: int, routing: str) -> None:
     """HOT_NBLK 2 at the presets' widths, 16 experts (hot ones hold up to T pairs): the grouped FP8 path gives the bits
     of one 8-pair block per pass, every output written (NaN-poisoned out and intermediate); the plain tensor-core FP8
-    path, whose balanced down follows the wider tiles, matches the reference on the same weights."""
+    path with it (its grouped down too at these T: T*K >= 2E) matches the reference on the same weights. The
+    balanced down over wider tiles is checked emulated (tests/test_warp_decode_batched.py, HOT_NBLK 3)."""
     import cupy
 
     from kernels.shapes import get_shape
