@@ -18,7 +18,8 @@ grouped down at every T (``"cupy:warp-decode-mma-grouped"``) or its per-pair for
 which share one numerics (``kernels.warp_decode_batched.GROUPED_KNOBS``: a pair's gate_up dots are mma chains over
 ``INVARIANT_KSPLIT`` fixed k ranges, a function of H alone, added in range order; a column never sees another; each
 pair's down row is weighted once and a token's slots are summed in slot order from 0), so switching between them
-with T changes nothing. "fastest" and "warp_decode" are not
+with T changes nothing. The FP8 pair (``FP8_GROUPED_KNOBS``, ``FP8_PER_PAIR_KNOBS``) takes ``FP8_INVARIANT_KSPLIT``
+ranges, both forms alike. "fastest" and "warp_decode" are not
 batch-invariant: they switch between paths whose sums differ (strict's lane chains, the tensor core's, the batched
 downs' per-warp partials).
 

@@ -581,8 +581,14 @@ FP8_KNOBS = {"W_FP8": 1, "GB_BYTES": 16, "DB_MAX_REGS": 160}
 # 56.1 us against 24.3 / 37.5 / 69.7 at the bf16 form's 4 / 8); PAIRS_INNER 0: on FP8 weights 1 changed T = 1 / 2
 # by -1.8 to +2.3 % (both models, both routings) and saved 1.8-2.4 % at qwen3-30b T = 4 (235b T = 4 not measured;
 # results/sweep-2026-12-02-pairs-inner-fp8-*) -- not yet a case for a rule
-FP8_GROUPED_KNOBS = {**GROUPED_KNOBS, "W_FP8": 1}
-FP8_PER_PAIR_KNOBS = {**PER_PAIR_KNOBS, "W_FP8": 1, "GB_UNROLL": 2, "DB_UNROLL": 4, "PAIRS_INNER": 0}
+# GB_KSPLIT 4, not the bf16 pair's 8 (H200, results/sweep-2026-12-02-fp8-pairs-ksplit-*.json,
+# sweep-2026-12-02-fp8-grouped-ksplit-unroll-*.json): per-pair 5-7 % faster at qwen3-30b T = 1 / 2 / 4 (15.0 vs 15.8 us
+# at T = 1) and 2-3 % at qwen3-235b, the grouped path 2.5-4 % faster at qwen3-235b T = 8..64 (5-6 % under Zipf), the
+# same at qwen3-30b: a range of H / 4 keeps a warp's k blocks in flight for twice the loop (FP8 rows are half the bytes)
+FP8_INVARIANT_KSPLIT = 4
+FP8_GROUPED_KNOBS = {**GROUPED_KNOBS, "W_FP8": 1, "GB_KSPLIT": FP8_INVARIANT_KSPLIT}
+FP8_PER_PAIR_KNOBS = {**PER_PAIR_KNOBS, "W_FP8": 1, "GB_KSPLIT": FP8_INVARIANT_KSPLIT, "GB_UNROLL": 2, "DB_UNROLL": 4,
+                      "PAIRS_INNER": 0}
 MMA_FP8_KNOBS = {**MMA_KNOBS, "W_FP8": 1}
 
 

@@ -132,7 +132,10 @@ def test_invariant_forms_agree_in_any_batch_on_the_gpu(weight_format: str) -> No
     w13, w2 = weights.w13, weights.w2
     if weight_format != "bf16":
         w13, w2 = quantize_weights(w13, w2, weight_format)
-    pairs, grouped = wdb.PER_PAIR_KNOBS, wdb.GROUPED_KNOBS
+    if weight_format == "bf16":
+        pairs, grouped = wdb.PER_PAIR_KNOBS, wdb.GROUPED_KNOBS
+    else:
+        pairs, grouped = wdb.FP8_PER_PAIR_KNOBS, wdb.FP8_GROUPED_KNOBS
     assert pairs["GB_KSPLIT"] == grouped["GB_KSPLIT"] > 1
 
     def run(host: tuple[Any, ...], knobs: dict[str, int]) -> np.ndarray:
