@@ -31,6 +31,9 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_sanitizer_ncu
 * ``hot``    a hot expert's tile in one pass of 2 / 3 8-pair blocks (HOT_NBLK), bf16 and FP8, the grouped and the
              balanced downs, under Zipf and all-on-one-set routings, outputs compared with the references (added
              2026-12-02, for hot tiles).
+* ``fp8-pair`` the FP8 batch-invariant pair (grouped and per-pair forms) at its 4 k ranges -- two groups of 8 neurons
+             per per-pair block -- on odd shapes with partial scale blocks and at qwen3-30b-a3b T = 3, outputs
+             compared with the references (added 2026-12-02, for the FP8 pair's 4 ranges).
 * ``fp8-chunks`` strict FP8 at 16-value chunks (and 8 slots at 16-value gate_up chunks) on a shape with partial
              scale blocks at both edges and at qwen3-30b-a3b T = 2 (added 2026-12-01 late).
 """
@@ -235,6 +238,18 @@ def hot() -> None:
     print("resolved", wdb.resolve_params(_dims(problem), **{**wdb.MMA_FP8_KNOBS, **HOT_CASES[-1][1]}), flush=True)
 
 
+def fp8_pair() -> None:
+    """The FP8 invariant pair at its library knobs (FP8_INVARIANT_KSPLIT ranges), Zipf / all-on-one-set routings."""
+    from kernels.reference import moe_decode
+
+    for shape, tokens, routing in ((ODD_SHAPES["h2880-i264"], 7, "zipf"), (ODD_SHAPES["h264-i40"], 9, "same"),
+                                   ("qwen3-30b-a3b", 3, "zipf")):
+        problem, weights, args, oracle = _fp8_case(shape, tokens, routing)
+        faithful = moe_decode(*args, mode="warp_decode", weight_format="fp8-block128")
+        for name in ("cupy:warp-decode-mma-pairs-fp8", "cupy:warp-decode-mma-grouped-fp8"):
+            _run_checked(name, problem, weights, faithful, oracle, f"{_dims(problem)} {routing}")
+
+
 def layers(name: str, model: str, tokens: int, count: int = 3, routing: str = "uniform") -> None:
     prototypes.load()
     problem = make_problem(model, tokens, seed=8, routing=routing, xp=cupy)
@@ -267,6 +282,8 @@ if __name__ == "__main__":
         hot()
     elif what == "fp8-chunks":
         fp8_chunks()
+    elif what == "fp8-pair":
+        fp8_pair()
     elif what == "fp8-mma-t32":
         fp8_layers("cupy:warp-decode-mma-fp8", "qwen3-30b-a3b", 32)
     elif what == "fp8-strict-t1":
@@ -276,5 +293,5 @@ if __name__ == "__main__":
     elif what == "new-odd":
         new(odd_only=True)
     else:
-        raise SystemExit(f"unknown workload {what!r}: small, skew, t64, zipf64, t1, fp8, fp8-chunks, fp8-mma-t32, "
-                         "fp8-strict-t1, new, new-odd or whole-flush")
+        raise SystemExit(f"unknown workload {what!r}: small, skew, t64, zipf64, t1, fp8, fp8-chunks, fp8-pair, "
+                         "fp8-mma-t32, fp8-strict-t1, new, new-odd, whole-flush or hot")
