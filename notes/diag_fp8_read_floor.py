@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 from typing import Any
 
@@ -27,7 +26,7 @@ from kernels.compile import get_kernel  # noqa: E402
 from kernels.contract import Dims  # noqa: E402
 from kernels.shapes import get_shape  # noqa: E402
 from tools import roofline  # noqa: E402
-from tools.roofline import window_read_samples  # noqa: E402
+from tools.roofline import window_read_buffers, window_read_row, window_read_samples  # noqa: E402
 
 SHAPES = [(8, 512), (4, 512), (16, 128), (2, 1024)]  # (blocks per SM, threads per block)
 
@@ -44,11 +43,7 @@ def layer_bytes(model: str) -> tuple[int, int]:
 
 def main() -> dict[str, Any]:
     sms = cupy.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
-    total = 4 << 30
-    source = cupy.empty(total // 4, dtype=cupy.uint32)
-    source.fill(0x01020304)
-    sink = cupy.zeros(1, dtype=cupy.uint32)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    source, sink, stream = window_read_buffers()
     rows = []
     for model in ("qwen3-30b-a3b", "qwen3-235b-a22b"):
         w13, w2 = (-(-n // 4096) * 4096 for n in layer_bytes(model))
@@ -58,11 +53,9 @@ def main() -> dict[str, Any]:
                 for two_kernels in (False, True):
                     parts = [(0, w13), (w13, w2)] if two_kernels else None
                     samples = window_read_samples(read, per_sm * sms, threads, source, sink, stream, w13 + w2, parts)
-                    median = statistics.median(samples)
-                    rows.append({"model": model, "bytes": w13 + w2, "w13_bytes": w13, "w2_bytes": w2,
-                                 "two_kernels": two_kernels, "unroll": unroll, "blocks_per_sm": per_sm,
-                                 "threads": threads, "median_us": median, "min_us": min(samples),
-                                 "tbps": (w13 + w2) / median / 1e6})
+                    rows.append(window_read_row(samples, w13 + w2, model=model, bytes=w13 + w2, w13_bytes=w13,
+                                                w2_bytes=w2, two_kernels=two_kernels, unroll=unroll,
+                                                blocks_per_sm=per_sm, threads=threads))
                     print(rows[-1], flush=True)
     return {"reads": rows, "roofline": roofline.measure()["read_tbps"]}
 

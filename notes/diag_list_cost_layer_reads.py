@@ -27,7 +27,7 @@ from kernels import warp_decode_batched as wdb
 from kernels.compile import get_kernel
 from kernels.shapes import get_shape
 from tools import harness, roofline
-from tools.roofline import ROOFLINE_SOURCE, window_read_samples
+from tools.roofline import ROOFLINE_SOURCE, window_read_buffers, window_read_samples
 
 
 class WithoutLists:
@@ -73,11 +73,7 @@ def sized_reads() -> list[dict[str, Any]]:
     sms = cupy.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
     grid, block = roofline.BLOCKS_PER_SM * sms, roofline.THREADS_PER_BLOCK
     read = get_kernel(ROOFLINE_SOURCE, "stream_read")
-    total = 4 << 30
-    source = cupy.empty(total // 4, dtype=cupy.uint32)
-    source.fill(0x01020304)
-    sink = cupy.zeros(1, dtype=cupy.uint32)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    source, sink, stream = window_read_buffers()
     rows = []
     sizes = [("30b T=1", 75_497_472), ("30b T=8", 487_000_000), ("30b T=32", 1_066_401_792),
              ("30b T=64", 1_189_085_184), ("235b T=1", 302_000_000)]
@@ -89,8 +85,8 @@ def sized_reads() -> list[dict[str, Any]]:
             samples = window_read_samples(read, grid, block, source, sink, stream, nbytes, parts)
             median = statistics.median(samples)
             rows.append({"what": label, "bytes": nbytes, "two_kernels": two_kernels,
-                         "windows": min(48, total // nbytes), "median_us": median, "tbps": nbytes / median / 1e6,
-                         "min_us": min(samples), "max_us": max(samples)})
+                         "windows": min(48, source.nbytes // nbytes), "median_us": median,
+                         "tbps": nbytes / median / 1e6, "min_us": min(samples), "max_us": max(samples)})
             print(rows[-1], flush=True)
     return rows
 

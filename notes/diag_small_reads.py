@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 from typing import Any
 
 import cupy
 
 from kernels.compile import CudaSource, get_kernel
 from tools import roofline
-from tools.roofline import window_read_samples
+from tools.roofline import window_read_buffers, window_read_row, window_read_samples
 
 SOURCE = CudaSource(
     name="diag_small_reads",
@@ -57,21 +56,15 @@ SHAPES = [(8, 512), (4, 256), (2, 1024), (1, 1024), (16, 128), (4, 512)]  # (blo
 
 def main() -> dict[str, Any]:
     sms = cupy.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
-    total = 4 << 30
-    source = cupy.empty(total // 4, dtype=cupy.uint32)
-    source.fill(0x01020304)
-    sink = cupy.zeros(1, dtype=cupy.uint32)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    source, sink, stream = window_read_buffers()
     rows = []
     for label, nbytes in SIZES:
         for unroll in (1, 4, 8):
             read = get_kernel(SOURCE, "read_unrolled", UNROLL=unroll)
             for per_sm, threads in SHAPES:
                 samples = window_read_samples(read, per_sm * sms, threads, source, sink, stream, nbytes)
-                median = statistics.median(samples)
-                rows.append({"what": label, "bytes": nbytes, "unroll": unroll, "blocks_per_sm": per_sm,
-                             "threads": threads, "median_us": median, "min_us": min(samples),
-                             "tbps": nbytes / median / 1e6})
+                rows.append(window_read_row(samples, nbytes, what=label, bytes=nbytes, unroll=unroll,
+                                            blocks_per_sm=per_sm, threads=threads))
                 print(rows[-1], flush=True)
     return {"reads": rows, "roofline": roofline.measure()["read_tbps"]}
 

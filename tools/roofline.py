@@ -168,6 +168,22 @@ def time_launches(launches: list[Any], repeats: int = 20, inner: int = 5) -> lis
     return [sample / len(launches) for sample in _time_graph(graph, stream, repeats, inner)]
 
 
+def window_read_buffers(total: int = 4 << 30) -> tuple[Any, Any, Any]:
+    """The 4 GiB source (nonzero words), the one-word sink and the stream that :func:`window_read_samples` reads
+    through (notes/diag_*.py: reads of one layer's size)."""
+    import cupy
+
+    source = cupy.empty(total // 4, dtype=cupy.uint32)
+    source.fill(0x01020304)
+    return source, cupy.zeros(1, dtype=cupy.uint32), cupy.cuda.Stream(non_blocking=True)
+
+
+def window_read_row(samples: list[float], nbytes: int, **fields: Any) -> dict[str, Any]:
+    """One JSON row of a diagnostic's sized read: ``fields``, then the median, min and TB/s of ``samples`` (µs)."""
+    median = statistics.median(samples)
+    return {**fields, "median_us": median, "min_us": min(samples), "tbps": nbytes / median / 1e6}
+
+
 def window_read_samples(read: Any, grid: int, block: int, source: Any, sink: Any, stream: Any, nbytes: int,
                         parts: list[tuple[int, int]] | None = None, layers: int = 48,
                         repeats: int = 10) -> list[float]:
