@@ -8,7 +8,8 @@ keeps the module in memory, and CuPy keeps the cubin on disk (``$CUPY_CACHE_DIR`
 
 ``offline_report(source, **defines)`` compiles the same text for sm_90 with NVRTC directly
 (``cuda.bindings.nvrtc``) -- no driver, no GPU -- and parses ptxas' resource report (registers, shared
-memory, stack frame, spill bytes). ``ptx_report(ptx)`` does the same for PTX from other front ends
+memory, stack frame, spill bytes); the report is kept in memory by the rendered text, so a text is compiled
+once per process however many callers ask. ``ptx_report(ptx)`` does the same for PTX from other front ends
 (Numba) through nvJitLink. Sources are registered in :data:`SOURCES` (a kernel family does it) so
 ``tools.compile_report`` finds them.
 
@@ -360,9 +361,18 @@ def offline_compile(text: str, arch: str = DEFAULT_ARCH, name: str = "kernel.cu"
         nvrtc.nvrtcDestroyProgram(prog)
 
 
+# (rendered text, arch) -> its kernels' reports: the same text compiles to the same report, and the test suite, the
+# compile report and the sweep ask for many texts more than once (a preset's knobs are also a variant's)
+_REPORTS: dict[tuple[str, str], tuple[KernelResources, ...]] = {}
+
+
 def offline_report(source: CudaSource, arch: str = DEFAULT_ARCH, **defines: int) -> list[KernelResources]:
-    """Resource report of every kernel in ``source`` compiled with these knobs for ``arch``."""
+    """Resource report of every kernel in ``source`` compiled with these knobs for ``arch``; compiled once per
+    process (the key is the rendered text, so an edited ``source.code`` is compiled afresh; errors are not kept)."""
     text = source.render(**defines)
+    cached = _REPORTS.get((text, arch))
+    if cached is not None:
+        return list(cached)
     _, log = offline_compile(text, arch, f"{source.name}.cu")
     reports = parse_ptxas_log(log, arch)
     if not reports:
@@ -377,6 +387,7 @@ def offline_report(source: CudaSource, arch: str = DEFAULT_ARCH, **defines: int)
         reports = [r for r in parse_ptxas_log(log, arch) if r.kernel != marker]
     if not reports:
         raise OfflineCompileError(f"no ptxas report found for {source.name}:\n{log}")
+    _REPORTS[text, arch] = tuple(reports)
     return reports
 
 

@@ -134,10 +134,39 @@ def test_offline_report_recompiles_when_the_compute_cache_swallowed_ptxas_report
         return (cubin, "") if len(texts) == 1 else (cubin, log)
 
     monkeypatch.setattr(compile_mod, "offline_compile", cached_first)
+    monkeypatch.setattr(compile_mod, "_REPORTS", {})  # as in a fresh process: another test may have compiled it
     reports = compile_mod.offline_report(wdc.SOURCE, **wdc.DEFAULTS)
     assert {r.kernel for r in reports} == {wdc.GATE_UP, wdc.DOWN} and len(texts) == 2
     assert texts[1].startswith(texts[0]) and "// offline report" in texts[1][len(texts[0]):]
     assert all(not r.kernel.startswith("offline_report_") for r in reports)  # the retry's empty kernel is dropped
+
+
+def test_offline_report_compiles_a_text_once_per_process(monkeypatch) -> None:
+    """A text already reported is not compiled again (the suite and the sweep ask for the same texts); an edited
+    text, another knob value or a compile error is compiled (again)."""
+    import kernels.compile as compile_mod
+
+    real, compiled = compile_mod.offline_compile, []
+
+    def counting(text: str, arch: str = "sm_90", name: str = "kernel.cu") -> tuple[bytes, str]:
+        compiled.append(text)
+        return real(text, arch, name)
+
+    monkeypatch.setattr(compile_mod, "offline_compile", counting)
+    monkeypatch.setattr(compile_mod, "_REPORTS", {})
+    source = compile_mod.CudaSource("cache_test", 'extern "C" __global__ void k(float* x) { x[0] = N; }', ("k",),
+                                    {"N": 1})
+    first = compile_mod.offline_report(source)
+    assert compile_mod.offline_report(source) == first and len(compiled) == 1
+    compile_mod.offline_report(source, N=2)
+    source.code = source.code.replace("x[0]", "x[1]")
+    compile_mod.offline_report(source)
+    assert len(compiled) == 3 and len(set(compiled)) == 3
+    source.code = "not CUDA"
+    for _ in range(2):
+        with pytest.raises(compile_mod.OfflineCompileError):
+            compile_mod.offline_report(source)
+    assert len(compiled) == 5
 
 
 def test_variant_rows_report_what_a_variant_runs() -> None:
