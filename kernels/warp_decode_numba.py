@@ -551,8 +551,14 @@ KERNEL_NAMES = ("moe_gate_up_3d_batched", "moe_down_3d_batched")
 
 def compile_ptx(warps: int = DEFAULTS["warps"], rows: int = DEFAULTS["rows"], unroll: int = DEFAULTS["unroll"],
                 slots: int = DEFAULTS["slots"], out_f32: bool = False, cc: tuple[int, int] = (9, 0)) -> dict[str, str]:
-    """PTX of both kernels for one knob set, keyed by readable kernel name; needs no GPU."""
-    knobs = _check_params(warps, rows, unroll, slots)
+    """PTX of both kernels for one knob set, keyed by readable kernel name; needs no GPU. Compiled once per process
+    (Numba's typing and LLVM take about a second a kernel, and the compile report and the tests ask for the same
+    knobs more than once)."""
+    return dict(_compiled_ptx(_check_params(warps, rows, unroll, slots), bool(out_f32), tuple(cc)))
+
+
+@functools.cache
+def _compiled_ptx(knobs: tuple[int, int, int, int], out_f32: bool, cc: tuple[int, int]) -> dict[str, str]:
     gate_up, down = _kernel_sources(*knobs, out_f32)
     return {
         KERNEL_NAMES[0]: cuda.compile_ptx(gate_up, _gate_up_signature(), cc=cc)[0],

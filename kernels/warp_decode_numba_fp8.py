@@ -354,8 +354,14 @@ def build(dims: Dims, out_dtype: Any = BF16, **knobs: int) -> Launch:
 
 def compile_ptx(warps: int = DEFAULTS["warps"], unroll: int = DEFAULTS["unroll"], slots: int = DEFAULTS["slots"],
                 out_f32: bool = False, cc: tuple[int, int] = (9, 0)) -> dict[str, str]:
-    """PTX of both kernels for one knob set, keyed by readable kernel name; needs no GPU."""
+    """PTX of both kernels for one knob set, keyed by readable kernel name; needs no GPU. Compiled once per process
+    (as :func:`kernels.warp_decode_numba.compile_ptx`)."""
     knobs = _knob_tuple(FAMILY.resolve(None, warps=warps, unroll=unroll, slots=slots))
+    return dict(_compiled_ptx(knobs, bool(out_f32), tuple(cc)))
+
+
+@functools.cache
+def _compiled_ptx(knobs: tuple[int, int, int], out_f32: bool, cc: tuple[int, int]) -> dict[str, str]:
     gate_up, down = _kernel_sources(*knobs, out_f32)
     sig_gate_up, sig_down = _signatures(out_f32)
     return {KERNEL_NAMES[0]: cuda.compile_ptx(gate_up, sig_gate_up, cc=cc)[0],

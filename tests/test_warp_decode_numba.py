@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -156,27 +155,8 @@ def test_simulator_guards_bad_expert_ids(simulated: dict) -> None:
 needs_real_numba = pytest.mark.skipif(SIMULATING, reason="needs Numba's real CUDA target (no simulator)")
 
 
-@pytest.fixture(scope="module")
-def shared_ptx() -> Any:
-    """``kernels.warp_decode_numba.compile_ptx`` memoised for this module: ``offline_reports`` and the PTX checks
-    compile the default knobs (bf16 and float32 out) once between them."""
-    import kernels.warp_decode_numba as wdn
-
-    compile_ptx, cache = wdn.compile_ptx, {}
-
-    def memoised(**knobs: Any) -> dict[str, str]:
-        key = tuple(sorted({**wdn.DEFAULTS, "out_f32": False, **knobs}.items()))
-        if key not in cache:
-            cache[key] = compile_ptx(**dict(key))
-        return cache[key]
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(wdn, "compile_ptx", memoised)
-        yield memoised
-
-
 @needs_real_numba
-def test_offline_reports_no_spills_no_stack(shared_ptx: Any) -> None:
+def test_offline_reports_no_spills_no_stack() -> None:
     from kernels.warp_decode_numba import KERNEL_NAMES, offline_reports
 
     reports = offline_reports()
@@ -187,11 +167,11 @@ def test_offline_reports_no_spills_no_stack(shared_ptx: Any) -> None:
 
 
 @needs_real_numba
-def test_ptx_uses_16_byte_nc_loads_and_no_local_memory(shared_ptx: Any) -> None:
-    from kernels.warp_decode_numba import ptx_load_widths
+def test_ptx_uses_16_byte_nc_loads_and_no_local_memory() -> None:
+    from kernels.warp_decode_numba import compile_ptx, ptx_load_widths
 
-    for knobs in ({}, {"rows": 2, "unroll": 4, "slots": 1}, {"out_f32": True}):
-        for name, ptx in shared_ptx(**knobs).items():
+    for knobs in ({}, {"rows": 2, "unroll": 4, "slots": 1}, {"out_f32": True}):  # {} and out_f32: offline_reports' PTX
+        for name, ptx in compile_ptx(**knobs).items():
             widths = ptx_load_widths(ptx)
             assert widths.get("ld.global.nc.v2.u64", 0) > 0, (name, widths)
             assert not any(".local" in op for op in widths), (name, widths)
