@@ -98,16 +98,25 @@ def _simulate(cases: list[str], bad_ids: bool, timeout: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def simulated_quick() -> dict:
-    return _simulate(list(QUICK_SIM_CASES), bad_ids=False, timeout=300)  # ~2 s on 2 idle cores
+def simulation(request: pytest.FixtureRequest) -> dict:
+    """The module's one simulator process: the shuffles and the quick cases (~2 s on 2 idle cores), and, when the
+    run also holds the slow simulator tests (which ask for ``simulated``; the quick subset deselects them), every
+    other case and the bad-id guard (~20 s more) -- one interpreter and one import of Numba, not two."""
+    from kernels.warp_decode_numba import SIM_CASES
+
+    slow = any("simulated" in getattr(item, "fixturenames", ()) for item in request.session.items)
+    rest = [name for name in SIM_CASES if name not in QUICK_SIM_CASES] if slow else []
+    return _simulate([*QUICK_SIM_CASES, *rest], bad_ids=slow, timeout=1800 if slow else 300)
 
 
 @pytest.fixture(scope="module")
-def simulated() -> dict:
-    from kernels.warp_decode_numba import SIM_CASES
+def simulated_quick(simulation: dict) -> dict:
+    return {**simulation, "cases": [case for case in simulation["cases"] if case["case"] in QUICK_SIM_CASES]}
 
-    rest = [name for name in SIM_CASES if name not in QUICK_SIM_CASES]
-    return _simulate(rest, bad_ids=True, timeout=1800)  # ~20 s on 2 idle cores
+
+@pytest.fixture(scope="module")
+def simulated(simulation: dict) -> dict:
+    return {**simulation, "cases": [case for case in simulation["cases"] if case["case"] not in QUICK_SIM_CASES]}
 
 
 def _assert_case_matches(case: dict) -> None:

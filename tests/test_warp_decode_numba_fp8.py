@@ -52,22 +52,42 @@ def _assert_case_matches(case: dict) -> None:
         assert case["bitwise_fraction"] > 0.95, case
 
 
-def test_simulator_smallest_case_matches_reference() -> None:
+QUICK_SIM_CASE = "h264-same"
+
+
+@pytest.fixture(scope="module")
+def simulation(request: pytest.FixtureRequest) -> dict:
+    """The module's one simulator process: the quick subset's case, and, when the run also holds the slow simulator
+    test (which asks for ``simulated_rest``), every other case and the bad-id guard (~30 s more on 2 idle cores) --
+    one interpreter and one import of Numba, not two."""
+    from kernels.warp_decode_numba_fp8 import SIM_CASES
+
+    slow = any("simulated_rest" in getattr(item, "fixturenames", ()) for item in request.session.items)
+    rest = [name for name in SIM_CASES if name != QUICK_SIM_CASE] if slow else []
+    return _simulate([QUICK_SIM_CASE, *rest], bad_ids=slow, timeout=1800 if slow else 300)
+
+
+@pytest.fixture(scope="module")
+def simulated_rest(simulation: dict) -> dict:
+    return {**simulation, "cases": simulation["cases"][1:]}
+
+
+def test_simulator_smallest_case_matches_reference(simulation: dict) -> None:
     """The quick subset's case: H = 264, one expert, a second (partial) chunk round and a partial scale block."""
-    (case,) = _simulate(["h264-same"], bad_ids=False, timeout=300)["cases"]
+    case = simulation["cases"][0]
+    assert case["case"] == QUICK_SIM_CASE
     _assert_case_matches(case)
 
 
 @pytest.mark.slow
-def test_simulator_kernels_match_reference_and_guard_bad_ids() -> None:
+def test_simulator_kernels_match_reference_and_guard_bad_ids(simulated_rest: dict) -> None:
     from kernels.warp_decode_numba_fp8 import SIM_CASES
 
-    rest = [name for name in SIM_CASES if name != "h264-same"]
-    result = _simulate(rest, bad_ids=True, timeout=1800)  # ~30 s on 2 idle cores
-    assert [c["case"] for c in result["cases"]] == rest
-    for case in result["cases"]:
+    rest = [name for name in SIM_CASES if name != QUICK_SIM_CASE]
+    assert [c["case"] for c in simulated_rest["cases"]] == rest
+    for case in simulated_rest["cases"]:
         _assert_case_matches(case)
-    bad = result["bad_ids"]
+    bad = simulated_rest["bad_ids"]
     assert bad["bad_rows_nan"] and bad["good_row_finite"] and bad["ok"], bad
 
 
