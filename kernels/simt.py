@@ -11,8 +11,8 @@ shifts, so no bf16 shim is needed).
 :func:`install` adds only the missing warp functions to the simulator's ``FakeCUDAModule`` class (the object
 the simulator substitutes for ``cuda`` inside a running kernel). A shuffle is a two-phase exchange among the
 32 threads of one warp: each lane writes its value into its warp's slot array, a per-warp
-``threading.Barrier`` waits for every lane of the warp (not the whole block: a shuffle synchronises a warp,
-like ``__shfl_sync``), then each lane reads its source lane's slot; consecutive shuffles alternate between
+barrier (:class:`_WarpBarrier`) waits for every lane of the warp (not the whole block: a shuffle synchronises a
+warp, like ``__shfl_sync``), then each lane reads its source lane's slot; consecutive shuffles alternate between
 two slot arrays, so one barrier per shuffle suffices. Only the full mask (all 32 lanes
 converged) is supported -- what the kernels use.
 
@@ -24,13 +24,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 FULL_MASK = 0xFFFFFFFF
 WARP = 32
 BARRIER_TIMEOUT_S = 120.0  # a lane that never arrives (an exception in its warp) must not hang the test run
+# the GIL's switch interval while simulating (see one_cpu): 0.5 ms made the simulator 10-15 % faster than 5 ms
+SWITCH_INTERVAL_S = 0.0005
 
 _registry_lock = threading.Lock()
 
@@ -44,6 +48,46 @@ def simulator_enabled() -> bool:
     return bool(config.ENABLE_CUDASIM)
 
 
+class _WarpBarrier:
+    """A barrier for one warp's lanes, counting generations on one condition variable.
+
+    ``threading.Barrier`` holds a lane that arrives at barrier n+1 until every lane has left barrier n (its
+    filling and draining phases), which costs a second round of wake-ups per shuffle; here a lane that has passed
+    barrier n may arrive at n+1 at once (the two slot arrays of :class:`_WarpExchange` make that safe). A lane
+    waits at most ``BARRIER_TIMEOUT_S``: then the barrier breaks and every lane waiting, or arriving later, raises
+    ``threading.BrokenBarrierError`` -- as ``threading.Barrier`` does.
+    """
+
+    def __init__(self, lanes: int) -> None:
+        self.lanes = lanes
+        self.arrived = 0
+        self.generation = 0
+        self.broken = False
+        self.condition = threading.Condition(threading.Lock())
+
+    def wait(self) -> None:
+        with self.condition:
+            if self.broken:
+                raise threading.BrokenBarrierError
+            generation = self.generation
+            self.arrived += 1
+            if self.arrived == self.lanes:
+                self.arrived = 0
+                self.generation += 1
+                self.condition.notify_all()
+                return
+            deadline = time.monotonic() + BARRIER_TIMEOUT_S
+            while generation == self.generation and not self.broken:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.broken = True
+                    self.condition.notify_all()
+                    break
+                self.condition.wait(left)
+            if generation == self.generation:
+                raise threading.BrokenBarrierError
+
+
 class _WarpExchange:
     """The slots and the barrier one simulated warp shuffles through.
 
@@ -55,7 +99,7 @@ class _WarpExchange:
     def __init__(self, lanes: int) -> None:
         self.values: tuple[list[Any], list[Any]] = ([None] * lanes, [None] * lanes)
         self.parity = [0] * lanes
-        self.barrier = threading.Barrier(lanes, timeout=BARRIER_TIMEOUT_S)
+        self.barrier = _WarpBarrier(lanes)
 
 
 def _this_lane() -> tuple[_WarpExchange, int, int]:
@@ -78,12 +122,27 @@ def _this_lane() -> tuple[_WarpExchange, int, int]:
 
 @contextlib.contextmanager
 def one_cpu() -> Iterator[None]:
-    """Run the enclosed simulation with the calling thread, and the block threads it starts, on one CPU.
+    """Run the enclosed simulation with the calling thread, and the block threads it starts, on one CPU, handing
+    the GIL over every ``SWITCH_INTERVAL_S`` at most.
 
     The simulator's threads run in lockstep through barriers and hand the GIL over at every step; across cores each
     hand-off wakes another core, which made the same simulation 2-10x slower on two CPUs than on one (measured).
     The calling thread's CPU set is restored afterwards; threads started before (a compile worker) keep theirs.
+    The simulator's block manager polls its threads in a loop that never blocks: whenever it holds the GIL, the lanes
+    it polls wait out the interpreter's switch interval (5 ms by default) before they can run, so the interval is
+    shortened for the simulation and restored afterwards.
     """
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
+    try:
+        with _pinned_to_one_cpu():
+            yield
+    finally:
+        sys.setswitchinterval(interval)
+
+
+@contextlib.contextmanager
+def _pinned_to_one_cpu() -> Iterator[None]:
     getter, setter = getattr(os, "sched_getaffinity", None), getattr(os, "sched_setaffinity", None)
     if getter is None or setter is None:
         yield

@@ -268,6 +268,37 @@ def test_simt_does_nothing_off_the_simulator() -> None:
     assert simt.install() == []
 
 
+
+def test_simt_warp_barrier_holds_every_lane_and_breaks_on_a_missing_one(monkeypatch) -> None:
+    """The shuffles' barrier: no lane passes generation n before every lane has arrived at it (lanes that run ahead
+    into n+1 included), and a lane that never arrives breaks it for the waiting lanes and later arrivals."""
+    import threading
+
+    from kernels import simt
+
+    lanes, rounds = 8, 200
+    barrier, arrived, seen = simt._WarpBarrier(lanes), [0] * lanes, []
+
+    def lane(index: int) -> None:
+        for n in range(rounds):
+            arrived[index] = n + 1
+            barrier.wait()
+            seen.append(min(arrived) >= n + 1)
+
+    threads = [threading.Thread(target=lane, args=(i,)) for i in range(lanes)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(seen) == lanes * rounds and all(seen) and barrier.generation == rounds
+
+    monkeypatch.setattr(simt, "BARRIER_TIMEOUT_S", 0.05)
+    lonely = simt._WarpBarrier(2)
+    with pytest.raises(threading.BrokenBarrierError):
+        lonely.wait()
+    with pytest.raises(threading.BrokenBarrierError):
+        lonely.wait()
+
 # ---------------------------------------------------------------------------------------------------------
 # GPU (the H200): PYTHONPATH=. python3 -m pytest -m gpu tests/test_warp_decode_numba.py
 # ---------------------------------------------------------------------------------------------------------
