@@ -268,8 +268,7 @@ def test_simt_does_nothing_off_the_simulator() -> None:
     assert simt.install() == []
 
 
-
-def test_simt_warp_barrier_holds_every_lane_and_breaks_on_a_missing_one(monkeypatch) -> None:
+def test_simt_warp_barrier_holds_every_lane_and_breaks_on_a_missing_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """The shuffles' barrier: no lane passes generation n before every lane has arrived at it (lanes that run ahead
     into n+1 included), and a lane that never arrives breaks it for the waiting lanes and later arrivals."""
     import threading
@@ -298,6 +297,7 @@ def test_simt_warp_barrier_holds_every_lane_and_breaks_on_a_missing_one(monkeypa
         lonely.wait()
     with pytest.raises(threading.BrokenBarrierError):
         lonely.wait()
+
 
 # ---------------------------------------------------------------------------------------------------------
 # GPU (the H200): PYTHONPATH=. python3 -m pytest -m gpu tests/test_warp_decode_numba.py
