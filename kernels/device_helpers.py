@@ -165,19 +165,31 @@ __device__ __forceinline__ u32 sext_byte_pair(u32 w, u32 selector) {
     return out;
 #endif
 }
-__device__ __forceinline__ u32 e4m3x2_to_bf16x2_scaled(u32 w, u32 selector) {
-    const u32 low = (sext_byte_pair(w, selector) << 4) & 0x87F087F0u;  // value x 2^-120
+// bf16x2 bits times 2^8 (exact for |value| < 2^120; subnormals become normals)
+__device__ __forceinline__ u32 bf16x2_times_256(u32 bits2) {
 #ifdef WD_HOST_EMULATION
     u32 out = 0;
     for (int half = 0; half < 2; ++half) {  // x 2^8 in float, exact, back to the bf16 bits
-        const u32 bits = __float_as_uint(__uint_as_float(((low >> (16 * half)) & 0xFFFFu) << 16) * 256.0f);
+        const u32 bits = __float_as_uint(__uint_as_float(((bits2 >> (16 * half)) & 0xFFFFu) << 16) * 256.0f);
         out |= (bits >> 16) << (16 * half);
     }
     return out;
 #else
     u32 out;
-    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out) : "r"(low), "r"(0x43804380u));  // 2^8 in both halves
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out) : "r"(bits2), "r"(0x43804380u));  // 2^8 in both halves
     return out;
+#endif
+}
+// FP8_PRMT 2: the multiply moves to the B fragments (the activations x 2^8: b_fragment in the tensor-core kernels),
+// the A fragment stays value x 2^-120 -- every product the same number, 3 instructions per 2 weight values and one
+// multiply per 2 activation values, fewer in all where a warp's A rows outnumber its B columns. Exact while the
+// activations stay below 2^120 in magnitude (bf16's largest finite value is about 2^128).
+__device__ __forceinline__ u32 e4m3x2_to_bf16x2_scaled(u32 w, u32 selector) {
+    const u32 low = (sext_byte_pair(w, selector) << 4) & 0x87F087F0u;  // value x 2^-120
+#if FP8_PRMT == 2
+    return low;
+#else
+    return bf16x2_times_256(low);
 #endif
 }
 __device__ __forceinline__ uint4 e4m3x8_to_bf16x8(const uint2& v) {

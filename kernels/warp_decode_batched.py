@@ -103,8 +103,9 @@ DEFAULTS: dict[str, int] = {
     # before its scale multiplies it, 0 scales each k block's partial; -1 = auto (1 with W_FP8 on tensor cores)
     "FP8_PRMT": 0,  # W_FP8 tensor-core kernels: how e4m3 bytes become bf16 fragments (value x 2^-112, the same
     # bits either way): 1 by a sign-extending byte permute, a shift, a mask and a bf16x2 multiply (4 instructions per
-    # 2 values), 0 through cvt.rn.f16x2.e4m3x2, a shift and two masks (4.5); -1 = auto (auto_fp8_widening; the
-    # tensor-core knob sets use it)
+    # 2 values), 0 through cvt.rn.f16x2.e4m3x2, a shift and two masks (4.5), 2 as 1 with the multiply moved to the
+    # B fragments (3 per 2 weight values and 1 per 2 activation values: the same products, exact while activations
+    # stay below 2^120); -1 = auto (auto_fp8_widening; the tensor-core knob sets use it)
     "GB_RANGE_FLUSH": 0,  # the split-chain gate_up (GB_MMA, GB_KSPLIT > 1, lists): 1 walks H in one loop of rounds
     # and adds each range's chain at its end (the same sums as a loop per range, 0); needs every range a whole number
     # of rounds (and of scale blocks with FP8_BLOCK_SUM; checked: range_flush_allowed); -1 = auto (auto_range_flush;
@@ -115,8 +116,12 @@ DEFAULTS: dict[str, int] = {
     "DB_WHOLE_RANGES": 0,  # the bf16 grouped down (DB_GROUPED): 1 compiles whole rounds only, no masked round --
     # its k range (I / 8 chunks) must be a whole number of rounds of 4 x DB_UNROLL chunks (checked) -- 0 masks every
     # round; -1 = auto (auto_whole_ranges; the tensor-core knob sets use it)
+    "DB_ROW_TILES": 1,  # the grouped down (DB_GROUPED): tiles of 16 hidden rows per warp, 1 or 2 (2: the two tiles
+    # share each B fragment -- fewer intermediate loads and multiplies per weight byte; 2 needs DB_GROUPED 1); the
+    # same bits either way; 0 = auto (auto_row_tiles; the tensor-core knob sets use it)
 }
-AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK", "DB_NBLK")
+AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK", "DB_NBLK",
+              "DB_ROW_TILES")
 MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pdl-*.json: 7-10 % over 8 at qwen3-30b)
 # ... and from T = MMA_WIDE_DOWN_FROM on: 24 warps under launch bounds alone (768 threads -> <= 85 registers each;
 # results/sweep-mma-dbwarps-*.json, sweep-split-mma24-30b.json; slower at qwen3-235b T=16, so not below 32)
@@ -137,7 +142,8 @@ LIMITS = {
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (0, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
     "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "W_FP8": (0, 1),
     "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8), "FP8_LOAD16": (-1, 1), "FP8_BLOCK_SUM": (-1, 1),
-    "FP8_PRMT": (-1, 1), "DB_WHOLE_RANGES": (-1, 1), "GB_RANGE_FLUSH": (-1, 1), "PAIRS_INNER": (-1, 1),
+    "FP8_PRMT": (-1, 2), "DB_WHOLE_RANGES": (-1, 1), "GB_RANGE_FLUSH": (-1, 1), "PAIRS_INNER": (-1, 1),
+    "DB_ROW_TILES": (0, 2),
 }
 
 
@@ -211,14 +217,17 @@ def auto_fp8_mma(dims: Dims | None, values: dict[str, int]) -> None:
 
 
 def auto_fp8_widening(values: dict[str, int]) -> int:
-    """FP8_PRMT where auto (-1) on FP8 tensor-core kernels: the byte-permute widening (1) except with the plain
-    tensor-core gate_up with two 8-pair blocks (GB_NBLK 2 set by hand, no split chains), where it spills at 4 k
-    blocks in flight. A work knob (the outputs are bitwise the same). H200, both
-    models (results/sweep-2026-12-02-fp8-widening-*.json): the per-pair FP8 form 9-13 % faster (qwen3-30b T = 1 18.2
-    -> 15.8 us, T = 2 26.8 -> 24.9; qwen3-235b 46.3 -> 42.1, 88.2 -> 80.2), the grouped FP8 path 2-7 % (qwen3-30b T =
-    16 116.2 -> 108.3), the tensor-core FP8 path 2-3 % at T = 8, 0-1.6 % at T = 32 and 0.3-0.7 % slower at T = 64."""
+    """FP8_PRMT where auto (-1) on FP8 tensor-core kernels: the byte-permute widening with its multiply on the B
+    fragments (2) except with the plain tensor-core gate_up with two 8-pair blocks (GB_NBLK 2 set by hand, no split
+    chains), where the byte permute spills at 4 k blocks in flight (0). A work knob (the outputs are bitwise the
+    same). H200, both models: the byte permute against cvt (results/sweep-2026-12-02-fp8-widening-*.json) took the
+    per-pair FP8 form 9-13 % faster (qwen3-30b T = 1 18.2 -> 15.8 us; qwen3-235b 46.3 -> 42.1), the grouped FP8 path
+    2-7 %, the tensor-core FP8 path 0-3 %; its multiply on B instead of A
+    (results/sweep-2026-12-03-fp8-widening-row-tiles-*.json) 2.1-2.2 % more on the tensor-core FP8 path at qwen3-235b
+    T = 32 / 64 (538.6 / 617.5 -> 527.5 / 604.0 us), 0.9-1.7 % under Zipf, within +-0.3 % at T = 1 / 2 / 8 / 16 and
+    -1.5 % at qwen3-30b T = 4 (per-pair), -1.0 % at T = 64 (grouped); it leaves DB_ROW_TILES 2 spill-free."""
     plain_two_blocks = values["GB_MMA"] and values["GB_NBLK"] > 1 and values["GB_KSPLIT"] == 1
-    return 0 if plain_two_blocks else 1
+    return 0 if plain_two_blocks else 2
 
 
 def whole_ranges(dims: Dims | None, values: dict[str, int]) -> bool:
@@ -359,6 +368,23 @@ def auto_grouped(dims: Dims | None, params: dict[str, int]) -> int:
     return 1 if dims.tokens * dims.top_k >= GROUPED_FROM_PAIRS_PER_EXPERT * dims.experts else 0
 
 
+ROW_TILES_FROM_INTER = 1536  # auto DB_ROW_TILES 2 from I = 1536 (qwen3-235b-a22b), measured below
+
+
+def auto_row_tiles(dims: Dims | None, values: dict[str, int]) -> int:
+    """DB_ROW_TILES where auto (0): 2 for FP8 weights on the grouped down with the widening's multiply on B (FP8_PRMT
+    2: with it the two tiles fit 128 registers spill-free at DB_UNROLL 2), where T*K >= 2E and I >= 1536; else 1.
+    H200 (results/sweep-2026-12-03-fp8-widening-row-tiles-*.json, DB_UNROLL 2): the tensor-core FP8 path at
+    qwen3-235b T = 32 / 64 527.5 / 604.0 -> 523.7 / 591.3 us uniform (0.7 / 2.1 %), 397.8 / 537.4 -> 396.0 / 531.3
+    under Zipf; at qwen3-30b (I = 768) T = 64 +0.5 %, T = 16 +2.2 %, at qwen3-235b T = 8 +2.8 % (fewer warps where
+    there are few tiles). At DB_UNROLL 1 two tiles beat one but both lose 8-15 % to DB_UNROLL 2."""
+    grouped_fp8 = values["W_FP8"] and values["DB_GROUPED"] and values["FP8_PRMT"] == 2
+    if dims is None or not grouped_fp8 or values["DB_UNROLL"] < 2:
+        return 1
+    many = dims.tokens * dims.top_k >= GROUPED_FROM_PAIRS_PER_EXPERT * dims.experts
+    return 2 if many and dims.intermediate >= ROW_TILES_FROM_INTER else 1
+
+
 def slots(dims: Dims) -> int:
     """List slots: every active expert (<= min(E, T*K)) plus one for out-of-range ids."""
     return min(dims.experts, dims.tokens * dims.top_k) + 1
@@ -432,7 +458,7 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         raise ValueError("GB_KSPLIT cuts the tensor-core gate_up's k chains: it needs GB_MMA 1")
     auto_fp8_mma(dims, values)
     for key in ("FP8_LOAD16", "FP8_BLOCK_SUM", "FP8_PRMT"):
-        if values[key] == 1 and not fp8_on_tensor_cores(values):
+        if values[key] > 0 and not fp8_on_tensor_cores(values):
             raise ValueError(f"{key} shapes the tensor-core kernels' FP8 loads, widening and scaling: it needs W_FP8 1 "
                              "and GB_MMA or DB_MMA 1")
     if values["FP8_LOAD16"] and dims is not None and (dims.hidden % 16 or dims.intermediate % 16):
@@ -526,6 +552,11 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
     if values["GB_MMA"] and values["GB_KSPLIT"] > 1 and not (values["PER_PAIR"] or values["W_FP8"]) and \
             values["GB_NBLK"] == 1 and values["GB_MAX_REGS"] == DEFAULTS["GB_MAX_REGS"]:
         values["GB_MAX_REGS"] = SPLIT_GATE_UP_REGS
+    if values["DB_ROW_TILES"] == 0:
+        values["DB_ROW_TILES"] = auto_row_tiles(dims, values)
+    if values["DB_ROW_TILES"] > 1 and not values["DB_GROUPED"]:
+        raise ValueError(f"DB_ROW_TILES {values['DB_ROW_TILES']} gives the grouped down's warps more rows: it needs "
+                         f"DB_GROUPED 1 (auto grouped from T x K >= {GROUPED_FROM_PAIRS_PER_EXPERT} E), got 0")
     shared = down_shared_bytes(dims, values)
     if shared > OPT_IN_SHARED_LIMIT:
         raise ValueError(
@@ -551,7 +582,7 @@ def max_tokens(top_k: int = 1, **params: Any) -> int:
 # where auto_balance says (results/sweep-stage-*.json).
 MMA_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1, "PAIR_TILES": 1,  # both on tensor cores
              "DB_GROUPED": -1, "DB_NBLK": 0, "FP8_LOAD16": -1, "FP8_BLOCK_SUM": -1, "FP8_PRMT": -1,
-             "DB_WHOLE_RANGES": -1, "GB_RANGE_FLUSH": -1, "HOT_NBLK": -1}
+             "DB_WHOLE_RANGES": -1, "GB_RANGE_FLUSH": -1, "HOT_NBLK": -1, "DB_ROW_TILES": 0}
 MIXED_KNOBS = {"DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1}  # FMA gate_up (bitwise strict's), tensor-core down
 # The batch-invariant pair (kernels.dispatch policy "batch_invariant"): the tensor-core path with the grouped down
 # at every T, and its per-pair form (no lists, two launches) -- one numerics: a pair's gate_up dots are mma chains
@@ -655,12 +686,13 @@ def gate_up_blocks(dims: Dims, params: dict[str, int]) -> int:
 
 
 def down_blocks(dims: Dims, params: dict[str, int]) -> int:
-    """One block per down_columns hidden columns; grouped: a block row (DB_WARPS x 16 rows each) per possible tile;
-    PER_PAIR: one block per (token, 16 hidden rows)."""
+    """One block per down_columns hidden columns; grouped: a block row (DB_WARPS x 16 x DB_ROW_TILES rows each) per
+    possible tile; PER_PAIR: one block per (token, 16 hidden rows)."""
     if params.get("PER_PAIR"):
         return dims.tokens * -(-dims.hidden // 16)
     if params.get("DB_GROUPED"):
-        return tile_capacity(dims, tile_pairs(params)) * -(-dims.hidden // (params["DB_WARPS"] * 16))
+        rows = params["DB_WARPS"] * 16 * params.get("DB_ROW_TILES", 1)
+        return tile_capacity(dims, tile_pairs(params)) * -(-dims.hidden // rows)
     return -(-dims.hidden // down_columns(params))
 
 

@@ -84,6 +84,8 @@ static_assert(DB_BALANCE == 0 || (DB_BALANCE == 1 && DB_MMA == 1), "DB_BALANCE i
 static_assert(PAIR_TILES == 0 || (PAIR_TILES == 1 && GB_MMA == 1), "PAIR_TILES is 0 or 1 (1 needs GB_MMA 1)");
 static_assert(DB_GROUPED == 0 || (DB_GROUPED == 1 && DB_MMA == 1 && PAIR_TILES == 1),
               "DB_GROUPED is 0 or 1 (1 needs DB_MMA 1 and PAIR_TILES 1)");
+static_assert(DB_ROW_TILES == 1 || (DB_ROW_TILES == 2 && DB_GROUPED == 1),
+              "DB_ROW_TILES is 1 or 2 (2 needs DB_GROUPED 1)");
 static_assert(W_FP8 == 0 || (W_FP8 == 1 && GB_BYTES >= 8 && DB_BYTES >= 8), "W_FP8 is 0 or 1 (1 needs BYTES >= 8)");
 static_assert(PER_PAIR == 0 || (PER_PAIR == 1 && GB_MMA == 1 && DB_MMA == 1 && PAIR_TILES == 0 && DB_GROUPED == 0),
               "PER_PAIR is 0 or 1 (1 needs GB_MMA 1, DB_MMA 1 and no tiles: it runs without lists)");
@@ -777,6 +779,15 @@ __device__ __forceinline__ uint4 a_fragment(const uint4& v, int h) {
 #endif
 }
 __device__ __forceinline__ uint4 a_fragment(const uint2& v, int h) { (void)h; return e4m3x8_to_bf16x8(v); }
+// a lane's B chunk (8 bf16 activations) as its fragment: as loaded, or with FP8_PRMT 2 times 2^8 (the factor the
+// A fragments' widening leaves out; kernels/device_helpers.py)
+__device__ __forceinline__ uint4 b_fragment(const uint4& v) {
+#if W_FP8 && FP8_PRMT == 2
+    return make_uint4(bf16x2_times_256(v.x), bf16x2_times_256(v.y), bf16x2_times_256(v.z), bf16x2_times_256(v.w));
+#else
+    return v;
+#endif
+}
 // W_FP8: acc += part x 2^112 x the block's scale (s_lo for rows g -- acc[0], acc[1] --, s_hi for rows g + 8), part
 // zeroed for the next block
 __device__ __forceinline__ void fp8_flush(float (&acc)[4], float (&part)[4], float s_lo, float s_hi) {
@@ -818,32 +829,37 @@ __device__ __forceinline__ void k_range(int chunks, int r, int& begin, int& end)
 // One round of a warp's k range (below): UNROLL k blocks from chunk c0. CHECKED: some k block may lie past c_end
 // (a lane past the end loads chunk 0 and uses zeros); unchecked rounds are whole, with no masking (the bounds
 // selects were ~15 % of an FP8 round's instructions).
-template <int UNROLL, int NB, bool COLS_DEP, bool CHECKED>
-__device__ __forceinline__ void mma_round(float (&acc)[NB][4], float (&part)[NB][4], const a_load_t* lo_row,
-                                          const a_load_t* hi_row, const float* scale_lo, const float* scale_hi,
-                                          const uint4* const (&cols)[NB], int c0, int c_end, int q, bool& waited) {
-    a_load_t lo[UNROLL][1], hi[UNROLL][1];
+// RT row tiles (tiles[t]: rows 16t + g and 16t + g + 8 of the warp's) share each B fragment; acc[t * NB + nb].
+template <int UNROLL, int NB, bool COLS_DEP, bool CHECKED, int RT = 1>
+__device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part)[RT * NB][4],
+                                          const ARows (&tiles)[RT], const uint4* const (&cols)[NB], int c0, int c_end,
+                                          int q, bool& waited) {
+    a_load_t lo[UNROLL][RT], hi[UNROLL][RT];
     uint4 col[UNROLL][NB][MMA_HALVES];
 #if W_FP8
-    float s_lo[UNROLL], s_hi[UNROLL];
+    float s_lo[UNROLL][RT], s_hi[UNROLL][RT];
     bool flush[UNROLL];
 #else
     (void)part;
-    (void)scale_lo;
-    (void)scale_hi;
 #endif
     #pragma unroll
     for (int j = 0; j < UNROLL; ++j) {
         const int c = c0 + MMA_KB * j + MMA_HALVES * q;              // the lane's first chunk of k block j
         const bool ok = !CHECKED || c < c_end;
-        lo[j][0] = ldg_chunk(lo_row, c / MMA_HALVES, ok);
-        hi[j][0] = ldg_chunk(hi_row, c / MMA_HALVES, ok);
+        #pragma unroll
+        for (int t = 0; t < RT; ++t) {
+            lo[j][t] = ldg_chunk(reinterpret_cast<const a_load_t*>(tiles[t].lo), c / MMA_HALVES, ok);
+            hi[j][t] = ldg_chunk(reinterpret_cast<const a_load_t*>(tiles[t].hi), c / MMA_HALVES, ok);
+        }
 #if W_FP8
         const int first = c0 + MMA_KB * j, next = first + MMA_KB;           // k block j's chunks: first .. next-1
         flush[j] = !FP8_BLOCK_SUM || next % (FP8_BLOCK / 8) == 0 || next >= c_end;
         const int block = flush[j] && (!CHECKED || first < c_end) ? first / (FP8_BLOCK / 8) : 0;
-        s_lo[j] = flush[j] ? __ldg(scale_lo + block) : 0.0f;
-        s_hi[j] = flush[j] ? __ldg(scale_hi + block) : 0.0f;
+        #pragma unroll
+        for (int t = 0; t < RT; ++t) {
+            s_lo[j][t] = flush[j] ? __ldg(tiles[t].scale_lo + block) : 0.0f;
+            s_hi[j][t] = flush[j] ? __ldg(tiles[t].scale_hi + block) : 0.0f;
+        }
 #endif
         #pragma unroll
         for (int nb = 0; nb < NB; ++nb)
@@ -872,20 +888,29 @@ __device__ __forceinline__ void mma_round(float (&acc)[NB][4], float (&part)[NB]
     for (int j = 0; j < UNROLL; ++j) {
         #pragma unroll
         for (int h = 0; h < MMA_HALVES; ++h) {
-            const uint4 a_lo = a_fragment(lo[j][0], h), a_hi = a_fragment(hi[j][0], h);
+            uint4 b[NB];
             #pragma unroll
-            for (int nb = 0; nb < NB; ++nb) {
+            for (int nb = 0; nb < NB; ++nb) b[nb] = b_fragment(col[j][nb][h]);
+            #pragma unroll
+            for (int t = 0; t < RT; ++t) {
+                const uint4 a_lo = a_fragment(lo[j][t], h), a_hi = a_fragment(hi[j][t], h);
+                #pragma unroll
+                for (int nb = 0; nb < NB; ++nb) {
 #if W_FP8
-                mma_k32(part[nb], a_lo, a_hi, col[j][nb][h]);
+                    mma_k32(part[t * NB + nb], a_lo, a_hi, b[nb]);
 #else
-                mma_k32(acc[nb], a_lo, a_hi, col[j][nb][h]);
+                    mma_k32(acc[t * NB + nb], a_lo, a_hi, b[nb]);
 #endif
+                }
             }
         }
 #if W_FP8
         if (flush[j]) {                                              // warp-uniform
             #pragma unroll
-            for (int nb = 0; nb < NB; ++nb) fp8_flush(acc[nb], part[nb], s_lo[j], s_hi[j]);
+            for (int t = 0; t < RT; ++t)
+                #pragma unroll
+                for (int nb = 0; nb < NB; ++nb)
+                    fp8_flush(acc[t * NB + nb], part[t * NB + nb], s_lo[j][t], s_hi[j][t]);
         }
 #endif
     }
@@ -911,32 +936,35 @@ __device__ __forceinline__ void mma_round(float (&acc)[NB][4], float (&part)[NB]
 // results/sweep-2026-12-02-whole-rounds-*.json
 #define GATE_UP_ROUNDS (W_FP8 || GB_KSPLIT == 1 ? WHOLE_ROUNDS : MASKED_ROUNDS)
 #define DOWN_GROUPED_ROUNDS (W_FP8 ? WHOLE_ROUNDS : DB_WHOLE_RANGES ? ONLY_WHOLE_ROUNDS : MASKED_ROUNDS)
+// RT row tiles per warp (mma_round): acc[t * NB + nb]; mma_rows_by_columns is the one-tile form.
+template <int UNROLL, int NB, bool COLS_DEP, int ROUNDS, int RT>
+__device__ __forceinline__ void mma_tiles_by_columns(float (&acc)[RT * NB][4], const ARows (&tiles)[RT],
+                                                     const uint4* const (&cols)[NB], int c_begin, int c_end, int q,
+                                                     bool& waited) {
+    float part[RT * NB][4];                                          // W_FP8: a scale block's mma sums
+    #pragma unroll
+    for (int n = 0; n < RT * NB; ++n) {
+        acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+        part[n][0] = part[n][1] = part[n][2] = part[n][3] = 0.0f;
+    }
+    int c0 = c_begin;
+    if (ROUNDS != MASKED_ROUNDS) {
+        for (; c0 + MMA_KB * UNROLL <= c_end; c0 += MMA_KB * UNROLL)
+            mma_round<UNROLL, NB, COLS_DEP, false, RT>(acc, part, tiles, cols, c0, c_end, q, waited);
+        if (ROUNDS == WHOLE_ROUNDS && c0 < c_end)
+            mma_round<UNROLL, NB, COLS_DEP, true, RT>(acc, part, tiles, cols, c0, c_end, q, waited);
+    } else {
+        for (; c0 < c_end; c0 += MMA_KB * UNROLL)
+            mma_round<UNROLL, NB, COLS_DEP, true, RT>(acc, part, tiles, cols, c0, c_end, q, waited);
+    }
+}
 template <int UNROLL, int NB, bool COLS_DEP, int ROUNDS = WHOLE_ROUNDS>
 __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const a_chunk_t* rows_lo,
                                                     const a_chunk_t* rows_hi, const float* scale_lo,
                                                     const float* scale_hi, const uint4* const (&cols)[NB],
                                                     int c_begin, int c_end, int q, bool& waited) {
-    float part[NB][4];                                               // W_FP8: a scale block's mma sums
-    #pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-        acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
-        part[nb][0] = part[nb][1] = part[nb][2] = part[nb][3] = 0.0f;
-    }
-    const a_load_t* lo_row = reinterpret_cast<const a_load_t*>(rows_lo);
-    const a_load_t* hi_row = reinterpret_cast<const a_load_t*>(rows_hi);
-    int c0 = c_begin;
-    if (ROUNDS != MASKED_ROUNDS) {
-        for (; c0 + MMA_KB * UNROLL <= c_end; c0 += MMA_KB * UNROLL)
-            mma_round<UNROLL, NB, COLS_DEP, false>(acc, part, lo_row, hi_row, scale_lo, scale_hi, cols, c0, c_end, q,
-                                                   waited);
-        if (ROUNDS == WHOLE_ROUNDS && c0 < c_end)
-            mma_round<UNROLL, NB, COLS_DEP, true>(acc, part, lo_row, hi_row, scale_lo, scale_hi, cols, c0, c_end, q,
-                                                  waited);
-    } else {
-        for (; c0 < c_end; c0 += MMA_KB * UNROLL)
-            mma_round<UNROLL, NB, COLS_DEP, true>(acc, part, lo_row, hi_row, scale_lo, scale_hi, cols, c0, c_end, q,
-                                                  waited);
-    }
+    const ARows tiles[1] = {{rows_lo, rows_hi, scale_lo, scale_hi}};
+    mma_tiles_by_columns<UNROLL, NB, COLS_DEP, ROUNDS, 1>(acc, tiles, cols, c_begin, c_end, q, waited);
 }
 #endif
 
@@ -959,8 +987,7 @@ __device__ __forceinline__ void split_chain_one_loop(float (&total)[NB][4], cons
     for (int nb = 0; nb < NB; ++nb)
         #pragma unroll
         for (int v = 0; v < 4; ++v) part[nb][v] = scale_part[nb][v] = total[nb][v] = 0.0f;
-    const a_load_t* lo_row = reinterpret_cast<const a_load_t*>(rows.lo);
-    const a_load_t* hi_row = reinterpret_cast<const a_load_t*>(rows.hi);
+    const ARows tiles[1] = {rows};
     int flushed = 0;
     auto flush = [&]() {                                             // warp-uniform: the range's end
         #pragma unroll
@@ -974,13 +1001,11 @@ __device__ __forceinline__ void split_chain_one_loop(float (&total)[NB][4], cons
     };
     int c0 = 0;
     for (; c0 + ROUND <= chunks; c0 += ROUND) {
-        mma_round<UNROLL, NB, false, false>(part, scale_part, lo_row, hi_row, rows.scale_lo, rows.scale_hi, cols,
-                                            c0, chunks, q, waited);
+        mma_round<UNROLL, NB, false, false>(part, scale_part, tiles, cols, c0, chunks, q, waited);
         if ((c0 + ROUND) % size == 0 || c0 + ROUND == chunks) flush();
     }
     if (c0 < chunks) {                                               // the last range's partial last round
-        mma_round<UNROLL, NB, false, true>(part, scale_part, lo_row, hi_row, rows.scale_lo, rows.scale_hi, cols,
-                                           c0, chunks, q, waited);
+        mma_round<UNROLL, NB, false, true>(part, scale_part, tiles, cols, c0, chunks, q, waited);
         flush();
     }
     for (; flushed < GB_KSPLIT; ++flushed)                           // empty ranges: + 0.0f each
@@ -1270,10 +1295,11 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
 
 #if DB_GROUPED
 // The grouped down warp's passes over a tile's `count` pairs (tile_pairs[0 .. count - 1]): NB 8-pair blocks per pass,
-// UNROLL k blocks of loads in flight per lane; lane (g, q) writes rows h0+g, h0+g+8 of its pairs' FP32 rows.
+// UNROLL k blocks of loads in flight per lane; lane (g, q) writes rows h0+16t+g, h0+16t+g+8 of its pairs' FP32 rows
+// for each of the warp's DB_ROW_TILES row tiles t.
 template <int NB, int UNROLL>
-__device__ __forceinline__ void down_grouped_passes(const ARows& rows, const int* tile_pairs, int count,
-                                                    const bf16_t* __restrict__ intermediate,
+__device__ __forceinline__ void down_grouped_passes(const ARows (&tiles)[DB_ROW_TILES], const int* tile_pairs,
+                                                    int count, const bf16_t* __restrict__ intermediate,
                                                     const float* __restrict__ topk_weights,
                                                     float* __restrict__ pair_out, int hidden, int inter, int h0, int g,
                                                     int q, bool& waited) {
@@ -1286,9 +1312,9 @@ __device__ __forceinline__ void down_grouped_passes(const ARows& rows, const int
             const int p = __ldg(tile_pairs + sub + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
             inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
         }
-        float acc[NB][4];
-        mma_rows_by_columns<UNROLL, NB, true, DOWN_GROUPED_ROUNDS>(acc, rows.lo, rows.hi, rows.scale_lo,
-                                                                   rows.scale_hi, inter_row, 0, chunks, q, waited);
+        float acc[DB_ROW_TILES * NB][4];
+        mma_tiles_by_columns<UNROLL, NB, true, DOWN_GROUPED_ROUNDS, DB_ROW_TILES>(acc, tiles, inter_row, 0, chunks,
+                                                                                 q, waited);
         #pragma unroll
         for (int nb = 0; nb < NB; ++nb)
             #pragma unroll
@@ -1298,8 +1324,12 @@ __device__ __forceinline__ void down_grouped_passes(const ARows& rows, const int
                     const long long p = __ldg(tile_pairs + sub + pp);
                     const float weight = __ldg(topk_weights + p);
                     float* row = pair_out + p * hidden;
-                    if (h0 + g < hidden) row[h0 + g] = __fmul_rn(weight, acc[nb][h]);
-                    if (h0 + g + 8 < hidden) row[h0 + g + 8] = __fmul_rn(weight, acc[nb][2 + h]);
+                    #pragma unroll
+                    for (int t = 0; t < DB_ROW_TILES; ++t) {
+                        const int h_t = h0 + 16 * t + g;
+                        if (h_t < hidden) row[h_t] = __fmul_rn(weight, acc[t * NB + nb][h]);
+                        if (h_t + 8 < hidden) row[h_t + 8] = __fmul_rn(weight, acc[t * NB + nb][2 + h]);
+                    }
                 }
             }
     }
@@ -1308,7 +1338,8 @@ __device__ __forceinline__ void down_grouped_passes(const ARows& rows, const int
 // ------------------------------------------------------------------------------------------------
 // moe_down_grouped (DB_GROUPED): the down as one grouped GEMM over the tile table, like the tensor-core gate_up.
 //   Block b owns tile a = b / per_tile (tiles past lists[3] and the bad-id slot's tiles exit) and hidden rows
-//   h0 .. h0 + 16*DB_WARPS - 1; warp w the 16 rows from h0 + 16w: A = w2[e, those rows, all of I], B column g =
+//   h0 .. h0 + 16*R*DB_WARPS - 1 (R = DB_ROW_TILES); warp w the 16 R rows from h0 + 16Rw, R tiles of 16 sharing each
+//   B fragment: A = w2[e, those rows, all of I], B column g =
 //   the intermediate row of pair g of each 8-pair block of the tile (DB_NBLK blocks per pass; HOT_NBLK for a tile of
 //   more than 8 * DB_NBLK pairs, HOT_DB). Lane (g, q) ends with rows h0+g, h0+g+8 of pairs 2q, 2q+1 and writes
 //   pair_out[p, h] = topk_weight[p] * dot (FP32, once per element: every good pair's row is written by exactly one
@@ -1325,12 +1356,13 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
     int hidden, int inter, int experts, int top_k, int slots, int pairs)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    const int per_tile = (hidden + DB_WARPS * 16 - 1) / (DB_WARPS * 16);
+    constexpr int WARP_ROWS = 16 * DB_ROW_TILES;
+    const int per_tile = (hidden + DB_WARPS * WARP_ROWS - 1) / (DB_WARPS * WARP_ROWS);
     const int a = blockIdx.x / per_tile;
     // the tile table comes from the list kernel, two kernels back: complete before this grid started
     const int used = __ldg(lists + 3);
     const int e = __ldg(TILE_ARRAY(0) + a), first = __ldg(TILE_ARRAY(1) + a), count = __ldg(TILE_ARRAY(2) + a);
-    const int h0 = ((blockIdx.x - a * per_tile) * DB_WARPS + (threadIdx.x >> 5)) * 16;
+    const int h0 = ((blockIdx.x - a * per_tile) * DB_WARPS + (threadIdx.x >> 5)) * WARP_ROWS;
 #if !DOWN_WAITS_LATE
     pdl_wait();     // the intermediate is gate_up's output: every read of it is an ld_dep after this
     pdl_release();
@@ -1338,16 +1370,19 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
     bool waited = false;
     if (a < used && (e | first | count) >= 0 && e < experts && h0 < hidden) {    // warp-uniform
         const int* tile_pairs = sorted_pairs(lists, slots) + first;
-        const int h_lo = min(h0 + g, hidden - 1), h_hi = min(h0 + g + 8, hidden - 1);   // past the end: last row
-        const ARows rows = w2_rows(w2, s2, e, h_lo, h_hi, hidden, inter);
+        ARows tiles[DB_ROW_TILES];
+        #pragma unroll
+        for (int t = 0; t < DB_ROW_TILES; ++t)                       // past the end: the last row
+            tiles[t] = w2_rows(w2, s2, e, min(h0 + 16 * t + g, hidden - 1), min(h0 + 16 * t + g + 8, hidden - 1),
+                               hidden, inter);
 #if HOT_DB
         if (count > 8 * DB_NBLK)                                     // warp-uniform: a hot expert's tile
-            down_grouped_passes<HOT_NBLK, HOT_UNROLL(DB_UNROLL, DB_NBLK)>(rows, tile_pairs, count, intermediate,
+            down_grouped_passes<HOT_NBLK, HOT_UNROLL(DB_UNROLL, DB_NBLK)>(tiles, tile_pairs, count, intermediate,
                                                                          topk_weights, pair_out, hidden, inter, h0, g,
                                                                          q, waited);
         else
 #endif
-            down_grouped_passes<DB_NBLK, DB_UNROLL>(rows, tile_pairs, count, intermediate, topk_weights, pair_out,
+            down_grouped_passes<DB_NBLK, DB_UNROLL>(tiles, tile_pairs, count, intermediate, topk_weights, pair_out,
                                                     hidden, inter, h0, g, q, waited);
     }
     down_epilogue_wait();  // warps that never waited (no work, or DB_EARLY_W2 off) before the grid may end

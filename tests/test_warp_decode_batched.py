@@ -181,7 +181,7 @@ def test_auto_knobs() -> None:
     assert [wdb.resolve_params(Dims(t, 2048, 768, 128, 8), GB_MMA=1)["GB_NBLK"] for t in (32, 64)] == [1, 2]
     assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8), GB_MMA=1, GB_NBLK=1)["GB_NBLK"] == 1
     fp8 = wdb.resolve_params(Dims(64, 2048, 768, 128, 8), **wdb.MMA_KNOBS, W_FP8=1)  # FP8: one block, byte permute
-    assert (fp8["GB_NBLK"], fp8["DB_NBLK"], fp8["FP8_PRMT"]) == (1, 1, 1)
+    assert (fp8["GB_NBLK"], fp8["DB_NBLK"], fp8["FP8_PRMT"], fp8["DB_ROW_TILES"]) == (1, 1, 2, 1)  # I = 768: one tile
     # auto HOT_NBLK: 2 on FP8 from T*K >= 4E (qwen3 T = 64: a hot tile in one two-block pass), else 0; bf16 0
     hot = {(knobs, t): wdb.resolve_params(Dims(t, 2048, 768, 128, 8), **getattr(wdb, knobs))["HOT_NBLK"]
            for knobs in ("MMA_FP8_KNOBS", "FP8_GROUPED_KNOBS", "MMA_KNOBS", "FP8_PER_PAIR_KNOBS") for t in (32, 64)}

@@ -209,17 +209,27 @@ def test_weights_and_knob_must_agree() -> None:
 
 
 def test_widening_rule() -> None:
-    """FP8_PRMT auto: the byte permute on the FP8 tensor-core kernels but the plain gate_up with two 8-pair blocks
-    (set by hand: it spills there); 0 off FP8 tensor-core kernels; 1 there is an error."""
-    def widening(knobs: dict[str, int], tokens: int, **more: int) -> int:
-        return wdb.resolve_params(Dims(tokens, 2048, 768, 128, 8), **knobs, **more)["FP8_PRMT"]
+    """FP8_PRMT auto: the byte permute with its multiply on B on the FP8 tensor-core kernels but the plain gate_up
+    with two 8-pair blocks (set by hand: the byte permute spills there); 0 off FP8 tensor-core kernels; 1 or 2 there
+    is an error. DB_ROW_TILES auto: 2 on the FP8 grouped down from T*K >= 2E at I >= 1536 with the multiply on B."""
+    def resolved(knobs: dict[str, int], tokens: int, inter: int = 768, **more: int) -> dict[str, int]:
+        return wdb.resolve_params(Dims(tokens, 2048 if inter == 768 else 4096, inter, 128, 8), **{**knobs, **more})
 
-    assert [widening(wdb.MMA_FP8_KNOBS, t) for t in (1, 8, 32, 64)] == [1, 1, 1, 1]
-    assert widening(wdb.MMA_FP8_KNOBS, 64, GB_NBLK=2) == 0
-    assert [widening(k, 64) for k in (wdb.FP8_GROUPED_KNOBS, wdb.FP8_PER_PAIR_KNOBS)] == [1, 1]
-    assert [widening(k, 8) for k in (wdb.MMA_KNOBS, wdb.FP8_KNOBS)] == [0, 0]
+    assert [resolved(wdb.MMA_FP8_KNOBS, t)["FP8_PRMT"] for t in (1, 8, 32, 64)] == [2, 2, 2, 2]
+    assert resolved(wdb.MMA_FP8_KNOBS, 64, GB_NBLK=2)["FP8_PRMT"] == 0
+    assert [resolved(k, 64)["FP8_PRMT"] for k in (wdb.FP8_GROUPED_KNOBS, wdb.FP8_PER_PAIR_KNOBS)] == [2, 2]
+    assert [resolved(k, 8)["FP8_PRMT"] for k in (wdb.MMA_KNOBS, wdb.FP8_KNOBS)] == [0, 0]
+    for key in ("FP8_PRMT", "FP8_LOAD16"):
+        with pytest.raises(ValueError, match=f"{key} shapes the tensor-core kernels' FP8"):
+            wdb.resolve_params(None, **{**wdb.FP8_KNOBS, key: 1})
     with pytest.raises(ValueError, match="FP8_PRMT shapes the tensor-core kernels' FP8"):
-        wdb.resolve_params(None, **{**wdb.FP8_KNOBS, "FP8_PRMT": 1})
+        wdb.resolve_params(None, **{**wdb.FP8_KNOBS, "FP8_PRMT": 2})
+    tiles = {(k, t, i): resolved(knobs, t, i)["DB_ROW_TILES"] for k, knobs in
+             (("mma", wdb.MMA_FP8_KNOBS), ("grouped", wdb.FP8_GROUPED_KNOBS), ("bf16", wdb.GROUPED_KNOBS))
+             for t in (16, 32) for i in (768, 1536)}
+    assert {key for key, r in tiles.items() if r == 2} == {("mma", 32, 1536), ("grouped", 32, 1536)}
+    assert resolved(wdb.MMA_FP8_KNOBS, 64, 1536, FP8_PRMT=1)["DB_ROW_TILES"] == 1  # spills with the multiply on A
+    assert resolved(wdb.MMA_FP8_KNOBS, 64, 1536, DB_UNROLL=1)["DB_ROW_TILES"] == 1
 
 
 SHAPE_400 = MoEShape("h400-i64", 400, 64, 5, 3)  # 50 chunks: ranges of 16, 16, 16, 2; a partial last scale block
@@ -280,6 +290,73 @@ def test_hot_tiles_emulated() -> None:
         wdb.resolve_params(dims, HOT_NBLK=2)
 
 
+def _subnormal_weights(problem: Problem, seed: int) -> Problem:
+    """The FP8 problem with a quarter of its weight values made e4m3fn subnormals (random mantissa, sign kept)."""
+    rng = np.random.default_rng(seed)
+
+    def some_subnormal(q: Any) -> Any:
+        codes = q.values.view(np.uint8)
+        sub = (codes & 0x80) | rng.integers(1, 8, codes.shape, dtype=np.uint8)
+        return dataclasses.replace(q, values=np.where(rng.random(codes.shape) < 0.25, sub, codes).view(FP8))
+
+    return dataclasses.replace(problem, w13=some_subnormal(problem.w13), w2=some_subnormal(problem.w2))
+
+
+WIDENINGS = [  # (shape, T, routing, knobs): the tensor-core kernels' forms, 8- and 16-value loads
+    (SHAPE_16, 7, "zipf", {**{k: v for k, v in wdb.FP8_GROUPED_KNOBS.items() if k != "W_FP8"}, "GB_KSPLIT": 2,
+                           "HOT_NBLK": 2, "LIST_THREADS": 32, "LIST_PER": 0}),
+    (SHAPE_48, 6, [[5, 5], [0, 1], [2, 2], [3, 0], [1, 1], [5, 4]], {"GB_MMA": 1, "DB_MMA": 1, "DB_BALANCE": 1,
+                                                                     "DB_WARPS": 3}),
+    (SHAPE_16, 5, "uniform", {"GB_MMA": 1, "DB_MMA": 1, "PER_PAIR": 1, "GB_WARPS": 2, "GB_KSPLIT": 2,
+                              "FP8_LOAD16": 1, "FP8_BLOCK_SUM": 1}),
+]
+
+
+@pytest.mark.parametrize(("shape", "tokens", "routing", "knobs"),
+                         slow_except(WIDENINGS, [f"{c[0].name}-T{c[1]}" for c in WIDENINGS], {0}))
+def test_widening_multiply_on_b_emulated(shape: Any, tokens: int, routing: Any, knobs: dict[str, int]) -> None:
+    """FP8_PRMT 2 (A fragments value x 2^-120, the 2^8 on the activations' B fragments) gives FP8_PRMT 1's bits --
+    intermediate and FP32 out -- with a quarter of the weights e4m3fn subnormals and activations spanning 2^-100 ..
+    2^60 (every product the same number either way); it matches the reference on the same weights."""
+    problem = _subnormal_weights(_fp8_problem(make_problem(shape, tokens, seed=tokens, routing=routing)), tokens)
+    rng = np.random.default_rng(tokens)
+    spread = np.exp2(rng.integers(-100, 60, problem.x.shape)).astype(np.float32)
+    problem = dataclasses.replace(problem, x=(problem.x.astype(np.float32) * spread).astype(BF16))
+    got = _emulate(problem, out_dtype=np.float32, **{**knobs, "FP8_PRMT": 2})
+    want = _emulate(problem, out_dtype=np.float32, **{**knobs, "FP8_PRMT": 1})
+    assert np.array_equal(got["inter"], want["inter"])
+    assert np.array_equal(got["out"].view(np.uint32), want["out"].view(np.uint32))
+    mild = _subnormal_weights(_fp8_problem(make_problem(shape, tokens, seed=tokens + 1, routing=routing)), tokens)
+    faithful, oracle = _references(mild, out_dtype=np.float32)
+    _assert_matches(_emulate(mild, out_dtype=np.float32, **{**knobs, "FP8_PRMT": 2})["out"], faithful, oracle,
+                    f"fp8 widening with the multiply on B {shape.name}", own_order=True)
+
+
+ROW_TILES = [  # (shape, T, routing, knobs of the grouped path)
+    (SHAPE_16, 7, "zipf", {"HOT_NBLK": 2}),  # H = 208: the last warp's second tile past the end; a hot tile
+    (SHAPE_400, 9, "same", {"DB_NBLK": 2, "GB_NBLK": 2, "DB_UNROLL": 1}),  # H = 400: its second tile half past it
+]
+
+
+@pytest.mark.parametrize(("shape", "tokens", "routing", "knobs"),
+                         slow_except(ROW_TILES, [f"{c[0].name}-T{c[1]}" for c in ROW_TILES], {0}))
+def test_row_tiles_emulated(shape: Any, tokens: int, routing: Any, knobs: dict[str, int]) -> None:
+    """DB_ROW_TILES 2 (two 16-row tiles per grouped-down warp sharing each B fragment) gives one tile's bits --
+    intermediate and FP32 out -- on FP8 and bf16 weights, rows past H never written; 2 without the grouped down is an
+    error."""
+    base = make_problem(shape, tokens, seed=tokens + 2, routing=routing)
+    grouped = {**{k: v for k, v in wdb.FP8_GROUPED_KNOBS.items() if k != "W_FP8"}, "LIST_THREADS": 32, "LIST_PER": 0,
+               **knobs}
+    for problem, w_fp8 in ((_fp8_problem(base), 1), (base, 0)):
+        run = _emulate if w_fp8 else emulate_batched
+        two = run(problem, out_dtype=np.float32, **{**grouped, "DB_ROW_TILES": 2})
+        one = run(problem, out_dtype=np.float32, **{**grouped, "DB_ROW_TILES": 1})
+        assert np.array_equal(two["inter"], one["inter"]), w_fp8
+        assert np.array_equal(two["out"].view(np.uint32), one["out"].view(np.uint32)), w_fp8
+    with pytest.raises(ValueError, match="DB_ROW_TILES 2 gives the grouped down's warps more rows"):
+        wdb.resolve_params(_dims(base), **{**wdb.MMA_KNOBS, "DB_GROUPED": 0, "DB_ROW_TILES": 2})
+
+
 # ---------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------
@@ -289,6 +366,16 @@ def _device(cupy: Any, problem: Problem) -> Problem:
                                                         problem.topk_weights))
     q13, q2 = quantize_weights(w13, w2, FMT)
     return dataclasses.replace(problem, x=x, w13=q13, w2=q2, topk_ids=ids, topk_weights=wts)
+
+
+def _copied_to_device(cupy: Any, host: Problem) -> Problem:
+    """A host FP8 problem copied to the device as it is (weights values and scales unchanged)."""
+    def weights(q: Any) -> Any:
+        return dataclasses.replace(q, values=cupy.asarray(q.values.view(np.uint8)), scales=cupy.asarray(q.scales))
+
+    return dataclasses.replace(host, x=cupy.asarray(host.x), topk_ids=cupy.asarray(host.topk_ids),
+                               topk_weights=cupy.asarray(host.topk_weights), w13=weights(host.w13),
+                               w2=weights(host.w2))
 
 
 def _run_poisoned(cupy: Any, problem: Problem, **knobs: int) -> np.ndarray:
@@ -353,12 +440,14 @@ def test_gpu_paths(model: str, tokens: int, routing: Any, path: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("widening", [1, 2])
 @pytest.mark.parametrize("path", ["mma", "pairs", "grouped"])
-def test_gpu_subnormal_weights(path: str) -> None:
+def test_gpu_subnormal_weights(path: str, widening: int) -> None:
     """Weights that are all e4m3fn subnormals against the reference on the same weights, x scaled by 2^18 so that
     every product and partial stays in FP32's normal range: the widened A fragments must carry every subnormal
     exactly (a widening that lost them would zero the output: 170 x the check's bound, seen on the host by flushing
-    the reference's weights). The byte-permute widening: FP8_PRMT auto is 1 on these paths at T = 5."""
+    the reference's weights). The byte-permute widening, with its multiply on A (FP8_PRMT 1) or on B (2: the A
+    fragments of subnormals are bf16 subnormals)."""
     import cupy
 
     from kernels.shapes import get_shape
@@ -373,14 +462,9 @@ def test_gpu_subnormal_weights(path: str) -> None:
 
     x = (host.x.astype(np.float32) * np.float32(2.0**18)).astype(BF16)  # exact: a power of two
     host = dataclasses.replace(host, x=x, w13=subnormal(host.w13), w2=subnormal(host.w2))
-    device = dataclasses.replace(
-        host, x=cupy.asarray(host.x), topk_ids=cupy.asarray(host.topk_ids),
-        topk_weights=cupy.asarray(host.topk_weights),
-        w13=dataclasses.replace(host.w13, values=cupy.asarray(host.w13.values.view(np.uint8)),
-                                scales=cupy.asarray(host.w13.scales)),
-        w2=dataclasses.replace(host.w2, values=cupy.asarray(host.w2.values.view(np.uint8)),
-                               scales=cupy.asarray(host.w2.scales)))
+    device = _copied_to_device(cupy, host)
     knobs = {"mma": wdb.MMA_FP8_KNOBS, "pairs": wdb.FP8_PER_PAIR_KNOBS, "grouped": wdb.FP8_GROUPED_KNOBS}[path]
+    knobs = {**knobs, "FP8_PRMT": widening}
     out = _poisoned_out(cupy, host.tokens, shape.hidden)
     wdb.warp_decode_batched(device.x, device.w13, device.w2, device.topk_ids, device.topk_weights, out=out, **knobs)
     cupy.cuda.runtime.deviceSynchronize()
@@ -465,3 +549,54 @@ def test_gpu_hot_tiles_bitwise(model: str, tokens: int, routing: str) -> None:
     plain = _run_poisoned(cupy, problem, **{**wdb.MMA_FP8_KNOBS, "HOT_NBLK": 2})
     _assert_matches(plain, faithful, oracle, f"fp8 hot tiles, plain path {model} T={tokens}", own_order=True)
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("model", "tokens", "routing"),
+                         [("qwen3-30b-a3b", 1, "uniform"), ("qwen3-235b-a22b", 16, "zipf"),
+                          ("qwen3-30b-a3b", 64, "same")])
+def test_gpu_widening_multiply_on_b_bitwise(model: str, tokens: int, routing: str) -> None:
+    """FP8_PRMT 2 (the widening's 2^8 on the activations' B fragments) gives FP8_PRMT 1's bits on the three FP8
+    tensor-core paths at the presets' widths, every output written (NaN-poisoned out and intermediate), with a
+    quarter of the weights e4m3fn subnormals; it matches the reference on the same weights."""
+    import cupy
+
+    from kernels.shapes import get_shape
+
+    run_shape = get_shape(model).with_(experts=16)
+    host = _subnormal_weights(_fp8_problem(make_problem(run_shape, tokens, seed=tokens + 7, routing=routing)), 7)
+    problem = _copied_to_device(cupy, host)
+    faithful, oracle = _references(host)
+    for path, knobs in (("mma", wdb.MMA_FP8_KNOBS), ("pairs", wdb.FP8_PER_PAIR_KNOBS),
+                        ("grouped", wdb.FP8_GROUPED_KNOBS)):
+        on_b = _run_poisoned(cupy, problem, **{**knobs, "FP8_PRMT": 2})
+        _assert_matches(on_b, faithful, oracle, f"fp8 {path} multiply on B {model} T={tokens}", own_order=True)
+        on_a = _run_poisoned(cupy, problem, **{**knobs, "FP8_PRMT": 1})
+        assert np.array_equal(on_b.view(np.uint16), on_a.view(np.uint16)), path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("model", "tokens", "routing"),
+                         [("qwen3-30b-a3b", 16, "zipf"), ("qwen3-235b-a22b", 64, "same")])
+def test_gpu_row_tiles_bitwise(model: str, tokens: int, routing: str) -> None:
+    """DB_ROW_TILES 2 (two 16-row tiles per grouped-down warp) gives one tile's bits at the presets' widths on FP8 and
+    bf16 weights (hot tiles at T = 64), every output written (NaN-poisoned out and intermediate), and matches the
+    reference on the same weights."""
+    import cupy
+
+    from kernels.shapes import get_shape
+
+    run_shape = get_shape(model).with_(experts=16)
+    host = _fp8_problem(make_problem(run_shape, tokens, seed=tokens + 4, routing=routing))
+    problem = _device(cupy, make_problem(run_shape, tokens, seed=tokens + 4, routing=routing))
+    two = _run_poisoned(cupy, problem, **{**wdb.FP8_GROUPED_KNOBS, "DB_ROW_TILES": 2, "DB_UNROLL": 1})
+    faithful, oracle = _references(host)
+    _assert_matches(two, faithful, oracle, f"fp8 row tiles {model} T={tokens} {routing}", own_order=True)
+    one = _run_poisoned(cupy, problem, **{**wdb.FP8_GROUPED_KNOBS, "DB_ROW_TILES": 1, "DB_UNROLL": 1})
+    assert np.array_equal(two.view(np.uint16), one.view(np.uint16))
+    bf16 = make_problem(run_shape, tokens, seed=tokens + 4, routing=routing)
+    bf16 = dataclasses.replace(bf16, x=cupy.asarray(bf16.x), w13=cupy.asarray(bf16.w13), w2=cupy.asarray(bf16.w2),
+                               topk_ids=cupy.asarray(bf16.topk_ids), topk_weights=cupy.asarray(bf16.topk_weights))
+    bf16_knobs = {k: v for k, v in wdb.FP8_GROUPED_KNOBS.items() if k != "W_FP8"}
+    runs = [_run_poisoned(cupy, bf16, **{**bf16_knobs, "DB_ROW_TILES": r}) for r in (2, 1)]
+    assert not np.isnan(runs[0].astype(np.float32)).any()
+    assert np.array_equal(runs[0].view(np.uint16), runs[1].view(np.uint16))
