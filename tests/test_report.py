@@ -445,3 +445,18 @@ def test_crossover_batch_invariant_column_and_cost():
     assert "the batch-invariant policy costs T=1: +5.0 %, T=16: +1.5 % over auto" in record["summary"]
     plain = report.crossover_table([_run([_row(STRICT, 1, 20.0), _row(AUTO, 1, 20.0)])], MODEL, "uniform")
     assert "invariant" not in dict(report.crossover_titles(plain))
+
+
+def test_load_fills_the_tuned_peer_rows_a_cut_run_lacks(tmp_path):
+    """A peers run stopped by its time limit keeps its config rows but not the tuned rows it appends at its end:
+    ``load`` adds the fastest checked config per point as the tuned peer, and leaves a point that has one alone."""
+    peer = "triton:fused-moe-w8a8"
+    rows = [_row("cupy:auto-fp8", 8, 70.0), _row(f"{peer}[A]", 8, 80.0), _row(f"{peer}[B]", 8, 75.0),
+            _row(f"{peer}[C]", 8, 60.0, status="error"), _row(f"{peer}[A]", 16, 90.0), _row(f"{peer}[B]", 16, 95.0),
+            _row(peer, 16, 91.0, tuned_from=f"{peer}[B]")]  # a tuned row written by the tool stays as it is
+    path = tmp_path / "cut.json"
+    path.write_text(json.dumps(_run(rows)))
+    tuned = {r["batch"]: r for r in report.load(path)["results"] if r["variant"] == peer}
+    assert (tuned[8]["median_us"], tuned[8]["tuned_from"]) == (75.0, f"{peer}[B]")
+    assert (tuned[16]["median_us"], tuned[16]["tuned_from"]) == (91.0, f"{peer}[B]")
+    assert len([r for r in report.load(path)["results"] if r["variant"] == peer]) == 2

@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from kernels.routing import GENERATORS
-from tools import peers
+from tools import peers, report
 from tools.cli import int_list
 
 LAB_DEFAULT = {"bf16": "cupy:auto", "fp8-block128": "cupy:auto-fp8"}  # what each peer is measured beside
@@ -39,18 +39,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", help="write the bench record (every config's rows, the tuned peer rows) here")
     parser.add_argument("--tune", action="store_true", help="write the fastest config per point to tools/peers/tuned/")
     return parser
-
-
-def tuned_rows(data: dict[str, Any], peer: str = peers.PEER) -> list[dict[str, Any]]:
-    """Per (model, batch, routing), the fastest checked config row of ``peer``, renamed to the tuned peer."""
-    best: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for row in data.get("results", []):
-        if not row["variant"].startswith(peer + "[") or row.get("status") != "ok":
-            continue
-        key = (row["model"], row["batch"], row.get("routing"))
-        if key not in best or row["median_us"] < best[key]["median_us"]:
-            best[key] = row
-    return [{**row, "variant": peer, "tuned_from": row["variant"]} for row in best.values()]
 
 
 def write_tuned(rows: list[dict[str, Any]], gpu: str, peer: str = peers.PEER) -> Any:
@@ -87,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     result = bench.run(args.model.split(","), args.batch, variants=[*lab, *configs], routing=args.routing,
                        repeats=args.repeats, stages=False, json_path=args.json)
     data = result.data
-    rows = tuned_rows(data, name)
+    rows = report.tuned_rows(data, name)
     data["results"].extend(rows)
     if args.json:
         result.to_json(args.json)
