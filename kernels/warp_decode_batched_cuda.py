@@ -1296,9 +1296,9 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
 #if DB_GROUPED
 // The grouped down warp's passes over a tile's `count` pairs (tile_pairs[0 .. count - 1]): NB 8-pair blocks per pass,
 // UNROLL k blocks of loads in flight per lane; lane (g, q) writes rows h0+16t+g, h0+16t+g+8 of its pairs' FP32 rows
-// for each of the warp's DB_ROW_TILES row tiles t.
-template <int NB, int UNROLL>
-__device__ __forceinline__ void down_grouped_passes(const ARows (&tiles)[DB_ROW_TILES], const int* tile_pairs,
+// for each of the RT row tiles t it is given.
+template <int NB, int UNROLL, int RT>
+__device__ __forceinline__ void down_grouped_passes(const ARows (&tiles)[RT], const int* tile_pairs,
                                                     int count, const bf16_t* __restrict__ intermediate,
                                                     const float* __restrict__ topk_weights,
                                                     float* __restrict__ pair_out, int hidden, int inter, int h0, int g,
@@ -1312,9 +1312,8 @@ __device__ __forceinline__ void down_grouped_passes(const ARows (&tiles)[DB_ROW_
             const int p = __ldg(tile_pairs + sub + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
             inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
         }
-        float acc[DB_ROW_TILES * NB][4];
-        mma_tiles_by_columns<UNROLL, NB, true, DOWN_GROUPED_ROUNDS, DB_ROW_TILES>(acc, tiles, inter_row, 0, chunks,
-                                                                                 q, waited);
+        float acc[RT * NB][4];
+        mma_tiles_by_columns<UNROLL, NB, true, DOWN_GROUPED_ROUNDS, RT>(acc, tiles, inter_row, 0, chunks, q, waited);
         #pragma unroll
         for (int nb = 0; nb < NB; ++nb)
             #pragma unroll
@@ -1325,7 +1324,7 @@ __device__ __forceinline__ void down_grouped_passes(const ARows (&tiles)[DB_ROW_
                     const float weight = __ldg(topk_weights + p);
                     float* row = pair_out + p * hidden;
                     #pragma unroll
-                    for (int t = 0; t < DB_ROW_TILES; ++t) {
+                    for (int t = 0; t < RT; ++t) {
                         const int h_t = h0 + 16 * t + g;
                         if (h_t < hidden) row[h_t] = __fmul_rn(weight, acc[t * NB + nb][h]);
                         if (h_t + 8 < hidden) row[h_t + 8] = __fmul_rn(weight, acc[t * NB + nb][2 + h]);
@@ -1376,14 +1375,18 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
             tiles[t] = w2_rows(w2, s2, e, min(h0 + 16 * t + g, hidden - 1), min(h0 + 16 * t + g + 8, hidden - 1),
                                hidden, inter);
 #if HOT_DB
-        if (count > 8 * DB_NBLK)                                     // warp-uniform: a hot expert's tile
-            down_grouped_passes<HOT_NBLK, HOT_UNROLL(DB_UNROLL, DB_NBLK)>(tiles, tile_pairs, count, intermediate,
-                                                                         topk_weights, pair_out, hidden, inter, h0, g,
-                                                                         q, waited);
-        else
+        if (count > 8 * DB_NBLK) {                                   // warp-uniform: a hot expert's tile, its row
+            #pragma unroll                                           // tiles one at a time (two spill under ptxas 12.9)
+            for (int t = 0; t < DB_ROW_TILES; ++t) {
+                const ARows one[1] = {tiles[t]};
+                down_grouped_passes<HOT_NBLK, HOT_UNROLL(DB_UNROLL, DB_NBLK), 1>(one, tile_pairs, count, intermediate,
+                                                                                topk_weights, pair_out, hidden, inter,
+                                                                                h0 + 16 * t, g, q, waited);
+            }
+        } else
 #endif
-            down_grouped_passes<DB_NBLK, DB_UNROLL>(tiles, tile_pairs, count, intermediate, topk_weights, pair_out,
-                                                    hidden, inter, h0, g, q, waited);
+            down_grouped_passes<DB_NBLK, DB_UNROLL, DB_ROW_TILES>(tiles, tile_pairs, count, intermediate, topk_weights,
+                                                                  pair_out, hidden, inter, h0, g, q, waited);
     }
     down_epilogue_wait();  // warps that never waited (no work, or DB_EARLY_W2 off) before the grid may end
 }
