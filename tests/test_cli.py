@@ -157,3 +157,33 @@ def test_roofline_prints_and_writes_what_measure_returns(monkeypatch: pytest.Mon
     assert out[2].split()[:3] == ["d2d_memcpy", "3.60", "TB/s"] and "75%" in out[2]
     assert out[3].split()[:3] == ["copy16", "3.84", "TB/s"] and "80%" in out[3]
     assert json.loads(path.read_text()) == {"gpu": "NVIDIA H200", **record}
+
+
+@pytest.mark.parametrize("argv", [["jobs=0"], ["report=2"], ["nonsense=1"]])
+def test_gpu_check_rejects_bad_arguments(tmp_path: Path, argv: list[str]) -> None:
+    """tools/gpu_check.sh: a bad value or an unknown argument exits 2 before it runs anything."""
+    import subprocess
+
+    done = subprocess.run(["bash", "tools/gpu_check.sh", *argv], env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_gpu_check_deals_test_ids_to_its_processes(tmp_path: Path) -> None:
+    """jobs=N collects the selected GPU tests (-m gpu and k=) and deals their ids round-robin, so one file's tests
+    spread over the processes; every id runs once (here they skip: no GPU)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OUT": str(tmp_path), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    done = subprocess.run(["bash", "tools/gpu_check.sh", "tests=tests/test_warp_decode_fp8.py", "k=not zipf",
+                           "jobs=3", "report=0", "tests_s=200"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    ids = (tmp_path / "gpu-test-ids.txt").read_text().split()
+    assert len(ids) > 3 and not any("zipf" in i for i in ids)
+    logs = sorted(tmp_path.glob("gpu-tests-*.log"))
+    assert len(logs) == 3
+    ran = sum(int(log.read_text().strip().splitlines()[-1].split()[0]) for log in logs)  # "N skipped in ..."
+    assert ran == len(ids) and f"{len(ids)} tests selected, dealt to 3 processes" in done.stdout
