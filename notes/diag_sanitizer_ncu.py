@@ -34,6 +34,9 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_sanitizer_ncu
 * ``fp8-pair`` the FP8 batch-invariant pair (grouped and per-pair forms) at its 4 k ranges -- two groups of 8 neurons
              per per-pair block -- on odd shapes with partial scale blocks and at qwen3-30b-a3b T = 3, outputs
              compared with the references (added 2026-12-02, for the FP8 pair's 4 ranges).
+* ``row-tiles`` the widening's multiply on B (FP8_PRMT 2) on the three FP8 tensor-core paths and the grouped down at
+             two row tiles per warp (DB_ROW_TILES 2), FP8 and bf16, hot tiles, a shape whose H is not a multiple of 32,
+             Zipf and all-on-one-set routings, outputs compared with the references (added 2026-12-03; not yet run).
 * ``fp8-chunks`` strict FP8 at 16-value chunks (and 8 slots at 16-value gate_up chunks) on a shape with partial
              scale blocks at both edges and at qwen3-30b-a3b T = 2 (added 2026-12-01 late).
 """
@@ -250,6 +253,32 @@ def fp8_pair() -> None:
             _run_checked(name, problem, weights, faithful, oracle, f"{_dims(problem)} {routing}")
 
 
+ROW_TILES_SHAPE = MoEShape("h1040-i128", 1040, 128, 8, 4)  # 32.5 warps of 32 rows: the last one's second tile past H
+
+
+def row_tiles() -> None:
+    """The FP8 tensor-core kernels with the widening's multiply on B (FP8_PRMT 2) and the grouped down at two row tiles
+    per warp (DB_ROW_TILES 2, with hot tiles), FP8 and bf16, on a shape whose H is not a multiple of a warp's 32 rows,
+    under Zipf and all-on-one-set routings (added 2026-12-03, for those two knobs)."""
+    from kernels.reference import moe_decode
+
+    cases = (("cupy:warp-decode-mma-grouped-fp8", {"DB_ROW_TILES": 2, "HOT_NBLK": 2}),
+             ("cupy:warp-decode-mma-fp8", {"FP8_PRMT": 2, "DB_GROUPED": 1, "DB_ROW_TILES": 2}),
+             ("cupy:warp-decode-mma-pairs-fp8", {"FP8_PRMT": 2}),
+             ("cupy:warp-decode-mma-grouped", {"DB_ROW_TILES": 2}))
+    for tokens, routing in ((12, "zipf"), (16, "same")):
+        problem = make_problem(ROW_TILES_SHAPE, tokens, seed=8, routing=routing, xp=cupy)
+        faithful, oracle = _references(problem)
+        fp8_problem, weights, args, fp8_oracle = _fp8_case(ROW_TILES_SHAPE, tokens, routing)
+        fp8_faithful = moe_decode(*args, mode="warp_decode", weight_format="fp8-block128")
+        tag = f"{_dims(problem)} {routing}"
+        for name, knobs in cases:
+            if name.endswith("fp8"):
+                _run_checked(name, fp8_problem, weights, fp8_faithful, fp8_oracle, tag, **knobs)
+            else:
+                _run_checked(name, problem, (problem.w13, problem.w2), faithful, oracle, tag, **knobs)
+
+
 def layers(name: str, model: str, tokens: int, count: int = 3, routing: str = "uniform") -> None:
     prototypes.load()
     problem = make_problem(model, tokens, seed=8, routing=routing, xp=cupy)
@@ -284,6 +313,8 @@ if __name__ == "__main__":
         fp8_chunks()
     elif what == "fp8-pair":
         fp8_pair()
+    elif what == "row-tiles":
+        row_tiles()
     elif what == "fp8-mma-t32":
         fp8_layers("cupy:warp-decode-mma-fp8", "qwen3-30b-a3b", 32)
     elif what == "fp8-strict-t1":
@@ -294,4 +325,4 @@ if __name__ == "__main__":
         new(odd_only=True)
     else:
         raise SystemExit(f"unknown workload {what!r}: small, skew, t64, zipf64, t1, fp8, fp8-chunks, fp8-pair, "
-                         "fp8-mma-t32, fp8-strict-t1, new, new-odd, whole-flush or hot")
+                         "fp8-mma-t32, fp8-strict-t1, new, new-odd, whole-flush, hot or row-tiles")
