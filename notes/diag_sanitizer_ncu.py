@@ -225,20 +225,28 @@ def hot() -> None:
     """HOT_NBLK: tiles of up to 16 / 24 pairs, a hot expert's tile in one pass of 2 / 3 8-pair blocks, bf16 and FP8,
     under Zipf and all-on-one-set routings (added 2026-12-02, for hot tiles)."""
     from kernels import warp_decode_batched as wdb
+
+    problem = _bf16_and_fp8_cases(WHOLE_FLUSH_SHAPE, HOT_CASES)
+    print("resolved", wdb.resolve_params(_dims(problem), **{**wdb.MMA_FP8_KNOBS, **HOT_CASES[-1][1]}), flush=True)
+
+
+def _bf16_and_fp8_cases(shape: MoEShape, cases: tuple[tuple[str, dict[str, int]], ...]) -> object:
+    """Each (variant, knobs) of ``cases`` on ``shape`` at T = 12 Zipf and T = 16 all-on-one-set, on bf16 weights or
+    (variants ending in fp8) the same problem's FP8 weights, every output checked; returns the last bf16 problem."""
     from kernels.reference import moe_decode
 
     for tokens, routing in ((12, "zipf"), (16, "same")):
-        problem = make_problem(WHOLE_FLUSH_SHAPE, tokens, seed=8, routing=routing, xp=cupy)
+        problem = make_problem(shape, tokens, seed=8, routing=routing, xp=cupy)
         faithful, oracle = _references(problem)
-        fp8_problem, weights, args, fp8_oracle = _fp8_case(WHOLE_FLUSH_SHAPE, tokens, routing)
+        fp8_problem, weights, args, fp8_oracle = _fp8_case(shape, tokens, routing)
         fp8_faithful = moe_decode(*args, mode="warp_decode", weight_format="fp8-block128")
         tag = f"{_dims(problem)} {routing}"
-        for name, knobs in HOT_CASES:
+        for name, knobs in cases:
             if name.endswith("fp8"):
                 _run_checked(name, fp8_problem, weights, fp8_faithful, fp8_oracle, tag, **knobs)
             else:
                 _run_checked(name, problem, (problem.w13, problem.w2), faithful, oracle, tag, **knobs)
-    print("resolved", wdb.resolve_params(_dims(problem), **{**wdb.MMA_FP8_KNOBS, **HOT_CASES[-1][1]}), flush=True)
+    return problem
 
 
 def fp8_pair() -> None:
@@ -260,23 +268,11 @@ def row_tiles() -> None:
     """The FP8 tensor-core kernels with the widening's multiply on B (FP8_PRMT 2) and the grouped down at two row tiles
     per warp (DB_ROW_TILES 2, with hot tiles), FP8 and bf16, on a shape whose H is not a multiple of a warp's 32 rows,
     under Zipf and all-on-one-set routings (added 2026-12-03, for those two knobs)."""
-    from kernels.reference import moe_decode
-
     cases = (("cupy:warp-decode-mma-grouped-fp8", {"DB_ROW_TILES": 2, "HOT_NBLK": 2}),
              ("cupy:warp-decode-mma-fp8", {"FP8_PRMT": 2, "DB_GROUPED": 1, "DB_ROW_TILES": 2}),
              ("cupy:warp-decode-mma-pairs-fp8", {"FP8_PRMT": 2}),
              ("cupy:warp-decode-mma-grouped", {"DB_ROW_TILES": 2}))
-    for tokens, routing in ((12, "zipf"), (16, "same")):
-        problem = make_problem(ROW_TILES_SHAPE, tokens, seed=8, routing=routing, xp=cupy)
-        faithful, oracle = _references(problem)
-        fp8_problem, weights, args, fp8_oracle = _fp8_case(ROW_TILES_SHAPE, tokens, routing)
-        fp8_faithful = moe_decode(*args, mode="warp_decode", weight_format="fp8-block128")
-        tag = f"{_dims(problem)} {routing}"
-        for name, knobs in cases:
-            if name.endswith("fp8"):
-                _run_checked(name, fp8_problem, weights, fp8_faithful, fp8_oracle, tag, **knobs)
-            else:
-                _run_checked(name, problem, (problem.w13, problem.w2), faithful, oracle, tag, **knobs)
+    _bf16_and_fp8_cases(ROW_TILES_SHAPE, cases)
 
 
 def layers(name: str, model: str, tokens: int, count: int = 3, routing: str = "uniform") -> None:
