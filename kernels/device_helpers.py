@@ -183,10 +183,11 @@ __device__ __forceinline__ u32 bf16x2_times_256(u32 bits2) {
 // FP8_PRMT 2: the multiply moves to the B fragments (the activations x 2^8: b_fragment in the tensor-core kernels),
 // the A fragment stays value x 2^-120 -- every product the same number, 3 instructions per 2 weight values and one
 // multiply per 2 activation values, fewer in all where a warp's A rows outnumber its B columns. Exact while the
-// activations stay below 2^120 in magnitude (bf16's largest finite value is about 2^128).
+// activations stay below 2^120 in magnitude (bf16's largest finite value is about 2^128). FP8_PRMT 3 likewise, with the
+// down's B fragments -- the intermediate -- written x 2^8 by the gate_up instead.
 __device__ __forceinline__ u32 e4m3x2_to_bf16x2_scaled(u32 w, u32 selector) {
     const u32 low = (sext_byte_pair(w, selector) << 4) & 0x87F087F0u;  // value x 2^-120
-#if FP8_PRMT == 2
+#if FP8_PRMT >= 2
     return low;
 #else
     return bf16x2_times_256(low);

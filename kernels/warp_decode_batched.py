@@ -105,7 +105,9 @@ DEFAULTS: dict[str, int] = {
     # bits either way): 1 by a sign-extending byte permute, a shift, a mask and a bf16x2 multiply (4 instructions per
     # 2 values), 0 through cvt.rn.f16x2.e4m3x2, a shift and two masks (4.5), 2 as 1 with the multiply moved to the
     # B fragments (3 per 2 weight values and 1 per 2 activation values: the same products, exact while activations
-    # stay below 2^120); -1 = auto (auto_fp8_widening; the tensor-core knob sets use it)
+    # stay below 2^120), 3 as 2 with the gate_up writing the intermediate x 2^8 so that the down's B fragments need no
+    # multiply (the workspace's intermediate then holds its values x 2^8; needs GB_MMA 1 and DB_MMA 1); -1 = auto
+    # (auto_fp8_widening; the tensor-core knob sets use it)
     "GB_RANGE_FLUSH": 0,  # the split-chain gate_up (GB_MMA, GB_KSPLIT > 1, lists): 1 walks H in one loop of rounds
     # and adds each range's chain at its end (the same sums as a loop per range, 0); needs every range a whole number
     # of rounds (and of scale blocks with FP8_BLOCK_SUM; checked: range_flush_allowed); -1 = auto (auto_range_flush;
@@ -142,7 +144,7 @@ LIMITS = {
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (0, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
     "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "W_FP8": (0, 1),
     "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8), "FP8_LOAD16": (-1, 1), "FP8_BLOCK_SUM": (-1, 1),
-    "FP8_PRMT": (-1, 2), "DB_WHOLE_RANGES": (-1, 1), "GB_RANGE_FLUSH": (-1, 1), "PAIRS_INNER": (-1, 1),
+    "FP8_PRMT": (-1, 3), "DB_WHOLE_RANGES": (-1, 1), "GB_RANGE_FLUSH": (-1, 1), "PAIRS_INNER": (-1, 1),
     "DB_ROW_TILES": (0, 2),
 }
 
@@ -379,7 +381,7 @@ def auto_row_tiles(dims: Dims | None, values: dict[str, int]) -> int:
     under Zipf; at qwen3-30b (I = 768) T = 64 +0.5 %, T = 16 +2.2 %, at qwen3-235b T = 8 +2.8 % (fewer warps where
     there are few tiles). At DB_UNROLL 1 two tiles beat one but both lose 8-15 % to DB_UNROLL 2. A hot tile (HOT_NBLK)
     runs its row tiles one at a time: two in its pass spill under NVRTC 12.9 (those runs had them together)."""
-    grouped_fp8 = values["W_FP8"] and values["DB_GROUPED"] and values["FP8_PRMT"] == 2
+    grouped_fp8 = values["W_FP8"] and values["DB_GROUPED"] and values["FP8_PRMT"] >= 2
     if dims is None or not grouped_fp8 or values["DB_UNROLL"] < 2:
         return 1
     many = dims.tokens * dims.top_k >= GROUPED_FROM_PAIRS_PER_EXPERT * dims.experts
@@ -462,6 +464,9 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         if values[key] > 0 and not fp8_on_tensor_cores(values):
             raise ValueError(f"{key} shapes the tensor-core kernels' FP8 loads, widening and scaling: it needs W_FP8 1 "
                              "and GB_MMA or DB_MMA 1")
+    if values["FP8_PRMT"] == 3 and not (values["GB_MMA"] and values["DB_MMA"]):
+        raise ValueError("FP8_PRMT 3 has the tensor-core gate_up write the intermediate x 2^8 for the tensor-core "
+                         f"down: it needs GB_MMA 1 and DB_MMA 1, got {values['GB_MMA']} and {values['DB_MMA']}")
     if values["FP8_LOAD16"] and dims is not None and (dims.hidden % 16 or dims.intermediate % 16):
         raise ValueError(f"FP8_LOAD16 loads 16 e4m3 values per row and lane: H and I must be multiples of 16, got "
                          f"H = {dims.hidden}, I = {dims.intermediate}")

@@ -780,13 +780,24 @@ __device__ __forceinline__ uint4 a_fragment(const uint4& v, int h) {
 }
 __device__ __forceinline__ uint4 a_fragment(const uint2& v, int h) { (void)h; return e4m3x8_to_bf16x8(v); }
 // a lane's B chunk (8 bf16 activations) as its fragment: as loaded, or with FP8_PRMT 2 times 2^8 (the factor the
-// A fragments' widening leaves out; kernels/device_helpers.py)
+// A fragments' widening leaves out; kernels/device_helpers.py). FP8_PRMT 3: the gate_up writes the intermediate
+// already x 2^8 (intermediate_value), so the down's B (PRE_SCALED_B: COLS_DEP) is taken as loaded.
+#define INTER_X256 (W_FP8 && FP8_PRMT == 3)
+template <bool PRE_SCALED_B = false>
 __device__ __forceinline__ uint4 b_fragment(const uint4& v) {
-#if W_FP8 && FP8_PRMT == 2
+#if W_FP8 && FP8_PRMT >= 2
+    if (INTER_X256 && PRE_SCALED_B) return v;
     return make_uint4(bf16x2_times_256(v.x), bf16x2_times_256(v.y), bf16x2_times_256(v.z), bf16x2_times_256(v.w));
 #else
     return v;
 #endif
+}
+// The tensor-core gate_up's intermediate value: the one bf16 rounding of SiLU(g) x u, then with FP8_PRMT 3 x 2^8
+// (exact below 2^120; NaN and infinities stay)
+__device__ __forceinline__ bf16_t intermediate_value(float v) {
+    const bf16_t r = f32_to_bf16(v);
+    if (!INTER_X256) return r;
+    return f32_to_bf16(__uint_as_float((u32)r << 16) * 256.0f);
 }
 // W_FP8: acc += part x 2^112 x the block's scale (s_lo for rows g -- acc[0], acc[1] --, s_hi for rows g + 8), part
 // zeroed for the next block
@@ -890,7 +901,7 @@ __device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part
         for (int h = 0; h < MMA_HALVES; ++h) {
             uint4 b[NB];
             #pragma unroll
-            for (int nb = 0; nb < NB; ++nb) b[nb] = b_fragment(col[j][nb][h]);
+            for (int nb = 0; nb < NB; ++nb) b[nb] = b_fragment<COLS_DEP>(col[j][nb][h]);
             #pragma unroll
             for (int t = 0; t < RT; ++t) {
                 const uint4 a_lo = a_fragment(lo[j][t], h), a_hi = a_fragment(hi[j][t], h);
@@ -1078,7 +1089,7 @@ __device__ __forceinline__ void gate_up_passes(const ARows& rows, const bf16_t* 
                     const long long p = __ldg(pairs + tile + pp);
                     const float gate = acc[nb][h], up = acc[nb][2 + h];
                     const float silu = gate / (1.0f + expf(-gate));  // IEEE division (no fast-math)
-                    intermediate[p * inter + i0 + g] = f32_to_bf16(silu * up);  // the one bf16 rounding
+                    intermediate[p * inter + i0 + g] = intermediate_value(silu * up);  // the one bf16 rounding
                 }
             }
     }
@@ -1476,7 +1487,7 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
     if (q == 0 && i0 + g < inter) {                                  // column 0: the pair
         const float gate = acc[0][0], up = acc[0][2];
         const float silu = gate / (1.0f + expf(-gate));              // IEEE division (no fast-math)
-        intermediate[(long long)p * inter + i0 + g] = f32_to_bf16(silu * up);  // the one bf16 rounding
+        intermediate[(long long)p * inter + i0 + g] = intermediate_value(silu * up);  // the one bf16 rounding
     }
 #else  // a warp per (8 neurons, k range); the ranges' partials meet in shared memory
     constexpr int GROUPS = GB_WARPS / GB_KSPLIT;
@@ -1519,7 +1530,7 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
     }
     if (q == 0 && i0 + g < inter) {
         const float silu = gate / (1.0f + expf(-gate));              // IEEE division (no fast-math)
-        intermediate[(long long)p * inter + i0 + g] = f32_to_bf16(silu * up);  // the one bf16 rounding
+        intermediate[(long long)p * inter + i0 + g] = intermediate_value(silu * up);  // the one bf16 rounding
     }
 #endif
 }

@@ -224,6 +224,9 @@ def test_widening_rule() -> None:
             wdb.resolve_params(None, **{**wdb.FP8_KNOBS, key: 1})
     with pytest.raises(ValueError, match="FP8_PRMT shapes the tensor-core kernels' FP8"):
         wdb.resolve_params(None, **{**wdb.FP8_KNOBS, "FP8_PRMT": 2})
+    with pytest.raises(ValueError, match="FP8_PRMT 3 has the tensor-core gate_up write the intermediate"):
+        wdb.resolve_params(None, **{**wdb.MIXED_KNOBS, "W_FP8": 1, "FP8_PRMT": 3})
+    assert resolved(wdb.MMA_FP8_KNOBS, 64, 1536, FP8_PRMT=3)["DB_ROW_TILES"] == 2
     tiles = {(k, t, i): resolved(knobs, t, i)["DB_ROW_TILES"] for k, knobs in
              (("mma", wdb.MMA_FP8_KNOBS), ("grouped", wdb.FP8_GROUPED_KNOBS), ("bf16", wdb.GROUPED_KNOBS))
              for t in (16, 32) for i in (768, 1536)}
@@ -317,15 +320,21 @@ WIDENINGS = [  # (shape, T, routing, knobs): the tensor-core kernels' forms, 8- 
 def test_widening_multiply_on_b_emulated(shape: Any, tokens: int, routing: Any, knobs: dict[str, int]) -> None:
     """FP8_PRMT 2 (A fragments value x 2^-120, the 2^8 on the activations' B fragments) gives FP8_PRMT 1's bits --
     intermediate and FP32 out -- with a quarter of the weights e4m3fn subnormals and activations spanning 2^-100 ..
-    2^60 (every product the same number either way); it matches the reference on the same weights."""
+    2^60 (every product the same number either way); so does FP8_PRMT 3, whose intermediate is FP8_PRMT 1's x 2^8
+    (NaN where it is NaN). It matches the reference on the same weights."""
     problem = _subnormal_weights(_fp8_problem(make_problem(shape, tokens, seed=tokens, routing=routing)), tokens)
     rng = np.random.default_rng(tokens)
     spread = np.exp2(rng.integers(-100, 60, problem.x.shape)).astype(np.float32)
     problem = dataclasses.replace(problem, x=(problem.x.astype(np.float32) * spread).astype(BF16))
-    got = _emulate(problem, out_dtype=np.float32, **{**knobs, "FP8_PRMT": 2})
+    def values(bits: np.ndarray) -> np.ndarray:  # the emulation's intermediate: bf16 bits
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+
     want = _emulate(problem, out_dtype=np.float32, **{**knobs, "FP8_PRMT": 1})
-    assert np.array_equal(got["inter"], want["inter"])
-    assert np.array_equal(got["out"].view(np.uint32), want["out"].view(np.uint32))
+    for widening in (2, 3):
+        got = _emulate(problem, out_dtype=np.float32, **{**knobs, "FP8_PRMT": widening})
+        scaled = values(want["inter"]) * np.float32(256 if widening == 3 else 1)
+        assert np.array_equal(values(got["inter"]), scaled, equal_nan=True), widening
+        assert np.array_equal(got["out"].view(np.uint32), want["out"].view(np.uint32)), widening
     mild = _subnormal_weights(_fp8_problem(make_problem(shape, tokens, seed=tokens + 1, routing=routing)), tokens)
     faithful, oracle = _references(mild, out_dtype=np.float32)
     _assert_matches(_emulate(mild, out_dtype=np.float32, **{**knobs, "FP8_PRMT": 2})["out"], faithful, oracle,
@@ -557,9 +566,10 @@ def test_gpu_hot_tiles_bitwise(model: str, tokens: int, routing: str) -> None:
                          [("qwen3-30b-a3b", 1, "uniform"), ("qwen3-235b-a22b", 16, "zipf"),
                           ("qwen3-30b-a3b", 64, "same")])
 def test_gpu_widening_multiply_on_b_bitwise(model: str, tokens: int, routing: str) -> None:
-    """FP8_PRMT 2 (the widening's 2^8 on the activations' B fragments) gives FP8_PRMT 1's bits on the three FP8
-    tensor-core paths at the presets' widths, every output written (NaN-poisoned out and intermediate), with a
-    quarter of the weights e4m3fn subnormals; it matches the reference on the same weights."""
+    """FP8_PRMT 2 (the widening's 2^8 on the activations' B fragments) and 3 (the down's B, the intermediate, written
+    x 2^8) give FP8_PRMT 1's bits on the three FP8 tensor-core paths at the presets' widths, every output written
+    (NaN-poisoned out and intermediate), with a quarter of the weights e4m3fn subnormals; they match the reference on
+    the same weights."""
     import cupy
 
     from kernels.shapes import get_shape
@@ -570,10 +580,12 @@ def test_gpu_widening_multiply_on_b_bitwise(model: str, tokens: int, routing: st
     faithful, oracle = _references(host)
     for path, knobs in (("mma", wdb.MMA_FP8_KNOBS), ("pairs", wdb.FP8_PER_PAIR_KNOBS),
                         ("grouped", wdb.FP8_GROUPED_KNOBS)):
-        on_b = _run_poisoned(cupy, problem, **{**knobs, "FP8_PRMT": 2})
-        _assert_matches(on_b, faithful, oracle, f"fp8 {path} multiply on B {model} T={tokens}", own_order=True)
         on_a = _run_poisoned(cupy, problem, **{**knobs, "FP8_PRMT": 1})
-        assert np.array_equal(on_b.view(np.uint16), on_a.view(np.uint16)), path
+        for widening in (2, 3):  # 3: the intermediate written x 2^8
+            on_b = _run_poisoned(cupy, problem, **{**knobs, "FP8_PRMT": widening})
+            _assert_matches(on_b, faithful, oracle, f"fp8 {path} FP8_PRMT {widening} {model} T={tokens}",
+                            own_order=True)
+            assert np.array_equal(on_b.view(np.uint16), on_a.view(np.uint16)), (path, widening)
 
 
 @pytest.mark.gpu
