@@ -121,6 +121,9 @@ DEFAULTS: dict[str, int] = {
     "DB_ROW_TILES": 1,  # the grouped down (DB_GROUPED): tiles of 16 hidden rows per warp, 1 or 2 (2: the two tiles
     # share each B fragment -- fewer intermediate loads and multiplies per weight byte; 2 needs DB_GROUPED 1); the
     # same bits either way; 0 = auto (auto_row_tiles; the tensor-core knob sets use it)
+    "GB_ROW_TILES": 1,  # the tensor-core gate_up over lists or tiles (GB_MMA, PER_PAIR 0): groups of 8 neurons per
+    # warp, 1 or 2 (2: the two share each x fragment -- its loads and, on FP8, its multiply); the same bits either way.
+    # A hot tile (HOT_NBLK) runs them one at a time. Not yet measured on the H200: opt-in
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK", "DB_NBLK",
               "DB_ROW_TILES")
@@ -145,7 +148,7 @@ LIMITS = {
     "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "W_FP8": (0, 1),
     "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8), "FP8_LOAD16": (-1, 1), "FP8_BLOCK_SUM": (-1, 1),
     "FP8_PRMT": (-1, 3), "DB_WHOLE_RANGES": (-1, 1), "GB_RANGE_FLUSH": (-1, 1), "PAIRS_INNER": (-1, 1),
-    "DB_ROW_TILES": (0, 2),
+    "DB_ROW_TILES": (0, 2), "GB_ROW_TILES": (1, 2),
 }
 
 
@@ -464,6 +467,9 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         if values[key] > 0 and not fp8_on_tensor_cores(values):
             raise ValueError(f"{key} shapes the tensor-core kernels' FP8 loads, widening and scaling: it needs W_FP8 1 "
                              "and GB_MMA or DB_MMA 1")
+    if values["GB_ROW_TILES"] > 1 and not (values["GB_MMA"] and not values["PER_PAIR"]):
+        raise ValueError(f"GB_ROW_TILES {values['GB_ROW_TILES']} gives the tensor-core gate_up's warps more neurons: "
+                         f"it needs GB_MMA 1 and PER_PAIR 0, got {values['GB_MMA']} and {values['PER_PAIR']}")
     if values["FP8_PRMT"] == 3 and not (values["GB_MMA"] and values["DB_MMA"]):
         raise ValueError("FP8_PRMT 3 has the tensor-core gate_up write the intermediate x 2^8 for the tensor-core "
                          f"down: it needs GB_MMA 1 and DB_MMA 1, got {values['GB_MMA']} and {values['DB_MMA']}")
@@ -683,7 +689,7 @@ def kernel_names(params: dict[str, int]) -> tuple[str, ...]:
 
 def gate_up_blocks(dims: Dims, params: dict[str, int]) -> int:
     """One block row (ceil(I / neurons per block) blocks) per list slot, or with PAIR_TILES per possible tile."""
-    neurons_per_warp = 8 if params["GB_MMA"] else params["GB_OUTS"]
+    neurons_per_warp = 8 * params.get("GB_ROW_TILES", 1) if params["GB_MMA"] else params["GB_OUTS"]
     if params.get("PER_PAIR"):  # GB_WARPS / GB_KSPLIT groups of 8 neurons per block
         groups = params["GB_WARPS"] // params.get("GB_KSPLIT", 1)
         return dims.tokens * dims.top_k * -(-dims.intermediate // (groups * 8))
