@@ -41,6 +41,17 @@ def test_cli_rejects_unknown_options() -> None:
     assert done.returncode == 2 and "unrecognized arguments: --bogus" in done.stderr
 
 
+def test_config_selection_by_name_or_index() -> None:
+    """--configs names tile configs by name or index (no PyTorch needed), in the order given, each once."""
+    from tools.peers.__main__ import select_configs
+    from tools.peers.tile_configs import CONFIGS, W8A8_CONFIGS
+
+    assert select_configs("triton:fused-moe", None) == list(range(len(CONFIGS)))
+    assert select_configs("triton:fused-moe-w8a8", f"{W8A8_CONFIGS[1].name}, 0,1") == [1, 0]
+    with pytest.raises(ValueError, match="known: M16-N64-K128-G1-w4-s3"):
+        select_configs("triton:fused-moe", "M16")
+
+
 CASES = [("tiny", 3, "uniform"), ("tiny", 5, "zipf"), (MoEShape("odd", 40, 24, 3, 2), 4, "same")]
 
 

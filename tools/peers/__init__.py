@@ -21,7 +21,7 @@ from kernels.contract import Dims
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 PEER = "triton:fused-moe"
 PEER_W8A8 = "triton:fused-moe-w8a8"
-# peer -> the weight format it reads (its tile configs: tools.peers.triton_fused_moe.CONFIGS / W8A8_CONFIGS)
+# peer -> the weight format it reads (its tile configs: tools.peers.tile_configs.CONFIGS / W8A8_CONFIGS)
 PEERS = {PEER: "bf16", PEER_W8A8: "fp8-block128"}
 
 
@@ -53,7 +53,7 @@ def shape_key(dims: Dims, peer: str = PEER) -> str:
 
 def configs(peer: str = PEER) -> tuple[Any, ...]:
     """The tile configs ``peer`` is tuned over."""
-    from tools.peers.triton_fused_moe import CONFIGS, W8A8_CONFIGS
+    from tools.peers.tile_configs import CONFIGS, W8A8_CONFIGS
 
     return W8A8_CONFIGS if peer == PEER_W8A8 else CONFIGS
 

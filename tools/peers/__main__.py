@@ -6,7 +6,8 @@ Each tile config of :data:`tools.peers.triton_fused_moe.CONFIGS` is a variant ``
 measured by the bench's harness (same graph structure, weight rotation and in-process roofline as the lab's paths,
 checked against ``reference.moe_decode(mode="classical")`` before and after timing). Per (model, batch) the fastest
 config's row is also recorded as ``triton:fused-moe`` (the tuned peer, ``tuned_from`` naming the config);
-``--tune`` writes those choices to ``tools/peers/tuned/<gpu slug>.json``, which the variant's ``CONFIG=-1`` reads.
+``--tune`` writes those choices to ``tools/peers/tuned/<gpu slug>.json``, which the variant's ``CONFIG=-1`` reads;
+``--configs`` runs only the named configs (a quicker comparison where the fastest are known; not with ``--tune``).
 ``--weight-format fp8-block128`` does the same for the W8A8 peer ``triton:fused-moe-w8a8`` (its own tile configs)
 beside the lab's FP8 auto-dispatch. Without PyTorch, Triton or a GPU it says so in one line and exits 0.
 """
@@ -35,10 +36,29 @@ def _parser() -> argparse.ArgumentParser:
                         help="bf16: the fused-MoE peer; fp8-block128: its W8A8 form")
     parser.add_argument("--lab", default=None,
                         help="lab variants measured beside the peer (default cupy:auto, or cupy:auto-fp8)")
+    parser.add_argument("--configs", default=None,
+                        help="comma list of the peer's tile configs to run, by name (M16-N64-K128-G1-w4-s3) or "
+                             "index; default: all (the tuned peer is the fastest of those run)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", help="write the bench record (every config's rows, the tuned peer rows) here")
     parser.add_argument("--tune", action="store_true", help="write the fastest config per point to tools/peers/tuned/")
     return parser
+
+
+def select_configs(peer: str, spec: str | None) -> list[int]:
+    """The indices of ``peer``'s tile configs that ``spec`` (comma list of names or indices; None: all) names."""
+    names = [c.name for c in peers.configs(peer)]
+    if spec is None:
+        return list(range(len(names)))
+    chosen: list[int] = []
+    for item in (part.strip() for part in spec.split(",")):
+        index = int(item) if item.isdigit() else names.index(item) if item in names else -1
+        if not 0 <= index < len(names):
+            raise ValueError(f"--configs: {peer} has no tile config {item!r}; known: {', '.join(names)} "
+                             f"(or 0..{len(names) - 1})")
+        if index not in chosen:
+            chosen.append(index)
+    return chosen
 
 
 def write_tuned(rows: list[dict[str, Any]], gpu: str, peer: str = peers.PEER) -> Any:
@@ -59,7 +79,15 @@ def write_tuned(rows: list[dict[str, Any]], gpu: str, peer: str = peers.PEER) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    name = next(p for p, fmt in peers.PEERS.items() if fmt == args.weight_format)
+    try:
+        chosen = select_configs(name, args.configs)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.tune and args.configs is not None:
+        parser.error("--tune picks the fastest of every tile config: leave --configs out")
     if peers.WHY_NOT is not None:
         print(f"skipped: the peers {peers.WHY_NOT}")
         return 0
@@ -67,10 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     from kernels.variants import REGISTRY
     from tools import bench
 
-    name = next(p for p, fmt in peers.PEERS.items() if fmt == args.weight_format)
     peer = REGISTRY[name]
     configs = [dataclasses.replace(peer, name=f"{name}[{c.name}]", params={"CONFIG": i}, grid={})
-               for i, c in enumerate(peers.configs(name))]
+               for i, c in enumerate(peers.configs(name)) if i in chosen]
     lab = [v for v in (args.lab or LAB_DEFAULT[args.weight_format]).split(",") if v]
     result = bench.run(args.model.split(","), args.batch, variants=[*lab, *configs], routing=args.routing,
                        repeats=args.repeats, stages=False, json_path=args.json)
