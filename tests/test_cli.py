@@ -191,3 +191,17 @@ def test_gpu_check_deals_test_ids_to_its_processes(tmp_path: Path) -> None:
     assert len(logs) == 3
     ran = sum(int(log.read_text().strip().splitlines()[-1].split()[0]) for log in logs)  # "N skipped in ..."
     assert ran == len(ids) and f"{len(ids)} tests selected, dealt to 3 processes" in done.stdout
+
+
+def test_sweep_record_dates_itself_at_the_top(tmp_path: Path) -> None:
+    """A sweep's JSON carries its date at the top, as the bench's does (and in its environment). In a process of its
+    own: a sweep without a GPU switches Numba to its simulator, which the process keeps."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "sweep.json"
+    done = subprocess.run([sys.executable, "-m", "tools.sweep", "cupy:warp-decode", "--model", "tiny", "--batch", "1",
+                           "--grid", "DN_SLOTS=1", "--json", str(path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    record = json.loads(path.read_text())
+    assert record["date"] == record["environment"]["date"] and record["date"].startswith("20")

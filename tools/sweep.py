@@ -139,6 +139,7 @@ def sweep(name: str, model: str = DEFAULT_MODEL, batch: list[int] | None = None,
             "routing": routing, "repeats": repeats, "seed": seed, "environment": harness.environment(gpu),
             "load_warnings": warnings, "rooflines": None, "points": [],
         }
+        record["date"] = record["environment"]["date"]  # at the top, as the bench's records have it
         grid_points = points(grid)
         dims = Dims(batches[0], shape.hidden, shape.intermediate, shape.experts, shape.top_k)
         steps.start(f"compiling {len(grid_points)} grid point(s) for sm_90 (NVRTC, the compile columns)")
