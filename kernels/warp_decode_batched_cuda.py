@@ -1085,11 +1085,12 @@ __device__ __forceinline__ void gate_up_passes(const ARows (&tiles)[RT], const b
             #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int pp = nb * 8 + 2 * q + h;
+                if (pp >= n) continue;
+                const long long p = __ldg(pairs + tile + pp);             // once for the warp's RT neurons
                 #pragma unroll
                 for (int t = 0; t < RT; ++t) {
                     const int i = i0 + 8 * t + g;
-                    if (pp < n && i < inter) {
-                        const long long p = __ldg(pairs + tile + pp);
+                    if (i < inter) {
                         const float gate = acc[t * NB + nb][h], up = acc[t * NB + nb][2 + h];
                         const float silu = gate / (1.0f + expf(-gate));  // IEEE division (no fast-math)
                         intermediate[p * inter + i] = intermediate_value(silu * up);  // the one bf16 rounding
