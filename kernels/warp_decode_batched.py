@@ -107,7 +107,7 @@ DEFAULTS: dict[str, int] = {
     # B fragments (3 per 2 weight values and 1 per 2 activation values: the same products, exact while activations
     # stay below 2^120), 3 as 2 with the gate_up writing the intermediate x 2^8 so that the down's B fragments need no
     # multiply (the workspace's intermediate then holds its values x 2^8; needs GB_MMA 1 and DB_MMA 1); -1 = auto
-    # (auto_fp8_widening; the tensor-core knob sets use it)
+    # (auto_fp8_widening: 3 on the per-pair form, else 2; the tensor-core knob sets use it)
     "GB_RANGE_FLUSH": 0,  # the split-chain gate_up (GB_MMA, GB_KSPLIT > 1, lists): 1 walks H in one loop of rounds
     # and adds each range's chain at its end (the same sums as a loop per range, 0); needs every range a whole number
     # of rounds (and of scale blocks with FP8_BLOCK_SUM; checked: range_flush_allowed); -1 = auto (auto_range_flush;
@@ -121,9 +121,6 @@ DEFAULTS: dict[str, int] = {
     "DB_ROW_TILES": 1,  # the grouped down (DB_GROUPED): tiles of 16 hidden rows per warp, 1 or 2 (2: the two tiles
     # share each B fragment -- fewer intermediate loads and multiplies per weight byte; 2 needs DB_GROUPED 1); the
     # same bits either way; 0 = auto (auto_row_tiles; the tensor-core knob sets use it)
-    "GB_ROW_TILES": 1,  # the tensor-core gate_up over lists or tiles (GB_MMA, PER_PAIR 0): groups of 8 neurons per
-    # warp, 1 or 2 (2: the two share each x fragment -- its loads and, on FP8, its multiply); the same bits either way.
-    # A hot tile (HOT_NBLK) runs them one at a time. Not yet measured on the H200: opt-in
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK", "DB_NBLK",
               "DB_ROW_TILES")
@@ -148,7 +145,7 @@ LIMITS = {
     "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "W_FP8": (0, 1),
     "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8), "FP8_LOAD16": (-1, 1), "FP8_BLOCK_SUM": (-1, 1),
     "FP8_PRMT": (-1, 3), "DB_WHOLE_RANGES": (-1, 1), "GB_RANGE_FLUSH": (-1, 1), "PAIRS_INNER": (-1, 1),
-    "DB_ROW_TILES": (0, 2), "GB_ROW_TILES": (1, 2),
+    "DB_ROW_TILES": (0, 2),
 }
 
 
@@ -230,9 +227,15 @@ def auto_fp8_widening(values: dict[str, int]) -> int:
     2-7 %, the tensor-core FP8 path 0-3 %; its multiply on B instead of A
     (results/sweep-2026-12-03-fp8-widening-row-tiles-*.json) 2.1-2.2 % more on the tensor-core FP8 path at qwen3-235b
     T = 32 / 64 (538.6 / 617.5 -> 527.5 / 604.0 us), 0.9-1.7 % under Zipf, within +-0.3 % at T = 1 / 2 / 8 / 16 and
-    -1.5 % at qwen3-30b T = 4 (per-pair), -1.0 % at T = 64 (grouped); it leaves DB_ROW_TILES 2 spill-free."""
-    plain_two_blocks = values["GB_MMA"] and values["GB_NBLK"] > 1 and values["GB_KSPLIT"] == 1
-    return 0 if plain_two_blocks else 2
+    -1.5 % at qwen3-30b T = 4 (per-pair), -1.0 % at T = 64 (grouped); it leaves DB_ROW_TILES 2 spill-free. The
+    per-pair form takes 3 (its intermediate written x 2^8, its down's B multiply gone;
+    results/sweep-2026-12-03-intermediate-x256-*.json, 40 replays): qwen3-30b T = 1 / 2 15.09 / 23.59 -> 14.72 /
+    23.34 us, qwen3-235b 41.58 / 80.57 -> 41.26 / 79.91, Zipf -0.4 / -0.7 % (+1.1 % at qwen3-235b T = 4, where the
+    dispatch takes other paths); on the tensor-core and grouped paths 3 was within +-1 %
+    (results/sweep-2026-12-03-prmt3-gb-row-tiles-*.json), so they keep an intermediate in its own scale."""
+    if values["GB_MMA"] and values["GB_NBLK"] > 1 and values["GB_KSPLIT"] == 1:  # the plain gate_up, two blocks
+        return 0
+    return 3 if values["PER_PAIR"] and values["GB_MMA"] and values["DB_MMA"] else 2
 
 
 def whole_ranges(dims: Dims | None, values: dict[str, int]) -> bool:
@@ -467,9 +470,6 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         if values[key] > 0 and not fp8_on_tensor_cores(values):
             raise ValueError(f"{key} shapes the tensor-core kernels' FP8 loads, widening and scaling: it needs W_FP8 1 "
                              "and GB_MMA or DB_MMA 1")
-    if values["GB_ROW_TILES"] > 1 and not (values["GB_MMA"] and not values["PER_PAIR"]):
-        raise ValueError(f"GB_ROW_TILES {values['GB_ROW_TILES']} gives the tensor-core gate_up's warps more neurons: "
-                         f"it needs GB_MMA 1 and PER_PAIR 0, got {values['GB_MMA']} and {values['PER_PAIR']}")
     if values["FP8_PRMT"] == 3 and not (values["GB_MMA"] and values["DB_MMA"]):
         raise ValueError("FP8_PRMT 3 has the tensor-core gate_up write the intermediate x 2^8 for the tensor-core "
                          f"down: it needs GB_MMA 1 and DB_MMA 1, got {values['GB_MMA']} and {values['DB_MMA']}")
@@ -689,7 +689,7 @@ def kernel_names(params: dict[str, int]) -> tuple[str, ...]:
 
 def gate_up_blocks(dims: Dims, params: dict[str, int]) -> int:
     """One block row (ceil(I / neurons per block) blocks) per list slot, or with PAIR_TILES per possible tile."""
-    neurons_per_warp = 8 * params.get("GB_ROW_TILES", 1) if params["GB_MMA"] else params["GB_OUTS"]
+    neurons_per_warp = 8 if params["GB_MMA"] else params["GB_OUTS"]
     if params.get("PER_PAIR"):  # GB_WARPS / GB_KSPLIT groups of 8 neurons per block
         groups = params["GB_WARPS"] // params.get("GB_KSPLIT", 1)
         return dims.tokens * dims.top_k * -(-dims.intermediate // (groups * 8))

@@ -86,8 +86,6 @@ static_assert(DB_GROUPED == 0 || (DB_GROUPED == 1 && DB_MMA == 1 && PAIR_TILES =
               "DB_GROUPED is 0 or 1 (1 needs DB_MMA 1 and PAIR_TILES 1)");
 static_assert(DB_ROW_TILES == 1 || (DB_ROW_TILES == 2 && DB_GROUPED == 1),
               "DB_ROW_TILES is 1 or 2 (2 needs DB_GROUPED 1)");
-static_assert(GB_ROW_TILES == 1 || (GB_ROW_TILES == 2 && GB_MMA == 1 && PER_PAIR == 0),
-              "GB_ROW_TILES is 1 or 2 (2 needs GB_MMA 1 and PER_PAIR 0)");
 static_assert(W_FP8 == 0 || (W_FP8 == 1 && GB_BYTES >= 8 && DB_BYTES >= 8), "W_FP8 is 0 or 1 (1 needs BYTES >= 8)");
 static_assert(PER_PAIR == 0 || (PER_PAIR == 1 && GB_MMA == 1 && DB_MMA == 1 && PAIR_TILES == 0 && DB_GROUPED == 0),
               "PER_PAIR is 0 or 1 (1 needs GB_MMA 1, DB_MMA 1 and no tiles: it runs without lists)");
@@ -989,21 +987,22 @@ __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const a
 // (whole rounds unmasked, a masked last round only at the end of H): 2-4 % faster on the H200 (bf16). W_FP8: the
 // scale block's partial lives across rounds as in one range's loop; a range ends on a scale block's end (the host
 // checks it with FP8_BLOCK_SUM), where mma_round has flushed it into the range's chain.
-template <int NB, int UNROLL, int RT>
-__device__ __forceinline__ void split_chain_one_loop(float (&total)[RT * NB][4], const ARows (&tiles)[RT],
+template <int NB, int UNROLL>
+__device__ __forceinline__ void split_chain_one_loop(float (&total)[NB][4], const ARows& rows,
                                                      const uint4* const (&cols)[NB], int chunks, int q, bool& waited) {
     constexpr int ROUND = MMA_KB * UNROLL;
     int zero, size;
     k_range(chunks, 0, zero, size);                                  // range 0: chunks 0 .. size - 1
-    float part[RT * NB][4], scale_part[RT * NB][4];                  // W_FP8: the scale block's mma sums
+    float part[NB][4], scale_part[NB][4];                            // W_FP8: the scale block's mma sums
     #pragma unroll
-    for (int nb = 0; nb < RT * NB; ++nb)
+    for (int nb = 0; nb < NB; ++nb)
         #pragma unroll
         for (int v = 0; v < 4; ++v) part[nb][v] = scale_part[nb][v] = total[nb][v] = 0.0f;
+    const ARows tiles[1] = {rows};
     int flushed = 0;
     auto flush = [&]() {                                             // warp-uniform: the range's end
         #pragma unroll
-        for (int nb = 0; nb < RT * NB; ++nb)
+        for (int nb = 0; nb < NB; ++nb)
             #pragma unroll
             for (int v = 0; v < 4; ++v) {
                 total[nb][v] = flushed == 0 ? part[nb][v] : __fadd_rn(total[nb][v], part[nb][v]);
@@ -1013,16 +1012,16 @@ __device__ __forceinline__ void split_chain_one_loop(float (&total)[RT * NB][4],
     };
     int c0 = 0;
     for (; c0 + ROUND <= chunks; c0 += ROUND) {
-        mma_round<UNROLL, NB, false, false, RT>(part, scale_part, tiles, cols, c0, chunks, q, waited);
+        mma_round<UNROLL, NB, false, false>(part, scale_part, tiles, cols, c0, chunks, q, waited);
         if ((c0 + ROUND) % size == 0 || c0 + ROUND == chunks) flush();
     }
     if (c0 < chunks) {                                               // the last range's partial last round
-        mma_round<UNROLL, NB, false, true, RT>(part, scale_part, tiles, cols, c0, chunks, q, waited);
+        mma_round<UNROLL, NB, false, true>(part, scale_part, tiles, cols, c0, chunks, q, waited);
         flush();
     }
     for (; flushed < GB_KSPLIT; ++flushed)                           // empty ranges: + 0.0f each
         #pragma unroll
-        for (int nb = 0; nb < RT * NB; ++nb)
+        for (int nb = 0; nb < NB; ++nb)
             #pragma unroll
             for (int v = 0; v < 4; ++v) total[nb][v] = __fadd_rn(total[nb][v], 0.0f);
 }
@@ -1044,12 +1043,11 @@ __device__ __forceinline__ GateUpItem read_gate_up_item(const int* lists, int sl
 }
 
 // A gate_up warp's passes over `count` pairs (pairs[0 .. count - 1]) of expert rows `rows`: NB 8-pair blocks per
-// pass, UNROLL k blocks of loads in flight per lane; lane (g, q) writes the intermediate of neuron i0 + 8t + g for
-// each of the RT row tiles t it is given (tiles[t]: gate and up rows of that neuron).
-template <int NB, int UNROLL, int RT>
-__device__ __forceinline__ void gate_up_passes(const ARows (&tiles)[RT], const bf16_t* __restrict__ x,
-                                               const int* pairs, int count, bf16_t* __restrict__ intermediate,
-                                               int hidden, int inter, int top_k, int i0, int g, int q) {
+// pass, UNROLL k blocks of loads in flight per lane; lane (g, q) writes the intermediate of neuron i0 + g.
+template <int NB, int UNROLL>
+__device__ __forceinline__ void gate_up_passes(const ARows& rows, const bf16_t* __restrict__ x, const int* pairs,
+                                               int count, bf16_t* __restrict__ intermediate, int hidden, int inter,
+                                               int top_k, int i0, int g, int q) {
     const int chunks = hidden / 8;                                   // chunks of 8 values (H % 8 == 0)
     for (int tile = 0; tile < count; tile += 8 * NB) {
         const int n = min(8 * NB, count - tile);
@@ -1059,23 +1057,25 @@ __device__ __forceinline__ void gate_up_passes(const ARows (&tiles)[RT], const b
             const int p = __ldg(pairs + tile + min(nb * 8 + g, n - 1));   // past n: pair n-1 (ignored)
             x_row[nb] = reinterpret_cast<const uint4*>(x + (size_t)(p / top_k) * hidden);   // int: no division call
         }
-        float acc[RT * NB][4];
+        float acc[NB][4];
         bool unused = true;
 #if GB_KSPLIT == 1
-        mma_tiles_by_columns<UNROLL, NB, false, GATE_UP_ROUNDS, RT>(acc, tiles, x_row, 0, chunks, q, unused);
+        mma_rows_by_columns<UNROLL, NB, false, GATE_UP_ROUNDS>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi,
+                                                               x_row, 0, chunks, q, unused);
 #elif GB_RANGE_FLUSH
-        split_chain_one_loop<NB, UNROLL, RT>(acc, tiles, x_row, chunks, q, unused);
+        split_chain_one_loop<NB, UNROLL>(acc, rows, x_row, chunks, q, unused);
 #else
         int k_begin, k_end;
         k_range(chunks, 0, k_begin, k_end);
-        mma_tiles_by_columns<UNROLL, NB, false, GATE_UP_ROUNDS, RT>(acc, tiles, x_row, k_begin, k_end, q, unused);
+        mma_rows_by_columns<UNROLL, NB, false, GATE_UP_ROUNDS>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi,
+                                                               x_row, k_begin, k_end, q, unused);
         for (int r = 1; r < GB_KSPLIT; ++r) {                        // the next ranges, added in range order
-            float part[RT * NB][4];
+            float part[NB][4];
             k_range(chunks, r, k_begin, k_end);
-            mma_tiles_by_columns<UNROLL, NB, false, GATE_UP_ROUNDS, RT>(part, tiles, x_row, k_begin, k_end, q,
-                                                                        unused);
+            mma_rows_by_columns<UNROLL, NB, false, GATE_UP_ROUNDS>(part, rows.lo, rows.hi, rows.scale_lo,
+                                                                   rows.scale_hi, x_row, k_begin, k_end, q, unused);
             #pragma unroll
-            for (int nb = 0; nb < RT * NB; ++nb)
+            for (int nb = 0; nb < NB; ++nb)
                 #pragma unroll
                 for (int v = 0; v < 4; ++v) acc[nb][v] = __fadd_rn(acc[nb][v], part[nb][v]);
         }
@@ -1085,16 +1085,11 @@ __device__ __forceinline__ void gate_up_passes(const ARows (&tiles)[RT], const b
             #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int pp = nb * 8 + 2 * q + h;
-                if (pp >= n) continue;
-                const long long p = __ldg(pairs + tile + pp);             // once for the warp's RT neurons
-                #pragma unroll
-                for (int t = 0; t < RT; ++t) {
-                    const int i = i0 + 8 * t + g;
-                    if (i < inter) {
-                        const float gate = acc[t * NB + nb][h], up = acc[t * NB + nb][2 + h];
-                        const float silu = gate / (1.0f + expf(-gate));  // IEEE division (no fast-math)
-                        intermediate[p * inter + i] = intermediate_value(silu * up);  // the one bf16 rounding
-                    }
+                if (pp < n && i0 + g < inter) {
+                    const long long p = __ldg(pairs + tile + pp);
+                    const float gate = acc[nb][h], up = acc[nb][2 + h];
+                    const float silu = gate / (1.0f + expf(-gate));  // IEEE division (no fast-math)
+                    intermediate[p * inter + i0 + g] = intermediate_value(silu * up);  // the one bf16 rounding
                 }
             }
     }
@@ -1102,9 +1097,8 @@ __device__ __forceinline__ void gate_up_passes(const ARows (&tiles)[RT], const b
 
 // ------------------------------------------------------------------------------------------------
 // moe_gate_up_mma: block b owns work unit a (a list slot as moe_gate_up_batched, or with PAIR_TILES a tile of
-//   one slot's pairs); its warp w owns neurons i0 .. i0 + 8R - 1 (R = GB_ROW_TILES row tiles sharing each B
-//   fragment), i0 = ((b mod per_slot) * GB_WARPS + w) * 8R; tile t: A rows 0..7 = gate rows i0+8t+g, rows 8..15 = up
-//   rows i0+8t+g, so
+//   one slot's pairs); its warp w owns neurons i0 .. i0+7,
+//   i0 = ((b mod per_slot) * GB_WARPS + w) * 8: A rows 0..7 = gate rows i0+g, rows 8..15 = up rows i0+g, so
 //   lane (g, q) ends with gate AND up of neuron i0+g for pairs 2q, 2q+1 of each 8-pair block -- SiLU(g) * u
 //   and the one bf16 rounding happen in the lane, no shuffle. B column g = x[token of pair g] (L1 hits).
 //   GB_NBLK blocks of 8 pairs per pass (A shared), GB_UNROLL k blocks of loads in flight per lane; with HOT_GB a
@@ -1119,14 +1113,13 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
     int hidden, int inter, int experts, int top_k, int slots, int n_pairs)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    constexpr int WARP_NEURONS = 8 * GB_ROW_TILES;
-    const int per_slot = (inter + GB_WARPS * WARP_NEURONS - 1) / (GB_WARPS * WARP_NEURONS);
+    const int per_slot = (inter + GB_WARPS * 8 - 1) / (GB_WARPS * 8);
     const int a = blockIdx.x / per_slot;
     pdl_wait();  // the lists (and x) come from the kernels before: read only after the wait, through ld_dep
     pdl_release();
     const GateUpItem item = read_gate_up_item(lists, slots, n_pairs, a);
     if (item.unused) return;                                         // whole block leaves together
-    const int i0 = ((blockIdx.x - a * per_slot) * GB_WARPS + (threadIdx.x >> 5)) * WARP_NEURONS;
+    const int i0 = ((blockIdx.x - a * per_slot) * GB_WARPS + (threadIdx.x >> 5)) * 8;
     if (i0 >= inter) return;                                         // whole warp leaves together
     const int e = item.expert;
     const int count = item.count;
@@ -1134,27 +1127,19 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
     if (e >= experts) {                                              // bad ids: NaN, no weight read
         for (int j = 0; j < count; ++j) {
             const long long p = __ldg(pairs + j);
-            if (lane < WARP_NEURONS && i0 + lane < inter) intermediate[p * inter + i0 + lane] = BF16_NAN;
+            if (lane < 8 && i0 + lane < inter) intermediate[p * inter + i0 + lane] = BF16_NAN;
         }
         return;
     }
-    ARows tiles[GB_ROW_TILES];
-    #pragma unroll
-    for (int t = 0; t < GB_ROW_TILES; ++t)                           // past the end: the last row
-        tiles[t] = w13_rows(w13, s13, e, min(i0 + 8 * t + g, inter - 1), hidden, inter);
+    const ARows rows = w13_rows(w13, s13, e, min(i0 + g, inter - 1), hidden, inter);   // past the end: the last row
 #if HOT_GB
-    if (count > 8 * GB_NBLK) {                                       // warp-uniform: a hot expert's tile, its row
-        #pragma unroll                                               // tiles one at a time (registers)
-        for (int t = 0; t < GB_ROW_TILES; ++t) {
-            const ARows one[1] = {tiles[t]};
-            gate_up_passes<HOT_NBLK, HOT_UNROLL(GB_UNROLL, GB_NBLK), 1>(one, x, pairs, count, intermediate, hidden,
-                                                                        inter, top_k, i0 + 8 * t, g, q);
-        }
+    if (count > 8 * GB_NBLK) {                                       // warp-uniform: a hot expert's tile
+        gate_up_passes<HOT_NBLK, HOT_UNROLL(GB_UNROLL, GB_NBLK)>(rows, x, pairs, count, intermediate, hidden, inter,
+                                                                 top_k, i0, g, q);
         return;
     }
 #endif
-    gate_up_passes<GB_NBLK, GB_UNROLL, GB_ROW_TILES>(tiles, x, pairs, count, intermediate, hidden, inter, top_k, i0, g,
-                                                     q);
+    gate_up_passes<GB_NBLK, GB_UNROLL>(rows, x, pairs, count, intermediate, hidden, inter, top_k, i0, g, q);
 }
 #endif
 

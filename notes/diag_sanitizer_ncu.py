@@ -34,9 +34,9 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_sanitizer_ncu
 * ``fp8-pair`` the FP8 batch-invariant pair (grouped and per-pair forms) at its 4 k ranges -- two groups of 8 neurons
              per per-pair block -- on odd shapes with partial scale blocks and at qwen3-30b-a3b T = 3, outputs
              compared with the references (added 2026-12-02, for the FP8 pair's 4 ranges).
-* ``row-tiles`` the widening's multiply on B (FP8_PRMT 2) on the three FP8 tensor-core paths and the grouped down at
-             two row tiles per warp (DB_ROW_TILES 2), FP8 and bf16, hot tiles, a shape whose H is not a multiple of 32,
-             Zipf and all-on-one-set routings, outputs compared with the references (added 2026-12-03; not yet run).
+* ``row-tiles`` the widening's multiply on B (FP8_PRMT 2 and 3) on the FP8 tensor-core paths and the grouped down
+             at two row tiles per warp (DB_ROW_TILES 2), FP8 and bf16, hot tiles, a shape whose H is not a multiple
+             of 32, Zipf and all-on-one-set routings, outputs compared with the references (added 2026-12-03).
 * ``fp8-chunks`` strict FP8 at 16-value chunks (and 8 slots at 16-value gate_up chunks) on a shape with partial
              scale blocks at both edges and at qwen3-30b-a3b T = 2 (added 2026-12-01 late).
 """
@@ -265,13 +265,16 @@ ROW_TILES_SHAPE = MoEShape("h1040-i128", 1040, 128, 8, 4)  # 32.5 warps of 32 ro
 
 
 def row_tiles() -> None:
-    """The FP8 tensor-core kernels with the widening's multiply on B (FP8_PRMT 2) and the grouped down at two row tiles
-    per warp (DB_ROW_TILES 2, with hot tiles), FP8 and bf16, on a shape whose H is not a multiple of a warp's 32 rows,
-    under Zipf and all-on-one-set routings (added 2026-12-03, for those two knobs)."""
+    """The FP8 tensor-core kernels with the widening's multiply on B (FP8_PRMT 2, and 3: the intermediate written
+    x 2^8) and the grouped down at two row tiles per warp (DB_ROW_TILES 2, with hot tiles), FP8 and bf16, on a shape
+    whose H is not a multiple of a warp's 32 rows, under Zipf and all-on-one-set routings (added 2026-12-03, for those
+    knobs)."""
     cases = (("cupy:warp-decode-mma-grouped-fp8", {"DB_ROW_TILES": 2, "HOT_NBLK": 2}),
              ("cupy:warp-decode-mma-fp8", {"FP8_PRMT": 2, "DB_GROUPED": 1, "DB_ROW_TILES": 2}),
              ("cupy:warp-decode-mma-pairs-fp8", {"FP8_PRMT": 2}),
-             ("cupy:warp-decode-mma-grouped", {"DB_ROW_TILES": 2}))
+             ("cupy:warp-decode-mma-grouped", {"DB_ROW_TILES": 2}),
+             ("cupy:warp-decode-mma-fp8", {"FP8_PRMT": 3, "GB_UNROLL": 2}),
+             ("cupy:warp-decode-mma-pairs-fp8", {"FP8_PRMT": 3}))
     _bf16_and_fp8_cases(ROW_TILES_SHAPE, cases)
 
 
