@@ -386,7 +386,9 @@ def auto_row_tiles(dims: Dims | None, values: dict[str, int]) -> int:
     qwen3-235b T = 32 / 64 527.5 / 604.0 -> 523.7 / 591.3 us uniform (0.7 / 2.1 %), 397.8 / 537.4 -> 396.0 / 531.3
     under Zipf; at qwen3-30b (I = 768) T = 64 +0.5 %, T = 16 +2.2 %, at qwen3-235b T = 8 +2.8 % (fewer warps where
     there are few tiles). At DB_UNROLL 1 two tiles beat one but both lose 8-15 % to DB_UNROLL 2. A hot tile (HOT_NBLK)
-    runs its row tiles one at a time: two in its pass spill under NVRTC 12.9 (those runs had them together)."""
+    runs both row tiles in its pass -- spill-free since the downs load one scale row per warp -- 3-4 % faster at
+    qwen3-235b T = 64 Zipf than one at a time (525.3 -> 504.2 us; results/sweep-2026-12-03-down-one-scale-row-*.json,
+    sweep-2026-12-03-hot-down-row-tiles-*.json)."""
     grouped_fp8 = values["W_FP8"] and values["DB_GROUPED"] and values["FP8_PRMT"] >= 2
     if dims is None or not grouped_fp8 or values["DB_UNROLL"] < 2:
         return 1

@@ -867,9 +867,9 @@ __device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part
         flush[j] = !FP8_BLOCK_SUM || next % (FP8_BLOCK / 8) == 0 || next >= c_end;
         const int block = flush[j] && (!CHECKED || first < c_end) ? first / (FP8_BLOCK / 8) : 0;
         #pragma unroll
-        for (int t = 0; t < RT; ++t) {
-            s_lo[j][t] = flush[j] ? __ldg(tiles[t].scale_lo + block) : 0.0f;
-            s_hi[j][t] = flush[j] ? __ldg(tiles[t].scale_hi + block) : 0.0f;
+        for (int t = 0; t < RT; ++t) {  // a down's rows (16 RT from a multiple of 16 RT) share one scale row
+            s_lo[j][t] = COLS_DEP && t > 0 ? s_lo[j][0] : flush[j] ? __ldg(tiles[t].scale_lo + block) : 0.0f;
+            s_hi[j][t] = COLS_DEP ? s_lo[j][t] : flush[j] ? __ldg(tiles[t].scale_hi + block) : 0.0f;
         }
 #endif
         #pragma unroll
@@ -938,7 +938,9 @@ __device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part
 // 2-4 % slower that way: results/sweep-2026-12-02-whole-ranges-*.json).
 // COLS_DEP: B is the previous kernel's output (down's intermediate), loaded through ld_dep after the round's A
 // loads and after wait_once (DB_EARLY_W2: the first round's A loads are issued before the PDL wait).
-// W_FP8: scale_lo / scale_hi are the two rows' block scales along k (a k block lies in one 128-block); the mma
+// W_FP8: scale_lo / scale_hi are the two rows' block scales along k (a k block lies in one 128-block; a down's
+// rows -- COLS_DEP: 16 per tile from a multiple of 16, past-the-end rows clamped to the last -- lie in one 128-row
+// block, so it loads scale_lo of its first tile alone); the mma
 // results go to a partial that is scaled into acc at the end of each k block, or with FP8_BLOCK_SUM at the end of
 // each scale block and of the range.
 #define MASKED_ROUNDS 0
@@ -1386,14 +1388,11 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
             tiles[t] = w2_rows(w2, s2, e, min(h0 + 16 * t + g, hidden - 1), min(h0 + 16 * t + g + 8, hidden - 1),
                                hidden, inter);
 #if HOT_DB
-        if (count > 8 * DB_NBLK) {                                   // warp-uniform: a hot expert's tile, its row
-            #pragma unroll                                           // tiles one at a time (two spill under ptxas 12.9)
-            for (int t = 0; t < DB_ROW_TILES; ++t) {
-                const ARows one[1] = {tiles[t]};
-                down_grouped_passes<HOT_NBLK, HOT_UNROLL(DB_UNROLL, DB_NBLK), 1>(one, tile_pairs, count, intermediate,
-                                                                                topk_weights, pair_out, hidden, inter,
-                                                                                h0 + 16 * t, g, q, waited);
-            }
+        if (count > 8 * DB_NBLK) {                                   // warp-uniform: a hot expert's tile
+            down_grouped_passes<HOT_NBLK, HOT_UNROLL(DB_UNROLL, DB_NBLK), DB_ROW_TILES>(tiles, tile_pairs, count,
+                                                                                       intermediate, topk_weights,
+                                                                                       pair_out, hidden, inter, h0, g,
+                                                                                       q, waited);
         } else
 #endif
             down_grouped_passes<DB_NBLK, DB_UNROLL, DB_ROW_TILES>(tiles, tile_pairs, count, intermediate, topk_weights,

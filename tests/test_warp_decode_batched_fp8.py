@@ -355,7 +355,7 @@ def test_row_tiles_emulated(shape: Any, tokens: int, routing: Any, knobs: dict[s
     intermediate and FP32 out -- on FP8 and bf16 weights, rows past H never written; 2 without the grouped down is an
     error."""
     base = make_problem(shape, tokens, seed=tokens + 2, routing=routing)
-    if knobs.get("HOT_NBLK"):  # the hot branch runs the row tiles one at a time
+    if knobs.get("HOT_NBLK"):  # the hot branch: both row tiles in one pass of HOT_NBLK blocks
         assert np.bincount(base.topk_ids.ravel()).max() > 8
     grouped = {**{k: v for k, v in wdb.FP8_GROUPED_KNOBS.items() if k != "W_FP8"}, "LIST_THREADS": 32, "LIST_PER": 0,
                **knobs}
