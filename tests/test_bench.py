@@ -334,6 +334,28 @@ def test_sweep_compile_columns_report_what_runs():
     assert columns["spills"] == 0 and columns["stack_bytes"] == 0 and columns["occupancy"] > 0
 
 
+def test_sweep_compile_columns_merge_batches():
+    """A point's compile columns over the sweep's batches: the worst of each column, per kernel too (a batch may run
+    other kernels); each batch's columns kept only where they differ; a failed batch names its T; the rendered table
+    names the batches whose spills differ (a spill at T = 64 alone once hid behind the first batch's columns)."""
+    from tools.display import text_of
+
+    one = {"compile": "ok", "registers": 100, "registers_per_kernel": {"gate_up": 100, "down": 40}, "spills": 0,
+           "stack_bytes": 0, "shared_bytes": 0, "occupancy": 0.5}
+    other = {**one, "registers": 128, "registers_per_kernel": {"gate_up": 128, "down_grouped": 60}, "spills": 24,
+             "stack_bytes": 16, "occupancy": 0.25}
+    merged = sweep.merge_batches({"32": one, "64": other})
+    assert merged["registers"] == 128
+    assert merged["registers_per_kernel"] == {"gate_up": 128, "down": 40, "down_grouped": 60}
+    assert (merged["spills"], merged["stack_bytes"], merged["occupancy"]) == (24, 16, 0.25)
+    assert merged["compile_by_batch"] == {"32": one, "64": other}
+    assert "compile_by_batch" not in sweep.merge_batches({"1": one, "8": dict(one)})
+    assert sweep.merge_batches({"1": one, "8": {"compile": "ptxas error"}})["compile"] == "T=8: ptxas error"
+    record = {"variant": "v", "model": "m", "routing": "uniform", "batches": [32, 64],
+              "points": [{"params": {"X": 1}, **merged, "results": {}}]}
+    assert "spills/stack by batch: T=32 0/0, T=64 24/16" in text_of(sweep.render(record), width=200)
+
+
 def test_sweep_cli_errors():
     result = _run("-m", "tools.sweep", "no:such-variant", "--batch", "1")
     assert result.returncode == 2 and "unknown variant 'no:such-variant'" in result.stderr

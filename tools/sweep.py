@@ -9,7 +9,9 @@ variant does not know (see ``known_knobs``) is an error, so a typo never sweeps 
 checked against the reference before it is timed (a wrong point is reported, never timed) and timed with
 the bench's harness. The ranked table puts the offline compile report (registers, spill / stack bytes, theoretical
 occupancy, via NVRTC -- when the variant's source is a ``kernels.compile.CudaSource``) beside µs, TB/s
-and % of roofline. Without a GPU it prints the grid with its compile columns and says no timing was taken.
+and % of roofline; the knobs are resolved for each batch (auto knobs can compile other code at another T), the
+columns show the worst batch and a line under the table names the batches whose spills differ. Without a GPU it
+prints the grid with its compile columns and says no timing was taken.
 """
 
 from __future__ import annotations
@@ -102,18 +104,52 @@ def compile_columns(variant: Any, params: dict[str, Any], dims: Any = None) -> d
     }
 
 
-def _all_compile_columns(variant: Any, grid_points: list[dict[str, Any]], dims: Any = None) -> list[dict[str, Any]]:
-    """Compile columns of every point, in threads; a point whose report still came back empty (see
-    ``kernels.compile.offline_report`` on NVRTC's cache) is compiled again on its own."""
+def merge_batches(by_batch: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One point's compile columns over the sweep's batches (each resolves its auto knobs for its own T, so a
+    batch can compile other code -- a hot-tile pass exists only from some T on): the worst case of each column
+    (registers and spills at their most, occupancy at its least), per kernel likewise; ``compile_by_batch`` keeps each
+    batch's columns where they differ. A batch whose compile failed makes the point's ``compile`` that error."""
+    failed = [(t, c["compile"]) for t, c in by_batch.items() if c.get("compile") != "ok"]
+    if failed:
+        return {"compile": f"T={failed[0][0]}: {failed[0][1]}"}
+    columns = list(by_batch.values())
+    per_kernel: dict[str, int] = {}
+    for c in columns:
+        for kernel, registers in c["registers_per_kernel"].items():
+            per_kernel[kernel] = max(per_kernel.get(kernel, 0), registers or 0)
+    occupancies = [c["occupancy"] for c in columns if c.get("occupancy") is not None]
+    merged = {
+        "compile": "ok", "registers": max(c["registers"] for c in columns), "registers_per_kernel": per_kernel,
+        "spills": max(c["spills"] for c in columns), "stack_bytes": max(c["stack_bytes"] for c in columns),
+        "shared_bytes": max(c["shared_bytes"] for c in columns),
+        "occupancy": min(occupancies) if occupancies else None,
+    }
+    if any(c != columns[0] for c in columns[1:]):
+        merged["compile_by_batch"] = by_batch
+    return merged
+
+
+def _all_compile_columns(variant: Any, grid_points: list[dict[str, Any]],
+                         dims_list: list[Any]) -> list[dict[str, Any]]:
+    """Compile columns of every point at every batch's dims (merged: :func:`merge_batches`), in threads; a
+    compile whose report still came back empty (see ``kernels.compile.offline_report`` on NVRTC's cache) is compiled
+    again on its own."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def one(point: dict[str, Any]) -> dict[str, Any]:
+    def one(job: tuple[dict[str, Any], Any]) -> dict[str, Any]:
+        point, dims = job
         return compile_columns(variant, {**variant.params, **point}, dims)
 
+    jobs = [(point, dims) for point in grid_points for dims in dims_list]
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        columns = list(pool.map(one, grid_points))
-    return [one(p) if "no ptxas report" in str(c.get("compile", "")) else c
-            for p, c in zip(grid_points, columns, strict=True)]
+        columns = list(pool.map(one, jobs))
+    columns = [one(job) if "no ptxas report" in str(c.get("compile", "")) else c
+               for job, c in zip(jobs, columns, strict=True)]
+    if not dims_list or dims_list[0] is None or not columns:
+        return columns
+    n = len(dims_list)
+    return [merge_batches({str(d.tokens): c for d, c in zip(dims_list, columns[i * n:(i + 1) * n], strict=True)})
+            for i in range(len(grid_points))]
 
 
 def sweep(name: str, model: str = DEFAULT_MODEL, batch: list[int] | None = None,
@@ -141,9 +177,10 @@ def sweep(name: str, model: str = DEFAULT_MODEL, batch: list[int] | None = None,
         }
         record["date"] = record["environment"]["date"]  # at the top, as the bench's records have it
         grid_points = points(grid)
-        dims = Dims(batches[0], shape.hidden, shape.intermediate, shape.experts, shape.top_k)
-        steps.start(f"compiling {len(grid_points)} grid point(s) for sm_90 (NVRTC, the compile columns)")
-        columns = _all_compile_columns(variant, grid_points, dims)  # auto knobs resolved for the first batch
+        dims_list = [Dims(t, shape.hidden, shape.intermediate, shape.experts, shape.top_k) for t in batches]
+        steps.start(f"compiling {len(grid_points)} grid point(s) at {len(batches)} batch(es) for sm_90 (NVRTC, the "
+                    "compile columns)")
+        columns = _all_compile_columns(variant, grid_points, dims_list)  # auto knobs resolved for each batch
         entries = [{"params": p, **c, "results": {}} for p, c in zip(grid_points, columns, strict=True)]
         record["points"] = entries
         if not gpu:
@@ -216,6 +253,10 @@ def render(record: dict[str, Any]) -> Any:
         bad = [f"T={t}: {r.get('error')}" for t, r in entry["results"].items() if r.get("status") != "ok"]
         if entry.get("compile") not in ("ok", None):
             bad.append(f"compile: {entry['compile']}")
+        by_batch = entry.get("compile_by_batch") or {}
+        if len({(c.get("spills"), c.get("stack_bytes")) for c in by_batch.values()}) > 1:
+            parts.append(Text(f"{entry['params']}: spills/stack by batch: " + ", ".join(
+                f"T={t} {c['spills']}/{c['stack_bytes']}" for t, c in by_batch.items()), style="yellow"))
         if bad:
             parts.append(Text(f"{entry['params']}: " + "; ".join(bad), style="red"))
     if record.get("no_timing"):
