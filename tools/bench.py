@@ -307,7 +307,9 @@ def _measure_all(data: dict[str, Any], models: list[str], batches: list[int], ch
 # The CPU path
 # ------------------------------------------------------------------------------------------------
 def _enable_simulator() -> None:
-    """No GPU: run Numba kernels on the CUDA simulator (only effective before numba is imported)."""
+    """No GPU: run Numba kernels on the CUDA simulator (only effective before numba is imported). It holds for the
+    rest of the process: numba.cuda, once imported on the simulator, stays there -- an IPython session on a machine
+    without a GPU keeps simulating after the bench (the real target could not run there anyway)."""
     if "numba" in sys.modules and os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
         print("warning: numba was imported before the bench; the CUDA simulator may not be active", file=sys.stderr)
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
