@@ -396,6 +396,20 @@ def auto_row_tiles(dims: Dims | None, values: dict[str, int]) -> int:
     return 2 if many and dims.intermediate >= ROW_TILES_FROM_INTER else 1
 
 
+ONE_TILE_DOWN_UNROLL = 4  # auto DB_UNROLL of the FP8 grouped down with one row tile from I = ROW_TILES_FROM_INTER
+
+
+def auto_fp8_down_unroll(dims: Dims, values: dict[str, int]) -> int:
+    """DB_UNROLL where auto on a tensor-core down: :data:`ONE_TILE_DOWN_UNROLL` 64-wide k blocks in flight on the FP8
+    grouped down where its warps keep one row tile (DB_ROW_TILES 1) at I >= 1536, else the tensor-core default
+    (:data:`MMA_UNROLL` / 2 at 64-wide blocks; two row tiles spill at 4). H200 (results/sweep-2026-12-03-grouped-down-
+    {row-tiles,unroll}-*.json, the grouped FP8 path, DB_UNROLL 2 -> 4): qwen3-235b T = 8 / 16 251.3 / 393.2 -> 249.6 /
+    387.2 us uniform, 203.6 / 307.5 -> 200.7 / 301.7 under Zipf; at qwen3-30b (I = 768) -1.2 to +1.2 %: unchanged."""
+    grouped_fp8 = values["W_FP8"] and values["DB_GROUPED"] and values["FP8_LOAD16"] and values["FP8_PRMT"] >= 2
+    one_tile_wide = values["DB_ROW_TILES"] == 1 and dims.intermediate >= ROW_TILES_FROM_INTER
+    return ONE_TILE_DOWN_UNROLL if grouped_fp8 and one_tile_wide else values["DB_UNROLL"]
+
+
 def slots(dims: Dims) -> int:
     """List slots: every active expert (<= min(E, T*K)) plus one for out-of-range ids."""
     return min(dims.experts, dims.tokens * dims.top_k) + 1
@@ -503,6 +517,7 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
                 f"{REGISTERS_PER_BLOCK} registers of a block (the launch would fail): lower {kernel}_WARPS or "
                 f"{kernel}_MAX_REGS (0 lets __launch_bounds__ fit the block)")
     mma_gate_up_unroll_auto = values["GB_UNROLL"] == 0 and values["GB_MMA"]
+    mma_down_unroll_auto = values["DB_UNROLL"] == 0 and values["DB_MMA"]
     for kernel in ("GB", "DB"):  # the tensor-core kernels' rounds (the gate_up's refined from the dims below)
         if values[f"{kernel}_UNROLL"] == 0 and values[f"{kernel}_MMA"]:
             values[f"{kernel}_UNROLL"] = MMA_UNROLL
@@ -568,6 +583,8 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         values["GB_MAX_REGS"] = SPLIT_GATE_UP_REGS
     if values["DB_ROW_TILES"] == 0:
         values["DB_ROW_TILES"] = auto_row_tiles(dims, values)
+    if mma_down_unroll_auto:
+        values["DB_UNROLL"] = auto_fp8_down_unroll(dims, values)
     if values["DB_ROW_TILES"] > 1 and not values["DB_GROUPED"]:
         raise ValueError(f"DB_ROW_TILES {values['DB_ROW_TILES']} gives the grouped down's warps more rows: it needs "
                          f"DB_GROUPED 1 (auto grouped from T x K >= {GROUPED_FROM_PAIRS_PER_EXPERT} E), got 0")

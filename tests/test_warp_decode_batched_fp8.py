@@ -212,7 +212,8 @@ def test_widening_rule() -> None:
     """FP8_PRMT auto: the byte permute with its multiply on B on the FP8 tensor-core kernels (the per-pair form with
     its intermediate written x 2^8) but the plain gate_up with two 8-pair blocks (set by hand: the byte permute spills
     there); 0 off FP8 tensor-core kernels; 1 or 2 there is an error. DB_ROW_TILES auto: 2 on the FP8 grouped down
-    from T*K >= 2E at I >= 1536 with the multiply on B."""
+    from T*K >= 2E at I >= 1536 with the multiply on B; DB_UNROLL auto: 4 on the FP8 grouped down with one row tile at
+    I >= 1536, else 2."""
     def resolved(knobs: dict[str, int], tokens: int, inter: int = 768, **more: int) -> dict[str, int]:
         return wdb.resolve_params(Dims(tokens, 2048 if inter == 768 else 4096, inter, 128, 8), **{**knobs, **more})
 
@@ -234,6 +235,13 @@ def test_widening_rule() -> None:
     assert {key for key, r in tiles.items() if r == 2} == {("mma", 32, 1536), ("grouped", 32, 1536)}
     assert resolved(wdb.MMA_FP8_KNOBS, 64, 1536, FP8_PRMT=1)["DB_ROW_TILES"] == 1  # spills with the multiply on A
     assert resolved(wdb.MMA_FP8_KNOBS, 64, 1536, DB_UNROLL=1)["DB_ROW_TILES"] == 1
+    unrolls = {(k, t, i): resolved(knobs, t, i)["DB_UNROLL"]
+               for k, knobs in (("mma", wdb.MMA_FP8_KNOBS), ("grouped", wdb.FP8_GROUPED_KNOBS))
+               for t in (8, 16, 32) for i in (768, 1536)}
+    assert {key for key, u in unrolls.items() if u != 2} == {("grouped", 8, 1536), ("grouped", 16, 1536)}
+    assert {unrolls[key] for key in (("grouped", 8, 1536), ("grouped", 16, 1536))} == {4}
+    assert resolved(wdb.FP8_GROUPED_KNOBS, 16, 1536, DB_UNROLL=2)["DB_UNROLL"] == 2  # a set value stays
+    assert resolved(wdb.FP8_GROUPED_KNOBS, 16, 1536, DB_ROW_TILES=2)["DB_UNROLL"] == 2  # two tiles spill at 4
 
 
 SHAPE_400 = MoEShape("h400-i64", 400, 64, 5, 3)  # 50 chunks: ranges of 16, 16, 16, 2; a partial last scale block
