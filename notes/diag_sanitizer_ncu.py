@@ -24,6 +24,8 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_sanitizer_ncu
              racecheck's time limit).
 * ``fp8-mma-t32`` / ``fp8-strict-t1`` the tensor-core FP8 path at qwen3-30b-a3b T = 32 / strict FP8 at T = 1,
              uniform routing: 2 layers (the profiler takes the second; added 2026-12-02, for where FP8 time goes).
+* ``fp8-point VARIANT MODEL T ROUTING`` one layer of an FP8 variant at one point (added 2026-12-03, for where the
+             qwen3-235b FP8 time goes at T = 16 uniform and T = 64 Zipf).
 * ``whole-flush`` the whole-rounds grouped down (DB_WHOLE_RANGES 1) and the one-loop split-chain gate_up
              (GB_RANGE_FLUSH 1), bf16 (grouped and plain tensor-core paths) and FP8 (grouped), on a small shape where
              both can run, under Zipf and all-on-one-set routings, outputs compared with the references (added
@@ -166,10 +168,10 @@ def fp8_chunks() -> None:
                          **knobs)
 
 
-def fp8_layers(name: str, model: str, tokens: int, count: int = 2) -> None:
+def fp8_layers(name: str, model: str, tokens: int, count: int = 2, routing: str = "uniform") -> None:
     from kernels.formats import quantize_weights
 
-    problem = make_problem(model, tokens, seed=8, xp=cupy)
+    problem = make_problem(model, tokens, seed=8, routing=routing, xp=cupy)
     weights = quantize_weights(problem.w13, problem.w2, "fp8-block128")
     launch = get_variant(name).make(_dims(problem))
     out = _poisoned_out(cupy, tokens, problem.shape.hidden)
@@ -318,10 +320,13 @@ if __name__ == "__main__":
         fp8_layers("cupy:warp-decode-mma-fp8", "qwen3-30b-a3b", 32)
     elif what == "fp8-strict-t1":
         fp8_layers("cupy:warp-decode-fp8", "qwen3-30b-a3b", 1)
+    elif what == "fp8-point":
+        variant, model, tokens, routing = sys.argv[2:6]
+        fp8_layers(variant, model, int(tokens), count=1, routing=routing)
     elif what == "new":
         new()
     elif what == "new-odd":
         new(odd_only=True)
     else:
         raise SystemExit(f"unknown workload {what!r}: small, skew, t64, zipf64, t1, fp8, fp8-chunks, fp8-pair, "
-                         "fp8-mma-t32, fp8-strict-t1, new, new-odd, whole-flush, hot or row-tiles")
+                         "fp8-mma-t32, fp8-strict-t1, fp8-point, new, new-odd, whole-flush, hot or row-tiles")
