@@ -136,6 +136,7 @@ MMA_WIDE_DOWN_FROM = 32
 SPLIT_GATE_UP_REGS = 96
 PAIR_FULL_WARPS = 64 * 132  # the per-pair gate_up's warps from which 2 k blocks in flight beat 4 (the H200's 132 SMs)
 GROUPED_DOWN_WARPS = 4  # auto DB_WARPS of the grouped down: 4 warps x 16 rows of one tile per block, as gate_up's
+FP8_WIDE_GROUPED_DOWN_WARPS = 2  # ... on FP8 weights at I >= ROW_TILES_FROM_INTER (auto_down_warps)
 LIMITS = {
     "LIST_THREADS": (32, 1024), "LIST_PER": (0, 16),
     "GB_WARPS": (1, 32), "GB_OUTS": (1, 32), "GB_TILE": (0, 32), "GB_UNROLL": (0, 64), "GB_MAX_REGS": (0, 255),
@@ -331,11 +332,15 @@ def auto_down_warps(dims: Dims | None, params: dict[str, int]) -> int:
     """Warps per down block: 4 for the FMA down (results/sweep-batched-235b-t4.json, sweep-batched-db-30b.json);
     with DB_MMA :data:`MMA_DOWN_WARPS`, or from T = :data:`MMA_WIDE_DOWN_FROM` on :data:`MMA_WIDE_DOWN_WARPS` when
     their partials fit the shared memory and the register cap allows 768 threads (the default cap of 128 then gives
-    way to launch bounds alone)."""
+    way to launch bounds alone). The grouped down: :data:`GROUPED_DOWN_WARPS`, or on FP8 weights at I >= 1536
+    :data:`FP8_WIDE_GROUPED_DOWN_WARPS` -- smaller blocks spread a hot expert's tiles finer: H200, qwen3-235b
+    (results/sweep-2026-12-03-{grouped,mma}-down-warps-235b-*.json, 4 -> 2 warps), Zipf T = 16 / 32 / 64 314.2 /
+    409.3 / 543.8 -> 308.1 / 403.4 / 533.8 us, uniform within 0.4 %; 8 warps slower everywhere."""
     if not params["DB_MMA"]:
         return DEFAULTS["DB_WARPS"]
     if params["DB_GROUPED"]:
-        return GROUPED_DOWN_WARPS
+        wide_fp8 = params["W_FP8"] and dims is not None and dims.intermediate >= ROW_TILES_FROM_INTER
+        return FP8_WIDE_GROUPED_DOWN_WARPS if wide_fp8 else GROUPED_DOWN_WARPS
     if dims is None or dims.tokens < MMA_WIDE_DOWN_FROM:
         return MMA_DOWN_WARPS
     cap = params["DB_MAX_REGS"]

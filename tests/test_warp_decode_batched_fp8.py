@@ -213,7 +213,7 @@ def test_widening_rule() -> None:
     its intermediate written x 2^8) but the plain gate_up with two 8-pair blocks (set by hand: the byte permute spills
     there); 0 off FP8 tensor-core kernels; 1 or 2 there is an error. DB_ROW_TILES auto: 2 on the FP8 grouped down
     from T*K >= 2E at I >= 1536 with the multiply on B; DB_UNROLL auto: 4 on the FP8 grouped down with one row tile at
-    I >= 1536, else 2."""
+    I >= 1536, else 2; DB_WARPS auto: 2 on the FP8 grouped down at I >= 1536, else 4."""
     def resolved(knobs: dict[str, int], tokens: int, inter: int = 768, **more: int) -> dict[str, int]:
         return wdb.resolve_params(Dims(tokens, 2048 if inter == 768 else 4096, inter, 128, 8), **{**knobs, **more})
 
@@ -242,6 +242,9 @@ def test_widening_rule() -> None:
     assert {unrolls[key] for key in (("grouped", 8, 1536), ("grouped", 16, 1536))} == {4}
     assert resolved(wdb.FP8_GROUPED_KNOBS, 16, 1536, DB_UNROLL=2)["DB_UNROLL"] == 2  # a set value stays
     assert resolved(wdb.FP8_GROUPED_KNOBS, 16, 1536, DB_ROW_TILES=2)["DB_UNROLL"] == 2  # two tiles spill at 4
+    warps = {(k, i): resolved(knobs, 64, i)["DB_WARPS"]
+             for k, knobs in (("fp8", wdb.MMA_FP8_KNOBS), ("bf16", wdb.MMA_KNOBS)) for i in (768, 1536)}
+    assert warps == {("fp8", 768): 4, ("fp8", 1536): 2, ("bf16", 768): 4, ("bf16", 1536): 4}  # grouped downs
 
 
 SHAPE_400 = MoEShape("h400-i64", 400, 64, 5, 3)  # 50 chunks: ranges of 16, 16, 16, 2; a partial last scale block
