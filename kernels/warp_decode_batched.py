@@ -65,10 +65,10 @@ DEFAULTS: dict[str, int] = {
     "GB_UNROLL": 4,  # chunk rounds in flight per lane: 2 * OUTS * UNROLL weight loads (8 B each); auto: 2 at tile 4
     "GB_BYTES": 8,  # = strict's GU_BYTES: the intermediate is then bitwise the strict kernel's
     "GB_MAX_REGS": 128,  # __maxnreg__ cap (0: __launch_bounds__ only, which spills at some tiles)
-    "DB_WARPS": 4,  # warps per down block (split the active experts round-robin); auto: 4, or 16 / 24 with DB_MMA
+    "DB_WARPS": 4,  # warps per down block (split the active experts round-robin); 0 = auto_down_warps
     "DB_OUTS": 4,  # hidden columns per block: intermediate reads reused across OUTS rows
     "DB_TILE": 8,
-    "DB_UNROLL": 1,  # DB_UNROLL x DB_OUTS w2 loads of DB_BYTES in flight per lane (0 = auto: auto_down_unroll)
+    "DB_UNROLL": 1,  # DB_UNROLL x DB_OUTS w2 loads of DB_BYTES in flight per lane (0 = auto: auto_*down_unroll)
     "DB_BYTES": 16,
     "DB_MAX_REGS": 128,
     "DB_EARLY_INTER": 1,  # 1: intermediate loads issued with the w2 loads (latencies overlap); 0: after them
