@@ -339,8 +339,7 @@ def auto_down_warps(dims: Dims | None, params: dict[str, int]) -> int:
     if not params["DB_MMA"]:
         return DEFAULTS["DB_WARPS"]
     if params["DB_GROUPED"]:
-        wide_fp8 = params["W_FP8"] and dims is not None and dims.intermediate >= ROW_TILES_FROM_INTER
-        return FP8_WIDE_GROUPED_DOWN_WARPS if wide_fp8 else GROUPED_DOWN_WARPS
+        return FP8_WIDE_GROUPED_DOWN_WARPS if wide_fp8_grouped_down(dims, params) else GROUPED_DOWN_WARPS
     if dims is None or dims.tokens < MMA_WIDE_DOWN_FROM:
         return MMA_DOWN_WARPS
     cap = params["DB_MAX_REGS"]
@@ -384,6 +383,13 @@ def auto_grouped(dims: Dims | None, params: dict[str, int]) -> int:
 ROW_TILES_FROM_INTER = 1536  # auto DB_ROW_TILES 2 from I = 1536 (qwen3-235b-a22b), measured below
 
 
+def wide_fp8_grouped_down(dims: Dims | None, values: dict[str, int]) -> bool:
+    """The grouped down on FP8 weights with rows of I >= :data:`ROW_TILES_FROM_INTER`: where its auto row tiles,
+    rounds and warps per block differ from the defaults (each rule adds its own conditions)."""
+    return bool(dims is not None and values["W_FP8"] and values["DB_GROUPED"]
+                and dims.intermediate >= ROW_TILES_FROM_INTER)
+
+
 def auto_row_tiles(dims: Dims | None, values: dict[str, int]) -> int:
     """DB_ROW_TILES where auto (0): 2 for FP8 weights on the grouped down with the widening's multiply on B (FP8_PRMT
     2: with it the two tiles fit 128 registers spill-free at DB_UNROLL 2), where T*K >= 2E and I >= 1536; else 1.
@@ -394,11 +400,9 @@ def auto_row_tiles(dims: Dims | None, values: dict[str, int]) -> int:
     runs both row tiles in its pass -- spill-free since the downs load one scale row per warp -- 3-4 % faster at
     qwen3-235b T = 64 Zipf than one at a time (525.3 -> 504.2 us; results/sweep-2026-12-03-down-one-scale-row-*.json,
     sweep-2026-12-03-hot-down-row-tiles-*.json)."""
-    grouped_fp8 = values["W_FP8"] and values["DB_GROUPED"] and values["FP8_PRMT"] >= 2
-    if dims is None or not grouped_fp8 or values["DB_UNROLL"] < 2:
+    if dims is None or not wide_fp8_grouped_down(dims, values) or values["FP8_PRMT"] < 2 or values["DB_UNROLL"] < 2:
         return 1
-    many = dims.tokens * dims.top_k >= GROUPED_FROM_PAIRS_PER_EXPERT * dims.experts
-    return 2 if many and dims.intermediate >= ROW_TILES_FROM_INTER else 1
+    return 2 if dims.tokens * dims.top_k >= GROUPED_FROM_PAIRS_PER_EXPERT * dims.experts else 1
 
 
 ONE_TILE_DOWN_UNROLL = 4  # auto DB_UNROLL of the FP8 grouped down with one row tile from I = ROW_TILES_FROM_INTER
@@ -410,9 +414,8 @@ def auto_fp8_down_unroll(dims: Dims, values: dict[str, int]) -> int:
     (:data:`MMA_UNROLL` / 2 at 64-wide blocks; two row tiles spill at 4). H200 (results/sweep-2026-12-03-grouped-down-
     {row-tiles,unroll}-*.json, the grouped FP8 path, DB_UNROLL 2 -> 4): qwen3-235b T = 8 / 16 251.3 / 393.2 -> 249.6 /
     387.2 us uniform, 203.6 / 307.5 -> 200.7 / 301.7 under Zipf; at qwen3-30b (I = 768) -1.2 to +1.2 %: unchanged."""
-    grouped_fp8 = values["W_FP8"] and values["DB_GROUPED"] and values["FP8_LOAD16"] and values["FP8_PRMT"] >= 2
-    one_tile_wide = values["DB_ROW_TILES"] == 1 and dims.intermediate >= ROW_TILES_FROM_INTER
-    return ONE_TILE_DOWN_UNROLL if grouped_fp8 and one_tile_wide else values["DB_UNROLL"]
+    one_tile = values["DB_ROW_TILES"] == 1 and values["FP8_LOAD16"] and values["FP8_PRMT"] >= 2
+    return ONE_TILE_DOWN_UNROLL if wide_fp8_grouped_down(dims, values) and one_tile else values["DB_UNROLL"]
 
 
 def slots(dims: Dims) -> int:
