@@ -626,3 +626,54 @@ def test_gpu_row_tiles_bitwise(model: str, tokens: int, routing: str) -> None:
     runs = [_run_poisoned(cupy, bf16, **{**bf16_knobs, "DB_ROW_TILES": r}) for r in (2, 1)]
     assert not np.isnan(runs[0].astype(np.float32)).any()
     assert np.array_equal(runs[0].view(np.uint16), runs[1].view(np.uint16))
+
+
+SHAPE_KPARTS = MoEShape("h64-i400", 64, 400, 5, 3)  # four scale blocks along I, the last partial (16 values)
+
+
+@pytest.mark.slow
+def test_down_kparts_emulated() -> None:
+    """DB_KPARTS (the per-pair FP8 down's chains cut at scale blocks, one warp per run, the chain replayed in block
+    order): the bits of one warp's chain at 2..5 runs -- runs ending in a masked round, a partial last scale block, an
+    empty fifth run -- with a bad id in the batch; and the checks that refuse it elsewhere."""
+    problem = _fp8_problem(make_problem(SHAPE_KPARTS, 3, seed=5))
+    ids = np.asarray(problem.topk_ids).copy()
+    ids[2, 1] = SHAPE_KPARTS.experts  # token 2: NaN; tokens 0 and 1 exact
+    knobs = {k: v for k, v in wdb.FP8_PER_PAIR_KNOBS.items() if k != "W_FP8"}
+    want = _emulate(problem, ids=ids, out_dtype=np.float32, **knobs)["out"]
+    assert np.isnan(want[2]).all() and not np.isnan(want[:2]).any()
+    for parts in (2, 3, 4, 5):
+        got = _emulate(problem, ids=ids, out_dtype=np.float32, **{**knobs, "DB_KPARTS": parts})["out"]
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), parts
+    dims = _dims(problem)
+    with pytest.raises(ValueError, match="K x DB_KPARTS <= 16"):
+        wdb.resolve_params(dims, W_FP8=1, **{**knobs, "DB_KPARTS": 6})
+    with pytest.raises(ValueError, match="it needs PER_PAIR 1, W_FP8 1 and FP8_BLOCK_SUM 1"):
+        wdb.resolve_params(dims, **{**knobs, "DB_KPARTS": 2})  # bf16 weights
+    with pytest.raises(ValueError, match="it needs PER_PAIR 1"):
+        wdb.resolve_params(dims, **{**wdb.FP8_GROUPED_KNOBS, "DB_KPARTS": 2})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("model", "tokens", "routing", "parts"),
+                         [("qwen3-30b-a3b", 1, "uniform", 2), ("qwen3-30b-a3b", 3, "zipf", 2),
+                          ("qwen3-235b-a22b", 2, "same", 2), ("tiny", 5, DUPLICATES, 4),
+                          ("qwen3-30b-a3b", 2, "correlated", 1)])
+def test_gpu_down_kparts_bitwise(model: str, tokens: int, routing: Any, parts: int) -> None:
+    """DB_KPARTS on the per-pair FP8 down gives one chain's bits at the presets' widths and at tiny (H = 136, 8-value
+    loads; I = 48: one partial scale block, so the runs past it are empty), every output written (NaN-poisoned out and
+    intermediate), bitwise over a repeat, and matches the reference on the same weights."""
+    import cupy
+
+    from kernels.shapes import get_shape
+
+    run_shape = get_shape(model).with_(experts=min(get_shape(model).experts, 16))
+    host = _fp8_problem(make_problem(run_shape, tokens, seed=tokens + 6, routing=routing))
+    problem = _device(cupy, make_problem(run_shape, tokens, seed=tokens + 6, routing=routing))
+    knobs = {**wdb.FP8_PER_PAIR_KNOBS, "DB_KPARTS": parts}
+    got = _run_poisoned(cupy, problem, **knobs)
+    faithful, oracle = _references(host)
+    _assert_matches(got, faithful, oracle, f"fp8 down kparts {parts} {model} T={tokens}", own_order=True)
+    one = _run_poisoned(cupy, problem, **{**knobs, "DB_KPARTS": 1})
+    assert np.array_equal(got.view(np.uint16), one.view(np.uint16))
+    assert np.array_equal(_run_poisoned(cupy, problem, **knobs).view(np.uint16), got.view(np.uint16))
