@@ -118,9 +118,6 @@ DEFAULTS: dict[str, int] = {
     "DB_WHOLE_RANGES": 0,  # the bf16 grouped down (DB_GROUPED): 1 compiles whole rounds only, no masked round --
     # its k range (I / 8 chunks) must be a whole number of rounds of 4 x DB_UNROLL chunks (checked) -- 0 masks every
     # round; -1 = auto (auto_whole_ranges; the tensor-core knob sets use it)
-    "DB_KPARTS": 1,  # the per-pair down on FP8 weights (PER_PAIR, W_FP8, FP8_BLOCK_SUM): each slot's chain over I in
-    # this many runs of whole 128-wide scale blocks, a warp each (K x DB_KPARTS <= 16 warps a block); each block's
-    # partial kept apart and the chain replayed in block order: the same bits, more warps with fewer rounds each
     "DB_ROW_TILES": 1,  # the grouped down (DB_GROUPED): tiles of 16 hidden rows per warp, 1 or 2 (2: the two tiles
     # share each B fragment -- fewer intermediate loads and multiplies per weight byte; 2 needs DB_GROUPED 1); the
     # same bits either way; 0 = auto (auto_row_tiles; the tensor-core knob sets use it)
@@ -147,7 +144,7 @@ LIMITS = {
     "DB_EARLY_INTER": (0, 1), "HOT_NBLK": (-1, 4),
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (0, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
     "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "W_FP8": (0, 1),
-    "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8), "DB_KPARTS": (1, 16), "FP8_LOAD16": (-1, 1), "FP8_BLOCK_SUM": (-1, 1),
+    "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8), "FP8_LOAD16": (-1, 1), "FP8_BLOCK_SUM": (-1, 1),
     "FP8_PRMT": (-1, 3), "DB_WHOLE_RANGES": (-1, 1), "GB_RANGE_FLUSH": (-1, 1), "PAIRS_INNER": (-1, 1),
     "DB_ROW_TILES": (0, 2),
 }
@@ -455,14 +452,6 @@ def down_columns(params: dict[str, int]) -> int:
     return 16 if params.get("DB_MMA") else params["DB_OUTS"]
 
 
-def down_token_shared_bytes(dims: Dims, params: dict[str, int]) -> int:
-    """Dynamic shared memory of the per-pair down (moe_down_token): with DB_KPARTS > 1 each slot's scale-block
-    partials of 16 rows and its scale row, K x ceil(I / 128) x 17 floats; none otherwise."""
-    if params.get("DB_KPARTS", 1) <= 1:
-        return 0
-    return dims.top_k * -(-dims.intermediate // 128) * 17 * 4
-
-
 def down_shared_bytes(dims: Dims, params: dict[str, int]) -> int:
     """Dynamic shared memory of the down kernel: per warp an FP32 partial [T][columns] (none when grouped)."""
     if params.get("DB_GROUPED"):
@@ -516,18 +505,6 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
                          f"GB_KSPLIT, got {values['GB_WARPS']} and {values['GB_KSPLIT']}")
     if values["PER_PAIR"] and dims is not None and dims.top_k > 16:
         raise ValueError(f"PER_PAIR gives each of a token's K slots a warp of one block: K <= 16, got {dims.top_k}")
-    if values["DB_KPARTS"] > 1:
-        if not (values["PER_PAIR"] and values["W_FP8"] and values["FP8_BLOCK_SUM"] == 1):
-            raise ValueError("DB_KPARTS cuts the per-pair FP8 down's chains at its scale blocks: it needs PER_PAIR 1, "
-                             f"W_FP8 1 and FP8_BLOCK_SUM 1, got {values['PER_PAIR']}, {values['W_FP8']} and "
-                             f"{values['FP8_BLOCK_SUM']}")
-        if dims is not None and dims.top_k * values["DB_KPARTS"] > 16:
-            raise ValueError(f"DB_KPARTS gives each of a token's K slots DB_KPARTS warps of one block: K x DB_KPARTS "
-                             f"<= 16, got {dims.top_k} x {values['DB_KPARTS']}")
-        if dims is not None and down_token_shared_bytes(dims, values) > SHARED_LIMIT:
-            raise ValueError(f"DB_KPARTS keeps K x ceil(I / 128) x 17 floats in shared memory: "
-                             f"{down_token_shared_bytes(dims, values)} bytes > {SHARED_LIMIT} at K = {dims.top_k}, "
-                             f"I = {dims.intermediate}; use DB_KPARTS 1")
     if values["LIST_THREADS"] % 32:
         raise ValueError(f"LIST_THREADS must be a multiple of 32, got {values['LIST_THREADS']}")
     for key in ("GB_BYTES", "DB_BYTES"):
@@ -838,10 +815,10 @@ def _per_pair_stages(compiled: Compiled, x: Any, w13: Any, s13: Any, w2: Any, s2
                    i32(d.top_k), i32(d.tokens * d.top_k)), programmatic=programmatic)
 
     def down() -> None:
-        launch_ex(down_k, (down_blocks(d, params),), (32 * d.top_k * params["DB_KPARTS"],),
+        launch_ex(down_k, (down_blocks(d, params),), (32 * d.top_k,),
                   (ws.intermediate, w2, s2, topk_ids, topk_weights, out, i32(1 if out.dtype == np.float32 else 0),
                    i32(d.tokens), i32(d.hidden), i32(d.intermediate), i32(d.experts), i32(d.top_k)),
-                  shared_mem=down_token_shared_bytes(d, params), programmatic=programmatic)
+                  programmatic=programmatic)
 
     return [("gate_up", gate_up), ("down", down)]
 

@@ -92,9 +92,6 @@ static_assert(PER_PAIR == 0 || (PER_PAIR == 1 && GB_MMA == 1 && DB_MMA == 1 && P
 static_assert(GB_KSPLIT >= 1 && GB_KSPLIT <= 8 && (GB_KSPLIT == 1 || GB_MMA == 1),
               "GB_KSPLIT is 1..8 (above 1 it needs GB_MMA 1)");
 static_assert(PER_PAIR == 0 || GB_WARPS % GB_KSPLIT == 0, "PER_PAIR: GB_WARPS must be a multiple of GB_KSPLIT");
-static_assert(DB_KPARTS >= 1 && DB_KPARTS <= 16 &&
-              (DB_KPARTS == 1 || (PER_PAIR == 1 && W_FP8 == 1 && FP8_BLOCK_SUM == 1)),
-              "DB_KPARTS is 1..16 (above 1 it needs PER_PAIR 1, W_FP8 1 and FP8_BLOCK_SUM 1)");
 static_assert((FP8_LOAD16 == 0 || FP8_LOAD16 == 1) && (FP8_BLOCK_SUM == 0 || FP8_BLOCK_SUM == 1) &&
               (W_FP8 == 1 || (FP8_LOAD16 == 0 && FP8_BLOCK_SUM == 0)),
               "FP8_LOAD16 / FP8_BLOCK_SUM are 0 or 1 (1 needs W_FP8 1)");
@@ -812,29 +809,6 @@ __device__ __forceinline__ void fp8_flush(float (&acc)[4], float (&part)[4], flo
     part[0] = part[1] = part[2] = part[3] = 0.0f;
 }
 
-// What a W_FP8 round does with a scale block's finished partial (mma_round's Flush): ChainFlush adds it into the
-// chain (fp8_flush); PartSink (the per-pair down with DB_KPARTS) keeps part x 2^112 of column 0 apart, per absolute
-// scale block, for a chain replayed later in block order -- the same operations on the same values.
-struct ChainFlush {
-    __device__ __forceinline__ void operator()(float (&acc)[4], float (&part)[4], float s_lo, float s_hi, int,
-                                               bool) const {
-        fp8_flush(acc, part, s_lo, s_hi);
-    }
-};
-struct PartSink {
-    float* rows;                                                     // [scale blocks][16 rows]
-    int g, q;
-    __device__ __forceinline__ void operator()(float (&acc)[4], float (&part)[4], float, float, int block,
-                                               bool valid) const {
-        (void)acc;
-        if (valid && q == 0) {                                       // column 0: rows g, g + 8
-            rows[block * 16 + g] = part[0] * FP8_UNSCALE;
-            rows[block * 16 + g + 8] = part[2] * FP8_UNSCALE;
-        }
-        part[0] = part[1] = part[2] = part[3] = 0.0f;
-    }
-};
-
 // A tensor-core warp's two A rows of one expert (rows g and g + 8 of its 16) and their block scales along k: w13's
 // gate row i and up row i (w13_rows), or w2's rows h_lo and h_hi (w2_rows)
 struct ARows { const a_chunk_t* lo; const a_chunk_t* hi; const float* scale_lo; const float* scale_hi; };
@@ -867,10 +841,10 @@ __device__ __forceinline__ void k_range(int chunks, int r, int& begin, int& end)
 // (a lane past the end loads chunk 0 and uses zeros); unchecked rounds are whole, with no masking (the bounds
 // selects were ~15 % of an FP8 round's instructions).
 // RT row tiles (tiles[t]: rows 16t + g and 16t + g + 8 of the warp's) share each B fragment; acc[t * NB + nb].
-template <int UNROLL, int NB, bool COLS_DEP, bool CHECKED, int RT = 1, class Flush = ChainFlush>
+template <int UNROLL, int NB, bool COLS_DEP, bool CHECKED, int RT = 1>
 __device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part)[RT * NB][4],
                                           const ARows (&tiles)[RT], const uint4* const (&cols)[NB], int c0, int c_end,
-                                          int q, bool& waited, const Flush& on_flush = Flush()) {
+                                          int q, bool& waited) {
     a_load_t lo[UNROLL][RT], hi[UNROLL][RT];
     uint4 col[UNROLL][NB][MMA_HALVES];
 #if W_FP8
@@ -878,7 +852,6 @@ __device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part
     bool flush[UNROLL];
 #else
     (void)part;
-    (void)on_flush;
 #endif
     #pragma unroll
     for (int j = 0; j < UNROLL; ++j) {
@@ -944,13 +917,11 @@ __device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part
         }
 #if W_FP8
         if (flush[j]) {                                              // warp-uniform
-            const int first = c0 + MMA_KB * j;                       // (the sink's: a block past the end is none)
             #pragma unroll
             for (int t = 0; t < RT; ++t)
                 #pragma unroll
                 for (int nb = 0; nb < NB; ++nb)
-                    on_flush(acc[t * NB + nb], part[t * NB + nb], s_lo[j][t], s_hi[j][t], first / (FP8_BLOCK / 8),
-                             !CHECKED || first < c_end);
+                    fp8_flush(acc[t * NB + nb], part[t * NB + nb], s_lo[j][t], s_hi[j][t]);
         }
 #endif
     }
@@ -979,10 +950,10 @@ __device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part
 #define GATE_UP_ROUNDS (W_FP8 || GB_KSPLIT == 1 ? WHOLE_ROUNDS : MASKED_ROUNDS)
 #define DOWN_GROUPED_ROUNDS (W_FP8 ? WHOLE_ROUNDS : DB_WHOLE_RANGES ? ONLY_WHOLE_ROUNDS : MASKED_ROUNDS)
 // RT row tiles per warp (mma_round): acc[t * NB + nb]; mma_rows_by_columns is the one-tile form.
-template <int UNROLL, int NB, bool COLS_DEP, int ROUNDS, int RT, class Flush = ChainFlush>
+template <int UNROLL, int NB, bool COLS_DEP, int ROUNDS, int RT>
 __device__ __forceinline__ void mma_tiles_by_columns(float (&acc)[RT * NB][4], const ARows (&tiles)[RT],
                                                      const uint4* const (&cols)[NB], int c_begin, int c_end, int q,
-                                                     bool& waited, const Flush& on_flush = Flush()) {
+                                                     bool& waited) {
     float part[RT * NB][4];                                          // W_FP8: a scale block's mma sums
     #pragma unroll
     for (int n = 0; n < RT * NB; ++n) {
@@ -992,22 +963,21 @@ __device__ __forceinline__ void mma_tiles_by_columns(float (&acc)[RT * NB][4], c
     int c0 = c_begin;
     if (ROUNDS != MASKED_ROUNDS) {
         for (; c0 + MMA_KB * UNROLL <= c_end; c0 += MMA_KB * UNROLL)
-            mma_round<UNROLL, NB, COLS_DEP, false, RT>(acc, part, tiles, cols, c0, c_end, q, waited, on_flush);
+            mma_round<UNROLL, NB, COLS_DEP, false, RT>(acc, part, tiles, cols, c0, c_end, q, waited);
         if (ROUNDS == WHOLE_ROUNDS && c0 < c_end)
-            mma_round<UNROLL, NB, COLS_DEP, true, RT>(acc, part, tiles, cols, c0, c_end, q, waited, on_flush);
+            mma_round<UNROLL, NB, COLS_DEP, true, RT>(acc, part, tiles, cols, c0, c_end, q, waited);
     } else {
         for (; c0 < c_end; c0 += MMA_KB * UNROLL)
-            mma_round<UNROLL, NB, COLS_DEP, true, RT>(acc, part, tiles, cols, c0, c_end, q, waited, on_flush);
+            mma_round<UNROLL, NB, COLS_DEP, true, RT>(acc, part, tiles, cols, c0, c_end, q, waited);
     }
 }
-template <int UNROLL, int NB, bool COLS_DEP, int ROUNDS = WHOLE_ROUNDS, class Flush = ChainFlush>
+template <int UNROLL, int NB, bool COLS_DEP, int ROUNDS = WHOLE_ROUNDS>
 __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const a_chunk_t* rows_lo,
                                                     const a_chunk_t* rows_hi, const float* scale_lo,
                                                     const float* scale_hi, const uint4* const (&cols)[NB],
-                                                    int c_begin, int c_end, int q, bool& waited,
-                                                    const Flush& on_flush = Flush()) {
+                                                    int c_begin, int c_end, int q, bool& waited) {
     const ARows tiles[1] = {{rows_lo, rows_hi, scale_lo, scale_hi}};
-    mma_tiles_by_columns<UNROLL, NB, COLS_DEP, ROUNDS, 1>(acc, tiles, cols, c_begin, c_end, q, waited, on_flush);
+    mma_tiles_by_columns<UNROLL, NB, COLS_DEP, ROUNDS, 1>(acc, tiles, cols, c_begin, c_end, q, waited);
 }
 #endif
 
@@ -1571,24 +1541,8 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
 //   and keep topk_weight * dot of column 0 in shared memory; thread r < 16 then sums the K rows in slot order from
 //   0.0f and rounds once -- moe_down_grouped + moe_sum_slots' numerics. A token with a bad id gets NaN and reads no
 //   weight of that slot.
-//   DB_KPARTS > 1 (W_FP8, FP8_BLOCK_SUM): K x DB_KPARTS warps, warp (k, r) runs slot k's chain over run r of
-//   the 128-wide scale blocks of I (ceil(blocks / DB_KPARTS) each) and keeps each block's partial x 2^112 apart in
-//   shared memory (PartSink); thread (k, row) then replays the chain acc = fma(partial, scale, acc) over the blocks
-//   in order -- the operations one warp's chain does, so the same bits -- with half (a third ...) of the rounds per
-//   warp and DB_KPARTS x the warps in flight.
 // ------------------------------------------------------------------------------------------------
-#if DB_KPARTS > 1
-// dynamic shared memory: [K][scale blocks][16] partials, then [K][scale blocks] scales
-__device__ __forceinline__ float* down_token_parts() {
-#ifdef WD_HOST_EMULATION
-    return wdb_dynamic_shared;                                       // the CPU emulation's buffer
-#else
-    extern __shared__ float down_parts[];
-    return down_parts;
-#endif
-}
-#endif
-extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K x DB_KPARTS <= 16 warps: <= 128 registers
+extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K <= 16 warps: <= 128 registers
     const bf16_t* __restrict__ intermediate,  // [T, K, I]
     const weight_t* __restrict__ w2,          // [E, H, I]
     const float* __restrict__ s2,             // W_FP8: [E, ceil(H/128), ceil(I/128)]
@@ -1598,52 +1552,18 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K x DB
     int out_f32, int tokens, int hidden, int inter, int experts, int top_k)
 {
     __shared__ float rows[16][16];                                   // [slot][row]: the weighted dots
-    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, k = (threadIdx.x >> 5) / DB_KPARTS;
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, k = threadIdx.x >> 5;
     const int per_token = (hidden + 15) / 16;
     const int2 tb = pair_block(blockIdx.x, tokens, per_token);
     const int t = tb.x;
     const int h0 = tb.y * 16;
     const int e = __ldg(topk_ids + (long long)t * top_k + k);        // the routing: two kernels back
     const bool bad = (unsigned)e >= (unsigned)experts;
-#if DB_KPARTS > 1
-    const int run = (threadIdx.x >> 5) % DB_KPARTS;
-    const int blocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK, per_run = (blocks + DB_KPARTS - 1) / DB_KPARTS;
-    const int b_begin = min(run * per_run, blocks), b_end = min(b_begin + per_run, blocks);
-    float* parts = down_token_parts();                               // [K][blocks][16]
-    float* scales = parts + top_k * blocks * 16;                     // [K][blocks]: the tile's scale row
-    if (!bad && run == 0) {                                          // weights: before the wait is fine
-        const float* srow = scale_row(s2, (long long)e * ((hidden + FP8_BLOCK - 1) / FP8_BLOCK) + h0 / FP8_BLOCK,
-                                      blocks);
-        for (int b = lane; b < blocks; b += 32) scales[k * blocks + b] = __ldg(srow + b);
-    }
-#endif
 #if !DOWN_WAITS_LATE
     pdl_wait();     // the intermediate is gate_up's output: every read of it is an ld_dep after this
     pdl_release();
 #endif
     bool waited = false;
-#if DB_KPARTS > 1
-    if (!bad && b_begin < b_end) {
-        const ARows a = w2_rows(w2, s2, e, min(h0 + g, hidden - 1), min(h0 + g + 8, hidden - 1), hidden, inter);
-        const uint4* inter_row[1] = {
-            reinterpret_cast<const uint4*>(intermediate + ((long long)t * top_k + k) * inter)};
-        float acc[1][4];
-        mma_rows_by_columns<DB_UNROLL, 1, true>(acc, a.lo, a.hi, a.scale_lo, a.scale_hi, inter_row,
-                                                b_begin * (FP8_BLOCK / 8), min(b_end * (FP8_BLOCK / 8), inter / 8), q,
-                                                waited, PartSink{parts + k * blocks * 16, g, q});
-    }
-    down_epilogue_wait();
-    __syncthreads();
-    if (threadIdx.x < top_k * 16) {                                  // thread (slot s, row r): the chain, in order
-        const int s = threadIdx.x >> 4, r = threadIdx.x & 15;
-        if ((unsigned)__ldg(topk_ids + (long long)t * top_k + s) < (unsigned)experts) {
-            float acc = 0.0f;
-            for (int b = 0; b < blocks; ++b)
-                acc = fmaf(parts[(s * blocks + b) * 16 + r], scales[s * blocks + b], acc);
-            rows[s][r] = __fmul_rn(__ldg(topk_weights + (long long)t * top_k + s), acc);
-        }
-    }
-#else
     if (!bad) {
         const ARows a = w2_rows(w2, s2, e, min(h0 + g, hidden - 1), min(h0 + g + 8, hidden - 1), hidden, inter);
         const uint4* inter_row[1] = {
@@ -1658,7 +1578,6 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K x DB
         }
     }
     down_epilogue_wait();  // warps that never waited (a bad slot, or DB_EARLY_W2 off) before out is written
-#endif
     __syncthreads();
     if (threadIdx.x < 16 && h0 + (int)threadIdx.x < hidden) {
         float v = 0.0f;

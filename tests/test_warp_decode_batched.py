@@ -411,15 +411,13 @@ int main(int argc, char** argv) {
     // the larger of the list kernel's and the down kernel's (partials) shared memory
     const size_t down_shared = (size_t)DB_WARPS * T * (DB_OUTS + 16);  // DB_MMA: 16 columns
     const size_t lists_shared = ((size_t)E + 1) * (1 + LIST_THREADS / 32) + 2 * (size_t)T * K;  // + warps' counts
-    const size_t token_shared = (size_t)K * ((I + 127) / 128) * 17;  // DB_KPARTS: per-block partials and scales
-    const size_t floats = std::max(std::max(down_shared, lists_shared), token_shared);
-    std::vector<float> shared(floats, __uint_as_float(0x7fc00000u));
+    std::vector<float> shared(std::max(down_shared, lists_shared), __uint_as_float(0x7fc00000u));
     wdb_dynamic_shared = shared.data();
 #if PER_PAIR  // no lists: a pair per gate_up block row, a token per down block (a warp per slot)
     (void)slots;
     launch(gu_blocks, GB_WARPS * 32,
            [&] { moe_gate_up_pair(x.data(), w13.data(), s13, ids.data(), inter.data(), H, I, E, K, T * K); });
-    launch(dn_blocks, 32 * K * DB_KPARTS, [&] {
+    launch(dn_blocks, 32 * K, [&] {
         moe_down_token(inter.data(), w2.data(), s2, ids.data(), wts.data(), out.data(), f32, T, H, I, E, K);
     });
 #else
