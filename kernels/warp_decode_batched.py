@@ -118,9 +118,6 @@ DEFAULTS: dict[str, int] = {
     "DB_WHOLE_RANGES": 0,  # the bf16 grouped down (DB_GROUPED): 1 compiles whole rounds only, no masked round --
     # its k range (I / 8 chunks) must be a whole number of rounds of 4 x DB_UNROLL chunks (checked) -- 0 masks every
     # round; -1 = auto (auto_whole_ranges; the tensor-core knob sets use it)
-    "TILES_HOT_FIRST": 0,  # PAIR_TILES: 1 lists the tiles that run a hot pass (more than 8 * GB_NBLK pairs, HOT_NBLK)
-    # first, then the others, each group in slot order, so that the longest work units start in the first wave; the
-    # grouped down's bits do not depend on the order (the balanced tensor-core down's runs follow it)
     "DB_ROW_TILES": 1,  # the grouped down (DB_GROUPED): tiles of 16 hidden rows per warp, 1 or 2 (2: the two tiles
     # share each B fragment -- fewer intermediate loads and multiplies per weight byte; 2 needs DB_GROUPED 1); the
     # same bits either way; 0 = auto (auto_row_tiles; the tensor-core knob sets use it)
@@ -147,7 +144,7 @@ LIMITS = {
     "DB_EARLY_INTER": (0, 1), "HOT_NBLK": (-1, 4),
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (0, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
     "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "W_FP8": (0, 1),
-    "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8), "TILES_HOT_FIRST": (0, 1), "FP8_LOAD16": (-1, 1), "FP8_BLOCK_SUM": (-1, 1),
+    "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8), "FP8_LOAD16": (-1, 1), "FP8_BLOCK_SUM": (-1, 1),
     "FP8_PRMT": (-1, 3), "DB_WHOLE_RANGES": (-1, 1), "GB_RANGE_FLUSH": (-1, 1), "PAIRS_INNER": (-1, 1),
     "DB_ROW_TILES": (0, 2),
 }
@@ -476,8 +473,6 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         raise ValueError("DB_BALANCE applies to the tensor-core down kernel: it needs DB_MMA 1")
     if values["PAIR_TILES"] and not values["GB_MMA"]:
         raise ValueError("PAIR_TILES cuts the tensor-core gate_up's work into tiles: it needs GB_MMA 1")
-    if values["TILES_HOT_FIRST"] and not values["PAIR_TILES"]:
-        raise ValueError("TILES_HOT_FIRST orders the tile table: it needs PAIR_TILES 1")
     if values["DB_GROUPED"] == -1:
         values["DB_GROUPED"] = auto_grouped(dims, values)
     if values["DB_GROUPED"] and not (values["DB_MMA"] and values["PAIR_TILES"]):

@@ -92,8 +92,6 @@ static_assert(PER_PAIR == 0 || (PER_PAIR == 1 && GB_MMA == 1 && DB_MMA == 1 && P
 static_assert(GB_KSPLIT >= 1 && GB_KSPLIT <= 8 && (GB_KSPLIT == 1 || GB_MMA == 1),
               "GB_KSPLIT is 1..8 (above 1 it needs GB_MMA 1)");
 static_assert(PER_PAIR == 0 || GB_WARPS % GB_KSPLIT == 0, "PER_PAIR: GB_WARPS must be a multiple of GB_KSPLIT");
-static_assert(TILES_HOT_FIRST == 0 || (TILES_HOT_FIRST == 1 && PAIR_TILES == 1),
-              "TILES_HOT_FIRST is 0 or 1 (1 orders the tile table: it needs PAIR_TILES 1)");
 static_assert((FP8_LOAD16 == 0 || FP8_LOAD16 == 1) && (FP8_BLOCK_SUM == 0 || FP8_BLOCK_SUM == 1) &&
               (W_FP8 == 1 || (FP8_LOAD16 == 0 && FP8_BLOCK_SUM == 0)),
               "FP8_LOAD16 / FP8_BLOCK_SUM are 0 or 1 (1 needs W_FP8 1)");
@@ -173,12 +171,6 @@ __device__ __forceinline__ int tile_capacity(int slots, int pairs) { return slot
 //   3) every pair p goes to sorted_pairs[first[e] + (pairs of e in the ranges before p's) + rank_of[p]]: grouped
 //      by expert, ascending p inside.
 // ------------------------------------------------------------------------------------------------
-// TILES_HOT_FIRST: of an expert's `count` pairs, the tiles with more than one gate_up pass of pairs (8 * GB_NBLK):
-// with HOT_GB its whole tiles and a last one past 8 * GB_NBLK; none without
-__device__ __forceinline__ int hot_tiles(int count) {
-    const int whole = count / TILE_PAIRS;
-    return HOT_GB ? whole + (count - whole * TILE_PAIRS > 8 * GB_NBLK) : 0;
-}
 __device__ __forceinline__ int expert_key(int id, int experts) {
     return (unsigned)id >= (unsigned)experts ? experts : id;      // every bad id -> the pseudo expert E
 }
@@ -211,9 +203,6 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
     __shared__ int warp_pairs[WARPS];
     __shared__ int warp_slots[WARPS];
     __shared__ int warp_tiles[WARPS];
-#if TILES_HOT_FIRST
-    __shared__ int warp_hot[WARPS];
-#endif
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     int* expert_of = lists + LIST_HEADER;
@@ -283,12 +272,6 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
     int my_tiles = 0;                                                // PAIR_TILES: the slots' tiles
     #pragma unroll
     for (int j = 0; j < LIST_PER; ++j) my_tiles += PAIR_TILES ? (count[j] + TILE_PAIRS - 1) / TILE_PAIRS : 0;
-#if TILES_HOT_FIRST
-    int my_hot = 0;                                                  // the tiles among them that run a hot pass
-    #pragma unroll
-    for (int j = 0; j < LIST_PER; ++j) my_hot += hot_tiles(count[j]);
-    int hot_through = warp_inclusive_sum(my_hot, lane);
-#endif
     int pairs_through = warp_inclusive_sum(my_pairs, lane);         // this warp's lanes 0 .. lane
     int slots_through = warp_inclusive_sum(my_slots, lane);
     int tiles_through = warp_inclusive_sum(my_tiles, lane);
@@ -296,18 +279,12 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
         warp_pairs[tid >> 5] = pairs_through;
         warp_slots[tid >> 5] = slots_through;
         warp_tiles[tid >> 5] = tiles_through;
-#if TILES_HOT_FIRST
-        warp_hot[tid >> 5] = hot_through;
-#endif
     }
     __syncthreads();
     for (int w = 0; w < (tid >> 5); ++w) {                          // + the warps before this one
         pairs_through += warp_pairs[w];
         slots_through += warp_slots[w];
         tiles_through += warp_tiles[w];
-#if TILES_HOT_FIRST
-        hot_through += warp_hot[w];
-#endif
     }
     if (tid == LIST_THREADS - 1) {
         lists[0] = slots_through;              // slots used (the bad-id pseudo expert E is the last, if any)
@@ -317,12 +294,6 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
     int position = pairs_through - my_pairs;   // and its first position in sorted_pairs
     int tile = tiles_through - my_tiles;       // and its first tile
     (void)tile;
-#if TILES_HOT_FIRST  // hot tiles from 0, the others after all hot ones: each group in slot order
-    int all_hot = 0;
-    for (int w = 0; w < WARPS; ++w) all_hot += warp_hot[w];
-    int hot_tile = hot_through - my_hot;
-    int cold_tile = all_hot + tile - hot_tile;
-#endif
     #pragma unroll
     for (int j = 0; j < LIST_PER; ++j) {
         const int e = e_first + j;
@@ -332,21 +303,11 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
             count_of[slot] = count[j];
             ++slot;
 #if PAIR_TILES
-#if TILES_HOT_FIRST
-            for (int first = 0; first < count[j]; first += TILE_PAIRS) {
-                const int n = min(TILE_PAIRS, count[j] - first);
-                const int at = n > 8 * GB_NBLK ? hot_tile++ : cold_tile++;
-                TILE_ARRAY(0)[at] = e;
-                TILE_ARRAY(1)[at] = position + first;
-                TILE_ARRAY(2)[at] = n;
-            }
-#else
             for (int first = 0; first < count[j]; first += TILE_PAIRS, ++tile) {
                 TILE_ARRAY(0)[tile] = e;
                 TILE_ARRAY(1)[tile] = position + first;
                 TILE_ARRAY(2)[tile] = min(TILE_PAIRS, count[j] - first);
             }
-#endif
 #endif
         }
         if (e == experts) {                     // the bad-id pseudo expert

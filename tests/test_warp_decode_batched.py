@@ -144,7 +144,7 @@ def test_resolve_params_validates() -> None:
     assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=80)["DB_MAX_REGS"] == 80
     resolved = wdb.resolve_params(dims)
     switches = ("MAX_REGS", "MMA", "PDL", "EARLY_W2", "BALANCE", "PAIR_TILES", "GROUPED", "W_FP8", "PER_PAIR",
-                "FP8_", "WHOLE_RANGES", "RANGE_FLUSH", "PAIRS_INNER", "HOT_NBLK", "HOT_FIRST")  # 0: off
+                "FP8_", "WHOLE_RANGES", "RANGE_FLUSH", "PAIRS_INNER", "HOT_NBLK")  # 0: off
     assert set(resolved) == set(wdb.DEFAULTS)
     assert all(v > 0 for k, v in resolved.items() if not any(s in k for s in switches))
 
@@ -274,10 +274,9 @@ def test_variant_grid_corners_compile() -> None:
 # ---------------------------------------------------------------------------------------------------
 # CPU: the routing lists, modelled in NumPy
 # ---------------------------------------------------------------------------------------------------
-def expert_lists_numpy(topk_ids: np.ndarray, experts: int, tile_pairs: int = 0, hot_above: int = 0) -> dict[str, Any]:
+def expert_lists_numpy(topk_ids: np.ndarray, experts: int, tile_pairs: int = 0) -> dict[str, Any]:
     """What moe_expert_lists writes: slots in ascending expert id (bad ids last, as expert E), pairs stable; with
-    ``tile_pairs`` (PAIR_TILES) the tile table: each slot's pairs in runs of tile_pairs, (expert, first, count); with
-    ``hot_above`` (TILES_HOT_FIRST) the tiles of more pairs than that first, each group in slot order."""
+    ``tile_pairs`` (PAIR_TILES) the tile table: each slot's pairs in runs of tile_pairs, (expert, first, count)."""
     flat = np.asarray(topk_ids, np.int64).ravel()
     keyed = np.where((flat < 0) | (flat >= experts), experts, flat)
     order = np.argsort(keyed, kind="stable")
@@ -286,8 +285,6 @@ def expert_lists_numpy(topk_ids: np.ndarray, experts: int, tile_pairs: int = 0, 
     tiles = [(int(e), int(o) + f, min(tile_pairs, int(c) - f))
              for e, o, c in zip(slot_experts, offsets, counts, strict=True)
              for f in range(0, int(c), tile_pairs)] if tile_pairs else []
-    if hot_above:
-        tiles = [t for t in tiles if t[2] > hot_above] + [t for t in tiles if t[2] <= hot_above]
     return {"used": int(slot_experts.size), "good": flat.size - bad, "bad": bad, "expert": slot_experts,
             "offset": offsets, "count": counts, "sorted": order, "tiles": np.array(tiles, np.int64).reshape(-1, 3)}
 
@@ -296,12 +293,6 @@ def _tile_pairs(dims: Dims, params: dict[str, Any]) -> int:
     """Pairs per tile of the tile table these knobs write (0: none)."""
     resolved = wdb.resolve_params(dims, **params)
     return wdb.tile_pairs(resolved) if resolved["PAIR_TILES"] else 0
-
-
-def _hot_above(dims: Dims, params: dict[str, Any]) -> int:
-    """With TILES_HOT_FIRST, the pairs above which a tile is listed first (one gate_up pass: 8 * GB_NBLK); else 0."""
-    resolved = wdb.resolve_params(dims, **params)
-    return 8 * resolved["GB_NBLK"] if resolved["TILES_HOT_FIRST"] else 0
 
 
 def _unpack_lists(raw: np.ndarray, dims: Dims) -> dict[str, Any]:
@@ -601,10 +592,6 @@ EMULATED += [
     # empty; the balanced down's (tile, k block) runs over them
     (MULTI_SHAPE, 12, "same", {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_BALANCE": -1, "HOT_NBLK": 3,
                                "DB_WARPS": 3, "LIST_THREADS": 32, "LIST_PER": 0}, False),
-    # TILES_HOT_FIRST: the hot tiles (up to 24 pairs, hot above 8) listed first, over two list warps (64 threads);
-    # the balanced down's runs follow the table's order
-    (MULTI_SHAPE, 12, "zipf", {"GB_MMA": 1, "DB_MMA": 1, "PAIR_TILES": 1, "DB_BALANCE": -1, "HOT_NBLK": 3,
-                               "TILES_HOT_FIRST": 1, "DB_WARPS": 3, "LIST_THREADS": 64, "LIST_PER": 0}, False),
 ]
 
 
@@ -623,8 +610,7 @@ def test_cuda_source_emulated_on_cpu(rng: np.random.Generator, shape: Any, token
     got = _emulate(problem, **params)
     if not params.get("PER_PAIR"):  # the per-pair path writes no lists
         _assert_lists_equal(_unpack_lists(got["lists"], dims),
-                            expert_lists_numpy(problem.topk_ids, dims.experts, _tile_pairs(dims, params),
-                                               _hot_above(dims, params)))
+                            expert_lists_numpy(problem.topk_ids, dims.experts, _tile_pairs(dims, params)))
     faithful = moe_decode(*problem.arrays, mode="warp_decode")
     oracle = moe_decode(*problem.arrays, mode="fp64")
     own_order = bool(params.get("GB_MMA") or params.get("DB_MMA"))

@@ -285,8 +285,7 @@ def test_hot_tiles_emulated() -> None:
     """HOT_NBLK 2: the tile table holds tiles of up to 16 pairs, and a tile with more than 8 runs in ONE pass of two
     8-pair blocks with half the k blocks in flight. In the batch-invariant grouped path (split-chain gate_up with the
     range flush, 16-value loads, scale-block sums; the grouped down) that moves work only: the same bits as one block
-    per pass, on FP8 and bf16 weights, with hot tiles (up to 12 pairs) beside ordinary ones -- and with the hot tiles
-    listed first (TILES_HOT_FIRST)."""
+    per pass, on FP8 and bf16 weights, with hot tiles (up to 12 pairs) beside ordinary ones."""
     base = make_problem(SHAPE_400, 12, seed=12, routing="zipf")
     counts = np.bincount(base.topk_ids.ravel(), minlength=SHAPE_400.experts)
     assert counts.max() > 8 and 0 < counts.min() <= 8  # hot tiles and ordinary ones
@@ -302,16 +301,8 @@ def test_hot_tiles_emulated() -> None:
         _assert_lists_equal(_unpack_lists(got["lists"], dims), expert_lists_numpy(problem.topk_ids, dims.experts, 16))
         assert np.array_equal(got["inter"], want["inter"]), w_fp8
         assert np.array_equal(got["out"].view(np.uint32), want["out"].view(np.uint32)), w_fp8
-        first = run(problem, out_dtype=np.float32, **{**knobs, "HOT_NBLK": 2, "TILES_HOT_FIRST": 1})  # hot tiles first
-        want_lists = expert_lists_numpy(problem.topk_ids, dims.experts, 16, hot_above=8)
-        assert want_lists["tiles"][0, 2] > 8 and not np.array_equal(want_lists["tiles"],
-                                                                     _unpack_lists(got["lists"], dims)["tiles"])
-        _assert_lists_equal(_unpack_lists(first["lists"], dims), want_lists)
-        assert np.array_equal(first["out"].view(np.uint32), want["out"].view(np.uint32)), w_fp8
     with pytest.raises(ValueError, match="HOT_NBLK widens the tensor-core gate_up's passes"):
         wdb.resolve_params(dims, HOT_NBLK=2)
-    with pytest.raises(ValueError, match="TILES_HOT_FIRST orders the tile table: it needs PAIR_TILES 1"):
-        wdb.resolve_params(dims, TILES_HOT_FIRST=1)
 
 
 def _subnormal_weights(problem: Problem, seed: int) -> Problem:
@@ -564,8 +555,7 @@ def test_gpu_hot_tiles_bitwise(model: str, tokens: int, routing: str) -> None:
     """HOT_NBLK 2 at the presets' widths, 16 experts (hot ones hold up to T pairs): the grouped FP8 path gives the bits
     of one 8-pair block per pass, every output written (NaN-poisoned out and intermediate); the plain tensor-core FP8
     path with it (its grouped down too at these T: T*K >= 2E) matches the reference on the same weights. The
-    balanced down over wider tiles is checked emulated (tests/test_warp_decode_batched.py, HOT_NBLK 3). With the hot
-    tiles listed first (TILES_HOT_FIRST) both give the same bits (the plain path's down is grouped at these T)."""
+    balanced down over wider tiles is checked emulated (tests/test_warp_decode_batched.py, HOT_NBLK 3)."""
     import cupy
 
     from kernels.shapes import get_shape
@@ -581,9 +571,6 @@ def test_gpu_hot_tiles_bitwise(model: str, tokens: int, routing: str) -> None:
     assert np.array_equal(one_block.view(np.uint16), hot.view(np.uint16))
     plain = _run_poisoned(cupy, problem, **{**wdb.MMA_FP8_KNOBS, "HOT_NBLK": 2})
     _assert_matches(plain, faithful, oracle, f"fp8 hot tiles, plain path {model} T={tokens}", own_order=True)
-    for knobs, want in ((wdb.FP8_GROUPED_KNOBS, hot), (wdb.MMA_FP8_KNOBS, plain)):  # hot tiles listed first
-        first = _run_poisoned(cupy, problem, **{**knobs, "HOT_NBLK": 2, "TILES_HOT_FIRST": 1})
-        assert np.array_equal(first.view(np.uint16), want.view(np.uint16))
 
 
 @pytest.mark.gpu
