@@ -626,3 +626,50 @@ def test_gpu_row_tiles_bitwise(model: str, tokens: int, routing: str) -> None:
     runs = [_run_poisoned(cupy, bf16, **{**bf16_knobs, "DB_ROW_TILES": r}) for r in (2, 1)]
     assert not np.isnan(runs[0].astype(np.float32)).any()
     assert np.array_equal(runs[0].view(np.uint16), runs[1].view(np.uint16))
+
+
+@pytest.mark.slow
+def test_down_staged_emulated() -> None:
+    """DB_STAGED (the per-pair FP8 down's rows copied into shared memory before the PDL wait, rows I + 16 bytes apart)
+    reads the same bytes in the same order: the bits of the register path, at 16-row groups past H's end, a partial
+    scale block along I and a bad id; and the checks that refuse it elsewhere."""
+    problem = _fp8_problem(make_problem(SHAPE_16, 3, seed=8))
+    ids = np.asarray(problem.topk_ids).copy()
+    ids[1, 0] = SHAPE_16.experts  # token 1: NaN
+    knobs = {k: v for k, v in wdb.FP8_PER_PAIR_KNOBS.items() if k != "W_FP8"}
+    want = _emulate(problem, ids=ids, out_dtype=np.float32, **knobs)["out"]
+    assert np.isnan(want[1]).all() and not np.isnan(want[[0, 2]]).any()
+    for unroll in (2, 4):
+        got = _emulate(problem, ids=ids, out_dtype=np.float32, **{**knobs, "DB_STAGED": 1, "DB_UNROLL": unroll})["out"]
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), unroll
+    dims = _dims(problem)
+    assert wdb.down_token_shared_bytes(dims, wdb.resolve_params(dims, W_FP8=1, **{**knobs, "DB_STAGED": 1})) == \
+        dims.top_k * (16 * (dims.intermediate + 16) + 8)
+    with pytest.raises(ValueError, match="it needs PER_PAIR 1, W_FP8 1 and FP8_LOAD16 1"):
+        wdb.resolve_params(dims, **{**knobs, "DB_STAGED": 1})  # bf16 weights
+    with pytest.raises(ValueError, match="DB_STAGED keeps K x 16 rows"):
+        wdb.resolve_params(Dims(1, 4096, 8192, 128, 8), W_FP8=1, **{**knobs, "DB_STAGED": 1})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("model", "tokens", "routing"),
+                         [("qwen3-30b-a3b", 1, "uniform"), ("qwen3-30b-a3b", 3, "zipf"),
+                          ("qwen3-235b-a22b", 2, "same")])
+def test_gpu_down_staged_bitwise(model: str, tokens: int, routing: Any) -> None:
+    """DB_STAGED on the per-pair FP8 down (bulk copies into shared memory, an mbarrier per slot warp) gives the
+    register path's bits at the presets' widths, every output written (NaN-poisoned out and intermediate), bitwise
+    over a repeat, and matches the reference on the same weights."""
+    import cupy
+
+    from kernels.shapes import get_shape
+
+    run_shape = get_shape(model).with_(experts=16)
+    host = _fp8_problem(make_problem(run_shape, tokens, seed=tokens + 2, routing=routing))
+    problem = _device(cupy, make_problem(run_shape, tokens, seed=tokens + 2, routing=routing))
+    knobs = {**wdb.FP8_PER_PAIR_KNOBS, "DB_STAGED": 1}
+    got = _run_poisoned(cupy, problem, **knobs)
+    faithful, oracle = _references(host)
+    _assert_matches(got, faithful, oracle, f"fp8 staged down {model} T={tokens}", own_order=True)
+    assert np.array_equal(_run_poisoned(cupy, problem, **{**knobs, "DB_STAGED": 0}).view(np.uint16),
+                          got.view(np.uint16))
+    assert np.array_equal(_run_poisoned(cupy, problem, **knobs).view(np.uint16), got.view(np.uint16))
