@@ -118,9 +118,6 @@ DEFAULTS: dict[str, int] = {
     "DB_WHOLE_RANGES": 0,  # the bf16 grouped down (DB_GROUPED): 1 compiles whole rounds only, no masked round --
     # its k range (I / 8 chunks) must be a whole number of rounds of 4 x DB_UNROLL chunks (checked) -- 0 masks every
     # round; -1 = auto (auto_whole_ranges; the tensor-core knob sets use it)
-    "DB_STAGED": 0,  # the per-pair down on FP8 weights (PER_PAIR, W_FP8, FP8_LOAD16): 1 copies each slot warp's 16 rows
-    # of w2 into shared memory with bulk copies before the PDL wait (K x 16 x (I + 16) bytes a block), so that every
-    # w2 byte is requested while the gate_up still runs; the same bits
     "DB_ROW_TILES": 1,  # the grouped down (DB_GROUPED): tiles of 16 hidden rows per warp, 1 or 2 (2: the two tiles
     # share each B fragment -- fewer intermediate loads and multiplies per weight byte; 2 needs DB_GROUPED 1); the
     # same bits either way; 0 = auto (auto_row_tiles; the tensor-core knob sets use it)
@@ -147,7 +144,7 @@ LIMITS = {
     "DB_EARLY_INTER": (0, 1), "HOT_NBLK": (-1, 4),
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (0, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
     "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "W_FP8": (0, 1),
-    "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8), "DB_STAGED": (0, 1), "FP8_LOAD16": (-1, 1), "FP8_BLOCK_SUM": (-1, 1),
+    "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8), "FP8_LOAD16": (-1, 1), "FP8_BLOCK_SUM": (-1, 1),
     "FP8_PRMT": (-1, 3), "DB_WHOLE_RANGES": (-1, 1), "GB_RANGE_FLUSH": (-1, 1), "PAIRS_INNER": (-1, 1),
     "DB_ROW_TILES": (0, 2),
 }
@@ -455,14 +452,6 @@ def down_columns(params: dict[str, int]) -> int:
     return 16 if params.get("DB_MMA") else params["DB_OUTS"]
 
 
-def down_token_shared_bytes(dims: Dims, params: dict[str, int]) -> int:
-    """Dynamic shared memory of the per-pair down (moe_down_token): with DB_STAGED each slot's 16 rows of w2, I + 16
-    bytes apart, and its 8-byte mbarrier; none otherwise."""
-    if not params.get("DB_STAGED"):
-        return 0
-    return dims.top_k * (16 * (dims.intermediate + 16) + 8)
-
-
 def down_shared_bytes(dims: Dims, params: dict[str, int]) -> int:
     """Dynamic shared memory of the down kernel: per warp an FP32 partial [T][columns] (none when grouped)."""
     if params.get("DB_GROUPED"):
@@ -516,15 +505,6 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
                          f"GB_KSPLIT, got {values['GB_WARPS']} and {values['GB_KSPLIT']}")
     if values["PER_PAIR"] and dims is not None and dims.top_k > 16:
         raise ValueError(f"PER_PAIR gives each of a token's K slots a warp of one block: K <= 16, got {dims.top_k}")
-    if values["DB_STAGED"]:
-        if not (values["PER_PAIR"] and values["W_FP8"] and values["FP8_LOAD16"] == 1):
-            raise ValueError("DB_STAGED stages the per-pair FP8 down's rows with 16-byte copies: it needs PER_PAIR 1, "
-                             f"W_FP8 1 and FP8_LOAD16 1, got {values['PER_PAIR']}, {values['W_FP8']} and "
-                             f"{values['FP8_LOAD16']}")
-        if dims is not None and down_token_shared_bytes(dims, values) > OPT_IN_SHARED_LIMIT:
-            raise ValueError(f"DB_STAGED keeps K x 16 rows of I + 16 bytes in shared memory: "
-                             f"{down_token_shared_bytes(dims, values)} bytes > {OPT_IN_SHARED_LIMIT} at K = "
-                             f"{dims.top_k}, I = {dims.intermediate}; use DB_STAGED 0")
     if values["LIST_THREADS"] % 32:
         raise ValueError(f"LIST_THREADS must be a multiple of 32, got {values['LIST_THREADS']}")
     for key in ("GB_BYTES", "DB_BYTES"):
@@ -834,15 +814,11 @@ def _per_pair_stages(compiled: Compiled, x: Any, w13: Any, s13: Any, w2: Any, s2
                   (x, w13, s13, topk_ids, ws.intermediate, i32(d.hidden), i32(d.intermediate), i32(d.experts),
                    i32(d.top_k), i32(d.tokens * d.top_k)), programmatic=programmatic)
 
-    down_shared = down_token_shared_bytes(d, params)
-    if down_shared > SHARED_LIMIT and down_k.max_dynamic_shared_size_bytes < down_shared:  # above 48 KB: opt in
-        down_k.max_dynamic_shared_size_bytes = down_shared
-
     def down() -> None:
         launch_ex(down_k, (down_blocks(d, params),), (32 * d.top_k,),
                   (ws.intermediate, w2, s2, topk_ids, topk_weights, out, i32(1 if out.dtype == np.float32 else 0),
                    i32(d.tokens), i32(d.hidden), i32(d.intermediate), i32(d.experts), i32(d.top_k)),
-                  shared_mem=down_shared, programmatic=programmatic)
+                  programmatic=programmatic)
 
     return [("gate_up", gate_up), ("down", down)]
 

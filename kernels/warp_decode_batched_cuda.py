@@ -92,8 +92,6 @@ static_assert(PER_PAIR == 0 || (PER_PAIR == 1 && GB_MMA == 1 && DB_MMA == 1 && P
 static_assert(GB_KSPLIT >= 1 && GB_KSPLIT <= 8 && (GB_KSPLIT == 1 || GB_MMA == 1),
               "GB_KSPLIT is 1..8 (above 1 it needs GB_MMA 1)");
 static_assert(PER_PAIR == 0 || GB_WARPS % GB_KSPLIT == 0, "PER_PAIR: GB_WARPS must be a multiple of GB_KSPLIT");
-static_assert(DB_STAGED == 0 || (DB_STAGED == 1 && PER_PAIR == 1 && W_FP8 == 1 && FP8_LOAD16 == 1),
-              "DB_STAGED is 0 or 1 (1 needs PER_PAIR 1, W_FP8 1 and FP8_LOAD16 1)");
 static_assert((FP8_LOAD16 == 0 || FP8_LOAD16 == 1) && (FP8_BLOCK_SUM == 0 || FP8_BLOCK_SUM == 1) &&
               (W_FP8 == 1 || (FP8_LOAD16 == 0 && FP8_BLOCK_SUM == 0)),
               "FP8_LOAD16 / FP8_BLOCK_SUM are 0 or 1 (1 needs W_FP8 1)");
@@ -843,7 +841,7 @@ __device__ __forceinline__ void k_range(int chunks, int r, int& begin, int& end)
 // (a lane past the end loads chunk 0 and uses zeros); unchecked rounds are whole, with no masking (the bounds
 // selects were ~15 % of an FP8 round's instructions).
 // RT row tiles (tiles[t]: rows 16t + g and 16t + g + 8 of the warp's) share each B fragment; acc[t * NB + nb].
-template <int UNROLL, int NB, bool COLS_DEP, bool CHECKED, int RT = 1, bool A_SMEM = false>
+template <int UNROLL, int NB, bool COLS_DEP, bool CHECKED, int RT = 1>
 __device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part)[RT * NB][4],
                                           const ARows (&tiles)[RT], const uint4* const (&cols)[NB], int c0, int c_end,
                                           int q, bool& waited) {
@@ -861,13 +859,8 @@ __device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part
         const bool ok = !CHECKED || c < c_end;
         #pragma unroll
         for (int t = 0; t < RT; ++t) {
-            if (A_SMEM) {                                            // DB_STAGED: the rows staged in shared memory
-                lo[j][t] = zero_unless(ok, reinterpret_cast<const a_load_t*>(tiles[t].lo)[ok ? c / MMA_HALVES : 0]);
-                hi[j][t] = zero_unless(ok, reinterpret_cast<const a_load_t*>(tiles[t].hi)[ok ? c / MMA_HALVES : 0]);
-            } else {
-                lo[j][t] = ldg_chunk(reinterpret_cast<const a_load_t*>(tiles[t].lo), c / MMA_HALVES, ok);
-                hi[j][t] = ldg_chunk(reinterpret_cast<const a_load_t*>(tiles[t].hi), c / MMA_HALVES, ok);
-            }
+            lo[j][t] = ldg_chunk(reinterpret_cast<const a_load_t*>(tiles[t].lo), c / MMA_HALVES, ok);
+            hi[j][t] = ldg_chunk(reinterpret_cast<const a_load_t*>(tiles[t].hi), c / MMA_HALVES, ok);
         }
 #if W_FP8
         const int first = c0 + MMA_KB * j, next = first + MMA_KB;           // k block j's chunks: first .. next-1
@@ -957,7 +950,7 @@ __device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part
 #define GATE_UP_ROUNDS (W_FP8 || GB_KSPLIT == 1 ? WHOLE_ROUNDS : MASKED_ROUNDS)
 #define DOWN_GROUPED_ROUNDS (W_FP8 ? WHOLE_ROUNDS : DB_WHOLE_RANGES ? ONLY_WHOLE_ROUNDS : MASKED_ROUNDS)
 // RT row tiles per warp (mma_round): acc[t * NB + nb]; mma_rows_by_columns is the one-tile form.
-template <int UNROLL, int NB, bool COLS_DEP, int ROUNDS, int RT, bool A_SMEM = false>
+template <int UNROLL, int NB, bool COLS_DEP, int ROUNDS, int RT>
 __device__ __forceinline__ void mma_tiles_by_columns(float (&acc)[RT * NB][4], const ARows (&tiles)[RT],
                                                      const uint4* const (&cols)[NB], int c_begin, int c_end, int q,
                                                      bool& waited) {
@@ -970,21 +963,21 @@ __device__ __forceinline__ void mma_tiles_by_columns(float (&acc)[RT * NB][4], c
     int c0 = c_begin;
     if (ROUNDS != MASKED_ROUNDS) {
         for (; c0 + MMA_KB * UNROLL <= c_end; c0 += MMA_KB * UNROLL)
-            mma_round<UNROLL, NB, COLS_DEP, false, RT, A_SMEM>(acc, part, tiles, cols, c0, c_end, q, waited);
+            mma_round<UNROLL, NB, COLS_DEP, false, RT>(acc, part, tiles, cols, c0, c_end, q, waited);
         if (ROUNDS == WHOLE_ROUNDS && c0 < c_end)
-            mma_round<UNROLL, NB, COLS_DEP, true, RT, A_SMEM>(acc, part, tiles, cols, c0, c_end, q, waited);
+            mma_round<UNROLL, NB, COLS_DEP, true, RT>(acc, part, tiles, cols, c0, c_end, q, waited);
     } else {
         for (; c0 < c_end; c0 += MMA_KB * UNROLL)
-            mma_round<UNROLL, NB, COLS_DEP, true, RT, A_SMEM>(acc, part, tiles, cols, c0, c_end, q, waited);
+            mma_round<UNROLL, NB, COLS_DEP, true, RT>(acc, part, tiles, cols, c0, c_end, q, waited);
     }
 }
-template <int UNROLL, int NB, bool COLS_DEP, int ROUNDS = WHOLE_ROUNDS, bool A_SMEM = false>
+template <int UNROLL, int NB, bool COLS_DEP, int ROUNDS = WHOLE_ROUNDS>
 __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const a_chunk_t* rows_lo,
                                                     const a_chunk_t* rows_hi, const float* scale_lo,
                                                     const float* scale_hi, const uint4* const (&cols)[NB],
                                                     int c_begin, int c_end, int q, bool& waited) {
     const ARows tiles[1] = {{rows_lo, rows_hi, scale_lo, scale_hi}};
-    mma_tiles_by_columns<UNROLL, NB, COLS_DEP, ROUNDS, 1, A_SMEM>(acc, tiles, cols, c_begin, c_end, q, waited);
+    mma_tiles_by_columns<UNROLL, NB, COLS_DEP, ROUNDS, 1>(acc, tiles, cols, c_begin, c_end, q, waited);
 }
 #endif
 
@@ -1549,57 +1542,6 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
 //   0.0f and rounds once -- moe_down_grouped + moe_sum_slots' numerics. A token with a bad id gets NaN and reads no
 //   weight of that slot.
 // ------------------------------------------------------------------------------------------------
-#if DB_STAGED
-// DB_STAGED: a slot warp's 16 rows of w2 (16 x I contiguous bytes) copied into shared memory by the copy engine
-// (cp.async.bulk, one row per lane 0..15, rows I + 16 bytes apart so that the fragments' 16-byte loads do not share
-// banks), completing on the warp's mbarrier -- all of it requested before the PDL wait.
-// dynamic shared memory: [K][16][I + 16] bytes of rows, then [K] 8-byte mbarriers
-__device__ __forceinline__ unsigned char* down_stage() {
-#ifdef WD_HOST_EMULATION
-    return reinterpret_cast<unsigned char*>(wdb_dynamic_shared);     // the CPU emulation's buffer
-#else
-    extern __shared__ __align__(128) unsigned char down_stage_bytes[];
-    return down_stage_bytes;
-#endif
-}
-__device__ __forceinline__ void stage_rows(unsigned char* rows, unsigned long long* bar, const weight_t* w2, int e,
-                                           int h0, int hidden, int inter, int lane) {
-    const unsigned row_bytes = (unsigned)inter;                      // I % 16 == 0 (FP8_LOAD16)
-#ifdef WD_HOST_EMULATION
-    (void)bar;
-    if (lane < 16)
-        memcpy(rows + lane * (row_bytes + 16), w2 + ((size_t)e * hidden + min(h0 + lane, hidden - 1)) * inter,
-               row_bytes);
-#else
-    const unsigned b = (unsigned)__cvta_generic_to_shared(bar);
-    if (lane == 0) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(b) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(b), "r"(16u * row_bytes)
-                     : "memory");
-    }
-    __syncwarp();
-    if (lane < 16) {
-        const unsigned dst = (unsigned)__cvta_generic_to_shared(rows + lane * (row_bytes + 16));
-        const weight_t* src = w2 + ((size_t)e * hidden + min(h0 + lane, hidden - 1)) * inter;
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                     :: "r"(dst), "l"(src), "r"(row_bytes), "r"(b) : "memory");
-    }
-#endif
-}
-__device__ __forceinline__ void wait_staged(unsigned long long* bar) {
-#ifdef WD_HOST_EMULATION
-    (void)bar;
-    __syncwarp();                                                    // lanes 0..15 copied the rows
-#else
-    const unsigned b = (unsigned)__cvta_generic_to_shared(bar);
-    unsigned done = 0;
-    while (!done)
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done) : "r"(b) : "memory");
-#endif
-}
-#endif
 extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K <= 16 warps: <= 128 registers
     const bf16_t* __restrict__ intermediate,  // [T, K, I]
     const weight_t* __restrict__ w2,          // [E, H, I]
@@ -1617,32 +1559,18 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K <= 1
     const int h0 = tb.y * 16;
     const int e = __ldg(topk_ids + (long long)t * top_k + k);        // the routing: two kernels back
     const bool bad = (unsigned)e >= (unsigned)experts;
-#if DB_STAGED
-    unsigned char* stage = down_stage() + (size_t)k * 16 * (inter + 16);   // this slot's 16 rows
-    unsigned long long* bar =
-        reinterpret_cast<unsigned long long*>(down_stage() + (size_t)top_k * 16 * (inter + 16)) + k;
-    if (!bad) stage_rows(stage, bar, w2, e, h0, hidden, inter, lane);   // weights: before the wait is fine
-#endif
 #if !DOWN_WAITS_LATE
     pdl_wait();     // the intermediate is gate_up's output: every read of it is an ld_dep after this
     pdl_release();
 #endif
     bool waited = false;
     if (!bad) {
-        ARows a = w2_rows(w2, s2, e, min(h0 + g, hidden - 1), min(h0 + g + 8, hidden - 1), hidden, inter);
+        const ARows a = w2_rows(w2, s2, e, min(h0 + g, hidden - 1), min(h0 + g + 8, hidden - 1), hidden, inter);
         const uint4* inter_row[1] = {
             reinterpret_cast<const uint4*>(intermediate + ((long long)t * top_k + k) * inter)};
         float acc[1][4];
-#if DB_STAGED
-        wait_staged(bar);
-        a.lo = reinterpret_cast<const a_chunk_t*>(stage + g * (inter + 16));
-        a.hi = reinterpret_cast<const a_chunk_t*>(stage + (g + 8) * (inter + 16));
-        mma_rows_by_columns<DB_UNROLL, 1, true, WHOLE_ROUNDS, true>(acc, a.lo, a.hi, a.scale_lo, a.scale_hi, inter_row,
-                                                                    0, inter / 8, q, waited);
-#else
         mma_rows_by_columns<DB_UNROLL, 1, true>(acc, a.lo, a.hi, a.scale_lo, a.scale_hi, inter_row, 0, inter / 8, q,
                                                 waited);
-#endif
         if (q == 0) {                                                // column 0: rows g, g + 8 of the pair
             const float weight = __ldg(topk_weights + (long long)t * top_k + k);
             rows[k][g] = __fmul_rn(weight, acc[0][0]);

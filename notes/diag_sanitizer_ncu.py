@@ -39,9 +39,6 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_sanitizer_ncu
 * ``row-tiles`` the widening's multiply on B (FP8_PRMT 2 and 3) on the FP8 tensor-core paths and the grouped down
              at two row tiles per warp (DB_ROW_TILES 2), FP8 and bf16, hot tiles, a shape whose H is not a multiple
              of 32, Zipf and all-on-one-set routings, outputs compared with the references (added 2026-12-03).
-* ``staged`` the per-pair FP8 down with its w2 rows bulk-copied into shared memory before the PDL wait
-             (DB_STAGED 1: cp.async.bulk, an mbarrier per slot warp) on shapes with partial scale blocks, Zipf and
-             all-on-one-set routings (added 2026-12-03).
 * ``fp8-chunks`` strict FP8 at 16-value chunks (and 8 slots at 16-value gate_up chunks) on a shape with partial
              scale blocks at both edges and at qwen3-30b-a3b T = 2 (added 2026-12-01 late).
 """
@@ -283,22 +280,6 @@ def row_tiles() -> None:
     _bf16_and_fp8_cases(ROW_TILES_SHAPE, cases)
 
 
-def staged() -> None:
-    """DB_STAGED on the per-pair FP8 down: bulk copies into shared memory and an mbarrier per slot warp."""
-    from kernels import warp_decode_batched as wdb
-    from kernels.reference import moe_decode
-
-    for shape, tokens, routing in ((MoEShape("h208-i144", 208, 144, 6, 2), 7, "zipf"),
-                                   (MoEShape("h1040-i272", 1040, 272, 8, 4), 9, "same"),
-                                   ("qwen3-30b-a3b", 2, "uniform")):
-        problem, weights, args, oracle = _fp8_case(shape, tokens, routing)
-        faithful = moe_decode(*args, mode="warp_decode", weight_format="fp8-block128")
-        for unroll in (2, 4):
-            _run_checked("cupy:warp-decode-mma-pairs-fp8", problem, weights, faithful, oracle,
-                         f"{_dims(problem)} {routing}", **{**wdb.FP8_PER_PAIR_KNOBS, "DB_STAGED": 1,
-                                                           "DB_UNROLL": unroll})
-
-
 def layers(name: str, model: str, tokens: int, count: int = 3, routing: str = "uniform") -> None:
     prototypes.load()
     problem = make_problem(model, tokens, seed=8, routing=routing, xp=cupy)
@@ -333,8 +314,6 @@ if __name__ == "__main__":
         fp8_chunks()
     elif what == "fp8-pair":
         fp8_pair()
-    elif what == "staged":
-        staged()
     elif what == "row-tiles":
         row_tiles()
     elif what == "fp8-mma-t32":
@@ -350,4 +329,4 @@ if __name__ == "__main__":
         new(odd_only=True)
     else:
         raise SystemExit(f"unknown workload {what!r}: small, skew, t64, zipf64, t1, fp8, fp8-chunks, fp8-pair, "
-                         "fp8-mma-t32, fp8-strict-t1, fp8-point, new, new-odd, whole-flush, hot, row-tiles or staged")
+                         "fp8-mma-t32, fp8-strict-t1, fp8-point, new, new-odd, whole-flush, hot or row-tiles")

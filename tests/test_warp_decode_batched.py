@@ -144,7 +144,7 @@ def test_resolve_params_validates() -> None:
     assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=80)["DB_MAX_REGS"] == 80
     resolved = wdb.resolve_params(dims)
     switches = ("MAX_REGS", "MMA", "PDL", "EARLY_W2", "BALANCE", "PAIR_TILES", "GROUPED", "W_FP8", "PER_PAIR",
-                "FP8_", "WHOLE_RANGES", "RANGE_FLUSH", "PAIRS_INNER", "HOT_NBLK", "STAGED")  # 0: off
+                "FP8_", "WHOLE_RANGES", "RANGE_FLUSH", "PAIRS_INNER", "HOT_NBLK")  # 0: off
     assert set(resolved) == set(wdb.DEFAULTS)
     assert all(v > 0 for k, v in resolved.items() if not any(s in k for s in switches))
 
@@ -411,8 +411,7 @@ int main(int argc, char** argv) {
     // the larger of the list kernel's and the down kernel's (partials) shared memory
     const size_t down_shared = (size_t)DB_WARPS * T * (DB_OUTS + 16);  // DB_MMA: 16 columns
     const size_t lists_shared = ((size_t)E + 1) * (1 + LIST_THREADS / 32) + 2 * (size_t)T * K;  // + warps' counts
-    const size_t staged = ((size_t)K * (16 * ((size_t)I + 16) + 8) + 3) / 4;  // DB_STAGED: the slots' rows
-    std::vector<float> shared(std::max(std::max(down_shared, lists_shared), staged), __uint_as_float(0x7fc00000u));
+    std::vector<float> shared(std::max(down_shared, lists_shared), __uint_as_float(0x7fc00000u));
     wdb_dynamic_shared = shared.data();
 #if PER_PAIR  // no lists: a pair per gate_up block row, a token per down block (a warp per slot)
     (void)slots;
