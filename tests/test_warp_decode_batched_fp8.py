@@ -213,7 +213,8 @@ def test_widening_rule() -> None:
     its intermediate written x 2^8) but the plain gate_up with two 8-pair blocks (set by hand: the byte permute spills
     there); 0 off FP8 tensor-core kernels; 1 or 2 there is an error. DB_ROW_TILES auto: 2 on the FP8 grouped down
     from T*K >= 2E at I >= 1536 with the multiply on B; DB_UNROLL auto: 4 on the FP8 grouped down with one row tile at
-    I >= 1536, else 2; DB_WARPS auto: 2 on the FP8 grouped down at I >= 1536, else 4."""
+    I >= 1536, else 2; DB_WARPS auto: 2 on the FP8 grouped down at I >= 1536, else 4; DB_GROUPED auto on the FP8
+    tensor-core path: from T*K >= E/2 at I >= 1536."""
     def resolved(knobs: dict[str, int], tokens: int, inter: int = 768, **more: int) -> dict[str, int]:
         return wdb.resolve_params(Dims(tokens, 2048 if inter == 768 else 4096, inter, 128, 8), **{**knobs, **more})
 
@@ -238,10 +239,17 @@ def test_widening_rule() -> None:
     unrolls = {(k, t, i): resolved(knobs, t, i)["DB_UNROLL"]
                for k, knobs in (("mma", wdb.MMA_FP8_KNOBS), ("grouped", wdb.FP8_GROUPED_KNOBS))
                for t in (8, 16, 32) for i in (768, 1536)}
-    assert {key for key, u in unrolls.items() if u != 2} == {("grouped", 8, 1536), ("grouped", 16, 1536)}
-    assert {unrolls[key] for key in (("grouped", 8, 1536), ("grouped", 16, 1536))} == {4}
+    four = {(k, t, 1536) for k in ("mma", "grouped") for t in (8, 16)}  # the tensor-core path grouped there too
+    assert {key for key, u in unrolls.items() if u != 2} == four and {unrolls[key] for key in four} == {4}
     assert resolved(wdb.FP8_GROUPED_KNOBS, 16, 1536, DB_UNROLL=2)["DB_UNROLL"] == 2  # a set value stays
     assert resolved(wdb.FP8_GROUPED_KNOBS, 16, 1536, DB_ROW_TILES=2)["DB_UNROLL"] == 2  # two tiles spill at 4
+    # DB_GROUPED auto on the FP8 tensor-core path: from T*K >= E/2 at I >= 1536, from T*K >= 2E elsewhere and on bf16
+    grouped = {(k, t, i): resolved(knobs, t, i)["DB_GROUPED"]
+               for k, knobs in (("fp8", wdb.MMA_FP8_KNOBS), ("bf16", wdb.MMA_KNOBS)) for t in (4, 7, 8, 16, 32)
+               for i in (768, 1536)}
+    assert {key for key, g in grouped.items() if g} == {("fp8", t, 1536) for t in (8, 16, 32)} | \
+        {(k, 32, i) for k in ("fp8", "bf16") for i in (768, 1536)}
+    assert resolved(wdb.MMA_FP8_KNOBS, 8, 1536, DB_GROUPED=0)["DB_GROUPED"] == 0  # a set value stays
     warps = {(k, i): resolved(knobs, 64, i)["DB_WARPS"]
              for k, knobs in (("fp8", wdb.MMA_FP8_KNOBS), ("bf16", wdb.MMA_KNOBS)) for i in (768, 1536)}
     assert warps == {("fp8", 768): 4, ("fp8", 1536): 2, ("bf16", 768): 4, ("bf16", 1536): 4}  # grouped downs
@@ -417,7 +425,9 @@ DUPLICATES = [[5, 5], [0, 1], [2, 2], [3, 0], [1, 1]]  # duplicate ids in a toke
 GPU_CASES = [("qwen3-30b-a3b", 4, "uniform", "fma"), ("qwen3-30b-a3b", 8, "zipf-1", "mma"),
              ("qwen3-30b-a3b", 64, "correlated", "mma"), ("qwen3-235b-a22b", 2, "zipf-2", "fma"),
              ("qwen3-235b-a22b", 32, "same", "mma"), ("tiny", 5, DUPLICATES, "fma"), ("tiny", 7, "uniform", "mma"),
-             ("qwen3-30b-a3b", 2, "uniform", "pairs"), ("qwen3-235b-a22b", 3, "zipf-2", "pairs")]
+             ("qwen3-30b-a3b", 2, "uniform", "pairs"), ("qwen3-235b-a22b", 3, "zipf-2", "pairs"),
+             ("qwen3-235b-a22b", 3, "zipf", "mma")]
+# (qwen3-235b at 16 experts and T = 3: T*K >= E/2 runs the grouped down with one row tile, DB_UNROLL 4, 2 warps)
 # (tiny's H = 136 runs the tensor-core kernels with 8-value loads: FP8_LOAD16 auto is 0 there, 1 at the presets)
 PATHS = {"fma": (wdb.FP8_KNOBS, wdb.FP8_VARIANT), "mma": (wdb.MMA_FP8_KNOBS, wdb.MMA_FP8_VARIANT),
          "pairs": (wdb.FP8_PER_PAIR_KNOBS, wdb.PER_PAIR_FP8_VARIANT)}
