@@ -369,17 +369,17 @@ def auto_balance(dims: Dims | None, params: dict[str, int]) -> int:
 
 
 GROUPED_FROM_PAIRS_PER_EXPERT = 2  # auto DB_GROUPED from T*K / E >= 2 (qwen3: T >= 32)
-FP8_WIDE_GROUPED_FROM_PAIRS_PER_EXPERT = 0.5  # on FP8 weights at I >= 1536: from T*K / E >= 1/2 (qwen3-235b: T >= 8)
+FP8_WIDE_GROUPED_FROM_PAIRS_PER_EXPERT = 0.25  # on FP8 weights at I >= 1536: from T*K / E >= 1/4 (qwen3-235b: T >= 4)
 
 
 def auto_grouped(dims: Dims | None, params: dict[str, int]) -> int:
     """DB_GROUPED for the tensor-core path with tiles: 1 once experts average 2 pairs (T*K >= 2E), else 0. H200,
     qwen3-30b-a3b / qwen3-235b-a22b (results/sweep-2026-12-01-mma-grouped-*.json): from T = 32 the grouped down
     costs <= 1 % under uniform routing and saves 3-5 % under Zipf; at T <= 16 it costs 1-16 % (its fourth launch).
-    On FP8 weights with rows of I >= 1536 (its 2-warp blocks of one row tile, 4 rounds in flight) from half a pair
-    per expert: qwen3-235b T = 8 / 16 (results/sweep-2026-12-03-mma-fp8-grouped-*.json, the knob interleaved twice)
-    247.8 / 383.9 -> 237.4 / 369.7 us uniform, 199.8 / 302.3 -> 192.5 / 294.5 under Zipf; at qwen3-30b (I = 768)
-    T = 8 / 16 it gains nothing (-0.9 to +2.5 %)."""
+    On FP8 weights with rows of I >= 1536 (its 2-warp blocks of one row tile, 4 rounds in flight) from a quarter of
+    a pair per expert: qwen3-235b T = 4 / 8 / 16 (results/sweep-2026-12-03-mma-fp8-grouped-*.json, the knob
+    interleaved twice) 140.9 / 247.8 / 383.9 -> 136.2 / 237.4 / 369.7 us uniform, 134.0 / 199.8 / 302.3 -> 129.8 /
+    192.5 / 294.5 under Zipf; at qwen3-30b (I = 768) T = 8 / 16 it gains nothing (-0.9 to +2.5 %)."""
     if dims is None or not (params["DB_MMA"] and params["PAIR_TILES"]):
         return 0
     wide_fp8 = params["W_FP8"] and dims.intermediate >= ROW_TILES_FROM_INTER

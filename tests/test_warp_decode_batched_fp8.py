@@ -214,7 +214,7 @@ def test_widening_rule() -> None:
     there); 0 off FP8 tensor-core kernels; 1 or 2 there is an error. DB_ROW_TILES auto: 2 on the FP8 grouped down
     from T*K >= 2E at I >= 1536 with the multiply on B; DB_UNROLL auto: 4 on the FP8 grouped down with one row tile at
     I >= 1536, else 2; DB_WARPS auto: 2 on the FP8 grouped down at I >= 1536, else 4; DB_GROUPED auto on the FP8
-    tensor-core path: from T*K >= E/2 at I >= 1536."""
+    tensor-core path: from T*K >= E/4 at I >= 1536."""
     def resolved(knobs: dict[str, int], tokens: int, inter: int = 768, **more: int) -> dict[str, int]:
         return wdb.resolve_params(Dims(tokens, 2048 if inter == 768 else 4096, inter, 128, 8), **{**knobs, **more})
 
@@ -243,11 +243,11 @@ def test_widening_rule() -> None:
     assert {key for key, u in unrolls.items() if u != 2} == four and {unrolls[key] for key in four} == {4}
     assert resolved(wdb.FP8_GROUPED_KNOBS, 16, 1536, DB_UNROLL=2)["DB_UNROLL"] == 2  # a set value stays
     assert resolved(wdb.FP8_GROUPED_KNOBS, 16, 1536, DB_ROW_TILES=2)["DB_UNROLL"] == 2  # two tiles spill at 4
-    # DB_GROUPED auto on the FP8 tensor-core path: from T*K >= E/2 at I >= 1536, from T*K >= 2E elsewhere and on bf16
+    # DB_GROUPED auto on the FP8 tensor-core path: from T*K >= E/4 at I >= 1536, from T*K >= 2E elsewhere and on bf16
     grouped = {(k, t, i): resolved(knobs, t, i)["DB_GROUPED"]
-               for k, knobs in (("fp8", wdb.MMA_FP8_KNOBS), ("bf16", wdb.MMA_KNOBS)) for t in (4, 7, 8, 16, 32)
+               for k, knobs in (("fp8", wdb.MMA_FP8_KNOBS), ("bf16", wdb.MMA_KNOBS)) for t in (2, 3, 4, 16, 32)
                for i in (768, 1536)}
-    assert {key for key, g in grouped.items() if g} == {("fp8", t, 1536) for t in (8, 16, 32)} | \
+    assert {key for key, g in grouped.items() if g} == {("fp8", t, 1536) for t in (4, 16, 32)} | \
         {(k, 32, i) for k in ("fp8", "bf16") for i in (768, 1536)}
     assert resolved(wdb.MMA_FP8_KNOBS, 8, 1536, DB_GROUPED=0)["DB_GROUPED"] == 0  # a set value stays
     warps = {(k, i): resolved(knobs, 64, i)["DB_WARPS"]
@@ -427,7 +427,7 @@ GPU_CASES = [("qwen3-30b-a3b", 4, "uniform", "fma"), ("qwen3-30b-a3b", 8, "zipf-
              ("qwen3-235b-a22b", 32, "same", "mma"), ("tiny", 5, DUPLICATES, "fma"), ("tiny", 7, "uniform", "mma"),
              ("qwen3-30b-a3b", 2, "uniform", "pairs"), ("qwen3-235b-a22b", 3, "zipf-2", "pairs"),
              ("qwen3-235b-a22b", 3, "zipf", "mma")]
-# (qwen3-235b at 16 experts and T = 3: T*K >= E/2 runs the grouped down with one row tile, DB_UNROLL 4, 2 warps)
+# (qwen3-235b at 16 experts and T = 3: T*K >= E/4 runs the grouped down with one row tile, DB_UNROLL 4, 2 warps)
 # (tiny's H = 136 runs the tensor-core kernels with 8-value loads: FP8_LOAD16 auto is 0 there, 1 at the presets)
 PATHS = {"fma": (wdb.FP8_KNOBS, wdb.FP8_VARIANT), "mma": (wdb.MMA_FP8_KNOBS, wdb.MMA_FP8_VARIANT),
          "pairs": (wdb.FP8_PER_PAIR_KNOBS, wdb.PER_PAIR_FP8_VARIANT)}
