@@ -361,6 +361,47 @@ def test_sweep_cli_errors():
     assert result.returncode == 2 and "unknown variant 'no:such-variant'" in result.stderr
     result = _run("-m", "tools.sweep", "x", "--grid", "WARPS")
     assert result.returncode == 2 and "KEY=v1,v2" in result.stderr
+    result = _run("-m", "tools.sweep", "cupy:warp-decode", "--rounds", "0")
+    assert result.returncode == 2 and "--rounds" in result.stderr and "int >= 1" in result.stderr
+    with pytest.raises(ValueError, match="rounds must be an int >= 1, got 0"):
+        sweep.sweep("cupy:warp-decode", rounds=0, progress=False)
+
+
+def _timed(params: dict, run: int, **medians: float) -> dict:
+    return {"params": params, "run": run,
+            "results": {t[1:]: {"status": "ok", "median_us": us, "tbps": 1.0} for t, us in medians.items()}}
+
+
+def test_sweep_repeat_spread():
+    """The largest spread between the timed runs of one knob set at one batch: runs of other knob sets never mix, a
+    failed run and a batch with one run do not count; the rendered table shows each row's run order and the line."""
+    from tools.display import text_of
+
+    entries = [_timed({"A": 1}, 1, t8=100.0, t16=200.0), _timed({"A": 2}, 2, t8=90.0, t16=150.0),
+               _timed({"A": 1}, 3, t8=103.0, t16=202.0), _timed({"A": 2}, 4, t8=91.0),
+               {"params": {"A": 2}, "run": 5, "results": {"8": {"status": "wrong", "median_us": 50.0}}}]
+    spread = sweep.repeat_spread(entries, [8, 16])
+    assert spread is not None and spread["params"] == {"A": 1} and spread["batch"] == 8 and spread["runs"] == 2
+    assert spread["pct"] == pytest.approx(3.0)
+    assert sweep.repeat_spread(entries[:2], [8, 16]) is None  # no knob set ran twice
+    assert sweep.repeat_spread([_timed({}, 1, t1=10.0), _timed({}, 2, t1=11.0)], [1])["pct"] == pytest.approx(10.0)
+    record = {"variant": "v", "model": "m", "routing": "uniform", "batches": [8, 16],
+              "points": [{**e, "status": "ok"} for e in entries[:4]], "repeat_spread": spread}
+    text = text_of(sweep.render(record), width=200)
+    assert "runs differ by up to 3.0 % (A=1, T=8, 2 runs)" in text
+    assert [line.split()[1] for line in text.splitlines() if line.strip()[:1].isdigit()][:4] == ["1", "2", "3", "4"]
+
+
+def test_sweep_rounds_list_the_grid_in_turn(tmp_path):
+    """--rounds N: the grid N times in turn, each row with its run order (without a GPU: compile columns only). In a
+    subprocess: the sweep switches Numba to its simulator, a process-wide setting."""
+    path = tmp_path / "sweep.json"
+    result = _run("-m", "tools.sweep", "cupy:warp-decode", "--model", "tiny", "--batch", "1", "--grid", "DN_SLOTS=2,4",
+                  "--rounds", "2", "--json", str(path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(path.read_text())
+    assert record["rounds"] == 2
+    assert sorted((e["run"], e["params"]["DN_SLOTS"]) for e in record["points"]) == [(1, 2), (2, 4), (3, 2), (4, 4)]
 
 
 # -- GPU ------------------------------------------------------------------------------------------------------

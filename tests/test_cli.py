@@ -94,7 +94,7 @@ def stub_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
     """No simulator switch (it sets a process-wide variable), and sweep() itself stops at once with its grid."""
     monkeypatch.setattr(bench, "_enable_simulator", lambda: None)
 
-    def reached(name: str, model: str, batch: list[int], grid: dict[str, list[Any]], *rest: Any) -> None:
+    def reached(name: str, model: str, batch: list[int], grid: dict[str, list[Any]], *rest: Any, **more: Any) -> None:
         raise _Reached(name, grid)
 
     monkeypatch.setattr(sweep, "sweep", reached)

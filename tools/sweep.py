@@ -2,6 +2,7 @@
 
     python -m tools.sweep cupy:warp-decode --model qwen3-30b-a3b --batch 1,8,64
     python -m tools.sweep cupy:warp-decode --grid DN_SLOTS=2,4 --grid DN_UNROLL=1,3 --json results/sweep.json
+    python -m tools.sweep cupy:warp-decode-mma-fp8 --model qwen3-235b-a22b --batch 8,16 --grid GB_KSPLIT=1,4 --rounds 2
 
 VARIANT is any registered name (builtin or prototype). The grid is the variant's ``grid`` unless ``--grid``
 is given (then only the ``--grid`` keys are swept; the rest keep the variant's params); a ``--grid`` key the
@@ -12,6 +13,12 @@ occupancy, via NVRTC -- when the variant's source is a ``kernels.compile.CudaSou
 and % of roofline; the knobs are resolved for each batch (auto knobs can compile other code at another T), the
 columns show the worst batch and a line under the table names the batches whose spills differ. Without a GPU it
 prints the grid with its compile columns and says no timing was taken.
+
+A GPU drifts within a process (clocks, heat): on the H200 a point timed again minutes later has come back 0.5-4 %
+slower, as much as many knobs' effects. ``--rounds N`` runs the whole grid N times in turn, so each knob set is timed
+early and late; every row keeps its run order (the table's ``run`` column), and a line under the table gives the
+largest spread between runs of the same knob set -- a difference between knob sets smaller than that is noise. A
+value repeated in ``--grid`` (``KEY=0,1,0,1``) does the same for one key.
 """
 
 from __future__ import annotations
@@ -59,6 +66,24 @@ def points(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
     """Every combination of the grid (one empty point for an empty grid)."""
     keys = list(grid)
     return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(grid[k] for k in keys))]
+
+
+def repeat_spread(entries: list[dict[str, Any]], batches: list[int]) -> dict[str, Any] | None:
+    """The largest spread (max / min - 1, in %) between the timed runs of one knob set at one batch, over the knob
+    sets run more than once, with where it was; None when no knob set has two timed runs at a batch."""
+    runs: dict[tuple[tuple[str, str], ...], list[dict[str, Any]]] = {}
+    for entry in entries:
+        runs.setdefault(tuple(sorted((k, repr(v)) for k, v in entry["params"].items())), []).append(entry)
+    worst: dict[str, Any] | None = None
+    for same in runs.values():
+        for tokens in batches:
+            times = [r["median_us"] for e in same if (r := e["results"].get(str(tokens))) and r.get("status") == "ok"]
+            if len(times) < 2:
+                continue
+            pct = (max(times) / min(times) - 1.0) * 100.0
+            if worst is None or pct > worst["pct"]:
+                worst = {"pct": pct, "batch": tokens, "params": dict(same[0]["params"]), "runs": len(times)}
+    return worst
 
 
 def known_knobs(variant: Any) -> set[str]:
@@ -154,9 +179,13 @@ def _all_compile_columns(variant: Any, grid_points: list[dict[str, Any]],
 
 def sweep(name: str, model: str = DEFAULT_MODEL, batch: list[int] | None = None,
           grid: dict[str, list[Any]] | None = None, routing: str = "uniform", repeats: int = 20, seed: int = 0,
-          progress: bool = True) -> dict[str, Any]:
-    """Run the sweep; returns the JSON record (``points`` ranked, fastest first)."""
+          progress: bool = True, rounds: int = 1) -> dict[str, Any]:
+    """Run the sweep, the grid ``rounds`` times in turn; returns the JSON record (``points`` ranked, fastest first,
+    each with its ``run`` order; ``repeat_spread``: see :func:`repeat_spread`)."""
     from tools.display import Steps
+
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
 
     batches = batch or [1, 8, 64]
     shape = get_shape(model)
@@ -172,16 +201,18 @@ def sweep(name: str, model: str = DEFAULT_MODEL, batch: list[int] | None = None,
         grid = grid if grid else dict(variant.grid)
         record: dict[str, Any] = {
             "schema": "warp-decode-sweep/1", "variant": name, "model": model, "batches": batches, "grid": grid,
-            "routing": routing, "repeats": repeats, "seed": seed, "environment": harness.environment(gpu),
-            "load_warnings": warnings, "rooflines": None, "points": [],
+            "routing": routing, "repeats": repeats, "rounds": rounds, "seed": seed,
+            "environment": harness.environment(gpu),
+            "load_warnings": warnings, "rooflines": None, "points": [], "repeat_spread": None,
         }
         record["date"] = record["environment"]["date"]  # at the top, as the bench's records have it
-        grid_points = points(grid)
+        grid_points = points(grid) * rounds
         dims_list = [Dims(t, shape.hidden, shape.intermediate, shape.experts, shape.top_k) for t in batches]
         steps.start(f"compiling {len(grid_points)} grid point(s) at {len(batches)} batch(es) for sm_90 (NVRTC, the "
                     "compile columns)")
         columns = _all_compile_columns(variant, grid_points, dims_list)  # auto knobs resolved for each batch
-        entries = [{"params": p, **c, "results": {}} for p, c in zip(grid_points, columns, strict=True)]
+        entries = [{"params": p, "run": run, **c, "results": {}}
+                   for run, (p, c) in enumerate(zip(grid_points, columns, strict=True), 1)]
         record["points"] = entries
         if not gpu:
             record["no_timing"] = f"no usable CUDA GPU ({why}): compile columns only, no timing taken"
@@ -215,6 +246,7 @@ def sweep(name: str, model: str = DEFAULT_MODEL, batch: list[int] | None = None,
         entry["status"] = "ok" if ok else next((r["status"] for r in rows if r.get("status") != "ok"), "not run")
         entry["geomean_us"] = math.exp(sum(math.log(r["median_us"]) for r in rows) / len(rows)) if ok else None
     entries.sort(key=lambda e: (e["geomean_us"] is None, e["geomean_us"] or 0.0))
+    record["repeat_spread"] = repeat_spread(entries, batches)
     return record
 
 
@@ -225,12 +257,14 @@ def render(record: dict[str, Any]) -> Any:
     from tools.display import Column, FitTable
 
     roof = (record.get("rooflines") or {}).get("read_tbps")
-    columns = [Column("#"), Column("params", "left"), Column("regs"), Column("spills/stack"), Column("occ", drop=1)]
+    columns = [Column("#"), Column("run", drop=1), Column("params", "left"), Column("regs"), Column("spills/stack"),
+               Column("occ", drop=1)]
     for tokens in record["batches"]:
         columns += [Column(f"T={tokens} µs"), Column("TB/s", drop=2), Column("% roof", "left", drop=3)]
     table = FitTable(columns, title=f"sweep {record['variant']} on {record['model']} ({record['routing']})")
     for rank, entry in enumerate(record["points"], 1):
-        cells = [str(rank), " ".join(f"{k}={v}" for k, v in entry["params"].items()) or "(defaults)",
+        cells = [str(rank), str(entry.get("run", "-")),
+                 " ".join(f"{k}={v}" for k, v in entry["params"].items()) or "(defaults)",
                  "/".join(str(r) for r in entry["registers_per_kernel"].values())
                  if entry.get("registers_per_kernel") else str(entry.get("registers", "-")),
                  f"{entry.get('spills', '-')}/{entry.get('stack_bytes', '-')}",
@@ -249,6 +283,12 @@ def render(record: dict[str, Any]) -> Any:
         table.add_row(*cells, style=None if entry.get("status", "ok") in ("ok", None) or not entry["results"]
                       else "red")
     parts: list[Any] = [table]
+    spread = record.get("repeat_spread")
+    if spread:
+        knobs = " ".join(f"{k}={v}" for k, v in spread["params"].items()) or "(defaults)"
+        parts.append(Text(f"repeated knob sets: runs differ by up to {spread['pct']:.1f} % ({knobs}, "
+                          f"T={spread['batch']}, {spread['runs']} runs) -- smaller differences between knob sets are "
+                          "within the drift"))
     for entry in record["points"]:
         bad = [f"T={t}: {r.get('error')}" for t, r in entry["results"].items() if r.get("status") != "ok"]
         if entry.get("compile") not in ("ok", None):
@@ -268,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tools.sweep", description="Sweep a variant's parameter grid.",
         usage="%(prog)s [-h] VARIANT [--model MODEL] [--batch T,...] [--grid KEY=v1,v2 ...] [--routing ROUTING] "
-              "[--repeats N] [--seed SEED] [--json PATH]")
+              "[--repeats N] [--rounds N] [--seed SEED] [--json PATH]")
     # optional here, required below: so an unknown option is reported before a missing VARIANT
     parser.add_argument("variant", nargs="?", metavar="VARIANT",
                         help="a registered variant name (builtin or prototype)")
@@ -278,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="sweep KEY (a knob the variant knows) over these values (repeatable)")
     parser.add_argument("--routing", choices=bench.ROUTINGS, default="uniform")
     parser.add_argument("--repeats", type=positive_int, default=20)
+    parser.add_argument("--rounds", type=positive_int, default=1,
+                        help="run the whole grid this many times in turn (drift shows as the spread between runs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
@@ -304,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"known: {', '.join(sorted(known)) or 'none (it takes no knobs)'}")
     from tools.display import console
 
-    record = sweep(args.variant, args.model, args.batch, grid, args.routing, args.repeats, args.seed)
+    record = sweep(args.variant, args.model, args.batch, grid, args.routing, args.repeats, args.seed,
+                   rounds=args.rounds)
     if args.json:
         from pathlib import Path
 
