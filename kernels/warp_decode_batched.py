@@ -382,19 +382,22 @@ def auto_grouped(dims: Dims | None, params: dict[str, int]) -> int:
     192.5 / 294.5 under Zipf; at qwen3-30b (I = 768) T = 8 / 16 it gains nothing (-0.9 to +2.5 %)."""
     if dims is None or not (params["DB_MMA"] and params["PAIR_TILES"]):
         return 0
-    wide_fp8 = params["W_FP8"] and dims.intermediate >= ROW_TILES_FROM_INTER
-    per_expert = FP8_WIDE_GROUPED_FROM_PAIRS_PER_EXPERT if wide_fp8 else GROUPED_FROM_PAIRS_PER_EXPERT
+    per_expert = FP8_WIDE_GROUPED_FROM_PAIRS_PER_EXPERT if wide_fp8(dims, params) else GROUPED_FROM_PAIRS_PER_EXPERT
     return 1 if dims.tokens * dims.top_k >= per_expert * dims.experts else 0
 
 
 ROW_TILES_FROM_INTER = 1536  # auto DB_ROW_TILES 2 from I = 1536 (qwen3-235b-a22b), measured below
 
 
+def wide_fp8(dims: Dims | None, values: dict[str, int]) -> bool:
+    """FP8 weights with rows of I >= :data:`ROW_TILES_FROM_INTER` (qwen3-235b's 1536): where the down's auto rules
+    (grouping, row tiles, rounds, warps per block) differ from the defaults (each rule adds its own conditions)."""
+    return bool(dims is not None and values["W_FP8"] and dims.intermediate >= ROW_TILES_FROM_INTER)
+
+
 def wide_fp8_grouped_down(dims: Dims | None, values: dict[str, int]) -> bool:
-    """The grouped down on FP8 weights with rows of I >= :data:`ROW_TILES_FROM_INTER`: where its auto row tiles,
-    rounds and warps per block differ from the defaults (each rule adds its own conditions)."""
-    return bool(dims is not None and values["W_FP8"] and values["DB_GROUPED"]
-                and dims.intermediate >= ROW_TILES_FROM_INTER)
+    """The grouped down on :func:`wide_fp8` weights."""
+    return bool(values["DB_GROUPED"]) and wide_fp8(dims, values)
 
 
 def auto_row_tiles(dims: Dims | None, values: dict[str, int]) -> int:
