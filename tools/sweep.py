@@ -68,12 +68,17 @@ def points(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
     return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(grid[k] for k in keys))]
 
 
+def _key(params: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """A knob set as a hashable key (the same knobs and values, in any order)."""
+    return tuple(sorted((k, repr(v)) for k, v in params.items()))
+
+
 def repeat_spread(entries: list[dict[str, Any]], batches: list[int]) -> dict[str, Any] | None:
     """The largest spread (max / min - 1, in %) between the timed runs of one knob set at one batch, over the knob
     sets run more than once, with where it was; None when no knob set has two timed runs at a batch."""
     runs: dict[tuple[tuple[str, str], ...], list[dict[str, Any]]] = {}
     for entry in entries:
-        runs.setdefault(tuple(sorted((k, repr(v)) for k, v in entry["params"].items())), []).append(entry)
+        runs.setdefault(_key(entry["params"]), []).append(entry)
     worst: dict[str, Any] | None = None
     for same in runs.values():
         for tokens in batches:
@@ -210,7 +215,9 @@ def sweep(name: str, model: str = DEFAULT_MODEL, batch: list[int] | None = None,
         dims_list = [Dims(t, shape.hidden, shape.intermediate, shape.experts, shape.top_k) for t in batches]
         steps.start(f"compiling {len(grid_points)} grid point(s) at {len(batches)} batch(es) for sm_90 (NVRTC, the "
                     "compile columns)")
-        columns = _all_compile_columns(variant, grid_points, dims_list)  # auto knobs resolved for each batch
+        distinct = {_key(p): p for p in grid_points}  # a knob set run again is compiled once
+        compiled = dict(zip(distinct, _all_compile_columns(variant, list(distinct.values()), dims_list), strict=True))
+        columns = [compiled[_key(p)] for p in grid_points]  # auto knobs resolved for each batch
         entries = [{"params": p, "run": run, **c, "results": {}}
                    for run, (p, c) in enumerate(zip(grid_points, columns, strict=True), 1)]
         record["points"] = entries
