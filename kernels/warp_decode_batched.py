@@ -121,6 +121,13 @@ DEFAULTS: dict[str, int] = {
     "DB_ROW_TILES": 1,  # the grouped down (DB_GROUPED): tiles of 16 hidden rows per warp, 1 or 2 (2: the two tiles
     # share each B fragment -- fewer intermediate loads and multiplies per weight byte; 2 needs DB_GROUPED 1); the
     # same bits either way; 0 = auto (auto_row_tiles; the tensor-core knob sets use it)
+    "GB_SHARE": 0,  # the tensor-core gate_up on the tile table (single k chain): up to GB_SHARE (2 or 4, dividing
+    # GB_WARPS) tiles of one expert run in one block whose warps share each round's A fragments -- every k block
+    # loaded and widened by one warp of the group, passed through shared memory -- instead of each tile's warps
+    # re-loading and re-widening the same rows; each warp's mma chain is unchanged (the same bits); 0 / 1 off;
+    # -1 = auto (auto_share; the tensor-core knob sets use it)
+    "DB_SHARE": 0,  # the grouped down (DB_GROUPED) likewise: up to DB_SHARE (2 or 4, dividing DB_WARPS) tiles of one
+    # expert per block, each round's w2 fragments loaded and widened once for the group; 0 / 1 off; -1 = auto
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK", "DB_NBLK",
               "DB_ROW_TILES")
@@ -146,7 +153,7 @@ LIMITS = {
     "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "W_FP8": (0, 1),
     "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8), "FP8_LOAD16": (-1, 1), "FP8_BLOCK_SUM": (-1, 1),
     "FP8_PRMT": (-1, 3), "DB_WHOLE_RANGES": (-1, 1), "GB_RANGE_FLUSH": (-1, 1), "PAIRS_INNER": (-1, 1),
-    "DB_ROW_TILES": (0, 2),
+    "DB_ROW_TILES": (0, 2), "GB_SHARE": (-1, 4), "DB_SHARE": (-1, 4),
 }
 
 
@@ -444,10 +451,13 @@ def tile_pairs(params: dict[str, int]) -> int:
     return 8 * max(params["GB_NBLK"], params.get("HOT_NBLK", 0))
 
 
+TILE_ARRAYS = 4  # the tile table's arrays: expert, first pair, pairs, place in the expert's run of tiles
+
+
 def lists_size(dims: Dims) -> int:
     """int32s of the lists buffer: header, expert / offset / count per slot, the sorted pairs, the tile table
-    (expert / first / count per tile, written with PAIR_TILES)."""
-    return LIST_HEADER + 3 * slots(dims) + dims.tokens * dims.top_k + 3 * tile_capacity(dims)
+    (expert / first / count / place in its expert's run per tile, written with PAIR_TILES)."""
+    return LIST_HEADER + 3 * slots(dims) + dims.tokens * dims.top_k + TILE_ARRAYS * tile_capacity(dims)
 
 
 def lists_shared_bytes(dims: Dims, params: dict[str, int]) -> int:
@@ -467,6 +477,60 @@ def down_shared_bytes(dims: Dims, params: dict[str, int]) -> int:
     if params.get("DB_GROUPED"):
         return 0
     return params["DB_WARPS"] * dims.tokens * down_columns(params) * 4
+
+
+def share_shared_bytes(values: dict[str, int], stage: str) -> int:
+    """Static shared memory of GB_SHARE / DB_SHARE (``stage`` "GB" / "DB"): two round buffers of widened A fragments
+    (UNROLL k blocks x halves x row tiles x 2 x 32 lanes x 16 bytes) for each of WARPS / 2 groups."""
+    nblk, unroll = values[f"{stage}_NBLK"], values[f"{stage}_UNROLL"]
+    if values["HOT_NBLK"] > nblk:
+        unroll = max(1, unroll * nblk // values["HOT_NBLK"])
+    halves = 2 if values["W_FP8"] and values["FP8_LOAD16"] else 1
+    row_tiles = values["DB_ROW_TILES"] if stage == "DB" else 1
+    return values[f"{stage}_WARPS"] // 2 * 2 * unroll * halves * row_tiles * 2 * 32 * 16
+
+
+SHARE_GROUP = 4  # auto GB_SHARE / DB_SHARE where they apply (auto_share)
+
+
+def auto_share(dims: Dims | None, values: dict[str, int], stage: str) -> int:
+    """GB_SHARE / DB_SHARE where auto (-1): :data:`SHARE_GROUP` on bf16 weights from T*K >= 2E (experts average 2
+    pairs: a hot expert's tiles repeat) where the stage can share (GB: the tile table's single-chain gate_up; DB: the
+    grouped down) and its warps and static shared memory allow it, else 0. H200, bf16, groups of 4 in both stages
+    (results/sweep-2026-12-03-shared-widening-mma-bf16-*.json, two interleaved runs, within 0.2 %): Zipf qwen3-235b
+    T = 32 / 64 688.7 / 882.3 -> 682.3 / 868.7 us (the gate_up's share 0.8 / 1.0 %, the down's 0.1 / 0.5 %),
+    qwen3-30b 185.2 / 233.0 -> 181.2 / 231.2; uniform qwen3-235b 951.6 / 1074.3 -> 947.6 / 1077.1. On FP8 weights
+    (within 3.3 % run-to-run drift there) the shared rounds were 1-3 % slower at qwen3-235b T = 32 / 64 and 1.6-8.7 %
+    at qwen3-30b T = 64 Zipf: off."""
+    if dims is None or values["W_FP8"] or dims.tokens * dims.top_k < GROUPED_FROM_PAIRS_PER_EXPERT * dims.experts:
+        return 0
+    if stage == "GB":
+        can = values["GB_MMA"] and values["PAIR_TILES"] and values["GB_KSPLIT"] == 1
+    else:
+        can = values["DB_GROUPED"] and 8 * max(values["DB_NBLK"], values["HOT_NBLK"]) >= tile_pairs(values)
+    fits = share_shared_bytes({**values, f"{stage}_SHARE": SHARE_GROUP}, stage) <= SHARED_LIMIT
+    return SHARE_GROUP if can and fits and values[f"{stage}_WARPS"] % SHARE_GROUP == 0 else 0
+
+
+def _check_share(values: dict[str, int]) -> None:
+    """GB_SHARE / DB_SHARE on resolved knobs: 2 or 4, dividing the stage's warps, its groups' buffers within the 48 KB
+    of static shared memory, and (DB_SHARE) the grouped down with a tile in one pass."""
+    if values["DB_SHARE"] > 1 and not values["DB_GROUPED"]:
+        raise ValueError("DB_SHARE groups the tile table's tiles of one expert in the grouped down: it needs "
+                         "DB_GROUPED 1")
+    for stage in ("GB", "DB"):
+        share, warps = values[f"{stage}_SHARE"], values[f"{stage}_WARPS"]
+        if share <= 1:
+            continue
+        if share == 3 or warps % share:
+            raise ValueError(f"{stage}_SHARE must be 2 or 4 and divide {stage}_WARPS, got {stage}_SHARE {share} and "
+                             f"{stage}_WARPS {warps}")
+        if share_shared_bytes(values, stage) > SHARED_LIMIT:
+            raise ValueError(f"{stage}_SHARE: the groups' buffers take {share_shared_bytes(values, stage)} bytes of "
+                             f"static shared memory > {SHARED_LIMIT}; lower {stage}_WARPS or {stage}_UNROLL")
+    if values["DB_SHARE"] > 1 and 8 * max(values["DB_NBLK"], values["HOT_NBLK"]) < tile_pairs(values):
+        raise ValueError(f"DB_SHARE runs each tile in one down pass: 8 x max(DB_NBLK, HOT_NBLK) must hold a tile of "
+                         f"{tile_pairs(values)} pairs, got DB_NBLK {values['DB_NBLK']}")
 
 
 def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
@@ -499,6 +563,9 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         raise ValueError("HOT_NBLK widens the tensor-core gate_up's passes over a hot expert: it needs GB_MMA 1")
     if values["GB_KSPLIT"] > 1 and not values["GB_MMA"]:
         raise ValueError("GB_KSPLIT cuts the tensor-core gate_up's k chains: it needs GB_MMA 1")
+    if values["GB_SHARE"] > 1 and not (values["GB_MMA"] and values["PAIR_TILES"] and values["GB_KSPLIT"] == 1):
+        raise ValueError("GB_SHARE groups the tile table's tiles of one expert in the tensor-core gate_up's single k "
+                         "chain: it needs GB_MMA 1, PAIR_TILES 1 and GB_KSPLIT 1")
     auto_fp8_mma(dims, values)
     for key in ("FP8_LOAD16", "FP8_BLOCK_SUM", "FP8_PRMT"):
         if values[key] > 0 and not fp8_on_tensor_cores(values):
@@ -606,6 +673,10 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
     if values["DB_ROW_TILES"] > 1 and not values["DB_GROUPED"]:
         raise ValueError(f"DB_ROW_TILES {values['DB_ROW_TILES']} gives the grouped down's warps more rows: it needs "
                          f"DB_GROUPED 1 (see auto_grouped), got 0")
+    for stage in ("GB", "DB"):
+        if values[f"{stage}_SHARE"] == -1:
+            values[f"{stage}_SHARE"] = auto_share(dims, values, stage)
+    _check_share(values)
     shared = down_shared_bytes(dims, values)
     if shared > OPT_IN_SHARED_LIMIT:
         raise ValueError(
@@ -631,7 +702,8 @@ def max_tokens(top_k: int = 1, **params: Any) -> int:
 # where auto_balance says (results/sweep-stage-*.json).
 MMA_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1, "PAIR_TILES": 1,  # both on tensor cores
              "DB_GROUPED": -1, "DB_NBLK": 0, "FP8_LOAD16": -1, "FP8_BLOCK_SUM": -1, "FP8_PRMT": -1,
-             "DB_WHOLE_RANGES": -1, "GB_RANGE_FLUSH": -1, "HOT_NBLK": -1, "DB_ROW_TILES": 0}
+             "DB_WHOLE_RANGES": -1, "GB_RANGE_FLUSH": -1, "HOT_NBLK": -1, "DB_ROW_TILES": 0, "GB_SHARE": -1,
+             "DB_SHARE": -1}
 MIXED_KNOBS = {"DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1}  # FMA gate_up (bitwise strict's), tensor-core down
 # The batch-invariant pair (kernels.dispatch policy "batch_invariant"): the tensor-core path with the grouped down
 # at every T, and its per-pair form (no lists, two launches) -- one numerics: a pair's gate_up dots are mma chains

@@ -66,6 +66,11 @@ CODE = WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + r"""
 //   __fadd_rn). moe_gate_up_mma runs the ranges one after another in one warp; moe_gate_up_pair gives each range
 //   its own warp (GB_WARPS / S neuron groups per block) and adds the partials through shared memory -- the same
 //   bits either way, with S times the warps at small T. S = 1 is the single chain over H.
+//   GB_SHARE 2 / 4 (tensor-core gate_up, PAIR_TILES, GB_KSPLIT 1): a hot expert's tiles in groups of up to GB_SHARE
+//   (share_group); a group of m tiles runs in its m block rows remapped so that each block holds W / m neuron groups
+//   x the m tiles, and the m warps of one neuron group share each round's A fragments: k block j of the round is
+//   loaded and widened by member j mod m alone and passed through shared memory (a_share, a block barrier per
+//   round). Each warp's mma chain is the one it runs alone: the same bits.
 static_assert(LIST_THREADS >= 32 && LIST_THREADS <= 1024 && LIST_THREADS % 32 == 0, "LIST_THREADS: 32..1024, x32");
 static_assert(LIST_PER >= 1 && LIST_PER <= 16, "LIST_PER must be 1..16");
 static_assert(GB_WARPS >= 1 && GB_WARPS <= 32 && DB_WARPS >= 1 && DB_WARPS <= 32, "WARPS must be 1..32");
@@ -92,6 +97,9 @@ static_assert(PER_PAIR == 0 || (PER_PAIR == 1 && GB_MMA == 1 && DB_MMA == 1 && P
 static_assert(GB_KSPLIT >= 1 && GB_KSPLIT <= 8 && (GB_KSPLIT == 1 || GB_MMA == 1),
               "GB_KSPLIT is 1..8 (above 1 it needs GB_MMA 1)");
 static_assert(PER_PAIR == 0 || GB_WARPS % GB_KSPLIT == 0, "PER_PAIR: GB_WARPS must be a multiple of GB_KSPLIT");
+static_assert(GB_SHARE >= 0 && GB_SHARE <= 4 && GB_SHARE != 3 &&
+              (GB_SHARE <= 1 || (GB_MMA == 1 && PAIR_TILES == 1 && GB_KSPLIT == 1 && GB_WARPS % GB_SHARE == 0)),
+              "GB_SHARE is 0, 1, 2 or 4 (2 / 4 need GB_MMA 1, PAIR_TILES 1, GB_KSPLIT 1 and divide GB_WARPS)");
 static_assert((FP8_LOAD16 == 0 || FP8_LOAD16 == 1) && (FP8_BLOCK_SUM == 0 || FP8_BLOCK_SUM == 1) &&
               (W_FP8 == 1 || (FP8_LOAD16 == 0 && FP8_BLOCK_SUM == 0)),
               "FP8_LOAD16 / FP8_BLOCK_SUM are 0 or 1 (1 needs W_FP8 1)");
@@ -132,6 +140,10 @@ __device__ __forceinline__ void weight_pair(const W& wv, int w, float scale, flo
 #define HOT_DB (HOT_NBLK > DB_NBLK)
 #define TILE_PAIRS (8 * (HOT_GB ? HOT_NBLK : GB_NBLK))  // pairs per tile of the tile table: one gate_up pass
 #define HOT_UNROLL(unroll, nblk) ((unroll) * (nblk) / HOT_NBLK > 0 ? (unroll) * (nblk) / HOT_NBLK : 1)
+static_assert(DB_SHARE >= 0 && DB_SHARE <= 4 && DB_SHARE != 3 &&
+              (DB_SHARE <= 1 || (DB_GROUPED == 1 && DB_WARPS % DB_SHARE == 0 &&
+                                 8 * (HOT_NBLK > DB_NBLK ? HOT_NBLK : DB_NBLK) >= TILE_PAIRS)),
+              "DB_SHARE is 0, 1, 2 or 4 (2 / 4 need DB_GROUPED 1, divide DB_WARPS and a tile in one down pass)");
 #define DOWN_WAITS_LATE DB_EARLY_W2  // the tensor-core down's wait follows its first A (w2) loads
 
 // The int32 ``lists`` buffer, S = min(E, T*K) + 1 list slots (every active expert + one for bad ids):
@@ -144,7 +156,8 @@ __device__ __forceinline__ void weight_pair(const W& wv, int w, float scale, flo
 // and, written with PAIR_TILES only (lists[3] = tiles used, else 0), the tile table: C = S + T*K / 8 entries
 // each (enough for any TILE_PAIRS >= 8: a slot's ceil(count / TILE) <= count / TILE + 1), tiles in slot order
 // (the bad-id slot's last), a slot's pairs cut into runs of TILE_PAIRS from its first:
-//   tile_expert[C], tile_first[C] (index into sorted_pairs), tile_count[C] (1 .. TILE_PAIRS)
+//   tile_expert[C], tile_first[C] (index into sorted_pairs), tile_count[C] (1 .. TILE_PAIRS),
+//   tile_run[C] = t | n << 16: the tile is its expert's t-th of n (GB_SHARE groups a hot expert's tiles by it)
 #define LIST_HEADER 4
 __device__ __forceinline__ const int* list_expert(const int* lists) { return lists + LIST_HEADER; }
 #define SLOT_ARRAY(k) (lists + LIST_HEADER + (k) * slots)
@@ -153,6 +166,20 @@ __device__ __forceinline__ const int* list_count(const int* lists, int slots) { 
 __device__ __forceinline__ const int* sorted_pairs(const int* lists, int slots) { return SLOT_ARRAY(3); }
 __device__ __forceinline__ int tile_capacity(int slots, int pairs) { return slots + pairs / 8; }
 #define TILE_ARRAY(k) (lists + LIST_HEADER + 3 * slots + pairs + (k) * tile_capacity(slots, pairs))
+// GB_SHARE / DB_SHARE: the group of tile t of its expert's n (run = t | n << 16): the run cut into groups of `most`
+// tiles from its first, the rest into groups of most / 2, ... -- members (1 = no group) and the tile's place in it.
+__device__ __forceinline__ void share_group(int run, int most, int& members, int& place) {
+    const int t = run & 0xFFFF, n = run >> 16;
+    int m = most > 1 ? most : 1, base = 0;
+    while (m > 1) {
+        const int full = (n - base) / m * m;
+        if (t < base + full) break;
+        base += full;
+        m >>= 1;
+    }
+    members = m;
+    place = (t - base) % m;
+}
 
 // ------------------------------------------------------------------------------------------------
 // moe_expert_lists: ONE block of LIST_THREADS threads; "expert" E stands for every out-of-range id. Everything
@@ -307,6 +334,7 @@ extern "C" __global__ void __launch_bounds__(LIST_THREADS) moe_expert_lists(
                 TILE_ARRAY(0)[tile] = e;
                 TILE_ARRAY(1)[tile] = position + first;
                 TILE_ARRAY(2)[tile] = min(TILE_PAIRS, count[j] - first);
+                TILE_ARRAY(3)[tile] = first / TILE_PAIRS | (count[j] + TILE_PAIRS - 1) / TILE_PAIRS << 16;
             }
 #endif
         }
@@ -837,15 +865,31 @@ __device__ __forceinline__ void k_range(int chunks, int r, int& begin, int& end)
     end = min(begin + size, chunks);
 }
 
+// GB_SHARE / DB_SHARE: a group of warps' shared A fragments (the group's region of the block's a_share, two round
+// buffers of UNROLL k blocks x MMA_HALVES x RT row tiles x (rows g, rows g + 8) x 32 lanes), this warp's place in
+// the group and the round's buffer. Unused (nullptr) elsewhere.
+struct AShare { uint4* group; int member, members, parity; };
+#define SHARE_ROUND(unroll, rt) ((unroll) * MMA_HALVES * (rt) * 2 * 32)   // uint4s of one round buffer
+#define GB_SHARE_UNROLL (HOT_GB ? HOT_UNROLL(GB_UNROLL, GB_NBLK) : GB_UNROLL)
+#define DB_SHARE_UNROLL (HOT_DB ? HOT_UNROLL(DB_UNROLL, DB_NBLK) : DB_UNROLL)
+static_assert(GB_SHARE <= 1 || GB_WARPS / 2 * 2 * SHARE_ROUND(GB_SHARE_UNROLL, 1) * 16 <= 48 * 1024,
+              "GB_SHARE: the groups' A buffers exceed 48 KB of static shared memory (fewer GB_WARPS or GB_UNROLL)");
+static_assert(DB_SHARE <= 1 || DB_WARPS / 2 * 2 * SHARE_ROUND(DB_SHARE_UNROLL, DB_ROW_TILES) * 16 <= 48 * 1024,
+              "DB_SHARE: the groups' A buffers exceed 48 KB of static shared memory (fewer DB_WARPS or DB_UNROLL)");
+
 // One round of a warp's k range (below): UNROLL k blocks from chunk c0. CHECKED: some k block may lie past c_end
 // (a lane past the end loads chunk 0 and uses zeros); unchecked rounds are whole, with no masking (the bounds
 // selects were ~15 % of an FP8 round's instructions).
 // RT row tiles (tiles[t]: rows 16t + g and 16t + g + 8 of the warp's) share each B fragment; acc[t * NB + nb].
-template <int UNROLL, int NB, bool COLS_DEP, bool CHECKED, int RT = 1>
+// SHARED (GB_SHARE / DB_SHARE): the warp loads and widens only its group's k blocks j with j mod m == member (before
+// a dependent B's wait, as its own A loads would be) into the round's buffer; after the block barrier every member
+// reads all UNROLL k blocks' fragments there.
+template <int UNROLL, int NB, bool COLS_DEP, bool CHECKED, int RT = 1, bool SHARED = false>
 __device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part)[RT * NB][4],
                                           const ARows (&tiles)[RT], const uint4* const (&cols)[NB], int c0, int c_end,
-                                          int q, bool& waited) {
-    a_load_t lo[UNROLL][RT], hi[UNROLL][RT];
+                                          int q, bool& waited, AShare* share = nullptr) {
+    constexpr int OWN = SHARED ? (UNROLL + 1) / 2 : UNROLL;          // A loads per lane: SHARED, its k blocks only
+    a_load_t lo[OWN][RT], hi[OWN][RT];                                // (groups of 2 or 4: at most half of them)
     uint4 col[UNROLL][NB][MMA_HALVES];
 #if W_FP8
     float s_lo[UNROLL][RT], s_hi[UNROLL][RT];
@@ -857,10 +901,12 @@ __device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part
     for (int j = 0; j < UNROLL; ++j) {
         const int c = c0 + MMA_KB * j + MMA_HALVES * q;              // the lane's first chunk of k block j
         const bool ok = !CHECKED || c < c_end;
-        #pragma unroll
-        for (int t = 0; t < RT; ++t) {
-            lo[j][t] = ldg_chunk(reinterpret_cast<const a_load_t*>(tiles[t].lo), c / MMA_HALVES, ok);
-            hi[j][t] = ldg_chunk(reinterpret_cast<const a_load_t*>(tiles[t].hi), c / MMA_HALVES, ok);
+        if constexpr (!SHARED) {
+            #pragma unroll
+            for (int t = 0; t < RT; ++t) {
+                lo[j][t] = ldg_chunk(reinterpret_cast<const a_load_t*>(tiles[t].lo), c / MMA_HALVES, ok);
+                hi[j][t] = ldg_chunk(reinterpret_cast<const a_load_t*>(tiles[t].hi), c / MMA_HALVES, ok);
+            }
         }
 #if W_FP8
         const int first = c0 + MMA_KB * j, next = first + MMA_KB;           // k block j's chunks: first .. next-1
@@ -878,6 +924,20 @@ __device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part
             for (int h = 0; h < MMA_HALVES; ++h)
                 if (!COLS_DEP) col[j][nb][h] = ldg_chunk(cols[nb], c + h, ok);
     }
+    if constexpr (SHARED) {
+        // own k block i is the round's k block j = i m + member (warp-uniform)
+        #pragma unroll
+        for (int i = 0; i < OWN; ++i) {
+            const int j = i * share->members + share->member;
+            const int c = c0 + MMA_KB * j + MMA_HALVES * q;
+            const bool ok = j < UNROLL && (!CHECKED || c < c_end);
+            #pragma unroll
+            for (int t = 0; t < RT; ++t) {
+                lo[i][t] = ldg_chunk(reinterpret_cast<const a_load_t*>(tiles[t].lo), c / MMA_HALVES, ok);
+                hi[i][t] = ldg_chunk(reinterpret_cast<const a_load_t*>(tiles[t].hi), c / MMA_HALVES, ok);
+            }
+        }
+    }
     if (COLS_DEP) {
         wait_once(waited);
         #pragma unroll
@@ -890,11 +950,31 @@ __device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part
                     col[j][nb][h] = ld_dep_chunk(cols[nb], c + h, !CHECKED || c < c_end);
         }
     }
+    uint4* shared_a = nullptr;                                       // SHARED: this round's buffer
+    if constexpr (SHARED) {                                          // widening into the buffer
+        const int lane = threadIdx.x & 31;
+        shared_a = share->group + share->parity * SHARE_ROUND(UNROLL, RT);
+        share->parity ^= 1;
+        #pragma unroll
+        for (int i = 0; i < OWN; ++i) {
+            const int j = i * share->members + share->member;
+            if (j >= UNROLL) break;                                  // warp-uniform
+            #pragma unroll
+            for (int h = 0; h < MMA_HALVES; ++h)
+                #pragma unroll
+                for (int t = 0; t < RT; ++t) {
+                    shared_a[(((j * MMA_HALVES + h) * RT + t) * 2) * 32 + lane] = a_fragment(lo[i][t], h);
+                    shared_a[(((j * MMA_HALVES + h) * RT + t) * 2 + 1) * 32 + lane] = a_fragment(hi[i][t], h);
+                }
+        }
+        __syncthreads();  // the group's fragments are in; the other buffer's last readers have passed this barrier
+    } else {
 #if W_FP8
-    part[0][0] += __uint_as_float(all_loads_arrived(lo) | all_loads_arrived(hi));  // += 0.0f, before any mma
+        part[0][0] += __uint_as_float(all_loads_arrived(lo) | all_loads_arrived(hi));  // += 0.0f, before any mma
 #else
-    acc[0][0] += __uint_as_float(all_loads_arrived(lo) | all_loads_arrived(hi));   // += 0.0f
+        acc[0][0] += __uint_as_float(all_loads_arrived(lo) | all_loads_arrived(hi));   // += 0.0f
 #endif
+    }
     #pragma unroll
     for (int j = 0; j < UNROLL; ++j) {
         #pragma unroll
@@ -904,7 +984,15 @@ __device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part
             for (int nb = 0; nb < NB; ++nb) b[nb] = b_fragment<COLS_DEP>(col[j][nb][h]);
             #pragma unroll
             for (int t = 0; t < RT; ++t) {
-                const uint4 a_lo = a_fragment(lo[j][t], h), a_hi = a_fragment(hi[j][t], h);
+                uint4 a_lo, a_hi;
+                if constexpr (SHARED) {
+                    const int at = (((j * MMA_HALVES + h) * RT + t) * 2) * 32 + (threadIdx.x & 31);
+                    a_lo = shared_a[at];
+                    a_hi = shared_a[at + 32];
+                } else {
+                    a_lo = a_fragment(lo[j][t], h);
+                    a_hi = a_fragment(hi[j][t], h);
+                }
                 #pragma unroll
                 for (int nb = 0; nb < NB; ++nb) {
 #if W_FP8
@@ -950,10 +1038,10 @@ __device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part
 #define GATE_UP_ROUNDS (W_FP8 || GB_KSPLIT == 1 ? WHOLE_ROUNDS : MASKED_ROUNDS)
 #define DOWN_GROUPED_ROUNDS (W_FP8 ? WHOLE_ROUNDS : DB_WHOLE_RANGES ? ONLY_WHOLE_ROUNDS : MASKED_ROUNDS)
 // RT row tiles per warp (mma_round): acc[t * NB + nb]; mma_rows_by_columns is the one-tile form.
-template <int UNROLL, int NB, bool COLS_DEP, int ROUNDS, int RT>
+template <int UNROLL, int NB, bool COLS_DEP, int ROUNDS, int RT, bool SHARED = false>
 __device__ __forceinline__ void mma_tiles_by_columns(float (&acc)[RT * NB][4], const ARows (&tiles)[RT],
                                                      const uint4* const (&cols)[NB], int c_begin, int c_end, int q,
-                                                     bool& waited) {
+                                                     bool& waited, AShare* share = nullptr) {
     float part[RT * NB][4];                                          // W_FP8: a scale block's mma sums
     #pragma unroll
     for (int n = 0; n < RT * NB; ++n) {
@@ -963,21 +1051,22 @@ __device__ __forceinline__ void mma_tiles_by_columns(float (&acc)[RT * NB][4], c
     int c0 = c_begin;
     if (ROUNDS != MASKED_ROUNDS) {
         for (; c0 + MMA_KB * UNROLL <= c_end; c0 += MMA_KB * UNROLL)
-            mma_round<UNROLL, NB, COLS_DEP, false, RT>(acc, part, tiles, cols, c0, c_end, q, waited);
+            mma_round<UNROLL, NB, COLS_DEP, false, RT, SHARED>(acc, part, tiles, cols, c0, c_end, q, waited, share);
         if (ROUNDS == WHOLE_ROUNDS && c0 < c_end)
-            mma_round<UNROLL, NB, COLS_DEP, true, RT>(acc, part, tiles, cols, c0, c_end, q, waited);
+            mma_round<UNROLL, NB, COLS_DEP, true, RT, SHARED>(acc, part, tiles, cols, c0, c_end, q, waited, share);
     } else {
         for (; c0 < c_end; c0 += MMA_KB * UNROLL)
-            mma_round<UNROLL, NB, COLS_DEP, true, RT>(acc, part, tiles, cols, c0, c_end, q, waited);
+            mma_round<UNROLL, NB, COLS_DEP, true, RT, SHARED>(acc, part, tiles, cols, c0, c_end, q, waited, share);
     }
 }
-template <int UNROLL, int NB, bool COLS_DEP, int ROUNDS = WHOLE_ROUNDS>
+template <int UNROLL, int NB, bool COLS_DEP, int ROUNDS = WHOLE_ROUNDS, bool SHARED = false>
 __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const a_chunk_t* rows_lo,
                                                     const a_chunk_t* rows_hi, const float* scale_lo,
                                                     const float* scale_hi, const uint4* const (&cols)[NB],
-                                                    int c_begin, int c_end, int q, bool& waited) {
+                                                    int c_begin, int c_end, int q, bool& waited,
+                                                    AShare* share = nullptr) {
     const ARows tiles[1] = {{rows_lo, rows_hi, scale_lo, scale_hi}};
-    mma_tiles_by_columns<UNROLL, NB, COLS_DEP, ROUNDS, 1>(acc, tiles, cols, c_begin, c_end, q, waited);
+    mma_tiles_by_columns<UNROLL, NB, COLS_DEP, ROUNDS, 1, SHARED>(acc, tiles, cols, c_begin, c_end, q, waited, share);
 }
 #endif
 
@@ -1032,24 +1121,28 @@ __device__ __forceinline__ void split_chain_one_loop(float (&total)[NB][4], cons
 #if GB_MMA && !PER_PAIR
 // A tensor-core gate_up block's work unit, read in ONE round trip after the PDL wait: with PAIR_TILES tile a of
 // the tile table (its pairs: up to TILE_PAIRS, one pass), else list slot a (all its pairs).
-struct GateUpItem { int expert, count; const int* pairs; bool unused; };
+// With GB_SHARE, run: the tile's place in its expert's run of tiles (tile_run).
+struct GateUpItem { int expert, count; const int* pairs; bool unused; int run; };
 __device__ __forceinline__ GateUpItem read_gate_up_item(const int* lists, int slots, int pairs, int a) {
 #if PAIR_TILES
     const int used = ld_dep(lists + 3);
     const int expert = ld_dep(TILE_ARRAY(0) + a), first = ld_dep(TILE_ARRAY(1) + a), count = ld_dep(TILE_ARRAY(2) + a);
-    return {expert, count, sorted_pairs(lists, slots) + first, a >= used || (expert | first | count) < 0};
+    const int run = GB_SHARE > 1 ? ld_dep(TILE_ARRAY(3) + a) : 0;
+    return {expert, count, sorted_pairs(lists, slots) + first, a >= used || (expert | first | count) < 0, run};
 #else
     const ListSlot s = read_list_slot(lists, slots, a);
-    return {s.expert, s.count, sorted_pairs(lists, slots) + s.offset, slot_unused(s, a)};
+    return {s.expert, s.count, sorted_pairs(lists, slots) + s.offset, slot_unused(s, a), 0};
 #endif
 }
 
+
 // A gate_up warp's passes over `count` pairs (pairs[0 .. count - 1]) of expert rows `rows`: NB 8-pair blocks per
 // pass, UNROLL k blocks of loads in flight per lane; lane (g, q) writes the intermediate of neuron i0 + g.
-template <int NB, int UNROLL>
+// SHARED (GB_SHARE): one pass (count <= 8 NB) whose A fragments the warp's group shares (mma_round).
+template <int NB, int UNROLL, bool SHARED = false>
 __device__ __forceinline__ void gate_up_passes(const ARows& rows, const bf16_t* __restrict__ x, const int* pairs,
                                                int count, bf16_t* __restrict__ intermediate, int hidden, int inter,
-                                               int top_k, int i0, int g, int q) {
+                                               int top_k, int i0, int g, int q, AShare* share = nullptr) {
     const int chunks = hidden / 8;                                   // chunks of 8 values (H % 8 == 0)
     for (int tile = 0; tile < count; tile += 8 * NB) {
         const int n = min(8 * NB, count - tile);
@@ -1062,8 +1155,9 @@ __device__ __forceinline__ void gate_up_passes(const ARows& rows, const bf16_t* 
         float acc[NB][4];
         bool unused = true;
 #if GB_KSPLIT == 1
-        mma_rows_by_columns<UNROLL, NB, false, GATE_UP_ROUNDS>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi,
-                                                               x_row, 0, chunks, q, unused);
+        mma_rows_by_columns<UNROLL, NB, false, GATE_UP_ROUNDS, SHARED>(acc, rows.lo, rows.hi, rows.scale_lo,
+                                                                       rows.scale_hi, x_row, 0, chunks, q, unused,
+                                                                       share);
 #elif GB_RANGE_FLUSH
         split_chain_one_loop<NB, UNROLL>(acc, rows, x_row, chunks, q, unused);
 #else
@@ -1121,6 +1215,25 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
     pdl_release();
     const GateUpItem item = read_gate_up_item(lists, slots, n_pairs, a);
     if (item.unused) return;                                         // whole block leaves together
+#if GB_SHARE > 1
+    __shared__ uint4 a_share[GB_WARPS / 2][2 * SHARE_ROUND(GB_SHARE_UNROLL, 1)];   // a region per group of warps
+    int members, place;
+    share_group(item.run, GB_SHARE, members, place);
+    if (members > 1 && item.expert < experts) {                      // block-uniform: a group of a hot expert's tiles
+        // its m block rows a - place .. hold per_slot x m blocks of W / m neuron groups x the m tiles: warp w runs
+        // neuron group w / m of this block on tile w mod m of the group. A warp past I computes the last row and
+        // writes nothing, so that every warp meets every barrier.
+        const int w = threadIdx.x >> 5, set = w / members, member = w % members;
+        const int i0 = (((blockIdx.x - a * per_slot) * members + place) * (GB_WARPS / members) + set) * 8;
+        const GateUpItem mine = read_gate_up_item(lists, slots, n_pairs, a - place + member);   // the same expert
+        const ARows rows = w13_rows(w13, s13, item.expert, min(i0 + g, inter - 1), hidden, inter);
+        AShare share{a_share[set], member, members, 0};
+        gate_up_passes<HOT_GB ? HOT_NBLK : GB_NBLK, GB_SHARE_UNROLL, true>(rows, x, mine.pairs, mine.count,
+                                                                           intermediate, hidden, inter, top_k, i0, g,
+                                                                           q, &share);
+        return;
+    }
+#endif
     const int i0 = ((blockIdx.x - a * per_slot) * GB_WARPS + (threadIdx.x >> 5)) * 8;
     if (i0 >= inter) return;                                         // whole warp leaves together
     const int e = item.expert;
@@ -1310,12 +1423,13 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
 // The grouped down warp's passes over a tile's `count` pairs (tile_pairs[0 .. count - 1]): NB 8-pair blocks per pass,
 // UNROLL k blocks of loads in flight per lane; lane (g, q) writes rows h0+16t+g, h0+16t+g+8 of its pairs' FP32 rows
 // for each of the RT row tiles t it is given.
-template <int NB, int UNROLL, int RT>
+// SHARED (DB_SHARE): one pass (count <= 8 NB) whose A fragments the warp's group shares (mma_round).
+template <int NB, int UNROLL, int RT, bool SHARED = false>
 __device__ __forceinline__ void down_grouped_passes(const ARows (&tiles)[RT], const int* tile_pairs,
                                                     int count, const bf16_t* __restrict__ intermediate,
                                                     const float* __restrict__ topk_weights,
                                                     float* __restrict__ pair_out, int hidden, int inter, int h0, int g,
-                                                    int q, bool& waited) {
+                                                    int q, bool& waited, AShare* share = nullptr) {
     const int chunks = inter / 8;                                    // chunks of 8 values (I % 8 == 0)
     for (int sub = 0; sub < count; sub += 8 * NB) {
         const int n = min(8 * NB, count - sub);
@@ -1326,7 +1440,8 @@ __device__ __forceinline__ void down_grouped_passes(const ARows (&tiles)[RT], co
             inter_row[nb] = reinterpret_cast<const uint4*>(intermediate + (long long)p * inter);
         }
         float acc[RT * NB][4];
-        mma_tiles_by_columns<UNROLL, NB, true, DOWN_GROUPED_ROUNDS, RT>(acc, tiles, inter_row, 0, chunks, q, waited);
+        mma_tiles_by_columns<UNROLL, NB, true, DOWN_GROUPED_ROUNDS, RT, SHARED>(acc, tiles, inter_row, 0, chunks, q,
+                                                                               waited, share);
         #pragma unroll
         for (int nb = 0; nb < NB; ++nb)
             #pragma unroll
@@ -1375,12 +1490,43 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
     const int used = __ldg(lists + 3);
     const int e = __ldg(TILE_ARRAY(0) + a), first = __ldg(TILE_ARRAY(1) + a), count = __ldg(TILE_ARRAY(2) + a);
     const int h0 = ((blockIdx.x - a * per_tile) * DB_WARPS + (threadIdx.x >> 5)) * WARP_ROWS;
+    const bool good = a < used && (e | first | count) >= 0 && e < experts;            // block-uniform
+#if DB_SHARE > 1
+    __shared__ uint4 a_share[DB_WARPS / 2][2 * SHARE_ROUND(DB_SHARE_UNROLL, DB_ROW_TILES)];   // a region per group
+    int members = 1, place = 0;
+    if (good) share_group(__ldg(TILE_ARRAY(3) + a), DB_SHARE, members, place);
+    if (members > 1) {                                               // block-uniform: a group of a hot expert's tiles
+        // as gate_up's groups: warp w runs row group w / m of this block on tile w mod m of the group; a warp past H
+        // computes the last rows and writes nothing, so that every warp meets every barrier
+        const int w = threadIdx.x >> 5, set = w / members, member = w % members;
+        const int rows0 = (((blockIdx.x - a * per_tile) * members + place) * (DB_WARPS / members) + set) * WARP_ROWS;
+        const int mine = a - place + member;                         // the same expert's tile
+        const int* tile_pairs = sorted_pairs(lists, slots) + __ldg(TILE_ARRAY(1) + mine);
+        const int mine_count = __ldg(TILE_ARRAY(2) + mine);
+#if !DOWN_WAITS_LATE
+        pdl_wait();
+        pdl_release();
+#endif
+        bool waited = false;
+        ARows tiles[DB_ROW_TILES];
+        #pragma unroll
+        for (int t = 0; t < DB_ROW_TILES; ++t)
+            tiles[t] = w2_rows(w2, s2, e, min(rows0 + 16 * t + g, hidden - 1),
+                               min(rows0 + 16 * t + g + 8, hidden - 1), hidden, inter);
+        AShare share{a_share[set], member, members, 0};
+        down_grouped_passes<HOT_DB ? HOT_NBLK : DB_NBLK, DB_SHARE_UNROLL, DB_ROW_TILES, true>(
+            tiles, tile_pairs, mine_count, intermediate, topk_weights, pair_out, hidden, inter, rows0, g, q, waited,
+            &share);
+        down_epilogue_wait();
+        return;
+    }
+#endif
 #if !DOWN_WAITS_LATE
     pdl_wait();     // the intermediate is gate_up's output: every read of it is an ld_dep after this
     pdl_release();
 #endif
     bool waited = false;
-    if (a < used && (e | first | count) >= 0 && e < experts && h0 < hidden) {    // warp-uniform
+    if (good && h0 < hidden) {                                       // warp-uniform
         const int* tile_pairs = sorted_pairs(lists, slots) + first;
         ARows tiles[DB_ROW_TILES];
         #pragma unroll

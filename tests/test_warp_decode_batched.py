@@ -144,7 +144,7 @@ def test_resolve_params_validates() -> None:
     assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=80)["DB_MAX_REGS"] == 80
     resolved = wdb.resolve_params(dims)
     switches = ("MAX_REGS", "MMA", "PDL", "EARLY_W2", "BALANCE", "PAIR_TILES", "GROUPED", "W_FP8", "PER_PAIR",
-                "FP8_", "WHOLE_RANGES", "RANGE_FLUSH", "PAIRS_INNER", "HOT_NBLK")  # 0: off
+                "FP8_", "WHOLE_RANGES", "RANGE_FLUSH", "PAIRS_INNER", "HOT_NBLK", "SHARE")  # 0: off
     assert set(resolved) == set(wdb.DEFAULTS)
     assert all(v > 0 for k, v in resolved.items() if not any(s in k for s in switches))
 
@@ -161,7 +161,7 @@ def test_auto_knobs() -> None:
     assert wdb.resolve_params(Dims(32, 2048, 768, 128, 8))["GB_UNROLL"] == 2  # tile 4
     assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8))["GB_UNROLL"] == 4  # tile 8
     assert wdb.slots(Dims(2, 8, 8, 128, 8)) == 17 and wdb.slots(Dims(64, 8, 8, 128, 8)) == 129
-    assert wdb.lists_size(Dims(2, 8, 8, 128, 8)) == 4 + 3 * 17 + 16 + 3 * (17 + 2)
+    assert wdb.lists_size(Dims(2, 8, 8, 128, 8)) == 4 + 3 * 17 + 16 + 4 * (17 + 2)
     assert wdb.lists_shared_bytes(Dims(2, 8, 8, 128, 8), wdb.resolve_params()) == (129 * 9 + 2 * 16) * 4
     assert wdb.max_tokens() == 227 * 1024 // (4 * 4 * 4)  # the down kernel opts into 227 KB above 48 KB
     assert wdb.max_tokens(GB_MMA=1, DB_MMA=1) == 227 * 1024 // (16 * 16 * 4)  # auto DB_WARPS: 16 with DB_MMA
@@ -190,6 +190,13 @@ def test_auto_knobs() -> None:
     assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8), **wdb.MMA_FP8_KNOBS, GB_NBLK=2)["HOT_NBLK"] == 0
     assert wdb.tile_pairs(fp8) == 16 and wdb.tile_pairs(wdb.resolve_params(None, **wdb.MMA_FP8_KNOBS)) == 8
     assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8), DB_MMA=1, DB_WARPS=4)["DB_WARPS"] == 4
+    # auto GB_SHARE / DB_SHARE: groups of 4 on bf16 from T*K >= 2E where the stage can share; FP8 0
+    share = {(knobs, t): tuple(wdb.resolve_params(Dims(t, 4096, 1536, 128, 8), **getattr(wdb, knobs))[k]
+                               for k in ("GB_SHARE", "DB_SHARE"))
+             for knobs in ("MMA_KNOBS", "GROUPED_KNOBS", "MMA_FP8_KNOBS") for t in (16, 32)}
+    assert share == {("MMA_KNOBS", 16): (0, 0), ("MMA_KNOBS", 32): (4, 4), ("GROUPED_KNOBS", 16): (0, 0),
+                     ("GROUPED_KNOBS", 32): (0, 4), ("MMA_FP8_KNOBS", 16): (0, 0), ("MMA_FP8_KNOBS", 32): (0, 0)}
+    assert wdb.resolve_params(Dims(32, 4096, 1536, 128, 8), **wdb.MMA_KNOBS, GB_WARPS=2)["GB_SHARE"] == 0
     # auto DB_BALANCE (-1 in the tensor-core knob sets): where the round-robin's last round is < 85 % full on average
     balance = {t: wdb.resolve_params(Dims(t, 2048, 768, 128, 8), **wdb.MIXED_KNOBS)["DB_BALANCE"]
                for t in (2, 4, 8, 16, 32, 64)}
@@ -276,17 +283,19 @@ def test_variant_grid_corners_compile() -> None:
 # ---------------------------------------------------------------------------------------------------
 def expert_lists_numpy(topk_ids: np.ndarray, experts: int, tile_pairs: int = 0) -> dict[str, Any]:
     """What moe_expert_lists writes: slots in ascending expert id (bad ids last, as expert E), pairs stable; with
-    ``tile_pairs`` (PAIR_TILES) the tile table: each slot's pairs in runs of tile_pairs, (expert, first, count)."""
+    ``tile_pairs`` (PAIR_TILES) the tile table: each slot's pairs in runs of tile_pairs, (expert, first, count,
+    t | n << 16: the slot's t-th tile of n)."""
     flat = np.asarray(topk_ids, np.int64).ravel()
     keyed = np.where((flat < 0) | (flat >= experts), experts, flat)
     order = np.argsort(keyed, kind="stable")
     slot_experts, offsets, counts = np.unique(keyed[order], return_index=True, return_counts=True)
     bad = int(np.sum(keyed == experts))
-    tiles = [(int(e), int(o) + f, min(tile_pairs, int(c) - f))
+    tiles = [(int(e), int(o) + f, min(tile_pairs, int(c) - f), f // tile_pairs | -(-int(c) // tile_pairs) << 16)
              for e, o, c in zip(slot_experts, offsets, counts, strict=True)
              for f in range(0, int(c), tile_pairs)] if tile_pairs else []
     return {"used": int(slot_experts.size), "good": flat.size - bad, "bad": bad, "expert": slot_experts,
-            "offset": offsets, "count": counts, "sorted": order, "tiles": np.array(tiles, np.int64).reshape(-1, 3)}
+            "offset": offsets, "count": counts, "sorted": order,
+            "tiles": np.array(tiles, np.int64).reshape(-1, wdb.TILE_ARRAYS)}
 
 
 def _tile_pairs(dims: Dims, params: dict[str, Any]) -> int:
@@ -305,7 +314,8 @@ def _unpack_lists(raw: np.ndarray, dims: Dims) -> dict[str, Any]:
     return {"used": used, "good": int(raw[1]), "bad": int(raw[2]), "expert": raw[h:h + used],
             "offset": raw[h + s:h + s + used], "count": raw[h + 2 * s:h + 2 * s + used],
             "sorted": raw[h + 3 * s:h + 3 * s + pairs],
-            "tiles": np.stack([raw[table + j * cap:table + j * cap + tiles] for j in range(3)], axis=1)}
+            "tiles": np.stack([raw[table + j * cap:table + j * cap + tiles] for j in range(wdb.TILE_ARRAYS)],
+                              axis=1)}
 
 
 def _assert_lists_equal(got: dict[str, Any], want: dict[str, Any]) -> None:

@@ -313,6 +313,52 @@ def test_hot_tiles_emulated() -> None:
         wdb.resolve_params(dims, HOT_NBLK=2)
 
 
+# T = 40, K = 2 over 6 experts: expert 0 in every token (5 tiles of 8, 3 of 16), expert 1 in 20 (3 / 2 tiles), 2 in 12
+# (2 / 1), 3..5 in the last 8 (1 each)
+SHARE_IDS = [[0, 1 if t < 20 else 2 if t < 32 else 3 + t % 3] for t in range(40)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("hot", "row_tiles"), [(0, 1), (2, 2)])
+def test_shared_widening_emulated(hot: int, row_tiles: int) -> None:
+    """GB_SHARE / DB_SHARE 2 / 4: a hot expert's tiles in groups of 2 / 4 whose warps share each round's A fragments
+    in the gate_up and the grouped down (runs of 5, 3 and 2 tiles: groups of 4 + 1, 2 + 2 + 1, 2 + 1, 2) give the
+    bits of every tile on its own, intermediate and out, on FP8 and bf16 weights, with warps past I (I = 144: 18
+    neuron groups in blocks of 4) and past H, with HOT_NBLK 2's 16-pair tiles and two row tiles per down warp; the
+    tile table's runs as the NumPy model has them."""
+    base = make_problem(SHAPE_16, 40, seed=40, routing=SHARE_IDS)
+    knobs = {**{k: v for k, v in wdb.MMA_FP8_KNOBS.items() if k != "W_FP8"}, "GB_NBLK": 1, "HOT_NBLK": hot,
+             "DB_GROUPED": 1, "DB_ROW_TILES": row_tiles, "DB_WARPS": 4, "GB_SHARE": 0, "DB_SHARE": 0,
+             "LIST_THREADS": 32, "LIST_PER": 0}
+    for problem, w_fp8 in ((_fp8_problem(base), 1), (base, 0)):
+        dims = _dims(problem)
+        run = _emulate if w_fp8 else emulate_batched
+        want = run(problem, out_dtype=np.float32, **knobs)
+        for share in (2, 4):
+            shared = {**knobs, "GB_SHARE": share, "DB_SHARE": share}
+            resolved = wdb.resolve_params(dims, W_FP8=w_fp8, **shared)
+            assert (resolved["GB_WARPS"], resolved["DB_WARPS"], resolved["GB_KSPLIT"], wdb.tile_pairs(resolved)) == \
+                (4, 4, 1, 8 * max(1, hot))
+            got = run(problem, out_dtype=np.float32, **shared)
+            tiles = expert_lists_numpy(problem.topk_ids, dims.experts, wdb.tile_pairs(resolved))
+            _assert_lists_equal(_unpack_lists(got["lists"], dims), tiles)
+            assert np.array_equal(got["inter"], want["inter"]), (w_fp8, share)
+            assert np.array_equal(got["out"].view(np.uint32), want["out"].view(np.uint32)), (w_fp8, share)
+        if w_fp8:
+            faithful, oracle = _references(problem, out_dtype=np.float32)
+            _assert_matches(want["out"], faithful, oracle, "fp8 shared widening", own_order=True)
+    with pytest.raises(ValueError, match="GB_SHARE groups the tile table's tiles"):
+        wdb.resolve_params(dims, **{**knobs, "GB_SHARE": 2, "GB_KSPLIT": 2})
+    with pytest.raises(ValueError, match="GB_SHARE must be 2 or 4 and divide GB_WARPS"):
+        wdb.resolve_params(dims, **{**knobs, "GB_SHARE": 4, "GB_WARPS": 2})
+    with pytest.raises(ValueError, match="DB_SHARE groups the tile table's tiles of one expert in the grouped down"):
+        wdb.resolve_params(dims, **{**knobs, "DB_SHARE": 2, "DB_GROUPED": 0, "DB_ROW_TILES": 1})
+    with pytest.raises(ValueError, match="DB_SHARE runs each tile in one down pass"):
+        wdb.resolve_params(dims, **{**knobs, "DB_SHARE": 2, "GB_NBLK": 2, "DB_NBLK": 1, "HOT_NBLK": 0})
+    with pytest.raises(ValueError, match="static shared memory"):
+        wdb.resolve_params(dims, **{**knobs, "GB_SHARE": 2, "GB_WARPS": 16, "GB_UNROLL": 8})
+
+
 def _subnormal_weights(problem: Problem, seed: int) -> Problem:
     """The FP8 problem with a quarter of its weight values made e4m3fn subnormals (random mantissa, sign kept)."""
     rng = np.random.default_rng(seed)
@@ -581,6 +627,42 @@ def test_gpu_hot_tiles_bitwise(model: str, tokens: int, routing: str) -> None:
     assert np.array_equal(one_block.view(np.uint16), hot.view(np.uint16))
     plain = _run_poisoned(cupy, problem, **{**wdb.MMA_FP8_KNOBS, "HOT_NBLK": 2})
     _assert_matches(plain, faithful, oracle, f"fp8 hot tiles, plain path {model} T={tokens}", own_order=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("model", "tokens", "routing"),
+                         [("qwen3-235b-a22b", 32, "zipf"), ("qwen3-30b-a3b", 64, "same"),
+                          ("qwen3-235b-a22b", 64, "zipf")])
+def test_gpu_shared_widening_bitwise(model: str, tokens: int, routing: str) -> None:
+    """GB_SHARE / DB_SHARE 2 / 4 (a hot expert's tiles sharing each round's widened A fragments in the gate_up and
+    the grouped down; DB_SHARE 2 where the down has 2 warps) give the bits of no sharing on the tensor-core FP8 path
+    and on bf16 at the presets' widths (16 experts: runs of up to 4-8 tiles; 16-pair tiles at T = 64), every output
+    written (NaN-poisoned out and intermediate), repeatably, and match the reference."""
+    import cupy
+
+    from kernels.shapes import get_shape
+
+    run_shape = get_shape(model).with_(experts=16)
+    host = _fp8_problem(make_problem(run_shape, tokens, seed=tokens + 6, routing=routing))
+    problem = _device(cupy, make_problem(run_shape, tokens, seed=tokens + 6, routing=routing))
+    assert np.bincount(host.topk_ids.ravel()).max() > 16
+    bf16 = make_problem(run_shape, tokens, seed=tokens + 6, routing=routing)
+    bf16 = dataclasses.replace(bf16, x=cupy.asarray(bf16.x), w13=cupy.asarray(bf16.w13), w2=cupy.asarray(bf16.w2),
+                               topk_ids=cupy.asarray(bf16.topk_ids), topk_weights=cupy.asarray(bf16.topk_weights))
+    bf16_knobs = {k: v for k, v in wdb.MMA_FP8_KNOBS.items() if k != "W_FP8"}
+    faithful, oracle = _references(host)
+    for on, knobs in ((problem, wdb.MMA_FP8_KNOBS), (bf16, bf16_knobs)):
+        alone = _run_poisoned(cupy, on, **{**knobs, "GB_SHARE": 0, "DB_SHARE": 0})
+        resolved = wdb.resolve_params(_dims(on), **knobs)
+        assert resolved["DB_GROUPED"] == 1
+        for share in (2, 4):
+            both = {**knobs, "GB_SHARE": share, "DB_SHARE": share if resolved["DB_WARPS"] % share == 0 else 2}
+            shared = _run_poisoned(cupy, on, **both)
+            assert not np.isnan(shared.astype(np.float32)).any()
+            assert np.array_equal(shared.view(np.uint16), alone.view(np.uint16)), (share, on is problem)
+            assert np.array_equal(_run_poisoned(cupy, on, **both).view(np.uint16), shared.view(np.uint16))
+        if on is problem:
+            _assert_matches(alone, faithful, oracle, f"fp8 shared widening {model} T={tokens}", own_order=True)
 
 
 @pytest.mark.gpu
