@@ -616,8 +616,9 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
                 values[key] = DEFAULTS[key]
         if values["FP8_PRMT"] == -1:
             values["FP8_PRMT"] = auto_fp8_widening(values)
-        for key in ("DB_WHOLE_RANGES", "GB_RANGE_FLUSH", "HOT_NBLK"):  # the dims decide: checked where known
-            values[key] = max(values[key], 0)
+        for key in ("DB_WHOLE_RANGES", "GB_RANGE_FLUSH", "HOT_NBLK", "GB_SHARE", "DB_SHARE"):  # the dims decide
+            values[key] = max(values[key], 0)                                          # (checked where known)
+        _check_share(values)
         return values
     if values["LIST_PER"] == 0:
         values["LIST_PER"] = -(-(dims.experts + 1) // values["LIST_THREADS"])
