@@ -490,47 +490,51 @@ def share_shared_bytes(values: dict[str, int], stage: str) -> int:
     return values[f"{stage}_WARPS"] // 2 * 2 * unroll * halves * row_tiles * 2 * 32 * 16
 
 
+def share_unmet(values: dict[str, int], stage: str, share: int) -> str | None:
+    """Why ``stage`` ("GB" / "DB") cannot run groups of ``share`` tiles with these resolved knobs (a ValueError's
+    message), or None: the single-chain gate_up on the tile table / the grouped down with a tile in one pass, 2 or 4
+    dividing the stage's warps, the groups' buffers within 48 KB of static shared memory."""
+    if stage == "GB" and not (values["GB_MMA"] and values["PAIR_TILES"] and values["GB_KSPLIT"] == 1):
+        return ("GB_SHARE groups the tile table's tiles of one expert in the tensor-core gate_up's single k chain: it "
+                "needs GB_MMA 1, PAIR_TILES 1 and GB_KSPLIT 1")
+    if stage == "DB" and not values["DB_GROUPED"]:
+        return "DB_SHARE groups the tile table's tiles of one expert in the grouped down: it needs DB_GROUPED 1"
+    warps = values[f"{stage}_WARPS"]
+    if share not in (2, 4) or warps % share:
+        return (f"{stage}_SHARE must be 2 or 4 and divide {stage}_WARPS, got {stage}_SHARE {share} and {stage}_WARPS "
+                f"{warps}")
+    if share_shared_bytes(values, stage) > SHARED_LIMIT:
+        return (f"{stage}_SHARE: the groups' buffers take {share_shared_bytes(values, stage)} bytes of static shared "
+                f"memory > {SHARED_LIMIT}; lower {stage}_WARPS or {stage}_UNROLL")
+    if stage == "DB" and 8 * max(values["DB_NBLK"], values["HOT_NBLK"]) < tile_pairs(values):
+        return (f"DB_SHARE runs each tile in one down pass: 8 x max(DB_NBLK, HOT_NBLK) must hold a tile of "
+                f"{tile_pairs(values)} pairs, got DB_NBLK {values['DB_NBLK']}")
+    return None
+
+
 SHARE_GROUP = 4  # auto GB_SHARE / DB_SHARE where they apply (auto_share)
 
 
 def auto_share(dims: Dims | None, values: dict[str, int], stage: str) -> int:
     """GB_SHARE / DB_SHARE where auto (-1): :data:`SHARE_GROUP` on bf16 weights from T*K >= 2E (experts average 2
-    pairs: a hot expert's tiles repeat) where the stage can share (GB: the tile table's single-chain gate_up; DB: the
-    grouped down) and its warps and static shared memory allow it, else 0. H200, bf16, groups of 4 in both stages
-    (results/sweep-2026-12-03-shared-widening-mma-bf16-*.json, two interleaved runs, within 0.2 %): Zipf qwen3-235b
-    T = 32 / 64 688.7 / 882.3 -> 682.3 / 868.7 us (the gate_up's share 0.8 / 1.0 %, the down's 0.1 / 0.5 %),
-    qwen3-30b 185.2 / 233.0 -> 181.2 / 231.2; uniform qwen3-235b 951.6 / 1074.3 -> 947.6 / 1077.1. On FP8 weights
-    (within 3.3 % run-to-run drift there) the shared rounds were 1-3 % slower at qwen3-235b T = 32 / 64 and 1.6-8.7 %
-    at qwen3-30b T = 64 Zipf: off."""
+    pairs: a hot expert's tiles repeat) where the stage can run it (:func:`share_unmet`), else 0. H200, bf16, groups
+    of 4 in both stages (results/sweep-2026-12-03-shared-widening-mma-bf16-*.json, two interleaved runs, within
+    0.2 %): Zipf qwen3-235b T = 32 / 64 688.7 / 882.3 -> 682.3 / 868.7 us (the gate_up's share 0.8 / 1.0 %, the
+    down's 0.1 / 0.5 %), qwen3-30b 185.2 / 233.0 -> 181.2 / 231.2; uniform qwen3-235b 951.6 / 1074.3 -> 947.6 /
+    1077.1. On FP8 weights (within 3.3 % run-to-run drift there) the shared rounds were 1-3 % slower at qwen3-235b
+    T = 32 / 64 and 1.6-8.7 % at qwen3-30b T = 64 Zipf: off."""
     if dims is None or values["W_FP8"] or dims.tokens * dims.top_k < GROUPED_FROM_PAIRS_PER_EXPERT * dims.experts:
         return 0
-    if stage == "GB":
-        can = values["GB_MMA"] and values["PAIR_TILES"] and values["GB_KSPLIT"] == 1
-    else:
-        can = values["DB_GROUPED"] and 8 * max(values["DB_NBLK"], values["HOT_NBLK"]) >= tile_pairs(values)
-    fits = share_shared_bytes({**values, f"{stage}_SHARE": SHARE_GROUP}, stage) <= SHARED_LIMIT
-    return SHARE_GROUP if can and fits and values[f"{stage}_WARPS"] % SHARE_GROUP == 0 else 0
+    return SHARE_GROUP if share_unmet(values, stage, SHARE_GROUP) is None else 0
 
 
 def _check_share(values: dict[str, int]) -> None:
-    """GB_SHARE / DB_SHARE on resolved knobs: 2 or 4, dividing the stage's warps, its groups' buffers within the 48 KB
-    of static shared memory, and (DB_SHARE) the grouped down with a tile in one pass."""
-    if values["DB_SHARE"] > 1 and not values["DB_GROUPED"]:
-        raise ValueError("DB_SHARE groups the tile table's tiles of one expert in the grouped down: it needs "
-                         "DB_GROUPED 1")
+    """GB_SHARE / DB_SHARE set above 1 on resolved knobs: ValueError saying what the stage needs."""
     for stage in ("GB", "DB"):
-        share, warps = values[f"{stage}_SHARE"], values[f"{stage}_WARPS"]
-        if share <= 1:
-            continue
-        if share == 3 or warps % share:
-            raise ValueError(f"{stage}_SHARE must be 2 or 4 and divide {stage}_WARPS, got {stage}_SHARE {share} and "
-                             f"{stage}_WARPS {warps}")
-        if share_shared_bytes(values, stage) > SHARED_LIMIT:
-            raise ValueError(f"{stage}_SHARE: the groups' buffers take {share_shared_bytes(values, stage)} bytes of "
-                             f"static shared memory > {SHARED_LIMIT}; lower {stage}_WARPS or {stage}_UNROLL")
-    if values["DB_SHARE"] > 1 and 8 * max(values["DB_NBLK"], values["HOT_NBLK"]) < tile_pairs(values):
-        raise ValueError(f"DB_SHARE runs each tile in one down pass: 8 x max(DB_NBLK, HOT_NBLK) must hold a tile of "
-                         f"{tile_pairs(values)} pairs, got DB_NBLK {values['DB_NBLK']}")
+        share = values[f"{stage}_SHARE"]
+        unmet = share_unmet(values, stage, share) if share > 1 else None
+        if unmet:
+            raise ValueError(unmet)
 
 
 def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
@@ -563,9 +567,6 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         raise ValueError("HOT_NBLK widens the tensor-core gate_up's passes over a hot expert: it needs GB_MMA 1")
     if values["GB_KSPLIT"] > 1 and not values["GB_MMA"]:
         raise ValueError("GB_KSPLIT cuts the tensor-core gate_up's k chains: it needs GB_MMA 1")
-    if values["GB_SHARE"] > 1 and not (values["GB_MMA"] and values["PAIR_TILES"] and values["GB_KSPLIT"] == 1):
-        raise ValueError("GB_SHARE groups the tile table's tiles of one expert in the tensor-core gate_up's single k "
-                         "chain: it needs GB_MMA 1, PAIR_TILES 1 and GB_KSPLIT 1")
     auto_fp8_mma(dims, values)
     for key in ("FP8_LOAD16", "FP8_BLOCK_SUM", "FP8_PRMT"):
         if values[key] > 0 and not fp8_on_tensor_cores(values):
