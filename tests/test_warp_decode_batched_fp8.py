@@ -445,6 +445,12 @@ def _device(cupy: Any, problem: Problem) -> Problem:
     return dataclasses.replace(problem, x=x, w13=q13, w2=q2, topk_ids=ids, topk_weights=wts)
 
 
+def _bf16_on_device(cupy: Any, host: Problem) -> Problem:
+    """A host bf16 problem copied to the device as it is."""
+    return dataclasses.replace(host, x=cupy.asarray(host.x), w13=cupy.asarray(host.w13), w2=cupy.asarray(host.w2),
+                               topk_ids=cupy.asarray(host.topk_ids), topk_weights=cupy.asarray(host.topk_weights))
+
+
 def _copied_to_device(cupy: Any, host: Problem) -> Problem:
     """A host FP8 problem copied to the device as it is (weights values and scales unchanged)."""
     def weights(q: Any) -> Any:
@@ -646,9 +652,7 @@ def test_gpu_shared_widening_bitwise(model: str, tokens: int, routing: str) -> N
     host = _fp8_problem(make_problem(run_shape, tokens, seed=tokens + 6, routing=routing))
     problem = _device(cupy, make_problem(run_shape, tokens, seed=tokens + 6, routing=routing))
     assert np.bincount(host.topk_ids.ravel()).max() > 16
-    bf16 = make_problem(run_shape, tokens, seed=tokens + 6, routing=routing)
-    bf16 = dataclasses.replace(bf16, x=cupy.asarray(bf16.x), w13=cupy.asarray(bf16.w13), w2=cupy.asarray(bf16.w2),
-                               topk_ids=cupy.asarray(bf16.topk_ids), topk_weights=cupy.asarray(bf16.topk_weights))
+    bf16 = _bf16_on_device(cupy, make_problem(run_shape, tokens, seed=tokens + 6, routing=routing))
     bf16_knobs = {k: v for k, v in wdb.MMA_FP8_KNOBS.items() if k != "W_FP8"}
     faithful, oracle = _references(host)
     for on, knobs in ((problem, wdb.MMA_FP8_KNOBS), (bf16, bf16_knobs)):
@@ -711,9 +715,7 @@ def test_gpu_row_tiles_bitwise(model: str, tokens: int, routing: str) -> None:
     _assert_matches(two, faithful, oracle, f"fp8 row tiles {model} T={tokens} {routing}", own_order=True)
     one = _run_poisoned(cupy, problem, **{**wdb.FP8_GROUPED_KNOBS, "DB_ROW_TILES": 1, "DB_UNROLL": 1})
     assert np.array_equal(two.view(np.uint16), one.view(np.uint16))
-    bf16 = make_problem(run_shape, tokens, seed=tokens + 4, routing=routing)
-    bf16 = dataclasses.replace(bf16, x=cupy.asarray(bf16.x), w13=cupy.asarray(bf16.w13), w2=cupy.asarray(bf16.w2),
-                               topk_ids=cupy.asarray(bf16.topk_ids), topk_weights=cupy.asarray(bf16.topk_weights))
+    bf16 = _bf16_on_device(cupy, make_problem(run_shape, tokens, seed=tokens + 4, routing=routing))
     bf16_knobs = {k: v for k, v in wdb.FP8_GROUPED_KNOBS.items() if k != "W_FP8"}
     runs = [_run_poisoned(cupy, bf16, **{**bf16_knobs, "DB_ROW_TILES": r}) for r in (2, 1)]
     assert not np.isnan(runs[0].astype(np.float32)).any()
