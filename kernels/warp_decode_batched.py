@@ -121,11 +121,11 @@ DEFAULTS: dict[str, int] = {
     "DB_ROW_TILES": 1,  # the grouped down (DB_GROUPED): tiles of 16 hidden rows per warp, 1 or 2 (2: the two tiles
     # share each B fragment -- fewer intermediate loads and multiplies per weight byte; 2 needs DB_GROUPED 1); the
     # same bits either way; 0 = auto (auto_row_tiles; the tensor-core knob sets use it)
-    "GB_SHARE": 0,  # the tensor-core gate_up on the tile table (single k chain): up to GB_SHARE (2 or 4, dividing
-    # GB_WARPS) tiles of one expert run in one block whose warps share each round's A fragments -- every k block
-    # loaded and widened by one warp of the group, passed through shared memory -- instead of each tile's warps
-    # re-loading and re-widening the same rows; each warp's mma chain is unchanged (the same bits); 0 / 1 off;
-    # -1 = auto (auto_share; the tensor-core knob sets use it)
+    "GB_SHARE": 0,  # the tensor-core gate_up on the tile table walking H in one loop (a single k chain, or split
+    # chains with GB_RANGE_FLUSH): up to GB_SHARE (2 or 4, dividing GB_WARPS) tiles of one expert run in one block
+    # whose warps share each round's A fragments -- every k block loaded and widened by one warp of the group, passed
+    # through shared memory -- instead of each tile's warps re-loading and re-widening the same rows; each warp's mma
+    # chains are unchanged (the same bits); 0 / 1 off; -1 = auto (auto_share; the tensor-core knob sets use it)
     "DB_SHARE": 0,  # the grouped down (DB_GROUPED) likewise: up to DB_SHARE (2 or 4, dividing DB_WARPS) tiles of one
     # expert per block, each round's w2 fragments loaded and widened once for the group; 0 / 1 off; -1 = auto
 }
@@ -492,11 +492,13 @@ def share_shared_bytes(values: dict[str, int], stage: str) -> int:
 
 def share_unmet(values: dict[str, int], stage: str, share: int) -> str | None:
     """Why ``stage`` ("GB" / "DB") cannot run groups of ``share`` tiles with these resolved knobs (a ValueError's
-    message), or None: the single-chain gate_up on the tile table / the grouped down with a tile in one pass, 2 or 4
+    message), or None: the gate_up on the tile table walking H in one loop (a single k chain, or split chains with
+    GB_RANGE_FLUSH) / the grouped down with a tile in one pass, 2 or 4
     dividing the stage's warps, the groups' buffers within 48 KB of static shared memory."""
-    if stage == "GB" and not (values["GB_MMA"] and values["PAIR_TILES"] and values["GB_KSPLIT"] == 1):
-        return ("GB_SHARE groups the tile table's tiles of one expert in the tensor-core gate_up's single k chain: it "
-                "needs GB_MMA 1, PAIR_TILES 1 and GB_KSPLIT 1")
+    one_loop = values["GB_KSPLIT"] == 1 or values["GB_RANGE_FLUSH"] == 1
+    if stage == "GB" and not (values["GB_MMA"] and values["PAIR_TILES"] and one_loop):
+        return ("GB_SHARE groups the tile table's tiles of one expert in the tensor-core gate_up's one loop over H: it "
+                "needs GB_MMA 1, PAIR_TILES 1 and GB_KSPLIT 1 or GB_RANGE_FLUSH 1")
     if stage == "DB" and not values["DB_GROUPED"]:
         return "DB_SHARE groups the tile table's tiles of one expert in the grouped down: it needs DB_GROUPED 1"
     warps = values[f"{stage}_WARPS"]
@@ -521,8 +523,11 @@ def auto_share(dims: Dims | None, values: dict[str, int], stage: str) -> int:
     of 4 in both stages (results/sweep-2026-12-03-shared-widening-mma-bf16-*.json, two interleaved runs, within
     0.2 %): Zipf qwen3-235b T = 32 / 64 688.7 / 882.3 -> 682.3 / 868.7 us (the gate_up's share 0.8 / 1.0 %, the
     down's 0.1 / 0.5 %), qwen3-30b 185.2 / 233.0 -> 181.2 / 231.2; uniform qwen3-235b 951.6 / 1074.3 -> 947.6 /
-    1077.1. On FP8 weights (within 3.3 % run-to-run drift there) the shared rounds were 1-3 % slower at qwen3-235b
-    T = 32 / 64 and 1.6-8.7 % at qwen3-30b T = 64 Zipf: off."""
+    1077.1. The batch-invariant grouped path's split chains (GB_RANGE_FLUSH) share too: its gate_up 0.3-1.0 % faster
+    under Zipf (results/sweep-2026-12-03-grouped-split-chain-share-*.json: qwen3-235b T = 32 / 64 686.0 / 878.3 ->
+    679.3 / 872.3 us, qwen3-30b 185.1 / 232.4 -> 184.7 / 231.7). On FP8 weights (within 3.3 % run-to-run drift
+    there) the shared rounds were 1-3 % slower at qwen3-235b T = 32 / 64 and 1.6-8.7 % at qwen3-30b T = 64 Zipf:
+    off."""
     if dims is None or values["W_FP8"] or dims.tokens * dims.top_k < GROUPED_FROM_PAIRS_PER_EXPERT * dims.experts:
         return 0
     return SHARE_GROUP if share_unmet(values, stage, SHARE_GROUP) is None else 0

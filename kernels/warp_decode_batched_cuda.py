@@ -66,7 +66,8 @@ CODE = WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + r"""
 //   __fadd_rn). moe_gate_up_mma runs the ranges one after another in one warp; moe_gate_up_pair gives each range
 //   its own warp (GB_WARPS / S neuron groups per block) and adds the partials through shared memory -- the same
 //   bits either way, with S times the warps at small T. S = 1 is the single chain over H.
-//   GB_SHARE 2 / 4 (tensor-core gate_up, PAIR_TILES, GB_KSPLIT 1): a hot expert's tiles in groups of up to GB_SHARE
+//   GB_SHARE 2 / 4 (tensor-core gate_up, PAIR_TILES, one k loop: GB_KSPLIT 1 or GB_RANGE_FLUSH): a hot expert's
+//   tiles in groups of up to GB_SHARE
 //   (share_group); a group of m tiles runs in its m block rows remapped so that each block holds W / m neuron groups
 //   x the m tiles, and the m warps of one neuron group share each round's A fragments: k block j of the round is
 //   loaded and widened by member j mod m alone and passed through shared memory (a_share, a block barrier per
@@ -98,8 +99,10 @@ static_assert(GB_KSPLIT >= 1 && GB_KSPLIT <= 8 && (GB_KSPLIT == 1 || GB_MMA == 1
               "GB_KSPLIT is 1..8 (above 1 it needs GB_MMA 1)");
 static_assert(PER_PAIR == 0 || GB_WARPS % GB_KSPLIT == 0, "PER_PAIR: GB_WARPS must be a multiple of GB_KSPLIT");
 static_assert(GB_SHARE >= 0 && GB_SHARE <= 4 && GB_SHARE != 3 &&
-              (GB_SHARE <= 1 || (GB_MMA == 1 && PAIR_TILES == 1 && GB_KSPLIT == 1 && GB_WARPS % GB_SHARE == 0)),
-              "GB_SHARE is 0, 1, 2 or 4 (2 / 4 need GB_MMA 1, PAIR_TILES 1, GB_KSPLIT 1 and divide GB_WARPS)");
+              (GB_SHARE <= 1 || (GB_MMA == 1 && PAIR_TILES == 1 && (GB_KSPLIT == 1 || GB_RANGE_FLUSH == 1) &&
+                                 GB_WARPS % GB_SHARE == 0)),
+              "GB_SHARE is 0, 1, 2 or 4 (2 / 4 need GB_MMA 1, PAIR_TILES 1, one k loop -- GB_KSPLIT 1 or "
+              "GB_RANGE_FLUSH 1 -- and divide GB_WARPS)");
 static_assert((FP8_LOAD16 == 0 || FP8_LOAD16 == 1) && (FP8_BLOCK_SUM == 0 || FP8_BLOCK_SUM == 1) &&
               (W_FP8 == 1 || (FP8_LOAD16 == 0 && FP8_BLOCK_SUM == 0)),
               "FP8_LOAD16 / FP8_BLOCK_SUM are 0 or 1 (1 needs W_FP8 1)");
@@ -1078,9 +1081,11 @@ __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const a
 // (whole rounds unmasked, a masked last round only at the end of H): 2-4 % faster on the H200 (bf16). W_FP8: the
 // scale block's partial lives across rounds as in one range's loop; a range ends on a scale block's end (the host
 // checks it with FP8_BLOCK_SUM), where mma_round has flushed it into the range's chain.
-template <int NB, int UNROLL>
+// SHARED (GB_SHARE): every round's A fragments come through the warp's group (mma_round); the chains are unchanged.
+template <int NB, int UNROLL, bool SHARED = false>
 __device__ __forceinline__ void split_chain_one_loop(float (&total)[NB][4], const ARows& rows,
-                                                     const uint4* const (&cols)[NB], int chunks, int q, bool& waited) {
+                                                     const uint4* const (&cols)[NB], int chunks, int q, bool& waited,
+                                                     AShare* share = nullptr) {
     constexpr int ROUND = MMA_KB * UNROLL;
     int zero, size;
     k_range(chunks, 0, zero, size);                                  // range 0: chunks 0 .. size - 1
@@ -1103,11 +1108,11 @@ __device__ __forceinline__ void split_chain_one_loop(float (&total)[NB][4], cons
     };
     int c0 = 0;
     for (; c0 + ROUND <= chunks; c0 += ROUND) {
-        mma_round<UNROLL, NB, false, false>(part, scale_part, tiles, cols, c0, chunks, q, waited);
+        mma_round<UNROLL, NB, false, false, 1, SHARED>(part, scale_part, tiles, cols, c0, chunks, q, waited, share);
         if ((c0 + ROUND) % size == 0 || c0 + ROUND == chunks) flush();
     }
     if (c0 < chunks) {                                               // the last range's partial last round
-        mma_round<UNROLL, NB, false, true>(part, scale_part, tiles, cols, c0, chunks, q, waited);
+        mma_round<UNROLL, NB, false, true, 1, SHARED>(part, scale_part, tiles, cols, c0, chunks, q, waited, share);
         flush();
     }
     for (; flushed < GB_KSPLIT; ++flushed)                           // empty ranges: + 0.0f each
@@ -1159,7 +1164,7 @@ __device__ __forceinline__ void gate_up_passes(const ARows& rows, const bf16_t* 
                                                                        rows.scale_hi, x_row, 0, chunks, q, unused,
                                                                        share);
 #elif GB_RANGE_FLUSH
-        split_chain_one_loop<NB, UNROLL>(acc, rows, x_row, chunks, q, unused);
+        split_chain_one_loop<NB, UNROLL, SHARED>(acc, rows, x_row, chunks, q, unused, share);
 #else
         int k_begin, k_end;
         k_range(chunks, 0, k_begin, k_end);

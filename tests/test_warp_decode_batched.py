@@ -190,12 +190,13 @@ def test_auto_knobs() -> None:
     assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8), **wdb.MMA_FP8_KNOBS, GB_NBLK=2)["HOT_NBLK"] == 0
     assert wdb.tile_pairs(fp8) == 16 and wdb.tile_pairs(wdb.resolve_params(None, **wdb.MMA_FP8_KNOBS)) == 8
     assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8), DB_MMA=1, DB_WARPS=4)["DB_WARPS"] == 4
-    # auto GB_SHARE / DB_SHARE: groups of 4 on bf16 from T*K >= 2E where the stage can share; FP8 0
+    # auto GB_SHARE / DB_SHARE: groups of 4 on bf16 from T*K >= 2E where the stage can share (the grouped path's split
+    # chains walk H in one loop: GB_RANGE_FLUSH); FP8 0
     share = {(knobs, t): tuple(wdb.resolve_params(Dims(t, 4096, 1536, 128, 8), **getattr(wdb, knobs))[k]
                                for k in ("GB_SHARE", "DB_SHARE"))
              for knobs in ("MMA_KNOBS", "GROUPED_KNOBS", "MMA_FP8_KNOBS") for t in (16, 32)}
     assert share == {("MMA_KNOBS", 16): (0, 0), ("MMA_KNOBS", 32): (4, 4), ("GROUPED_KNOBS", 16): (0, 0),
-                     ("GROUPED_KNOBS", 32): (0, 4), ("MMA_FP8_KNOBS", 16): (0, 0), ("MMA_FP8_KNOBS", 32): (0, 0)}
+                     ("GROUPED_KNOBS", 32): (4, 4), ("MMA_FP8_KNOBS", 16): (0, 0), ("MMA_FP8_KNOBS", 32): (0, 0)}
     assert wdb.resolve_params(Dims(32, 4096, 1536, 128, 8), **wdb.MMA_KNOBS, GB_WARPS=2)["GB_SHARE"] == 0
     # auto DB_BALANCE (-1 in the tensor-core knob sets): where the round-robin's last round is < 85 % full on average
     balance = {t: wdb.resolve_params(Dims(t, 2048, 768, 128, 8), **wdb.MIXED_KNOBS)["DB_BALANCE"]

@@ -319,17 +319,18 @@ SHARE_IDS = [[0, 1 if t < 20 else 2 if t < 32 else 3 + t % 3] for t in range(40)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("hot", "row_tiles"), [(0, 1), (2, 2)])
-def test_shared_widening_emulated(hot: int, row_tiles: int) -> None:
+@pytest.mark.parametrize(("hot", "row_tiles", "ksplit"), [(0, 1, 1), (2, 2, 1), (0, 1, 2)])
+def test_shared_widening_emulated(hot: int, row_tiles: int, ksplit: int) -> None:
     """GB_SHARE / DB_SHARE 2 / 4: a hot expert's tiles in groups of 2 / 4 whose warps share each round's A fragments
     in the gate_up and the grouped down (runs of 5, 3 and 2 tiles: groups of 4 + 1, 2 + 2 + 1, 2 + 1, 2) give the
     bits of every tile on its own, intermediate and out, on FP8 and bf16 weights, with warps past I (I = 144: 18
-    neuron groups in blocks of 4) and past H, with HOT_NBLK 2's 16-pair tiles and two row tiles per down warp; the
-    tile table's runs as the NumPy model has them."""
+    neuron groups in blocks of 4) and past H, with HOT_NBLK 2's 16-pair tiles, two row tiles per down warp, and the
+    batch-invariant form's split k chains walked in one loop (GB_KSPLIT 2, GB_RANGE_FLUSH); the tile table's runs as
+    the NumPy model has them."""
     base = make_problem(SHAPE_16, 40, seed=40, routing=SHARE_IDS)
     knobs = {**{k: v for k, v in wdb.MMA_FP8_KNOBS.items() if k != "W_FP8"}, "GB_NBLK": 1, "HOT_NBLK": hot,
              "DB_GROUPED": 1, "DB_ROW_TILES": row_tiles, "DB_WARPS": 4, "GB_SHARE": 0, "DB_SHARE": 0,
-             "LIST_THREADS": 32, "LIST_PER": 0}
+             "LIST_THREADS": 32, "LIST_PER": 0, "GB_KSPLIT": ksplit, **({"GB_UNROLL": 2} if ksplit > 1 else {})}
     for problem, w_fp8 in ((_fp8_problem(base), 1), (base, 0)):
         dims = _dims(problem)
         run = _emulate if w_fp8 else emulate_batched
@@ -337,8 +338,8 @@ def test_shared_widening_emulated(hot: int, row_tiles: int) -> None:
         for share in (2, 4):
             shared = {**knobs, "GB_SHARE": share, "DB_SHARE": share}
             resolved = wdb.resolve_params(dims, W_FP8=w_fp8, **shared)
-            assert (resolved["GB_WARPS"], resolved["DB_WARPS"], resolved["GB_KSPLIT"], wdb.tile_pairs(resolved)) == \
-                (4, 4, 1, 8 * max(1, hot))
+            assert (resolved["GB_WARPS"], resolved["DB_WARPS"], resolved["GB_KSPLIT"], resolved["GB_RANGE_FLUSH"],
+                    wdb.tile_pairs(resolved)) == (4, 4, ksplit, int(ksplit > 1), 8 * max(1, hot))
             got = run(problem, out_dtype=np.float32, **shared)
             tiles = expert_lists_numpy(problem.topk_ids, dims.experts, wdb.tile_pairs(resolved))
             _assert_lists_equal(_unpack_lists(got["lists"], dims), tiles)
@@ -347,8 +348,9 @@ def test_shared_widening_emulated(hot: int, row_tiles: int) -> None:
         if w_fp8:
             faithful, oracle = _references(problem, out_dtype=np.float32)
             _assert_matches(want["out"], faithful, oracle, "fp8 shared widening", own_order=True)
-    with pytest.raises(ValueError, match="GB_SHARE groups the tile table's tiles"):
-        wdb.resolve_params(dims, **{**knobs, "GB_SHARE": 2, "GB_KSPLIT": 2})
+    knobs = {**{k: v for k, v in knobs.items() if k != "GB_UNROLL"}, "GB_KSPLIT": 1}  # refusals: the single chain
+    with pytest.raises(ValueError, match="GB_SHARE groups .* one loop over H: it needs .* GB_RANGE_FLUSH 1"):
+        wdb.resolve_params(dims, **{**knobs, "GB_SHARE": 2, "GB_KSPLIT": 2, "GB_RANGE_FLUSH": 0})
     with pytest.raises(ValueError, match="GB_SHARE must be 2 or 4 and divide GB_WARPS"):
         wdb.resolve_params(dims, **{**knobs, "GB_SHARE": 4, "GB_WARPS": 2})
     with pytest.raises(ValueError, match="DB_SHARE groups the tile table's tiles of one expert in the grouped down"):
@@ -641,9 +643,10 @@ def test_gpu_hot_tiles_bitwise(model: str, tokens: int, routing: str) -> None:
                           ("qwen3-235b-a22b", 64, "zipf")])
 def test_gpu_shared_widening_bitwise(model: str, tokens: int, routing: str) -> None:
     """GB_SHARE / DB_SHARE 2 / 4 (a hot expert's tiles sharing each round's widened A fragments in the gate_up and
-    the grouped down; DB_SHARE 2 where the down has 2 warps) give the bits of no sharing on the tensor-core FP8 path
-    and on bf16 at the presets' widths (16 experts: runs of up to 4-8 tiles; 16-pair tiles at T = 64), every output
-    written (NaN-poisoned out and intermediate), repeatably, and match the reference."""
+    the grouped down; DB_SHARE 2 where the down has 2 warps) give the bits of no sharing on the tensor-core FP8 path,
+    on bf16 and on the batch-invariant grouped path's split k chains at the presets' widths (16 experts: runs of up
+    to 4-8 tiles; 16-pair tiles at T = 64), every output written (NaN-poisoned out and intermediate), repeatably,
+    and match the reference."""
     import cupy
 
     from kernels.shapes import get_shape
@@ -655,7 +658,7 @@ def test_gpu_shared_widening_bitwise(model: str, tokens: int, routing: str) -> N
     bf16 = _bf16_on_device(cupy, make_problem(run_shape, tokens, seed=tokens + 6, routing=routing))
     bf16_knobs = {k: v for k, v in wdb.MMA_FP8_KNOBS.items() if k != "W_FP8"}
     faithful, oracle = _references(host)
-    for on, knobs in ((problem, wdb.MMA_FP8_KNOBS), (bf16, bf16_knobs)):
+    for on, knobs in ((problem, wdb.MMA_FP8_KNOBS), (bf16, bf16_knobs), (bf16, wdb.GROUPED_KNOBS)):
         alone = _run_poisoned(cupy, on, **{**knobs, "GB_SHARE": 0, "DB_SHARE": 0})
         resolved = wdb.resolve_params(_dims(on), **knobs)
         assert resolved["DB_GROUPED"] == 1
