@@ -493,8 +493,8 @@ def share_shared_bytes(values: dict[str, int], stage: str) -> int:
 def share_unmet(values: dict[str, int], stage: str, share: int) -> str | None:
     """Why ``stage`` ("GB" / "DB") cannot run groups of ``share`` tiles with these resolved knobs (a ValueError's
     message), or None: the gate_up on the tile table walking H in one loop (a single k chain, or split chains with
-    GB_RANGE_FLUSH) / the grouped down with a tile in one pass, 2 or 4
-    dividing the stage's warps, the groups' buffers within 48 KB of static shared memory."""
+    GB_RANGE_FLUSH) / the grouped down with a tile in one pass, 2 or 4 dividing the stage's warps, the groups'
+    buffers within 48 KB of static shared memory."""
     one_loop = values["GB_KSPLIT"] == 1 or values["GB_RANGE_FLUSH"] == 1
     if stage == "GB" and not (values["GB_MMA"] and values["PAIR_TILES"] and one_loop):
         return ("GB_SHARE groups the tile table's tiles of one expert in the tensor-core gate_up's one loop over H: it "

@@ -67,11 +67,10 @@ CODE = WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + r"""
 //   its own warp (GB_WARPS / S neuron groups per block) and adds the partials through shared memory -- the same
 //   bits either way, with S times the warps at small T. S = 1 is the single chain over H.
 //   GB_SHARE 2 / 4 (tensor-core gate_up, PAIR_TILES, one k loop: GB_KSPLIT 1 or GB_RANGE_FLUSH): a hot expert's
-//   tiles in groups of up to GB_SHARE
-//   (share_group); a group of m tiles runs in its m block rows remapped so that each block holds W / m neuron groups
-//   x the m tiles, and the m warps of one neuron group share each round's A fragments: k block j of the round is
-//   loaded and widened by member j mod m alone and passed through shared memory (a_share, a block barrier per
-//   round). Each warp's mma chain is the one it runs alone: the same bits.
+//   tiles in groups of up to GB_SHARE (share_group); a group of m tiles runs in its m block rows remapped so that
+//   each block holds W / m neuron groups x the m tiles, and the m warps of one neuron group share each round's A
+//   fragments: k block j of the round is loaded and widened by member j mod m alone and passed through shared
+//   memory (a_share, a block barrier per round). Each warp's mma chains are the ones it runs alone: the same bits.
 static_assert(LIST_THREADS >= 32 && LIST_THREADS <= 1024 && LIST_THREADS % 32 == 0, "LIST_THREADS: 32..1024, x32");
 static_assert(LIST_PER >= 1 && LIST_PER <= 16, "LIST_PER must be 1..16");
 static_assert(GB_WARPS >= 1 && GB_WARPS <= 32 && DB_WARPS >= 1 && DB_WARPS <= 32, "WARPS must be 1..32");
