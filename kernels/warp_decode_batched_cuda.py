@@ -871,6 +871,14 @@ __device__ __forceinline__ void k_range(int chunks, int r, int& begin, int& end)
 // buffers of UNROLL k blocks x MMA_HALVES x RT row tiles x (rows g, rows g + 8) x 32 lanes), this warp's place in
 // the group and the round's buffer. Unused (nullptr) elsewhere.
 struct AShare { uint4* group; int member, members, parity; };
+// A share group's seat for warp w of a block of `warps`: its m (members) block rows from a - place hold
+// block_in_tile x m blocks of warps / m output units (8-neuron groups, 16-row tiles) x the m tiles, so warp w runs
+// unit `set` = w / m of this block (`first`: its index from the group's first block) on tile w mod m of the group.
+struct ShareSeat { int set, member, first; };
+__device__ __forceinline__ ShareSeat share_seat(int block_in_tile, int members, int place, int warps) {
+    const int w = threadIdx.x >> 5, set = w / members;
+    return {set, w % members, (block_in_tile * members + place) * (warps / members) + set};
+}
 #define SHARE_ROUND(unroll, rt) ((unroll) * MMA_HALVES * (rt) * 2 * 32)   // uint4s of one round buffer
 #define GB_SHARE_UNROLL (HOT_GB ? HOT_UNROLL(GB_UNROLL, GB_NBLK) : GB_UNROLL)
 #define DB_SHARE_UNROLL (HOT_DB ? HOT_UNROLL(DB_UNROLL, DB_NBLK) : DB_UNROLL)
@@ -1139,7 +1147,6 @@ __device__ __forceinline__ GateUpItem read_gate_up_item(const int* lists, int sl
 #endif
 }
 
-
 // A gate_up warp's passes over `count` pairs (pairs[0 .. count - 1]) of expert rows `rows`: NB 8-pair blocks per
 // pass, UNROLL k blocks of loads in flight per lane; lane (g, q) writes the intermediate of neuron i0 + g.
 // SHARED (GB_SHARE): one pass (count <= 8 NB) whose A fragments the warp's group shares (mma_round).
@@ -1224,14 +1231,13 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
     int members, place;
     share_group(item.run, GB_SHARE, members, place);
     if (members > 1 && item.expert < experts) {                      // block-uniform: a group of a hot expert's tiles
-        // its m block rows a - place .. hold per_slot x m blocks of W / m neuron groups x the m tiles: warp w runs
-        // neuron group w / m of this block on tile w mod m of the group. A warp past I computes the last row and
-        // writes nothing, so that every warp meets every barrier.
-        const int w = threadIdx.x >> 5, set = w / members, member = w % members;
-        const int i0 = (((blockIdx.x - a * per_slot) * members + place) * (GB_WARPS / members) + set) * 8;
-        const GateUpItem mine = read_gate_up_item(lists, slots, n_pairs, a - place + member);   // the same expert
+        // (share_seat: the warp's neuron group and tile). A warp past I computes the last row and writes nothing,
+        // so that every warp meets every barrier.
+        const ShareSeat seat = share_seat(blockIdx.x - a * per_slot, members, place, GB_WARPS);
+        const int i0 = seat.first * 8;
+        const GateUpItem mine = read_gate_up_item(lists, slots, n_pairs, a - place + seat.member);   // same expert
         const ARows rows = w13_rows(w13, s13, item.expert, min(i0 + g, inter - 1), hidden, inter);
-        AShare share{a_share[set], member, members, 0};
+        AShare share{a_share[seat.set], seat.member, members, 0};
         gate_up_passes<HOT_GB ? HOT_NBLK : GB_NBLK, GB_SHARE_UNROLL, true>(rows, x, mine.pairs, mine.count,
                                                                            intermediate, hidden, inter, top_k, i0, g,
                                                                            q, &share);
@@ -1500,11 +1506,11 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
     int members = 1, place = 0;
     if (good) share_group(__ldg(TILE_ARRAY(3) + a), DB_SHARE, members, place);
     if (members > 1) {                                               // block-uniform: a group of a hot expert's tiles
-        // as gate_up's groups: warp w runs row group w / m of this block on tile w mod m of the group; a warp past H
-        // computes the last rows and writes nothing, so that every warp meets every barrier
-        const int w = threadIdx.x >> 5, set = w / members, member = w % members;
-        const int rows0 = (((blockIdx.x - a * per_tile) * members + place) * (DB_WARPS / members) + set) * WARP_ROWS;
-        const int mine = a - place + member;                         // the same expert's tile
+        // as gate_up's groups (share_seat: the warp's row tile and tile); a warp past H computes the last rows and
+        // writes nothing, so that every warp meets every barrier
+        const ShareSeat seat = share_seat(blockIdx.x - a * per_tile, members, place, DB_WARPS);
+        const int rows0 = seat.first * WARP_ROWS;
+        const int mine = a - place + seat.member;                    // the same expert's tile
         const int* tile_pairs = sorted_pairs(lists, slots) + __ldg(TILE_ARRAY(1) + mine);
         const int mine_count = __ldg(TILE_ARRAY(2) + mine);
 #if !DOWN_WAITS_LATE
@@ -1517,7 +1523,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
         for (int t = 0; t < DB_ROW_TILES; ++t)
             tiles[t] = w2_rows(w2, s2, e, min(rows0 + 16 * t + g, hidden - 1),
                                min(rows0 + 16 * t + g + 8, hidden - 1), hidden, inter);
-        AShare share{a_share[set], member, members, 0};
+        AShare share{a_share[seat.set], seat.member, members, 0};
         down_grouped_passes<HOT_DB ? HOT_NBLK : DB_NBLK, DB_SHARE_UNROLL, DB_ROW_TILES, true>(
             tiles, tile_pairs, mine_count, intermediate, topk_weights, pair_out, hidden, inter, rows0, g, q, waited,
             &share);
