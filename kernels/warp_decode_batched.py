@@ -137,10 +137,12 @@ MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pd
 MMA_WIDE_DOWN_WARPS = 24
 MMA_UNROLL = 4  # auto GB_UNROLL / DB_UNROLL of the tensor-core kernels: k blocks of loads in flight (DB: 2 at 64-wide)
 MMA_WIDE_DOWN_FROM = 32
-# The bf16 split-chain gate_up (the grouped invariant path) with one 8-pair block, where GB_MAX_REGS is left at its
-# default: 96 registers keep 5 blocks of 4 warps per SM, spill-free; 2 % faster at qwen3-30b / qwen3-235b T = 4 / 16
-# (H200, results/sweep-2026-12-02-whole-rounds-grouped-regs-*.json; two 8-pair blocks spill under it)
-SPLIT_GATE_UP_REGS = 96
+# The bf16 tensor-core gate_up on the tile table, where GB_MAX_REGS is left at its default: 96 registers keep 5 blocks
+# of 4 warps per SM (4 at the 106-120 it takes uncapped), spill-free for split chains with one 8-pair block and for
+# a single chain with two (a split chain with two spills under it): the split chains 2 % faster at qwen3-30b /
+# qwen3-235b T = 4 / 16 (H200, results/sweep-2026-12-02-whole-rounds-grouped-regs-*.json), the single chain with
+# two blocks 0.8-1.6 % faster at T = 64, both models and routings (sweep-2026-12-03-mma-bf16-gate-up-regs-*.json)
+GATE_UP_REGS = 96
 PAIR_FULL_WARPS = 64 * 132  # the per-pair gate_up's warps from which 2 k blocks in flight beat 4 (the H200's 132 SMs)
 GROUPED_DOWN_WARPS = 4  # auto DB_WARPS of the grouped down: 4 warps x 16 rows of one tile per block, as gate_up's
 FP8_WIDE_GROUPED_DOWN_WARPS = 2  # ... on FP8 weights at I >= ROW_TILES_FROM_INTER (auto_down_warps)
@@ -178,26 +180,30 @@ def auto_down_tile(dims: Dims) -> int:
 
 
 def experts_average_four_pairs(dims: Dims) -> bool:
-    """T*K >= 4E (qwen3: T >= 64): where a second 8-pair block per pass pays (bf16 always, FP8 for hot tiles)."""
+    """T*K >= 4E (qwen3: T >= 64): where a hot tile's two-block pass pays on FP8 weights (auto_hot_nblk)."""
     return dims.tokens * dims.top_k >= 4 * dims.experts
 
 
-def auto_nblk(dims: Dims, fp8: bool = False) -> int:
-    """The tensor-core gate_up's 8-pair blocks per pass: bf16 2 once an expert averages 4 or more pairs (T*K/E >= 4,
-    qwen3 T >= 64), else 1 (H200 sweeps: results/sweep-mma-30b-t64.json and the ones notes/ cite). FP8 weights 1:
-    a second block's x fragments cost the registers the widening needs, and the grouped down's second block its
+def auto_nblk() -> int:
+    """The tensor-core gate_up's 8-pair blocks per pass where auto: 1, on bf16 and FP8 weights at every T. FP8: a
+    second block's x fragments cost the registers the widening needs, and the grouped down's second block its
     occupancy (H200, T = 64, uniform: the tensor-core FP8 path qwen3-30b 199.7 -> 169.5 us, qwen3-235b 740.0 ->
     612.3, results/sweep-2026-12-02-fp8-nblk-*.json; the grouped FP8 path 209.6 -> 167.1 and 747.2 -> 602.5,
-    results/sweep-2026-12-02-fp8-grouped-nblk-*.json)."""
-    return 2 if not fp8 and experts_average_four_pairs(dims) else 1
+    results/sweep-2026-12-02-fp8-grouped-nblk-*.json). bf16 took 2 from T*K >= 4E until the hot experts' tiles shared
+    one widening (GB_SHARE / DB_SHARE) and the grouped down ran whole ranges with one block: since then one block is
+    as fast or faster at T = 64 (H200, results/sweep-2026-12-03-nblk-t64-*.json, two blocks under GATE_UP_REGS):
+    the tensor-core path at qwen3-235b 1098 -> 1085 us uniform, 899 -> 898 Zipf; the grouped (batch-invariant) path
+    1112 -> 1079 at qwen3-235b and 293 -> 285.5 at qwen3-30b uniform, within 0.5 % under Zipf."""
+    return 1
 
 
 def auto_hot_nblk(dims: Dims | None, values: dict[str, int]) -> int:
     """HOT_NBLK where auto (-1): 2 for FP8 weights on the tile table with one 8-pair block per pass once an expert
     averages 4 pairs (T*K >= 4E, qwen3 T >= 64), else 0. H200, Zipf routing (results/sweep-2026-12-02-hot-nblk-*.json):
     at T = 64 the tensor-core FP8 path 568.5 -> 533.8 us at qwen3-235b, the grouped FP8 path 573.6 -> 541.4 and 154.8
-    -> 149.3 at qwen3-30b; at T = 32 within +-2 %; uniform T = 64 606.0 -> 613.4 (+1.2 %). bf16: within 1 % at 2
-    (its two-block passes from T = 64 already cover most hot tiles), 4 costs occupancy."""
+    -> 149.3 at qwen3-30b; at T = 32 within +-2 %; uniform T = 64 606.0 -> 613.4 (+1.2 %). bf16 0: with one block
+    per pass 2 moved T = 64 by -1.4 to +2.1 % (results/sweep-2026-12-03-nblk-t64-*.json: the grouped path qwen3-235b
+    Zipf 908.5 -> 894.5 us, qwen3-30b Zipf 236.4 -> 240.8; the tensor-core path within 0.5 %), 4 costs occupancy."""
     if dims is None or not (values["W_FP8"] and values["PAIR_TILES"] and values["GB_NBLK"] == 1):
         return 0
     return 2 if experts_average_four_pairs(dims) else 0
@@ -310,7 +316,7 @@ def auto_mma_gate_up_unroll(dims: Dims, values: dict[str, int]) -> int:
     * the per-pair form on bf16: 4 while its warps (T*K pairs x I/8 neuron groups x GB_KSPLIT ranges) number fewer
       than PAIR_FULL_WARPS, 2 from there -- qwen3-30b T = 1 23.1 vs 23.7 us, T = 2 38.5 vs 40.3; qwen3-235b T = 1
       73.8 vs 75.4;
-    * FP8 16-value loads with split chains and two 8-pair blocks (set by hand: auto_nblk gives FP8 one): 2, which
+    * FP8 16-value loads with split chains and two 8-pair blocks (set by hand: auto_nblk gives one): 2, which
       stays under the 128-register cap (4 spilled) -- qwen3-30b T = 64 218.7 vs 222.8 us, qwen3-235b 788.8 vs 809.8;
     * else MMA_UNROLL.
     """
@@ -320,6 +326,15 @@ def auto_mma_gate_up_unroll(dims: Dims, values: dict[str, int]) -> int:
     if values["FP8_LOAD16"] and values["GB_KSPLIT"] > 1 and values["GB_NBLK"] > 1:
         return MMA_UNROLL // 2
     return MMA_UNROLL
+
+
+def gate_up_fits_96(values: dict[str, int]) -> bool:
+    """Whether the bf16 tensor-core gate_up on the tile table takes GATE_UP_REGS: split k chains with one 8-pair
+    block per pass, or a single chain with two (what compiles spill-free under it at every preset)."""
+    if not values["GB_MMA"] or values["PER_PAIR"] or values["W_FP8"]:
+        return False
+    split, blocks = values["GB_KSPLIT"] > 1, values["GB_NBLK"]
+    return blocks == 1 if split else blocks == 2 and bool(values["PAIR_TILES"])
 
 
 def auto_down_unroll(dims: Dims, params: dict[str, int]) -> int:
@@ -650,7 +665,7 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
     if values["DB_UNROLL"] == 0:
         values["DB_UNROLL"] = auto_down_unroll(dims, values)
     if values["GB_NBLK"] == 0:
-        values["GB_NBLK"] = auto_nblk(dims, bool(values["W_FP8"]))
+        values["GB_NBLK"] = auto_nblk()
     if values["DB_NBLK"] == 0:  # the grouped down: a tile's pairs in one pass (H200, results/sweep-2026-12-01-mma-
         # nblk-*.json: qwen3-235b Zipf T = 64 975 -> 940 us, qwen3-30b 245 -> 241; uniform within 0.5 %)
         values["DB_NBLK"] = values["GB_NBLK"] if values["DB_GROUPED"] else 1
@@ -670,9 +685,8 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         f"compiles the grouped down's whole rounds only, with no masked round: it needs bf16 weights, DB_GROUPED 1 "
         f"and I / 8 a multiple of 4 x DB_UNROLL, got W_FP8 {values['W_FP8']}, DB_GROUPED {values['DB_GROUPED']}, "
         f"I = {dims.intermediate}, DB_UNROLL {values['DB_UNROLL']}"))
-    if values["GB_MMA"] and values["GB_KSPLIT"] > 1 and not (values["PER_PAIR"] or values["W_FP8"]) and \
-            values["GB_NBLK"] == 1 and values["GB_MAX_REGS"] == DEFAULTS["GB_MAX_REGS"]:
-        values["GB_MAX_REGS"] = SPLIT_GATE_UP_REGS
+    if values["GB_MAX_REGS"] == DEFAULTS["GB_MAX_REGS"] and gate_up_fits_96(values):
+        values["GB_MAX_REGS"] = GATE_UP_REGS
     if values["DB_ROW_TILES"] == 0:
         values["DB_ROW_TILES"] = auto_row_tiles(dims, values)
     if mma_down_unroll_auto:

@@ -178,8 +178,8 @@ def test_auto_knobs() -> None:
     assert wdb.resolve_params(Dims(32, 2048, 768, 128, 8), **wdb.MIXED_KNOBS, DB_MAX_REGS=96)["DB_WARPS"] == 16
     assert wdb.resolve_params(Dims(200, 2048, 768, 128, 8), **wdb.MIXED_KNOBS)["DB_WARPS"] == 16  # partials: 307 KB
     assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8))["DB_WARPS"] == 4  # the FMA down
-    assert [wdb.resolve_params(Dims(t, 2048, 768, 128, 8), GB_MMA=1)["GB_NBLK"] for t in (32, 64)] == [1, 2]
-    assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8), GB_MMA=1, GB_NBLK=1)["GB_NBLK"] == 1
+    assert [wdb.resolve_params(Dims(t, 2048, 768, 128, 8), GB_MMA=1)["GB_NBLK"] for t in (32, 64)] == [1, 1]
+    assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8), GB_MMA=1, GB_NBLK=2)["GB_NBLK"] == 2
     fp8 = wdb.resolve_params(Dims(64, 2048, 768, 128, 8), **wdb.MMA_KNOBS, W_FP8=1)  # FP8: one block, byte permute
     assert (fp8["GB_NBLK"], fp8["DB_NBLK"], fp8["FP8_PRMT"], fp8["DB_ROW_TILES"]) == (1, 1, 2, 1)  # I = 768: one tile
     # auto HOT_NBLK: 2 on FP8 from T*K >= 4E (qwen3 T = 64: a hot tile in one two-block pass), else 0; bf16 0
@@ -212,7 +212,8 @@ def test_auto_knobs() -> None:
 def test_tensor_core_gate_up_rounds_and_register_cap() -> None:
     """The tensor-core gate_up's rules from the dims: the per-pair bf16 form keeps 4 k blocks in flight below
     PAIR_FULL_WARPS warps, 2 from there; the FP8 split chains with two 8-pair blocks (set by hand) take 2; the bf16
-    split-chain gate_up with one 8-pair block runs under SPLIT_GATE_UP_REGS; an explicit knob wins over a rule."""
+    tensor-core gate_up runs under GATE_UP_REGS with split chains and one 8-pair block or one chain and two (not
+    with split chains and two: they spill there); an explicit knob wins over a rule."""
     def gate_up(knobs: dict[str, int], tokens: int, hidden: int = 2048, inter: int = 768, **extra: int) -> tuple:
         r = wdb.resolve_params(Dims(tokens, hidden, inter, 128, 8), **{**knobs, **extra})
         return r["GB_UNROLL"], r["GB_MAX_REGS"]
@@ -225,9 +226,13 @@ def test_tensor_core_gate_up_rounds_and_register_cap() -> None:
     assert [gate_up(wdb.FP8_GROUPED_KNOBS, t)[0] for t in (16, 64)] == [4, 4]  # FP8: one 8-pair block per pass
     assert gate_up(wdb.FP8_GROUPED_KNOBS, 64, GB_NBLK=2)[0] == 2  # two blocks: 2, under the register cap
     assert [gate_up(wdb.MMA_FP8_KNOBS, t)[0] for t in (16, 64)] == [4, 4]  # one chain: no spills at 4
-    assert [gate_up(wdb.GROUPED_KNOBS, t) for t in (4, 64)] == [(4, wdb.SPLIT_GATE_UP_REGS), (4, 128)]
+    assert [gate_up(wdb.GROUPED_KNOBS, t) for t in (4, 64)] == [(4, wdb.GATE_UP_REGS)] * 2
+    assert gate_up(wdb.GROUPED_KNOBS, 64, GB_NBLK=2) == (4, 128)  # split chains with two blocks spill under 96
+    assert [gate_up(wdb.MMA_KNOBS, t)[1] for t in (4, 64)] == [128, 128]  # one chain, one block: 80 registers
+    assert gate_up(wdb.MMA_KNOBS, 64, GB_NBLK=2)[1] == wdb.GATE_UP_REGS  # one chain, two blocks
     assert gate_up(wdb.GROUPED_KNOBS, 4, GB_MAX_REGS=0)[1] == 0
-    assert gate_up(wdb.FP8_GROUPED_KNOBS, 4)[1] == 128 and gate_up(wdb.MMA_KNOBS, 4)[1] == 128
+    assert gate_up(wdb.MMA_KNOBS, 64, GB_MAX_REGS=120)[1] == 120
+    assert gate_up(wdb.FP8_GROUPED_KNOBS, 4)[1] == 128 and gate_up(wdb.MMA_FP8_KNOBS, 64, GB_NBLK=2)[1] == 128
     assert wdb.resolve_params(None, **wdb.PER_PAIR_KNOBS)["GB_UNROLL"] == wdb.MMA_UNROLL  # no dims: the default
 
 
@@ -1048,13 +1053,14 @@ def test_grouped_tensor_core_path_is_batch_invariant_emulated(rng: np.random.Gen
     seed = _seed(rng)
     base = make_problem(shape, 16, seed=seed)
     probe = make_problem(shape, 1, seed=seed + 1)
+    two_blocks = {**wdb.GROUPED_KNOBS, "GB_NBLK": 2}  # 16-pair tiles: a work knob, the same bits
     rows = _probe_rows(base, probe, seed, ((1, 0, "uniform", wdb.GROUPED_KNOBS), (3, 1, "uniform", wdb.GROUPED_KNOBS),
-                                           (8, 5, "same", wdb.GROUPED_KNOBS), (16, 11, "zipf", wdb.GROUPED_KNOBS),
+                                           (8, 5, "same", wdb.GROUPED_KNOBS), (16, 11, "zipf", two_blocks),
                                            (1, 0, "uniform", wdb.PER_PAIR_KNOBS), (5, 3, "zipf", wdb.PER_PAIR_KNOBS),
                                            (5, 3, "zipf", {**wdb.PER_PAIR_KNOBS, "PAIRS_INNER": 1})),
                        out_dtype=np.float32)
     assert wdb.resolve_params(Dims(16, shape.hidden, shape.intermediate, shape.experts, shape.top_k),
-                              **wdb.GROUPED_KNOBS)["GB_NBLK"] == 2  # the 16-token batch runs 16-pair tiles
+                              **two_blocks)["DB_NBLK"] == 2  # the 16-token batch runs 16-pair tiles
     for row in rows[1:]:  # the per-pair path (no lists, a token per down block) gives the grouped path's bits
         assert np.array_equal(row, rows[0])
 
@@ -1099,8 +1105,9 @@ def test_whole_ranges_emulated(rng: np.random.Generator) -> None:
     auto = {**ALIGNED_GROUPED, "DB_WHOLE_RANGES": -1}
     assert [resolved(ALIGNED_SHAPE, **auto), resolved(ALIGNED_SHAPE, **{**auto, "DB_UNROLL": 4}),
             resolved(ALIGNED_SHAPE, **{**auto, "GB_NBLK": 2}), resolved(PRESETS["tiny"], **auto)] == [1, 0, 0, 0]
-    qwen = PRESETS["qwen3-30b-a3b"]  # I = 768: 96 chunks; two 8-pair blocks from T = 64
-    assert [resolved(qwen, t, **wdb.GROUPED_KNOBS) for t in (1, 16, 64)] == [1, 1, 0]
+    qwen = PRESETS["qwen3-30b-a3b"]  # I = 768: 96 chunks; one 8-pair block at every T unless set
+    assert [resolved(qwen, t, **wdb.GROUPED_KNOBS) for t in (1, 16, 64)] == [1, 1, 1]
+    assert resolved(qwen, 64, **{**wdb.GROUPED_KNOBS, "GB_NBLK": 2}) == 0
     assert [resolved(qwen, 16, **k) for k in (wdb.MMA_KNOBS, wdb.FP8_GROUPED_KNOBS, wdb.PER_PAIR_KNOBS)] == [0, 0, 0]
     with pytest.raises(ValueError, match="DB_WHOLE_RANGES 1 compiles the grouped down's whole rounds only"):
         resolved(PRESETS["tiny"], **{**ALIGNED_GROUPED, "DB_WHOLE_RANGES": 1})  # I = 48: 6 chunks
@@ -1168,7 +1175,7 @@ def test_split_k_forms_agree_and_are_batch_invariant_emulated(rng: np.random.Gen
     probe = make_problem(shape, 1, seed=seed + 1)
     grouped = {**wdb.GROUPED_KNOBS, "GB_KSPLIT": 4}
     pairs = {**wdb.PER_PAIR_KNOBS, "GB_KSPLIT": 4, "GB_WARPS": 4}
-    rows = _probe_rows(base, probe, seed, ((1, 0, "uniform", pairs), (16, 11, "zipf", grouped),
+    rows = _probe_rows(base, probe, seed, ((1, 0, "uniform", pairs), (16, 11, "zipf", {**grouped, "GB_NBLK": 2}),
                                            (3, 1, "uniform", grouped), (5, 3, "zipf", pairs)), out_dtype=np.float32)
     for row in rows[1:]:
         assert np.array_equal(row, rows[0])

@@ -645,8 +645,8 @@ def test_gpu_shared_widening_bitwise(model: str, tokens: int, routing: str) -> N
     """GB_SHARE / DB_SHARE 2 / 4 (a hot expert's tiles sharing each round's widened A fragments in the gate_up and
     the grouped down; DB_SHARE 2 where the down has 2 warps) give the bits of no sharing on the tensor-core FP8 path,
     on bf16 and on the batch-invariant grouped path's split k chains at the presets' widths (16 experts: runs of up
-    to 4-8 tiles; 16-pair tiles at T = 64), every output written (NaN-poisoned out and intermediate), repeatably,
-    and match the reference."""
+    to 4-8 tiles; 16-pair tiles at T = 64, on bf16 by hand), every output written (NaN-poisoned out and
+    intermediate), repeatably, and match the reference."""
     import cupy
 
     from kernels.shapes import get_shape
@@ -658,7 +658,8 @@ def test_gpu_shared_widening_bitwise(model: str, tokens: int, routing: str) -> N
     bf16 = _bf16_on_device(cupy, make_problem(run_shape, tokens, seed=tokens + 6, routing=routing))
     bf16_knobs = {k: v for k, v in wdb.MMA_FP8_KNOBS.items() if k != "W_FP8"}
     faithful, oracle = _references(host)
-    for on, knobs in ((problem, wdb.MMA_FP8_KNOBS), (bf16, bf16_knobs), (bf16, wdb.GROUPED_KNOBS)):
+    for on, knobs in ((problem, wdb.MMA_FP8_KNOBS), (bf16, bf16_knobs), (bf16, wdb.GROUPED_KNOBS),
+                      (bf16, {**wdb.GROUPED_KNOBS, "GB_NBLK": 2})):
         alone = _run_poisoned(cupy, on, **{**knobs, "GB_SHARE": 0, "DB_SHARE": 0})
         resolved = wdb.resolve_params(_dims(on), **knobs)
         assert resolved["DB_GROUPED"] == 1
