@@ -137,12 +137,17 @@ MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pd
 MMA_WIDE_DOWN_WARPS = 24
 MMA_UNROLL = 4  # auto GB_UNROLL / DB_UNROLL of the tensor-core kernels: k blocks of loads in flight (DB: 2 at 64-wide)
 MMA_WIDE_DOWN_FROM = 32
-# The bf16 tensor-core gate_up on the tile table, where GB_MAX_REGS is left at its default: 96 registers keep 5 blocks
-# of 4 warps per SM (4 at the 106-120 it takes uncapped), spill-free for split chains with one 8-pair block and for
-# a single chain with two (a split chain with two spills under it): the split chains 2 % faster at qwen3-30b /
-# qwen3-235b T = 4 / 16 (H200, results/sweep-2026-12-02-whole-rounds-grouped-regs-*.json), the single chain with
-# two blocks 0.8-1.6 % faster at T = 64, both models and routings (sweep-2026-12-03-mma-bf16-gate-up-regs-*.json)
-GATE_UP_REGS = 96
+# The bf16 tensor-core kernels on the tile table, where GB_MAX_REGS / DB_MAX_REGS are left at their defaults: 96
+# registers keep 5 blocks of 4 warps per SM (4 at the 106-120 they take uncapped), spill-free for the gate_up's
+# split chains with one 8-pair block and its single chain with two (a split chain with two spills under it), and for
+# the grouped down's hot two-block passes: the split chains 2 % faster at qwen3-30b / qwen3-235b T = 4 / 16 (H200,
+# results/sweep-2026-12-02-whole-rounds-grouped-regs-*.json), the single chain with two blocks 0.8-1.6 % faster at
+# T = 64, both models and routings (sweep-2026-12-03-mma-bf16-gate-up-regs-*.json); with hot passes (auto_hot_nblk)
+# at qwen3-235b Zipf T = 64 the tensor-core path 863.3 us with both capped, 871.0 the gate_up alone, 875.9 the down
+# alone, 880.6 neither (879.0 without hot passes); the grouped path 866.0 capped, 870.4 not
+# (sweep-2026-12-03-hot-regs-*.json)
+PASS_REGS = 96
+HOT_EXPERT_BYTES = 16 << 20  # auto_hot_nblk: bf16 hot tiles where an expert's gate_up rows reach this
 PAIR_FULL_WARPS = 64 * 132  # the per-pair gate_up's warps from which 2 k blocks in flight beat 4 (the H200's 132 SMs)
 GROUPED_DOWN_WARPS = 4  # auto DB_WARPS of the grouped down: 4 warps x 16 rows of one tile per block, as gate_up's
 FP8_WIDE_GROUPED_DOWN_WARPS = 2  # ... on FP8 weights at I >= ROW_TILES_FROM_INTER (auto_down_warps)
@@ -191,22 +196,31 @@ def auto_nblk() -> int:
     612.3, results/sweep-2026-12-02-fp8-nblk-*.json; the grouped FP8 path 209.6 -> 167.1 and 747.2 -> 602.5,
     results/sweep-2026-12-02-fp8-grouped-nblk-*.json). bf16 took 2 from T*K >= 4E until the hot experts' tiles shared
     one widening (GB_SHARE / DB_SHARE) and the grouped down ran whole ranges with one block: since then one block is
-    as fast or faster at T = 64 (H200, results/sweep-2026-12-03-nblk-t64-*.json, two blocks under GATE_UP_REGS):
+    as fast or faster at T = 64 (H200, results/sweep-2026-12-03-nblk-t64-*.json, two blocks under PASS_REGS):
     the tensor-core path at qwen3-235b 1098 -> 1085 us uniform, 899 -> 898 Zipf; the grouped (batch-invariant) path
     1112 -> 1079 at qwen3-235b and 293 -> 285.5 at qwen3-30b uniform, within 0.5 % under Zipf."""
     return 1
 
 
 def auto_hot_nblk(dims: Dims | None, values: dict[str, int]) -> int:
-    """HOT_NBLK where auto (-1): 2 for FP8 weights on the tile table with one 8-pair block per pass once an expert
-    averages 4 pairs (T*K >= 4E, qwen3 T >= 64), else 0. H200, Zipf routing (results/sweep-2026-12-02-hot-nblk-*.json):
-    at T = 64 the tensor-core FP8 path 568.5 -> 533.8 us at qwen3-235b, the grouped FP8 path 573.6 -> 541.4 and 154.8
-    -> 149.3 at qwen3-30b; at T = 32 within +-2 %; uniform T = 64 606.0 -> 613.4 (+1.2 %). bf16 0: with one block
-    per pass 2 moved T = 64 by -1.4 to +2.1 % (results/sweep-2026-12-03-nblk-t64-*.json: the grouped path qwen3-235b
-    Zipf 908.5 -> 894.5 us, qwen3-30b Zipf 236.4 -> 240.8; the tensor-core path within 0.5 %), 4 costs occupancy."""
-    if dims is None or not (values["W_FP8"] and values["PAIR_TILES"] and values["GB_NBLK"] == 1):
+    """HOT_NBLK where auto (-1), on the tensor-core tile table with one 8-pair block per pass, else 0:
+    - FP8 weights: 2 once an expert averages 4 pairs (T*K >= 4E, qwen3 T >= 64). H200, Zipf routing
+      (results/sweep-2026-12-02-hot-nblk-*.json): at T = 64 the tensor-core FP8 path 568.5 -> 533.8 us at qwen3-235b,
+      the grouped FP8 path 573.6 -> 541.4 and 154.8 -> 149.3 at qwen3-30b; T = 32 within +-2 %; uniform T = 64 +1.2 %.
+    - bf16 weights: 2 from T*K >= E with the grouped down, where an expert's gate_up rows are large (2*I*H bf16 >=
+      HOT_EXPERT_BYTES: qwen3-235b's 24 MiB, not qwen3-30b's 6 MiB), with the passes held to 96 registers
+      (gate_up_fits_96, down_fits_96). H200 (results/sweep-2026-12-03-hot-*.json), Zipf at qwen3-235b: the grouped
+      path T = 16 / 32 / 64 530.2 / 682.0 / 884.6 -> 520.4 / 671.1 / 866.0 us, the tensor-core path T = 32 / 64
+      676.3 / 879.0 -> 669.9 / 863.3; uniform T = 64 within 0.1 % (grouped), 1069.6 -> 1059.3 (tensor-core);
+      mixtral-8x7b uniform T = 64 896.3 -> 786.6 (tensor-core), 930.9 -> 798.0 (grouped), T = 8 within 0.5 %.
+      Not qwen3-30b (grouped -0.4 to +0.3 %, tensor-core +0.9 / +1.2 % at Zipf T = 32 / 64), nor the balanced
+      (not grouped) down: the tensor-core path at qwen3-235b Zipf T = 16 536.6 -> 550.2."""
+    if dims is None or not (values["GB_MMA"] and values["PAIR_TILES"] and values["GB_NBLK"] == 1):
         return 0
-    return 2 if experts_average_four_pairs(dims) else 0
+    if values["W_FP8"]:
+        return 2 if experts_average_four_pairs(dims) else 0
+    large = 2 * dims.intermediate * dims.hidden * 2 >= HOT_EXPERT_BYTES
+    return 2 if large and values["DB_GROUPED"] and dims.tokens * dims.top_k >= dims.experts else 0
 
 
 def fp8_on_tensor_cores(values: dict[str, int]) -> bool:
@@ -329,12 +343,20 @@ def auto_mma_gate_up_unroll(dims: Dims, values: dict[str, int]) -> int:
 
 
 def gate_up_fits_96(values: dict[str, int]) -> bool:
-    """Whether the bf16 tensor-core gate_up on the tile table takes GATE_UP_REGS: split k chains with one 8-pair
-    block per pass, or a single chain with two (what compiles spill-free under it at every preset)."""
+    """Whether the bf16 tensor-core gate_up on the tile table takes PASS_REGS: split k chains with one 8-pair block
+    per pass, or a single chain whose widest pass (GB_NBLK or HOT_NBLK) has two (what compiles spill-free under it
+    at every preset)."""
     if not values["GB_MMA"] or values["PER_PAIR"] or values["W_FP8"]:
         return False
-    split, blocks = values["GB_KSPLIT"] > 1, values["GB_NBLK"]
-    return blocks == 1 if split else blocks == 2 and bool(values["PAIR_TILES"])
+    if values["GB_KSPLIT"] > 1:
+        return values["GB_NBLK"] == 1
+    return max(values["GB_NBLK"], values["HOT_NBLK"]) == 2 and bool(values["PAIR_TILES"])
+
+
+def down_fits_96(values: dict[str, int]) -> bool:
+    """Whether the bf16 grouped down takes PASS_REGS: one 8-pair block per pass with hot tiles in two (116 registers
+    uncapped, 4 blocks per SM; spill-free under 96 at every preset)."""
+    return bool(values["DB_GROUPED"] and not values["W_FP8"] and values["DB_NBLK"] == 1 and values["HOT_NBLK"] == 2)
 
 
 def auto_down_unroll(dims: Dims, params: dict[str, int]) -> int:
@@ -686,7 +708,9 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         f"and I / 8 a multiple of 4 x DB_UNROLL, got W_FP8 {values['W_FP8']}, DB_GROUPED {values['DB_GROUPED']}, "
         f"I = {dims.intermediate}, DB_UNROLL {values['DB_UNROLL']}"))
     if values["GB_MAX_REGS"] == DEFAULTS["GB_MAX_REGS"] and gate_up_fits_96(values):
-        values["GB_MAX_REGS"] = GATE_UP_REGS
+        values["GB_MAX_REGS"] = PASS_REGS
+    if values["DB_MAX_REGS"] == DEFAULTS["DB_MAX_REGS"] and down_fits_96(values):
+        values["DB_MAX_REGS"] = PASS_REGS
     if values["DB_ROW_TILES"] == 0:
         values["DB_ROW_TILES"] = auto_row_tiles(dims, values)
     if mma_down_unroll_auto:

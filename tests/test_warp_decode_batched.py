@@ -182,11 +182,21 @@ def test_auto_knobs() -> None:
     assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8), GB_MMA=1, GB_NBLK=2)["GB_NBLK"] == 2
     fp8 = wdb.resolve_params(Dims(64, 2048, 768, 128, 8), **wdb.MMA_KNOBS, W_FP8=1)  # FP8: one block, byte permute
     assert (fp8["GB_NBLK"], fp8["DB_NBLK"], fp8["FP8_PRMT"], fp8["DB_ROW_TILES"]) == (1, 1, 2, 1)  # I = 768: one tile
-    # auto HOT_NBLK: 2 on FP8 from T*K >= 4E (qwen3 T = 64: a hot tile in one two-block pass), else 0; bf16 0
+    # auto HOT_NBLK: 2 on FP8 from T*K >= 4E (qwen3 T = 64: a hot tile in one two-block pass), else 0
     hot = {(knobs, t): wdb.resolve_params(Dims(t, 2048, 768, 128, 8), **getattr(wdb, knobs))["HOT_NBLK"]
            for knobs in ("MMA_FP8_KNOBS", "FP8_GROUPED_KNOBS", "MMA_KNOBS", "FP8_PER_PAIR_KNOBS") for t in (32, 64)}
     assert [hot[k, t] for k in ("MMA_FP8_KNOBS", "FP8_GROUPED_KNOBS") for t in (32, 64)] == [0, 2, 0, 2]
-    assert hot["MMA_KNOBS", 64] == hot["FP8_PER_PAIR_KNOBS", 64] == 0
+    assert hot["MMA_KNOBS", 64] == hot["FP8_PER_PAIR_KNOBS", 64] == 0  # qwen3-30b bf16: 6 MiB experts
+    # bf16 from T*K >= E with the grouped down (the tensor-core path's from T*K >= 2E) where an expert's gate_up rows
+    # reach HOT_EXPERT_BYTES (qwen3-235b), under the 96 caps
+    big = {(knobs, t): wdb.resolve_params(Dims(t, 4096, 1536, 128, 8), **getattr(wdb, knobs))
+           for knobs in ("MMA_KNOBS", "GROUPED_KNOBS", "PER_PAIR_KNOBS") for t in (8, 16, 32, 64)}
+    assert [big[k, t]["HOT_NBLK"] for k in ("MMA_KNOBS", "GROUPED_KNOBS", "PER_PAIR_KNOBS") for t in (8, 16, 32, 64)
+            ] == [0, 0, 2, 2, 0, 2, 2, 2, 0, 0, 0, 0]
+    assert [(big[k, 64]["GB_MAX_REGS"], big[k, 64]["DB_MAX_REGS"]) for k in ("MMA_KNOBS", "GROUPED_KNOBS")] == [
+        (wdb.PASS_REGS, wdb.PASS_REGS)] * 2
+    assert wdb.resolve_params(Dims(64, 4096, 1536, 128, 8), **wdb.MMA_KNOBS, DB_MAX_REGS=120)["DB_MAX_REGS"] == 120
+    assert wdb.resolve_params(Dims(64, 4096, 1536, 128, 8), **{**wdb.MMA_KNOBS, "HOT_NBLK": 0})["DB_MAX_REGS"] == 128
     assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8), **wdb.MMA_FP8_KNOBS, GB_NBLK=2)["HOT_NBLK"] == 0
     assert wdb.tile_pairs(fp8) == 16 and wdb.tile_pairs(wdb.resolve_params(None, **wdb.MMA_FP8_KNOBS)) == 8
     assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8), DB_MMA=1, DB_WARPS=4)["DB_WARPS"] == 4
@@ -212,7 +222,7 @@ def test_auto_knobs() -> None:
 def test_tensor_core_gate_up_rounds_and_register_cap() -> None:
     """The tensor-core gate_up's rules from the dims: the per-pair bf16 form keeps 4 k blocks in flight below
     PAIR_FULL_WARPS warps, 2 from there; the FP8 split chains with two 8-pair blocks (set by hand) take 2; the bf16
-    tensor-core gate_up runs under GATE_UP_REGS with split chains and one 8-pair block or one chain and two (not
+    tensor-core gate_up runs under PASS_REGS with split chains and one 8-pair block or one chain and two (not
     with split chains and two: they spill there); an explicit knob wins over a rule."""
     def gate_up(knobs: dict[str, int], tokens: int, hidden: int = 2048, inter: int = 768, **extra: int) -> tuple:
         r = wdb.resolve_params(Dims(tokens, hidden, inter, 128, 8), **{**knobs, **extra})
@@ -226,10 +236,10 @@ def test_tensor_core_gate_up_rounds_and_register_cap() -> None:
     assert [gate_up(wdb.FP8_GROUPED_KNOBS, t)[0] for t in (16, 64)] == [4, 4]  # FP8: one 8-pair block per pass
     assert gate_up(wdb.FP8_GROUPED_KNOBS, 64, GB_NBLK=2)[0] == 2  # two blocks: 2, under the register cap
     assert [gate_up(wdb.MMA_FP8_KNOBS, t)[0] for t in (16, 64)] == [4, 4]  # one chain: no spills at 4
-    assert [gate_up(wdb.GROUPED_KNOBS, t) for t in (4, 64)] == [(4, wdb.GATE_UP_REGS)] * 2
+    assert [gate_up(wdb.GROUPED_KNOBS, t) for t in (4, 64)] == [(4, wdb.PASS_REGS)] * 2
     assert gate_up(wdb.GROUPED_KNOBS, 64, GB_NBLK=2) == (4, 128)  # split chains with two blocks spill under 96
     assert [gate_up(wdb.MMA_KNOBS, t)[1] for t in (4, 64)] == [128, 128]  # one chain, one block: 80 registers
-    assert gate_up(wdb.MMA_KNOBS, 64, GB_NBLK=2)[1] == wdb.GATE_UP_REGS  # one chain, two blocks
+    assert gate_up(wdb.MMA_KNOBS, 64, GB_NBLK=2)[1] == wdb.PASS_REGS  # one chain, two blocks
     assert gate_up(wdb.GROUPED_KNOBS, 4, GB_MAX_REGS=0)[1] == 0
     assert gate_up(wdb.MMA_KNOBS, 64, GB_MAX_REGS=120)[1] == 120
     assert gate_up(wdb.FP8_GROUPED_KNOBS, 4)[1] == 128 and gate_up(wdb.MMA_FP8_KNOBS, 64, GB_NBLK=2)[1] == 128

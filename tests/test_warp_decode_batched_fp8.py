@@ -616,10 +616,11 @@ def test_gpu_range_flush_bitwise(model: str, tokens: int, routing: str) -> None:
 @pytest.mark.parametrize(("model", "tokens", "routing"),
                          [("qwen3-30b-a3b", 32, "zipf"), ("qwen3-235b-a22b", 64, "same")])
 def test_gpu_hot_tiles_bitwise(model: str, tokens: int, routing: str) -> None:
-    """HOT_NBLK 2 at the presets' widths, 16 experts (hot ones hold up to T pairs): the grouped FP8 path gives the bits
-    of one 8-pair block per pass, every output written (NaN-poisoned out and intermediate); the plain tensor-core FP8
-    path with it (its grouped down too at these T: T*K >= 2E) matches the reference on the same weights. The
-    balanced down over wider tiles is checked emulated (tests/test_warp_decode_batched.py, HOT_NBLK 3)."""
+    """HOT_NBLK 2 at the presets' widths, 16 experts (hot ones hold up to T pairs): the grouped path gives the bits
+    of one 8-pair block per pass, every output written (NaN-poisoned out and intermediate); the plain tensor-core
+    path with it (its grouped down too at these T: T*K >= 2E) matches the reference on the same weights -- on FP8
+    and on bf16 (there under the auto 96-register caps of the gate_up and the grouped down). The balanced down over
+    wider tiles is checked emulated (tests/test_warp_decode_batched.py, HOT_NBLK 3)."""
     import cupy
 
     from kernels.shapes import get_shape
@@ -635,6 +636,20 @@ def test_gpu_hot_tiles_bitwise(model: str, tokens: int, routing: str) -> None:
     assert np.array_equal(one_block.view(np.uint16), hot.view(np.uint16))
     plain = _run_poisoned(cupy, problem, **{**wdb.MMA_FP8_KNOBS, "HOT_NBLK": 2})
     _assert_matches(plain, faithful, oracle, f"fp8 hot tiles, plain path {model} T={tokens}", own_order=True)
+    raw = make_problem(run_shape, tokens, seed=tokens + 3, routing=routing)
+    bf16 = _bf16_on_device(cupy, raw)
+    args = (raw.x, raw.w13, raw.w2, raw.topk_ids, raw.topk_weights)
+    faithful, oracle = moe_decode(*args, mode="warp_decode"), moe_decode(*args, mode="fp64")
+    for knobs in (wdb.GROUPED_KNOBS, wdb.MMA_KNOBS):
+        hot_knobs = {**knobs, "HOT_NBLK": 2}
+        assert wdb.resolve_params(_dims(raw), **hot_knobs)["DB_MAX_REGS"] == wdb.PASS_REGS
+        hot = _run_poisoned(cupy, bf16, **hot_knobs)
+        what = f"bf16 hot tiles {model} T={tokens} grouped={knobs is wdb.GROUPED_KNOBS}"
+        _assert_matches(hot, faithful, oracle, what, own_order=True)
+        assert np.array_equal(_run_poisoned(cupy, bf16, **hot_knobs).view(np.uint16), hot.view(np.uint16))
+        if knobs is wdb.GROUPED_KNOBS:
+            one_block = _run_poisoned(cupy, bf16, **{**knobs, "HOT_NBLK": 0})
+            assert np.array_equal(one_block.view(np.uint16), hot.view(np.uint16))
 
 
 @pytest.mark.gpu
