@@ -32,7 +32,7 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_sanitizer_ncu
              2026-12-02, for those two forms).
 * ``hot``    a hot expert's tile in one pass of 2 / 3 8-pair blocks (HOT_NBLK), bf16 and FP8, the grouped and the
              balanced downs, under Zipf and all-on-one-set routings, outputs compared with the references (added
-             2026-12-02, for hot tiles).
+             2026-12-02, for hot tiles; the bf16 two-block passes under the 96-register caps added 2026-12-03).
 * ``fp8-pair`` the FP8 batch-invariant pair (grouped and per-pair forms) at its 4 k ranges -- two groups of 8 neurons
              per per-pair block -- on odd shapes with partial scale blocks and at qwen3-30b-a3b T = 3, outputs
              compared with the references (added 2026-12-02, for the FP8 pair's 4 ranges).
@@ -220,6 +220,10 @@ HOT_CASES = (  # (variant, knobs): a hot tile in one pass of 2 / 3 blocks, the g
     ("cupy:warp-decode-mma", {"GB_NBLK": 1, "HOT_NBLK": 2, "DB_GROUPED": 0}),
     ("cupy:warp-decode-mma-grouped-fp8", {"GB_UNROLL": 2, "HOT_NBLK": 2, "GB_RANGE_FLUSH": 1}),
     ("cupy:warp-decode-mma-fp8", {"HOT_NBLK": 2, "DB_GROUPED": 0}),
+    # bf16 two-block hot passes as auto_hot_nblk gives them at large experts: the grouped down, both kernels under
+    # the 96-register caps (PASS_REGS), the share groups as resolved (added 2026-12-03)
+    ("cupy:warp-decode-mma", {"HOT_NBLK": 2}),
+    ("cupy:warp-decode-mma-grouped", {"HOT_NBLK": 2}),
 )
 
 
