@@ -66,11 +66,11 @@ def test_tables_are_generated_from_committed_json(tmp_path: Path, document: str,
     from tools import report
 
     text = (ROOT / document).read_text()
-    command = re.search(rf"python -m tools\.report ((?:\S+\.json\s+)+){option} {re.escape(document)}", text)
-    assert command, f"{document} does not say how its tables were generated"
+    names = report.named_runs(text, option, document)
+    assert names and all((ROOT / name).is_file() for name in names), names
     copy = tmp_path / Path(document).name
     copy.write_text(text)
-    files = [str(ROOT / name) for name in command.group(1).split()]
+    files = [str(ROOT / name) for name in names]
     assert report.main([*files, option, str(copy)]) == 0
     regenerated = copy.read_text().replace(str(ROOT) + "/", "")
     assert regenerated == text

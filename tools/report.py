@@ -5,10 +5,14 @@
     python -m tools.report results/*.json --update-readme results/REPORT.md   # every table, regenerated
     python -m tools.report results/uniform.json --headline README.md          # the README's crossover tables
     python -m tools.report results/uniform.json results/zipf.json  # several runs: + crossover tables over all
+    python -m tools.report --update-readme results/REPORT.md       # again from the runs its own command names
 
 ``--update-readme`` replaces the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` with the
 markdown tables; ``--headline`` the text between ``<!-- headline:begin -->`` and ``<!-- headline:end -->`` with the
-crossover tables alone. Every number in a document is regenerated from committed JSON, never typed.
+crossover tables alone. Every number in a document is regenerated from committed JSON, never typed. A generated
+document names the command that made it (``python -m tools.report A.json B.json ... --update-readme FILE``); given no
+JSON and one of the two options, the tool regenerates FILE from the runs that command names (``named_runs``): add a
+run by adding it to the document's command, then run the tool on the document alone.
 
 TB/s = unique expert weight bytes of the call (experts touched by this routing x 3*H*I*2) / median time.
 "% roof" is that figure as a percentage of the streaming-read roofline measured in the same run.
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -705,6 +710,18 @@ def update_readme(path: str | Path, block: str, begin: str = BEGIN, end: str = E
     path.write_text(replace_between_markers(path.read_text(), block, begin, end))
 
 
+def named_runs(text: str, option: str, document: str | Path) -> list[str]:
+    """The JSON files, in order, of the ``python -m tools.report JSON... OPTION .../DOCUMENT`` command that a
+    generated document's ``text`` names as its own (OPTION ``--update-readme`` or ``--headline``; the command may
+    wrap over lines). ValueError where the text names no such command."""
+    name = re.escape(Path(document).name)
+    found = re.search(rf"python -m tools\.report ((?:\S+\.json\s+)+){re.escape(option)} (?:\S*/)?{name}\b", text)
+    if not found:
+        raise ValueError(f"{document} names no `python -m tools.report JSON... {option} {Path(document).name}` "
+                         f"command to regenerate it from; give the JSON files")
+    return found.group(1).split()
+
+
 def _not_a_bench_result(data: Any) -> str | None:
     """What a loaded JSON is when it is not a ``tools.bench`` result (the CLI refuses it), else None."""
     if not isinstance(data, dict):
@@ -719,7 +736,8 @@ def _not_a_bench_result(data: Any) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.report", description=__doc__.split("\n")[0],
-                                     usage="%(prog)s [-h] [--markdown] [--update-readme README] JSON [JSON ...]")
+                                     usage="%(prog)s [-h] [--markdown] [--update-readme FILE] [--headline FILE] "
+                                           "JSON [JSON ...]\n       %(prog)s (--update-readme FILE | --headline FILE)")
     # "*" here, at least one below: so an unknown option is reported before a missing JSON
     parser.add_argument("json", nargs="*", metavar="JSON",
                         help="result files written by python -m tools.bench --json (in order)")
@@ -728,6 +746,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--headline", metavar="FILE", help="replace the headline block of this file with the "
                                                            "crossover tables")
     args = parser.parse_args(argv)
+    if not args.json and bool(args.update_readme) != bool(args.headline):  # one document: the runs it names
+        option, document = ("--update-readme", args.update_readme) if args.update_readme else ("--headline",
+                                                                                                 args.headline)
+        try:
+            args.json = named_runs(Path(document).read_text(), option, document)
+        except (OSError, ValueError) as exc:
+            parser.error(f"{option}: {' '.join(str(exc).split())}")
     if not args.json:
         parser.error("the following arguments are required: JSON (one or more tools.bench result files)")
     datas = []
