@@ -626,8 +626,8 @@ def test_gpu_hot_tiles_bitwise(model: str, tokens: int, routing: str) -> None:
     from kernels.shapes import get_shape
 
     run_shape = get_shape(model).with_(experts=16)
-    host = _fp8_problem(make_problem(run_shape, tokens, seed=tokens + 3, routing=routing))
-    problem = _device(cupy, make_problem(run_shape, tokens, seed=tokens + 3, routing=routing))
+    raw = make_problem(run_shape, tokens, seed=tokens + 3, routing=routing)
+    host, problem = _fp8_problem(raw), _device(cupy, raw)
     assert np.bincount(host.topk_ids.ravel()).max() > 8
     hot = _run_poisoned(cupy, problem, **{**wdb.FP8_GROUPED_KNOBS, "HOT_NBLK": 2})
     faithful, oracle = _references(host)
@@ -636,7 +636,6 @@ def test_gpu_hot_tiles_bitwise(model: str, tokens: int, routing: str) -> None:
     assert np.array_equal(one_block.view(np.uint16), hot.view(np.uint16))
     plain = _run_poisoned(cupy, problem, **{**wdb.MMA_FP8_KNOBS, "HOT_NBLK": 2})
     _assert_matches(plain, faithful, oracle, f"fp8 hot tiles, plain path {model} T={tokens}", own_order=True)
-    raw = make_problem(run_shape, tokens, seed=tokens + 3, routing=routing)
     bf16 = _bf16_on_device(cupy, raw)
     args = (raw.x, raw.w13, raw.w2, raw.topk_ids, raw.topk_weights)
     faithful, oracle = moe_decode(*args, mode="warp_decode"), moe_decode(*args, mode="fp64")
