@@ -184,9 +184,10 @@ def auto_down_tile(dims: Dims) -> int:
     return min(auto_tile(dims), 4)
 
 
-def experts_average_four_pairs(dims: Dims) -> bool:
-    """T*K >= 4E (qwen3: T >= 64): where a hot tile's two-block pass pays on FP8 weights (auto_hot_nblk)."""
-    return dims.tokens * dims.top_k >= 4 * dims.experts
+def experts_average(dims: Dims, pairs: float) -> bool:
+    """T*K >= pairs x E: an expert averages at least ``pairs`` (token, expert) pairs (qwen3, E / K = 16: from
+    T = 16 x pairs) -- the load measure the auto rules switch on."""
+    return dims.tokens * dims.top_k >= pairs * dims.experts
 
 
 def auto_nblk() -> int:
@@ -218,9 +219,9 @@ def auto_hot_nblk(dims: Dims | None, values: dict[str, int]) -> int:
     if dims is None or not (values["GB_MMA"] and values["PAIR_TILES"] and values["GB_NBLK"] == 1):
         return 0
     if values["W_FP8"]:
-        return 2 if experts_average_four_pairs(dims) else 0
+        return 2 if experts_average(dims, 4) else 0
     large = 2 * dims.intermediate * dims.hidden * 2 >= HOT_EXPERT_BYTES
-    return 2 if large and values["DB_GROUPED"] and dims.tokens * dims.top_k >= dims.experts else 0
+    return 2 if large and values["DB_GROUPED"] and experts_average(dims, 1) else 0
 
 
 def fp8_on_tensor_cores(values: dict[str, int]) -> bool:
@@ -427,7 +428,7 @@ def auto_grouped(dims: Dims | None, params: dict[str, int]) -> int:
     if dims is None or not (params["DB_MMA"] and params["PAIR_TILES"]):
         return 0
     per_expert = FP8_WIDE_GROUPED_FROM_PAIRS_PER_EXPERT if wide_fp8(dims, params) else GROUPED_FROM_PAIRS_PER_EXPERT
-    return 1 if dims.tokens * dims.top_k >= per_expert * dims.experts else 0
+    return 1 if experts_average(dims, per_expert) else 0
 
 
 ROW_TILES_FROM_INTER = 1536  # auto DB_ROW_TILES 2 from I = 1536 (qwen3-235b-a22b), measured below
@@ -456,7 +457,7 @@ def auto_row_tiles(dims: Dims | None, values: dict[str, int]) -> int:
     sweep-2026-12-03-hot-down-row-tiles-*.json)."""
     if dims is None or not wide_fp8_grouped_down(dims, values) or values["FP8_PRMT"] < 2 or values["DB_UNROLL"] < 2:
         return 1
-    return 2 if dims.tokens * dims.top_k >= GROUPED_FROM_PAIRS_PER_EXPERT * dims.experts else 1
+    return 2 if experts_average(dims, GROUPED_FROM_PAIRS_PER_EXPERT) else 1
 
 
 ONE_TILE_DOWN_UNROLL = 4  # auto DB_UNROLL of the FP8 grouped down with one row tile from I = ROW_TILES_FROM_INTER
@@ -565,7 +566,7 @@ def auto_share(dims: Dims | None, values: dict[str, int], stage: str) -> int:
     679.3 / 872.3 us, qwen3-30b 185.1 / 232.4 -> 184.7 / 231.7). On FP8 weights (within 3.3 % run-to-run drift
     there) the shared rounds were 1-3 % slower at qwen3-235b T = 32 / 64 and 1.6-8.7 % at qwen3-30b T = 64 Zipf:
     off."""
-    if dims is None or values["W_FP8"] or dims.tokens * dims.top_k < GROUPED_FROM_PAIRS_PER_EXPERT * dims.experts:
+    if dims is None or values["W_FP8"] or not experts_average(dims, GROUPED_FROM_PAIRS_PER_EXPERT):
         return 0
     return SHARE_GROUP if share_unmet(values, stage, SHARE_GROUP) is None else 0
 
