@@ -209,11 +209,12 @@ def auto_hot_nblk(dims: Dims | None, values: dict[str, int]) -> int:
       (results/sweep-2026-12-02-hot-nblk-*.json): at T = 64 the tensor-core FP8 path 568.5 -> 533.8 us at qwen3-235b,
       the grouped FP8 path 573.6 -> 541.4 and 154.8 -> 149.3 at qwen3-30b; T = 32 within +-2 %; uniform T = 64 +1.2 %.
     - bf16 weights: 2 from T*K >= E with the grouped down, where an expert's gate_up rows are large (2*I*H bf16 >=
-      HOT_EXPERT_BYTES: qwen3-235b's 24 MiB, not qwen3-30b's 6 MiB), with the passes held to 96 registers
-      (gate_up_fits_96, down_fits_96). H200 (results/sweep-2026-12-03-hot-*.json), Zipf at qwen3-235b: the grouped
-      path T = 16 / 32 / 64 530.2 / 682.0 / 884.6 -> 520.4 / 671.1 / 866.0 us, the tensor-core path T = 32 / 64
-      676.3 / 879.0 -> 669.9 / 863.3; uniform T = 64 within 0.1 % (grouped), 1069.6 -> 1059.3 (tensor-core);
-      mixtral-8x7b uniform T = 64 896.3 -> 786.6 (tensor-core), 930.9 -> 798.0 (grouped), T = 8 within 0.5 %.
+      HOT_EXPERT_BYTES: qwen3-235b's 24 MiB, not qwen3-30b's 6 MiB), with the passes held to PASS_REGS
+      (gate_up_takes_pass_regs, down_takes_pass_regs). H200 (results/sweep-2026-12-03-hot-*.json), Zipf at
+      qwen3-235b: the grouped path T = 16 / 32 / 64 530.2 / 682.0 / 884.6 -> 520.4 / 671.1 / 866.0 us, the
+      tensor-core path T = 32 / 64 676.3 / 879.0 -> 669.9 / 863.3; uniform T = 64 within 0.1 % (grouped), 1069.6 ->
+      1059.3 (tensor-core); mixtral-8x7b uniform T = 64 896.3 -> 786.6 (tensor-core), 930.9 -> 798.0 (grouped),
+      T = 8 within 0.5 %.
       Not qwen3-30b (grouped -0.4 to +0.3 %, tensor-core +0.9 / +1.2 % at Zipf T = 32 / 64), nor the balanced
       (not grouped) down: the tensor-core path at qwen3-235b Zipf T = 16 536.6 -> 550.2."""
     if dims is None or not (values["GB_MMA"] and values["PAIR_TILES"] and values["GB_NBLK"] == 1):
@@ -343,7 +344,7 @@ def auto_mma_gate_up_unroll(dims: Dims, values: dict[str, int]) -> int:
     return MMA_UNROLL
 
 
-def gate_up_fits_96(values: dict[str, int]) -> bool:
+def gate_up_takes_pass_regs(values: dict[str, int]) -> bool:
     """Whether the bf16 tensor-core gate_up on the tile table takes PASS_REGS: split k chains with one 8-pair block
     per pass, or a single chain whose widest pass (GB_NBLK or HOT_NBLK) has two (what compiles spill-free under it
     at every preset)."""
@@ -354,7 +355,7 @@ def gate_up_fits_96(values: dict[str, int]) -> bool:
     return max(values["GB_NBLK"], values["HOT_NBLK"]) == 2 and bool(values["PAIR_TILES"])
 
 
-def down_fits_96(values: dict[str, int]) -> bool:
+def down_takes_pass_regs(values: dict[str, int]) -> bool:
     """Whether the bf16 grouped down takes PASS_REGS: one 8-pair block per pass with hot tiles in two (116 registers
     uncapped, 4 blocks per SM; spill-free under 96 at every preset)."""
     return bool(values["DB_GROUPED"] and not values["W_FP8"] and values["DB_NBLK"] == 1 and values["HOT_NBLK"] == 2)
@@ -708,9 +709,9 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         f"compiles the grouped down's whole rounds only, with no masked round: it needs bf16 weights, DB_GROUPED 1 "
         f"and I / 8 a multiple of 4 x DB_UNROLL, got W_FP8 {values['W_FP8']}, DB_GROUPED {values['DB_GROUPED']}, "
         f"I = {dims.intermediate}, DB_UNROLL {values['DB_UNROLL']}"))
-    if values["GB_MAX_REGS"] == DEFAULTS["GB_MAX_REGS"] and gate_up_fits_96(values):
+    if values["GB_MAX_REGS"] == DEFAULTS["GB_MAX_REGS"] and gate_up_takes_pass_regs(values):
         values["GB_MAX_REGS"] = PASS_REGS
-    if values["DB_MAX_REGS"] == DEFAULTS["DB_MAX_REGS"] and down_fits_96(values):
+    if values["DB_MAX_REGS"] == DEFAULTS["DB_MAX_REGS"] and down_takes_pass_regs(values):
         values["DB_MAX_REGS"] = PASS_REGS
     if values["DB_ROW_TILES"] == 0:
         values["DB_ROW_TILES"] = auto_row_tiles(dims, values)
