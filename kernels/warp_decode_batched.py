@@ -128,6 +128,9 @@ DEFAULTS: dict[str, int] = {
     # chains are unchanged (the same bits); 0 / 1 off; -1 = auto (auto_share; the tensor-core knob sets use it)
     "DB_SHARE": 0,  # the grouped down (DB_GROUPED) likewise: up to DB_SHARE (2 or 4, dividing DB_WARPS) tiles of one
     # expert per block, each round's w2 fragments loaded and widened once for the group; 0 / 1 off; -1 = auto
+    "DB_HOT_UNROLL": 0,  # the grouped down's hot passes (HOT_NBLK): k blocks in flight per lane; 0 = DB_UNROLL *
+    # DB_NBLK / HOT_NBLK (the B fragments' registers of a normal pass); -1 = auto (auto_hot_down_unroll; the
+    # tensor-core knob sets use it). Moves work only: the same bits
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK", "DB_NBLK",
               "DB_ROW_TILES")
@@ -140,12 +143,14 @@ MMA_WIDE_DOWN_FROM = 32
 # The bf16 tensor-core kernels on the tile table, where GB_MAX_REGS / DB_MAX_REGS are left at their defaults: 96
 # registers keep 5 blocks of 4 warps per SM (4 at the 106-120 they take uncapped), spill-free for the gate_up's
 # split chains with one 8-pair block and its single chain with two (a split chain with two spills under it), and for
-# the grouped down's hot two-block passes: the split chains 2 % faster at qwen3-30b / qwen3-235b T = 4 / 16 (H200,
+# the grouped down's hot two-block passes (8 bytes of spill there with auto_hot_down_unroll's rounds, measured
+# faster all the same, 2026-12-03 evening): the split chains 2 % faster at qwen3-30b / qwen3-235b T = 4 / 16 (H200,
 # results/sweep-2026-12-02-whole-rounds-grouped-regs-*.json), the single chain with two blocks 0.8-1.6 % faster at
 # T = 64, both models and routings (sweep-2026-12-03-mma-bf16-gate-up-regs-*.json); with hot passes (auto_hot_nblk)
 # at qwen3-235b Zipf T = 64 the tensor-core path 863.3 us with both capped, 871.0 the gate_up alone, 875.9 the down
 # alone, 880.6 neither (879.0 without hot passes); the grouped path 866.0 capped, 870.4 not
-# (sweep-2026-12-03-hot-regs-*.json)
+# (sweep-2026-12-03-hot-regs-*.json; 112 registers, spill-free with the hot rounds, were 0.8-1.0 % slower than 96,
+# sweep-2026-12-03-hot-unroll-regs-mma-235b-zipf.json)
 PASS_REGS = 96
 HOT_EXPERT_BYTES = 16 << 20  # auto_hot_nblk: bf16 hot tiles where an expert's gate_up rows reach this
 PAIR_FULL_WARPS = 64 * 132  # the per-pair gate_up's warps from which 2 k blocks in flight beat 4 (the H200's 132 SMs)
@@ -160,7 +165,7 @@ LIMITS = {
     "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "W_FP8": (0, 1),
     "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8), "FP8_LOAD16": (-1, 1), "FP8_BLOCK_SUM": (-1, 1),
     "FP8_PRMT": (-1, 3), "DB_WHOLE_RANGES": (-1, 1), "GB_RANGE_FLUSH": (-1, 1), "PAIRS_INNER": (-1, 1),
-    "DB_ROW_TILES": (0, 2), "GB_SHARE": (-1, 4), "DB_SHARE": (-1, 4),
+    "DB_ROW_TILES": (0, 2), "GB_SHARE": (-1, 4), "DB_SHARE": (-1, 4), "DB_HOT_UNROLL": (-1, 8),
 }
 
 
@@ -225,6 +230,18 @@ def auto_hot_nblk(dims: Dims | None, values: dict[str, int]) -> int:
     return 2 if large and values["DB_GROUPED"] and experts_average(dims, 1) else 0
 
 
+def auto_hot_down_unroll(values: dict[str, int]) -> int:
+    """DB_HOT_UNROLL where auto (-1): on bf16 weights the grouped down's hot passes keep the normal pass's DB_UNROLL
+    k blocks in flight (twice the halved default; 8 bytes of spill under PASS_REGS), elsewhere 0 (the halved
+    default). H200, qwen3-235b Zipf (results/sweep-2026-12-03-hot-unroll-*.json, two interleaved runs each within
+    0.2 %): T = 64 880.5 -> 874.3 us on the tensor-core path and 884.9 -> 878.1 on the grouped path (a second process:
+    862.7 -> 856.9), T = 16 / 32 and uniform T = 64 within +-0.2 %; mixtral-8x7b uniform T = 64 804 -> 778-789. 3 k
+    blocks (spill-free) took half the gain. FP8 (1 -> 2 k blocks, 4 bytes of spill): within that path's run-to-run
+    drift at T = 32 / 64."""
+    hot = values["HOT_NBLK"] > values["DB_NBLK"] and values["DB_GROUPED"] == 1
+    return values["DB_UNROLL"] if hot and not values["W_FP8"] else 0
+
+
 def fp8_on_tensor_cores(values: dict[str, int]) -> bool:
     """FP8 weights reach tensor-core kernels: what the FP8_* knobs shape."""
     return bool(values["W_FP8"] and (values["GB_MMA"] or values["DB_MMA"]))
@@ -270,9 +287,10 @@ def auto_fp8_widening(values: dict[str, int]) -> int:
 
 def whole_ranges(dims: Dims | None, values: dict[str, int]) -> bool:
     """Whether DB_WHOLE_RANGES 1 can run: bf16 weights, the grouped down, and its k range (I / 8 chunks of 8 values)
-    a whole number of rounds of 4 x DB_UNROLL chunks. False without dims."""
+    a whole number of rounds of 4 x DB_UNROLL chunks (and of 4 x DB_HOT_UNROLL, a hot pass's). False without dims."""
+    rounds = (values["DB_UNROLL"], values["DB_HOT_UNROLL"] or values["DB_UNROLL"])  # a hot pass's rounds too
     return bool(dims is not None and not values["W_FP8"] and values["DB_GROUPED"] == 1
-                and (dims.intermediate // 8) % (4 * values["DB_UNROLL"]) == 0)
+                and all((dims.intermediate // 8) % (4 * r) == 0 for r in rounds))
 
 
 def range_flush_allowed(dims: Dims | None, values: dict[str, int]) -> bool:
@@ -357,7 +375,8 @@ def gate_up_takes_pass_regs(values: dict[str, int]) -> bool:
 
 def down_takes_pass_regs(values: dict[str, int]) -> bool:
     """Whether the bf16 grouped down takes PASS_REGS: one 8-pair block per pass with hot tiles in two (116 registers
-    uncapped, 4 blocks per SM; spill-free under 96 at every preset)."""
+    uncapped, 4 blocks per SM; under 96 spill-free at every preset with the halved hot rounds, 8 bytes of spill with
+    auto_hot_down_unroll's, measured faster)."""
     return bool(values["DB_GROUPED"] and not values["W_FP8"] and values["DB_NBLK"] == 1 and values["HOT_NBLK"] == 2)
 
 
@@ -661,7 +680,7 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
                 values[key] = DEFAULTS[key]
         if values["FP8_PRMT"] == -1:
             values["FP8_PRMT"] = auto_fp8_widening(values)
-        for key in ("DB_WHOLE_RANGES", "GB_RANGE_FLUSH", "HOT_NBLK", "GB_SHARE", "DB_SHARE"):  # the dims decide
+        for key in ("DB_WHOLE_RANGES", "GB_RANGE_FLUSH", "HOT_NBLK", "GB_SHARE", "DB_SHARE", "DB_HOT_UNROLL"):
             values[key] = max(values[key], 0)                                          # (checked where known)
         _check_share(values)
         return values
@@ -697,6 +716,8 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         values["FP8_PRMT"] = auto_fp8_widening(values)
     if values["HOT_NBLK"] == -1:
         values["HOT_NBLK"] = auto_hot_nblk(dims, values)
+    if values["DB_HOT_UNROLL"] == -1:
+        values["DB_HOT_UNROLL"] = auto_hot_down_unroll(values)
     if mma_gate_up_unroll_auto:
         values["GB_UNROLL"] = auto_mma_gate_up_unroll(dims, values)
     _auto_or_refuse(values, "GB_RANGE_FLUSH", auto_range_flush(dims, values), range_flush_allowed(dims, values), (
@@ -707,8 +728,9 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         f"FP8_BLOCK_SUM {values['FP8_BLOCK_SUM']}"))
     _auto_or_refuse(values, "DB_WHOLE_RANGES", auto_whole_ranges(dims, values), whole_ranges(dims, values), (
         f"compiles the grouped down's whole rounds only, with no masked round: it needs bf16 weights, DB_GROUPED 1 "
-        f"and I / 8 a multiple of 4 x DB_UNROLL, got W_FP8 {values['W_FP8']}, DB_GROUPED {values['DB_GROUPED']}, "
-        f"I = {dims.intermediate}, DB_UNROLL {values['DB_UNROLL']}"))
+        f"and I / 8 a multiple of 4 x DB_UNROLL (and of 4 x DB_HOT_UNROLL), got W_FP8 {values['W_FP8']}, DB_GROUPED "
+        f"{values['DB_GROUPED']}, I = {dims.intermediate}, DB_UNROLL {values['DB_UNROLL']}, DB_HOT_UNROLL "
+        f"{values['DB_HOT_UNROLL']}"))
     if values["GB_MAX_REGS"] == DEFAULTS["GB_MAX_REGS"] and gate_up_takes_pass_regs(values):
         values["GB_MAX_REGS"] = PASS_REGS
     if values["DB_MAX_REGS"] == DEFAULTS["DB_MAX_REGS"] and down_takes_pass_regs(values):
@@ -750,7 +772,7 @@ def max_tokens(top_k: int = 1, **params: Any) -> int:
 MMA_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1, "PAIR_TILES": 1,  # both on tensor cores
              "DB_GROUPED": -1, "DB_NBLK": 0, "FP8_LOAD16": -1, "FP8_BLOCK_SUM": -1, "FP8_PRMT": -1,
              "DB_WHOLE_RANGES": -1, "GB_RANGE_FLUSH": -1, "HOT_NBLK": -1, "DB_ROW_TILES": 0, "GB_SHARE": -1,
-             "DB_SHARE": -1}
+             "DB_SHARE": -1, "DB_HOT_UNROLL": -1}
 MIXED_KNOBS = {"DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1}  # FMA gate_up (bitwise strict's), tensor-core down
 # The batch-invariant pair (kernels.dispatch policy "batch_invariant"): the tensor-core path with the grouped down
 # at every T, and its per-pair form (no lists, two launches) -- one numerics: a pair's gate_up dots are mma chains

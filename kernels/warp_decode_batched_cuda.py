@@ -135,13 +135,16 @@ __device__ __forceinline__ void weight_pair(const W& wv, int w, float scale, flo
 }
 // HOT_NBLK > GB_NBLK: a tile holds up to 8 * HOT_NBLK pairs, and a tile with more than one GB_NBLK pass of pairs
 // runs in ONE pass of HOT_NBLK 8-pair blocks (the A fragments loaded and widened once for all of them) with fewer k
-// blocks in flight (the B fragments' registers stay those of the normal pass); the grouped down likewise with DB_NBLK.
+// blocks in flight (the B fragments' registers stay those of the normal pass); the grouped down likewise with DB_NBLK,
+// or with DB_HOT_UNROLL k blocks in flight where that knob is set (bf16: the normal pass's DB_UNROLL).
 // A work knob: each column's mma chain is the same, so the gate_up's and the grouped down's outputs are bitwise the
 // same (the balanced tensor-core down's runs follow the tile table: its sums may change order).
 #define HOT_GB (HOT_NBLK > GB_NBLK)
 #define HOT_DB (HOT_NBLK > DB_NBLK)
 #define TILE_PAIRS (8 * (HOT_GB ? HOT_NBLK : GB_NBLK))  // pairs per tile of the tile table: one gate_up pass
 #define HOT_UNROLL(unroll, nblk) ((unroll) * (nblk) / HOT_NBLK > 0 ? (unroll) * (nblk) / HOT_NBLK : 1)
+#define DB_HOT_ROUNDS (DB_HOT_UNROLL > 0 ? DB_HOT_UNROLL : HOT_UNROLL(DB_UNROLL, DB_NBLK))  // a hot down pass's
+static_assert(DB_HOT_UNROLL >= 0 && DB_HOT_UNROLL <= 8, "DB_HOT_UNROLL is 0..8 (0: the halved rounds)");
 static_assert(DB_SHARE >= 0 && DB_SHARE <= 4 && DB_SHARE != 3 &&
               (DB_SHARE <= 1 || (DB_GROUPED == 1 && DB_WARPS % DB_SHARE == 0 &&
                                  8 * (HOT_NBLK > DB_NBLK ? HOT_NBLK : DB_NBLK) >= TILE_PAIRS)),
@@ -881,7 +884,7 @@ __device__ __forceinline__ ShareSeat share_seat(int block_in_tile, int members, 
 }
 #define SHARE_ROUND(unroll, rt) ((unroll) * MMA_HALVES * (rt) * 2 * 32)   // uint4s of one round buffer
 #define GB_SHARE_UNROLL (HOT_GB ? HOT_UNROLL(GB_UNROLL, GB_NBLK) : GB_UNROLL)
-#define DB_SHARE_UNROLL (HOT_DB ? HOT_UNROLL(DB_UNROLL, DB_NBLK) : DB_UNROLL)
+#define DB_SHARE_UNROLL (HOT_DB ? DB_HOT_ROUNDS : DB_UNROLL)
 static_assert(GB_SHARE <= 1 || GB_WARPS / 2 * 2 * SHARE_ROUND(GB_SHARE_UNROLL, 1) * 16 <= 48 * 1024,
               "GB_SHARE: the groups' A buffers exceed 48 KB of static shared memory (fewer GB_WARPS or GB_UNROLL)");
 static_assert(DB_SHARE <= 1 || DB_WARPS / 2 * 2 * SHARE_ROUND(DB_SHARE_UNROLL, DB_ROW_TILES) * 16 <= 48 * 1024,
@@ -1545,7 +1548,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
                                hidden, inter);
 #if HOT_DB
         if (count > 8 * DB_NBLK) {                                   // warp-uniform: a hot expert's tile
-            down_grouped_passes<HOT_NBLK, HOT_UNROLL(DB_UNROLL, DB_NBLK), DB_ROW_TILES>(tiles, tile_pairs, count,
+            down_grouped_passes<HOT_NBLK, DB_HOT_ROUNDS, DB_ROW_TILES>(tiles, tile_pairs, count,
                                                                                        intermediate, topk_weights,
                                                                                        pair_out, hidden, inter, h0, g,
                                                                                        q, waited);

@@ -26,6 +26,9 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_sanitizer_ncu
              uniform routing: 2 layers (the profiler takes the second; added 2026-12-02, for where FP8 time goes).
 * ``fp8-point VARIANT MODEL T ROUTING`` one layer of an FP8 variant at one point (added 2026-12-03, for where the
              qwen3-235b FP8 time goes at T = 16 uniform and T = 64 Zipf).
+* ``point VARIANT MODEL T ROUTING`` one layer of a bf16 variant at one point, with the routed experts' unique weight
+             bytes printed, for Nsight Compute's DRAM bytes against them (added 2026-12-03 evening, for where bf16
+             time goes under Zipf).
 * ``whole-flush`` the whole-rounds grouped down (DB_WHOLE_RANGES 1) and the one-loop split-chain gate_up
              (GB_RANGE_FLUSH 1), bf16 (grouped and plain tensor-core paths) and FP8 (grouped), on a small shape where
              both can run, under Zipf and all-on-one-set routings, outputs compared with the references (added
@@ -284,9 +287,13 @@ def row_tiles() -> None:
     _bf16_and_fp8_cases(ROW_TILES_SHAPE, cases)
 
 
-def layers(name: str, model: str, tokens: int, count: int = 3, routing: str = "uniform") -> None:
+def layers(name: str, model: str, tokens: int, count: int = 3, routing: str = "uniform", seed: int = 8) -> None:
     prototypes.load()
-    problem = make_problem(model, tokens, seed=8, routing=routing, xp=cupy)
+    problem = make_problem(model, tokens, seed=seed, routing=routing, xp=cupy)
+    experts = len(set(cupy.asnumpy(problem.topk_ids).ravel().tolist()))
+    s = problem.shape
+    print(f"{experts} experts routed: gate_up {experts * 2 * s.intermediate * s.hidden * 2} B, down "
+          f"{experts * s.hidden * s.intermediate * 2} B (bf16)", flush=True)
     launch = get_variant(name).make(_dims(problem))
     out = _poisoned_out(cupy, tokens, problem.shape.hidden)
     for _ in range(count):
@@ -327,10 +334,13 @@ if __name__ == "__main__":
     elif what == "fp8-point":
         variant, model, tokens, routing = sys.argv[2:6]
         fp8_layers(variant, model, int(tokens), count=1, routing=routing)
+    elif what == "point":
+        variant, model, tokens, routing = sys.argv[2:6]
+        layers(variant, model, int(tokens), count=1, routing=routing, seed=0)
     elif what == "new":
         new()
     elif what == "new-odd":
         new(odd_only=True)
     else:
         raise SystemExit(f"unknown workload {what!r}: small, skew, t64, zipf64, t1, fp8, fp8-chunks, fp8-pair, "
-                         "fp8-mma-t32, fp8-strict-t1, fp8-point, new, new-odd, whole-flush, hot or row-tiles")
+                         "fp8-mma-t32, fp8-strict-t1, fp8-point, point, new, new-odd, whole-flush, hot or row-tiles")

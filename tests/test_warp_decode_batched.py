@@ -144,7 +144,7 @@ def test_resolve_params_validates() -> None:
     assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=80)["DB_MAX_REGS"] == 80
     resolved = wdb.resolve_params(dims)
     switches = ("MAX_REGS", "MMA", "PDL", "EARLY_W2", "BALANCE", "PAIR_TILES", "GROUPED", "W_FP8", "PER_PAIR",
-                "FP8_", "WHOLE_RANGES", "RANGE_FLUSH", "PAIRS_INNER", "HOT_NBLK", "SHARE")  # 0: off
+                "FP8_", "WHOLE_RANGES", "RANGE_FLUSH", "PAIRS_INNER", "HOT_", "SHARE")  # 0: off
     assert set(resolved) == set(wdb.DEFAULTS)
     assert all(v > 0 for k, v in resolved.items() if not any(s in k for s in switches))
 
@@ -197,6 +197,15 @@ def test_auto_knobs() -> None:
         (wdb.PASS_REGS, wdb.PASS_REGS)] * 2
     assert wdb.resolve_params(Dims(64, 4096, 1536, 128, 8), **wdb.MMA_KNOBS, DB_MAX_REGS=120)["DB_MAX_REGS"] == 120
     assert wdb.resolve_params(Dims(64, 4096, 1536, 128, 8), **{**wdb.MMA_KNOBS, "HOT_NBLK": 0})["DB_MAX_REGS"] == 128
+    # the bf16 grouped down's hot passes keep DB_UNROLL k blocks in flight (auto_hot_down_unroll); FP8's the halved
+    # default (0), as does every point without hot passes
+    assert [big[k, t]["DB_HOT_UNROLL"] for k in ("MMA_KNOBS", "GROUPED_KNOBS") for t in (16, 64)] == [0, 4, 4, 4]
+    assert wdb.resolve_params(Dims(64, 4096, 1536, 128, 8), **wdb.MMA_FP8_KNOBS)["DB_HOT_UNROLL"] == 0
+    # a hot pass's rounds must split I into whole rounds too: 3 k blocks (12 chunks) do not at I = 14336
+    mixtral = Dims(64, 4096, 14336, 8, 2)
+    assert wdb.resolve_params(mixtral, **wdb.MMA_KNOBS, DB_HOT_UNROLL=3)["DB_WHOLE_RANGES"] == 0
+    with pytest.raises(ValueError, match="DB_HOT_UNROLL 3"):
+        wdb.resolve_params(mixtral, **{**wdb.MMA_KNOBS, "DB_HOT_UNROLL": 3, "DB_WHOLE_RANGES": 1})
     assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8), **wdb.MMA_FP8_KNOBS, GB_NBLK=2)["HOT_NBLK"] == 0
     assert wdb.tile_pairs(fp8) == 16 and wdb.tile_pairs(wdb.resolve_params(None, **wdb.MMA_FP8_KNOBS)) == 8
     assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8), DB_MMA=1, DB_WARPS=4)["DB_WARPS"] == 4

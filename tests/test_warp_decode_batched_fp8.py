@@ -291,9 +291,10 @@ def test_range_flush_emulated() -> None:
 @pytest.mark.slow
 def test_hot_tiles_emulated() -> None:
     """HOT_NBLK 2: the tile table holds tiles of up to 16 pairs, and a tile with more than 8 runs in ONE pass of two
-    8-pair blocks with half the k blocks in flight. In the batch-invariant grouped path (split-chain gate_up with the
-    range flush, 16-value loads, scale-block sums; the grouped down) that moves work only: the same bits as one block
-    per pass, on FP8 and bf16 weights, with hot tiles (up to 12 pairs) beside ordinary ones."""
+    8-pair blocks with half the k blocks in flight (the bf16 grouped down: all of them, auto_hot_down_unroll). In the
+    batch-invariant grouped path (split-chain gate_up with the range flush, 16-value loads, scale-block sums; the
+    grouped down) that moves work only: the same bits as one block per pass, on FP8 and bf16 weights, with hot tiles
+    (up to 12 pairs) beside ordinary ones."""
     base = make_problem(SHAPE_400, 12, seed=12, routing="zipf")
     counts = np.bincount(base.topk_ids.ravel(), minlength=SHAPE_400.experts)
     assert counts.max() > 8 and 0 < counts.min() <= 8  # hot tiles and ordinary ones
@@ -303,6 +304,7 @@ def test_hot_tiles_emulated() -> None:
         dims = _dims(problem)
         hot = wdb.resolve_params(dims, W_FP8=w_fp8, **{**knobs, "HOT_NBLK": 2})
         assert (hot["GB_NBLK"], hot["DB_NBLK"], hot["GB_RANGE_FLUSH"], wdb.tile_pairs(hot)) == (1, 1, 1, 16)
+        assert hot["DB_HOT_UNROLL"] == (0 if w_fp8 else hot["DB_UNROLL"])  # bf16: the hot down at full rounds
         run = _emulate if w_fp8 else emulate_batched
         got = run(problem, out_dtype=np.float32, **{**knobs, "HOT_NBLK": 2})
         want = run(problem, out_dtype=np.float32, **{**knobs, "HOT_NBLK": 0})
