@@ -128,6 +128,10 @@ DEFAULTS: dict[str, int] = {
     # chains are unchanged (the same bits); 0 / 1 off; -1 = auto (auto_share; the tensor-core knob sets use it)
     "DB_SHARE": 0,  # the grouped down (DB_GROUPED) likewise: up to DB_SHARE (2 or 4, dividing DB_WARPS) tiles of one
     # expert per block, each round's w2 fragments loaded and widened once for the group; 0 / 1 off; -1 = auto
+    "GB_HOT_UNROLL": 0,  # the tensor-core gate_up's hot passes (HOT_NBLK): k blocks in flight per lane; 0 = GB_UNROLL
+    # * GB_NBLK / HOT_NBLK (the B fragments' registers of a normal pass). Moves work only: the same bits. Off: one
+    # sweep put 4 at -0.4 to -0.9 % at qwen3-235b Zipf T = 32 / 64 (results/sweep-2026-12-03-gate-up-hot-unroll-*.json,
+    # within twice that sweep's drift), not yet confirmed nor GPU-tested
     "DB_HOT_UNROLL": 0,  # the grouped down's hot passes (HOT_NBLK): k blocks in flight per lane; 0 = DB_UNROLL *
     # DB_NBLK / HOT_NBLK (the B fragments' registers of a normal pass); -1 = auto (auto_hot_down_unroll; the
     # tensor-core knob sets use it). Moves work only: the same bits
@@ -165,7 +169,7 @@ LIMITS = {
     "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "W_FP8": (0, 1),
     "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8), "FP8_LOAD16": (-1, 1), "FP8_BLOCK_SUM": (-1, 1),
     "FP8_PRMT": (-1, 3), "DB_WHOLE_RANGES": (-1, 1), "GB_RANGE_FLUSH": (-1, 1), "PAIRS_INNER": (-1, 1),
-    "DB_ROW_TILES": (0, 2), "GB_SHARE": (-1, 4), "DB_SHARE": (-1, 4), "DB_HOT_UNROLL": (-1, 8),
+    "DB_ROW_TILES": (0, 2), "GB_SHARE": (-1, 4), "DB_SHARE": (-1, 4), "DB_HOT_UNROLL": (-1, 8), "GB_HOT_UNROLL": (0, 8),
 }
 
 
@@ -295,16 +299,17 @@ def whole_ranges(dims: Dims | None, values: dict[str, int]) -> bool:
 
 def range_flush_allowed(dims: Dims | None, values: dict[str, int]) -> bool:
     """Whether GB_RANGE_FLUSH 1 can run: the split-chain gate_up of the lists path, and k_range's range size (whole
-    k blocks of 4 chunks of 8 values, 8 with FP8_LOAD16) a multiple of a round's k blocks x GB_UNROLL, so that no
-    round straddles two ranges -- and with FP8_BLOCK_SUM a multiple of a 128-wide scale block, so that each range
-    ends on one. False without dims."""
+    k blocks of 4 chunks of 8 values, 8 with FP8_LOAD16) a multiple of a round's k blocks x GB_UNROLL (and x
+    GB_HOT_UNROLL, a hot pass's), so that no round straddles two ranges -- and with FP8_BLOCK_SUM a multiple of a
+    128-wide scale block, so that each range ends on one. False without dims."""
     if dims is None or not values["GB_MMA"] or values["GB_KSPLIT"] == 1 or values["PER_PAIR"]:
         return False
     block = 8 if values["W_FP8"] and values["FP8_LOAD16"] else 4  # chunks per k block (MMA_KB)
     per_range = -(-(dims.hidden // 8) // values["GB_KSPLIT"])
     size = -(-per_range // block) * block
     scale_ok = not (values["W_FP8"] and values["FP8_BLOCK_SUM"]) or size % 16 == 0
-    return size % (block * values["GB_UNROLL"]) == 0 and scale_ok
+    rounds = (values["GB_UNROLL"], values["GB_HOT_UNROLL"] or values["GB_UNROLL"])  # a hot pass's rounds too
+    return all(size % (block * r) == 0 for r in rounds) and scale_ok
 
 
 def _auto_or_refuse(values: dict[str, int], key: str, auto: int, can_run: bool, needs: str) -> None:

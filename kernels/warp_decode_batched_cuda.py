@@ -136,7 +136,8 @@ __device__ __forceinline__ void weight_pair(const W& wv, int w, float scale, flo
 // HOT_NBLK > GB_NBLK: a tile holds up to 8 * HOT_NBLK pairs, and a tile with more than one GB_NBLK pass of pairs
 // runs in ONE pass of HOT_NBLK 8-pair blocks (the A fragments loaded and widened once for all of them) with fewer k
 // blocks in flight (the B fragments' registers stay those of the normal pass); the grouped down likewise with DB_NBLK,
-// or with DB_HOT_UNROLL k blocks in flight where that knob is set (bf16: the normal pass's DB_UNROLL).
+// or with DB_HOT_UNROLL k blocks in flight where that knob is set (bf16: the normal pass's DB_UNROLL); GB_HOT_UNROLL
+// likewise for the gate_up (off by default).
 // A work knob: each column's mma chain is the same, so the gate_up's and the grouped down's outputs are bitwise the
 // same (the balanced tensor-core down's runs follow the tile table: its sums may change order).
 #define HOT_GB (HOT_NBLK > GB_NBLK)
@@ -144,7 +145,8 @@ __device__ __forceinline__ void weight_pair(const W& wv, int w, float scale, flo
 #define TILE_PAIRS (8 * (HOT_GB ? HOT_NBLK : GB_NBLK))  // pairs per tile of the tile table: one gate_up pass
 #define HOT_UNROLL(unroll, nblk) ((unroll) * (nblk) / HOT_NBLK > 0 ? (unroll) * (nblk) / HOT_NBLK : 1)
 #define DB_HOT_ROUNDS (DB_HOT_UNROLL > 0 ? DB_HOT_UNROLL : HOT_UNROLL(DB_UNROLL, DB_NBLK))  // a hot down pass's
-static_assert(DB_HOT_UNROLL >= 0 && DB_HOT_UNROLL <= 8, "DB_HOT_UNROLL is 0..8 (0: the halved rounds)");
+static_assert(DB_HOT_UNROLL >= 0 && DB_HOT_UNROLL <= 8 && GB_HOT_UNROLL >= 0 && GB_HOT_UNROLL <= 8,
+              "DB_HOT_UNROLL / GB_HOT_UNROLL are 0..8 (0: the halved rounds)");
 static_assert(DB_SHARE >= 0 && DB_SHARE <= 4 && DB_SHARE != 3 &&
               (DB_SHARE <= 1 || (DB_GROUPED == 1 && DB_WARPS % DB_SHARE == 0 &&
                                  8 * (HOT_NBLK > DB_NBLK ? HOT_NBLK : DB_NBLK) >= TILE_PAIRS)),
@@ -883,7 +885,8 @@ __device__ __forceinline__ ShareSeat share_seat(int block_in_tile, int members, 
     return {set, w % members, (block_in_tile * members + place) * (warps / members) + set};
 }
 #define SHARE_ROUND(unroll, rt) ((unroll) * MMA_HALVES * (rt) * 2 * 32)   // uint4s of one round buffer
-#define GB_SHARE_UNROLL (HOT_GB ? HOT_UNROLL(GB_UNROLL, GB_NBLK) : GB_UNROLL)
+#define GB_HOT_ROUNDS (GB_HOT_UNROLL > 0 ? GB_HOT_UNROLL : HOT_UNROLL(GB_UNROLL, GB_NBLK))
+#define GB_SHARE_UNROLL (HOT_GB ? GB_HOT_ROUNDS : GB_UNROLL)
 #define DB_SHARE_UNROLL (HOT_DB ? DB_HOT_ROUNDS : DB_UNROLL)
 static_assert(GB_SHARE <= 1 || GB_WARPS / 2 * 2 * SHARE_ROUND(GB_SHARE_UNROLL, 1) * 16 <= 48 * 1024,
               "GB_SHARE: the groups' A buffers exceed 48 KB of static shared memory (fewer GB_WARPS or GB_UNROLL)");
@@ -1262,7 +1265,7 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
     const ARows rows = w13_rows(w13, s13, e, min(i0 + g, inter - 1), hidden, inter);   // past the end: the last row
 #if HOT_GB
     if (count > 8 * GB_NBLK) {                                       // warp-uniform: a hot expert's tile
-        gate_up_passes<HOT_NBLK, HOT_UNROLL(GB_UNROLL, GB_NBLK)>(rows, x, pairs, count, intermediate, hidden, inter,
+        gate_up_passes<HOT_NBLK, GB_HOT_ROUNDS>(rows, x, pairs, count, intermediate, hidden, inter,
                                                                  top_k, i0, g, q);
         return;
     }

@@ -203,9 +203,15 @@ def test_auto_knobs() -> None:
     assert wdb.resolve_params(Dims(64, 4096, 1536, 128, 8), **wdb.MMA_FP8_KNOBS)["DB_HOT_UNROLL"] == 0
     # a hot pass's rounds must split I into whole rounds too: 3 k blocks (12 chunks) do not at I = 14336
     mixtral = Dims(64, 4096, 14336, 8, 2)
-    assert wdb.resolve_params(mixtral, **wdb.MMA_KNOBS, DB_HOT_UNROLL=3)["DB_WHOLE_RANGES"] == 0
+    assert wdb.resolve_params(mixtral, **{**wdb.MMA_KNOBS, "DB_HOT_UNROLL": 3})["DB_WHOLE_RANGES"] == 0
     with pytest.raises(ValueError, match="DB_HOT_UNROLL 3"):
         wdb.resolve_params(mixtral, **{**wdb.MMA_KNOBS, "DB_HOT_UNROLL": 3, "DB_WHOLE_RANGES": 1})
+    # ... and the split-chain gate_up's ranges (16 k blocks at qwen3-235b) a whole number of hot rounds
+    assert big["GROUPED_KNOBS", 64]["GB_RANGE_FLUSH"] == 1
+    hot3 = {**wdb.GROUPED_KNOBS, "GB_HOT_UNROLL": 3}
+    assert wdb.resolve_params(Dims(64, 4096, 1536, 128, 8), **hot3)["GB_RANGE_FLUSH"] == 0
+    with pytest.raises(ValueError, match="GB_RANGE_FLUSH 1 runs the split-chain"):
+        wdb.resolve_params(Dims(64, 4096, 1536, 128, 8), **{**hot3, "GB_RANGE_FLUSH": 1})
     assert wdb.resolve_params(Dims(64, 2048, 768, 128, 8), **wdb.MMA_FP8_KNOBS, GB_NBLK=2)["HOT_NBLK"] == 0
     assert wdb.tile_pairs(fp8) == 16 and wdb.tile_pairs(wdb.resolve_params(None, **wdb.MMA_FP8_KNOBS)) == 8
     assert wdb.resolve_params(Dims(8, 2048, 768, 128, 8), DB_MMA=1, DB_WARPS=4)["DB_WARPS"] == 4

@@ -311,6 +311,8 @@ def test_hot_tiles_emulated() -> None:
         _assert_lists_equal(_unpack_lists(got["lists"], dims), expert_lists_numpy(problem.topk_ids, dims.experts, 16))
         assert np.array_equal(got["inter"], want["inter"]), w_fp8
         assert np.array_equal(got["out"].view(np.uint32), want["out"].view(np.uint32)), w_fp8
+        deep = run(problem, out_dtype=np.float32, **{**knobs, "HOT_NBLK": 2, "GB_HOT_UNROLL": 2})  # GB_UNROLL rounds
+        assert np.array_equal(deep["out"].view(np.uint32), want["out"].view(np.uint32)), w_fp8
     with pytest.raises(ValueError, match="HOT_NBLK widens the tensor-core gate_up's passes"):
         wdb.resolve_params(dims, HOT_NBLK=2)
 
