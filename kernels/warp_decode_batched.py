@@ -289,12 +289,17 @@ def auto_fp8_widening(values: dict[str, int]) -> int:
     return 3 if values["PER_PAIR"] and values["GB_MMA"] and values["DB_MMA"] else 2
 
 
+def round_sizes(values: dict[str, int], stage: str) -> tuple[int, int]:
+    """A stage's ("GB" / "DB") k blocks per round: a normal pass's and a hot pass's where ``*_HOT_UNROLL`` sets them
+    (else the normal pass's again: the halved default always divides it)."""
+    return values[f"{stage}_UNROLL"], values[f"{stage}_HOT_UNROLL"] or values[f"{stage}_UNROLL"]
+
+
 def whole_ranges(dims: Dims | None, values: dict[str, int]) -> bool:
     """Whether DB_WHOLE_RANGES 1 can run: bf16 weights, the grouped down, and its k range (I / 8 chunks of 8 values)
     a whole number of rounds of 4 x DB_UNROLL chunks (and of 4 x DB_HOT_UNROLL, a hot pass's). False without dims."""
-    rounds = (values["DB_UNROLL"], values["DB_HOT_UNROLL"] or values["DB_UNROLL"])  # a hot pass's rounds too
     return bool(dims is not None and not values["W_FP8"] and values["DB_GROUPED"] == 1
-                and all((dims.intermediate // 8) % (4 * r) == 0 for r in rounds))
+                and all((dims.intermediate // 8) % (4 * r) == 0 for r in round_sizes(values, "DB")))
 
 
 def range_flush_allowed(dims: Dims | None, values: dict[str, int]) -> bool:
@@ -308,8 +313,7 @@ def range_flush_allowed(dims: Dims | None, values: dict[str, int]) -> bool:
     per_range = -(-(dims.hidden // 8) // values["GB_KSPLIT"])
     size = -(-per_range // block) * block
     scale_ok = not (values["W_FP8"] and values["FP8_BLOCK_SUM"]) or size % 16 == 0
-    rounds = (values["GB_UNROLL"], values["GB_HOT_UNROLL"] or values["GB_UNROLL"])  # a hot pass's rounds too
-    return all(size % (block * r) == 0 for r in rounds) and scale_ok
+    return all(size % (block * r) == 0 for r in round_sizes(values, "GB")) and scale_ok
 
 
 def _auto_or_refuse(values: dict[str, int], key: str, auto: int, can_run: bool, needs: str) -> None:

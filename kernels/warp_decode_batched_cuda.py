@@ -1265,8 +1265,8 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
     const ARows rows = w13_rows(w13, s13, e, min(i0 + g, inter - 1), hidden, inter);   // past the end: the last row
 #if HOT_GB
     if (count > 8 * GB_NBLK) {                                       // warp-uniform: a hot expert's tile
-        gate_up_passes<HOT_NBLK, GB_HOT_ROUNDS>(rows, x, pairs, count, intermediate, hidden, inter,
-                                                                 top_k, i0, g, q);
+        gate_up_passes<HOT_NBLK, GB_HOT_ROUNDS>(rows, x, pairs, count, intermediate, hidden, inter, top_k, i0, g,
+                                                q);
         return;
     }
 #endif
@@ -1551,10 +1551,9 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
                                hidden, inter);
 #if HOT_DB
         if (count > 8 * DB_NBLK) {                                   // warp-uniform: a hot expert's tile
-            down_grouped_passes<HOT_NBLK, DB_HOT_ROUNDS, DB_ROW_TILES>(tiles, tile_pairs, count,
-                                                                                       intermediate, topk_weights,
-                                                                                       pair_out, hidden, inter, h0, g,
-                                                                                       q, waited);
+            down_grouped_passes<HOT_NBLK, DB_HOT_ROUNDS, DB_ROW_TILES>(tiles, tile_pairs, count, intermediate,
+                                                                       topk_weights, pair_out, hidden, inter, h0, g,
+                                                                       q, waited);
         } else
 #endif
             down_grouped_passes<DB_NBLK, DB_UNROLL, DB_ROW_TILES>(tiles, tile_pairs, count, intermediate, topk_weights,
