@@ -129,9 +129,8 @@ DEFAULTS: dict[str, int] = {
     "DB_SHARE": 0,  # the grouped down (DB_GROUPED) likewise: up to DB_SHARE (2 or 4, dividing DB_WARPS) tiles of one
     # expert per block, each round's w2 fragments loaded and widened once for the group; 0 / 1 off; -1 = auto
     "GB_HOT_UNROLL": 0,  # the tensor-core gate_up's hot passes (HOT_NBLK): k blocks in flight per lane; 0 = GB_UNROLL
-    # * GB_NBLK / HOT_NBLK (the B fragments' registers of a normal pass). Moves work only: the same bits. Off: one
-    # sweep put 4 at -0.4 to -0.9 % at qwen3-235b Zipf T = 32 / 64 (results/sweep-2026-12-03-gate-up-hot-unroll-*.json,
-    # within twice that sweep's drift), not yet confirmed nor GPU-tested
+    # * GB_NBLK / HOT_NBLK (the B fragments' registers of a normal pass); -1 = auto (auto_hot_gate_up_unroll; the
+    # tensor-core knob sets use it). Moves work only: the same bits
     "DB_HOT_UNROLL": 0,  # the grouped down's hot passes (HOT_NBLK): k blocks in flight per lane; 0 = DB_UNROLL *
     # DB_NBLK / HOT_NBLK (the B fragments' registers of a normal pass); -1 = auto (auto_hot_down_unroll; the
     # tensor-core knob sets use it). Moves work only: the same bits
@@ -169,7 +168,8 @@ LIMITS = {
     "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "W_FP8": (0, 1),
     "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8), "FP8_LOAD16": (-1, 1), "FP8_BLOCK_SUM": (-1, 1),
     "FP8_PRMT": (-1, 3), "DB_WHOLE_RANGES": (-1, 1), "GB_RANGE_FLUSH": (-1, 1), "PAIRS_INNER": (-1, 1),
-    "DB_ROW_TILES": (0, 2), "GB_SHARE": (-1, 4), "DB_SHARE": (-1, 4), "DB_HOT_UNROLL": (-1, 8), "GB_HOT_UNROLL": (0, 8),
+    "DB_ROW_TILES": (0, 2), "GB_SHARE": (-1, 4), "DB_SHARE": (-1, 4), "DB_HOT_UNROLL": (-1, 8),
+    "GB_HOT_UNROLL": (-1, 8),
 }
 
 
@@ -244,6 +244,17 @@ def auto_hot_down_unroll(values: dict[str, int]) -> int:
     drift at T = 32 / 64."""
     hot = values["HOT_NBLK"] > values["DB_NBLK"] and values["DB_GROUPED"] == 1
     return values["DB_UNROLL"] if hot and not values["W_FP8"] else 0
+
+
+def auto_hot_gate_up_unroll(values: dict[str, int]) -> int:
+    """GB_HOT_UNROLL where auto (-1): on bf16 weights the single-chain tensor-core gate_up's hot passes keep the
+    normal pass's GB_UNROLL k blocks in flight (spill-free under PASS_REGS), elsewhere 0 (the halved default; the
+    split chains spill 20 bytes with it and were not measured). H200, the tensor-core path, four interleaved rounds
+    within 0.05 % (results/sweep-2026-12-03-gate-up-hot-unroll-4r-*.json, 2026-12-03 21:1x UTC): qwen3-235b Zipf T =
+    32 / 64 669.4 / 856.9 -> 665.6 / 851.2 us; uniform T = 32 / 64 within 0.1 %; mixtral-8x7b uniform T = 64 739 ->
+    710-719, T = 8 flat. 3 k blocks were 2-3 % slower than the default (sweep-2026-12-03-gate-up-hot-unroll-mma-*)."""
+    hot = values["HOT_NBLK"] > values["GB_NBLK"] and values["GB_MMA"] and values["GB_KSPLIT"] == 1
+    return values["GB_UNROLL"] if hot and not values["W_FP8"] and not values["PER_PAIR"] else 0
 
 
 def fp8_on_tensor_cores(values: dict[str, int]) -> bool:
@@ -689,7 +700,8 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
                 values[key] = DEFAULTS[key]
         if values["FP8_PRMT"] == -1:
             values["FP8_PRMT"] = auto_fp8_widening(values)
-        for key in ("DB_WHOLE_RANGES", "GB_RANGE_FLUSH", "HOT_NBLK", "GB_SHARE", "DB_SHARE", "DB_HOT_UNROLL"):
+        for key in ("DB_WHOLE_RANGES", "GB_RANGE_FLUSH", "HOT_NBLK", "GB_SHARE", "DB_SHARE", "DB_HOT_UNROLL",
+                    "GB_HOT_UNROLL"):
             values[key] = max(values[key], 0)                                          # (checked where known)
         _check_share(values)
         return values
@@ -729,6 +741,8 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         values["DB_HOT_UNROLL"] = auto_hot_down_unroll(values)
     if mma_gate_up_unroll_auto:
         values["GB_UNROLL"] = auto_mma_gate_up_unroll(dims, values)
+    if values["GB_HOT_UNROLL"] == -1:
+        values["GB_HOT_UNROLL"] = auto_hot_gate_up_unroll(values)
     _auto_or_refuse(values, "GB_RANGE_FLUSH", auto_range_flush(dims, values), range_flush_allowed(dims, values), (
         f"runs the split-chain gate_up's ranges in one loop of whole rounds: it needs GB_MMA 1, GB_KSPLIT > 1, "
         f"PER_PAIR 0 and each range a whole number of rounds of GB_UNROLL k blocks (and of 128-wide scale blocks with "
@@ -781,7 +795,7 @@ def max_tokens(top_k: int = 1, **params: Any) -> int:
 MMA_KNOBS = {"GB_MMA": 1, "DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1, "PAIR_TILES": 1,  # both on tensor cores
              "DB_GROUPED": -1, "DB_NBLK": 0, "FP8_LOAD16": -1, "FP8_BLOCK_SUM": -1, "FP8_PRMT": -1,
              "DB_WHOLE_RANGES": -1, "GB_RANGE_FLUSH": -1, "HOT_NBLK": -1, "DB_ROW_TILES": 0, "GB_SHARE": -1,
-             "DB_SHARE": -1, "DB_HOT_UNROLL": -1}
+             "DB_SHARE": -1, "DB_HOT_UNROLL": -1, "GB_HOT_UNROLL": -1}
 MIXED_KNOBS = {"DB_MMA": 1, "DB_EARLY_W2": 1, "DB_BALANCE": -1}  # FMA gate_up (bitwise strict's), tensor-core down
 # The batch-invariant pair (kernels.dispatch policy "batch_invariant"): the tensor-core path with the grouped down
 # at every T, and its per-pair form (no lists, two launches) -- one numerics: a pair's gate_up dots are mma chains

@@ -137,7 +137,7 @@ __device__ __forceinline__ void weight_pair(const W& wv, int w, float scale, flo
 // runs in ONE pass of HOT_NBLK 8-pair blocks (the A fragments loaded and widened once for all of them) with fewer k
 // blocks in flight (the B fragments' registers stay those of the normal pass); the grouped down likewise with DB_NBLK,
 // or with DB_HOT_UNROLL k blocks in flight where that knob is set (bf16: the normal pass's DB_UNROLL); GB_HOT_UNROLL
-// likewise for the gate_up (off by default).
+// likewise for the gate_up (bf16 single chain: the normal pass's GB_UNROLL).
 // A work knob: each column's mma chain is the same, so the gate_up's and the grouped down's outputs are bitwise the
 // same (the balanced tensor-core down's runs follow the tile table: its sums may change order).
 #define HOT_GB (HOT_NBLK > GB_NBLK)

@@ -201,6 +201,10 @@ def test_auto_knobs() -> None:
     # default (0), as does every point without hot passes
     assert [big[k, t]["DB_HOT_UNROLL"] for k in ("MMA_KNOBS", "GROUPED_KNOBS") for t in (16, 64)] == [0, 4, 4, 4]
     assert wdb.resolve_params(Dims(64, 4096, 1536, 128, 8), **wdb.MMA_FP8_KNOBS)["DB_HOT_UNROLL"] == 0
+    # ... and the single-chain gate_up's GB_UNROLL (auto_hot_gate_up_unroll); the split chains keep the halved default
+    assert [big[k, t]["GB_HOT_UNROLL"] for k in ("MMA_KNOBS", "GROUPED_KNOBS") for t in (16, 64)] == [0, 4, 0, 0]
+    assert [big["MMA_KNOBS", t]["GB_UNROLL"] for t in (32, 64)] == [4, 4]
+    assert wdb.resolve_params(Dims(64, 4096, 1536, 128, 8), **wdb.MMA_FP8_KNOBS)["GB_HOT_UNROLL"] == 0
     # a hot pass's rounds must split I into whole rounds too: 3 k blocks (12 chunks) do not at I = 14336
     mixtral = Dims(64, 4096, 14336, 8, 2)
     assert wdb.resolve_params(mixtral, **{**wdb.MMA_KNOBS, "DB_HOT_UNROLL": 3})["DB_WHOLE_RANGES"] == 0

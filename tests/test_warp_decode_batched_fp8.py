@@ -623,7 +623,8 @@ def test_gpu_hot_tiles_bitwise(model: str, tokens: int, routing: str) -> None:
     """HOT_NBLK 2 at the presets' widths, 16 experts (hot ones hold up to T pairs): the grouped path gives the bits
     of one 8-pair block per pass, every output written (NaN-poisoned out and intermediate); the plain tensor-core
     path with it (its grouped down too at these T: T*K >= 2E) matches the reference on the same weights -- on FP8
-    and on bf16 (there under the auto 96-register caps of the gate_up and the grouped down). The balanced down over
+    and on bf16 (there under the auto 96-register caps of the gate_up and the grouped down; the hot gate_up passes
+    at 4 k blocks in flight, GB_HOT_UNROLL 4, give the same bits). The balanced down over
     wider tiles is checked emulated (tests/test_warp_decode_batched.py, HOT_NBLK 3)."""
     import cupy
 
@@ -650,6 +651,8 @@ def test_gpu_hot_tiles_bitwise(model: str, tokens: int, routing: str) -> None:
         what = f"bf16 hot tiles {model} T={tokens} grouped={knobs is wdb.GROUPED_KNOBS}"
         _assert_matches(hot, faithful, oracle, what, own_order=True)
         assert np.array_equal(_run_poisoned(cupy, bf16, **hot_knobs).view(np.uint16), hot.view(np.uint16))
+        deep = _run_poisoned(cupy, bf16, **{**hot_knobs, "GB_HOT_UNROLL": 4})  # the hot gate_up at 4 k blocks
+        assert np.array_equal(deep.view(np.uint16), hot.view(np.uint16))
         if knobs is wdb.GROUPED_KNOBS:
             one_block = _run_poisoned(cupy, bf16, **{**knobs, "HOT_NBLK": 0})
             assert np.array_equal(one_block.view(np.uint16), hot.view(np.uint16))
