@@ -232,7 +232,8 @@ HOT_CASES = (  # (variant, knobs): a hot tile in one pass of 2 / 3 blocks, the g
 
 def hot() -> None:
     """HOT_NBLK: tiles of up to 16 / 24 pairs, a hot expert's tile in one pass of 2 / 3 8-pair blocks, bf16 and FP8,
-    under Zipf and all-on-one-set routings (added 2026-12-02, for hot tiles)."""
+    under Zipf and all-on-one-set routings (added 2026-12-02, for hot tiles; the tensor-core cases run the
+    single-chain gate_up's hot passes at GB_UNROLL k blocks since auto_hot_gate_up_unroll, 2026-12-03)."""
     from kernels import warp_decode_batched as wdb
 
     problem = _bf16_and_fp8_cases(WHOLE_FLUSH_SHAPE, HOT_CASES)
