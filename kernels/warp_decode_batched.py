@@ -248,11 +248,12 @@ def auto_hot_down_unroll(values: dict[str, int]) -> int:
 
 def auto_hot_gate_up_unroll(values: dict[str, int]) -> int:
     """GB_HOT_UNROLL where auto (-1): on bf16 weights the single-chain tensor-core gate_up's hot passes keep the
-    normal pass's GB_UNROLL k blocks in flight (spill-free under PASS_REGS), elsewhere 0 (the halved default; the
-    split chains spill 20 bytes with it and were not measured). H200, the tensor-core path, four interleaved rounds
-    within 0.05 % (results/sweep-2026-12-03-gate-up-hot-unroll-4r-*.json, 2026-12-03 21:1x UTC): qwen3-235b Zipf T =
-    32 / 64 669.4 / 856.9 -> 665.6 / 851.2 us; uniform T = 32 / 64 within 0.1 %; mixtral-8x7b uniform T = 64 739 ->
-    710-719, T = 8 flat. 3 k blocks were 2-3 % slower than the default (sweep-2026-12-03-gate-up-hot-unroll-mma-*)."""
+    normal pass's GB_UNROLL k blocks in flight (spill-free under PASS_REGS), elsewhere 0 (the halved default). H200,
+    the tensor-core path, four interleaved rounds within 0.05 % (results/sweep-2026-12-03-gate-up-hot-unroll-4r-*.json,
+    2026-12-03 21:00 UTC): qwen3-235b Zipf T = 32 / 64 669.4 / 856.9 -> 665.6 / 851.2 us; uniform T = 32 / 64 within
+    0.1 %; mixtral-8x7b uniform T = 64 739 -> 710-719, T = 8 flat. 3 k blocks were 2-3 % slower than the default. The
+    split chains spill 20 bytes with 4 and ran 1 % slower at qwen3-235b Zipf T = 16..64
+    (sweep-2026-12-03-gate-up-hot-unroll-grouped-235b-zipf.json)."""
     hot = values["HOT_NBLK"] > values["GB_NBLK"] and values["GB_MMA"] and values["GB_KSPLIT"] == 1
     return values["GB_UNROLL"] if hot and not values["W_FP8"] and not values["PER_PAIR"] else 0
 
