@@ -582,6 +582,29 @@ def _reference_variant(name, capture_fallback=False, wrong=False, stages=False, 
     return Variant(name=name, backend="cupy", family="warp-decode", build=build, weight_format=weight_format)
 
 
+def test_stage_costs_in_the_chain_leave_one_stage_out():
+    """A stage's cost in the layer's chain is the whole layer's time minus the layer's without it, each timed as the
+    layer is (here a stand-in timer: each stage's own time plus 3 µs per boundary between two stages); a launch of
+    one stage gets its time alone only."""
+    ran: list[str] = []
+    cost = {"lists": 2.0, "gate_up": 100.0, "down": 50.0}
+    stages = [(name, lambda name=name: ran.append(name)) for name in cost]
+
+    def fake_time(stream, fns, repeats):
+        ran.clear()
+        fns[0]()
+        return [sum(cost[n] for n in ran) + 3.0 * (len(ran) - 1)] * repeats, "graph", None
+
+    bench = object.__new__(harness.Workbench)  # no GPU, no weights: only the timing plumbing
+    bench._time, bench._last = fake_time, []
+    out = bench._time_stages(None, type("L", (), {"stages": lambda self, *a: stages})(), [()], 3)
+    assert [(s["name"], s["median_us"], s["without_us"], s["in_chain_us"]) for s in out] == [
+        ("lists", 2.0, 153.0, 5.0), ("gate_up", 100.0, 55.0, 103.0), ("down", 50.0, 105.0, 53.0)]
+    assert {s["layer_us"] for s in out} == {158.0}
+    alone = bench._time_stages(None, type("L", (), {"stages": lambda self, *a: stages[1:2]})(), [()], 3)
+    assert alone[0]["median_us"] == 100.0 and "in_chain_us" not in alone[0]
+
+
 def test_harness_flow_on_a_numpy_stand_in(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
     monkeypatch.setattr(harness, "TARGET_SAMPLE_US", 1.0)  # the stand-in's "kernels" are slow NumPy
@@ -601,6 +624,7 @@ def test_harness_flow_on_a_numpy_stand_in(monkeypatch):
     assert good["check"]["ok"] and good["check"]["max_ulp"] == 0 and good["check"]["copy"] == work.copies - 1
     assert good["error_vs_fp64"]["rel_l2"] < 5e-3
     assert [s["name"] for s in good["stages"]] == ["all", "again"]
+    assert all(s["in_chain_us"] == pytest.approx(s["layer_us"] - s["without_us"]) for s in good["stages"])
     assert good["tbps"] == pytest.approx(good["bytes"]["weights"] / good["median_us"] / 1e6)
 
     fallback = work.measure(_reference_variant("fake:fallback", capture_fallback=True), repeats=2)

@@ -87,6 +87,15 @@ def test_rich_report_renders_from_json_alone(data):
         assert needle in text, needle
 
 
+def test_stage_lines_say_alone_and_in_the_chain(data):
+    row = next(r for r in data["results"] if r.get("stages"))
+    row["stages"][0].update(layer_us=100.0, without_us=97.5, in_chain_us=2.5)
+    text = _text(report.renderables(data))
+    assert f"{row['stages'][0]['name']}: {row['stages'][0]['median_us']:.2f} µs alone, 2.50 µs in the layer's chain" \
+        in text
+    assert f"{row['stages'][1]['name']}: {row['stages'][1]['median_us']:.2f} µs alone" in text
+
+
 def test_cells_percent_and_bar(data):
     row = next(r for r in data["results"] if r["variant"] == "cupy:warp-decode" and r["batch"] == 8)
     c = report.cells(data, row, width=10)

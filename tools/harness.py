@@ -606,6 +606,11 @@ class Workbench:
         return [sample(inner) for _ in range(repeats)], mode, why
 
     def _time_stages(self, stream: Any, launch: Any, args: list[tuple], repeats: int) -> list[dict[str, Any]]:
+        """Each stage timed alone (a graph of that stage's calls), and -- with two or more stages -- what it costs
+        inside the layer's chain: the whole layer's median minus the median of the layer with that stage left out,
+        both timed here. A short stage alone shows its launch gap; in the chain it also holds its neighbours (PDL
+        waits, a kernel boundary), which ``in_chain_us`` counts. Leaving a stage out keeps the outputs it wrote on
+        the previous call in the workspace (the same routing: the later stages do the same work); timing only."""
         per_copy = [launch.stages(*a) for a in args]
         out = []
         for index, (name, _) in enumerate(per_copy[0]):
@@ -615,8 +620,27 @@ class Workbench:
                 out.append({"name": name, "samples_us": samples, "timing_mode": mode, **summarize(samples)})
             except Exception as exc:  # noqa: BLE001
                 out.append({"name": name, "error": f"{type(exc).__name__}: {exc}", "samples_us": []})
+        if len(per_copy[0]) > 1:
+            try:
+                self._time_in_chain(stream, per_copy, repeats, out)
+            except Exception as exc:  # noqa: BLE001 - the stages alone stand without it
+                for entry in out:
+                    entry["in_chain_error"] = f"{type(exc).__name__}: {exc}"
         self._last = []
         return out
+
+    def _time_in_chain(self, stream: Any, per_copy: list[list[tuple[str, Any]]], repeats: int,
+                       out: list[dict[str, Any]]) -> None:
+        """Adds ``layer_us``, ``without_us`` and ``in_chain_us`` (their difference) to each stage's entry."""
+        def layer(stages: list[tuple[str, Any]], skip: int) -> Any:
+            return lambda: [fn() for j, (_, fn) in enumerate(stages) if j != skip]
+
+        whole, _, _ = self._time(stream, [layer(stages, -1) for stages in per_copy], repeats)
+        layer_us = statistics.median(whole)
+        for index, entry in enumerate(out):
+            without, _, _ = self._time(stream, [layer(stages, index) for stages in per_copy], repeats)
+            entry.update(layer_us=layer_us, without_us=statistics.median(without),
+                         in_chain_us=layer_us - statistics.median(without))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -566,8 +566,10 @@ def model_table(data: dict[str, Any], model: str) -> Group:
         if row.get("status") != "ok" and row.get("error"):
             errors.append(Text(f"{row['variant']} T={row['batch']}: {row['error']}"[:400], style="red"))
         for stage in row.get("stages") or []:
-            text = (f"  └ {stage['name']}: {stage['median_us']:.2f} µs" if stage.get("samples_us")
+            text = (f"  └ {stage['name']}: {stage['median_us']:.2f} µs alone" if stage.get("samples_us")
                     else f"  └ {stage['name']}: {stage.get('error', 'not timed')}")
+            if stage.get("in_chain_us") is not None:
+                text += f", {stage['in_chain_us']:.2f} µs in the layer's chain"
             table.add_row("", Text(text, style="dim"), *[""] * (len(COLUMNS) - 2))
     return Group(table, *errors)
 
