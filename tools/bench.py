@@ -452,7 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="write every raw sample + the environment here")
     parser.add_argument("--markdown", action="store_true", help="print markdown tables (for a PR) instead")
-    parser.add_argument("--no-stages", action="store_true", help="skip per-stage timing")
+    parser.add_argument("--no-stages", action="store_true",
+                        help="skip per-stage timing (each stage alone, and its cost in the layer's chain)")
     parser.add_argument("--compile-report", choices=COMPILE_REPORTS, default="summary",
                         help="without a GPU: 'summary' (the selected variants' kernels, a line each; default), "
                              "'full' (every registered source and parameter set) or 'none'")
