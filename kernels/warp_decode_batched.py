@@ -394,6 +394,18 @@ def gate_up_takes_pass_regs(values: dict[str, int]) -> bool:
     return max(values["GB_NBLK"], values["HOT_NBLK"]) == 2 and bool(values["PAIR_TILES"])
 
 
+def fp8_gate_up_takes_pass_regs(dims: Dims | None, values: dict[str, int]) -> bool:
+    """Whether the FP8 tensor-core gate_up on the tile table (one k chain) takes PASS_REGS: where an expert averages
+    more than an eighth and at most a quarter of a pair (E/8 < T*K <= E/4: qwen3 T = 4). 122-124 registers uncapped
+    hold 4 blocks of 4 warps per SM, 96 (8 bytes of spill) hold 5, so the ~30 tiles of T = 4 run in fewer waves.
+    H200, two interleaved rounds each (results/sweep-2026-12-03-gate-up-regs-fp8-*.json), T = 4: qwen3-235b 136.3 ->
+    129.6 us uniform, 130.2 -> 123.9 under Zipf; qwen3-30b 44.9 -> 40.5 and 43.0 -> 38.9. Elsewhere it loses or
+    depends on the routing's tile count: qwen3-30b T = 2 +4 %; T = 8 -3.3 % uniform but +7.8 % under Zipf at
+    qwen3-30b, +2.6 / -0.7 % at qwen3-235b; T = 16 flat to +6 %; T = 32 / 64 +1.5-4 % at qwen3-30b."""
+    return bool(dims is not None and values["W_FP8"] and values["GB_MMA"] and values["PAIR_TILES"]
+                and values["GB_KSPLIT"] == 1 and dims.experts < 8 * dims.tokens * dims.top_k <= 2 * dims.experts)
+
+
 def down_takes_pass_regs(values: dict[str, int]) -> bool:
     """Whether the bf16 grouped down takes PASS_REGS: one 8-pair block per pass with hot tiles in two (116 registers
     uncapped, 4 blocks per SM; under 96 spill-free at every preset with the halved hot rounds, 8 bytes of spill with
@@ -755,7 +767,8 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         f"and I / 8 a multiple of 4 x DB_UNROLL (and of 4 x DB_HOT_UNROLL), got W_FP8 {values['W_FP8']}, DB_GROUPED "
         f"{values['DB_GROUPED']}, I = {dims.intermediate}, DB_UNROLL {values['DB_UNROLL']}, DB_HOT_UNROLL "
         f"{values['DB_HOT_UNROLL']}"))
-    if values["GB_MAX_REGS"] == DEFAULTS["GB_MAX_REGS"] and gate_up_takes_pass_regs(values):
+    if values["GB_MAX_REGS"] == DEFAULTS["GB_MAX_REGS"] and (gate_up_takes_pass_regs(values)
+                                                            or fp8_gate_up_takes_pass_regs(dims, values)):
         values["GB_MAX_REGS"] = PASS_REGS
     if values["DB_MAX_REGS"] == DEFAULTS["DB_MAX_REGS"] and down_takes_pass_regs(values):
         values["DB_MAX_REGS"] = PASS_REGS

@@ -242,7 +242,8 @@ def test_tensor_core_gate_up_rounds_and_register_cap() -> None:
     """The tensor-core gate_up's rules from the dims: the per-pair bf16 form keeps 4 k blocks in flight below
     PAIR_FULL_WARPS warps, 2 from there; the FP8 split chains with two 8-pair blocks (set by hand) take 2; the bf16
     tensor-core gate_up runs under PASS_REGS with split chains and one 8-pair block or one chain and two (not
-    with split chains and two: they spill there); an explicit knob wins over a rule."""
+    with split chains and two: they spill there), the FP8 single chain at T*K = E/4; an explicit knob wins over a
+    rule."""
     def gate_up(knobs: dict[str, int], tokens: int, hidden: int = 2048, inter: int = 768, **extra: int) -> tuple:
         r = wdb.resolve_params(Dims(tokens, hidden, inter, 128, 8), **{**knobs, **extra})
         return r["GB_UNROLL"], r["GB_MAX_REGS"]
@@ -262,6 +263,10 @@ def test_tensor_core_gate_up_rounds_and_register_cap() -> None:
     assert gate_up(wdb.GROUPED_KNOBS, 4, GB_MAX_REGS=0)[1] == 0
     assert gate_up(wdb.MMA_KNOBS, 64, GB_MAX_REGS=120)[1] == 120
     assert gate_up(wdb.FP8_GROUPED_KNOBS, 4)[1] == 128 and gate_up(wdb.MMA_FP8_KNOBS, 64, GB_NBLK=2)[1] == 128
+    # the FP8 single chain under PASS_REGS where E/8 < T*K <= E/4 (qwen3 T = 4), both models; not the split chains
+    assert [gate_up(wdb.MMA_FP8_KNOBS, t)[1] for t in (2, 4, 8)] == [128, wdb.PASS_REGS, 128]
+    assert gate_up(wdb.MMA_FP8_KNOBS, 4, 4096, 1536)[1] == wdb.PASS_REGS
+    assert gate_up(wdb.MMA_KNOBS, 4)[1] == 128 and gate_up(wdb.FP8_GROUPED_KNOBS, 4, 4096, 1536)[1] == 128
     assert wdb.resolve_params(None, **wdb.PER_PAIR_KNOBS)["GB_UNROLL"] == wdb.MMA_UNROLL  # no dims: the default
 
 
