@@ -64,13 +64,15 @@ DEFAULTS: dict[str, int] = {
     "GB_TILE": 8,  # pairs per pass (FP32 accumulators [TILE][OUTS] x 2 per lane)
     "GB_UNROLL": 4,  # chunk rounds in flight per lane: 2 * OUTS * UNROLL weight loads (8 B each); auto: 2 at tile 4
     "GB_BYTES": 8,  # = strict's GU_BYTES: the intermediate is then bitwise the strict kernel's
-    "GB_MAX_REGS": 128,  # __maxnreg__ cap (0: __launch_bounds__ only, which spills at some tiles)
+    "GB_MAX_REGS": -1,  # __maxnreg__ cap (0: __launch_bounds__ only, which spills at some tiles); -1 = auto:
+    # PASS_REGS where gate_up_takes_pass_regs / fp8_gate_up_takes_pass_regs say, else DEFAULT_MAX_REGS
     "DB_WARPS": 4,  # warps per down block (split the active experts round-robin); 0 = auto_down_warps
     "DB_OUTS": 4,  # hidden columns per block: intermediate reads reused across OUTS rows
     "DB_TILE": 8,
     "DB_UNROLL": 1,  # DB_UNROLL x DB_OUTS w2 loads of DB_BYTES in flight per lane (0 = auto: auto_*down_unroll)
     "DB_BYTES": 16,
-    "DB_MAX_REGS": 128,
+    "DB_MAX_REGS": -1,  # likewise; -1 = auto: 0 for the 24-warp tensor-core down (auto_down_warps), PASS_REGS where
+    # down_takes_pass_regs says, else DEFAULT_MAX_REGS. An explicit cap, 128 included, is never changed
     "DB_EARLY_INTER": 1,  # 1: intermediate loads issued with the w2 loads (latencies overlap); 0: after them
     "GB_MMA": 0,  # 1: gate_up on tensor cores (moe_gate_up_mma: 8 neurons x 8-pair blocks per warp, mma.sync)
     "DB_MMA": 0,  # 1: down on tensor cores (moe_down_mma: 16 hidden columns per block)
@@ -143,7 +145,7 @@ MMA_DOWN_WARPS = 16  # auto DB_WARPS with DB_MMA (H200, results/sweep-batched-pd
 MMA_WIDE_DOWN_WARPS = 24
 MMA_UNROLL = 4  # auto GB_UNROLL / DB_UNROLL of the tensor-core kernels: k blocks of loads in flight (DB: 2 at 64-wide)
 MMA_WIDE_DOWN_FROM = 32
-# The bf16 tensor-core kernels on the tile table, where GB_MAX_REGS / DB_MAX_REGS are left at their defaults: 96
+# The bf16 tensor-core kernels on the tile table, where GB_MAX_REGS / DB_MAX_REGS are left auto (-1): 96
 # registers keep 5 blocks of 4 warps per SM (4 at the 106-120 they take uncapped), spill-free for the gate_up's
 # split chains with one 8-pair block and its single chain with two (a split chain with two spills under it), and for
 # the grouped down's hot two-block passes (8 bytes of spill there with auto_hot_down_unroll's rounds, measured
@@ -155,14 +157,15 @@ MMA_WIDE_DOWN_FROM = 32
 # (sweep-2026-12-03-hot-regs-*.json; 112 registers, spill-free with the hot rounds, were 0.8-1.0 % slower than 96,
 # sweep-2026-12-03-hot-unroll-regs-mma-235b-zipf.json)
 PASS_REGS = 96
+DEFAULT_MAX_REGS = 128  # GB_MAX_REGS / DB_MAX_REGS where auto and no rule caps lower: spill-free at the defaults
 HOT_EXPERT_BYTES = 16 << 20  # auto_hot_nblk: bf16 hot tiles where an expert's gate_up rows reach this
 PAIR_FULL_WARPS = 64 * 132  # the per-pair gate_up's warps from which 2 k blocks in flight beat 4 (the H200's 132 SMs)
 GROUPED_DOWN_WARPS = 4  # auto DB_WARPS of the grouped down: 4 warps x 16 rows of one tile per block, as gate_up's
 FP8_WIDE_GROUPED_DOWN_WARPS = 2  # ... on FP8 weights at I >= ROW_TILES_FROM_INTER (auto_down_warps)
 LIMITS = {
     "LIST_THREADS": (32, 1024), "LIST_PER": (0, 16),
-    "GB_WARPS": (1, 32), "GB_OUTS": (1, 32), "GB_TILE": (0, 32), "GB_UNROLL": (0, 64), "GB_MAX_REGS": (0, 255),
-    "DB_WARPS": (0, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (0, 255),
+    "GB_WARPS": (1, 32), "GB_OUTS": (1, 32), "GB_TILE": (0, 32), "GB_UNROLL": (0, 64), "GB_MAX_REGS": (-1, 255),
+    "DB_WARPS": (0, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (-1, 255),
     "DB_EARLY_INTER": (0, 1), "HOT_NBLK": (-1, 4),
     "GB_MMA": (0, 1), "DB_MMA": (0, 1), "GB_NBLK": (0, 4), "DB_NBLK": (0, 4), "PDL": (0, 1), "DB_EARLY_W2": (0, 1),
     "DB_BALANCE": (-1, 1), "PAIR_TILES": (0, 1), "DB_GROUPED": (-1, 1), "W_FP8": (0, 1),
@@ -441,7 +444,7 @@ def auto_down_warps(dims: Dims | None, params: dict[str, int]) -> int:
     if dims is None or dims.tokens < MMA_WIDE_DOWN_FROM:
         return MMA_DOWN_WARPS
     cap = params["DB_MAX_REGS"]
-    fits_registers = cap == DEFAULTS["DB_MAX_REGS"] or block_registers(MMA_WIDE_DOWN_WARPS, cap) <= REGISTERS_PER_BLOCK
+    fits_registers = cap == -1 or block_registers(MMA_WIDE_DOWN_WARPS, cap) <= REGISTERS_PER_BLOCK  # -1: auto
     fits_shared = down_shared_bytes(dims, {**params, "DB_WARPS": MMA_WIDE_DOWN_WARPS}) <= OPT_IN_SHARED_LIMIT
     return MMA_WIDE_DOWN_WARPS if fits_registers and fits_shared else MMA_DOWN_WARPS
 
@@ -689,9 +692,12 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
                              f"got {values[key]}")
     if values["DB_WARPS"] == 0:  # the tensor-core down wants more warps per block (one block per SM)
         values["DB_WARPS"] = auto_down_warps(dims, values)
-        if values["DB_WARPS"] == MMA_WIDE_DOWN_WARPS and values["DB_MAX_REGS"] == DEFAULTS["DB_MAX_REGS"]:
+        if values["DB_WARPS"] == MMA_WIDE_DOWN_WARPS and values["DB_MAX_REGS"] == -1:
             values["DB_MAX_REGS"] = 0  # what was measured: __launch_bounds__(768) alone
+    auto_caps = {kernel for kernel in ("GB", "DB") if values[f"{kernel}_MAX_REGS"] == -1}  # PASS_REGS may apply below
     for kernel in ("GB", "DB"):  # a __maxnreg__ cap is per thread: the block must still fit the register file
+        if kernel in auto_caps:
+            values[f"{kernel}_MAX_REGS"] = DEFAULT_MAX_REGS
         warps, cap = values[f"{kernel}_WARPS"], values[f"{kernel}_MAX_REGS"]
         if cap and block_registers(warps, cap) > REGISTERS_PER_BLOCK:
             raise ValueError(
@@ -767,10 +773,9 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         f"and I / 8 a multiple of 4 x DB_UNROLL (and of 4 x DB_HOT_UNROLL), got W_FP8 {values['W_FP8']}, DB_GROUPED "
         f"{values['DB_GROUPED']}, I = {dims.intermediate}, DB_UNROLL {values['DB_UNROLL']}, DB_HOT_UNROLL "
         f"{values['DB_HOT_UNROLL']}"))
-    if values["GB_MAX_REGS"] == DEFAULTS["GB_MAX_REGS"] and (gate_up_takes_pass_regs(values)
-                                                            or fp8_gate_up_takes_pass_regs(dims, values)):
+    if "GB" in auto_caps and (gate_up_takes_pass_regs(values) or fp8_gate_up_takes_pass_regs(dims, values)):
         values["GB_MAX_REGS"] = PASS_REGS
-    if values["DB_MAX_REGS"] == DEFAULTS["DB_MAX_REGS"] and down_takes_pass_regs(values):
+    if "DB" in auto_caps and down_takes_pass_regs(values):
         values["DB_MAX_REGS"] = PASS_REGS
     if values["DB_ROW_TILES"] == 0:
         values["DB_ROW_TILES"] = auto_row_tiles(dims, values)

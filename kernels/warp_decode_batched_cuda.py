@@ -23,7 +23,8 @@ CODE = WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + r"""
 //   LIST_THREADS, LIST_PER   threads of the list kernel, experts per thread (E + 1 <= product)
 //   GB_* gate/up, DB_* down: *_WARPS warps per block, *_OUTS outputs per warp, *_TILE pairs per pass
 //   (FP32 accumulators [TILE][OUTS] in registers), *_UNROLL chunk rounds in flight per lane,
-//   *_BYTES bytes per lane per load (4, 8, 16), *_MAX_REGS register cap (0: __launch_bounds__ only),
+//   *_BYTES bytes per lane per load (4, 8, 16), *_MAX_REGS register cap (0: __launch_bounds__ only; the host
+//   rules resolve the default -1, "auto", before compiling -- compiled as it is, it means launch bounds alone),
 //   DB_EARLY_INTER 1: the down kernel issues a round's intermediate loads together with its w2 loads
 //   GB_MMA / DB_MMA 1: the tensor-core kernels moe_gate_up_mma / moe_down_mma instead (16-byte loads; *_UNROLL
 //   = k blocks (32-wide; 64 with FP8_LOAD16) in flight, *_NBLK = blocks of 8 pairs per pass; *_OUTS / *_TILE /

@@ -142,6 +142,9 @@ def test_resolve_params_validates() -> None:
     dims = QWEN30_T8
     assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=0)["DB_WARPS"] == 24
     assert wdb.resolve_params(dims, DB_MMA=1, DB_WARPS=24, DB_MAX_REGS=80)["DB_MAX_REGS"] == 80
+    # auto warps: 24 under launch bounds where the cap is auto, 16 where a cap (128 included) is given
+    assert [wdb.resolve_params(Dims(64, 2048, 768, 128, 8), DB_MMA=1, **cap)["DB_WARPS"]
+            for cap in ({}, {"DB_MAX_REGS": 128})] == [wdb.MMA_WIDE_DOWN_WARPS, wdb.MMA_DOWN_WARPS]
     resolved = wdb.resolve_params(dims)
     switches = ("MAX_REGS", "MMA", "PDL", "EARLY_W2", "BALANCE", "PAIR_TILES", "GROUPED", "W_FP8", "PER_PAIR",
                 "FP8_", "WHOLE_RANGES", "RANGE_FLUSH", "PAIRS_INNER", "HOT_", "SHARE")  # 0: off
@@ -196,6 +199,7 @@ def test_auto_knobs() -> None:
     assert [(big[k, 64]["GB_MAX_REGS"], big[k, 64]["DB_MAX_REGS"]) for k in ("MMA_KNOBS", "GROUPED_KNOBS")] == [
         (wdb.PASS_REGS, wdb.PASS_REGS)] * 2
     assert wdb.resolve_params(Dims(64, 4096, 1536, 128, 8), **wdb.MMA_KNOBS, DB_MAX_REGS=120)["DB_MAX_REGS"] == 120
+    assert wdb.resolve_params(Dims(64, 4096, 1536, 128, 8), **wdb.MMA_KNOBS, DB_MAX_REGS=128)["DB_MAX_REGS"] == 128
     assert wdb.resolve_params(Dims(64, 4096, 1536, 128, 8), **{**wdb.MMA_KNOBS, "HOT_NBLK": 0})["DB_MAX_REGS"] == 128
     # the bf16 grouped down's hot passes keep DB_UNROLL k blocks in flight (auto_hot_down_unroll); FP8's the halved
     # default (0), as does every point without hot passes
@@ -261,6 +265,10 @@ def test_tensor_core_gate_up_rounds_and_register_cap() -> None:
     assert [gate_up(wdb.MMA_KNOBS, t)[1] for t in (4, 64)] == [128, 128]  # one chain, one block: 80 registers
     assert gate_up(wdb.MMA_KNOBS, 64, GB_NBLK=2)[1] == wdb.PASS_REGS  # one chain, two blocks
     assert gate_up(wdb.GROUPED_KNOBS, 4, GB_MAX_REGS=0)[1] == 0
+    # an explicit cap is never changed, the auto value 128 included (a sweep's 128 column is 128); -1 is auto
+    assert gate_up(wdb.MMA_FP8_KNOBS, 4, 4096, 1536, GB_MAX_REGS=128)[1] == 128
+    assert gate_up(wdb.MMA_FP8_KNOBS, 4, 4096, 1536, GB_MAX_REGS=-1)[1] == wdb.PASS_REGS
+    assert gate_up(wdb.GROUPED_KNOBS, 64, GB_MAX_REGS=128)[1] == 128
     assert gate_up(wdb.MMA_KNOBS, 64, GB_MAX_REGS=120)[1] == 120
     assert gate_up(wdb.FP8_GROUPED_KNOBS, 4)[1] == 128 and gate_up(wdb.MMA_FP8_KNOBS, 64, GB_NBLK=2)[1] == 128
     # the FP8 single chain under PASS_REGS where E/8 < T*K <= E/4 (qwen3 T = 4), both models; not the split chains
