@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -354,6 +355,35 @@ def test_sweep_compile_columns_merge_batches():
     record = {"variant": "v", "model": "m", "routing": "uniform", "batches": [32, 64],
               "points": [{"params": {"X": 1}, **merged, "results": {}}]}
     assert "spills/stack by batch: T=32 0/0, T=64 24/16" in text_of(sweep.render(record), width=200)
+
+
+def test_sweep_names_a_knob_the_rules_override():
+    """A grid value the variant's rules resolve to another value (0 / -1, the auto values, aside) is recorded per batch
+    and printed in red: that row does not measure what it names. The batched family's rules keep every explicit
+    cap, 128 included (a GB_MAX_REGS=128 column once ran at 96)."""
+    from types import SimpleNamespace
+
+    import kernels.warp_decode_batched as wdb
+    from kernels.contract import Dims
+    from tools.display import text_of
+
+    def resolve(dims: Any, **params: Any) -> dict[str, Any]:  # a rule that replaces CAP 128
+        return {**params, "CAP": 96 if params.get("CAP") == 128 else params.get("CAP"), "AUTO": 4}
+
+    fake = SimpleNamespace(kernel_family=object(), resolve=resolve)
+    dims = Dims(4, 4096, 1536, 128, 8)
+    assert sweep.overridden(fake, {"CAP": 128, "AUTO": 0}, dims) == {"CAP": 96}
+    assert sweep.overridden(fake, {"CAP": 120, "AUTO": -1}, dims) == {}
+    assert sweep.overridden(fake, {"CAP": 128}, None) == {}
+    assert sweep.overridden(wdb.MMA_FP8_VARIANT, {"GB_MAX_REGS": 128, "DB_MAX_REGS": 128}, dims) == {}
+    one = {"compile": "ok", "registers": 96, "registers_per_kernel": {"gate_up": 96}, "spills": 8, "stack_bytes": 0,
+           "shared_bytes": 0, "occupancy": 0.3}
+    merged = sweep.merge_batches({"4": {**one, "overridden": {"CAP": 96}}, "8": one})
+    assert merged["overridden"] == {"4": {"CAP": 96}}
+    record = {"variant": "v", "model": "m", "routing": "uniform", "batches": [4, 8],
+              "points": [{"params": {"CAP": 128}, **merged, "results": {}}]}
+    assert "at T=4 the rules run CAP=96: this row does not measure the value it names" in text_of(
+        sweep.render(record), width=200)
 
 
 def test_sweep_cli_errors():

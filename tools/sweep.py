@@ -134,6 +134,19 @@ def compile_columns(variant: Any, params: dict[str, Any], dims: Any = None) -> d
     }
 
 
+def overridden(variant: Any, point: dict[str, Any], dims: Any) -> dict[str, Any]:
+    """The grid knobs of ``point`` that the variant's rules resolve to another value at ``dims``: a column that does
+    not run the value it names. Values 0 and -1 (the families' auto values) are left out; so is a point the rules
+    refuse (its compile column says why)."""
+    if dims is None or getattr(variant, "kernel_family", None) is None:
+        return {}
+    try:
+        resolved = variant.resolve(dims, **point)
+    except (TypeError, ValueError):
+        return {}
+    return {k: resolved[k] for k, v in point.items() if v not in (0, -1) and k in resolved and resolved[k] != v}
+
+
 def merge_batches(by_batch: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """One point's compile columns over the sweep's batches (each resolves its auto knobs for its own T, so a
     batch can compile other code -- a hot-tile pass exists only from some T on): the worst case of each column
@@ -156,6 +169,9 @@ def merge_batches(by_batch: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
     if any(c != columns[0] for c in columns[1:]):
         merged["compile_by_batch"] = by_batch
+    changed = {t: c["overridden"] for t, c in by_batch.items() if c.get("overridden")}
+    if changed:
+        merged["overridden"] = changed
     return merged
 
 
@@ -168,7 +184,9 @@ def _all_compile_columns(variant: Any, grid_points: list[dict[str, Any]],
 
     def one(job: tuple[dict[str, Any], Any]) -> dict[str, Any]:
         point, dims = job
-        return compile_columns(variant, {**variant.params, **point}, dims)
+        columns = compile_columns(variant, {**variant.params, **point}, dims)
+        changed = overridden(variant, point, dims)
+        return {**columns, "overridden": changed} if changed else columns
 
     jobs = [(point, dims) for point in grid_points for dims in dims_list]
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
@@ -306,6 +324,9 @@ def render(record: dict[str, Any]) -> Any:
                 f"T={t} {c['spills']}/{c['stack_bytes']}" for t, c in by_batch.items()), style="yellow"))
         if bad:
             parts.append(Text(f"{entry['params']}: " + "; ".join(bad), style="red"))
+        for t, knobs in (entry.get("overridden") or {}).items():
+            parts.append(Text(f"{entry['params']}: at T={t} the rules run " + ", ".join(
+                f"{k}={v}" for k, v in knobs.items()) + ": this row does not measure the value it names", style="red"))
     if record.get("no_timing"):
         parts.append(Text(f"NO TIMING TAKEN: {record['no_timing']}", style="bold yellow"))
     return Group(*parts)
