@@ -404,7 +404,7 @@ def fp8_gate_up_takes_pass_regs(dims: Dims | None, values: dict[str, int]) -> bo
     H200, two interleaved rounds each (results/sweep-2026-12-03-gate-up-regs-fp8-*.json), T = 4: qwen3-235b 136.3 ->
     129.6 us uniform, 130.2 -> 123.9 under Zipf; qwen3-30b 44.9 -> 40.5 and 43.0 -> 38.9. Elsewhere it loses or
     depends on the routing's tile count: qwen3-30b T = 2 +4 %; T = 8 -3.3 % uniform but +7.8 % under Zipf at
-    qwen3-30b, +2.6 / -0.7 % at qwen3-235b; T = 16 flat to +6 %; T = 32 / 64 +1.5-4 % at qwen3-30b."""
+    qwen3-30b, +2.6 / -0.7 % at qwen3-235b; T = 16 flat to +6 %; T = 32 / 64 +1.3-4.8 % at qwen3-30b."""
     return bool(dims is not None and values["W_FP8"] and values["GB_MMA"] and values["PAIR_TILES"]
                 and values["GB_KSPLIT"] == 1 and dims.experts < 8 * dims.tokens * dims.top_k <= 2 * dims.experts)
 
