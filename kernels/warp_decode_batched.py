@@ -848,11 +848,13 @@ FP8_KNOBS = {"W_FP8": 1, "GB_BYTES": 16, "DB_MAX_REGS": 160}
 # sweep-2026-12-02-fp8-grouped-ksplit-unroll-*.json): per-pair 5-7 % faster at qwen3-30b T = 1 / 2 / 4 (15.0 vs 15.8 us
 # at T = 1) and 2-3 % at qwen3-235b, the grouped path 2.5-4 % faster at qwen3-235b T = 8..64 (5-6 % under Zipf), the
 # same at qwen3-30b: a range of H / 4 keeps a warp's k blocks in flight for twice the loop (FP8 rows are half the bytes)
-# (the per-pair form keeps GB_WARPS 8: two groups of 8 neurons a block, a warp per range -- what the sweeps ran)
+# The per-pair form's blocks hold one group of 8 neurons, a warp per range (GB_WARPS = GB_KSPLIT), as the bf16 pair's:
+# against two groups a block (GB_WARPS 8, which those sweeps ran), 1.0-1.3 % faster at T = 1 / 2 at qwen3-235b and
+# 1.2-3.2 % at qwen3-30b, 2-7 % at T = 4 (H200, results/sweep-2026-12-04-fp8-pairs-gate-up-warps-*.json); same bits
 FP8_INVARIANT_KSPLIT = 4
 FP8_GROUPED_KNOBS = {**GROUPED_KNOBS, "W_FP8": 1, "GB_KSPLIT": FP8_INVARIANT_KSPLIT}
-FP8_PER_PAIR_KNOBS = {**PER_PAIR_KNOBS, "W_FP8": 1, "GB_KSPLIT": FP8_INVARIANT_KSPLIT, "GB_UNROLL": 2, "DB_UNROLL": 4,
-                      "PAIRS_INNER": 0}
+FP8_PER_PAIR_KNOBS = {**PER_PAIR_KNOBS, "W_FP8": 1, "GB_KSPLIT": FP8_INVARIANT_KSPLIT, "GB_WARPS": FP8_INVARIANT_KSPLIT,
+                      "GB_UNROLL": 2, "DB_UNROLL": 4, "PAIRS_INNER": 0}
 MMA_FP8_KNOBS = {**MMA_KNOBS, "W_FP8": 1}
 
 

@@ -24,8 +24,10 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_sanitizer_ncu
              racecheck's time limit).
 * ``fp8-mma-t32`` / ``fp8-strict-t1`` the tensor-core FP8 path at qwen3-30b-a3b T = 32 / strict FP8 at T = 1,
              uniform routing: 2 layers (the profiler takes the second; added 2026-12-02, for where FP8 time goes).
-* ``fp8-point VARIANT MODEL T ROUTING`` one layer of an FP8 variant at one point (added 2026-12-03, for where the
-             qwen3-235b FP8 time goes at T = 16 uniform and T = 64 Zipf).
+* ``fp8-point VARIANT MODEL T ROUTING [KNOB=v ...]`` one layer of an FP8 variant at one point, with the routed
+             experts' unique FP8 bytes printed and knob overrides (added 2026-12-03, for where the qwen3-235b FP8 time
+             goes at T = 16 uniform and T = 64 Zipf; overrides 2026-12-04, for GB_WARPS 4 / 8 under
+             ``ncu --metrics`` of L1 / L2 sectors and DRAM bytes: results/ncu-2026-12-04-fp8-235b-t64-zipf-memory.txt).
 * ``point VARIANT MODEL T ROUTING`` one layer of a bf16 variant at one point, with the routed experts' unique weight
              bytes printed, for Nsight Compute's DRAM bytes against them (added 2026-12-03 evening, for where bf16
              time goes under Zipf).
@@ -171,12 +173,16 @@ def fp8_chunks() -> None:
                          **knobs)
 
 
-def fp8_layers(name: str, model: str, tokens: int, count: int = 2, routing: str = "uniform") -> None:
+def fp8_layers(name: str, model: str, tokens: int, count: int = 2, routing: str = "uniform",
+               overrides: dict[str, int] | None = None) -> None:
     from kernels.formats import quantize_weights
 
     problem = make_problem(model, tokens, seed=8, routing=routing, xp=cupy)
     weights = quantize_weights(problem.w13, problem.w2, "fp8-block128")
-    launch = get_variant(name).make(_dims(problem))
+    launch = get_variant(name).make(_dims(problem), **(overrides or {}))
+    experts = len(set(cupy.asnumpy(problem.topk_ids).ravel().tolist()))
+    h, i = problem.shape.hidden, problem.shape.intermediate
+    print("unique experts", experts, "w13 fp8 bytes", experts * 2 * h * i, "w2", experts * h * i, flush=True)
     out = _poisoned_out(cupy, tokens, problem.shape.hidden)
     for _ in range(count):
         launch(problem.x, *weights, problem.topk_ids, problem.topk_weights, out)  # type: ignore[attr-defined]
@@ -334,7 +340,8 @@ if __name__ == "__main__":
         fp8_layers("cupy:warp-decode-fp8", "qwen3-30b-a3b", 1)
     elif what == "fp8-point":
         variant, model, tokens, routing = sys.argv[2:6]
-        fp8_layers(variant, model, int(tokens), count=1, routing=routing)
+        knobs = {k: int(v) for k, v in (a.split("=", 1) for a in sys.argv[6:])}  # KNOB=value overrides
+        fp8_layers(variant, model, int(tokens), count=1, routing=routing, overrides=knobs)
     elif what == "point":
         variant, model, tokens, routing = sys.argv[2:6]
         layers(variant, model, int(tokens), count=1, routing=routing, seed=0)

@@ -484,14 +484,19 @@ GPU_CASES = [("qwen3-30b-a3b", 4, "uniform", "fma"), ("qwen3-30b-a3b", 8, "zipf-
              ("qwen3-30b-a3b", 64, "correlated", "mma"), ("qwen3-235b-a22b", 2, "zipf-2", "fma"),
              ("qwen3-235b-a22b", 32, "same", "mma"), ("tiny", 5, DUPLICATES, "fma"), ("tiny", 7, "uniform", "mma"),
              ("qwen3-30b-a3b", 2, "uniform", "pairs"), ("qwen3-235b-a22b", 3, "zipf-2", "pairs"),
-             ("qwen3-235b-a22b", 3, "zipf", "mma"), ("qwen3-30b-a3b", 4, "zipf", "mma-capped")]
+             ("qwen3-235b-a22b", 3, "zipf", "mma"), ("qwen3-30b-a3b", 4, "zipf", "mma-capped"),
+             ("qwen3-235b-a22b", 2, "zipf", "pairs-two-groups")]
 # (qwen3-235b at 16 experts and T = 3: T*K >= E/4 runs the grouped down with one row tile, DB_UNROLL 4, 2 warps)
 # (tiny's H = 136 runs the tensor-core kernels with 8-value loads: FP8_LOAD16 auto is 0 there, 1 at the presets)
 PATHS = {"fma": (wdb.FP8_KNOBS, wdb.FP8_VARIANT), "mma": (wdb.MMA_FP8_KNOBS, wdb.MMA_FP8_VARIANT),
          "pairs": (wdb.FP8_PER_PAIR_KNOBS, wdb.PER_PAIR_FP8_VARIANT),
          # the gate_up under PASS_REGS (8 bytes of spill), as fp8_gate_up_takes_pass_regs gives it at 128 experts and
          # T = 4: the variant's graph (uncapped at these 16 experts) must give the same bits
-         "mma-capped": ({**wdb.MMA_FP8_KNOBS, "GB_MAX_REGS": wdb.PASS_REGS}, wdb.MMA_FP8_VARIANT)}
+         "mma-capped": ({**wdb.MMA_FP8_KNOBS, "GB_MAX_REGS": wdb.PASS_REGS}, wdb.MMA_FP8_VARIANT),
+         # two groups of 8 neurons a per-pair gate_up block (the form before GB_WARPS = GB_KSPLIT): the same bits as
+         # the variant's one group a block
+         "pairs-two-groups": ({**wdb.FP8_PER_PAIR_KNOBS, "GB_WARPS": 2 * wdb.FP8_INVARIANT_KSPLIT},
+                              wdb.PER_PAIR_FP8_VARIANT)}
 
 
 @pytest.mark.gpu
