@@ -173,6 +173,13 @@ def fp8_chunks() -> None:
                          **knobs)
 
 
+def _print_routed_bytes(problem: object, value_bytes: int, label: str) -> None:
+    """The routed experts' unique weight bytes, for Nsight Compute's DRAM bytes against them."""
+    experts, s = problem.unique_experts, problem.shape  # type: ignore[attr-defined]
+    print(f"{experts} experts routed: gate_up {experts * 2 * s.intermediate * s.hidden * value_bytes} B, down "
+          f"{experts * s.hidden * s.intermediate * value_bytes} B ({label})", flush=True)
+
+
 def fp8_layers(name: str, model: str, tokens: int, count: int = 2, routing: str = "uniform",
                overrides: dict[str, int] | None = None) -> None:
     from kernels.formats import quantize_weights
@@ -180,9 +187,7 @@ def fp8_layers(name: str, model: str, tokens: int, count: int = 2, routing: str 
     problem = make_problem(model, tokens, seed=8, routing=routing, xp=cupy)
     weights = quantize_weights(problem.w13, problem.w2, "fp8-block128")
     launch = get_variant(name).make(_dims(problem), **(overrides or {}))
-    experts = len(set(cupy.asnumpy(problem.topk_ids).ravel().tolist()))
-    h, i = problem.shape.hidden, problem.shape.intermediate
-    print("unique experts", experts, "w13 fp8 bytes", experts * 2 * h * i, "w2", experts * h * i, flush=True)
+    _print_routed_bytes(problem, 1, "FP8 values")
     out = _poisoned_out(cupy, tokens, problem.shape.hidden)
     for _ in range(count):
         launch(problem.x, *weights, problem.topk_ids, problem.topk_weights, out)  # type: ignore[attr-defined]
@@ -297,10 +302,7 @@ def row_tiles() -> None:
 def layers(name: str, model: str, tokens: int, count: int = 3, routing: str = "uniform", seed: int = 8) -> None:
     prototypes.load()
     problem = make_problem(model, tokens, seed=seed, routing=routing, xp=cupy)
-    experts = len(set(cupy.asnumpy(problem.topk_ids).ravel().tolist()))
-    s = problem.shape
-    print(f"{experts} experts routed: gate_up {experts * 2 * s.intermediate * s.hidden * 2} B, down "
-          f"{experts * s.hidden * s.intermediate * 2} B (bf16)", flush=True)
+    _print_routed_bytes(problem, 2, "bf16")
     launch = get_variant(name).make(_dims(problem))
     out = _poisoned_out(cupy, tokens, problem.shape.hidden)
     for _ in range(count):
