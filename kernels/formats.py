@@ -15,10 +15,15 @@ e4m3fn values in the bf16 layouts' shapes and one float32 scale per 128 x 128 bl
 up's: the two are separate matrices in a checkpoint, so a partial last gate block never mixes with up rows -- and
 w2's [E, ceil(H/128), ceil(I/128)]; partial blocks at the edges are legal. :func:`quantize_weights` makes them from
 fp32 / bf16 weights, :func:`fp8_experts_from_checkpoint` assembles a checkpoint's per-expert tensors.
+``fp8-block128-t16`` holds the same values and scales with the values reordered into 16-row x 64-value tiles
+(:func:`tile_values`), the unit a tensor-core warp reads per k block (1 KB contiguous instead of 16 pieces a row
+apart; 1-5 % faster on the H200, notes/FINDINGS.md); ``Quantized.layout`` names the order, and each format's check
+refuses the other's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,10 +36,13 @@ from kernels.contract import BF16, array_module
 
 @dataclass(frozen=True)
 class Quantized:
-    """One matrix (w13 or w2) of a scaled format: ``values`` with the bf16 layout's shape, and their ``scales``."""
+    """One matrix (w13 or w2) of a scaled format: ``values`` with the bf16 layout's shape, and their ``scales``;
+    ``layout`` says how the values are ordered in that shape ("rows": the contract's row-major layout; "t16": the
+    16-row tiles of ``fp8-block128-t16``), so that no kernel reads one layout as the other."""
 
     values: Any
     scales: Any
+    layout: str = "rows"
 
 
 def _host(arr: Any) -> np.ndarray:
@@ -90,7 +98,7 @@ class WeightFormat:
         """``weights`` with every array on the host (anything else unchanged: :meth:`check` then says what is wrong)."""
         if not isinstance(weights, Quantized):
             return weights
-        return Quantized(_host(weights.values), _host(weights.scales))
+        return dataclasses.replace(weights, values=_host(weights.values), scales=_host(weights.scales))
 
     def expert(self, weights: Any, expert: int, matrix: str) -> np.ndarray:
         """One expert's ``matrix`` ("w13" or "w2") on the host for the reference: float32 dequantized (bf16
@@ -177,6 +185,8 @@ class Fp8Block128(WeightFormat):
     """float8 e4m3fn values, one float32 scale per 128 x 128 block (gate and up blocked apart in w13). On the
     device (CuPy has no float8 dtype) the values are uint8 arrays of the same bit patterns."""
 
+    layout: str = "rows"  # the values' order (Quantized.layout)
+
     def scale_bytes(self, hidden: int, intermediate: int) -> int:
         return 4 * (2 * _blocks(intermediate) * _blocks(hidden) + _blocks(hidden) * _blocks(intermediate))
 
@@ -241,6 +251,9 @@ class Fp8Block128(WeightFormat):
 
     def check(self, name: str, weights: Any, xp: Any, what: str) -> Any:
         values = super().check(name, weights, xp, what)
+        if weights.layout != self.layout:
+            raise ValueError(f"{name} holds {weights.layout!r}-ordered values, {self.name} weights are "
+                             f"{self.layout!r}-ordered (quantize_weights(w13, w2, {self.name!r}) makes them)")
         allowed = (FP8, np.dtype(np.uint8)) if xp is np else (np.dtype(np.uint8),)
         if values.dtype not in allowed:
             raise TypeError(f"{name}.values must be {' or '.join(map(str, allowed))} (e4m3fn bit patterns), got "
@@ -255,9 +268,81 @@ class Fp8Block128(WeightFormat):
         return values
 
 
+TILE_ROWS, TILE_K = 16, 64  # fp8-block128-t16: a tile is 16 rows x 64 values, 1 KB contiguous
+
+
+def tile_values(values: Any, matrix: str) -> Any:
+    """fp8-block128 values [E, R, C] (row-major) in fp8-block128-t16's order, where they live: w13's neuron group j
+    (gate rows 8j .. 8j + 7, then up rows 8j .. 8j + 7) and w2's rows 16t .. 16t + 15 as tiles of 16 rows x 64
+    values, k block after k block -- the 16 rows a tensor-core warp reads in one k block are 1 KB apart from the
+    next k block's, not one row (C bytes) apart."""
+    xp = array_module(values)
+    experts, rows, cols = (int(d) for d in values.shape)
+    kb = cols // TILE_K
+    if matrix == "w13":
+        inter = rows // 2
+        halves = [values[:, h * inter:(h + 1) * inter].reshape(experts, inter // 8, 8, kb, TILE_K)
+                  .transpose(0, 1, 3, 2, 4) for h in (0, 1)]
+        tiled = xp.concatenate(halves, axis=3)                       # [E, I/8, KB, 16, 64]
+    else:
+        tiled = values.reshape(experts, rows // TILE_ROWS, TILE_ROWS, kb, TILE_K).transpose(0, 1, 3, 2, 4)
+    return xp.ascontiguousarray(tiled).reshape(experts, rows, cols)
+
+
+def untile_values(values: Any, matrix: str) -> Any:
+    """The inverse of :func:`tile_values`: row-major values [E, R, C] again."""
+    xp = array_module(values)
+    experts, rows, cols = (int(d) for d in values.shape)
+    kb = cols // TILE_K
+    if matrix == "w13":
+        inter = rows // 2
+        tiled = values.reshape(experts, inter // 8, kb, TILE_ROWS, TILE_K)
+        halves = [tiled[:, :, :, h * 8:(h + 1) * 8].transpose(0, 1, 3, 2, 4).reshape(experts, inter, cols)
+                  for h in (0, 1)]
+        return xp.ascontiguousarray(xp.concatenate(halves, axis=1))
+    tiled = values.reshape(experts, rows // TILE_ROWS, kb, TILE_ROWS, TILE_K).transpose(0, 1, 3, 2, 4)
+    return xp.ascontiguousarray(tiled).reshape(experts, rows, cols)
+
+
+@dataclass(frozen=True)
+class Fp8Block128T16(Fp8Block128):
+    """fp8-block128's values and scales with the values in 16-row x 64-value tiles (:func:`tile_values`): the
+    tensor-core kernels' warp reads each k block of its 16 rows as 1 KB of contiguous bytes. The scales keep
+    fp8-block128's layout. Needs I % 64 == 0 and H % 64 == 0."""
+
+    layout: str = "t16"
+
+    def quantize(self, w13: Any, w2: Any) -> tuple[Quantized, Quantized]:
+        rows13, rows2 = super().quantize(w13, w2)
+        for name, q in (("w13", rows13), ("w2", rows2)):
+            self._check_dims(name, tuple(int(d) for d in q.values.shape))
+        return (Quantized(tile_values(rows13.values, "w13"), rows13.scales, self.layout),
+                Quantized(tile_values(rows2.values, "w2"), rows2.scales, self.layout))
+
+    @staticmethod
+    def _check_dims(name: str, shape: tuple[int, ...]) -> None:
+        rows, cols = shape[1], shape[2]
+        inter, hidden = (rows // 2, cols) if name == "w13" else (cols, rows)
+        if inter % TILE_K or hidden % TILE_K:
+            raise ValueError(f"fp8-block128-t16 tiles need I and H multiples of {TILE_K}, got I = {inter}, "
+                             f"H = {hidden} ({name} values of shape {list(shape)})")
+
+    @staticmethod
+    def _expert(weights: Quantized, expert: int, matrix: str) -> Any:
+        values = untile_values(weights.values[expert:expert + 1], matrix)
+        return Fp8Block128._expert(Quantized(values, weights.scales[expert:expert + 1]), 0, matrix)
+
+    def check(self, name: str, weights: Any, xp: Any, what: str) -> Any:
+        values = super().check(name, weights, xp, what)
+        self._check_dims(name, tuple(int(d) for d in values.shape))
+        return values
+
+
 BF16_FORMAT = Bf16("bf16", "bfloat16 values, no scales (the data contract)", 2)
 FP8_BLOCK128 = Fp8Block128("fp8-block128", "float8 e4m3fn values, a float32 scale per 128 x 128 block", 1)
-FORMATS: dict[str, WeightFormat] = {BF16_FORMAT.name: BF16_FORMAT, FP8_BLOCK128.name: FP8_BLOCK128}
+FP8_BLOCK128_T16 = Fp8Block128T16("fp8-block128-t16", "fp8-block128 with its values in 16-row x 64-value tiles", 1)
+FORMATS: dict[str, WeightFormat] = {BF16_FORMAT.name: BF16_FORMAT, FP8_BLOCK128.name: FP8_BLOCK128,
+                                    FP8_BLOCK128_T16.name: FP8_BLOCK128_T16}
 DEFAULT_FORMAT = BF16_FORMAT.name
 
 

@@ -40,7 +40,7 @@ import numpy as np
 from kernels.compile import CudaSource, launch_ex, preset_variants
 from kernels.contract import BF16, Dims, check_aligned, check_inputs, check_out, require_cupy
 from kernels.family import Compiled, KernelFamily, Stage
-from kernels.formats import FP8_BLOCK128, Quantized
+from kernels.formats import FP8_BLOCK128, FP8_BLOCK128_T16, Quantized
 from kernels.shapes import PRESETS
 from kernels.variants import Variant, register
 from kernels.warp_decode_batched_cuda import CODE, GROUPED_KERNELS, KERNELS, MMA_KERNELS, PER_PAIR_KERNELS
@@ -136,6 +136,8 @@ DEFAULTS: dict[str, int] = {
     "DB_HOT_UNROLL": 0,  # the grouped down's hot passes (HOT_NBLK): k blocks in flight per lane; 0 = DB_UNROLL *
     # DB_NBLK / HOT_NBLK (the B fragments' registers of a normal pass); -1 = auto (auto_hot_down_unroll; the
     # tensor-core knob sets use it). Moves work only: the same bits
+    "W_TILED": 0,  # 1: the weights are fp8-block128-t16 (kernels.formats: fp8-block128's values in 16-row x 64-value
+    # tiles, a warp's k block 1 KB contiguous); needs W_FP8, both kernels on tensor cores and FP8_LOAD16. The same bits
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK", "DB_NBLK",
               "DB_ROW_TILES")
@@ -172,7 +174,7 @@ LIMITS = {
     "PER_PAIR": (0, 1), "GB_KSPLIT": (1, 8), "FP8_LOAD16": (-1, 1), "FP8_BLOCK_SUM": (-1, 1),
     "FP8_PRMT": (-1, 3), "DB_WHOLE_RANGES": (-1, 1), "GB_RANGE_FLUSH": (-1, 1), "PAIRS_INNER": (-1, 1),
     "DB_ROW_TILES": (0, 2), "GB_SHARE": (-1, 4), "DB_SHARE": (-1, 4), "DB_HOT_UNROLL": (-1, 8),
-    "GB_HOT_UNROLL": (-1, 8),
+    "GB_HOT_UNROLL": (-1, 8), "W_TILED": (0, 1),
 }
 
 
@@ -677,6 +679,13 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
     if values["FP8_LOAD16"] and dims is not None and (dims.hidden % 16 or dims.intermediate % 16):
         raise ValueError(f"FP8_LOAD16 loads 16 e4m3 values per row and lane: H and I must be multiples of 16, got "
                          f"H = {dims.hidden}, I = {dims.intermediate}")
+    if values["W_TILED"] and not (values["W_FP8"] and values["GB_MMA"] and values["DB_MMA"] and values["FP8_LOAD16"]):
+        raise ValueError(f"W_TILED reads fp8-block128-t16 tiles in the tensor-core kernels' 64-wide k blocks: it needs "
+                         f"W_FP8 1, GB_MMA 1, DB_MMA 1 and FP8_LOAD16 1, got {values['W_FP8']}, {values['GB_MMA']}, "
+                         f"{values['DB_MMA']} and {values['FP8_LOAD16']}")
+    if values["W_TILED"] and dims is not None and (dims.hidden % 64 or dims.intermediate % 64):
+        raise ValueError(f"W_TILED reads 64-value tiles: H and I must be multiples of 64, got H = {dims.hidden}, "
+                         f"I = {dims.intermediate}")
     if values["PER_PAIR"] and values["GB_WARPS"] % values["GB_KSPLIT"]:
         raise ValueError(f"PER_PAIR gives each of GB_KSPLIT k ranges a warp: GB_WARPS must be a multiple of "
                          f"GB_KSPLIT, got {values['GB_WARPS']} and {values['GB_KSPLIT']}")
@@ -1073,14 +1082,16 @@ def warp_decode_batched(
     With ``out`` and ``workspace`` (``make_workspace(dims)``) given nothing is allocated and nothing syncs
     with the host (value checks of ``topk_ids`` are skipped during CUDA-graph capture; the kernels guard
     every id: a bad id makes that token's output NaN). ``params``: compile-time knobs (:data:`DEFAULTS`).
-    fp8-block128 weights (``kernels.quantize_weights(w13, w2, "fp8-block128")``) run the W_FP8 kernels.
+    fp8-block128 weights (``kernels.quantize_weights(w13, w2, "fp8-block128")``) run the W_FP8 kernels, and
+    fp8-block128-t16 weights (its values in 16-row tiles) the tensor-core ones with W_TILED.
     """
     fp8 = isinstance(w13, Quantized)  # fp8-block128 weights run the W_FP8 kernels (the default for them)
-    fmt = FP8_BLOCK128 if fp8 else "bf16"
+    tiled = fp8 and w13.layout == FP8_BLOCK128_T16.layout
+    fmt = (FP8_BLOCK128_T16 if tiled else FP8_BLOCK128) if fp8 else "bf16"
     cupy = require_cupy(x=x, topk_ids=topk_ids, topk_weights=topk_weights,
                         **({"w13.values": w13.values} if fp8 else {"w13": w13}),
                         **({"w2.values": w2.values} if isinstance(w2, Quantized) else {"w2": w2}))
-    params = {"W_FP8": int(fp8), **params}
+    params = {"W_FP8": int(fp8), "W_TILED": int(tiled), **params}
     dims = check_inputs(x, w13, w2, topk_ids, topk_weights, weight_format=fmt)
     if out is not None:
         require_cupy(out=out)
@@ -1092,9 +1103,11 @@ def warp_decode_batched(
         if not workspace.matches(dims):
             raise ValueError(f"workspace was made for {workspace.dims}, this call needs {dims}")
     resolved = resolve_params(dims, **params)  # knob errors first (no device call), then the alignment, the compile
-    if resolved["W_FP8"] != int(fp8):
-        raise ValueError(f"W_FP8 {resolved['W_FP8']} reads {'fp8-block128' if resolved['W_FP8'] else 'bf16'} "
-                         f"weights, but w13 / w2 are {'fp8-block128' if fp8 else 'bf16'}")
+    if resolved["W_FP8"] != int(fp8) or resolved["W_TILED"] != int(tiled):
+        names = {(0, 0): "bf16", (1, 0): FP8_BLOCK128.name, (1, 1): FP8_BLOCK128_T16.name}
+        raise ValueError(f"W_FP8 {resolved['W_FP8']} / W_TILED {resolved['W_TILED']} read "
+                         f"{names.get((resolved['W_FP8'], resolved['W_TILED']), 'no')} weights, but w13 / w2 are "
+                         f"{getattr(fmt, 'name', fmt)}")
     if workspace is not None and resolved["DB_GROUPED"] and workspace.pair_out is None:
         raise ValueError("workspace has no per-pair rows, which the grouped down (DB_GROUPED 1) writes: make it with "
                          "make_workspace(dims, **params) for these knobs")
@@ -1159,6 +1172,16 @@ GROUPED_FP8_VARIANT = register(FAMILY.variant(
     "cupy:warp-decode-mma-grouped-fp8", knobs=FP8_GROUPED_KNOBS, reference_mode="warp_decode",
     weight_format=FP8_BLOCK128.name, description="the batch-invariant grouped tensor-core path on fp8-block128 weights",
     grid={"GB_WARPS": [2, 4, 8], "GB_NBLK": [1, 2], "DB_NBLK": [1, 2]}))
+MMA_FP8_T16_VARIANT = register(FAMILY.variant(
+    "cupy:warp-decode-mma-fp8-t16", knobs={**MMA_FP8_KNOBS, "W_TILED": 1}, reference_mode="warp_decode",
+    weight_format=FP8_BLOCK128_T16.name,
+    description="the tensor-core FP8 path on fp8-block128-t16 weights: each warp's k block of 16 rows 1 KB contiguous",
+    grid={"GB_UNROLL": [2, 4], "DB_UNROLL": [2, 4]}))
+PER_PAIR_FP8_T16_VARIANT = register(FAMILY.variant(
+    "cupy:warp-decode-mma-pairs-fp8-t16", knobs={**FP8_PER_PAIR_KNOBS, "W_TILED": 1}, reference_mode="warp_decode",
+    weight_format=FP8_BLOCK128_T16.name,
+    description="the per-pair tensor-core FP8 path on fp8-block128-t16 weights",
+    grid={"GB_UNROLL": [2, 4], "DB_UNROLL": [2, 4]}))
 PER_PAIR_FP8_VARIANT = register(FAMILY.variant(
     "cupy:warp-decode-mma-pairs-fp8", knobs=FP8_PER_PAIR_KNOBS, reference_mode="warp_decode",
     weight_format=FP8_BLOCK128.name,

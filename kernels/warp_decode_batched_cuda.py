@@ -57,6 +57,8 @@ CODE = WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + r"""
 //   value by its block's scale (the dequantized weight, as the strict FP8 kernels); the tensor-core kernels feed
 //   the values to mma.sync as bf16 (exact, times 2^-112) and scale each k block's FP32 partial by its block's
 //   scale. Activations stay bf16, accumulation FP32. With W_FP8 0 the scale pointers are never read.
+//   W_TILED 1 (W_FP8, FP8_LOAD16, both kernels on tensor cores): the values are fp8-block128-t16's 16-row x 64-value
+//   tiles (w13_rows, a_index): a warp's k block of its 16 rows is 1 KB of contiguous bytes; the same sums
 //   FP8_LOAD16 1 (W_FP8, tensor-core kernels): a lane loads 16 e4m3 values of each A row per k step (16-byte
 //   loads, 64-wide k blocks, H and I multiples of 16) instead of 8 (8-byte loads, 32-wide k blocks).
 //   FP8_BLOCK_SUM 1 (W_FP8, tensor-core kernels): the k blocks of one 128-wide scale block accumulate into one
@@ -106,6 +108,8 @@ static_assert(GB_SHARE >= 0 && GB_SHARE <= 4 && GB_SHARE != 3 &&
 static_assert((FP8_LOAD16 == 0 || FP8_LOAD16 == 1) && (FP8_BLOCK_SUM == 0 || FP8_BLOCK_SUM == 1) &&
               (W_FP8 == 1 || (FP8_LOAD16 == 0 && FP8_BLOCK_SUM == 0)),
               "FP8_LOAD16 / FP8_BLOCK_SUM are 0 or 1 (1 needs W_FP8 1)");
+static_assert(W_TILED == 0 || (W_TILED == 1 && W_FP8 == 1 && FP8_LOAD16 == 1 && GB_MMA == 1 && DB_MMA == 1),
+              "W_TILED is 0 or 1 (1: fp8-block128-t16 values, read by the tensor-core kernels with FP8_LOAD16 1)");
 #if W_FP8
 typedef unsigned char weight_t;                   // e4m3fn bytes
 #define GB_WBYTES (GB_BYTES / 2)                  // a weight chunk holds the values of an activation chunk
@@ -848,19 +852,32 @@ __device__ __forceinline__ void fp8_flush(float (&acc)[4], float (&part)[4], flo
 // A tensor-core warp's two A rows of one expert (rows g and g + 8 of its 16) and their block scales along k: w13's
 // gate row i and up row i (w13_rows), or w2's rows h_lo and h_hi (w2_rows)
 struct ARows { const a_chunk_t* lo; const a_chunk_t* hi; const float* scale_lo; const float* scale_hi; };
+// W_TILED (fp8-block128-t16, kernels/formats.py): the values of 16 rows x 64 k are 1 KB contiguous, k block after k
+// block (w13: neuron group i / 8's gate rows, then its up rows; w2: rows 16t .. 16t + 15). A row's pointer is its
+// tile's first k block plus its row in the tile; a_index maps the row-major 16-byte index to the tiled one.
+#define TILE_BYTES 1024
+__device__ __forceinline__ int a_index(int idx) { return W_TILED ? idx + (idx >> 2) * (TILE_BYTES / 16 - 4) : idx; }
 __device__ __forceinline__ ARows w13_rows(const weight_t* w13, const float* s13, int e, int i, int hidden, int inter) {
     const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
-    const size_t gate = ((size_t)e * 2 * inter + i) * (size_t)hidden;
+    const size_t expert = (size_t)e * 2 * inter * hidden;
+    const size_t gate = W_TILED ? expert + (size_t)(i / 8) * (hidden / 64) * TILE_BYTES + (i % 8) * 64
+                                : expert + (size_t)i * hidden;
+    const size_t up = W_TILED ? gate + 8 * 64 : gate + (size_t)inter * hidden;
     return {reinterpret_cast<const a_chunk_t*>(w13 + gate),
-            reinterpret_cast<const a_chunk_t*>(w13 + gate + (size_t)inter * hidden),
+            reinterpret_cast<const a_chunk_t*>(w13 + up),
             scale_row(s13, (long long)e * 2 * iblocks + i / FP8_BLOCK, hblocks),
             scale_row(s13, (long long)e * 2 * iblocks + iblocks + i / FP8_BLOCK, hblocks)};
 }
 __device__ __forceinline__ ARows w2_rows(const weight_t* w2, const float* s2, int e, int h_lo, int h_hi, int hidden,
                                          int inter) {
     const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
-    return {reinterpret_cast<const a_chunk_t*>(w2 + ((size_t)e * hidden + h_lo) * inter),
-            reinterpret_cast<const a_chunk_t*>(w2 + ((size_t)e * hidden + h_hi) * inter),
+    const size_t expert = (size_t)e * hidden * inter;
+    const size_t lo = W_TILED ? expert + (size_t)(h_lo / 16) * (inter / 64) * TILE_BYTES + (h_lo % 16) * 64
+                              : expert + (size_t)h_lo * inter;
+    const size_t hi = W_TILED ? expert + (size_t)(h_hi / 16) * (inter / 64) * TILE_BYTES + (h_hi % 16) * 64
+                              : expert + (size_t)h_hi * inter;
+    return {reinterpret_cast<const a_chunk_t*>(w2 + lo),
+            reinterpret_cast<const a_chunk_t*>(w2 + hi),
             scale_row(s2, (long long)e * hblocks + h_lo / FP8_BLOCK, iblocks),
             scale_row(s2, (long long)e * hblocks + h_hi / FP8_BLOCK, iblocks)};
 }
@@ -921,8 +938,8 @@ __device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part
         if constexpr (!SHARED) {
             #pragma unroll
             for (int t = 0; t < RT; ++t) {
-                lo[j][t] = ldg_chunk(reinterpret_cast<const a_load_t*>(tiles[t].lo), c / MMA_HALVES, ok);
-                hi[j][t] = ldg_chunk(reinterpret_cast<const a_load_t*>(tiles[t].hi), c / MMA_HALVES, ok);
+                lo[j][t] = ldg_chunk(reinterpret_cast<const a_load_t*>(tiles[t].lo), a_index(c / MMA_HALVES), ok);
+                hi[j][t] = ldg_chunk(reinterpret_cast<const a_load_t*>(tiles[t].hi), a_index(c / MMA_HALVES), ok);
             }
         }
 #if W_FP8
@@ -950,8 +967,8 @@ __device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part
             const bool ok = j < UNROLL && (!CHECKED || c < c_end);
             #pragma unroll
             for (int t = 0; t < RT; ++t) {
-                lo[i][t] = ldg_chunk(reinterpret_cast<const a_load_t*>(tiles[t].lo), c / MMA_HALVES, ok);
-                hi[i][t] = ldg_chunk(reinterpret_cast<const a_load_t*>(tiles[t].hi), c / MMA_HALVES, ok);
+                lo[i][t] = ldg_chunk(reinterpret_cast<const a_load_t*>(tiles[t].lo), a_index(c / MMA_HALVES), ok);
+                hi[i][t] = ldg_chunk(reinterpret_cast<const a_load_t*>(tiles[t].hi), a_index(c / MMA_HALVES), ok);
             }
         }
     }

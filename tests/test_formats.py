@@ -70,7 +70,8 @@ def test_variants_default_to_bf16() -> None:
     assert {name: fmt for name, fmt in formats.items() if fmt != "bf16"} == dict.fromkeys(
         ["cupy:warp-decode-fp8", "numba:warp-decode-fp8", "cupy:warp-decode-batched-fp8", "cupy:warp-decode-mma-fp8",
          "cupy:auto-fp8", "cupy:expert-centric-w8a8", "cupy:warp-decode-mma-grouped-fp8",
-         "cupy:warp-decode-mma-pairs-fp8"], "fp8-block128")
+         "cupy:warp-decode-mma-pairs-fp8"], "fp8-block128") | dict.fromkeys(
+        ["cupy:warp-decode-mma-fp8-t16", "cupy:warp-decode-mma-pairs-fp8-t16"], "fp8-block128-t16")
 
 
 class ExpertScaled(WeightFormat):
@@ -372,3 +373,51 @@ def test_device_quantizer_compiles_for_sm90() -> None:
 
     [report] = offline_report(quantize_cuda.SOURCE)
     assert report.kernel == quantize_cuda.QUANTIZE and report.spill_stores == report.stack_bytes == 0
+
+
+def test_tiled_values() -> None:
+    """fp8-block128-t16 holds fp8-block128's values (bit for bit, its scales unchanged) in 16-row x 64-value tiles:
+    w13's tile j is neuron group j's 8 gate rows, then its 8 up rows, k block after k block; w2's is rows 16t ..
+    16t + 15. The reference reads it as the same weights; each layout's checks refuse the other; shapes that do not
+    tile, and knobs that cannot read tiles, are refused with the reason."""
+    from kernels import warp_decode_batched as wdb
+    from kernels.contract import Dims
+    from kernels.formats import FP8_BLOCK128, FP8_BLOCK128_T16, quantize_weights, tile_values, untile_values
+    from kernels.reference import moe_decode
+
+    rng = np.random.default_rng(3)
+    experts, inter, hidden = 2, 128, 192
+    w13 = rng.standard_normal((experts, 2 * inter, hidden)).astype(np.float32)
+    w2 = rng.standard_normal((experts, hidden, inter)).astype(np.float32)
+    rows13, rows2 = quantize_weights(w13, w2, FP8_BLOCK128.name)
+    t13, t2 = quantize_weights(w13, w2, FP8_BLOCK128_T16.name)
+    assert (t13.layout, t2.layout, rows13.layout) == ("t16", "t16", "rows")
+    for rows, tiled, matrix in ((rows13, t13, "w13"), (rows2, t2, "w2")):
+        bits = rows.values.view(np.uint8)
+        assert np.array_equal(tiled.values.view(np.uint8), tile_values(bits, matrix))
+        assert np.array_equal(untile_values(tiled.values.view(np.uint8), matrix), bits)
+        assert np.array_equal(tiled.scales, rows.scales)
+        assert np.array_equal(FP8_BLOCK128_T16.dequantize(tiled, matrix), FP8_BLOCK128.dequantize(rows, matrix))
+    flat13, flat2 = t13.values.view(np.uint8).reshape(experts, -1), t2.values.view(np.uint8).reshape(experts, -1)
+    kb13, kb2 = hidden // 64, inter // 64
+    e, j, k, r, c = 1, 3, 2, 5, 17  # group 3, k block 2, row 5 of the tile, value 17 of the k block
+    assert flat13[e][((j * kb13 + k) * 16 + r) * 64 + c] == rows13.values.view(np.uint8)[e, 8 * j + r, 64 * k + c]
+    assert flat13[e][((j * kb13 + k) * 16 + 8 + r) * 64 + c] == rows13.values.view(np.uint8)[e, inter + 8 * j + r,
+                                                                                              64 * k + c]
+    assert flat2[e][((j * kb2 + 1) * 16 + r) * 64 + c] == rows2.values.view(np.uint8)[e, 16 * j + r, 64 + c]
+    x = rng.standard_normal((3, hidden)).astype(BF16)
+    ids = rng.integers(0, experts, (3, 2)).astype(np.int32)
+    wts = rng.random((3, 2)).astype(np.float32)
+    assert np.array_equal(moe_decode(x, t13, t2, ids, wts, mode="fp64", weight_format=FP8_BLOCK128_T16.name),
+                          moe_decode(x, rows13, rows2, ids, wts, mode="fp64", weight_format=FP8_BLOCK128.name))
+    with pytest.raises(ValueError, match="w13 holds 't16'-ordered values, fp8-block128 weights are 'rows'-ordered"):
+        moe_decode(x, t13, t2, ids, wts, weight_format=FP8_BLOCK128.name)
+    with pytest.raises(ValueError, match="w2 holds 'rows'-ordered values, fp8-block128-t16 weights are 't16'"):
+        moe_decode(x, t13, rows2, ids, wts, weight_format=FP8_BLOCK128_T16.name)
+    with pytest.raises(ValueError, match="tiles need I and H multiples of 64, got I = 128, H = 200"):
+        quantize_weights(np.zeros((1, 256, 200), np.float32), np.zeros((1, 200, 128), np.float32),
+                         FP8_BLOCK128_T16.name)
+    with pytest.raises(ValueError, match="W_TILED reads fp8-block128-t16 tiles .* FP8_LOAD16 1, got 1, 1, 1 and 0"):
+        wdb.resolve_params(Dims(1, hidden, inter, experts, 2), **{**wdb.MMA_FP8_KNOBS, "W_TILED": 1, "FP8_LOAD16": 0})
+    with pytest.raises(ValueError, match="W_TILED .* needs W_FP8 1"):
+        wdb.resolve_params(Dims(1, hidden, inter, experts, 2), **{**wdb.MMA_KNOBS, "W_TILED": 1})

@@ -147,7 +147,7 @@ def test_resolve_params_validates() -> None:
             for cap in ({}, {"DB_MAX_REGS": 128})] == [wdb.MMA_WIDE_DOWN_WARPS, wdb.MMA_DOWN_WARPS]
     resolved = wdb.resolve_params(dims)
     switches = ("MAX_REGS", "MMA", "PDL", "EARLY_W2", "BALANCE", "PAIR_TILES", "GROUPED", "W_FP8", "PER_PAIR",
-                "FP8_", "WHOLE_RANGES", "RANGE_FLUSH", "PAIRS_INNER", "HOT_", "SHARE")  # 0: off
+                "FP8_", "WHOLE_RANGES", "RANGE_FLUSH", "PAIRS_INNER", "HOT_", "SHARE", "W_TILED")  # 0: off
     assert set(resolved) == set(wdb.DEFAULTS)
     assert all(v > 0 for k, v in resolved.items() if not any(s in k for s in switches))
 

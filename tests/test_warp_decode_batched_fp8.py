@@ -18,7 +18,7 @@ import pytest
 from kernels import warp_decode_batched as wdb
 from kernels import warp_decode_fp8 as wdf
 from kernels.contract import BF16, Dims
-from kernels.formats import FP8, FP8_BLOCK128, quantize_weights
+from kernels.formats import FP8, FP8_BLOCK128, FP8_BLOCK128_T16, quantize_weights
 from kernels.problem import Problem, make_problem
 from kernels.reference import moe_decode
 from kernels.shapes import MoEShape
@@ -317,6 +317,40 @@ def test_hot_tiles_emulated() -> None:
         wdb.resolve_params(dims, HOT_NBLK=2)
 
 
+SHAPE_T16 = MoEShape("h192-i192", 192, 192, 6, 2)  # 64-value tiles; a partial last scale block along H and I
+TILED_CASES = [  # (T, routing, knobs): the tensor-core forms that read fp8-block128-t16 tiles
+    (3, "uniform", {k: v for k, v in wdb.FP8_PER_PAIR_KNOBS.items() if k != "W_FP8"}),   # the per-pair form
+    (12, "zipf", {**{k: v for k, v in wdb.MMA_FP8_KNOBS.items() if k != "W_FP8"}, "GB_NBLK": 1, "HOT_NBLK": 2,
+                  "DB_GROUPED": 1, "DB_ROW_TILES": 2, "LIST_THREADS": 32, "LIST_PER": 0}),   # hot passes, 32-row downs
+    (6, "same", {**{k: v for k, v in wdb.MMA_FP8_KNOBS.items() if k != "W_FP8"}, "DB_GROUPED": 0, "DB_BALANCE": 1,
+                 "DB_WARPS": 3, "DB_UNROLL": 1, "LIST_THREADS": 32, "LIST_PER": 0}),   # runs cut inside rows
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tokens", "routing", "knobs"), TILED_CASES, ids=["pairs", "hot-grouped", "balanced"])
+def test_tiled_values_emulated(tokens: int, routing: Any, knobs: dict[str, int]) -> None:
+    """fp8-block128-t16 (W_TILED 1): the same values in 16-row x 64-value tiles give the bits of fp8-block128's
+    rows in every tensor-core form -- only the addresses move -- and the reference reads the tiles back."""
+    base = make_problem(SHAPE_T16, tokens, seed=tokens, routing=routing)
+    rows = _fp8_problem(base)
+    q13, q2 = quantize_weights(base.w13, base.w2, FP8_BLOCK128_T16.name)
+    assert (q13.layout, q2.layout) == ("t16", "t16") and q13.values.shape == rows.w13.values.shape
+    tiled = dataclasses.replace(base, w13=q13, w2=q2)
+    want = _emulate(rows, out_dtype=np.float32, **knobs)
+    got = _emulate(tiled, out_dtype=np.float32, **{**knobs, "W_TILED": 1})
+    assert np.array_equal(got["inter"], want["inter"])
+    assert np.array_equal(got["out"].view(np.uint32), want["out"].view(np.uint32))
+    args = (base.x, q13, q2, base.topk_ids, base.topk_weights)
+    assert np.array_equal(moe_decode(*args, mode="fp64", weight_format=FP8_BLOCK128_T16.name),
+                          moe_decode(base.x, rows.w13, rows.w2, base.topk_ids, base.topk_weights, mode="fp64",
+                                     weight_format=FMT))
+    with pytest.raises(ValueError, match="'t16'-ordered"):
+        moe_decode(base.x, rows.w13, rows.w2, base.topk_ids, base.topk_weights, weight_format=FP8_BLOCK128_T16.name)
+    with pytest.raises(ValueError, match="W_TILED reads 64-value tiles: H and I must be multiples of 64"):
+        wdb.resolve_params(_dims(make_problem(SHAPE_16, 2, seed=0)), **{**wdb.FP8_PER_PAIR_KNOBS, "W_TILED": 1})
+
+
 # T = 40, K = 2 over 6 experts: expert 0 in every token (5 tiles of 8, 3 of 16), expert 1 in 20 (3 / 2 tiles), 2 in 12
 # (2 / 1), 3..5 in the last 8 (1 each)
 SHARE_IDS = [[0, 1 if t < 20 else 2 if t < 32 else 3 + t % 3] for t in range(40)]
@@ -443,11 +477,11 @@ def test_row_tiles_emulated(shape: Any, tokens: int, routing: Any, knobs: dict[s
 # ---------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------
-def _device(cupy: Any, problem: Problem) -> Problem:
+def _device(cupy: Any, problem: Problem, weight_format: str = FMT) -> Problem:
     """The problem on the device with its weights quantized there (bitwise the host quantizer)."""
     x, w13, w2, ids, wts = (cupy.asarray(a) for a in (problem.x, problem.w13, problem.w2, problem.topk_ids,
                                                         problem.topk_weights))
-    q13, q2 = quantize_weights(w13, w2, FMT)
+    q13, q2 = quantize_weights(w13, w2, weight_format)
     return dataclasses.replace(problem, x=x, w13=q13, w2=q2, topk_ids=ids, topk_weights=wts)
 
 
@@ -485,7 +519,9 @@ GPU_CASES = [("qwen3-30b-a3b", 4, "uniform", "fma"), ("qwen3-30b-a3b", 8, "zipf-
              ("qwen3-235b-a22b", 32, "same", "mma"), ("tiny", 5, DUPLICATES, "fma"), ("tiny", 7, "uniform", "mma"),
              ("qwen3-30b-a3b", 2, "uniform", "pairs"), ("qwen3-235b-a22b", 3, "zipf-2", "pairs"),
              ("qwen3-235b-a22b", 3, "zipf", "mma"), ("qwen3-30b-a3b", 4, "zipf", "mma-capped"),
-             ("qwen3-235b-a22b", 2, "zipf", "pairs-two-groups")]
+             ("qwen3-235b-a22b", 2, "zipf", "pairs-two-groups"), ("qwen3-30b-a3b", 1, "uniform", "pairs-t16"),
+             ("qwen3-235b-a22b", 3, "zipf", "pairs-t16"), ("qwen3-30b-a3b", 64, "zipf", "mma-t16"),
+             ("qwen3-235b-a22b", 32, "same", "mma-t16"), ("qwen3-235b-a22b", 8, "correlated", "mma-t16")]
 # (qwen3-235b at 16 experts and T = 3: T*K >= E/4 runs the grouped down with one row tile, DB_UNROLL 4, 2 warps)
 # (tiny's H = 136 runs the tensor-core kernels with 8-value loads: FP8_LOAD16 auto is 0 there, 1 at the presets)
 PATHS = {"fma": (wdb.FP8_KNOBS, wdb.FP8_VARIANT), "mma": (wdb.MMA_FP8_KNOBS, wdb.MMA_FP8_VARIANT),
@@ -496,7 +532,10 @@ PATHS = {"fma": (wdb.FP8_KNOBS, wdb.FP8_VARIANT), "mma": (wdb.MMA_FP8_KNOBS, wdb
          # two groups of 8 neurons a per-pair gate_up block (the form before GB_WARPS = GB_KSPLIT): the same bits as
          # the variant's one group a block
          "pairs-two-groups": ({**wdb.FP8_PER_PAIR_KNOBS, "GB_WARPS": 2 * wdb.FP8_INVARIANT_KSPLIT},
-                              wdb.PER_PAIR_FP8_VARIANT)}
+                              wdb.PER_PAIR_FP8_VARIANT),
+         # fp8-block128-t16's tiles (W_TILED): checked also bitwise against the row layout's path
+         "mma-t16": ({**wdb.MMA_FP8_KNOBS, "W_TILED": 1}, wdb.MMA_FP8_T16_VARIANT),
+         "pairs-t16": ({**wdb.FP8_PER_PAIR_KNOBS, "W_TILED": 1}, wdb.PER_PAIR_FP8_T16_VARIANT)}
 
 
 @pytest.mark.gpu
@@ -511,7 +550,9 @@ def test_gpu_paths(model: str, tokens: int, routing: Any, path: str) -> None:
     shape = get_shape(model)
     run_shape = shape.with_(experts=min(shape.experts, 16))  # the host quantizes every expert for the reference
     host = _fp8_problem(make_problem(run_shape, tokens, seed=tokens + 5, routing=routing))
-    problem = _device(cupy, make_problem(run_shape, tokens, seed=tokens + 5, routing=routing))
+    tiled = path.endswith("-t16")
+    problem = _device(cupy, make_problem(run_shape, tokens, seed=tokens + 5, routing=routing),
+                      FP8_BLOCK128_T16.name if tiled else FMT)
     knobs, variant = PATHS[path]
     dims = _dims(problem)
 
@@ -522,6 +563,10 @@ def test_gpu_paths(model: str, tokens: int, routing: Any, path: str) -> None:
     faithful, oracle = _references(host)
     _assert_matches(first, faithful, oracle, f"fp8 {path} {model} T={tokens} {routing}", own_order=path != "fma")
     assert np.array_equal(run().view(np.uint16), first.view(np.uint16))
+    if tiled:  # only the addresses move: the row layout's bits
+        rows = _device(cupy, make_problem(run_shape, tokens, seed=tokens + 5, routing=routing))
+        rows_knobs = {k: v for k, v in knobs.items() if k != "W_TILED"}
+        assert np.array_equal(_run_poisoned(cupy, rows, **rows_knobs).view(np.uint16), first.view(np.uint16))
     launch = variant.make(dims)
     replay = _poisoned_out(cupy, tokens, shape.hidden)
     stream = cupy.cuda.Stream(non_blocking=True)

@@ -30,6 +30,7 @@ How a point (model, batch, variant) is measured:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import math
 import platform
@@ -393,7 +394,9 @@ class Workbench:
         stop = start + self.shape.experts
 
         def view(w: Any) -> Any:
-            return Quantized(w.values[start:stop], w.scales[start:stop]) if isinstance(w, Quantized) else w[start:stop]
+            if isinstance(w, Quantized):
+                return dataclasses.replace(w, values=w.values[start:stop], scales=w.scales[start:stop])
+            return w[start:stop]
 
         w13, w2 = self.pools[weight_format]
         return view(w13), view(w2)
@@ -417,7 +420,7 @@ class Workbench:
             def gather(w: Any) -> Any:
                 if isinstance(w, Quantized):  # fp8 values travel as their bit patterns
                     values = _host(w.values.view(cupy.uint8)[index]).view(np.uint8).view(FP8)
-                    return Quantized(values, _host(w.scales[index]))
+                    return dataclasses.replace(w, values=values, scales=_host(w.scales[index]))
                 return _host(w.view(cupy.uint16)[index]).view(BF16)
 
             w13, w2 = self.pools[weight_format]
