@@ -318,21 +318,28 @@ def test_hot_tiles_emulated() -> None:
 
 
 SHAPE_T16 = MoEShape("h192-i192", 192, 192, 6, 2)  # 64-value tiles; a partial last scale block along H and I
-TILED_CASES = [  # (T, routing, knobs): the tensor-core forms that read fp8-block128-t16 tiles
-    (3, "uniform", {k: v for k, v in wdb.FP8_PER_PAIR_KNOBS.items() if k != "W_FP8"}),   # the per-pair form
-    (12, "zipf", {**{k: v for k, v in wdb.MMA_FP8_KNOBS.items() if k != "W_FP8"}, "GB_NBLK": 1, "HOT_NBLK": 2,
-                  "DB_GROUPED": 1, "DB_ROW_TILES": 2, "LIST_THREADS": 32, "LIST_PER": 0}),   # hot passes, 32-row downs
-    (6, "same", {**{k: v for k, v in wdb.MMA_FP8_KNOBS.items() if k != "W_FP8"}, "DB_GROUPED": 0, "DB_BALANCE": 1,
-                 "DB_WARPS": 3, "DB_UNROLL": 1, "LIST_THREADS": 32, "LIST_PER": 0}),   # runs cut inside rows
+SHAPE_T16_WIDE = MoEShape("h512-i128", 512, 128, 6, 2)  # 4 k ranges of one scale block each: the range flush
+TILED_CASES = [  # (shape, T, routing, knobs): the tensor-core forms that read fp8-block128-t16 tiles
+    (SHAPE_T16, 3, "uniform", {k: v for k, v in wdb.FP8_PER_PAIR_KNOBS.items() if k != "W_FP8"}),   # per-pair form
+    (SHAPE_T16, 12, "zipf", {**{k: v for k, v in wdb.MMA_FP8_KNOBS.items() if k != "W_FP8"}, "GB_NBLK": 1,
+                             "HOT_NBLK": 2, "DB_GROUPED": 1, "DB_ROW_TILES": 2, "LIST_THREADS": 32,
+                             "LIST_PER": 0}),   # hot passes, 32-row downs
+    (SHAPE_T16, 6, "same", {**{k: v for k, v in wdb.MMA_FP8_KNOBS.items() if k != "W_FP8"}, "DB_GROUPED": 0,
+                            "DB_BALANCE": 1, "DB_WARPS": 3, "DB_UNROLL": 1, "LIST_THREADS": 32,
+                            "LIST_PER": 0}),   # runs cut inside rows
+    # the batch-invariant grouped form: 4 split chains walked in one loop (the range flush), the grouped down
+    (SHAPE_T16_WIDE, 9, "zipf", {**{k: v for k, v in wdb.FP8_GROUPED_KNOBS.items() if k != "W_FP8"},
+                                 "GB_UNROLL": 2, "LIST_THREADS": 32, "LIST_PER": 0}),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("tokens", "routing", "knobs"), TILED_CASES, ids=["pairs", "hot-grouped", "balanced"])
-def test_tiled_values_emulated(tokens: int, routing: Any, knobs: dict[str, int]) -> None:
+@pytest.mark.parametrize(("shape", "tokens", "routing", "knobs"), TILED_CASES,
+                         ids=["pairs", "hot-grouped", "balanced", "invariant-grouped"])
+def test_tiled_values_emulated(shape: Any, tokens: int, routing: Any, knobs: dict[str, int]) -> None:
     """fp8-block128-t16 (W_TILED 1): the same values in 16-row x 64-value tiles give the bits of fp8-block128's
     rows in every tensor-core form -- only the addresses move -- and the reference reads the tiles back."""
-    base = make_problem(SHAPE_T16, tokens, seed=tokens, routing=routing)
+    base = make_problem(shape, tokens, seed=tokens, routing=routing)
     rows = _fp8_problem(base)
     q13, q2 = quantize_weights(base.w13, base.w2, FP8_BLOCK128_T16.name)
     assert (q13.layout, q2.layout) == ("t16", "t16") and q13.values.shape == rows.w13.values.shape
