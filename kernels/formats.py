@@ -16,9 +16,9 @@ up's: the two are separate matrices in a checkpoint, so a partial last gate bloc
 w2's [E, ceil(H/128), ceil(I/128)]; partial blocks at the edges are legal. :func:`quantize_weights` makes them from
 fp32 / bf16 weights, :func:`fp8_experts_from_checkpoint` assembles a checkpoint's per-expert tensors.
 ``fp8-block128-t16`` holds the same values and scales with the values reordered into 16-row x 64-value tiles
-(:func:`tile_values`), the unit a tensor-core warp reads per k block (1 KB contiguous instead of 16 pieces a row
-apart; 1-5 % faster on the H200, notes/FINDINGS.md); ``Quantized.layout`` names the order, and each format's check
-refuses the other's.
+(:func:`tile_values`; :meth:`Fp8Block128T16.from_rows` tiles a checkpoint's), the unit a tensor-core warp reads per
+k block: 1 KB contiguous instead of 16 pieces a row apart, 1-5 % faster on the H200 (notes/FINDINGS.md).
+``Quantized.layout`` names the order, and each format's check refuses the other's.
 """
 
 from __future__ import annotations
@@ -313,11 +313,16 @@ class Fp8Block128T16(Fp8Block128):
     layout: str = "t16"
 
     def quantize(self, w13: Any, w2: Any) -> tuple[Quantized, Quantized]:
-        rows13, rows2 = super().quantize(w13, w2)
-        for name, q in (("w13", rows13), ("w2", rows2)):
+        return self.from_rows(*super().quantize(w13, w2))
+
+    def from_rows(self, w13: Quantized, w2: Quantized) -> tuple[Quantized, Quantized]:
+        """fp8-block128 (w13, w2) -- e.g. :func:`fp8_experts_from_checkpoint`'s -- as this format, where they live."""
+        tiled = []
+        for name, q in (("w13", w13), ("w2", w2)):
+            FP8_BLOCK128.check(name, q, array_module(q.values), "[E, 2I, H]" if name == "w13" else "[E, H, I]")
             self._check_dims(name, tuple(int(d) for d in q.values.shape))
-        return (Quantized(tile_values(rows13.values, "w13"), rows13.scales, self.layout),
-                Quantized(tile_values(rows2.values, "w2"), rows2.scales, self.layout))
+            tiled.append(Quantized(tile_values(q.values, name), q.scales, self.layout))
+        return tiled[0], tiled[1]
 
     @staticmethod
     def _check_dims(name: str, shape: tuple[int, ...]) -> None:

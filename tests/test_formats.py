@@ -405,6 +405,16 @@ def test_tiled_values() -> None:
     assert flat13[e][((j * kb13 + k) * 16 + 8 + r) * 64 + c] == rows13.values.view(np.uint8)[e, inter + 8 * j + r,
                                                                                               64 * k + c]
     assert flat2[e][((j * kb2 + 1) * 16 + r) * 64 + c] == rows2.values.view(np.uint8)[e, 16 * j + r, 64 + c]
+    checkpoint = [{"gate_proj.weight": rows13.values[e, :inter], "up_proj.weight": rows13.values[e, inter:],
+                   "down_proj.weight": rows2.values[e],
+                   "gate_proj.weight_scale_inv": rows13.scales[e, :rows13.scales.shape[1] // 2],
+                   "up_proj.weight_scale_inv": rows13.scales[e, rows13.scales.shape[1] // 2:],
+                   "down_proj.weight_scale_inv": rows2.scales[e]} for e in range(experts)]
+    for loaded, tiled in zip(FP8_BLOCK128_T16.from_rows(*formats.fp8_experts_from_checkpoint(checkpoint)), (t13, t2),
+                             strict=True):  # a checkpoint's tensors, tiled
+        assert loaded.layout == "t16" and np.array_equal(loaded.values.view(np.uint8), tiled.values.view(np.uint8))
+    with pytest.raises(ValueError, match="w13 holds 't16'-ordered values, fp8-block128 weights are 'rows'"):
+        FP8_BLOCK128_T16.from_rows(t13, t2)
     x = rng.standard_normal((3, hidden)).astype(BF16)
     ids = rng.integers(0, experts, (3, 2)).astype(np.int32)
     wts = rng.random((3, 2)).astype(np.float32)
