@@ -10,6 +10,8 @@ swaps the one inline-PTX instruction for plain C++.
 
 from __future__ import annotations
 
+from kernels.formats import BLOCK, TILE_K, TILE_ROWS
+
 WARP_HELPERS = r"""
 // ---- shared device helpers (kernels/device_helpers.py) ----
 typedef unsigned short bf16_t;
@@ -97,10 +99,13 @@ __device__ __forceinline__ void store_output(void* __restrict__ out, int out_f32
 # The FP8 weight helpers (fp8-block128: e4m3fn values, a float32 scale per 128 x 128 block), after WARP_HELPERS:
 # the strict FP8 kernels widen values to FP32 (e4m3x2_to_f32); the batched kernels' tensor-core A fragments take
 # them as bf16 (e4m3x8_to_bf16x8). The g++ emulation decodes in software, through the same bit steps.
-FP8_HELPERS = r"""
+FP8_HELPERS = f"""
 // ---- FP8 weight helpers (kernels/device_helpers.py) ----
-#define FP8_BLOCK 128                                  // rows and columns of a scale block
-#ifdef WD_HOST_EMULATION
+// the formats' geometry (kernels/formats.py): a scale block's rows and columns; fp8-block128-t16's tile rows and values
+#define FP8_BLOCK {BLOCK}
+#define TILE_ROWS {TILE_ROWS}
+#define TILE_K {TILE_K}
+""" + r"""#ifdef WD_HOST_EMULATION
 inline float e4m3_decode(u32 b) {                      // the emulation's software decode of one e4m3fn byte
     const u32 mag = b & 0x7Fu;
     const float sign = (b & 0x80u) ? -1.0f : 1.0f;

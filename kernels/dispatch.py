@@ -29,7 +29,11 @@ fp8-block128 weights (``kernels.quantize_weights(w13, w2, "fp8-block128")``) cho
 decode's numerics on the dequantized
 weights), from the same table under the format's own entries (key ``H..-K..-fp8-block128``; the H200's are measured)
 or the same heuristic; ``moe_decode`` sees the format in the
-weights it is given, ``make_workspace`` takes it as ``weight_format``.
+weights it is given, ``make_workspace`` takes it as ``weight_format``. fp8-block128-t16 weights (the same values in
+16-row tiles, ``quantize_weights(w13, w2, "fp8-block128-t16")`` or ``FP8_BLOCK128_T16.from_rows`` on loaded ones) choose
+among the three tensor-core FP8 paths on tiles (:data:`FP8_T16_CANDIDATES`, entries ``H..-K..-fp8-block128-t16``),
+under every policy, ``cupy:auto-fp8-t16`` being its variant; no strict path reads tiles, so dims beyond the
+tensor-core kernels' limits (too many experts or pairs for the list kernel) raise a ValueError there.
 
 The choice depends only on the shape (H, I, E, K), T, the GPU and the policy -- never on ``topk_ids``' values -- so
 it never syncs with the host and a captured CUDA graph stays valid for any routing:
@@ -68,7 +72,7 @@ from kernels import warp_decode_cupy as wdc
 from kernels import warp_decode_fp8 as wdf
 from kernels.contract import Dims, array_module, check_inputs
 from kernels.family import Launch
-from kernels.formats import FP8_BLOCK128, Quantized, get_format
+from kernels.formats import FP8_BLOCK128, FP8_BLOCK128_T16, format_of, get_format
 from kernels.variants import Variant, get_variant, register
 
 ec = importlib.import_module("kernels.expert_centric_path")
@@ -86,6 +90,10 @@ MMA_GROUPED = "cupy:warp-decode-mma-grouped"
 MMA_PAIRS = "cupy:warp-decode-mma-pairs"
 FP8_MMA_GROUPED = "cupy:warp-decode-mma-grouped-fp8"
 FP8_MMA_PAIRS = "cupy:warp-decode-mma-pairs-fp8"
+FP8_T16 = FP8_BLOCK128_T16.name
+FP8_T16_MMA = "cupy:warp-decode-mma-fp8-t16"
+FP8_T16_MMA_PAIRS = "cupy:warp-decode-mma-pairs-fp8-t16"
+FP8_T16_MMA_GROUPED = "cupy:warp-decode-mma-grouped-fp8-t16"
 # the batch-invariant pair are candidates of the other policies too: the per-pair form, whose pairs sharing an expert
 # read it back to back, led at qwen3-235b T = 2 by the worst case over uniform and Zipf routing, and the grouped path
 # at qwen3-235b T = 4 / 8 / 16 (H200, results/h200-2026-12-02-candidates-*.json)
@@ -95,11 +103,15 @@ CANDIDATES = (*WARP_DECODE_CANDIDATES, EXPERT_CENTRIC)
 # qwen3-30b T = 2 (H200, results/sweep-2026-12-02-mma-pairs-fp8-*.json); so is the grouped form, which led at
 # qwen3-235b T = 4 once the FP8 paths were re-measured (139.5 vs 143.1 us uniform, 137.2 vs 136.9 Zipf)
 FP8_CANDIDATES = (FP8_STRICT, FP8_BATCHED, FP8_MMA, FP8_MMA_PAIRS, FP8_MMA_GROUPED)
+# fp8-block128-t16 weights: the tensor-core FP8 paths on tiles (only they read the tiled order; kernels.formats)
+FP8_T16_CANDIDATES = (FP8_T16_MMA, FP8_T16_MMA_PAIRS, FP8_T16_MMA_GROUPED)
 MMA_KNOBS = wdb.MMA_KNOBS  # the batched module's tensor-core kernels (the MMA variant's params)
 BATCHED_KNOBS = {BATCHED: {}, MIXED: wdb.MIXED_KNOBS, MMA: wdb.MMA_KNOBS,  # the batched-module paths
                  FP8_BATCHED: wdb.FP8_KNOBS, FP8_MMA: wdb.MMA_FP8_KNOBS,
                  MMA_GROUPED: wdb.GROUPED_KNOBS, MMA_PAIRS: wdb.PER_PAIR_KNOBS,
-                 FP8_MMA_GROUPED: wdb.FP8_GROUPED_KNOBS, FP8_MMA_PAIRS: wdb.FP8_PER_PAIR_KNOBS}
+                 FP8_MMA_GROUPED: wdb.FP8_GROUPED_KNOBS, FP8_MMA_PAIRS: wdb.FP8_PER_PAIR_KNOBS,
+                 FP8_T16_MMA: wdb.MMA_FP8_T16_KNOBS, FP8_T16_MMA_PAIRS: wdb.FP8_T16_PER_PAIR_KNOBS,
+                 FP8_T16_MMA_GROUPED: wdb.FP8_T16_GROUPED_KNOBS}
 FASTEST = "fastest"
 WARP_DECODE = "warp_decode"
 BATCH_INVARIANT = "batch_invariant"
@@ -109,17 +121,23 @@ POLICY_CANDIDATES: dict[str, tuple[str, ...]] = {FASTEST: CANDIDATES, WARP_DECOD
 # per weight format: each policy's candidates
 FORMAT_CANDIDATES: dict[str, dict[str, tuple[str, ...]]] = {
     "bf16": POLICY_CANDIDATES,
-    FP8: {FASTEST: FP8_CANDIDATES, WARP_DECODE: FP8_CANDIDATES, BATCH_INVARIANT: (FP8_MMA_PAIRS, FP8_MMA_GROUPED)}}
+    FP8: {FASTEST: FP8_CANDIDATES, WARP_DECODE: FP8_CANDIDATES, BATCH_INVARIANT: (FP8_MMA_PAIRS, FP8_MMA_GROUPED)},
+    FP8_T16: {FASTEST: FP8_T16_CANDIDATES, WARP_DECODE: FP8_T16_CANDIDATES,
+              BATCH_INVARIANT: (FP8_T16_MMA_PAIRS, FP8_T16_MMA_GROUPED)}}
 # the batch-invariant policy's (per-pair, grouped) paths per format: per-pair while pairs are few per expert
-INVARIANT_PATHS: dict[str, tuple[str, str]] = {"bf16": (MMA_PAIRS, MMA_GROUPED), FP8: (FP8_MMA_PAIRS, FP8_MMA_GROUPED)}
+INVARIANT_PATHS: dict[str, tuple[str, str]] = {"bf16": (MMA_PAIRS, MMA_GROUPED), FP8: (FP8_MMA_PAIRS, FP8_MMA_GROUPED),
+                                               FP8_T16: (FP8_T16_MMA_PAIRS, FP8_T16_MMA_GROUPED)}
 # The heuristic's (few pairs, batched, MMA) paths per format, and the strict path any dims can run. FP8: the per-pair
 # tensor-core form where strict would run -- on the H200 it beat strict FP8 at T = 1 / 2 on both qwen3 shapes (30b
 # 18.0 / 27.1 vs 19.2 / 33.0 us, 235b 46.3 / 88.4 vs 53.8 / 104.6: results/h200-2026-12-02-fp8-paths-t1-t2-*.json)
 # -- and the tensor-core path in the batched slot too (50.1 vs 58.8 us at qwen3-30b T = 4:
 # results/h200-2026-12-02-fp8-paths-*.json)
 FORMAT_PATHS: dict[str, tuple[str, str, str]] = {"bf16": (STRICT, BATCHED, MMA),
-                                                  FP8: (FP8_MMA_PAIRS, FP8_MMA, FP8_MMA)}
-FORMAT_STRICT: dict[str, str] = {"bf16": STRICT, FP8: FP8_STRICT}
+                                                  FP8: (FP8_MMA_PAIRS, FP8_MMA, FP8_MMA),
+                                                  FP8_T16: (FP8_T16_MMA_PAIRS, FP8_T16_MMA, FP8_T16_MMA)}
+# the path that runs any dims, per format; none reads fp8-block128-t16 tiles (dims its tensor-core paths cannot run
+# -- too many experts for the list kernel, or too many pairs -- raise: fp8-block128 runs them)
+FORMAT_STRICT: dict[str, str | None] = {"bf16": STRICT, FP8: FP8_STRICT, FP8_T16: None}
 TABLE_POINTS = (1, 2, 4, 8, 16, 32, 64)
 TABLE_ROUTINGS = ("uniform", "zipf")  # what tools.dispatch_table measures; the choice is the best worst case
 TABLE_DIR = Path(__file__).resolve().parent / "dispatch_tables"
@@ -192,7 +210,7 @@ def supported(name: str, dims: Dims) -> bool:
         return batched_supported(dims, **BATCHED_KNOBS[name])
     if name == EXPERT_CENTRIC:
         return expert_centric_supported(dims)
-    return name in (STRICT, FP8_STRICT)
+    return name in (STRICT, FP8_STRICT)  # the strict paths run every dims
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -333,25 +351,44 @@ def heuristic(dims: Dims, policy: str = FASTEST, weight_format: str = "bf16") ->
     per pair; the tensor core takes that work off the lanes (H200: MMA fastest from T*K/E = 1 at qwen3-30b).
     Weights in another format pick its paths by the same rule (:data:`FORMAT_PATHS`: FP8 runs its per-pair tensor-core
     form where bf16 would run strict, its tensor-core path wherever bf16 would run batched or MMA, as measured at the
-    qwen3 shapes; strict FP8 where those cannot run the dims).
+    qwen3 shapes; strict FP8 where those cannot run the dims; fp8-block128-t16 the same paths on tiles, a ValueError
+    where those cannot run the dims).
     """
     check_policy(policy)
     few, batched, mma = FORMAT_PATHS[check_weight_format(weight_format)]
-    strict = FORMAT_STRICT[weight_format]
     pairs = dims.tokens * dims.top_k
     if policy == BATCH_INVARIANT:  # one numerics either way: per-pair where strict would run (no lists), else grouped
         # (H200, results/h200-2026-12-01-invariant-forms-uniform.json: per-pair 27.5 vs 30.2 us at qwen3-30b T = 1 and
         # 155 vs 167 at qwen3-235b T = 2; from T*K > E/8 the grouped path wins, 68 vs 77 at qwen3-30b T = 4)
         per_pair, grouped = INVARIANT_PATHS[weight_format]
-        if pairs <= STRICT_PAIRS_PER_EXPERT * dims.experts and batched_supported(dims, **BATCHED_KNOBS[per_pair]):
+        if pairs <= STRICT_PAIRS_PER_EXPERT * dims.experts and supported(per_pair, dims):
             return per_pair
-        return grouped
+        return _runnable(grouped, dims, weight_format)
     few_pairs = dims.tokens == 1 or pairs <= STRICT_PAIRS_PER_EXPERT * dims.experts
     if few_pairs:
-        return few if few == strict or batched_supported(dims, **BATCHED_KNOBS[few]) else strict
-    if pairs >= MMA_PAIRS_PER_EXPERT * dims.experts and batched_supported(dims, **BATCHED_KNOBS[mma]):
+        return _runnable(few, dims, weight_format)
+    if pairs >= MMA_PAIRS_PER_EXPERT * dims.experts and supported(mma, dims):
         return mma
-    return batched if batched_supported(dims, **BATCHED_KNOBS[batched]) else strict
+    return _runnable(batched, dims, weight_format)
+
+
+def _runnable(path: str, dims: Dims, weight_format: str) -> str:
+    """``path`` if it can run ``dims``, else the format's strict path; ValueError where the format has none."""
+    if supported(path, dims):
+        return path
+    strict = FORMAT_STRICT[weight_format]
+    if strict is None:
+        raise ValueError(f"no path reading {weight_format} weights runs {dims} (their tensor-core kernels' limits: "
+                         f"{_why_not(path, dims)}); quantize to {FP8} instead, whose strict path runs any dims")
+    return strict
+
+
+def _why_not(path: str, dims: Dims) -> str:
+    try:
+        wdb.resolve_params(dims, **BATCHED_KNOBS[path])
+    except ValueError as error:
+        return str(error)
+    return "none"
 
 
 def choose(dims: Dims, gpu: str | None = None, table_dir: str | Path = TABLE_DIR,
@@ -408,16 +445,17 @@ def moe_decode(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out:
 
     ``policy="fastest"``: strict, batched, mixed, MMA, the invariant pair or expert-centric (the last reproduces
     mode "classical"); ``policy="warp_decode"``: all but expert-centric (warp decode's numerics). fp8-block128
-    weights: the FP8 paths. With ``out`` and ``workspace`` (``make_workspace(dims, policy=policy,
-    weight_format=...)``, same policy and format) nothing is allocated and nothing syncs with the host during
-    CUDA-graph capture (outside capture the chosen path checks the ids' range, as every path does).
+    weights: the FP8 paths; fp8-block128-t16 weights: the tensor-core FP8 paths on tiles. With ``out`` and
+    ``workspace`` (``make_workspace(dims, policy=policy, weight_format=...)``, same policy and format) nothing is
+    allocated and nothing syncs with the host during CUDA-graph capture (outside capture the chosen path checks the
+    ids' range, as every path does).
     """
     check_policy(policy)
     xp = array_module(x)
     if xp.__name__ == "numpy":
         raise TypeError("x must be a cupy.ndarray (moe_decode runs on the GPU; reference.moe_decode is the host "
                         "version)")
-    weight_format = FP8 if isinstance(w13, Quantized) else "bf16"
+    weight_format = format_of(w13)
     dims = check_inputs(x, w13, w2, topk_ids, topk_weights, check_values=False, weight_format=weight_format)
     if workspace is None:
         workspace = make_workspace(dims, policy=policy, weight_format=weight_format)
@@ -482,6 +520,9 @@ VARIANT_WARP_DECODE = _auto_variant("cupy:auto-warp-decode", WARP_DECODE, "auto-
                                     "measured table (or a heuristic)")
 VARIANT_FP8 = _auto_variant("cupy:auto-fp8", FASTEST, "auto-dispatch on fp8-block128 weights: strict, batched or "
                             "tensor-core FP8 warp decode from the table's FP8 entries (or the heuristic)", FP8)
+VARIANT_FP8_T16 = _auto_variant("cupy:auto-fp8-t16", FASTEST, "auto-dispatch on fp8-block128-t16 weights: the "
+                                "tensor-core FP8 paths on tiles from the table's fp8-block128-t16 entries (or the "
+                                "heuristic)", FP8_T16)
 VARIANT_INVARIANT = _auto_variant("cupy:auto-invariant", BATCH_INVARIANT, "auto-dispatch, policy batch_invariant: "
                                   "the grouped tensor-core path or its per-pair form (one numerics): a token's "
                                   "output bitwise the same whatever batch it rides in")

@@ -363,6 +363,18 @@ def get_format(weight_format: str | WeightFormat = "bf16") -> WeightFormat:
         raise ValueError(f"unknown weight_format {weight_format!r}; known: {', '.join(FORMATS)}") from None
 
 
+def format_of(w13: Any) -> str:
+    """The name of the format ``w13`` is in: "bf16" for a plain array, else the scaled format whose layout its
+    :class:`Quantized` names (what an entry point given these weights runs: the format's own paths)."""
+    if not isinstance(w13, Quantized):
+        return BF16_FORMAT.name
+    for fmt in FORMATS.values():
+        if isinstance(fmt, Fp8Block128) and fmt.layout == w13.layout:
+            return fmt.name
+    layouts = sorted({fmt.layout for fmt in FORMATS.values() if isinstance(fmt, Fp8Block128)})
+    raise ValueError(f"w13 holds {w13.layout!r}-ordered values; the formats know {', '.join(layouts)}")
+
+
 def quantize_weights(w13: Any, w2: Any, weight_format: str | WeightFormat = FP8_BLOCK128.name) -> tuple[Any, Any]:
     """``(w13, w2)`` in ``weight_format`` from fp32 / bf16 weights in the data contract's layouts (NumPy or CuPy:
     the result lives where the input did). For ``"fp8-block128"`` each is a :class:`Quantized` that every entry

@@ -40,7 +40,7 @@ import numpy as np
 from kernels.compile import CudaSource, launch_ex, preset_variants
 from kernels.contract import BF16, Dims, check_aligned, check_inputs, check_out, require_cupy
 from kernels.family import Compiled, KernelFamily, Stage
-from kernels.formats import FP8_BLOCK128, FP8_BLOCK128_T16, Quantized
+from kernels.formats import FP8_BLOCK128, FP8_BLOCK128_T16, TILE_K, Quantized, format_of
 from kernels.shapes import PRESETS
 from kernels.variants import Variant, register
 from kernels.warp_decode_batched_cuda import CODE, GROUPED_KERNELS, KERNELS, MMA_KERNELS, PER_PAIR_KERNELS
@@ -683,9 +683,9 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         raise ValueError(f"W_TILED reads fp8-block128-t16 tiles in the tensor-core kernels' 64-wide k blocks: it needs "
                          f"W_FP8 1, GB_MMA 1, DB_MMA 1 and FP8_LOAD16 1, got {values['W_FP8']}, {values['GB_MMA']}, "
                          f"{values['DB_MMA']} and {values['FP8_LOAD16']}")
-    if values["W_TILED"] and dims is not None and (dims.hidden % 64 or dims.intermediate % 64):
-        raise ValueError(f"W_TILED reads 64-value tiles: H and I must be multiples of 64, got H = {dims.hidden}, "
-                         f"I = {dims.intermediate}")
+    if values["W_TILED"] and dims is not None and (dims.hidden % TILE_K or dims.intermediate % TILE_K):
+        raise ValueError(f"W_TILED reads {TILE_K}-value tiles: H and I must be multiples of {TILE_K}, got "
+                         f"H = {dims.hidden}, I = {dims.intermediate}")
     if values["PER_PAIR"] and values["GB_WARPS"] % values["GB_KSPLIT"]:
         raise ValueError(f"PER_PAIR gives each of GB_KSPLIT k ranges a warp: GB_WARPS must be a multiple of "
                          f"GB_KSPLIT, got {values['GB_WARPS']} and {values['GB_KSPLIT']}")
@@ -865,6 +865,10 @@ FP8_GROUPED_KNOBS = {**GROUPED_KNOBS, "W_FP8": 1, "GB_KSPLIT": FP8_INVARIANT_KSP
 FP8_PER_PAIR_KNOBS = {**PER_PAIR_KNOBS, "W_FP8": 1, "GB_KSPLIT": FP8_INVARIANT_KSPLIT, "GB_WARPS": FP8_INVARIANT_KSPLIT,
                       "GB_UNROLL": 2, "DB_UNROLL": 4, "PAIRS_INNER": 0}
 MMA_FP8_KNOBS = {**MMA_KNOBS, "W_FP8": 1}
+# the same three on fp8-block128-t16 tiles (kernels.formats): the same sums, each k block's A rows 1 KB contiguous
+MMA_FP8_T16_KNOBS = {**MMA_FP8_KNOBS, "W_TILED": 1}
+FP8_T16_PER_PAIR_KNOBS = {**FP8_PER_PAIR_KNOBS, "W_TILED": 1}
+FP8_T16_GROUPED_KNOBS = {**FP8_GROUPED_KNOBS, "W_TILED": 1}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1061,7 +1065,9 @@ SOURCE.variants = [*preset_variants(resolve_params, DEFAULTS), resolve_params(No
                    resolve_params(None, **PER_PAIR_KNOBS), resolve_params(None, **FP8_PER_PAIR_KNOBS),
                    resolve_params(_QWEN30_T64, **MMA_FP8_KNOBS), resolve_params(_QWEN30_T64, **FP8_GROUPED_KNOBS),
                    resolve_params(_QWEN30_T64, **MMA_FP8_KNOBS, GB_NBLK=2),
-                   resolve_params(_QWEN30_T64, **FP8_GROUPED_KNOBS, GB_NBLK=2)]
+                   resolve_params(_QWEN30_T64, **FP8_GROUPED_KNOBS, GB_NBLK=2),
+                   resolve_params(None, **FP8_T16_PER_PAIR_KNOBS), resolve_params(_QWEN30_T64, **MMA_FP8_T16_KNOBS),
+                   resolve_params(_QWEN30_T64, **FP8_T16_GROUPED_KNOBS)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1085,9 +1091,8 @@ def warp_decode_batched(
     fp8-block128 weights (``kernels.quantize_weights(w13, w2, "fp8-block128")``) run the W_FP8 kernels, and
     fp8-block128-t16 weights (its values in 16-row tiles) the tensor-core ones with W_TILED.
     """
-    fp8 = isinstance(w13, Quantized)  # fp8-block128 weights run the W_FP8 kernels (the default for them)
-    tiled = fp8 and w13.layout == FP8_BLOCK128_T16.layout
-    fmt = (FP8_BLOCK128_T16 if tiled else FP8_BLOCK128) if fp8 else "bf16"
+    fmt = format_of(w13)  # fp8-block128 weights run the W_FP8 kernels, fp8-block128-t16 also W_TILED
+    fp8, tiled = fmt != "bf16", fmt == FP8_BLOCK128_T16.name
     cupy = require_cupy(x=x, topk_ids=topk_ids, topk_weights=topk_weights,
                         **({"w13.values": w13.values} if fp8 else {"w13": w13}),
                         **({"w2.values": w2.values} if isinstance(w2, Quantized) else {"w2": w2}))
@@ -1107,7 +1112,7 @@ def warp_decode_batched(
         names = {(0, 0): "bf16", (1, 0): FP8_BLOCK128.name, (1, 1): FP8_BLOCK128_T16.name}
         raise ValueError(f"W_FP8 {resolved['W_FP8']} / W_TILED {resolved['W_TILED']} read "
                          f"{names.get((resolved['W_FP8'], resolved['W_TILED']), 'no')} weights, but w13 / w2 are "
-                         f"{getattr(fmt, 'name', fmt)}")
+                         f"{fmt}")
     if workspace is not None and resolved["DB_GROUPED"] and workspace.pair_out is None:
         raise ValueError("workspace has no per-pair rows, which the grouped down (DB_GROUPED 1) writes: make it with "
                          "make_workspace(dims, **params) for these knobs")
@@ -1173,15 +1178,20 @@ GROUPED_FP8_VARIANT = register(FAMILY.variant(
     weight_format=FP8_BLOCK128.name, description="the batch-invariant grouped tensor-core path on fp8-block128 weights",
     grid={"GB_WARPS": [2, 4, 8], "GB_NBLK": [1, 2], "DB_NBLK": [1, 2]}))
 MMA_FP8_T16_VARIANT = register(FAMILY.variant(
-    "cupy:warp-decode-mma-fp8-t16", knobs={**MMA_FP8_KNOBS, "W_TILED": 1}, reference_mode="warp_decode",
+    "cupy:warp-decode-mma-fp8-t16", knobs=MMA_FP8_T16_KNOBS, reference_mode="warp_decode",
     weight_format=FP8_BLOCK128_T16.name,
     description="the tensor-core FP8 path on fp8-block128-t16 weights: each warp's k block of 16 rows 1 KB contiguous",
     grid={"GB_UNROLL": [2, 4], "DB_UNROLL": [2, 4]}))
 PER_PAIR_FP8_T16_VARIANT = register(FAMILY.variant(
-    "cupy:warp-decode-mma-pairs-fp8-t16", knobs={**FP8_PER_PAIR_KNOBS, "W_TILED": 1}, reference_mode="warp_decode",
+    "cupy:warp-decode-mma-pairs-fp8-t16", knobs=FP8_T16_PER_PAIR_KNOBS, reference_mode="warp_decode",
     weight_format=FP8_BLOCK128_T16.name,
-    description="the per-pair tensor-core FP8 path on fp8-block128-t16 weights",
+    description="the batch-invariant per-pair tensor-core FP8 path on fp8-block128-t16 weights",
     grid={"GB_UNROLL": [2, 4], "DB_UNROLL": [2, 4]}))
+GROUPED_FP8_T16_VARIANT = register(FAMILY.variant(
+    "cupy:warp-decode-mma-grouped-fp8-t16", knobs=FP8_T16_GROUPED_KNOBS, reference_mode="warp_decode",
+    weight_format=FP8_BLOCK128_T16.name,
+    description="the batch-invariant grouped tensor-core FP8 path on fp8-block128-t16 weights",
+    grid={"GB_NBLK": [1, 2], "DB_NBLK": [1, 2]}))
 PER_PAIR_FP8_VARIANT = register(FAMILY.variant(
     "cupy:warp-decode-mma-pairs-fp8", knobs=FP8_PER_PAIR_KNOBS, reference_mode="warp_decode",
     weight_format=FP8_BLOCK128.name,

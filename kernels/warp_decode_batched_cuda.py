@@ -852,32 +852,39 @@ __device__ __forceinline__ void fp8_flush(float (&acc)[4], float (&part)[4], flo
 // A tensor-core warp's two A rows of one expert (rows g and g + 8 of its 16) and their block scales along k: w13's
 // gate row i and up row i (w13_rows), or w2's rows h_lo and h_hi (w2_rows)
 struct ARows { const a_chunk_t* lo; const a_chunk_t* hi; const float* scale_lo; const float* scale_hi; };
-// W_TILED (fp8-block128-t16, kernels/formats.py): the values of 16 rows x 64 k are 1 KB contiguous, k block after k
-// block (w13: neuron group i / 8's gate rows, then its up rows; w2: rows 16t .. 16t + 15). A row's pointer is its
-// tile's first k block plus its row in the tile; a_index maps the row-major 16-byte index to the tiled one.
-#define TILE_BYTES 1024
-__device__ __forceinline__ int a_index(int idx) { return W_TILED ? idx + (idx >> 2) * (TILE_BYTES / 16 - 4) : idx; }
+// W_TILED (fp8-block128-t16, kernels/formats.py): the values of TILE_ROWS rows x TILE_K k are one contiguous tile, k
+// block after k block (w13: neuron group i / 8's gate rows, then its up rows; w2: rows 16t .. 16t + 15). A row's
+// pointer is its tile's first k block plus its row in the tile (tile_row); a_index maps the row-major 16-byte index
+// to the tiled one. The mma's A operand is 16 rows x 64 k per k block (4 chunks of 16 bytes): one tile.
+#define TILE_BYTES (TILE_ROWS * TILE_K)
+#define TILE_CHUNKS (TILE_K / 16)
+static_assert(TILE_ROWS == 16 && TILE_K == 64, "W_TILED reads one tile per mma k block: 16 rows x 64 e4m3 values");
+__device__ __forceinline__ int a_index(int idx) {
+    return W_TILED ? idx + (idx / TILE_CHUNKS) * (TILE_BYTES / 16 - TILE_CHUNKS) : idx;
+}
+// row r of a tiled matrix with `cols` values per row, whose tiles hold `rows_per_tile` of its rows
+__device__ __forceinline__ size_t tile_row(int r, int cols, int rows_per_tile) {
+    return (size_t)(r / rows_per_tile) * (cols / TILE_K) * TILE_BYTES + (size_t)(r % rows_per_tile) * TILE_K;
+}
 __device__ __forceinline__ ARows w13_rows(const weight_t* w13, const float* s13, int e, int i, int hidden, int inter) {
     const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
     const size_t expert = (size_t)e * 2 * inter * hidden;
-    const size_t gate = W_TILED ? expert + (size_t)(i / 8) * (hidden / 64) * TILE_BYTES + (i % 8) * 64
-                                : expert + (size_t)i * hidden;
-    const size_t up = W_TILED ? gate + 8 * 64 : gate + (size_t)inter * hidden;
+    // a w13 tile: TILE_ROWS / 2 gate rows, then the same neurons' up rows
+    const size_t gate = expert + (W_TILED ? tile_row(i, hidden, TILE_ROWS / 2) : (size_t)i * hidden);
+    const size_t up = W_TILED ? gate + (TILE_ROWS / 2) * TILE_K : gate + (size_t)inter * hidden;
     return {reinterpret_cast<const a_chunk_t*>(w13 + gate),
             reinterpret_cast<const a_chunk_t*>(w13 + up),
             scale_row(s13, (long long)e * 2 * iblocks + i / FP8_BLOCK, hblocks),
             scale_row(s13, (long long)e * 2 * iblocks + iblocks + i / FP8_BLOCK, hblocks)};
 }
+__device__ __forceinline__ size_t w2_row(int e, int h, int hidden, int inter) {
+    return (size_t)e * hidden * inter + (W_TILED ? tile_row(h, inter, TILE_ROWS) : (size_t)h * inter);
+}
 __device__ __forceinline__ ARows w2_rows(const weight_t* w2, const float* s2, int e, int h_lo, int h_hi, int hidden,
                                          int inter) {
     const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
-    const size_t expert = (size_t)e * hidden * inter;
-    const size_t lo = W_TILED ? expert + (size_t)(h_lo / 16) * (inter / 64) * TILE_BYTES + (h_lo % 16) * 64
-                              : expert + (size_t)h_lo * inter;
-    const size_t hi = W_TILED ? expert + (size_t)(h_hi / 16) * (inter / 64) * TILE_BYTES + (h_hi % 16) * 64
-                              : expert + (size_t)h_hi * inter;
-    return {reinterpret_cast<const a_chunk_t*>(w2 + lo),
-            reinterpret_cast<const a_chunk_t*>(w2 + hi),
+    return {reinterpret_cast<const a_chunk_t*>(w2 + w2_row(e, h_lo, hidden, inter)),
+            reinterpret_cast<const a_chunk_t*>(w2 + w2_row(e, h_hi, hidden, inter)),
             scale_row(s2, (long long)e * hblocks + h_lo / FP8_BLOCK, iblocks),
             scale_row(s2, (long long)e * hblocks + h_hi / FP8_BLOCK, iblocks)};
 }

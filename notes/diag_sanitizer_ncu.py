@@ -44,6 +44,9 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_sanitizer_ncu
 * ``row-tiles`` the widening's multiply on B (FP8_PRMT 2 and 3) on the FP8 tensor-core paths and the grouped down
              at two row tiles per warp (DB_ROW_TILES 2), FP8 and bf16, hot tiles, a shape whose H is not a multiple
              of 32, Zipf and all-on-one-set routings, outputs compared with the references (added 2026-12-03).
+* ``t16``    the three tensor-core FP8 paths on fp8-block128-t16 tiles (W_TILED) on shapes with partial scale blocks
+             at both edges and at qwen3-30b-a3b T = 20, skewed routings, outputs compared with the references on
+             the row layout's same values (added 2026-12-04, for the tiles).
 * ``fp8-chunks`` strict FP8 at 16-value chunks (and 8 slots at 16-value gate_up chunks) on a shape with partial
              scale blocks at both edges and at qwen3-30b-a3b T = 2 (added 2026-12-01 late).
 """
@@ -159,6 +162,26 @@ def fp8() -> None:
             mode, quant = ("classical", "fp8") if "w8a8" in name else ("warp_decode", None)
             faithful = moe_decode(*args, mode=mode, quant=quant, weight_format="fp8-block128")
             _run_checked(name, problem, weights, faithful, oracle, f"{_dims(problem)} {routing}")
+
+
+T16_PATHS = ("cupy:warp-decode-mma-fp8-t16", "cupy:warp-decode-mma-pairs-fp8-t16",
+             "cupy:warp-decode-mma-grouped-fp8-t16")
+
+
+def t16() -> None:
+    """The three tensor-core paths on fp8-block128-t16 tiles (W_TILED), on shapes with partial scale blocks at both
+    edges and at qwen3-30b-a3b, under skewed routings, against the references on the row layout's same values."""
+    from kernels.formats import FP8_BLOCK128_T16
+    from kernels.reference import moe_decode
+
+    for shape, tokens, routing in ((MoEShape("h192-i320", 192, 320, 12, 4), 9, "zipf"),
+                                   (MoEShape("h576-i448", 576, 448, 24, 6), 37, "same"),
+                                   ("qwen3-30b-a3b", 20, "correlated")):
+        problem, weights, args, oracle = _fp8_case(shape, tokens, routing)
+        tiles = FP8_BLOCK128_T16.from_rows(*weights)
+        faithful = moe_decode(*args, mode="warp_decode", weight_format="fp8-block128")
+        for name in T16_PATHS:
+            _run_checked(name, problem, tiles, faithful, oracle, f"{_dims(problem)} {routing}")
 
 
 def fp8_chunks() -> None:
@@ -330,6 +353,8 @@ if __name__ == "__main__":
         whole_flush()
     elif what == "hot":
         hot()
+    elif what == "t16":
+        t16()
     elif what == "fp8-chunks":
         fp8_chunks()
     elif what == "fp8-pair":
@@ -353,4 +378,5 @@ if __name__ == "__main__":
         new(odd_only=True)
     else:
         raise SystemExit(f"unknown workload {what!r}: small, skew, t64, zipf64, t1, fp8, fp8-chunks, fp8-pair, "
-                         "fp8-mma-t32, fp8-strict-t1, fp8-point, point, new, new-odd, whole-flush, hot or row-tiles")
+                         "fp8-mma-t32, fp8-strict-t1, fp8-point, point, new, new-odd, whole-flush, hot, row-tiles "
+                         "or t16")

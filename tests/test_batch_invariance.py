@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from kernels.contract import BF16
+from kernels.formats import format_of
 from kernels.problem import make_problem
 from kernels.routing import GENERATORS, make_routing
 from kernels.shapes import PRESETS, MoEShape
@@ -59,7 +60,7 @@ def _run(cupy: Any, w13: Any, w2: Any, host: tuple[Any, ...], policy: str, graph
     x, ids, wts = (cupy.asarray(a) for a in host)
     out = cupy.empty((x.shape[0], x.shape[1]), BF16)
     out.view(cupy.uint16).fill(0x7FC0)
-    fmt = "fp8-block128" if not hasattr(w13, "dtype") else "bf16"
+    fmt = format_of(w13)
     dims = dispatch.check_inputs(x, w13, w2, ids, wts, weight_format=fmt)
     ws = dispatch.make_workspace(dims, policy=policy, weight_format=fmt)
     if not graph:
@@ -79,7 +80,7 @@ def _run(cupy: Any, w13: Any, w2: Any, host: tuple[Any, ...], policy: str, graph
 
 
 CASES = [("qwen3-30b-a3b", "bf16"), ("qwen3-235b-a22b", "bf16"), ("qwen3-30b-a3b", "fp8-block128"),
-         ("h200-i136", "bf16"), ("tiny", "fp8-block128")]
+         ("h200-i136", "bf16"), ("tiny", "fp8-block128"), ("qwen3-235b-a22b", "fp8-block128-t16")]
 
 
 @pytest.mark.gpu

@@ -28,6 +28,7 @@ from kernels import warp_decode_batched as wdb
 from kernels.contract import BF16, Dims
 from kernels.problem import make_problem
 from kernels.shapes import PRESETS
+from kernels.variants import get_variant
 from tests.test_warp_decode_batched import (
     FakeCupyArray,
     _assert_matches,
@@ -43,6 +44,7 @@ TINY = PRESETS["tiny"]
 S, B, M, EC = dispatch.STRICT, dispatch.BATCHED, dispatch.MMA, dispatch.EXPERT_CENTRIC
 X = dispatch.MIXED
 P, G = dispatch.MMA_PAIRS, dispatch.MMA_GROUPED
+TM, TP, TG = dispatch.FP8_T16_MMA, dispatch.FP8_T16_MMA_PAIRS, dispatch.FP8_T16_MMA_GROUPED  # fp8-block128-t16's
 
 
 def _dims(shape: Any, tokens: int) -> Dims:
@@ -270,6 +272,15 @@ def test_committed_h200_table_choices() -> None:
             got = dispatch.choose(_dims(PRESETS[model], tokens), "NVIDIA H200", weight_format="fp8-block128")
             assert got == (path, "table"), (model, tokens)
         assert dispatch.choose(_dims(shape, 1), "NVIDIA H200") == (S, "table")
+    # its fp8-block128-t16 entries (results/dispatch-2026-12-04-fp8-t16.log): the per-pair form on tiles at T = 1 / 2,
+    # the tensor-core path from T = 4; the invariant policy per-pair up to T = 4 at qwen3-30b (2 at qwen3-235b)
+    for model, per_pair_up_to in (("qwen3-30b-a3b", 4), ("qwen3-235b-a22b", 2)):
+        for tokens in dispatch.TABLE_POINTS:
+            dims = _dims(PRESETS[model], tokens)
+            assert dispatch.choose(dims, "NVIDIA H200", weight_format="fp8-block128-t16") == (
+                TP if tokens <= 2 else TM, "table"), (model, tokens)
+            assert dispatch.choose(dims, "NVIDIA H200", policy="batch_invariant", weight_format="fp8-block128-t16") == (
+                TP if tokens <= per_pair_up_to else TG, "table"), (model, tokens)
 
 
 def test_validate_table_rejects_bad_tables() -> None:
@@ -631,7 +642,6 @@ def _check_chosen_mode(cupy: Any, got: np.ndarray, problem: Any, choice: str, wh
     """``got`` against reference.moe_decode in the chosen path's mode (and the fp64 oracle)."""
     from kernels.numerics import rel_l2
     from kernels.reference import moe_decode
-    from kernels.variants import get_variant
 
     mode = get_variant(choice).reference_mode
     if mode == "warp_decode":
@@ -738,7 +748,6 @@ def _capture_and_replay(cupy: Any, rng: np.random.Generator, problem: Any, ws: d
 @pytest.mark.parametrize("tokens", [2, 16])
 def test_capture_moe_decode_and_auto_variant(cupy_mod: Any, rng: np.random.Generator, tokens: int) -> None:
     from kernels.family import Launch
-    from kernels.variants import get_variant
 
     cupy = cupy_mod
     problem = make_problem("qwen3-30b-a3b", tokens, seed=_seed(rng), xp=cupy)
@@ -762,7 +771,6 @@ def test_capture_policies_tiny(cupy_mod: Any, rng: np.random.Generator, policy: 
     """tiny T=8 (T*K = 16 >= E = 6, no table entry): the heuristic picks the MMA path under both policies;
     equal to the MMA kernels called directly, bitwise repeatable over 3 runs, captured with new routing per
     replay, checked by the MMA rule (tests/warp_checks.py, own_order)."""
-    from kernels.variants import get_variant
 
     cupy = cupy_mod
     problem = make_problem("tiny", 8, seed=_seed(rng), xp=cupy)
@@ -853,9 +861,75 @@ def test_batch_invariant_policy_keeps_one_numerics() -> None:
         wdb.resolve_params(many_slots, **wdb.PER_PAIR_KNOBS)
     assert not dispatch.supported(dispatch.MMA_PAIRS, many_slots)
     assert dispatch.heuristic(many_slots, "batch_invariant") == dispatch.MMA_GROUPED
-    from kernels.variants import get_variant
 
     for name in (dispatch.MMA_PAIRS, dispatch.MMA_GROUPED, dispatch.FP8_MMA_PAIRS, dispatch.FP8_MMA_GROUPED):
         variant = get_variant(name)
         assert variant.reference_mode == "warp_decode" and variant.weight_format == (
             "fp8-block128" if name.endswith("-fp8") else "bf16")
+
+
+# -- fp8-block128-t16 weights: the tensor-core FP8 paths on tiles -----------------------------------------------------
+
+
+def test_fp8_t16_weights_choose_among_the_tiled_paths(tmp_path: Path) -> None:
+    """fp8-block128-t16 weights choose among the three tiled paths under every policy (the heuristic: the FP8 rule,
+    per-pair where strict would run, the tensor-core path else; the invariant policy its pair), from their own table
+    entries (key ``...-fp8-block128-t16``, never the row layout's); dims no tiled path runs raise a ValueError that
+    names the row layout, whose strict path runs them."""
+    t16 = "fp8-block128-t16"
+    assert dispatch.FORMAT_CANDIDATES[t16]["fastest"] == (TM, TP, TG)
+    for name in (TM, TP, TG):
+        assert dispatch.BATCHED_KNOBS[name]["W_TILED"] == 1 and get_variant(name).weight_format == t16
+    assert get_variant("cupy:auto-fp8-t16").weight_format == t16
+    for tokens, want in {1: TP, 2: TP, 4: TM, 8: TM, 64: TM}.items():
+        assert dispatch.heuristic(_dims(QWEN30, tokens), weight_format=t16) == want, tokens
+        assert dispatch.heuristic(_dims(QWEN30, tokens), "batch_invariant", t16) == (TP if tokens <= 2 else TG)
+    too_many = Dims(4096, 64, 64, 8, 8)  # the list kernel's shared memory: no batched path runs it
+    with pytest.raises(ValueError, match="fp8-block128-t16.*list kernel.*quantize to fp8-block128"):
+        dispatch.heuristic(too_many, weight_format=t16)
+    assert dispatch.heuristic(too_many, weight_format="fp8-block128") == FS
+    assert dispatch.key_format(dispatch.shape_key(_dims(QWEN30, 1), t16)) == t16
+    gpu = "Fake GPU 9002"
+    table = None
+    rows = dict.fromkeys(dispatch.FP8_CANDIDATES, 5.0)  # faster, but the row layout's entry: never read for tiles
+    for fmt, medians in ((t16, {TM: 20.0, TP: 10.0, TG: 30.0}), ("fp8-block128", rows)):
+        point = dispatch_table.point_record({n: _record(us) for n, us in medians.items()}, weight_format=fmt)
+        table = dispatch_table.merge(table, gpu, {"date": "2026-12-04"}, QWEN30.name, _dims(QWEN30, 1), 1, point, fmt)
+    (tmp_path / f"{dispatch.gpu_slug(gpu)}.json").write_text(json.dumps(dispatch.validate_table(table)))
+    dispatch.load_table.cache_clear()
+    assert dispatch.choose(_dims(QWEN30, 4), gpu, tmp_path, weight_format=t16) == (TP, "table")
+    assert dispatch.choose(_dims(QWEN30, 4), gpu, tmp_path, "batch_invariant", t16) == (TP, "table")
+    assert dispatch.choose(_dims(QWEN30, 4), gpu, tmp_path, weight_format="fp8-block128")[0] in dispatch.FP8_CANDIDATES
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_moe_decode_on_tiled_fp8_weights(cupy_mod: Any, rng: np.random.Generator, tokens: int) -> None:
+    """moe_decode on fp8-block128-t16 weights runs a tiled path (this GPU's table, under each policy): every row
+    written, bitwise the same over repeats, as that path called directly, and as its knobs on the row layout (only the
+    addresses move); a workspace made for the row layout is refused."""
+    from kernels.formats import FP8_BLOCK128_T16, quantize_weights
+
+    cupy = cupy_mod
+    problem = make_problem("qwen3-30b-a3b", tokens, seed=_seed(rng), xp=cupy)
+    rows = quantize_weights(problem.w13, problem.w2, "fp8-block128")
+    tiles = FP8_BLOCK128_T16.from_rows(*rows)
+    x, ids, wts = problem.x, problem.topk_ids, problem.topk_weights
+    dims = _dims(problem.shape, tokens)
+    for policy in dispatch.POLICIES:
+        ws = dispatch.make_workspace(dims, policy=policy, weight_format=FP8_BLOCK128_T16.name)
+        assert ws.choice in dispatch.FORMAT_CANDIDATES[FP8_BLOCK128_T16.name][policy], (policy, ws.choice)
+        runs = []
+        for _ in range(2):
+            out = _poisoned_out(cupy, tokens, problem.shape.hidden)
+            assert dispatch.moe_decode(x, *tiles, ids, wts, out=out, workspace=ws, policy=policy) is out
+            runs.append(out.get().view(np.uint16))
+        assert not np.any((runs[0] & 0x7F80) == 0x7F80), f"{ws.choice}: NaN/inf (a row not written)"
+        assert np.array_equal(runs[0], runs[1]), f"{ws.choice}: not repeatable"
+        knobs = dispatch.BATCHED_KNOBS[ws.choice]
+        direct = wdb.warp_decode_batched(x, *tiles, ids, wts, **knobs).get().view(np.uint16)
+        row_knobs = {k: v for k, v in knobs.items() if k != "W_TILED"}
+        on_rows = wdb.warp_decode_batched(x, *rows, ids, wts, **row_knobs).get().view(np.uint16)
+        assert np.array_equal(direct, runs[0]) and np.array_equal(on_rows, runs[0]), ws.choice
+        with pytest.raises(ValueError, match="fp8-block128 weights"):
+            dispatch.moe_decode(x, *rows, ids, wts, workspace=ws, policy=policy)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -71,7 +73,8 @@ def test_variants_default_to_bf16() -> None:
         ["cupy:warp-decode-fp8", "numba:warp-decode-fp8", "cupy:warp-decode-batched-fp8", "cupy:warp-decode-mma-fp8",
          "cupy:auto-fp8", "cupy:expert-centric-w8a8", "cupy:warp-decode-mma-grouped-fp8",
          "cupy:warp-decode-mma-pairs-fp8"], "fp8-block128") | dict.fromkeys(
-        ["cupy:warp-decode-mma-fp8-t16", "cupy:warp-decode-mma-pairs-fp8-t16"], "fp8-block128-t16")
+        ["cupy:warp-decode-mma-fp8-t16", "cupy:warp-decode-mma-pairs-fp8-t16", "cupy:warp-decode-mma-grouped-fp8-t16",
+         "cupy:auto-fp8-t16"], "fp8-block128-t16")
 
 
 class ExpertScaled(WeightFormat):
@@ -415,6 +418,11 @@ def test_tiled_values() -> None:
         assert loaded.layout == "t16" and np.array_equal(loaded.values.view(np.uint8), tiled.values.view(np.uint8))
     with pytest.raises(ValueError, match="w13 holds 't16'-ordered values, fp8-block128 weights are 'rows'"):
         FP8_BLOCK128_T16.from_rows(t13, t2)
+    # what an entry point given these weights runs: the format their layout names
+    assert [formats.format_of(w) for w in (w13.astype(BF16), rows13, t13)] == ["bf16", FP8_BLOCK128.name,
+                                                                              FP8_BLOCK128_T16.name]
+    with pytest.raises(ValueError, match="w13 holds 'cols'-ordered values; the formats know rows, t16"):
+        formats.format_of(dataclasses.replace(t13, layout="cols"))
     x = rng.standard_normal((3, hidden)).astype(BF16)
     ids = rng.integers(0, experts, (3, 2)).astype(np.int32)
     wts = rng.random((3, 2)).astype(np.float32)

@@ -528,7 +528,8 @@ GPU_CASES = [("qwen3-30b-a3b", 4, "uniform", "fma"), ("qwen3-30b-a3b", 8, "zipf-
              ("qwen3-235b-a22b", 3, "zipf", "mma"), ("qwen3-30b-a3b", 4, "zipf", "mma-capped"),
              ("qwen3-235b-a22b", 2, "zipf", "pairs-two-groups"), ("qwen3-30b-a3b", 1, "uniform", "pairs-t16"),
              ("qwen3-235b-a22b", 3, "zipf", "pairs-t16"), ("qwen3-30b-a3b", 64, "zipf", "mma-t16"),
-             ("qwen3-235b-a22b", 32, "same", "mma-t16"), ("qwen3-235b-a22b", 8, "correlated", "mma-t16")]
+             ("qwen3-235b-a22b", 32, "same", "mma-t16"), ("qwen3-235b-a22b", 8, "correlated", "mma-t16"),
+             ("qwen3-30b-a3b", 16, "zipf", "grouped-t16"), ("qwen3-235b-a22b", 8, "uniform", "grouped-t16")]
 # (qwen3-235b at 16 experts and T = 3: T*K >= E/4 runs the grouped down with one row tile, DB_UNROLL 4, 2 warps)
 # (tiny's H = 136 runs the tensor-core kernels with 8-value loads: FP8_LOAD16 auto is 0 there, 1 at the presets)
 PATHS = {"fma": (wdb.FP8_KNOBS, wdb.FP8_VARIANT), "mma": (wdb.MMA_FP8_KNOBS, wdb.MMA_FP8_VARIANT),
@@ -541,8 +542,9 @@ PATHS = {"fma": (wdb.FP8_KNOBS, wdb.FP8_VARIANT), "mma": (wdb.MMA_FP8_KNOBS, wdb
          "pairs-two-groups": ({**wdb.FP8_PER_PAIR_KNOBS, "GB_WARPS": 2 * wdb.FP8_INVARIANT_KSPLIT},
                               wdb.PER_PAIR_FP8_VARIANT),
          # fp8-block128-t16's tiles (W_TILED): checked also bitwise against the row layout's path
-         "mma-t16": ({**wdb.MMA_FP8_KNOBS, "W_TILED": 1}, wdb.MMA_FP8_T16_VARIANT),
-         "pairs-t16": ({**wdb.FP8_PER_PAIR_KNOBS, "W_TILED": 1}, wdb.PER_PAIR_FP8_T16_VARIANT)}
+         "mma-t16": (wdb.MMA_FP8_T16_KNOBS, wdb.MMA_FP8_T16_VARIANT),
+         "pairs-t16": (wdb.FP8_T16_PER_PAIR_KNOBS, wdb.PER_PAIR_FP8_T16_VARIANT),
+         "grouped-t16": (wdb.FP8_T16_GROUPED_KNOBS, wdb.GROUPED_FP8_T16_VARIANT)}
 
 
 @pytest.mark.gpu

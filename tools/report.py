@@ -187,6 +187,11 @@ CROSSOVER_SETS: dict[str, dict[str, str]] = {  # weight format -> variant -> col
     "bf16": _CROSSOVER_VARIANTS,
     "fp8-block128": {**{v: k for k, v in CROSSOVER_FP8_PATHS.items()}, "cupy:auto-fp8": "auto",
                      "triton:fused-moe-w8a8": "peer"},
+    # fp8-block128-t16: the tensor-core FP8 paths on tiles, their auto, beside the same W8A8 baseline and peer
+    "fp8-block128-t16": {"cupy:warp-decode-mma-fp8-t16": "MMA", "cupy:warp-decode-mma-pairs-fp8-t16": "per-pair",
+                         "cupy:warp-decode-mma-grouped-fp8-t16": "grouped",
+                         "cupy:expert-centric-w8a8": "expert-centric", "cupy:auto-fp8-t16": "auto",
+                         "triton:fused-moe-w8a8": "peer"},
 }
 
 
@@ -199,16 +204,21 @@ def crossover_keys(datasets: list[dict[str, Any]], weight_format: str = "bf16") 
     """Every (model, routing) with rows of at least two of strict / batched / expert-centric / auto (first-seen order)
     among the paths of ``weight_format`` (:data:`CROSSOVER_SETS`).
 
-    One path alone has no crossover, so a run of the strict kernel only over many presets adds no table.
+    One path alone has no crossover, so a run of the strict kernel only over many presets adds no table; nor do
+    columns that several formats' tables share (the W8A8 baseline and peer) without a path of the format's own.
     """
     variants = CROSSOVER_SETS[weight_format]
+    shared = {v for fmt, other in CROSSOVER_SETS.items() if fmt != weight_format for v in other}
     columns: dict[tuple[str, str], set[str]] = {}
+    own: set[tuple[str, str]] = set()  # keys with a row of this format's own paths (not only a shared baseline / peer)
     for data in datasets:
         for row in data.get("results", []):
             if row.get("variant") in variants:
                 key = (row["model"], row_routing(data, row))
                 columns.setdefault(key, set()).add(variants[row["variant"]])
-    return [key for key, seen in columns.items() if len(seen) >= 2]
+                if row["variant"] not in shared:
+                    own.add(key)
+    return [key for key, seen in columns.items() if len(seen) >= 2 and key in own]
 
 
 def _short(variant: str | None) -> str | None:

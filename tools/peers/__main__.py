@@ -9,7 +9,8 @@ config's row is also recorded as ``triton:fused-moe`` (the tuned peer, ``tuned_f
 ``--tune`` writes those choices to ``tools/peers/tuned/<gpu slug>.json``, which the variant's ``CONFIG=-1`` reads;
 ``--configs`` runs only the named configs (a quicker comparison where the fastest are known; not with ``--tune``).
 ``--weight-format fp8-block128`` does the same for the W8A8 peer ``triton:fused-moe-w8a8`` (its own tile configs)
-beside the lab's FP8 auto-dispatch. Without PyTorch, Triton or a GPU it says so in one line and exits 0.
+beside the lab's FP8 auto-dispatch on both layouts (``cupy:auto-fp8``, ``cupy:auto-fp8-t16``). Without PyTorch,
+Triton or a GPU it says so in one line and exits 0.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from kernels.routing import GENERATORS
 from tools import peers, report
 from tools.cli import int_list
 
-LAB_DEFAULT = {"bf16": "cupy:auto", "fp8-block128": "cupy:auto-fp8"}  # what each peer is measured beside
+# what each peer is measured beside: the lab's auto-dispatch for its weights (FP8: both layouts')
+LAB_DEFAULT = {"bf16": "cupy:auto", "fp8-block128": "cupy:auto-fp8,cupy:auto-fp8-t16"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--weight-format", choices=tuple(LAB_DEFAULT), default="bf16",
                         help="bf16: the fused-MoE peer; fp8-block128: its W8A8 form")
     parser.add_argument("--lab", default=None,
-                        help="lab variants measured beside the peer (default cupy:auto, or cupy:auto-fp8)")
+                        help="lab variants measured beside the peer (default: cupy:auto; FP8: cupy:auto-fp8,"
+                             "cupy:auto-fp8-t16)")
     parser.add_argument("--configs", default=None,
                         help="comma list of the peer's tile configs to run, by name (M16-N64-K128-G1-w4-s3) or "
                              "index; default: all (the tuned peer is the fastest of those run)")
