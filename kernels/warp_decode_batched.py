@@ -1127,10 +1127,12 @@ def warp_decode_batched(
 # ---------------------------------------------------------------------------------------------------
 # Variant registry
 # ---------------------------------------------------------------------------------------------------
-def _register_path(name: str, knobs: dict[str, int], description: str, grid: dict[str, list[int]]) -> Variant:
-    """One batched-module path as a variant: the defaults with the auto knobs left to the rules, + knobs."""
-    return register(FAMILY.variant(name, knobs=knobs, reference_mode="warp_decode", description=description,
-                                   grid=grid))
+def _register_path(name: str, knobs: dict[str, int], description: str, grid: dict[str, list[int]],
+                   weight_format: str = "bf16") -> Variant:
+    """One batched-module path as a variant reading ``weight_format``: the defaults with the auto knobs left to the
+    rules, + knobs."""
+    return register(FAMILY.variant(name, knobs=knobs, reference_mode="warp_decode", weight_format=weight_format,
+                                   description=description, grid=grid))
 
 
 VARIANT = _register_path(
@@ -1152,17 +1154,17 @@ MIXED_VARIANT = _register_path(
 )
 
 
-FP8_VARIANT = register(FAMILY.variant(
-    "cupy:warp-decode-batched-fp8", knobs=FP8_KNOBS, reference_mode="warp_decode", weight_format=FP8_BLOCK128.name,
-    description="batched warp decode on fp8-block128 weights: e4m3fn chunks widened and scaled in registers",
-    grid={"GB_WARPS": [4, 8], "GB_OUTS": [1, 2, 4], "GB_UNROLL": [1, 2, 4], "DB_WARPS": [4, 8], "DB_OUTS": [2, 4, 8],
-          "DB_UNROLL": [1, 2, 3]}))
-MMA_FP8_VARIANT = register(FAMILY.variant(
-    "cupy:warp-decode-mma-fp8", knobs=MMA_FP8_KNOBS, reference_mode="warp_decode", weight_format=FP8_BLOCK128.name,
-    description="batched warp decode on tensor cores, fp8-block128 weights: 16-value e4m3fn loads -> bf16 fragments, "
-    "each 128-wide scale block's FP32 partial scaled once",
-    grid={"GB_WARPS": [2, 4, 8], "GB_UNROLL": [4, 8], "GB_NBLK": [1, 2], "DB_WARPS": [4, 8], "DB_UNROLL": [4, 8],
-          "DB_NBLK": [1, 2]}))
+FP8_VARIANT = _register_path(
+    "cupy:warp-decode-batched-fp8", FP8_KNOBS,
+    "batched warp decode on fp8-block128 weights: e4m3fn chunks widened and scaled in registers",
+    {"GB_WARPS": [4, 8], "GB_OUTS": [1, 2, 4], "GB_UNROLL": [1, 2, 4], "DB_WARPS": [4, 8], "DB_OUTS": [2, 4, 8],
+     "DB_UNROLL": [1, 2, 3]}, FP8_BLOCK128.name)
+MMA_FP8_VARIANT = _register_path(
+    "cupy:warp-decode-mma-fp8", MMA_FP8_KNOBS,
+    "batched warp decode on tensor cores, fp8-block128 weights: 16-value e4m3fn loads -> bf16 fragments, each 128-wide "
+    "scale block's FP32 partial scaled once",
+    {"GB_WARPS": [2, 4, 8], "GB_UNROLL": [4, 8], "GB_NBLK": [1, 2], "DB_WARPS": [4, 8], "DB_UNROLL": [4, 8],
+     "DB_NBLK": [1, 2]}, FP8_BLOCK128.name)
 GROUPED_VARIANT = _register_path(
     "cupy:warp-decode-mma-grouped", GROUPED_KNOBS,
     "the tensor-core path with the grouped down and the slot-order sum at every T: batch-invariant numerics",
@@ -1173,27 +1175,24 @@ PER_PAIR_VARIANT = _register_path(
     "the grouped tensor-core path's numerics without lists: a pair per gate_up block row, a token per down block",
     {"GB_WARPS": [2, 4, 8], "GB_UNROLL": [4, 8], "DB_UNROLL": [2, 4, 8]},
 )
-GROUPED_FP8_VARIANT = register(FAMILY.variant(
-    "cupy:warp-decode-mma-grouped-fp8", knobs=FP8_GROUPED_KNOBS, reference_mode="warp_decode",
-    weight_format=FP8_BLOCK128.name, description="the batch-invariant grouped tensor-core path on fp8-block128 weights",
-    grid={"GB_WARPS": [2, 4, 8], "GB_NBLK": [1, 2], "DB_NBLK": [1, 2]}))
-MMA_FP8_T16_VARIANT = register(FAMILY.variant(
-    "cupy:warp-decode-mma-fp8-t16", knobs=MMA_FP8_T16_KNOBS, reference_mode="warp_decode",
-    weight_format=FP8_BLOCK128_T16.name,
-    description="the tensor-core FP8 path on fp8-block128-t16 weights: each warp's k block of 16 rows 1 KB contiguous",
-    grid={"GB_UNROLL": [2, 4], "DB_UNROLL": [2, 4]}))
-PER_PAIR_FP8_T16_VARIANT = register(FAMILY.variant(
-    "cupy:warp-decode-mma-pairs-fp8-t16", knobs=FP8_T16_PER_PAIR_KNOBS, reference_mode="warp_decode",
-    weight_format=FP8_BLOCK128_T16.name,
-    description="the batch-invariant per-pair tensor-core FP8 path on fp8-block128-t16 weights",
-    grid={"GB_UNROLL": [2, 4], "DB_UNROLL": [2, 4]}))
-GROUPED_FP8_T16_VARIANT = register(FAMILY.variant(
-    "cupy:warp-decode-mma-grouped-fp8-t16", knobs=FP8_T16_GROUPED_KNOBS, reference_mode="warp_decode",
-    weight_format=FP8_BLOCK128_T16.name,
-    description="the batch-invariant grouped tensor-core FP8 path on fp8-block128-t16 weights",
-    grid={"GB_NBLK": [1, 2], "DB_NBLK": [1, 2]}))
-PER_PAIR_FP8_VARIANT = register(FAMILY.variant(
-    "cupy:warp-decode-mma-pairs-fp8", knobs=FP8_PER_PAIR_KNOBS, reference_mode="warp_decode",
-    weight_format=FP8_BLOCK128.name,
-    description="the batch-invariant per-pair tensor-core path on fp8-block128 weights",
-    grid={"GB_WARPS": [2, 4, 8], "GB_UNROLL": [4, 8], "DB_UNROLL": [2, 4, 8]}))
+GROUPED_FP8_VARIANT = _register_path(
+    "cupy:warp-decode-mma-grouped-fp8", FP8_GROUPED_KNOBS,
+    "the batch-invariant grouped tensor-core path on fp8-block128 weights",
+    {"GB_WARPS": [2, 4, 8], "GB_NBLK": [1, 2], "DB_NBLK": [1, 2]}, FP8_BLOCK128.name)
+PER_PAIR_FP8_VARIANT = _register_path(
+    "cupy:warp-decode-mma-pairs-fp8", FP8_PER_PAIR_KNOBS,
+    "the batch-invariant per-pair tensor-core path on fp8-block128 weights",
+    {"GB_WARPS": [2, 4, 8], "GB_UNROLL": [4, 8], "DB_UNROLL": [2, 4, 8]}, FP8_BLOCK128.name)
+# the tensor-core three on fp8-block128-t16 tiles (W_TILED)
+MMA_FP8_T16_VARIANT = _register_path(
+    "cupy:warp-decode-mma-fp8-t16", MMA_FP8_T16_KNOBS,
+    "the tensor-core FP8 path on fp8-block128-t16 weights: each warp's k block of 16 rows 1 KB contiguous",
+    {"GB_UNROLL": [2, 4], "DB_UNROLL": [2, 4]}, FP8_BLOCK128_T16.name)
+PER_PAIR_FP8_T16_VARIANT = _register_path(
+    "cupy:warp-decode-mma-pairs-fp8-t16", FP8_T16_PER_PAIR_KNOBS,
+    "the batch-invariant per-pair tensor-core FP8 path on fp8-block128-t16 weights",
+    {"GB_UNROLL": [2, 4], "DB_UNROLL": [2, 4]}, FP8_BLOCK128_T16.name)
+GROUPED_FP8_T16_VARIANT = _register_path(
+    "cupy:warp-decode-mma-grouped-fp8-t16", FP8_T16_GROUPED_KNOBS,
+    "the batch-invariant grouped tensor-core FP8 path on fp8-block128-t16 weights",
+    {"GB_NBLK": [1, 2], "DB_NBLK": [1, 2]}, FP8_BLOCK128_T16.name)
