@@ -73,7 +73,7 @@ def moe_decode(
     tensor-core MMA) or the expert-centric path; ``policy="warp_decode"``: the warp-decode paths only (warp
     decode's numerics); ``policy="batch_invariant"``: a token's output bitwise the same whatever batch it rides in
     (the tensor-core path's grouped numerics at every T). fp8-block128 weights (``kernels.quantize_weights``) run
-    the FP8 paths. ``workspace``: ``kernels.dispatch.make_workspace(dims, policy=policy, weight_format=...)``.
-    Never syncs inside a graph."""
+    the FP8 paths, fp8-block128-t16 weights the tensor-core FP8 paths on tiles. ``workspace``:
+    ``kernels.dispatch.make_workspace(dims, policy=policy, weight_format=...)``. Never syncs inside a graph."""
     module = importlib.import_module("kernels.dispatch")
     return module.moe_decode(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace, policy=policy)
