@@ -377,18 +377,14 @@ def _runnable(path: str, dims: Dims, weight_format: str) -> str:
     if supported(path, dims):
         return path
     strict = FORMAT_STRICT[weight_format]
-    if strict is None:
-        raise ValueError(f"no path reading {weight_format} weights runs {dims} (their tensor-core kernels' limits: "
-                         f"{_why_not(path, dims)}); quantize to {FP8} instead, whose strict path runs any dims")
-    return strict
-
-
-def _why_not(path: str, dims: Dims) -> str:
-    try:
+    if strict is not None:
+        return strict
+    try:  # what stops it: the kernels' own rule
         wdb.resolve_params(dims, **BATCHED_KNOBS[path])
     except ValueError as error:
-        return str(error)
-    return "none"
+        raise ValueError(f"no path reading {weight_format} weights runs {dims} (their tensor-core kernels' limits: "
+                         f"{error}); quantize to {FP8} instead, whose strict path runs any dims") from None
+    raise AssertionError(f"{path} can run {dims} by its rules but was reported unsupported")  # unreachable
 
 
 def choose(dims: Dims, gpu: str | None = None, table_dir: str | Path = TABLE_DIR,

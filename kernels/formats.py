@@ -281,7 +281,8 @@ def tile_values(values: Any, matrix: str) -> Any:
     kb = cols // TILE_K
     if matrix == "w13":
         inter = rows // 2
-        halves = [values[:, h * inter:(h + 1) * inter].reshape(experts, inter // 8, 8, kb, TILE_K)
+        half = TILE_ROWS // 2  # a w13 tile: a neuron group's gate rows, then its up rows
+        halves = [values[:, h * inter:(h + 1) * inter].reshape(experts, inter // half, half, kb, TILE_K)
                   .transpose(0, 1, 3, 2, 4) for h in (0, 1)]
         tiled = xp.concatenate(halves, axis=3)                       # [E, I/8, KB, 16, 64]
     else:
@@ -296,8 +297,9 @@ def untile_values(values: Any, matrix: str) -> Any:
     kb = cols // TILE_K
     if matrix == "w13":
         inter = rows // 2
-        tiled = values.reshape(experts, inter // 8, kb, TILE_ROWS, TILE_K)
-        halves = [tiled[:, :, :, h * 8:(h + 1) * 8].transpose(0, 1, 3, 2, 4).reshape(experts, inter, cols)
+        half = TILE_ROWS // 2
+        tiled = values.reshape(experts, inter // half, kb, TILE_ROWS, TILE_K)
+        halves = [tiled[:, :, :, h * half:(h + 1) * half].transpose(0, 1, 3, 2, 4).reshape(experts, inter, cols)
                   for h in (0, 1)]
         return xp.ascontiguousarray(xp.concatenate(halves, axis=1))
     tiled = values.reshape(experts, rows // TILE_ROWS, kb, TILE_ROWS, TILE_K).transpose(0, 1, 3, 2, 4)
