@@ -28,10 +28,13 @@ def warp_decode(
     (CUDA-graph capturable). ``params`` are the backend's compile-time knobs. fp8-block128 weights
     (``kernels.quantize_weights``) run the backend's strict FP8 kernels (bf16 activations, FP32 accumulation).
     """
-    from kernels.formats import Quantized
+    from kernels.formats import Quantized, format_of, get_format
 
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    if get_format(format_of(w13)).tiled:
+        raise ValueError(f"strict warp decode reads row-major weights; w13 is {format_of(w13)} (tiles: run "
+                         "kernels.moe_decode, whose tensor-core paths read them)")
     if isinstance(w13, Quantized) or isinstance(w2, Quantized):
         fp8 = importlib.import_module(FP8_BACKENDS[backend])
         return fp8.warp_decode_fp8(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace, **params)
@@ -73,7 +76,7 @@ def moe_decode(
     tensor-core MMA) or the expert-centric path; ``policy="warp_decode"``: the warp-decode paths only (warp
     decode's numerics); ``policy="batch_invariant"``: a token's output bitwise the same whatever batch it rides in
     (the tensor-core path's grouped numerics at every T). fp8-block128 weights (``kernels.quantize_weights``) run
-    the FP8 paths, fp8-block128-t16 weights the tensor-core FP8 paths on tiles. ``workspace``:
+    the FP8 paths, fp8-block128-t16 (bf16-t16) weights the tensor-core FP8 (bf16) paths on tiles. ``workspace``:
     ``kernels.dispatch.make_workspace(dims, policy=policy, weight_format=...)``. Never syncs inside a graph."""
     module = importlib.import_module("kernels.dispatch")
     return module.moe_decode(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace, policy=policy)

@@ -10,7 +10,7 @@ swaps the one inline-PTX instruction for plain C++.
 
 from __future__ import annotations
 
-from kernels.formats import BLOCK, TILE_K, TILE_ROWS
+from kernels.formats import BLOCK, TILE_ROW_BYTES, TILE_ROWS
 
 WARP_HELPERS = r"""
 // ---- shared device helpers (kernels/device_helpers.py) ----
@@ -101,10 +101,11 @@ __device__ __forceinline__ void store_output(void* __restrict__ out, int out_f32
 # them as bf16 (e4m3x8_to_bf16x8). The g++ emulation decodes in software, through the same bit steps.
 FP8_HELPERS = f"""
 // ---- FP8 weight helpers (kernels/device_helpers.py) ----
-// the formats' geometry (kernels/formats.py): a scale block's rows and columns; fp8-block128-t16's tile rows and values
+// the formats' geometry (kernels/formats.py): a scale block's rows and columns; the tiled formats' tile rows and bytes
+// a tile row (fp8-block128-t16, bf16-t16)
 #define FP8_BLOCK {BLOCK}
 #define TILE_ROWS {TILE_ROWS}
-#define TILE_K {TILE_K}
+#define TILE_ROW_BYTES {TILE_ROW_BYTES}
 """ + r"""#ifdef WD_HOST_EMULATION
 inline float e4m3_decode(u32 b) {                      // the emulation's software decode of one e4m3fn byte
     const u32 mag = b & 0x7Fu;

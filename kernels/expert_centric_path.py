@@ -400,6 +400,8 @@ def expert_centric(
     """
     if quant not in QUANT_MODES:
         raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
+    if isinstance(w13, Quantized) and w13.layout != "rows":
+        raise ValueError(f"the expert-centric path reads row-major weights; w13 holds {w13.layout!r}-ordered values")
     fp8 = isinstance(w13, Quantized)  # fp8-block128 weights: the W8A8 design (W_FP8, fp8 activations)
     if fp8 and quant != "fp8":
         raise ValueError(f"fp8-block128 weights run the W8A8 design: quant must be 'fp8', got {quant!r}")

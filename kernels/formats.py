@@ -18,7 +18,8 @@ fp32 / bf16 weights, :func:`fp8_experts_from_checkpoint` assembles a checkpoint'
 ``fp8-block128-t16`` holds the same values and scales with the values reordered into 16-row x 64-value tiles
 (:func:`tile_values`; :meth:`Fp8Block128T16.from_rows` tiles a checkpoint's), the unit a tensor-core warp reads per
 k block: 1 KB contiguous instead of 16 pieces a row apart, 1-5 % faster on the H200 (notes/FINDINGS.md).
-``Quantized.layout`` names the order, and each format's check refuses the other's.
+``bf16-t16`` puts bf16 values in the same tiles (16 rows x 32 values: 64 bytes a row, the tensor-core bf16 kernels' k
+block), without scales. ``Quantized.layout`` names the order, and each format's check refuses the other's.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ from kernels.contract import BF16, array_module
 
 @dataclass(frozen=True)
 class Quantized:
-    """One matrix (w13 or w2) of a scaled format: ``values`` with the bf16 layout's shape, and their ``scales``;
-    ``layout`` says how the values are ordered in that shape ("rows": the contract's row-major layout; "t16": the
-    16-row tiles of ``fp8-block128-t16``), so that no kernel reads one layout as the other."""
+    """One matrix (w13 or w2) of a format other than plain bf16: ``values`` with the bf16 layout's shape, and their
+    ``scales`` (None for ``bf16-t16``, which has none); ``layout`` says how the values are ordered in that shape
+    ("rows": the contract's row-major layout; "t16": the 16-row tiles of ``fp8-block128-t16`` and ``bf16-t16``), so
+    that no kernel reads one layout as the other."""
 
     values: Any
     scales: Any
@@ -57,6 +59,22 @@ class WeightFormat:
     name: str
     description: str
     value_bytes: float  # bytes per stored weight value
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the format carries scales (the kernels' W_FP8 for fp8-block128)."""
+        return self.scale_bytes(256, 256) > 0
+
+    @property
+    def tiled(self) -> bool:
+        """Whether its values are in 16-row tiles (the kernels' W_TILED)."""
+        return getattr(self, "layout", "rows") == "t16"
+
+    def stores(self, weights: Any) -> bool:
+        """Whether ``weights`` (w13 or w2 as an entry point got them) claim to be this format: plain arrays for
+        bf16, a :class:`Quantized` of this format's layout, with or without scales as it has them."""
+        return (isinstance(weights, Quantized) and weights.layout == getattr(self, "layout", "rows")
+                and (weights.scales is not None) == self.scaled)
 
     def value_count(self, hidden: int, intermediate: int) -> int:
         """Weight values of one expert: w13 (2I x H) and w2 (H x I)."""
@@ -86,6 +104,8 @@ class WeightFormat:
                             f".scales), got {type(weights).__name__}")
         for part in ("values", "scales"):
             arr = getattr(weights, part)
+            if arr is None:
+                raise TypeError(f"{name}.{part} is None: {self.name} weights carry {part}")
             if array_module(arr) is not xp:
                 raise TypeError(f"{name}.{part} must be a {xp.__name__} array like x")
             if not arr.flags.c_contiguous:
@@ -122,6 +142,9 @@ class Bf16(WeightFormat):
         if host.dtype != BF16:
             raise TypeError(f"bf16 weights must have dtype bfloat16, got {host.dtype}")
         return host.astype(np.float32)
+
+    def stores(self, weights: Any) -> bool:
+        return not isinstance(weights, Quantized)
 
     def check(self, name: str, weights: Any, xp: Any, what: str) -> Any:
         from kernels.contract import check_array
@@ -268,42 +291,66 @@ class Fp8Block128(WeightFormat):
         return values
 
 
-TILE_ROWS, TILE_K = 16, 64  # fp8-block128-t16: a tile is 16 rows x 64 values, 1 KB contiguous
+TILE_ROWS, TILE_ROW_BYTES = 16, 64  # a tile: 16 rows x 64 bytes (64 e4m3 or 32 bf16 values), 1 KB contiguous
+
+
+def tile_k(itemsize: int) -> int:
+    """Values per tile row for values of ``itemsize`` bytes: 64 e4m3, 32 bf16 (one tensor-core k block)."""
+    return TILE_ROW_BYTES // itemsize
 
 
 def tile_values(values: Any, matrix: str) -> Any:
-    """fp8-block128 values [E, R, C] (row-major) in fp8-block128-t16's order, where they live: w13's neuron group j
-    (gate rows 8j .. 8j + 7, then up rows 8j .. 8j + 7) and w2's rows 16t .. 16t + 15 as tiles of 16 rows x 64
-    values, k block after k block -- the 16 rows a tensor-core warp reads in one k block are 1 KB apart from the
-    next k block's, not one row (C bytes) apart."""
+    """Row-major values [E, R, C] (e4m3 or bf16) in the tiled formats' order, where they live: w13's neuron group j
+    (gate rows 8j .. 8j + 7, then up rows 8j .. 8j + 7) and w2's rows 16t .. 16t + 15 as tiles of 16 rows x
+    :func:`tile_k` values, k block after k block -- the 16 rows a tensor-core warp reads in one k block are 1 KB
+    apart from the next k block's, not one row (C values) apart."""
     xp = array_module(values)
+    dtype, values = values.dtype, _bits(values)
     experts, rows, cols = (int(d) for d in values.shape)
-    kb = cols // TILE_K
+    width = tile_k(dtype.itemsize)
+    kb = cols // width
     if matrix == "w13":
         inter = rows // 2
         half = TILE_ROWS // 2  # a w13 tile: a neuron group's gate rows, then its up rows
-        halves = [values[:, h * inter:(h + 1) * inter].reshape(experts, inter // half, half, kb, TILE_K)
+        halves = [values[:, h * inter:(h + 1) * inter].reshape(experts, inter // half, half, kb, width)
                   .transpose(0, 1, 3, 2, 4) for h in (0, 1)]
-        tiled = xp.concatenate(halves, axis=3)                       # [E, I/8, KB, 16, 64]
+        tiled = xp.concatenate(halves, axis=3)                       # [E, I/8, KB, 16, width]
     else:
-        tiled = values.reshape(experts, rows // TILE_ROWS, TILE_ROWS, kb, TILE_K).transpose(0, 1, 3, 2, 4)
-    return xp.ascontiguousarray(tiled).reshape(experts, rows, cols)
+        tiled = values.reshape(experts, rows // TILE_ROWS, TILE_ROWS, kb, width).transpose(0, 1, 3, 2, 4)
+    return xp.ascontiguousarray(tiled).reshape(experts, rows, cols).view(dtype)
+
+
+def _bits(values: Any) -> Any:
+    """``values`` viewed as unsigned ints of their size: CuPy moves bfloat16 (and has no float8) only as bits."""
+    return values.view({1: np.uint8, 2: np.uint16}[values.dtype.itemsize])
 
 
 def untile_values(values: Any, matrix: str) -> Any:
     """The inverse of :func:`tile_values`: row-major values [E, R, C] again."""
     xp = array_module(values)
+    dtype, values = values.dtype, _bits(values)
     experts, rows, cols = (int(d) for d in values.shape)
-    kb = cols // TILE_K
+    width = tile_k(dtype.itemsize)
+    kb = cols // width
     if matrix == "w13":
         inter = rows // 2
         half = TILE_ROWS // 2
-        tiled = values.reshape(experts, inter // half, kb, TILE_ROWS, TILE_K)
+        tiled = values.reshape(experts, inter // half, kb, TILE_ROWS, width)
         halves = [tiled[:, :, :, h * half:(h + 1) * half].transpose(0, 1, 3, 2, 4).reshape(experts, inter, cols)
                   for h in (0, 1)]
-        return xp.ascontiguousarray(xp.concatenate(halves, axis=1))
-    tiled = values.reshape(experts, rows // TILE_ROWS, kb, TILE_ROWS, TILE_K).transpose(0, 1, 3, 2, 4)
-    return xp.ascontiguousarray(tiled).reshape(experts, rows, cols)
+        return xp.ascontiguousarray(xp.concatenate(halves, axis=1)).view(dtype)
+    tiled = values.reshape(experts, rows // TILE_ROWS, kb, TILE_ROWS, width).transpose(0, 1, 3, 2, 4)
+    return xp.ascontiguousarray(tiled).reshape(experts, rows, cols).view(dtype)
+
+
+def check_tile_dims(fmt: str, name: str, shape: tuple[int, ...], width: int) -> None:
+    """ValueError unless ``name``'s values of ``shape`` ([E, 2I, H] for w13, [E, H, I] for w2) cut into tiles
+    ``width`` values wide: I and H multiples of it (which makes every tile's 16 rows whole too)."""
+    rows, cols = shape[1], shape[2]
+    inter, hidden = (rows // 2, cols) if name == "w13" else (cols, rows)
+    if inter % width or hidden % width:
+        raise ValueError(f"{fmt} tiles need I and H multiples of {width}, got I = {inter}, H = {hidden} ({name} "
+                         f"values of shape {list(shape)})")
 
 
 @dataclass(frozen=True)
@@ -322,17 +369,9 @@ class Fp8Block128T16(Fp8Block128):
         tiled = []
         for name, q in (("w13", w13), ("w2", w2)):
             FP8_BLOCK128.check(name, q, array_module(q.values), "[E, 2I, H]" if name == "w13" else "[E, H, I]")
-            self._check_dims(name, tuple(int(d) for d in q.values.shape))
+            check_tile_dims(self.name, name, tuple(int(d) for d in q.values.shape), tile_k(1))
             tiled.append(Quantized(tile_values(q.values, name), q.scales, self.layout))
         return tiled[0], tiled[1]
-
-    @staticmethod
-    def _check_dims(name: str, shape: tuple[int, ...]) -> None:
-        rows, cols = shape[1], shape[2]
-        inter, hidden = (rows // 2, cols) if name == "w13" else (cols, rows)
-        if inter % TILE_K or hidden % TILE_K:
-            raise ValueError(f"fp8-block128-t16 tiles need I and H multiples of {TILE_K}, got I = {inter}, "
-                             f"H = {hidden} ({name} values of shape {list(shape)})")
 
     @staticmethod
     def _expert(weights: Quantized, expert: int, matrix: str) -> Any:
@@ -341,15 +380,64 @@ class Fp8Block128T16(Fp8Block128):
 
     def check(self, name: str, weights: Any, xp: Any, what: str) -> Any:
         values = super().check(name, weights, xp, what)
-        self._check_dims(name, tuple(int(d) for d in values.shape))
+        check_tile_dims(self.name, name, tuple(int(d) for d in values.shape), tile_k(1))
         return values
 
 
+@dataclass(frozen=True)
+class Bf16T16(WeightFormat):
+    """The contract's bf16 values in 16-row x 32-value tiles (:func:`tile_values`; 64 bytes a tile row, so a
+    tensor-core warp's k block of 16 rows is 1 KB contiguous, as in fp8-block128-t16), no scales: each matrix a
+    :class:`Quantized` with ``scales`` None and layout "t16". Needs I % 32 == 0 and H % 32 == 0."""
+
+    layout: str = "t16"
+
+    def quantize(self, w13: Any, w2: Any) -> tuple[Quantized, Quantized]:
+        return self.from_rows(_as_bf16(w13, "w13"), _as_bf16(w2, "w2"))
+
+    def from_rows(self, w13: Any, w2: Any) -> tuple[Quantized, Quantized]:
+        """bf16 (w13, w2) in the contract's layouts as this format, where they live."""
+        tiled = []
+        for name, w in (("w13", w13), ("w2", w2)):
+            BF16_FORMAT.check(name, w, array_module(w), "[E, 2I, H]" if name == "w13" else "[E, H, I]")
+            check_tile_dims(self.name, name, tuple(int(d) for d in w.shape), tile_k(2))
+            tiled.append(Quantized(tile_values(w, name), None, self.layout))
+        return tiled[0], tiled[1]
+
+    def dequantize(self, weights: Any, matrix: str) -> np.ndarray:
+        return untile_values(_host(weights.values), matrix).astype(np.float32)
+
+    def host(self, weights: Any) -> Any:
+        if not isinstance(weights, Quantized):
+            return weights
+        return dataclasses.replace(weights, values=_host(weights.values))
+
+    def expert(self, weights: Any, expert: int, matrix: str) -> np.ndarray:
+        return untile_values(_host(weights.values[expert:expert + 1]), matrix)[0]  # bf16, as the contract's
+
+    def expert_here(self, weights: Any, expert: int, matrix: str) -> Any:
+        return untile_values(weights.values[expert:expert + 1], matrix)[0]
+
+    def check(self, name: str, weights: Any, xp: Any, what: str) -> Any:
+        from kernels.contract import check_array
+
+        if not isinstance(weights, Quantized):
+            raise TypeError(f"{name} must be {self.name} weights (kernels.formats.Quantized: quantize_weights(w13, "
+                            f"w2, {self.name!r}) makes them), got {type(weights).__name__}")
+        if weights.layout != self.layout or weights.scales is not None:
+            held = f"{weights.layout!r}-ordered values{' with scales' if weights.scales is not None else ''}"
+            raise ValueError(f"{name} holds {held}, {self.name} weights are {self.layout!r}-ordered bf16 without "
+                             f"scales (quantize_weights(w13, w2, {self.name!r}) makes them)")
+        check_array(f"{name}.values", weights.values, xp, BF16, 3, what)
+        check_tile_dims(self.name, name, tuple(int(d) for d in weights.values.shape), tile_k(2))
+        return weights.values
+
+
 BF16_FORMAT = Bf16("bf16", "bfloat16 values, no scales (the data contract)", 2)
+BF16_T16 = Bf16T16("bf16-t16", "bf16 with its values in 16-row x 32-value tiles", 2)
 FP8_BLOCK128 = Fp8Block128("fp8-block128", "float8 e4m3fn values, a float32 scale per 128 x 128 block", 1)
 FP8_BLOCK128_T16 = Fp8Block128T16("fp8-block128-t16", "fp8-block128 with its values in 16-row x 64-value tiles", 1)
-FORMATS: dict[str, WeightFormat] = {BF16_FORMAT.name: BF16_FORMAT, FP8_BLOCK128.name: FP8_BLOCK128,
-                                    FP8_BLOCK128_T16.name: FP8_BLOCK128_T16}
+FORMATS: dict[str, WeightFormat] = {f.name: f for f in (BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16)}
 DEFAULT_FORMAT = BF16_FORMAT.name
 
 
@@ -366,15 +454,15 @@ def get_format(weight_format: str | WeightFormat = "bf16") -> WeightFormat:
 
 
 def format_of(w13: Any) -> str:
-    """The name of the format ``w13`` is in: "bf16" for a plain array, else the scaled format whose layout its
-    :class:`Quantized` names (what an entry point given these weights runs: the format's own paths)."""
-    if not isinstance(w13, Quantized):
-        return BF16_FORMAT.name
+    """The name of the format ``w13`` is in: "bf16" for a plain array, else the format whose layout (and scales or
+    none) its :class:`Quantized` holds (what an entry point given these weights runs: the format's own paths)."""
     for fmt in FORMATS.values():
-        if isinstance(fmt, Fp8Block128) and fmt.layout == w13.layout:
+        if fmt.stores(w13):
             return fmt.name
-    layouts = sorted({fmt.layout for fmt in FORMATS.values() if isinstance(fmt, Fp8Block128)})
-    raise ValueError(f"w13 holds {w13.layout!r}-ordered values; the formats know {', '.join(layouts)}")
+    layouts = sorted({getattr(fmt, "layout", "rows") for fmt in FORMATS.values()})
+    scales = "with" if w13.scales is not None else "without"
+    raise ValueError(f"w13 holds {w13.layout!r}-ordered values {scales} scales; the formats know {', '.join(layouts)} "
+                     f"({', '.join(FORMATS)})")
 
 
 def quantize_weights(w13: Any, w2: Any, weight_format: str | WeightFormat = FP8_BLOCK128.name) -> tuple[Any, Any]:

@@ -207,7 +207,8 @@ class Stack:
                 w13_e, w2_e = cache[int(e)]
                 store.quantized[(fmt.name, int(e))] = fmt.quantize(w13_e[None], w2_e[None])
         pairs = [store.quantized[(fmt.name, int(e))] for e in touched]
-        w13, w2 = (Quantized(np.concatenate([p[m].values for p in pairs]), np.concatenate([p[m].scales for p in pairs]),
+        w13, w2 = (Quantized(np.concatenate([p[m].values for p in pairs]),
+                             None if pairs[0][m].scales is None else np.concatenate([p[m].scales for p in pairs]),
                              pairs[0][m].layout) for m in (0, 1))
         return w13, w2, local
 

@@ -40,7 +40,7 @@ import numpy as np
 from kernels.compile import CudaSource, launch_ex, preset_variants
 from kernels.contract import BF16, Dims, check_aligned, check_inputs, check_out, require_cupy
 from kernels.family import Compiled, KernelFamily, Stage
-from kernels.formats import FP8_BLOCK128, FP8_BLOCK128_T16, TILE_K, Quantized, format_of
+from kernels.formats import BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, Quantized, format_of, get_format, tile_k
 from kernels.shapes import PRESETS
 from kernels.variants import Variant, register
 from kernels.warp_decode_batched_cuda import CODE, GROUPED_KERNELS, KERNELS, MMA_KERNELS, PER_PAIR_KERNELS
@@ -136,8 +136,9 @@ DEFAULTS: dict[str, int] = {
     "DB_HOT_UNROLL": 0,  # the grouped down's hot passes (HOT_NBLK): k blocks in flight per lane; 0 = DB_UNROLL *
     # DB_NBLK / HOT_NBLK (the B fragments' registers of a normal pass); -1 = auto (auto_hot_down_unroll; the
     # tensor-core knob sets use it). Moves work only: the same bits
-    "W_TILED": 0,  # 1: the weights are fp8-block128-t16 (kernels.formats: fp8-block128's values in 16-row x 64-value
-    # tiles, a warp's k block 1 KB contiguous); needs W_FP8, both kernels on tensor cores and FP8_LOAD16. The same bits
+    "W_TILED": 0,  # 1: the weights are tiled (kernels.formats: fp8-block128-t16 with W_FP8, bf16-t16 without: 16-row
+    # tiles, a warp's k block 1 KB contiguous); needs both kernels on tensor cores (and FP8_LOAD16 with W_FP8). The
+    # same bits
 }
 AUTO_KNOBS = ("LIST_PER", "GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL", "DB_WARPS", "GB_NBLK", "DB_NBLK",
               "DB_ROW_TILES")
@@ -679,12 +680,14 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
     if values["FP8_LOAD16"] and dims is not None and (dims.hidden % 16 or dims.intermediate % 16):
         raise ValueError(f"FP8_LOAD16 loads 16 e4m3 values per row and lane: H and I must be multiples of 16, got "
                          f"H = {dims.hidden}, I = {dims.intermediate}")
-    if values["W_TILED"] and not (values["W_FP8"] and values["GB_MMA"] and values["DB_MMA"] and values["FP8_LOAD16"]):
-        raise ValueError(f"W_TILED reads fp8-block128-t16 tiles in the tensor-core kernels' 64-wide k blocks: it needs "
-                         f"W_FP8 1, GB_MMA 1, DB_MMA 1 and FP8_LOAD16 1, got {values['W_FP8']}, {values['GB_MMA']}, "
-                         f"{values['DB_MMA']} and {values['FP8_LOAD16']}")
-    if values["W_TILED"] and dims is not None and (dims.hidden % TILE_K or dims.intermediate % TILE_K):
-        raise ValueError(f"W_TILED reads {TILE_K}-value tiles: H and I must be multiples of {TILE_K}, got "
+    fp8_loads_whole = values["FP8_LOAD16"] or not values["W_FP8"]
+    if values["W_TILED"] and not (values["GB_MMA"] and values["DB_MMA"] and fp8_loads_whole):
+        raise ValueError(f"W_TILED reads tiles in the tensor-core kernels' 64-byte k blocks: it needs GB_MMA 1 and "
+                         f"DB_MMA 1 (and FP8_LOAD16 1 with W_FP8), got {values['GB_MMA']}, {values['DB_MMA']} (and "
+                         f"{values['FP8_LOAD16']} with W_FP8 {values['W_FP8']})")
+    width = tile_k(1 if values["W_FP8"] else 2)
+    if values["W_TILED"] and dims is not None and (dims.hidden % width or dims.intermediate % width):
+        raise ValueError(f"W_TILED reads {width}-value tiles: H and I must be multiples of {width}, got "
                          f"H = {dims.hidden}, I = {dims.intermediate}")
     if values["PER_PAIR"] and values["GB_WARPS"] % values["GB_KSPLIT"]:
         raise ValueError(f"PER_PAIR gives each of GB_KSPLIT k ranges a warp: GB_WARPS must be a multiple of "
@@ -869,6 +872,10 @@ MMA_FP8_KNOBS = {**MMA_KNOBS, "W_FP8": 1}
 MMA_FP8_T16_KNOBS = {**MMA_FP8_KNOBS, "W_TILED": 1}
 FP8_T16_PER_PAIR_KNOBS = {**FP8_PER_PAIR_KNOBS, "W_TILED": 1}
 FP8_T16_GROUPED_KNOBS = {**FP8_GROUPED_KNOBS, "W_TILED": 1}
+# ... and the bf16 three on bf16-t16 tiles: the same sums as on rows
+MMA_T16_KNOBS = {**MMA_KNOBS, "W_TILED": 1}
+PER_PAIR_T16_KNOBS = {**PER_PAIR_KNOBS, "W_TILED": 1}
+GROUPED_T16_KNOBS = {**GROUPED_KNOBS, "W_TILED": 1}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -952,9 +959,11 @@ NO_SCALES = np.uint64(0)  # the scale pointer of bf16 weights (never read)
 
 
 def weight_args(w: Any, fp8: bool) -> tuple[Any, Any]:
-    """A weight matrix as the kernels take it: (values, scales) of fp8-block128 weights (W_FP8), (bf16 array, null)
-    otherwise."""
-    return (w.values, w.scales) if fp8 else (w, NO_SCALES)
+    """A weight matrix as the kernels take it: (values, scales) of fp8-block128 weights (W_FP8), (bf16 values, null)
+    otherwise (a plain array, or bf16-t16's tiles)."""
+    if fp8:
+        return w.values, w.scales
+    return (w.values if isinstance(w, Quantized) else w), NO_SCALES
 
 
 def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any,
@@ -1067,7 +1076,8 @@ SOURCE.variants = [*preset_variants(resolve_params, DEFAULTS), resolve_params(No
                    resolve_params(_QWEN30_T64, **MMA_FP8_KNOBS, GB_NBLK=2),
                    resolve_params(_QWEN30_T64, **FP8_GROUPED_KNOBS, GB_NBLK=2),
                    resolve_params(None, **FP8_T16_PER_PAIR_KNOBS), resolve_params(_QWEN30_T64, **MMA_FP8_T16_KNOBS),
-                   resolve_params(_QWEN30_T64, **FP8_T16_GROUPED_KNOBS)]
+                   resolve_params(_QWEN30_T64, **FP8_T16_GROUPED_KNOBS), resolve_params(None, **PER_PAIR_T16_KNOBS),
+                   resolve_params(_QWEN30_T64, **MMA_T16_KNOBS), resolve_params(_QWEN30_T64, **GROUPED_T16_KNOBS)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1088,13 +1098,13 @@ def warp_decode_batched(
     With ``out`` and ``workspace`` (``make_workspace(dims)``) given nothing is allocated and nothing syncs
     with the host (value checks of ``topk_ids`` are skipped during CUDA-graph capture; the kernels guard
     every id: a bad id makes that token's output NaN). ``params``: compile-time knobs (:data:`DEFAULTS`).
-    fp8-block128 weights (``kernels.quantize_weights(w13, w2, "fp8-block128")``) run the W_FP8 kernels, and
-    fp8-block128-t16 weights (its values in 16-row tiles) the tensor-core ones with W_TILED.
+    fp8-block128 weights (``kernels.quantize_weights(w13, w2, "fp8-block128")``) run the W_FP8 kernels;
+    fp8-block128-t16 and bf16-t16 weights (values in 16-row tiles) the tensor-core ones with W_TILED.
     """
-    fmt = format_of(w13)  # fp8-block128 weights run the W_FP8 kernels, fp8-block128-t16 also W_TILED
-    fp8, tiled = fmt != "bf16", fmt == FP8_BLOCK128_T16.name
+    fmt = get_format(format_of(w13))  # the weights' format sets W_FP8 (scaled) and W_TILED (tiled)
+    fp8, tiled = fmt.scaled, fmt.tiled
     cupy = require_cupy(x=x, topk_ids=topk_ids, topk_weights=topk_weights,
-                        **({"w13.values": w13.values} if fp8 else {"w13": w13}),
+                        **({"w13.values": w13.values} if isinstance(w13, Quantized) else {"w13": w13}),
                         **({"w2.values": w2.values} if isinstance(w2, Quantized) else {"w2": w2}))
     params = {"W_FP8": int(fp8), "W_TILED": int(tiled), **params}
     dims = check_inputs(x, w13, w2, topk_ids, topk_weights, weight_format=fmt)
@@ -1109,14 +1119,14 @@ def warp_decode_batched(
             raise ValueError(f"workspace was made for {workspace.dims}, this call needs {dims}")
     resolved = resolve_params(dims, **params)  # knob errors first (no device call), then the alignment, the compile
     if resolved["W_FP8"] != int(fp8) or resolved["W_TILED"] != int(tiled):
-        names = {(0, 0): "bf16", (1, 0): FP8_BLOCK128.name, (1, 1): FP8_BLOCK128_T16.name}
+        names = {(0, 0): "bf16", (1, 0): FP8_BLOCK128.name, (1, 1): FP8_BLOCK128_T16.name, (0, 1): BF16_T16.name}
         raise ValueError(f"W_FP8 {resolved['W_FP8']} / W_TILED {resolved['W_TILED']} read "
                          f"{names.get((resolved['W_FP8'], resolved['W_TILED']), 'no')} weights, but w13 / w2 are "
-                         f"{fmt}")
+                         f"{fmt.name}")
     if workspace is not None and resolved["DB_GROUPED"] and workspace.pair_out is None:
         raise ValueError("workspace has no per-pair rows, which the grouped down (DB_GROUPED 1) writes: make it with "
                          "make_workspace(dims, **params) for these knobs")
-    check_aligned(x=x, w13=w13.values if fp8 else w13, w2=w2.values if fp8 else w2)
+    check_aligned(x=x, w13=weight_args(w13, fp8)[0], w2=weight_args(w2, fp8)[0])
     compiled = FAMILY.compile(dims, workspace=workspace, **params)
     if out is None:
         out = cupy.empty((dims.tokens, dims.hidden), dtype=BF16)
@@ -1183,16 +1193,22 @@ PER_PAIR_FP8_VARIANT = _register_path(
     "cupy:warp-decode-mma-pairs-fp8", FP8_PER_PAIR_KNOBS,
     "the batch-invariant per-pair tensor-core path on fp8-block128 weights",
     {"GB_WARPS": [2, 4, 8], "GB_UNROLL": [4, 8], "DB_UNROLL": [2, 4, 8]}, FP8_BLOCK128.name)
-# the tensor-core three on fp8-block128-t16 tiles (W_TILED)
-MMA_FP8_T16_VARIANT = _register_path(
-    "cupy:warp-decode-mma-fp8-t16", MMA_FP8_T16_KNOBS,
-    "the tensor-core FP8 path on fp8-block128-t16 weights: each warp's k block of 16 rows 1 KB contiguous",
-    {"GB_UNROLL": [2, 4], "DB_UNROLL": [2, 4]}, FP8_BLOCK128_T16.name)
-PER_PAIR_FP8_T16_VARIANT = _register_path(
-    "cupy:warp-decode-mma-pairs-fp8-t16", FP8_T16_PER_PAIR_KNOBS,
-    "the batch-invariant per-pair tensor-core FP8 path on fp8-block128-t16 weights",
-    {"GB_UNROLL": [2, 4], "DB_UNROLL": [2, 4]}, FP8_BLOCK128_T16.name)
-GROUPED_FP8_T16_VARIANT = _register_path(
-    "cupy:warp-decode-mma-grouped-fp8-t16", FP8_T16_GROUPED_KNOBS,
-    "the batch-invariant grouped tensor-core FP8 path on fp8-block128-t16 weights",
-    {"GB_NBLK": [1, 2], "DB_NBLK": [1, 2]}, FP8_BLOCK128_T16.name)
+def _register_tiled(suffix: str, weight_format: str, what: str, knob_sets: tuple[dict[str, int], ...],
+                    rounds: list[int]) -> tuple[Variant, Variant, Variant]:
+    """The tensor-core three (path, per-pair form, grouped form) on one tiled format's weights (W_TILED)."""
+    mma, pairs, grouped = knob_sets
+    unroll = {"GB_UNROLL": rounds, "DB_UNROLL": rounds}
+    return (_register_path(f"cupy:warp-decode-mma{suffix}", mma, f"the tensor-core {what}path on {weight_format} "
+                           "weights: each warp's k block of 16 rows 1 KB contiguous", unroll, weight_format),
+            _register_path(f"cupy:warp-decode-mma-pairs{suffix}", pairs, f"the batch-invariant per-pair tensor-core "
+                           f"{what}path on {weight_format} weights", unroll, weight_format),
+            _register_path(f"cupy:warp-decode-mma-grouped{suffix}", grouped, f"the batch-invariant grouped tensor-core "
+                           f"{what}path on {weight_format} weights", {"GB_NBLK": [1, 2], "DB_NBLK": [1, 2]},
+                           weight_format))
+
+
+MMA_FP8_T16_VARIANT, PER_PAIR_FP8_T16_VARIANT, GROUPED_FP8_T16_VARIANT = _register_tiled(
+    "-fp8-t16", FP8_BLOCK128_T16.name, "FP8 ", (MMA_FP8_T16_KNOBS, FP8_T16_PER_PAIR_KNOBS, FP8_T16_GROUPED_KNOBS),
+    [2, 4])
+MMA_T16_VARIANT, PER_PAIR_T16_VARIANT, GROUPED_T16_VARIANT = _register_tiled(
+    "-t16", BF16_T16.name, "", (MMA_T16_KNOBS, PER_PAIR_T16_KNOBS, GROUPED_T16_KNOBS), [4, 8])

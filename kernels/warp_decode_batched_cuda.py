@@ -57,8 +57,9 @@ CODE = WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + r"""
 //   value by its block's scale (the dequantized weight, as the strict FP8 kernels); the tensor-core kernels feed
 //   the values to mma.sync as bf16 (exact, times 2^-112) and scale each k block's FP32 partial by its block's
 //   scale. Activations stay bf16, accumulation FP32. With W_FP8 0 the scale pointers are never read.
-//   W_TILED 1 (W_FP8, FP8_LOAD16, both kernels on tensor cores): the values are fp8-block128-t16's 16-row x 64-value
-//   tiles (w13_rows, a_index): a warp's k block of its 16 rows is 1 KB of contiguous bytes; the same sums
+//   W_TILED 1 (both kernels on tensor cores; W_FP8 with FP8_LOAD16): the values are fp8-block128-t16's 16-row x
+//   64-value tiles, or bf16-t16's 16-row x 32-value ones (w13_rows, a_index): a warp's k block of its 16 rows is 1 KB
+//   of contiguous bytes; the same sums
 //   FP8_LOAD16 1 (W_FP8, tensor-core kernels): a lane loads 16 e4m3 values of each A row per k step (16-byte
 //   loads, 64-wide k blocks, H and I multiples of 16) instead of 8 (8-byte loads, 32-wide k blocks).
 //   FP8_BLOCK_SUM 1 (W_FP8, tensor-core kernels): the k blocks of one 128-wide scale block accumulate into one
@@ -108,8 +109,9 @@ static_assert(GB_SHARE >= 0 && GB_SHARE <= 4 && GB_SHARE != 3 &&
 static_assert((FP8_LOAD16 == 0 || FP8_LOAD16 == 1) && (FP8_BLOCK_SUM == 0 || FP8_BLOCK_SUM == 1) &&
               (W_FP8 == 1 || (FP8_LOAD16 == 0 && FP8_BLOCK_SUM == 0)),
               "FP8_LOAD16 / FP8_BLOCK_SUM are 0 or 1 (1 needs W_FP8 1)");
-static_assert(W_TILED == 0 || (W_TILED == 1 && W_FP8 == 1 && FP8_LOAD16 == 1 && GB_MMA == 1 && DB_MMA == 1),
-              "W_TILED is 0 or 1 (1: fp8-block128-t16 values, read by the tensor-core kernels with FP8_LOAD16 1)");
+static_assert(W_TILED == 0 || (W_TILED == 1 && (W_FP8 == 0 || FP8_LOAD16 == 1) && GB_MMA == 1 && DB_MMA == 1),
+              "W_TILED is 0 or 1 (1: fp8-block128-t16 or bf16-t16 values, read by the tensor-core kernels; FP8 with "
+              "FP8_LOAD16 1)");
 #if W_FP8
 typedef unsigned char weight_t;                   // e4m3fn bytes
 #define GB_WBYTES (GB_BYTES / 2)                  // a weight chunk holds the values of an activation chunk
@@ -852,19 +854,22 @@ __device__ __forceinline__ void fp8_flush(float (&acc)[4], float (&part)[4], flo
 // A tensor-core warp's two A rows of one expert (rows g and g + 8 of its 16) and their block scales along k: w13's
 // gate row i and up row i (w13_rows), or w2's rows h_lo and h_hi (w2_rows)
 struct ARows { const a_chunk_t* lo; const a_chunk_t* hi; const float* scale_lo; const float* scale_hi; };
-// W_TILED (fp8-block128-t16, kernels/formats.py): the values of TILE_ROWS rows x TILE_K k are one contiguous tile, k
-// block after k block (w13: neuron group i / 8's gate rows, then its up rows; w2: rows 16t .. 16t + 15). A row's
-// pointer is its tile's first k block plus its row in the tile (tile_row); a_index maps the row-major 16-byte index
-// to the tiled one. The mma's A operand is 16 rows x 64 k per k block (4 chunks of 16 bytes): one tile.
-#define TILE_BYTES (TILE_ROWS * TILE_K)
-#define TILE_CHUNKS (TILE_K / 16)
-static_assert(TILE_ROWS == 16 && TILE_K == 64, "W_TILED reads one tile per mma k block: 16 rows x 64 e4m3 values");
+// W_TILED (fp8-block128-t16 or bf16-t16, kernels/formats.py): the values of TILE_ROWS rows x TILE_K k are one
+// contiguous tile of TILE_ROWS x TILE_ROW_BYTES bytes, k block after k block (w13: neuron group i / 8's gate rows, then
+// its up rows; w2: rows 16t .. 16t + 15). A row's pointer is its tile's first k block plus its row in the tile
+// (tile_row); a_index maps the row-major 16-byte index to the tiled one. The mma's A operand is 16 rows x 64 bytes per
+// k block (4 loads of 16 bytes a row: 64 e4m3 or 32 bf16 values): one tile.
+#define TILE_K (TILE_ROW_BYTES / (int)sizeof(weight_t))   // values per tile row
+#define TILE_VALUES (TILE_ROWS * TILE_K)
+#define TILE_CHUNKS (TILE_ROW_BYTES / 16)                   // 16-byte loads per tile row, and per tile:
+#define TILE_LOADS (TILE_ROWS * TILE_CHUNKS)
+static_assert(TILE_ROWS == 16 && TILE_ROW_BYTES == 64, "W_TILED reads one tile per mma k block: 16 rows x 64 bytes");
 __device__ __forceinline__ int a_index(int idx) {
-    return W_TILED ? idx + (idx / TILE_CHUNKS) * (TILE_BYTES / 16 - TILE_CHUNKS) : idx;
+    return W_TILED ? idx + (idx / TILE_CHUNKS) * (TILE_LOADS - TILE_CHUNKS) : idx;
 }
-// row r of a tiled matrix with `cols` values per row, whose tiles hold `rows_per_tile` of its rows
+// row r of a tiled matrix with `cols` values per row, whose tiles hold `rows_per_tile` of its rows (in values)
 __device__ __forceinline__ size_t tile_row(int r, int cols, int rows_per_tile) {
-    return (size_t)(r / rows_per_tile) * (cols / TILE_K) * TILE_BYTES + (size_t)(r % rows_per_tile) * TILE_K;
+    return (size_t)(r / rows_per_tile) * (cols / TILE_K) * TILE_VALUES + (size_t)(r % rows_per_tile) * TILE_K;
 }
 __device__ __forceinline__ ARows w13_rows(const weight_t* w13, const float* s13, int e, int i, int hidden, int inter) {
     const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;

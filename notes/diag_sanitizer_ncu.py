@@ -47,6 +47,9 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_sanitizer_ncu
 * ``t16``    the three tensor-core FP8 paths on fp8-block128-t16 tiles (W_TILED) on shapes with partial scale blocks
              at both edges and at qwen3-30b-a3b T = 20, skewed routings, outputs compared with the references on
              the row layout's same values (added 2026-12-04, for the tiles).
+* ``bf16-t16`` the three tensor-core bf16 paths on bf16-t16 tiles (W_TILED without W_FP8) on odd tiling shapes and at
+             qwen3-30b-a3b T = 20, skewed routings, outputs compared with the references on the row layout
+             (added 2026-12-04, for the bf16 tiles).
 * ``fp8-chunks`` strict FP8 at 16-value chunks (and 8 slots at 16-value gate_up chunks) on a shape with partial
              scale blocks at both edges and at qwen3-30b-a3b T = 2 (added 2026-12-01 late).
 """
@@ -181,6 +184,24 @@ def t16() -> None:
         tiles = FP8_BLOCK128_T16.from_rows(*weights)
         faithful = moe_decode(*args, mode="warp_decode", weight_format="fp8-block128")
         for name in T16_PATHS:
+            _run_checked(name, problem, tiles, faithful, oracle, f"{_dims(problem)} {routing}")
+
+
+BF16_T16_PATHS = ("cupy:warp-decode-mma-t16", "cupy:warp-decode-mma-pairs-t16", "cupy:warp-decode-mma-grouped-t16")
+
+
+def bf16_t16() -> None:
+    """The three tensor-core bf16 paths on bf16-t16 tiles, on shapes whose H and I are odd multiples of 32 and at
+    qwen3-30b-a3b, under skewed routings, against the references on the row layout."""
+    from kernels.formats import BF16_T16
+
+    for shape, tokens, routing in ((MoEShape("h160-i96", 160, 96, 12, 4), 9, "zipf"),
+                                   (MoEShape("h544-i224", 544, 224, 24, 6), 37, "same"),
+                                   ("qwen3-30b-a3b", 20, "correlated")):
+        problem = make_problem(shape, tokens, seed=8, routing=routing, xp=cupy)
+        tiles = BF16_T16.from_rows(problem.w13, problem.w2)
+        faithful, oracle = _references(problem)
+        for name in BF16_T16_PATHS:
             _run_checked(name, problem, tiles, faithful, oracle, f"{_dims(problem)} {routing}")
 
 
@@ -355,6 +376,8 @@ if __name__ == "__main__":
         hot()
     elif what == "t16":
         t16()
+    elif what == "bf16-t16":
+        bf16_t16()
     elif what == "fp8-chunks":
         fp8_chunks()
     elif what == "fp8-pair":

@@ -74,7 +74,9 @@ def test_variants_default_to_bf16() -> None:
          "cupy:auto-fp8", "cupy:expert-centric-w8a8", "cupy:warp-decode-mma-grouped-fp8",
          "cupy:warp-decode-mma-pairs-fp8"], "fp8-block128") | dict.fromkeys(
         ["cupy:warp-decode-mma-fp8-t16", "cupy:warp-decode-mma-pairs-fp8-t16", "cupy:warp-decode-mma-grouped-fp8-t16",
-         "cupy:auto-fp8-t16"], "fp8-block128-t16")
+         "cupy:auto-fp8-t16"], "fp8-block128-t16") | dict.fromkeys(
+        ["cupy:warp-decode-mma-t16", "cupy:warp-decode-mma-pairs-t16", "cupy:warp-decode-mma-grouped-t16",
+         "cupy:auto-t16"], "bf16-t16")
 
 
 class ExpertScaled(WeightFormat):
@@ -421,7 +423,7 @@ def test_tiled_values() -> None:
     # what an entry point given these weights runs: the format their layout names
     assert [formats.format_of(w) for w in (w13.astype(BF16), rows13, t13)] == ["bf16", FP8_BLOCK128.name,
                                                                               FP8_BLOCK128_T16.name]
-    with pytest.raises(ValueError, match="w13 holds 'cols'-ordered values; the formats know rows, t16"):
+    with pytest.raises(ValueError, match="w13 holds 'cols'-ordered values with scales; the formats know rows, t16"):
         formats.format_of(dataclasses.replace(t13, layout="cols"))
     x = rng.standard_normal((3, hidden)).astype(BF16)
     ids = rng.integers(0, experts, (3, 2)).astype(np.int32)
@@ -435,7 +437,53 @@ def test_tiled_values() -> None:
     with pytest.raises(ValueError, match="tiles need I and H multiples of 64, got I = 128, H = 200"):
         quantize_weights(np.zeros((1, 256, 200), np.float32), np.zeros((1, 200, 128), np.float32),
                          FP8_BLOCK128_T16.name)
-    with pytest.raises(ValueError, match="W_TILED reads fp8-block128-t16 tiles .* FP8_LOAD16 1, got 1, 1, 1 and 0"):
+    with pytest.raises(ValueError, match=r"W_TILED reads tiles .* FP8_LOAD16 1 with W_FP8\), got 1, 1 \(and 0 with"):
         wdb.resolve_params(Dims(1, hidden, inter, experts, 2), **{**wdb.MMA_FP8_KNOBS, "W_TILED": 1, "FP8_LOAD16": 0})
-    with pytest.raises(ValueError, match="W_TILED .* needs W_FP8 1"):
-        wdb.resolve_params(Dims(1, hidden, inter, experts, 2), **{**wdb.MMA_KNOBS, "W_TILED": 1})
+    # without W_FP8 the same knob reads bf16-t16 tiles (32 values a tile row)
+    assert wdb.resolve_params(Dims(1, hidden, inter, experts, 2), **{**wdb.MMA_KNOBS, "W_TILED": 1})["W_TILED"] == 1
+
+
+def test_bf16_tiles(rng: np.random.Generator) -> None:
+    """bf16-t16 holds the contract's bf16 values (bit for bit) in 16-row x 32-value tiles, 64 bytes a tile row as
+    fp8-block128-t16's, no scales: the reference reads them as the same weights, format_of names them, and each
+    check refuses the other layouts and shapes that do not tile."""
+    from kernels.formats import BF16_T16, FP8_BLOCK128_T16, quantize_weights, tile_k, untile_values
+    from kernels.reference import moe_decode
+
+    experts, inter, hidden = 2, 64, 96
+    w13 = rng.standard_normal((experts, 2 * inter, hidden)).astype(np.float32)
+    w2 = rng.standard_normal((experts, hidden, inter)).astype(np.float32)
+    t13, t2 = quantize_weights(w13, w2, BF16_T16.name)
+    assert (t13.layout, t13.scales, t13.values.dtype, tile_k(2)) == ("t16", None, BF16, 32)
+    for tiled, w, matrix in ((t13, w13, "w13"), (t2, w2, "w2")):
+        assert np.array_equal(untile_values(tiled.values, matrix).view(np.uint16), w.astype(BF16).view(np.uint16))
+        assert np.array_equal(BF16_T16.dequantize(tiled, matrix), w.astype(BF16).astype(np.float32))
+    rows13 = w13.astype(BF16)
+    flat = t13.values.view(np.uint16).reshape(experts, -1)
+    e, j, k, r, c = 1, 5, 2, 3, 17  # neuron group 5, k block 2, row 3 of the tile, value 17 of the k block
+    assert flat[e][((j * 3 + k) * 16 + r) * 32 + c] == rows13.view(np.uint16)[e, 8 * j + r, 32 * k + c]
+    assert flat[e][((j * 3 + k) * 16 + 8 + r) * 32 + c] == rows13.view(np.uint16)[e, inter + 8 * j + r, 32 * k + c]
+    assert formats.format_of(t13) == BF16_T16.name and BF16_T16.expert_bytes(hidden, inter) == 3 * hidden * inter * 2
+    assert BF16_T16.tiled and not BF16_T16.scaled and FP8_BLOCK128_T16.scaled
+    x = rng.standard_normal((3, hidden)).astype(BF16)
+    ids = rng.integers(0, experts, (3, 2)).astype(np.int32)
+    wts = rng.random((3, 2)).astype(np.float32)
+    assert np.array_equal(moe_decode(x, t13, t2, ids, wts, weight_format=BF16_T16.name).view(np.uint16),
+                          moe_decode(x, rows13, w2.astype(BF16), ids, wts).view(np.uint16))
+    with pytest.raises(TypeError, match="w13 must be bf16-t16 weights"):
+        moe_decode(x, rows13, t2, ids, wts, weight_format=BF16_T16.name)
+    with pytest.raises(ValueError, match="w2 holds 'rows'-ordered values, bf16-t16 weights are 't16'-ordered bf16"):
+        moe_decode(x, t13, dataclasses.replace(t2, layout="rows"), ids, wts, weight_format=BF16_T16.name)
+    with pytest.raises(TypeError, match=r"w13.scales is None: fp8-block128-t16 weights carry scales"):
+        moe_decode(x, t13, t2, ids, wts, weight_format=FP8_BLOCK128_T16.name)
+    with pytest.raises(TypeError, match=r"w13.values must have dtype bfloat16"):
+        moe_decode(x, dataclasses.replace(t13, values=t13.values.astype(np.float32)), t2, ids, wts,
+                   weight_format=BF16_T16.name)
+    with pytest.raises(ValueError, match="bf16-t16 tiles need I and H multiples of 32, got I = 64, H = 200"):
+        quantize_weights(np.zeros((1, 128, 200), np.float32), np.zeros((1, 200, 64), np.float32), BF16_T16.name)
+    with pytest.raises(ValueError, match="strict warp decode reads row-major weights; w13 is bf16-t16"):
+        kernels.warp_decode(x, t13, t2, ids, wts)
+    from kernels.expert_centric_path import expert_centric
+
+    with pytest.raises(ValueError, match="the expert-centric path reads row-major weights"):
+        expert_centric(x, t13, t2, ids, wts)

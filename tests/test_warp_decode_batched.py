@@ -20,6 +20,7 @@ only moves fp32 ulps.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from typing import Any
 
@@ -29,7 +30,7 @@ import pytest
 from kernels import warp_decode_batched as wdb
 from kernels import warp_decode_cupy as wdc
 from kernels.contract import BF16, Dims
-from kernels.formats import Quantized
+from kernels.formats import BF16_T16, Quantized, quantize_weights
 from kernels.numerics import bf16_to_f32
 from kernels.problem import Problem, make_problem
 from kernels.reference import moe_decode
@@ -537,13 +538,14 @@ int main(int argc, char** argv) {
 """
 
 def _write_inputs(tmp: str, problem: Problem, ids: np.ndarray | None) -> None:
-    """The emulator's inputs; fp8-block128 weights (a Quantized w13 / w2) as their bytes and scales."""
+    """The emulator's inputs; weights of another format (a Quantized w13 / w2) as their bytes and scales, if any."""
     problem.x.tofile(f"{tmp}/x.bin")
     for name in ("w13", "w2"):
         weights = getattr(problem, name)
         if isinstance(weights, Quantized):
             weights.values.view(np.uint8).tofile(f"{tmp}/{name}.bin")
-            weights.scales.astype(np.float32).tofile(f"{tmp}/{name.replace('w', 's')}.bin")
+            if weights.scales is not None:
+                weights.scales.astype(np.float32).tofile(f"{tmp}/{name.replace('w', 's')}.bin")
         else:
             weights.tofile(f"{tmp}/{name}.bin")
     np.ascontiguousarray(problem.topk_ids if ids is None else ids, np.int32).tofile(f"{tmp}/ids.bin")
@@ -716,6 +718,46 @@ def test_bad_ids_emulated_on_cpu(rng: np.random.Generator, knobs: dict[str, int]
                     moe_decode(*sub.arrays, mode="fp64"), "emulated good tokens", own_order=bool(knobs.get("DB_MMA")))
 
 
+T16_SHAPE = MoEShape("h96-i64", 96, 64, 6, 2)  # 32-value tiles: 3 k blocks along H, 2 along I
+T16_WIDE = MoEShape("h512-i32", 512, 32, 6, 2)  # 8 k ranges of 2 k blocks each (the invariant pair's split chains)
+T16_EMULATED = [  # (shape, T, routing, knobs): the tensor-core forms that read bf16-t16 tiles
+    (T16_SHAPE, 3, "uniform", wdb.PER_PAIR_KNOBS),
+    (T16_SHAPE, 12, "zipf", {**wdb.MMA_KNOBS, "GB_NBLK": 1, "HOT_NBLK": 2, "DB_GROUPED": 1, "LIST_THREADS": 32,
+                             "LIST_PER": 0}),   # hot passes, the grouped down
+    (T16_SHAPE, 6, "same", {**wdb.MMA_KNOBS, "DB_GROUPED": 0, "DB_BALANCE": 1, "DB_WARPS": 3, "DB_UNROLL": 1,
+                            "LIST_THREADS": 32, "LIST_PER": 0}),   # runs cut inside rows
+    (T16_WIDE, 9, "zipf", {**wdb.GROUPED_KNOBS, "GB_UNROLL": 2, "LIST_THREADS": 32, "LIST_PER": 0}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("shape", "tokens", "routing", "knobs"), T16_EMULATED,
+                         ids=["pairs", "hot-grouped", "balanced", "invariant-grouped"])
+def test_bf16_tiles_emulated(shape: MoEShape, tokens: int, routing: Any, knobs: dict[str, int]) -> None:
+    """bf16-t16 (W_TILED 1 without W_FP8): the same bf16 values in 16-row x 32-value tiles give the row layout's bits
+    in every tensor-core form -- only the addresses move -- and the reference reads the tiles back."""
+    base = make_problem(shape, tokens, seed=tokens, routing=routing)
+    t13, t2 = quantize_weights(base.w13, base.w2, BF16_T16.name)
+    assert (t13.layout, t13.scales, t13.values.dtype) == ("t16", None, BF16)
+    tiled = dataclasses.replace(base, w13=t13, w2=t2)
+    want = _emulate(base, out_dtype=np.float32, **knobs)
+    got = _emulate(tiled, out_dtype=np.float32, **{**knobs, "W_TILED": 1})
+    assert np.array_equal(got["inter"], want["inter"])
+    assert np.array_equal(got["out"].view(np.uint32), want["out"].view(np.uint32))
+    assert np.array_equal(moe_decode(*tiled.arrays, weight_format=BF16_T16.name).view(np.uint16),
+                          moe_decode(*base.arrays).view(np.uint16))
+
+
+def test_bf16_tiles_refused_where_they_cannot_run() -> None:
+    """W_TILED on bf16 needs both kernels on tensor cores and H, I multiples of 32; the entry point refuses weights
+    whose format the knobs do not read, naming both."""
+    with pytest.raises(ValueError, match="W_TILED reads 32-value tiles: H and I must be multiples of 32"):
+        wdb.resolve_params(Dims(2, 48, 64, 4, 2), **wdb.MMA_T16_KNOBS)
+    with pytest.raises(ValueError, match="W_TILED reads tiles in the tensor-core kernels' 64-byte k blocks"):
+        wdb.resolve_params(Dims(2, 64, 64, 4, 2), W_TILED=1)
+    assert wdb.resolve_params(Dims(2, 64, 64, 4, 2), **wdb.MMA_T16_KNOBS)["W_TILED"] == 1
+
+
 # ---------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------
@@ -871,6 +913,57 @@ def test_mma_odd_shapes(cupy_mod: Any, rng: np.random.Generator, name: str) -> N
 def test_odd_shapes(cupy_mod: Any, rng: np.random.Generator, name: str, tokens: int) -> None:
     problem = make_problem(ODD_SHAPES[name], tokens, seed=_seed(rng), xp=cupy_mod)
     _run_and_check(cupy_mod, problem, f"{name} T={tokens}", strict_inter=True)
+
+
+T16_GPU_CASES = [  # (model, T, routing, form): bf16-t16 tiles in the three tensor-core forms
+    ("qwen3-30b-a3b", 1, "uniform", "pairs"), ("qwen3-235b-a22b", 3, "zipf-2", "pairs"),
+    ("qwen3-30b-a3b", 8, "zipf", "mma"), ("qwen3-30b-a3b", 64, "zipf", "mma"), ("qwen3-235b-a22b", 32, "same", "mma"),
+    ("qwen3-235b-a22b", 8, "correlated", "mma"), ("qwen3-30b-a3b", 16, "zipf", "grouped"),
+    ("qwen3-235b-a22b", 64, "uniform", "grouped"), (MoEShape("h160-i96", 160, 96, 5, 3), 9, "zipf-1", "grouped")]
+T16_FORMS = {"pairs": (wdb.PER_PAIR_T16_KNOBS, wdb.PER_PAIR_T16_VARIANT),
+             "mma": (wdb.MMA_T16_KNOBS, wdb.MMA_T16_VARIANT),
+             "grouped": (wdb.GROUPED_T16_KNOBS, wdb.GROUPED_T16_VARIANT)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("model", "tokens", "routing", "form"), [
+    pytest.param(*case, id=f"{getattr(case[0], 'name', case[0])}-{case[1]}-{case[2]}-{case[3]}")
+    for case in T16_GPU_CASES])
+def test_bf16_tiles(cupy_mod: Any, rng: np.random.Generator, model: Any, tokens: int, routing: str,
+                    form: str) -> None:
+    """bf16-t16 weights (tiled on the device) against the references (NaN-poisoned output and workspace), bitwise
+    equal to the same knobs on the row layout, over a repeat and over a CUDA-graph replay of the variant."""
+    cupy = cupy_mod
+    knobs, variant = T16_FORMS[form]
+    problem = make_problem(model, tokens, seed=_seed(rng), routing=routing, xp=cupy)
+    tiled = dataclasses.replace(problem, **dict(zip(("w13", "w2"), BF16_T16.from_rows(problem.w13, problem.w2),
+                                                    strict=True)))
+    dims = _dims(problem)
+    runs = []
+    for _ in range(2):
+        out = _poisoned_out(cupy, tokens, dims.hidden)
+        wdb.warp_decode_batched(*tiled.arrays, out=out, workspace=_poisoned_workspace(cupy, dims, **knobs), **knobs)
+        cupy.cuda.runtime.deviceSynchronize()
+        runs.append(cupy.asnumpy(out))
+    faithful, oracle = _references(problem)
+    _assert_matches(runs[0], faithful, oracle, f"bf16-t16 {form} {dims}", own_order=True)
+    assert np.array_equal(runs[1].view(np.uint16), runs[0].view(np.uint16))
+    row_knobs = {k: v for k, v in knobs.items() if k != "W_TILED"}
+    on_rows = wdb.warp_decode_batched(*problem.arrays, **row_knobs)
+    assert np.array_equal(cupy.asnumpy(on_rows).view(np.uint16), runs[0].view(np.uint16)), "tiles != rows"
+    launch = variant.make(dims)
+    replay = _poisoned_out(cupy, tokens, dims.hidden)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        launch(*tiled.arrays, replay)
+        stream.synchronize()
+        replay.view(cupy.uint16).fill(0x7FC0)
+        stream.begin_capture()
+        launch(*tiled.arrays, replay)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+    assert np.array_equal(cupy.asnumpy(replay).view(np.uint16), runs[0].view(np.uint16)), "graph replay"
 
 
 @pytest.mark.gpu

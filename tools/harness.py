@@ -395,7 +395,8 @@ class Workbench:
 
         def view(w: Any) -> Any:
             if isinstance(w, Quantized):
-                return dataclasses.replace(w, values=w.values[start:stop], scales=w.scales[start:stop])
+                scales = None if w.scales is None else w.scales[start:stop]
+                return dataclasses.replace(w, values=w.values[start:stop], scales=scales)
             return w[start:stop]
 
         w13, w2 = self.pools[weight_format]
@@ -417,11 +418,16 @@ class Workbench:
             rows = copy * self.shift + touched
             index = cupy.asarray(rows.astype(np.int64))
 
+            def bits(values: Any) -> np.ndarray:  # fp8 and bf16 values travel as their bit patterns
+                if values.dtype.itemsize == 1:
+                    return _host(values.view(cupy.uint8)[index]).view(np.uint8).view(FP8)
+                return _host(values.view(cupy.uint16)[index]).view(BF16)
+
             def gather(w: Any) -> Any:
-                if isinstance(w, Quantized):  # fp8 values travel as their bit patterns
-                    values = _host(w.values.view(cupy.uint8)[index]).view(np.uint8).view(FP8)
-                    return dataclasses.replace(w, values=values, scales=_host(w.scales[index]))
-                return _host(w.view(cupy.uint16)[index]).view(BF16)
+                if isinstance(w, Quantized):
+                    scales = None if w.scales is None else _host(w.scales[index])
+                    return dataclasses.replace(w, values=bits(w.values), scales=scales)
+                return bits(w)
 
             w13, w2 = self.pools[weight_format]
             self._compact[key] = {
