@@ -32,8 +32,10 @@ or the same heuristic; ``moe_decode`` sees the format in the
 weights it is given, ``make_workspace`` takes it as ``weight_format``. fp8-block128-t16 weights (the same values in
 16-row tiles, ``quantize_weights(w13, w2, "fp8-block128-t16")`` or ``FP8_BLOCK128_T16.from_rows`` on loaded ones) choose
 among the three tensor-core FP8 paths on tiles (:data:`FP8_T16_CANDIDATES`, entries ``H..-K..-fp8-block128-t16``),
-under every policy, ``cupy:auto-fp8-t16`` being its variant; no strict path reads tiles, so dims beyond the
-tensor-core kernels' limits (too many experts or pairs for the list kernel) raise a ValueError there.
+under every policy, ``cupy:auto-fp8-t16`` being its variant; bf16-t16 weights (bf16 in the same tiles,
+``quantize_weights(w13, w2, "bf16-t16")``) likewise among the three tensor-core bf16 paths on tiles
+(:data:`T16_CANDIDATES`, entries ``H..-K..-bf16-t16``, ``cupy:auto-t16``). No strict path reads tiles, so dims beyond
+the tensor-core kernels' limits (too many experts or pairs for the list kernel) raise a ValueError there.
 
 The choice depends only on the shape (H, I, E, K), T, the GPU and the policy -- never on ``topk_ids``' values -- so
 it never syncs with the host and a captured CUDA graph stays valid for any routing:
@@ -72,7 +74,7 @@ from kernels import warp_decode_cupy as wdc
 from kernels import warp_decode_fp8 as wdf
 from kernels.contract import Dims, array_module, check_inputs
 from kernels.family import Launch
-from kernels.formats import FP8_BLOCK128, FP8_BLOCK128_T16, format_of, get_format
+from kernels.formats import BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, format_of, get_format
 from kernels.variants import Variant, get_variant, register
 
 ec = importlib.import_module("kernels.expert_centric_path")
@@ -94,6 +96,10 @@ FP8_T16 = FP8_BLOCK128_T16.name
 FP8_T16_MMA = "cupy:warp-decode-mma-fp8-t16"
 FP8_T16_MMA_PAIRS = "cupy:warp-decode-mma-pairs-fp8-t16"
 FP8_T16_MMA_GROUPED = "cupy:warp-decode-mma-grouped-fp8-t16"
+T16 = BF16_T16.name
+T16_MMA = "cupy:warp-decode-mma-t16"
+T16_MMA_PAIRS = "cupy:warp-decode-mma-pairs-t16"
+T16_MMA_GROUPED = "cupy:warp-decode-mma-grouped-t16"
 # the batch-invariant pair are candidates of the other policies too: the per-pair form, whose pairs sharing an expert
 # read it back to back, led at qwen3-235b T = 2 by the worst case over uniform and Zipf routing, and the grouped path
 # at qwen3-235b T = 4 / 8 / 16 (H200, results/h200-2026-12-02-candidates-*.json)
@@ -105,13 +111,17 @@ CANDIDATES = (*WARP_DECODE_CANDIDATES, EXPERT_CENTRIC)
 FP8_CANDIDATES = (FP8_STRICT, FP8_BATCHED, FP8_MMA, FP8_MMA_PAIRS, FP8_MMA_GROUPED)
 # fp8-block128-t16 weights: the tensor-core FP8 paths on tiles (only they read the tiled order; kernels.formats)
 FP8_T16_CANDIDATES = (FP8_T16_MMA, FP8_T16_MMA_PAIRS, FP8_T16_MMA_GROUPED)
+# bf16-t16 weights: the tensor-core bf16 paths on tiles
+T16_CANDIDATES = (T16_MMA, T16_MMA_PAIRS, T16_MMA_GROUPED)
 MMA_KNOBS = wdb.MMA_KNOBS  # the batched module's tensor-core kernels (the MMA variant's params)
 BATCHED_KNOBS = {BATCHED: {}, MIXED: wdb.MIXED_KNOBS, MMA: wdb.MMA_KNOBS,  # the batched-module paths
                  FP8_BATCHED: wdb.FP8_KNOBS, FP8_MMA: wdb.MMA_FP8_KNOBS,
                  MMA_GROUPED: wdb.GROUPED_KNOBS, MMA_PAIRS: wdb.PER_PAIR_KNOBS,
                  FP8_MMA_GROUPED: wdb.FP8_GROUPED_KNOBS, FP8_MMA_PAIRS: wdb.FP8_PER_PAIR_KNOBS,
                  FP8_T16_MMA: wdb.MMA_FP8_T16_KNOBS, FP8_T16_MMA_PAIRS: wdb.FP8_T16_PER_PAIR_KNOBS,
-                 FP8_T16_MMA_GROUPED: wdb.FP8_T16_GROUPED_KNOBS}
+                 FP8_T16_MMA_GROUPED: wdb.FP8_T16_GROUPED_KNOBS,
+                 T16_MMA: wdb.MMA_T16_KNOBS, T16_MMA_PAIRS: wdb.PER_PAIR_T16_KNOBS,
+                 T16_MMA_GROUPED: wdb.GROUPED_T16_KNOBS}
 FASTEST = "fastest"
 WARP_DECODE = "warp_decode"
 BATCH_INVARIANT = "batch_invariant"
@@ -123,10 +133,12 @@ FORMAT_CANDIDATES: dict[str, dict[str, tuple[str, ...]]] = {
     "bf16": POLICY_CANDIDATES,
     FP8: {FASTEST: FP8_CANDIDATES, WARP_DECODE: FP8_CANDIDATES, BATCH_INVARIANT: (FP8_MMA_PAIRS, FP8_MMA_GROUPED)},
     FP8_T16: {FASTEST: FP8_T16_CANDIDATES, WARP_DECODE: FP8_T16_CANDIDATES,
-              BATCH_INVARIANT: (FP8_T16_MMA_PAIRS, FP8_T16_MMA_GROUPED)}}
+              BATCH_INVARIANT: (FP8_T16_MMA_PAIRS, FP8_T16_MMA_GROUPED)},
+    T16: {FASTEST: T16_CANDIDATES, WARP_DECODE: T16_CANDIDATES, BATCH_INVARIANT: (T16_MMA_PAIRS, T16_MMA_GROUPED)}}
 # the batch-invariant policy's (per-pair, grouped) paths per format: per-pair while pairs are few per expert
 INVARIANT_PATHS: dict[str, tuple[str, str]] = {"bf16": (MMA_PAIRS, MMA_GROUPED), FP8: (FP8_MMA_PAIRS, FP8_MMA_GROUPED),
-                                               FP8_T16: (FP8_T16_MMA_PAIRS, FP8_T16_MMA_GROUPED)}
+                                               FP8_T16: (FP8_T16_MMA_PAIRS, FP8_T16_MMA_GROUPED),
+                                               T16: (T16_MMA_PAIRS, T16_MMA_GROUPED)}
 # The heuristic's (few pairs, batched, MMA) paths per format, and the strict path any dims can run. FP8: the per-pair
 # tensor-core form where strict would run -- on the H200 it beat strict FP8 at T = 1 / 2 on both qwen3 shapes (30b
 # 18.0 / 27.1 vs 19.2 / 33.0 us, 235b 46.3 / 88.4 vs 53.8 / 104.6: results/h200-2026-12-02-fp8-paths-t1-t2-*.json)
@@ -134,10 +146,12 @@ INVARIANT_PATHS: dict[str, tuple[str, str]] = {"bf16": (MMA_PAIRS, MMA_GROUPED),
 # results/h200-2026-12-02-fp8-paths-*.json)
 FORMAT_PATHS: dict[str, tuple[str, str, str]] = {"bf16": (STRICT, BATCHED, MMA),
                                                   FP8: (FP8_MMA_PAIRS, FP8_MMA, FP8_MMA),
-                                                  FP8_T16: (FP8_T16_MMA_PAIRS, FP8_T16_MMA, FP8_T16_MMA)}
-# the path that runs any dims, per format; none reads fp8-block128-t16 tiles (dims its tensor-core paths cannot run
-# -- too many experts for the list kernel, or too many pairs -- raise: fp8-block128 runs them)
-FORMAT_STRICT: dict[str, str | None] = {"bf16": STRICT, FP8: FP8_STRICT, FP8_T16: None}
+                                                  FP8_T16: (FP8_T16_MMA_PAIRS, FP8_T16_MMA, FP8_T16_MMA),
+                                                  T16: (T16_MMA_PAIRS, T16_MMA, T16_MMA)}
+# the path that runs any dims, per format; none reads tiles (dims a tiled format's tensor-core paths cannot run -- too
+# many experts for the list kernel, or too many pairs -- raise, naming the row layout, whose strict path runs them)
+FORMAT_STRICT: dict[str, str | None] = {"bf16": STRICT, FP8: FP8_STRICT, FP8_T16: None, T16: None}
+ROW_LAYOUT: dict[str, str] = {FP8_T16: FP8, T16: "bf16"}  # a tiled format's row-major counterpart
 TABLE_POINTS = (1, 2, 4, 8, 16, 32, 64)
 TABLE_ROUTINGS = ("uniform", "zipf")  # what tools.dispatch_table measures; the choice is the best worst case
 TABLE_DIR = Path(__file__).resolve().parent / "dispatch_tables"
@@ -351,8 +365,8 @@ def heuristic(dims: Dims, policy: str = FASTEST, weight_format: str = "bf16") ->
     per pair; the tensor core takes that work off the lanes (H200: MMA fastest from T*K/E = 1 at qwen3-30b).
     Weights in another format pick its paths by the same rule (:data:`FORMAT_PATHS`: FP8 runs its per-pair tensor-core
     form where bf16 would run strict, its tensor-core path wherever bf16 would run batched or MMA, as measured at the
-    qwen3 shapes; strict FP8 where those cannot run the dims; fp8-block128-t16 the same paths on tiles, a ValueError
-    where those cannot run the dims).
+    qwen3 shapes; strict FP8 where those cannot run the dims; fp8-block128-t16 and bf16-t16 the per-pair and
+    tensor-core paths on tiles, a ValueError where those cannot run the dims).
     """
     check_policy(policy)
     few, batched, mma = FORMAT_PATHS[check_weight_format(weight_format)]
@@ -383,7 +397,8 @@ def _runnable(path: str, dims: Dims, weight_format: str) -> str:
         wdb.resolve_params(dims, **BATCHED_KNOBS[path])
     except ValueError as error:
         raise ValueError(f"no path reading {weight_format} weights runs {dims} (their tensor-core kernels' limits: "
-                         f"{error}); quantize to {FP8} instead, whose strict path runs any dims") from None
+                         f"{error}); use {ROW_LAYOUT[weight_format]} weights instead, whose strict path runs any "
+                         "dims") from None
     raise AssertionError(f"{path} can run {dims} by its rules but was reported unsupported")  # unreachable
 
 
@@ -441,10 +456,10 @@ def moe_decode(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out:
 
     ``policy="fastest"``: strict, batched, mixed, MMA, the invariant pair or expert-centric (the last reproduces
     mode "classical"); ``policy="warp_decode"``: all but expert-centric (warp decode's numerics). fp8-block128
-    weights: the FP8 paths; fp8-block128-t16 weights: the tensor-core FP8 paths on tiles. With ``out`` and
-    ``workspace`` (``make_workspace(dims, policy=policy, weight_format=...)``, same policy and format) nothing is
-    allocated and nothing syncs with the host during CUDA-graph capture (outside capture the chosen path checks the
-    ids' range, as every path does).
+    weights: the FP8 paths; fp8-block128-t16 (bf16-t16) weights: the tensor-core FP8 (bf16) paths on tiles. With
+    ``out`` and ``workspace`` (``make_workspace(dims, policy=policy, weight_format=...)``, same policy and format)
+    nothing is allocated and nothing syncs with the host during CUDA-graph capture (outside capture the chosen path
+    checks the ids' range, as every path does).
     """
     check_policy(policy)
     xp = array_module(x)
@@ -519,6 +534,8 @@ VARIANT_FP8 = _auto_variant("cupy:auto-fp8", FASTEST, "auto-dispatch on fp8-bloc
 VARIANT_FP8_T16 = _auto_variant("cupy:auto-fp8-t16", FASTEST, "auto-dispatch on fp8-block128-t16 weights: the "
                                 "tensor-core FP8 paths on tiles from the table's fp8-block128-t16 entries (or the "
                                 "heuristic)", FP8_T16)
+VARIANT_T16 = _auto_variant("cupy:auto-t16", FASTEST, "auto-dispatch on bf16-t16 weights: the tensor-core bf16 paths "
+                            "on tiles from the table's bf16-t16 entries (or the heuristic)", T16)
 VARIANT_INVARIANT = _auto_variant("cupy:auto-invariant", BATCH_INVARIANT, "auto-dispatch, policy batch_invariant: "
                                   "the grouped tensor-core path or its per-pair form (one numerics): a token's "
                                   "output bitwise the same whatever batch it rides in")

@@ -80,7 +80,8 @@ def _run(cupy: Any, w13: Any, w2: Any, host: tuple[Any, ...], policy: str, graph
 
 
 CASES = [("qwen3-30b-a3b", "bf16"), ("qwen3-235b-a22b", "bf16"), ("qwen3-30b-a3b", "fp8-block128"),
-         ("h200-i136", "bf16"), ("tiny", "fp8-block128"), ("qwen3-235b-a22b", "fp8-block128-t16")]
+         ("h200-i136", "bf16"), ("tiny", "fp8-block128"), ("qwen3-235b-a22b", "fp8-block128-t16"),
+         ("qwen3-30b-a3b", "bf16-t16")]
 
 
 @pytest.mark.gpu

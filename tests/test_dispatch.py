@@ -281,6 +281,17 @@ def test_committed_h200_table_choices() -> None:
                 TP if tokens <= 2 else TM, "table"), (model, tokens)
             assert dispatch.choose(dims, "NVIDIA H200", policy="batch_invariant", weight_format="fp8-block128-t16") == (
                 TP if tokens <= per_pair_up_to else TG, "table"), (model, tokens)
+    # its bf16-t16 entries (results/dispatch-2026-12-04-bf16-t16.log): the per-pair form on tiles at T = 1 / 2 (and 4 at
+    # qwen3-235b), the tensor-core path after it, the grouped form at qwen3-235b T = 16; the invariant policy per-pair
+    # up to T = 4
+    bm, bp, bg = dispatch.T16_MMA, dispatch.T16_MMA_PAIRS, dispatch.T16_MMA_GROUPED
+    for model, want in (("qwen3-30b-a3b", {1: bp, 2: bp, 4: bm, 8: bm, 16: bm, 32: bm, 64: bm}),
+                        ("qwen3-235b-a22b", {1: bp, 2: bp, 4: bp, 8: bm, 16: bg, 32: bm, 64: bm})):
+        for tokens, path in want.items():
+            dims = _dims(PRESETS[model], tokens)
+            assert dispatch.choose(dims, "NVIDIA H200", weight_format="bf16-t16") == (path, "table"), (model, tokens)
+            assert dispatch.choose(dims, "NVIDIA H200", policy="batch_invariant", weight_format="bf16-t16") == (
+                bp if tokens <= 4 else bg, "table"), (model, tokens)
 
 
 def test_validate_table_rejects_bad_tables() -> None:
@@ -868,57 +879,65 @@ def test_batch_invariant_policy_keeps_one_numerics() -> None:
             "fp8-block128" if name.endswith("-fp8") else "bf16")
 
 
-# -- fp8-block128-t16 weights: the tensor-core FP8 paths on tiles -----------------------------------------------------
+# -- tiled weights (fp8-block128-t16, bf16-t16): the tensor-core paths on tiles ---------------------------------------
+# (tiled format, its row layout, its three paths, its auto variant, the row layout's strict path)
+TILED_FORMATS = {"fp8-block128-t16": ("fp8-block128", (TM, TP, TG), "cupy:auto-fp8-t16", FS),
+                 "bf16-t16": ("bf16", (dispatch.T16_MMA, dispatch.T16_MMA_PAIRS, dispatch.T16_MMA_GROUPED),
+                              "cupy:auto-t16", S)}
 
 
-def test_fp8_t16_weights_choose_among_the_tiled_paths(tmp_path: Path) -> None:
-    """fp8-block128-t16 weights choose among the three tiled paths under every policy (the heuristic: the FP8 rule,
-    per-pair where strict would run, the tensor-core path else; the invariant policy its pair), from their own table
-    entries (key ``...-fp8-block128-t16``, never the row layout's); dims no tiled path runs raise a ValueError that
-    names the row layout, whose strict path runs them."""
-    t16 = "fp8-block128-t16"
-    assert dispatch.FORMAT_CANDIDATES[t16]["fastest"] == (TM, TP, TG)
-    for name in (TM, TP, TG):
+@pytest.mark.parametrize("t16", list(TILED_FORMATS))
+def test_tiled_weights_choose_among_the_tiled_paths(tmp_path: Path, t16: str) -> None:
+    """Tiled weights choose among their three tiled paths under every policy (the heuristic: per-pair where strict
+    would run, the tensor-core path else; the invariant policy its pair), from their own table entries (key
+    ``...-<format>``, never the row layout's); dims no tiled path runs raise a ValueError that names the row layout,
+    whose strict path runs them."""
+    rows_fmt, (mma, pairs, grouped), auto, strict = TILED_FORMATS[t16]
+    assert dispatch.FORMAT_CANDIDATES[t16]["fastest"] == (mma, pairs, grouped)
+    for name in (mma, pairs, grouped):
         assert dispatch.BATCHED_KNOBS[name]["W_TILED"] == 1 and get_variant(name).weight_format == t16
-    assert get_variant("cupy:auto-fp8-t16").weight_format == t16
-    for tokens, want in {1: TP, 2: TP, 4: TM, 8: TM, 64: TM}.items():
+    assert get_variant(auto).weight_format == t16
+    for tokens, want in {1: pairs, 2: pairs, 4: mma, 8: mma, 64: mma}.items():
         assert dispatch.heuristic(_dims(QWEN30, tokens), weight_format=t16) == want, tokens
-        assert dispatch.heuristic(_dims(QWEN30, tokens), "batch_invariant", t16) == (TP if tokens <= 2 else TG)
+        assert dispatch.heuristic(_dims(QWEN30, tokens), "batch_invariant", t16) == (pairs if tokens <= 2 else grouped)
     too_many = Dims(4096, 64, 64, 8, 8)  # the list kernel's shared memory: no batched path runs it
-    with pytest.raises(ValueError, match="fp8-block128-t16.*list kernel.*quantize to fp8-block128"):
+    with pytest.raises(ValueError, match=f"{t16}.*list kernel.*use {rows_fmt} weights instead"):
         dispatch.heuristic(too_many, weight_format=t16)
-    assert dispatch.heuristic(too_many, weight_format="fp8-block128") == FS
+    assert dispatch.heuristic(too_many, weight_format=rows_fmt) == strict
     assert dispatch.key_format(dispatch.shape_key(_dims(QWEN30, 1), t16)) == t16
     gpu = "Fake GPU 9002"
     table = None
-    rows = dict.fromkeys(dispatch.FP8_CANDIDATES, 5.0)  # faster, but the row layout's entry: never read for tiles
-    for fmt, medians in ((t16, {TM: 20.0, TP: 10.0, TG: 30.0}), ("fp8-block128", rows)):
+    row_paths = dispatch.FORMAT_CANDIDATES[rows_fmt]["fastest"]
+    rows = dict.fromkeys(row_paths, 5.0)  # faster, but the row layout's entry: never read for tiles
+    for fmt, medians in ((t16, {mma: 20.0, pairs: 10.0, grouped: 30.0}), (rows_fmt, rows)):
         point = dispatch_table.point_record({n: _record(us) for n, us in medians.items()}, weight_format=fmt)
         table = dispatch_table.merge(table, gpu, {"date": "2026-12-04"}, QWEN30.name, _dims(QWEN30, 1), 1, point, fmt)
     (tmp_path / f"{dispatch.gpu_slug(gpu)}.json").write_text(json.dumps(dispatch.validate_table(table)))
     dispatch.load_table.cache_clear()
-    assert dispatch.choose(_dims(QWEN30, 4), gpu, tmp_path, weight_format=t16) == (TP, "table")
-    assert dispatch.choose(_dims(QWEN30, 4), gpu, tmp_path, "batch_invariant", t16) == (TP, "table")
-    assert dispatch.choose(_dims(QWEN30, 4), gpu, tmp_path, weight_format="fp8-block128")[0] in dispatch.FP8_CANDIDATES
+    assert dispatch.choose(_dims(QWEN30, 4), gpu, tmp_path, weight_format=t16) == (pairs, "table")
+    assert dispatch.choose(_dims(QWEN30, 4), gpu, tmp_path, "batch_invariant", t16) == (pairs, "table")
+    assert dispatch.choose(_dims(QWEN30, 4), gpu, tmp_path, weight_format=rows_fmt)[0] in row_paths
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t16", list(TILED_FORMATS))
 @pytest.mark.parametrize("tokens", [1, 8, 64])
-def test_moe_decode_on_tiled_fp8_weights(cupy_mod: Any, rng: np.random.Generator, tokens: int) -> None:
-    """moe_decode on fp8-block128-t16 weights runs a tiled path (this GPU's table, under each policy): every row
-    written, bitwise the same over repeats, as that path called directly, and as its knobs on the row layout (only the
-    addresses move); a workspace made for the row layout is refused."""
-    from kernels.formats import FP8_BLOCK128_T16, quantize_weights
+def test_moe_decode_on_tiled_weights(cupy_mod: Any, rng: np.random.Generator, tokens: int, t16: str) -> None:
+    """moe_decode on tiled weights runs a tiled path (this GPU's table, under each policy): every row written,
+    bitwise the same over repeats, as that path called directly, and as its knobs on the row layout (only the
+    addresses move); a workspace made for the tiles is refused for the row layout."""
+    from kernels.formats import get_format, quantize_weights
 
     cupy = cupy_mod
+    rows_fmt = TILED_FORMATS[t16][0]
     problem = make_problem("qwen3-30b-a3b", tokens, seed=_seed(rng), xp=cupy)
-    rows = quantize_weights(problem.w13, problem.w2, "fp8-block128")
-    tiles = FP8_BLOCK128_T16.from_rows(*rows)
+    rows = quantize_weights(problem.w13, problem.w2, rows_fmt)
+    tiles = get_format(t16).from_rows(*rows)
     x, ids, wts = problem.x, problem.topk_ids, problem.topk_weights
     dims = _dims(problem.shape, tokens)
     for policy in dispatch.POLICIES:
-        ws = dispatch.make_workspace(dims, policy=policy, weight_format=FP8_BLOCK128_T16.name)
-        assert ws.choice in dispatch.FORMAT_CANDIDATES[FP8_BLOCK128_T16.name][policy], (policy, ws.choice)
+        ws = dispatch.make_workspace(dims, policy=policy, weight_format=t16)
+        assert ws.choice in dispatch.FORMAT_CANDIDATES[t16][policy], (policy, ws.choice)
         runs = []
         for _ in range(2):
             out = _poisoned_out(cupy, tokens, problem.shape.hidden)
@@ -931,5 +950,5 @@ def test_moe_decode_on_tiled_fp8_weights(cupy_mod: Any, rng: np.random.Generator
         row_knobs = {k: v for k, v in knobs.items() if k != "W_TILED"}
         on_rows = wdb.warp_decode_batched(x, *rows, ids, wts, **row_knobs).get().view(np.uint16)
         assert np.array_equal(direct, runs[0]) and np.array_equal(on_rows, runs[0]), ws.choice
-        with pytest.raises(ValueError, match="fp8-block128 weights"):
+        with pytest.raises(ValueError, match=f"this call passes {rows_fmt} weights"):
             dispatch.moe_decode(x, *rows, ids, wts, workspace=ws, policy=policy)

@@ -35,7 +35,8 @@ updated in place (entries of other shapes / points kept), so a long sweep can be
 ``--weight-format fp8-block128`` measures (or collects from the bench runs) the FP8 paths instead
 (``kernels.dispatch.FORMAT_CANDIDATES``), on fp8 copies of the weights, into the shape's FP8 entries (key
 ``H..-K..-fp8-block128``): ``kernels.moe_decode`` on FP8 weights reads those; ``--weight-format fp8-block128-t16``
-the tensor-core FP8 paths on tiles into the ``...-fp8-block128-t16`` entries.
+the tensor-core FP8 paths on tiles into the ``...-fp8-block128-t16`` entries, ``--weight-format bf16-t16`` the
+tensor-core bf16 paths on tiles into the ``...-bf16-t16`` ones.
 """
 
 from __future__ import annotations

@@ -192,6 +192,10 @@ CROSSOVER_SETS: dict[str, dict[str, str]] = {  # weight format -> variant -> col
                          "cupy:warp-decode-mma-grouped-fp8-t16": "grouped",
                          "cupy:expert-centric-w8a8": "expert-centric", "cupy:auto-fp8-t16": "auto",
                          "triton:fused-moe-w8a8": "peer"},
+    # bf16-t16: the tensor-core bf16 paths on tiles, their auto, beside the same bf16 baseline and peer
+    "bf16-t16": {"cupy:warp-decode-mma-t16": "MMA", "cupy:warp-decode-mma-pairs-t16": "per-pair",
+                 "cupy:warp-decode-mma-grouped-t16": "grouped", CROSSOVER_PATHS["expert-centric"]: "expert-centric",
+                 "cupy:auto-t16": "auto", CROSSOVER_PEER: "peer"},
 }
 
 

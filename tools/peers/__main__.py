@@ -4,7 +4,8 @@
 
 Each tile config of :data:`tools.peers.triton_fused_moe.CONFIGS` is a variant ``triton:fused-moe[<config>]``
 measured by the bench's harness (same graph structure, weight rotation and in-process roofline as the lab's paths,
-checked against ``reference.moe_decode(mode="classical")`` before and after timing). Per (model, batch) the fastest
+checked against ``reference.moe_decode(mode="classical")`` before and after timing), beside the lab's auto-dispatch on
+both bf16 layouts (``cupy:auto``, ``cupy:auto-t16``). Per (model, batch) the fastest
 config's row is also recorded as ``triton:fused-moe`` (the tuned peer, ``tuned_from`` naming the config);
 ``--tune`` writes those choices to ``tools/peers/tuned/<gpu slug>.json``, which the variant's ``CONFIG=-1`` reads;
 ``--configs`` runs only the named configs (a quicker comparison where the fastest are known; not with ``--tune``).
@@ -26,7 +27,7 @@ from tools import peers, report
 from tools.cli import int_list
 
 # what each peer is measured beside: the lab's auto-dispatch for its weights (FP8: both layouts')
-LAB_DEFAULT = {"bf16": "cupy:auto", "fp8-block128": "cupy:auto-fp8,cupy:auto-fp8-t16"}
+LAB_DEFAULT = {"bf16": "cupy:auto,cupy:auto-t16", "fp8-block128": "cupy:auto-fp8,cupy:auto-fp8-t16"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,8 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--weight-format", choices=tuple(LAB_DEFAULT), default="bf16",
                         help="bf16: the fused-MoE peer; fp8-block128: its W8A8 form")
     parser.add_argument("--lab", default=None,
-                        help="lab variants measured beside the peer (default: cupy:auto; FP8: cupy:auto-fp8,"
-                             "cupy:auto-fp8-t16)")
+                        help="lab variants measured beside the peer (default: cupy:auto,cupy:auto-t16; FP8: "
+                             "cupy:auto-fp8,cupy:auto-fp8-t16)")
     parser.add_argument("--configs", default=None,
                         help="comma list of the peer's tile configs to run, by name (M16-N64-K128-G1-w4-s3) or "
                              "index; default: all (the tuned peer is the fastest of those run)")
