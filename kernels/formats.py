@@ -47,6 +47,10 @@ class Quantized:
     layout: str = "rows"
 
 
+class FormatDimsError(ValueError):
+    """Dims a weight format cannot store (a tiled format's H and I not whole tiles)."""
+
+
 def _host(arr: Any) -> np.ndarray:
     return arr.get() if hasattr(arr, "get") and not isinstance(arr, np.ndarray) else arr
 
@@ -75,6 +79,20 @@ class WeightFormat:
         bf16, a :class:`Quantized` of this format's layout, with or without scales as it has them."""
         return (isinstance(weights, Quantized) and weights.layout == getattr(self, "layout", "rows")
                 and (weights.scales is not None) == self.scaled)
+
+    def check_dims(self, hidden: int, intermediate: int) -> None:
+        """:class:`FormatDimsError` unless this format can store experts of these H and I (a tiled format: whole
+        tiles of :func:`tile_k` values a row; every other format can)."""
+        if self.tiled:
+            check_tile_dims(self.name, hidden, intermediate, tile_k(int(self.value_bytes)))
+
+    def _check_values(self, name: str, values: Any) -> None:
+        """:meth:`check_dims` on ``name``'s values ([E, 2I, H] for w13, [E, H, I] for w2), naming them."""
+        if self.tiled:
+            shape = tuple(int(d) for d in values.shape)
+            hidden, inter = (shape[2], shape[1] // 2) if name == "w13" else (shape[1], shape[2])
+            check_tile_dims(self.name, hidden, inter, tile_k(int(self.value_bytes)),
+                            f"{name} values of shape {list(shape)}")
 
     def value_count(self, hidden: int, intermediate: int) -> int:
         """Weight values of one expert: w13 (2I x H) and w2 (H x I)."""
@@ -343,14 +361,12 @@ def untile_values(values: Any, matrix: str) -> Any:
     return xp.ascontiguousarray(tiled).reshape(experts, rows, cols).view(dtype)
 
 
-def check_tile_dims(fmt: str, name: str, shape: tuple[int, ...], width: int) -> None:
-    """ValueError unless ``name``'s values of ``shape`` ([E, 2I, H] for w13, [E, H, I] for w2) cut into tiles
-    ``width`` values wide: I and H multiples of it (which makes every tile's 16 rows whole too)."""
-    rows, cols = shape[1], shape[2]
-    inter, hidden = (rows // 2, cols) if name == "w13" else (cols, rows)
-    if inter % width or hidden % width:
-        raise ValueError(f"{fmt} tiles need I and H multiples of {width}, got I = {inter}, H = {hidden} ({name} "
-                         f"values of shape {list(shape)})")
+def check_tile_dims(fmt: str, hidden: int, intermediate: int, width: int, what: str = "") -> None:
+    """:class:`FormatDimsError` unless H and I are whole tiles ``width`` values wide (which makes every tile's 16
+    rows whole too); ``what`` says whose dims they are."""
+    if intermediate % width or hidden % width:
+        raise FormatDimsError(f"{fmt} tiles need I and H multiples of {width}, got I = {intermediate}, H = {hidden}"
+                              + (f" ({what})" if what else ""))
 
 
 @dataclass(frozen=True)
@@ -369,7 +385,7 @@ class Fp8Block128T16(Fp8Block128):
         tiled = []
         for name, q in (("w13", w13), ("w2", w2)):
             FP8_BLOCK128.check(name, q, array_module(q.values), "[E, 2I, H]" if name == "w13" else "[E, H, I]")
-            check_tile_dims(self.name, name, tuple(int(d) for d in q.values.shape), tile_k(1))
+            self._check_values(name, q.values)
             tiled.append(Quantized(tile_values(q.values, name), q.scales, self.layout))
         return tiled[0], tiled[1]
 
@@ -380,7 +396,7 @@ class Fp8Block128T16(Fp8Block128):
 
     def check(self, name: str, weights: Any, xp: Any, what: str) -> Any:
         values = super().check(name, weights, xp, what)
-        check_tile_dims(self.name, name, tuple(int(d) for d in values.shape), tile_k(1))
+        self._check_values(name, values)
         return values
 
 
@@ -400,7 +416,7 @@ class Bf16T16(WeightFormat):
         tiled = []
         for name, w in (("w13", w13), ("w2", w2)):
             BF16_FORMAT.check(name, w, array_module(w), "[E, 2I, H]" if name == "w13" else "[E, H, I]")
-            check_tile_dims(self.name, name, tuple(int(d) for d in w.shape), tile_k(2))
+            self._check_values(name, w)
             tiled.append(Quantized(tile_values(w, name), None, self.layout))
         return tiled[0], tiled[1]
 
@@ -429,7 +445,7 @@ class Bf16T16(WeightFormat):
             raise ValueError(f"{name} holds {held}, {self.name} weights are {self.layout!r}-ordered bf16 without "
                              f"scales (quantize_weights(w13, w2, {self.name!r}) makes them)")
         check_array(f"{name}.values", weights.values, xp, BF16, 3, what)
-        check_tile_dims(self.name, name, tuple(int(d) for d in weights.values.shape), tile_k(2))
+        self._check_values(name, weights.values)
         return weights.values
 
 

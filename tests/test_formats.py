@@ -487,3 +487,23 @@ def test_bf16_tiles(rng: np.random.Generator) -> None:
 
     with pytest.raises(ValueError, match="the expert-centric path reads row-major weights"):
         expert_centric(x, t13, t2, ids, wts)
+
+
+def test_which_dims_each_format_stores() -> None:
+    """Tiled formats store whole tiles only (64 e4m3 or 32 bf16 values a tile row); the others any contract dims.
+    The harness and tools.accuracy ask check_dims before any work."""
+    from kernels.formats import FormatDimsError
+
+    tiny = PRESETS["tiny"]  # H = 136, I = 48
+    for fmt in FORMATS.values():
+        fmt.check_dims(2048, 768)  # qwen3-30b-a3b: every format
+        if fmt.tiled:
+            with pytest.raises(FormatDimsError, match=f"{fmt.name} tiles need I and H multiples of "
+                                                      f"{64 // int(fmt.value_bytes)}, got I = 48, H = 136"):
+                fmt.check_dims(tiny.hidden, tiny.intermediate)
+        else:
+            fmt.check_dims(tiny.hidden, tiny.intermediate)
+    assert sorted(f.name for f in FORMATS.values() if f.tiled) == ["bf16-t16", "fp8-block128-t16"]
+    get_format("fp8-block128-t16").check_dims(2880, 2880)  # gpt-oss-120b: 45 tiles of 64 values a row
+    with pytest.raises(FormatDimsError):  # ... not at tools.accuracy's reduced width, 720 (22.5 tiles of 32)
+        get_format("bf16-t16").check_dims(720, 720)

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from kernels.contract import BF16, check_inputs
-from kernels.formats import FORMATS, get_format
+from kernels.formats import FORMATS, FormatDimsError, get_format
 from kernels.numerics import max_abs, min_cosine, rel_l2
 from kernels.reference import moe_decode
 from kernels.shapes import DEFAULT_MODEL, PRESETS, MoEShape, get_shape
@@ -705,33 +705,36 @@ def run(
     else:
         notes.append("one-layer numbers from the reference's modes (kernels.reference.moe_decode), not kernels")
 
+    layer_shapes = [_shrink(_capped(s, experts)) if width == "small" else _capped(s, experts) for s in shapes]
+    stack_shapes = [] if layers == 0 else [get_shape(m) for m in stack_models] if stack_models is not None else (
+        shapes if given_models else [get_shape(DEFAULT_MODEL)])
+    stack_runs = [_narrow(s, SMALL_STACK_WIDTH) if stack_width == "small" else s for s in stack_shapes]
+    fmt = get_format(weight_format)
+    for shape, run_shape in (*zip(shapes, layer_shapes, strict=True), *zip(stack_shapes, stack_runs, strict=True)):
+        try:  # before any work: a format that cannot store a shape stops the run at once
+            fmt.check_dims(run_shape.hidden, run_shape.intermediate)
+        except FormatDimsError as exc:
+            at = "" if run_shape == shape else " at the reduced width"
+            raise FormatDimsError(f"{shape.name}{at}: {exc}") from None
+
     cells: list[Cell] = []
-    for shape in shapes:
-        run_shape = _capped(shape, experts)
-        if width == "small":
-            run_shape = _shrink(run_shape)
+    for run_shape in layer_shapes:
         cells += measure_layer(run_shape, batch, seed_list, source, kernels, notes, log, paths, weight_format,
                                format_kernels, tuple(p for p in format_paths if p in paths))
 
     depth: list[Depth] = []
     if layers != 0:
-        stack_shapes = [get_shape(m) for m in stack_models] if stack_models is not None else (
-            shapes if given_models else [get_shape(DEFAULT_MODEL)]
-        )
         tokens = stack_batch or max(batch)
         if stack_seeds is None:
             stack_seeds = min(seeds, 4)
         if not isinstance(stack_seeds, int) or isinstance(stack_seeds, bool) or stack_seeds < 1:
             raise ValueError(f"stack_seeds must be an int >= 1, got {stack_seeds!r}")
-        for shape in stack_shapes:
-            run_shape = shape
-            if stack_width == "small":
-                run_shape = _narrow(shape, SMALL_STACK_WIDTH)
-                if run_shape != shape:
-                    notes.append(
-                        f"depth study of {shape.name} at reduced width H={run_shape.hidden}, "
-                        f"I={run_shape.intermediate} (real E, K and layer count; --stack-width real for real width)"
-                    )
+        for shape, run_shape in zip(stack_shapes, stack_runs, strict=True):
+            if run_shape != shape:
+                notes.append(
+                    f"depth study of {shape.name} at reduced width H={run_shape.hidden}, "
+                    f"I={run_shape.intermediate} (real E, K and layer count; --stack-width real for real width)"
+                )
             depth.append(measure_depth(run_shape, layers or shape.layers, tokens, list(range(stack_seeds)), log, paths,
                                        weight_format))
         notes.append("depth study: reference modes on the host (bf16 residual stream per path vs an fp64 stack)"
@@ -914,12 +917,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = output_console()  # a pipe or a file: as wide as the tables need
     err = Console(stderr=True)
     log = (lambda _m: None) if args.quiet else (lambda m: err.print(f"[dim]{m}[/dim]"))
-    result = run(
-        models, args.seeds, batch, args.layers, "auto" if args.experts is None else args.experts,
-        width=args.width, stack_batch=args.stack_batch, stack_seeds=args.stack_seeds,
-        stack_width=args.stack_width, paths=paths, source=source, fallback=args.fallback, log=log,
-        weight_format=args.weight_format,
-    )
+    try:
+        result = run(
+            models, args.seeds, batch, args.layers, "auto" if args.experts is None else args.experts,
+            width=args.width, stack_batch=args.stack_batch, stack_seeds=args.stack_seeds,
+            stack_width=args.stack_width, paths=paths, source=source, fallback=args.fallback, log=log,
+            weight_format=args.weight_format,
+        )
+    except FormatDimsError as exc:  # a tiled --weight-format and a model whose dims are not whole tiles
+        parser.error(f"--weight-format {args.weight_format}: {exc}")
     console.print(result)
     console.print(f"[dim]{result.seconds:.1f} s[/dim]")
     if args.json:

@@ -308,11 +308,18 @@ class Workbench:
     def __post_init__(self) -> None:
         import cupy
 
-        from kernels.formats import get_format
+        from kernels.formats import FormatDimsError, get_format
 
         shape, tokens = self.shape, self.tokens
         formats = [get_format(name) for name in self.weight_formats]
-        self.weight_formats = tuple(dict.fromkeys(["bf16", *(fmt.name for fmt in formats)]))
+        self.skipped_formats: dict[str, str] = {}  # formats that cannot store this shape: their variants unsupported
+        for fmt in formats:
+            try:
+                fmt.check_dims(shape.hidden, shape.intermediate)
+            except FormatDimsError as exc:
+                self.skipped_formats[fmt.name] = str(exc)
+        self.weight_formats = tuple(dict.fromkeys(["bf16", *(fmt.name for fmt in formats
+                                                              if fmt.name not in self.skipped_formats)]))
         ids, weights = make_routing(tokens, shape.experts, shape.top_k, self.routing, self.seed)
         rng = np.random.default_rng([self.seed, 0])
         x = (rng.standard_normal((tokens, shape.hidden), dtype=np.float32)).astype(BF16)
@@ -343,6 +350,7 @@ class Workbench:
             "pool_experts": pool_experts,
             "pool_bytes": pool_experts * per_expert,
             "weight_formats": list(self.weight_formats),
+            **({"weight_formats_skipped": dict(self.skipped_formats)} if self.skipped_formats else {}),
             "rotated_weight_bytes": copies * compact,
             "l2_bytes": self.l2_bytes,
             "footprint_ok": copies * compact >= L2_FACTOR * self.l2_bytes,
@@ -506,6 +514,10 @@ class Workbench:
             "copies": self.info["copies"], "rotation": dict(self.info),
             "status": "error", "error": None, "samples_us": [], "stages": [],
         }
+        skipped = self.skipped_formats.get(getattr(variant, "weight_format", "bf16"))
+        if skipped is not None:
+            record.update(status="unsupported", error=f"{variant.name}: {skipped}")
+            return record
         if not variant.can_run(self.dims, **(params or {})):
             record.update(status="unsupported", error=f"{variant.name} cannot run {self.dims} (its supports())")
             return record
