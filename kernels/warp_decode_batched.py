@@ -40,7 +40,7 @@ import numpy as np
 from kernels.compile import CudaSource, launch_ex, preset_variants
 from kernels.contract import BF16, Dims, check_aligned, check_inputs, check_out, require_cupy
 from kernels.family import Compiled, KernelFamily, Stage
-from kernels.formats import BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, Quantized, format_of, get_format, tile_k
+from kernels.formats import BF16_T16, FORMATS, FP8_BLOCK128, FP8_BLOCK128_T16, Quantized, format_of, get_format, tile_k
 from kernels.shapes import PRESETS
 from kernels.variants import Variant, register
 from kernels.warp_decode_batched_cuda import CODE, GROUPED_KERNELS, KERNELS, MMA_KERNELS, PER_PAIR_KERNELS
@@ -1119,10 +1119,10 @@ def warp_decode_batched(
             raise ValueError(f"workspace was made for {workspace.dims}, this call needs {dims}")
     resolved = resolve_params(dims, **params)  # knob errors first (no device call), then the alignment, the compile
     if resolved["W_FP8"] != int(fp8) or resolved["W_TILED"] != int(tiled):
-        names = {(0, 0): "bf16", (1, 0): FP8_BLOCK128.name, (1, 1): FP8_BLOCK128_T16.name, (0, 1): BF16_T16.name}
-        raise ValueError(f"W_FP8 {resolved['W_FP8']} / W_TILED {resolved['W_TILED']} read "
-                         f"{names.get((resolved['W_FP8'], resolved['W_TILED']), 'no')} weights, but w13 / w2 are "
-                         f"{fmt.name}")
+        knobs = (bool(resolved["W_FP8"]), bool(resolved["W_TILED"]))
+        reads = next((f.name for f in FORMATS.values() if (f.scaled, f.tiled) == knobs), "no")
+        raise ValueError(f"W_FP8 {resolved['W_FP8']} / W_TILED {resolved['W_TILED']} read {reads} weights, but "
+                         f"w13 / w2 are {fmt.name}")
     if workspace is not None and resolved["DB_GROUPED"] and workspace.pair_out is None:
         raise ValueError("workspace has no per-pair rows, which the grouped down (DB_GROUPED 1) writes: make it with "
                          "make_workspace(dims, **params) for these knobs")
