@@ -297,7 +297,7 @@ def test_crossover_missing_variants_and_failed_rows():
     assert _point(again, 2)["best"] == "batched" and report.crossover_cells(_point(again, 2))["strict"] == "WRONG"
     # nothing timed at all
     empty = report.crossover_table([_run([_row(STRICT, 1, 1.0, status="error")])], MODEL, "uniform")
-    assert "no timed strict / batched / expert-centric rows" in empty["summary"]
+    assert "no timed single path of its own" in empty["summary"]
 
 
 def test_crossover_keeps_routings_and_models_apart():
@@ -461,6 +461,19 @@ def test_fp8_crossover_is_its_own_table():
     assert "batched not measured" not in record["summary"]  # measured at T=1
     text = report.crossover_markdown([run])
     assert "fp8-block128 weights" in text and text.count("### Crossover") == 2
+
+
+def test_tiled_table_never_takes_a_borrowed_column_as_its_best():
+    """A tiled format's table shows its row layout's baseline and peer beside its paths, but its best single path is
+    one of its own: where none was measured there is no best (and no auto-vs-best), not the baseline."""
+    ec = report.CROSSOVER_PATHS["expert-centric"]
+    rows = [_row(ec, 1, 40.0), _row("cupy:auto-t16", 1, 22.0), _row("triton:fused-moe", 1, 32.0),
+            _row(ec, 8, 180.0), _row("cupy:warp-decode-mma-t16", 8, 91.0), _row("cupy:auto-t16", 8, 93.0)]
+    record = report.crossover_table([_run(rows)], MODEL, "uniform", "bf16-t16")
+    p1, p8 = _point(record, 1), _point(record, 8)
+    assert p1["cells"]["expert-centric"]["us"] == 40.0 and (p1["best"], p1["auto_vs_best"]) == (None, None)
+    assert p8["best"] == "MMA" and p8["auto_vs_best"] == pytest.approx(93.0 / 91.0 - 1)
+    assert report.crossover_cells(p1)["vs_best"] == "-" and record["fastest"]["expert-centric"] == []
 
 
 def test_crossover_batch_invariant_column_and_cost():

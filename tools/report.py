@@ -197,6 +197,12 @@ CROSSOVER_SETS: dict[str, dict[str, str]] = {  # weight format -> variant -> col
                  "cupy:warp-decode-mma-grouped-t16": "grouped", CROSSOVER_PATHS["expert-centric"]: "expert-centric",
                  "cupy:auto-t16": "auto", CROSSOVER_PEER: "peer"},
 }
+# the columns a tiled format's table borrows from its row layout (its baseline and peer read rows): shown beside its
+# paths, never its "best single path" (a point where no path of its own was measured has no best)
+CROSSOVER_BORROWED: dict[str, set[str]] = {
+    "fp8-block128-t16": {"cupy:expert-centric-w8a8", "triton:fused-moe-w8a8"},
+    "bf16-t16": {CROSSOVER_PATHS["expert-centric"], CROSSOVER_PEER},
+}
 
 
 def row_routing(data: dict[str, Any], row: dict[str, Any]) -> str:
@@ -255,7 +261,8 @@ def crossover_table(datasets: list[dict[str, Any]], model: str, routing: str,
     ``datasets``: bench JSON records in order. When several of them measured the same (variant, model, batch,
     routing), the LATER one wins, whatever its status (a later failure hides an older timing: the kernel changed).
     Each cell's "% roof" uses the read roofline of the run that measured that row. Only status-"ok" timed rows are
-    compared: ``best`` is the fastest of strict / batched / expert-centric at that batch, ``auto_vs_best`` =
+    compared: ``best`` is the fastest single path at that batch (not a column the table borrows,
+    :data:`CROSSOVER_BORROWED`), ``auto_vs_best`` =
     auto / best - 1 and ``flag`` is set when that exceeds ``AUTO_SLACK`` (3 %). ``choice`` is the variant auto
     picked when its row records one (key ``choice``; ``choice_source``: "table" / "heuristic"), else None.
     ``mixed_runs``: the timed cells of that batch come from different files. ``summary``: the batch ranges where
@@ -284,7 +291,8 @@ def crossover_table(datasets: list[dict[str, Any]], model: str, routing: str,
     for batch in batches:
         point_cells = {column: found.get((column, batch)) for column in CROSSOVER_COLUMNS}
         timed = {c: cell for c, cell in point_cells.items() if cell is not None and cell["us"] is not None}
-        singles = {c: cell for c, cell in timed.items() if c in PATH_COLUMNS}
+        singles = {c: cell for c, cell in timed.items()
+                   if c in PATH_COLUMNS and cell["variant"] not in CROSSOVER_BORROWED.get(weight_format, ())}
         best = min(singles, key=lambda c: singles[c]["us"]) if singles else None
         auto = timed.get("auto")
         auto_cell = point_cells["auto"]
@@ -317,7 +325,7 @@ def crossover_table(datasets: list[dict[str, Any]], model: str, routing: str,
 def _crossover_summary(record: dict[str, Any]) -> str:
     timed_batches = [p["batch"] for p in record["points"] if p["best"] is not None]
     if not timed_batches:
-        parts = ["no timed strict / batched / expert-centric rows"]
+        parts = ["no timed single path of its own"]
     else:
         order = sorted((b, c) for c, b in ((c, bs[0]) for c, bs in record["fastest"].items() if bs))
         parts = [", ".join(f"{c} T={_t_ranges(record['fastest'][c], timed_batches)}" for _, c in order)]
@@ -375,7 +383,7 @@ def crossover_cells(point: dict[str, Any]) -> dict[str, str]:
         out["choice"] += f" ({point['choice_source']})"
     vs = point["auto_vs_best"]
     out["vs_best"] = "-" if vs is None else _signed_percent(vs) + (" ⚠" if point["flag"] else "")
-    if point["mixed_runs"]:
+    if point["mixed_runs"] and vs is not None:
         out["vs_best"] += " †"
     vs_peer = point.get("auto_vs_peer")
     out["vs_peer"] = "-" if vs_peer is None else _signed_percent(vs_peer)
