@@ -47,6 +47,7 @@ from tests.warp_checks import (
     _poisoned_out,
     _references,
     _seed,
+    assert_graph_replays_bitwise,
     assert_pdl_chain_bitwise,
     build_emulator,
     run_emulator,
@@ -951,19 +952,7 @@ def test_bf16_tiles(cupy_mod: Any, rng: np.random.Generator, model: Any, tokens:
     row_knobs = {k: v for k, v in knobs.items() if k != "W_TILED"}
     on_rows = wdb.warp_decode_batched(*problem.arrays, **row_knobs)
     assert np.array_equal(cupy.asnumpy(on_rows).view(np.uint16), runs[0].view(np.uint16)), "tiles != rows"
-    launch = variant.make(dims)
-    replay = _poisoned_out(cupy, tokens, dims.hidden)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        launch(*tiled.arrays, replay)
-        stream.synchronize()
-        replay.view(cupy.uint16).fill(0x7FC0)
-        stream.begin_capture()
-        launch(*tiled.arrays, replay)
-        graph = stream.end_capture()
-        graph.launch(stream)
-        stream.synchronize()
-    assert np.array_equal(cupy.asnumpy(replay).view(np.uint16), runs[0].view(np.uint16)), "graph replay"
+    assert_graph_replays_bitwise(cupy, variant.make(dims), tiled, runs[0])
 
 
 @pytest.mark.gpu
