@@ -208,8 +208,9 @@ def _next_pow2(n: int) -> int:
 
 
 def as_torch(arr: Any) -> torch.Tensor:
-    """A zero-copy torch view of a CuPy or NumPy array. CuPy arrays go through a DLPack capsule (``toDlpack``: no
-    stream handshake, which a stream being captured would not allow); bf16 through a 16-bit integer view."""
+    """A zero-copy torch view of a CuPy or NumPy array. CuPy arrays go through a DLPack capsule made with stream -1
+    (the protocol's "no synchronization": no stream handshake, which a stream being captured would not allow); bf16
+    through a 16-bit integer view."""
     import numpy as np
 
     from kernels.contract import BF16
@@ -218,7 +219,7 @@ def as_torch(arr: Any) -> torch.Tensor:
     if isinstance(arr, np.ndarray):
         tensor = torch.from_numpy(arr.view(np.int16) if bf16 else arr)
     else:
-        tensor = torch.utils.dlpack.from_dlpack((arr.view(np.int16) if bf16 else arr).toDlpack())
+        tensor = torch.utils.dlpack.from_dlpack((arr.view(np.int16) if bf16 else arr).__dlpack__(stream=-1))
     return tensor.view(torch.bfloat16) if bf16 else tensor
 
 
