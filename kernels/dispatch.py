@@ -539,3 +539,9 @@ VARIANT_T16 = _auto_variant("cupy:auto-t16", FASTEST, "auto-dispatch on bf16-t16
 VARIANT_INVARIANT = _auto_variant("cupy:auto-invariant", BATCH_INVARIANT, "auto-dispatch, policy batch_invariant: "
                                   "the grouped tensor-core path or its per-pair form (one numerics): a token's "
                                   "output bitwise the same whatever batch it rides in")
+# the same policy on each other format's weights (its invariant pair, INVARIANT_PATHS): the bench's batch-invariant
+# column for that format's table
+VARIANT_INVARIANT_FORMATS = {fmt: _auto_variant(f"cupy:auto-invariant-{suffix}", BATCH_INVARIANT,
+                                                f"auto-dispatch, policy batch_invariant, on {fmt} weights: that "
+                                                "format's grouped tensor-core path or its per-pair form", fmt)
+                             for fmt, suffix in ((FP8, "fp8"), (FP8_T16, "fp8-t16"), (T16, "t16"))}

@@ -72,11 +72,11 @@ def test_variants_default_to_bf16() -> None:
     assert {name: fmt for name, fmt in formats.items() if fmt != "bf16"} == dict.fromkeys(
         ["cupy:warp-decode-fp8", "numba:warp-decode-fp8", "cupy:warp-decode-batched-fp8", "cupy:warp-decode-mma-fp8",
          "cupy:auto-fp8", "cupy:expert-centric-w8a8", "cupy:warp-decode-mma-grouped-fp8",
-         "cupy:warp-decode-mma-pairs-fp8"], "fp8-block128") | dict.fromkeys(
+         "cupy:warp-decode-mma-pairs-fp8", "cupy:auto-invariant-fp8"], "fp8-block128") | dict.fromkeys(
         ["cupy:warp-decode-mma-fp8-t16", "cupy:warp-decode-mma-pairs-fp8-t16", "cupy:warp-decode-mma-grouped-fp8-t16",
-         "cupy:auto-fp8-t16"], "fp8-block128-t16") | dict.fromkeys(
+         "cupy:auto-fp8-t16", "cupy:auto-invariant-fp8-t16"], "fp8-block128-t16") | dict.fromkeys(
         ["cupy:warp-decode-mma-t16", "cupy:warp-decode-mma-pairs-t16", "cupy:warp-decode-mma-grouped-t16",
-         "cupy:auto-t16"], "bf16-t16")
+         "cupy:auto-t16", "cupy:auto-invariant-t16"], "bf16-t16")
 
 
 class ExpertScaled(WeightFormat):

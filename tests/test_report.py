@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from kernels.variants import get_variant
 from tools import report
 from tools.bench import BenchResult
 
@@ -488,6 +489,20 @@ def test_crossover_batch_invariant_column_and_cost():
     assert "the batch-invariant policy costs T=1: +5.0 %, T=16: +1.5 % over auto" in record["summary"]
     plain = report.crossover_table([_run([_row(STRICT, 1, 20.0), _row(AUTO, 1, 20.0)])], MODEL, "uniform")
     assert "invariant" not in dict(report.crossover_titles(plain))
+
+
+@pytest.mark.parametrize("fmt, auto, invariant", [
+    ("fp8-block128", "cupy:auto-fp8", "cupy:auto-invariant-fp8"),
+    ("fp8-block128-t16", "cupy:auto-fp8-t16", "cupy:auto-invariant-fp8-t16"),
+    ("bf16-t16", "cupy:auto-t16", "cupy:auto-invariant-t16")])
+def test_each_format_table_has_its_batch_invariant_column(fmt, auto, invariant):
+    """Every format's invariant policy (cupy:auto-invariant-<format>) fills the invariant column of its own
+    format's table, costed against that format's auto -- and never another format's."""
+    run = _run([_row(auto, 16, 100.0), _row(invariant, 16, 102.0), _row("cupy:auto-invariant", 16, 90.0)])
+    record = report.crossover_table([run], MODEL, "uniform", fmt)
+    point = _point(record, 16)
+    assert point["cells"]["invariant"]["us"] == 102.0 and point["invariant_vs_auto"] == pytest.approx(0.02)
+    assert get_variant(invariant).weight_format == fmt
 
 
 def test_load_fills_the_tuned_peer_rows_a_cut_run_lacks(tmp_path):

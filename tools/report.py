@@ -186,16 +186,16 @@ CROSSOVER_FP8_PATHS = {"strict": "cupy:warp-decode-fp8", "batched": "cupy:warp-d
 CROSSOVER_SETS: dict[str, dict[str, str]] = {  # weight format -> variant -> column
     "bf16": _CROSSOVER_VARIANTS,
     "fp8-block128": {**{v: k for k, v in CROSSOVER_FP8_PATHS.items()}, "cupy:auto-fp8": "auto",
-                     "triton:fused-moe-w8a8": "peer"},
+                     "triton:fused-moe-w8a8": "peer", "cupy:auto-invariant-fp8": "invariant"},
     # fp8-block128-t16: the tensor-core FP8 paths on tiles, their auto, beside the same W8A8 baseline and peer
     "fp8-block128-t16": {"cupy:warp-decode-mma-fp8-t16": "MMA", "cupy:warp-decode-mma-pairs-fp8-t16": "per-pair",
                          "cupy:warp-decode-mma-grouped-fp8-t16": "grouped",
                          "cupy:expert-centric-w8a8": "expert-centric", "cupy:auto-fp8-t16": "auto",
-                         "triton:fused-moe-w8a8": "peer"},
+                         "triton:fused-moe-w8a8": "peer", "cupy:auto-invariant-fp8-t16": "invariant"},
     # bf16-t16: the tensor-core bf16 paths on tiles, their auto, beside the same bf16 baseline and peer
     "bf16-t16": {"cupy:warp-decode-mma-t16": "MMA", "cupy:warp-decode-mma-pairs-t16": "per-pair",
                  "cupy:warp-decode-mma-grouped-t16": "grouped", CROSSOVER_PATHS["expert-centric"]: "expert-centric",
-                 "cupy:auto-t16": "auto", CROSSOVER_PEER: "peer"},
+                 "cupy:auto-t16": "auto", CROSSOVER_PEER: "peer", "cupy:auto-invariant-t16": "invariant"},
 }
 # the columns a tiled format's table borrows from its row layout (its baseline and peer read rows): shown beside its
 # paths, never its "best single path" (a point where no path of its own was measured has no best)
