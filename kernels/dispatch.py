@@ -35,7 +35,9 @@ among the three tensor-core FP8 paths on tiles (:data:`FP8_T16_CANDIDATES`, entr
 under every policy, ``cupy:auto-fp8-t16`` being its variant; bf16-t16 weights (bf16 in the same tiles,
 ``quantize_weights(w13, w2, "bf16-t16")``) likewise among the three tensor-core bf16 paths on tiles
 (:data:`T16_CANDIDATES`, entries ``H..-K..-bf16-t16``, ``cupy:auto-t16``). No strict path reads tiles, so dims beyond
-the tensor-core kernels' limits (too many experts or pairs for the list kernel) raise a ValueError there.
+the tensor-core kernels' limits (too many experts or pairs for the list kernel) raise a ValueError there. The
+batch-invariant policy's variant is ``cupy:auto-invariant`` on bf16 and ``cupy:auto-invariant-fp8``, ``-fp8-t16`` and
+``-t16`` on the other formats.
 
 The choice depends only on the shape (H, I, E, K), T, the GPU and the policy -- never on ``topk_ids``' values -- so
 it never syncs with the host and a captured CUDA graph stays valid for any routing:
