@@ -843,6 +843,12 @@ def test_mma_kernels(cupy_mod: Any, rng: np.random.Generator, model: str, tokens
         assert np.array_equal(cupy_mod.asnumpy(out).view(np.uint16), first.view(np.uint16))
 
 
+def form_cases(cases: list[tuple]) -> list[Any]:
+    """(model, tokens, routing, form) cases as pytest params named model-tokens-routing-form."""
+    return [pytest.param(*case, id=f"{getattr(case[0], 'name', case[0])}-{case[1]}-{case[2]}-{case[3]}")
+            for case in cases]
+
+
 INVARIANT_CASES = [  # the batch-invariant policy's two knob sets where it runs them, and an odd shape each
     ("qwen3-30b-a3b", 1, "uniform", "pairs"), ("qwen3-235b-a22b", 2, "zipf", "pairs"),
     ("qwen3-30b-a3b", 2, "same", "pairs"), (MULTI_SHAPE, 3, "zipf-2", "pairs"), ("qwen3-30b-a3b", 8, "zipf", "grouped"),
@@ -850,9 +856,7 @@ INVARIANT_CASES = [  # the batch-invariant policy's two knob sets where it runs 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("model", "tokens", "routing", "form"), [
-    pytest.param(*case, id=f"{getattr(case[0], 'name', case[0])}-{case[1]}-{case[2]}-{case[3]}")
-    for case in INVARIANT_CASES])
+@pytest.mark.parametrize(("model", "tokens", "routing", "form"), form_cases(INVARIANT_CASES))
 def test_invariant_knob_sets(cupy_mod: Any, rng: np.random.Generator, model: Any, tokens: int, routing: str,
                              form: str) -> None:
     """``PER_PAIR_KNOBS`` / ``GROUPED_KNOBS`` (their GB_KSPLIT ranges included) against the references (NaN-poisoned
@@ -927,9 +931,7 @@ T16_FORMS = {"pairs": (wdb.PER_PAIR_T16_KNOBS, wdb.PER_PAIR_T16_VARIANT),
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("model", "tokens", "routing", "form"), [
-    pytest.param(*case, id=f"{getattr(case[0], 'name', case[0])}-{case[1]}-{case[2]}-{case[3]}")
-    for case in T16_GPU_CASES])
+@pytest.mark.parametrize(("model", "tokens", "routing", "form"), form_cases(T16_GPU_CASES))
 def test_bf16_tiles(cupy_mod: Any, rng: np.random.Generator, model: Any, tokens: int, routing: str,
                     form: str) -> None:
     """bf16-t16 weights (tiled on the device) against the references (NaN-poisoned output and workspace), bitwise
