@@ -40,6 +40,11 @@ from typing import Any
 import cupy
 
 sys.path.insert(0, os.path.dirname(__file__))
+from diag_inflight_reads import (  # noqa: E402  (a per-warp ring of bulk copies, its shared memory)
+    BULK_RING_HELPERS,
+    OPT_IN_SHARED,
+    bulk_shared_bytes,
+)
 from diag_small_reads import SOURCE as READ_SOURCE  # noqa: E402  (the grid-stride read with UNROLL loads in flight)
 
 from kernels.compile import CudaSource, get_kernel  # noqa: E402
@@ -53,7 +58,7 @@ SOURCE = CudaSource(
     kernels=("stream_regs", "stream_ring"),
     defaults={"WORK": 2, "UNROLL": 4, "REGS_CHUNK": 8192, "RING": 2, "CHUNK": 4096, "WARPS": 4, "FP8_PRMT": 2,
               "B_BYTES": 32768},
-    code=WARP_HELPERS + FP8_HELPERS + MMA_HELPERS + r"""
+    code=WARP_HELPERS + FP8_HELPERS + MMA_HELPERS + BULK_RING_HELPERS + r"""
 // a lane's 32 bytes of one k block (rows g and g + 8) into the warp's work: acc (mma), or fold (XOR). gate (0 at run
 // time): WORK 0 / 1 have no accumulator to hang the round's all_loads_arrived on, so their inputs take it instead.
 __device__ __forceinline__ void kblock_work(uint4 lo, uint4 hi, const uint4 (&b)[2], float (&acc)[4], u32& fold,
@@ -155,66 +160,27 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) stream_regs(const uint4
     finish(acc, fold, sink);
 }
 
-__device__ __forceinline__ unsigned int smem_u32(const void* p) {
-    return static_cast<unsigned int>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void issue(unsigned char* stage, unsigned long long* bar, const unsigned char* from) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_u32(bar)), "r"(CHUNK)
-                 : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(smem_u32(stage)), "l"(from), "r"(CHUNK), "r"(smem_u32(bar)) : "memory");
-}
-
-__device__ __forceinline__ void wait_stage(unsigned long long* bar, unsigned int parity) {
-    unsigned int done = 0u;
-    while (!done) {
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
-    }
-}
-
-// The same chunks through a ring of RING stages per warp (dynamic shared memory: [WARPS][RING][CHUNK] bytes, then
-// [WARPS][RING] mbarriers); lane 0 refills a stage with the chunk RING steps ahead once every lane has read it.
-extern "C" __global__ void __launch_bounds__(WARPS * 32) stream_ring(const uint4* __restrict__ src,
-                                                                   unsigned long long n16,
-                                                                   unsigned int* __restrict__ sink) {
-    extern __shared__ __align__(128) unsigned char smem[];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    unsigned char* ring = smem + (size_t)warp * RING * CHUNK;
-    unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem + (size_t)WARPS * RING * CHUNK) + warp * RING;
-    const unsigned char* base = reinterpret_cast<const unsigned char*>(src);
-    const unsigned long long chunks = n16 * 16ull / CHUNK;
-    const unsigned long long first = (unsigned long long)blockIdx.x * WARPS + warp;
-    const unsigned long long step = (unsigned long long)gridDim.x * WARPS;
-    if (lane == 0) {
-        for (int s = 0; s < RING; ++s)
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_u32(bars + s)) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        for (int s = 0; s < RING; ++s) {
-            const unsigned long long c = first + (unsigned long long)s * step;
-            if (c < chunks) issue(ring + (size_t)s * CHUNK, bars + s, base + c * CHUNK);
-        }
-    }
-    __syncwarp();
-    const uint4 b[2] = {make_uint4(0x3F803F80u ^ lane, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u),
-                        make_uint4(0x3F803F80u ^ lane, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u)};
+// The same chunks through notes/diag_inflight_reads.py's ring of RING stages per warp, each stage's k blocks into
+// the work as they arrive.
+struct StageWork {
+    uint4 b[2];
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    u32 fold = 0u, parity = 0u;                                      // parity: bit s = the phase stage s waits for
-    int s = 0;
-    for (unsigned long long c = first; c < chunks; c += step) {
-        wait_stage(bars + s, (parity >> s) & 1u);
-        parity ^= 1u << s;
-        const uint4* stage = reinterpret_cast<const uint4*>(ring + (size_t)s * CHUNK);
+    u32 fold = 0u;
+    __device__ __forceinline__ void operator()(const uint4* stage, int lane) {
         #pragma unroll 4
         for (int k = 0; k < CHUNK / 1024; ++k)
             kblock_work(stage[k * 64 + lane], stage[k * 64 + 32 + lane], b, acc, fold, 0u);
-        __syncwarp();                                                // every lane has read the stage
-        const unsigned long long next = c + (unsigned long long)RING * step;
-        if (lane == 0 && next < chunks) issue(ring + (size_t)s * CHUNK, bars + s, base + next * CHUNK);
-        s = s + 1 == RING ? 0 : s + 1;
     }
-    finish(acc, fold, sink);
+};
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) stream_ring(const uint4* __restrict__ src,
+                                                                   unsigned long long n16,
+                                                                   unsigned int* __restrict__ sink) {
+    const int lane = threadIdx.x & 31;
+    StageWork work;
+    work.b[0] = work.b[1] = make_uint4(0x3F803F80u ^ lane, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u);
+    ring_stream(src, n16, work);
+    finish(work.acc, work.fold, sink);
 }
 """,
 )
@@ -226,11 +192,6 @@ REGS = [(work, unroll, 32768) for work in (1, 2) for unroll in (2, 4, 8)] + [
     (work, unroll, b_bytes) for work in (3, 4) for unroll in (2, 4) for b_bytes in (32768, 1 << 20)]
 READS = (4, 8)  # the plain grid-stride read (notes/diag_small_reads.py) at 16 warps per SM: UNROLL 16-byte loads
 RING = [(work, ring, chunk) for work in (0, 1, 2) for ring, chunk in ((2, 4096), (3, 4096), (4, 2048), (6, 2048))]
-OPT_IN_SHARED = 227 * 1024
-
-
-def ring_shared_bytes(ring: int, chunk: int, warps: int = 4) -> int:
-    return warps * ring * (chunk + 8)
 
 
 def main() -> dict[str, Any]:
@@ -251,7 +212,7 @@ def main() -> dict[str, Any]:
                                     registers=kernel.num_regs))
         print(rows[-1], flush=True)
     for work, ring, chunk in RING:
-        shared = ring_shared_bytes(ring, chunk)
+        shared = bulk_shared_bytes(ring, chunk)
         if BLOCKS_PER_SM * shared > OPT_IN_SHARED:
             continue
         kernel = get_kernel(SOURCE, "stream_ring", WORK=work, RING=ring, CHUNK=chunk)

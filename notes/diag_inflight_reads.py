@@ -38,17 +38,13 @@ from kernels.compile import CudaSource, get_kernel  # noqa: E402
 from tools import roofline  # noqa: E402
 from tools.roofline import window_read_buffers, window_read_row, window_read_samples  # noqa: E402
 
-BULK_SOURCE = CudaSource(
-    name="diag_inflight_bulk",
-    description="notes/diag_inflight_reads.py: a ring of bulk copies per warp, read from shared memory",
-    kernels=("read_bulk_ring",),
-    defaults={"RING": 2, "CHUNK": 4096, "WARPS": 4},
-    code=r"""
-// Warp w of the grid reads chunks w, w + W, w + 2W, ... (W = the grid's warps) of CHUNK bytes: lane 0 keeps RING of
-// them in flight as cp.async.bulk copies into the warp's ring (dynamic shared memory: [WARPS][RING][CHUNK] bytes,
-// then [WARPS][RING] 8-byte mbarriers), the lanes XOR-reduce each stage once its mbarrier completes, and lane 0
-// refills it with the chunk RING steps ahead. A tail of less than CHUNK bytes is left unread (the sizes read are
-// multiples of CHUNK).
+# A per-warp ring of bulk copies, for the ring kernels of this file and notes/diag_fp8_stream_mma.py (CHUNK and WARPS
+# are their defines): ring_stream(src, n16, consume) walks warp w's chunks w, w + W, ... (W = the grid's warps) of
+# CHUNK bytes through RING stages in dynamic shared memory ([WARPS][RING][CHUNK] bytes, then [WARPS][RING] 8-byte
+# mbarriers). Lane 0 keeps RING copies in flight (cp.async.bulk, an mbarrier per stage); once a stage has arrived,
+# every lane calls consume(stage, lane), and lane 0 refills the stage with the chunk RING steps ahead. A tail of less
+# than CHUNK bytes is left unread (the sizes read are multiples of CHUNK).
+BULK_RING_HELPERS = r"""
 __device__ __forceinline__ unsigned int smem_u32(const void* p) {
     return static_cast<unsigned int>(__cvta_generic_to_shared(p));
 }
@@ -60,7 +56,7 @@ __device__ __forceinline__ void issue(unsigned char* stage, unsigned long long* 
                  :: "r"(smem_u32(stage)), "l"(from), "r"(CHUNK), "r"(smem_u32(bar)) : "memory");
 }
 
-__device__ __forceinline__ void wait(unsigned long long* bar, unsigned int parity) {
+__device__ __forceinline__ void wait_stage(unsigned long long* bar, unsigned int parity) {
     unsigned int done = 0u;
     while (!done) {
         asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
@@ -68,9 +64,8 @@ __device__ __forceinline__ void wait(unsigned long long* bar, unsigned int parit
     }
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32) read_bulk_ring(const uint4* __restrict__ src,
-                                                                      unsigned long long n16,
-                                                                      unsigned int* __restrict__ sink) {
+template <class Consume>
+__device__ __forceinline__ void ring_stream(const uint4* __restrict__ src, unsigned long long n16, Consume& consume) {
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     unsigned char* ring = smem + (size_t)warp * RING * CHUNK;
@@ -89,23 +84,44 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) read_bulk_ring(const ui
         }
     }
     __syncwarp();
-    unsigned int acc = 0u, parity = 0u;  // parity: bit s = the phase stage s waits for next
+    unsigned int parity = 0u;  // parity: bit s = the phase stage s waits for next
     int s = 0;
     for (unsigned long long c = first; c < chunks; c += step) {
-        wait(bars + s, (parity >> s) & 1u);
+        wait_stage(bars + s, (parity >> s) & 1u);
         parity ^= 1u << s;
-        const uint4* stage = reinterpret_cast<const uint4*>(ring + (size_t)s * CHUNK);
-        #pragma unroll 4
-        for (int i = lane; i < CHUNK / 16; i += 32) {
-            const uint4 v = stage[i];
-            acc ^= v.x ^ v.y ^ v.z ^ v.w;
-        }
+        consume(reinterpret_cast<const uint4*>(ring + (size_t)s * CHUNK), lane);
         __syncwarp();  // every lane has read the stage before lane 0 refills it
         const unsigned long long next = c + (unsigned long long)RING * step;
         if (lane == 0 && next < chunks) issue(ring + (size_t)s * CHUNK, bars + s, base + next * CHUNK);
         s = s + 1 == RING ? 0 : s + 1;
     }
-    if (acc == 0x9E3779B9u) atomicAdd(sink, 1u);
+}
+"""
+
+BULK_SOURCE = CudaSource(
+    name="diag_inflight_bulk",
+    description="notes/diag_inflight_reads.py: a ring of bulk copies per warp, read from shared memory",
+    kernels=("read_bulk_ring",),
+    defaults={"RING": 2, "CHUNK": 4096, "WARPS": 4},
+    code=BULK_RING_HELPERS + r"""
+// each lane XOR-reduces its 16-byte words of every stage
+struct XorFold {
+    unsigned int acc = 0u;
+    __device__ __forceinline__ void operator()(const uint4* stage, int lane) {
+        #pragma unroll 4
+        for (int i = lane; i < CHUNK / 16; i += 32) {
+            const uint4 v = stage[i];
+            acc ^= v.x ^ v.y ^ v.z ^ v.w;
+        }
+    }
+};
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) read_bulk_ring(const uint4* __restrict__ src,
+                                                                      unsigned long long n16,
+                                                                      unsigned int* __restrict__ sink) {
+    XorFold fold;
+    ring_stream(src, n16, fold);
+    if (fold.acc == 0x9E3779B9u) atomicAdd(sink, 1u);
 }
 """,
 )
