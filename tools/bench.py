@@ -1,8 +1,10 @@
 """``python -m tools.bench``: time the lab's MoE decode paths on real model shapes against the measured roofline.
 
-    python -m tools.bench                                     # qwen3-30b-a3b, batches 1..64, the library's paths
+    python -m tools.bench                                     # qwen3-30b-a3b, T = 1..64: auto, strict, baseline, peer
+    python -m tools.bench --all                               # every path of the library
     python -m tools.bench --model qwen3-30b-a3b,deepseek-v3 --batch 1,8,64 --variants 'cupy:*' --json results/h200.json
     python -m tools.bench --prototypes                        # the experiments in prototypes/ too
+    python -m tools.bench --list                              # the registered variants, a line each
     python -m tools.bench --markdown                          # markdown tables for a PR
 
 From IPython::
@@ -11,8 +13,12 @@ From IPython::
     r = bench.run("qwen3-30b-a3b", batch=[1, 8])    # renders as the rich table; r.to_json(), r.markdown()
     # edit a kernel: kernels.compile.SOURCES[...].code = ...; bench.run(...) again recompiles it
 
-Variants come only from the registry (``tools.registry.load``: the library and the prototypes); by default the
-library's (``prototypes=True`` / ``--prototypes`` adds the experiments). Without a GPU the same command checks
+Variants come only from the registry (``tools.registry.load``: the library and the prototypes). By default the
+bench answers a newcomer's question in about a minute on an H200 -- how fast is warp decode here against the
+conventional baseline and, when the peers extra is installed, the serving engines' design: :data:`QUICK_VARIANTS`
+(auto-dispatch, strict warp decode, the expert-centric baseline, the Triton peer), without per-stage timing;
+``variants="all"`` / ``--all`` times every path of the library, ``prototypes=True`` / ``--prototypes`` adds the
+experiments. Without a GPU the same command checks
 what a CPU can: the selected Numba variants on Numba's CUDA simulator at the ``tiny`` shape and the smallest
 requested batch, the reference in the selected variants' modes at ``tiny`` for every requested batch, the bytes
 of every requested point, and a one-line-per-kernel sm_90 compile report of the selected variants -- and says that
@@ -46,19 +52,38 @@ SCHEMA = "warp-decode-bench/1"
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 ROUTINGS = GENERATORS  # the routing generators of kernels.routing
 DEFAULT_REPEATS = 30
+ALL = "all"  # variants="all": every path of the library
+# the default selection: auto-dispatch, the strict warp decode it started from, the conventional baseline and the peer
+# (registered only where the peers extra runs); without a GPU the Numba strict kernels, which the simulator runs
+QUICK_VARIANTS = ("cupy:auto", "cupy:warp-decode", "cupy:expert-centric", "triton:fused-moe")
+QUICK_VARIANTS_CPU = ("numba:warp-decode",)
 COMPILE_REPORTS = ("summary", "full", "none")
 SIM_SHAPE = "tiny"  # the shape the CPU path simulates and checks the reference at
 
 # ------------------------------------------------------------------------------------------------
 # The registry
 # ------------------------------------------------------------------------------------------------
-def select_variants(registry: dict[str, Any], patterns: Iterable[Any] | None, prototypes: bool = True) -> list[Any]:
+def is_peer(variant: Any) -> bool:
+    """Whether ``variant`` is one of the peers (``tools.peers``): not a path of the library."""
+    from tools.peers import PEERS
+
+    return variant.name in PEERS
+
+
+def select_variants(registry: dict[str, Any], patterns: Iterable[Any] | None, prototypes: bool = True,
+                    gpu: bool = True) -> list[Any]:
     """Variants matching names or fnmatch globs (registry order); ValueError for a pattern matching none.
 
-    ``patterns`` None: every variant, or with ``prototypes=False`` the library's only (a pattern may still name a
-    prototype)."""
+    ``patterns`` None: :data:`QUICK_VARIANTS` that are registered (without a ``gpu``, plus
+    :data:`QUICK_VARIANTS_CPU`), and with ``prototypes`` every prototype; ``"all"`` (or ``["all"]``): every variant,
+    or with ``prototypes=False`` the library's only (a pattern may still name a prototype)."""
     if patterns is None:
-        return [v for v in registry.values() if prototypes or not getattr(v, "prototype", False)]
+        quick = QUICK_VARIANTS if gpu else (*QUICK_VARIANTS, *QUICK_VARIANTS_CPU)
+        return [v for name, v in registry.items() if name in quick or (prototypes and getattr(v, "prototype", False))]
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    if list(patterns) == [ALL]:
+        return [v for v in registry.values() if not is_peer(v) and (prototypes or not getattr(v, "prototype", False))]
     chosen: list[Any] = []
     for pattern in patterns:
         if not isinstance(pattern, str):  # a Variant object passed directly
@@ -190,18 +215,19 @@ class SelectionError(ValueError):
 def run(
     model: str | Sequence[str] = DEFAULT_MODEL,
     batch: Sequence[int] = DEFAULT_BATCHES,
-    variants: Sequence[Any] | None = None,
+    variants: Sequence[Any] | str | None = None,
     routing: str = "uniform",
     repeats: int = DEFAULT_REPEATS,
     seed: int = 0,
     progress: bool = True,
-    stages: bool = True,
+    stages: bool = False,
     json_path: str | Path | None = None,
     prototypes: bool = False,
     compile_report: str = "summary",
 ) -> BenchResult:
-    """Measure ``variants`` (names, globs or Variant objects; default the library's, plus the prototypes with
-    ``prototypes=True``) on ``model`` at each ``batch``.
+    """Measure ``variants`` (names, globs or Variant objects; default :data:`QUICK_VARIANTS`, ``"all"`` every path of
+    the library; ``prototypes=True`` adds the experiments) on ``model`` at each ``batch``. ``repeats`` samples per
+    point, each on fresh routing draws (``tools.harness``); ``stages``: also time each stage of a launch.
 
     Without a GPU it runs the CPU checks instead (no timing; ``compile_report``: "summary" of the selected
     variants' kernels, "full" for every registered source, or "none"). Every call compiles afresh (launches are
@@ -221,7 +247,7 @@ def run(
         steps.start("loading the registered variants")
         registry, warnings = load_registry()
         try:
-            chosen = select_variants(registry, variants, prototypes)
+            chosen = select_variants(registry, variants, prototypes, gpu)
         except ValueError as exc:
             raise SelectionError(str(exc)) from None
         config = {"models": models, "batches": batches, "variants": [v.name for v in chosen], "routing": routing,
@@ -366,14 +392,19 @@ def _reference_checks(batches: list[int], routing: str, seed: int,
     return rows
 
 
-def _expected_bytes(models: list[str], batches: list[int], routing: str, seed: int) -> list[dict[str, Any]]:
+def _expected_bytes(models: list[str], batches: list[int], routing: str, seed: int,
+                    draws: int = DEFAULT_REPEATS) -> list[dict[str, Any]]:
+    """Each point's bytes over ``draws`` routing draws (the mean touched experts, as a timed point divides by)."""
+    import numpy as np
+
     from kernels.routing import make_routing
 
     rows = []
     for model in models:
         shape = get_shape(model)
         for tokens in batches:
-            ids, _ = make_routing(tokens, shape.experts, shape.top_k, routing, seed)
+            ids = np.stack([make_routing(tokens, shape.experts, shape.top_k, routing,
+                                         seed if d == 0 else harness.draw_seed(seed, d, 0))[0] for d in range(draws)])
             b = harness.bytes_breakdown(shape, ids)
             rows.append({"model": model, "batch": tokens, "bytes": b, "us_at_4_8_tbps": b["weights"] / 4.8e12 * 1e6})
     return rows
@@ -436,28 +467,68 @@ def cpu_checks(models: list[str], batches: list[int], routing: str, seed: int, r
 # CLI
 # ------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench",
-                                     description="Time the lab's MoE decode paths against the measured roofline "
-                                                 "(without a GPU: check them on the CPU, no timing).")
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Time the lab's MoE decode paths against the roofline measured in the same run (without a GPU: "
+                    "check them on the CPU, no timing). The default answers how fast warp decode is here against "
+                    "the baseline and the peer, in about a minute on an H200.",
+        epilog="examples:\n"
+               "  python -m tools.bench                                   # auto, strict, baseline, peer; T = 1..64\n"
+               "  python -m tools.bench --all --batch 1,8,64              # every path of the library\n"
+               "  python -m tools.bench --model qwen3-235b-a22b --routing zipf --json run.json\n"
+               "  python -m tools.bench --variants 'cupy:auto*' --stages  # the autos, each stage timed too\n"
+               "  python -m tools.bench --list                            # the variant names")
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"comma list of presets, or 'all' (every preset but tiny); default {DEFAULT_MODEL}; "
                              f"known: {', '.join(PRESETS)}")
     parser.add_argument("--batch", type=int_list, default=list(DEFAULT_BATCHES),
                         help="comma list of batch sizes (default 1,2,4,8,16,32,64)")
     parser.add_argument("--variants", default=None,
-                        help="comma list of variant names or globs (default: the library's paths)")
+                        help="comma list of variant names or globs (default: " + ", ".join(QUICK_VARIANTS)
+                             + ", those installed; --list names them all)")
+    parser.add_argument("--all", action="store_true", help="every path of the library (instead of the default four)")
+    parser.add_argument("--list", action="store_true", help="list the registered variants and exit")
     parser.add_argument("--prototypes", action="store_true", help="also run the experiments in prototypes/")
-    parser.add_argument("--routing", choices=ROUTINGS, default="uniform")
-    parser.add_argument("--repeats", type=positive_int, default=DEFAULT_REPEATS, help="timed samples per point")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--routing", choices=ROUTINGS, default="uniform",
+                        help="the routing generator each sample draws from (default uniform)")
+    parser.add_argument("--repeats", type=positive_int, default=DEFAULT_REPEATS,
+                        help=f"timed samples per point, each on fresh routing draws (default {DEFAULT_REPEATS})")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the activations and routing draws (default 0)")
     parser.add_argument("--json", metavar="PATH", help="write every raw sample + the environment here")
     parser.add_argument("--markdown", action="store_true", help="print markdown tables (for a PR) instead")
-    parser.add_argument("--no-stages", action="store_true",
-                        help="skip per-stage timing (each stage alone, and its cost in the layer's chain)")
+    parser.add_argument("--stages", action="store_true",
+                        help="also time each stage of a launch alone and its cost in the layer's chain (slower)")
     parser.add_argument("--compile-report", choices=COMPILE_REPORTS, default="summary",
                         help="without a GPU: 'summary' (the selected variants' kernels, a line each; default), "
                              "'full' (every registered source and parameter set) or 'none'")
     return parser
+
+
+def list_variants(prototypes: bool = True, file: Any = None) -> None:
+    """Print every registered variant (the library's, then the prototypes'): name, weight format, what it is; the
+    default selection marked ``*``."""
+    import shutil
+
+    registry, warnings = load_registry()
+    out = file or sys.stdout
+    room = max(20, shutil.get_terminal_size((120, 24)).columns - 62)  # the description gets what the line has left
+    for variant in registry.values():
+        if getattr(variant, "prototype", False) and not prototypes:
+            continue
+        mark = "*" if variant.name in QUICK_VARIANTS else " "
+        description = " ".join((variant.description or "").split())
+        if len(description) > room:
+            description = description[:room - 3].rstrip() + "..."
+        print(f"{mark} {variant.name:40s} {getattr(variant, 'weight_format', 'bf16'):17s} {description}".rstrip(),
+              file=out)
+    print("* the default selection (python -m tools.bench); --all: every library path; --prototypes: prototypes too",
+          file=out)
+    from tools.peers import PEERS, WHY_NOT
+
+    if WHY_NOT is not None:
+        print(f"  {', '.join(PEERS)}: not here: the peers {WHY_NOT}", file=out)
+    for line in warnings:
+        print(f"warning: {line}", file=out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -469,11 +540,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--model: unknown preset(s) {unknown or args.model!r}; known: {', '.join(PRESETS)}")
     if args.seed < 0:
         parser.error(f"--seed must be an int >= 0, got {args.seed}")
+    if args.list:
+        list_variants(prototypes=True)
+        return 0
     patterns = _as_list(args.variants) if args.variants is not None else None
     if patterns is not None and not patterns:
         parser.error("--variants: give at least one name or glob")
+    if args.all and patterns is not None:
+        parser.error("--all and --variants choose the variants two ways: give one")
+    if args.all:
+        patterns = [ALL]
     try:
-        result = run(models, args.batch, patterns, args.routing, args.repeats, args.seed, stages=not args.no_stages,
+        result = run(models, args.batch, patterns, args.routing, args.repeats, args.seed, stages=args.stages,
                      json_path=args.json, prototypes=args.prototypes, compile_report=args.compile_report)
     except SelectionError as exc:
         parser.error(f"--variants: {exc}")

@@ -2,30 +2,36 @@
 
 How a point (model, batch, variant) is measured:
 
-1. The routing and activations are generated on the host (``kernels.routing.make_routing``, seeded), the
-   weights on the GPU (``kernels.problem.make_weights``). The weights live in a *pool* of
-   ``E + (copies - 1) * S`` experts; copy ``c`` is the contiguous view ``pool[c*S : c*S + E]``, with the
-   shift ``S`` the smallest for which the experts this routing touches never overlap between copies
-   (``S = E`` means full separate copies). ``copies = max(2, ceil(3 * L2 / unique weight bytes))`` in the
-   most compact of the weight formats measured, capped by free memory; the JSON records both the copies
-   needed and the copies used. Each other format's pool (``weight_formats``: e.g. fp8-block128) is the bf16
-   pool quantized once, so every format's copy ``c`` holds the same experts.
-2. ``variant.make(dims)`` compiles (fresh every run: nothing is cached here across runs, so an edited
+1. Routing: every timed sample draws a fresh routing for every weight copy (``kernels.routing.make_routing``, seeded
+   by ``(seed, sample, copy)``), as the layers of a decode step route independently: one draw is a property of that
+   draw (at qwen3-30b T = 4 one uniform draw touches 25 experts where 29.1 are expected), not of the point. The
+   draws are the same for every variant measured on the workbench, so variants are compared on identical routings.
+   The bytes a point divides by are the mean over the timed draws (``bytes["unique_experts"]``, with its min / max).
+   Draw 0 of the check copy is ``make_routing(..., seed)`` itself: the checks run on it.
+2. Weights: generated on the GPU (``kernels.problem.make_weights``) into a *pool* of ``copies`` full copies of the
+   ``E`` experts (fresh draws touch any expert, so copies never share one), ``copies = max(2, ceil(3 * L2 / unique
+   weight bytes))`` in the most compact of the weight formats measured, capped by free memory; the JSON records both
+   the copies needed and the copies used. Each other format's pool (``weight_formats``: e.g. fp8-block128) is the
+   bf16 pool quantized once, so every format's copy ``c`` holds the same experts.
+3. ``variant.make(dims)`` compiles (fresh every run: nothing is cached here across runs, so an edited
    ``CudaSource.code`` is recompiled by ``kernels.compile``); ``prepack`` runs once per copy; every copy is
    launched once eagerly (JIT compile, first touch), outside the timing.
-3. Pre-check: ``out`` poisoned with NaN, one eager launch, compared with the reference. A wrong variant is
+4. Pre-check: ``out`` poisoned with NaN, one eager launch, compared with the reference. A wrong variant is
    reported and never timed.
-4. One CUDA graph is captured on a non-default stream holding a decode step's worth of layer calls (the
+5. One CUDA graph is captured on a non-default stream holding a decode step's worth of layer calls (the
    model's MoE layer count, at least one per copy) cycling through the copies, as a serving engine's decode
-   graph chains its layers; each sample is CUDA events around ``inner`` replays (sized so a sample lasts
-   ~``TARGET_SAMPLE_US``), divided by the layer calls: microseconds per layer.
-5. Post-check: ``out`` poisoned again, the timed graph replayed (its last call uses the check copy), compared with
-   ``kernels.reference.moe_decode`` in the variant's mode on a compact host copy of THAT copy's touched
-   experts (a captured fallback or an empty graph fails), and its error against the fp64 oracle.
+   graph chains its layers; each copy reads its own routing buffers. Before each sample (outside the events) the
+   sample's draws are copied into those buffers; the sample is CUDA events around ``inner`` replays (sized so a
+   sample lasts ~``TARGET_SAMPLE_US``), divided by the layer calls: microseconds per layer. The median and spread
+   are over the samples, i.e. over fresh routings.
+6. Post-check: draw 0 restored, ``out`` poisoned again, the timed graph replayed (its last call uses the check
+   copy), compared with ``kernels.reference.moe_decode`` in the variant's mode on a compact host copy of THAT copy's
+   touched experts (a captured fallback or an empty graph fails), and its error against the fp64 oracle.
    A launch may name its own numerics (``launch.reference_mode`` / ``launch.quant``, as auto-dispatch does
    for the path it chose: :func:`checked_as`); the row then records those, and the launch's ``facts["choice"]`` /
    ``facts["choice_source"]`` when it states them (keys ``choice`` / ``choice_source``).
-6. Per-stage times when the launch has ``stages``.
+7. Per-stage times when the launch has ``stages``, on draw 0 (a stage timed alone reads what the stages before it
+   wrote on the previous call, which must belong to the same routing).
 """
 
 from __future__ import annotations
@@ -61,15 +67,22 @@ CHUNK_BYTES = 512 << 20  # weights are generated in chunks of about this size (g
 def bytes_breakdown(shape: MoEShape, topk_ids: np.ndarray, weight_format: Any = "bf16") -> dict[str, Any]:
     """What one layer call must move for this routing; TB/s in the report divides ``weights`` by time.
 
+    ``topk_ids``: one draw [T, K], or several [D, T, K] (the mean over them: ``unique_experts`` is then the mean
+    touched experts, ``unique_experts_min`` / ``_max`` its range, ``routing_draws`` D).
     ``weights``: the touched experts' bytes in ``weight_format`` (values and scales: what the kernels read)."""
     from kernels.formats import get_format
 
     fmt = get_format(weight_format)
     ids = np.asarray(topk_ids)
-    tokens, top_k = (int(d) for d in ids.shape)
-    unique = int(np.unique(ids).size)
+    draws = ids.reshape((-1, *ids.shape[-2:])) if ids.ndim == 3 else ids[None]
+    tokens, top_k = (int(d) for d in draws.shape[1:])
+    counts = [int(np.unique(draw).size) for draw in draws]
+    unique: float = counts[0] if len(counts) == 1 else float(np.mean(counts))
     record = {
         "unique_experts": unique,
+        "unique_experts_min": min(counts),
+        "unique_experts_max": max(counts),
+        "routing_draws": len(counts),
         "expected_unique_uniform": shape.expected_unique_experts(tokens),
         "weight_format": fmt.name,
         "weights": unique * fmt.expert_bytes(shape.hidden, shape.intermediate),
@@ -80,6 +93,11 @@ def bytes_breakdown(shape: MoEShape, topk_ids: np.ndarray, weight_format: Any = 
     record["total"] = record["weights"] + record["activation"] + record["intermediate"] + record["output"]
     record["divisor"] = "weights"
     return record
+
+
+def draw_seed(seed: int, sample: int, copy: int) -> int:
+    """The routing seed of (sample, copy) for a workbench seeded ``seed``: independent streams per pair."""
+    return int(np.random.SeedSequence([seed, sample, copy, 0x5EED]).generate_state(1)[0])
 
 
 def summarize(samples: list[float]) -> dict[str, float]:
@@ -104,18 +122,6 @@ def summarize(samples: list[float]) -> dict[str, float]:
 def copies_needed(unique_weight_bytes: int, l2_bytes: int) -> int:
     """``max(2, ceil(3 * L2 / unique weight bytes per call))``."""
     return max(2, math.ceil(L2_FACTOR * l2_bytes / max(1, unique_weight_bytes)))
-
-
-def copy_shift(touched: np.ndarray, experts: int, copies: int) -> int:
-    """Smallest expert shift ``S`` so ``touched + c*S`` (c < copies) are pairwise disjoint; ``experts`` works always."""
-    touched = np.unique(np.asarray(touched))
-    if copies <= 1:
-        return 0
-    differences = set(np.abs(np.subtract.outer(touched, touched)).ravel().tolist()) - {0}
-    for shift in range(1, experts):
-        if all(c * shift not in differences for c in range(1, copies)):
-            return shift
-    return experts
 
 
 def check_tokens(topk_ids: np.ndarray, expert_bytes: int, limit: int = CHECK_HOST_BYTES, seed: int = 0) -> np.ndarray:
@@ -323,52 +329,91 @@ class Workbench:
         ids, weights = make_routing(tokens, shape.experts, shape.top_k, self.routing, self.seed)
         rng = np.random.default_rng([self.seed, 0])
         x = (rng.standard_normal((tokens, shape.hidden), dtype=np.float32)).astype(BF16)
-        self.host = {"x": x, "topk_ids": ids, "topk_weights": weights}
-        self.bytes = bytes_breakdown(shape, ids)
+        self.host = {"x": x, "topk_ids": ids, "topk_weights": weights}  # draw 0 of the check copy
         if not self.l2_bytes:
             self.l2_bytes = int(cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["l2CacheSize"])
-        touched = np.unique(ids)
-        compact = min(bytes_breakdown(shape, ids, name)["weights"] for name in self.weight_formats)
-        needed = copies_needed(compact, self.l2_bytes)  # the most compact format still rotates past 3x L2
+        expected = {"uniform": shape.expected_unique_experts(tokens)}.get(self.routing, np.unique(ids).size)
+        compact = min(expected * get_format(name).expert_bytes(shape.hidden, shape.intermediate)
+                      for name in self.weight_formats)
+        needed = copies_needed(int(compact), self.l2_bytes)  # the most compact format still rotates past 3x L2
         per_expert = sum(get_format(name).expert_bytes(shape.hidden, shape.intermediate)
                          for name in self.weight_formats)
         free, _ = cupy.cuda.runtime.memGetInfo()
         pool = cupy.get_default_memory_pool()
         free += pool.total_bytes() - pool.used_bytes()
         copies = needed if self.copies_cap is None else max(1, min(needed, self.copies_cap))
-        while True:
-            shift = copy_shift(touched, shape.experts, copies)
-            pool_experts = shape.experts + (copies - 1) * shift
-            if copies == 1 or pool_experts * per_expert + MEMORY_RESERVE <= free:
-                break
+        while copies > 1 and copies * shape.experts * per_expert + MEMORY_RESERVE > free:
             copies -= 1
-        self.copies, self.shift, self.pool_experts = copies, shift, pool_experts
+        self.copies, self.pool_experts = copies, copies * shape.experts
         self.info = {
             "copies": copies,
             "copies_needed": needed,
-            "copy_shift_experts": shift,
-            "pool_experts": pool_experts,
-            "pool_bytes": pool_experts * per_expert,
+            "pool_experts": self.pool_experts,
+            "pool_bytes": self.pool_experts * per_expert,
             "weight_formats": list(self.weight_formats),
             **({"weight_formats_skipped": dict(self.skipped_formats)} if self.skipped_formats else {}),
-            "rotated_weight_bytes": copies * compact,
+            "rotated_weight_bytes": int(copies * compact),
             "l2_bytes": self.l2_bytes,
             "footprint_ok": copies * compact >= L2_FACTOR * self.l2_bytes,
+            "routing_per_copy": "a fresh draw per sample and copy",
         }
-        self.w13_pool, self.w2_pool = self._generate(pool_experts)
+        self.w13_pool, self.w2_pool = self._generate(self.pool_experts)
         self.pools: dict[str, tuple[Any, Any]] = {"bf16": (self.w13_pool, self.w2_pool)}
         for name in self.weight_formats[1:]:  # quantized once from the bf16 pool: the same experts in every format
             self.pools[name] = get_format(name).quantize(self.w13_pool, self.w2_pool)
-        self.x, self.topk_ids, self.topk_weights = (cupy.asarray(a) for a in (x, ids, weights))
+        self.x = cupy.asarray(x)
+        # each copy's routing buffers, one [copies, T, K] array: a sample's draws are one copy into them
+        self.ids_buffers = cupy.empty((copies, tokens, shape.top_k), dtype=np.int32)
+        self.weights_buffers = cupy.empty((copies, tokens, shape.top_k), dtype=np.float32)
+        self._draws: list[tuple[np.ndarray, np.ndarray]] = []  # host draws per sample: ([C, T, K], [C, T, K])
+        self._device_draws: list[tuple[Any, Any]] = []
+        self.check_copy = copies - 1  # the last copy: a wrong base pointer shows here
+        self._load_draw(0)
+        self.topk_ids, self.topk_weights = self.ids_buffers[self.check_copy], self.weights_buffers[self.check_copy]
         cupy.cuda.Device().synchronize()  # generation and copies ran on the legacy stream; timing uses another
+        self.bytes = self.draw_bytes(1)
         self.layers_per_graph = shape.layers
         self.info["layers_per_graph"] = shape.layers
         self.dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
-        self.check_copy = copies - 1  # the most shifted view: a wrong base pointer shows here
         self.check_token_ids = check_tokens(ids, shape.expert_bytes, seed=self.seed)
         self._compact: dict[int, dict[str, Any]] = {}
         self._references: dict[tuple[str, str | None], np.ndarray] = {}
         self._last: list[Any] = []  # the replays of the variant being measured (for the post-check)
+
+    # -- routing draws --------------------------------------------------------------------------
+    def draw(self, sample: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sample ``sample``'s host routing for every copy: ``(ids [C, T, K], weights [C, T, K])``; draw 0 of the
+        check copy is the workbench's own (``host``), every other (sample, copy) its own seeded draw."""
+        shape = self.shape
+        while len(self._draws) <= sample:
+            index = len(self._draws)
+            pairs = [(self.host["topk_ids"], self.host["topk_weights"]) if (index, c) == (0, self.check_copy) else
+                     make_routing(self.tokens, shape.experts, shape.top_k, self.routing, draw_seed(self.seed, index, c))
+                     for c in range(self.copies)]
+            self._draws.append((np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])))
+        return self._draws[sample]
+
+    def draw_bytes(self, samples: int, weight_format: str = "bf16") -> dict[str, Any]:
+        """The bytes of a point timed over samples ``0 .. samples-1``: mean touched experts over their draws."""
+        ids = np.stack([self.draw(s)[0] for s in range(max(1, samples))])
+        return bytes_breakdown(self.shape, ids.reshape(-1, *ids.shape[-2:]), weight_format)
+
+    def _load_draw(self, sample: int, stream: Any = None) -> None:
+        """Copy sample ``sample``'s draws into the copies' routing buffers (on ``stream``, ordered before what
+        follows on it; device copies of the draws are kept, so this is one device-to-device copy per array)."""
+        import cupy
+
+        while len(self._device_draws) <= sample:
+            ids, weights = self.draw(len(self._device_draws))
+            self._device_draws.append((cupy.asarray(ids), cupy.asarray(weights)))
+        ids, weights = self._device_draws[sample]
+        if stream is None:
+            self.ids_buffers[...] = ids
+            self.weights_buffers[...] = weights
+            return
+        with stream:
+            self.ids_buffers[...] = ids
+            self.weights_buffers[...] = weights
 
     # -- weights --------------------------------------------------------------------------------
     def _generate(self, pool_experts: int) -> tuple[Any, Any]:
@@ -398,7 +443,7 @@ class Workbench:
         if weight_format not in self.pools:
             raise ValueError(f"weight_format {weight_format!r} has no pool here; this workbench holds "
                              f"{', '.join(self.pools)} (its weight_formats)")
-        start = copy * self.shift
+        start = copy * self.shape.experts
         stop = start + self.shape.experts
 
         def view(w: Any) -> Any:
@@ -423,7 +468,7 @@ class Workbench:
             tokens = self.check_token_ids
             ids = self.host["topk_ids"][tokens]
             touched, remapped = np.unique(ids, return_inverse=True)
-            rows = copy * self.shift + touched
+            rows = copy * self.shape.experts + touched
             index = cupy.asarray(rows.astype(np.int64))
 
             def bits(values: Any) -> np.ndarray:  # fp8 and bf16 values travel as their bit patterns
@@ -480,11 +525,9 @@ class Workbench:
             error = {"rel_l2": None, "max_abs": None}
         return check, error
 
-    def _bytes_in(self, weight_format: str) -> dict[str, Any]:
-        """This problem's bytes with the weights counted in ``weight_format`` (the bf16 record when it is bf16)."""
-        if weight_format == self.bytes["weight_format"]:
-            return dict(self.bytes)
-        return bytes_breakdown(self.shape, self.host["topk_ids"], weight_format)
+    def _bytes_in(self, weight_format: str, samples: int = 1) -> dict[str, Any]:
+        """This problem's bytes over the draws of samples ``0 .. samples-1``, weights counted in ``weight_format``."""
+        return self.draw_bytes(samples, weight_format)
 
     def free(self) -> None:
         import cupy
@@ -510,7 +553,7 @@ class Workbench:
             "baseline": bool(variant.baseline), "params": {**variant.params, **(params or {})},
             "reference_mode": variant.reference_mode, "quant": variant.quant,
             "batch": self.tokens, "model": self.shape.name, "routing": self.routing, "seed": self.seed,
-            "bytes": self._bytes_in(getattr(variant, "weight_format", "bf16")),
+            "bytes": self._bytes_in(getattr(variant, "weight_format", "bf16"), repeats),
             "copies": self.info["copies"], "rotation": dict(self.info),
             "status": "error", "error": None, "samples_us": [], "stages": [],
         }
@@ -538,7 +581,9 @@ class Workbench:
                     w13, w2 = variant.prepack(w13, w2)
                 copies.append((w13, w2))
             out = cupy.empty((self.tokens, self.shape.hidden), dtype=BF16)
-            args = [(self.x, w13, w2, self.topk_ids, self.topk_weights, out) for w13, w2 in copies]
+            args = [(self.x, w13, w2, self.ids_buffers[c], self.weights_buffers[c], out)
+                    for c, (w13, w2) in enumerate(copies)]
+            self._load_draw(0, stream)  # the checks' draw (an earlier variant's timing left its last one)
             with stream:
                 for a in args:  # JIT compile and first touch, outside the timing
                     launch(*a)
@@ -560,12 +605,15 @@ class Workbench:
 
             fns = [lambda a=a: launch(*a) for a in args]
             step(f"timing ({repeats} samples of CUDA-graph replays)")
-            samples, mode, why = self._time(stream, fns, repeats)
+            samples, mode, why = self._time(stream, fns, repeats, resample=True)
             record.update(samples_us=samples, timing_mode=mode, capture_error=why, **summarize(samples))
+            record["samples_unique_experts"] = [float(np.mean([np.unique(d).size for d in self.draw(s)[0]]))
+                                                for s in range(len(samples))]
             record["tbps"] = record["bytes"]["weights"] / (record["median_us"] * 1e-6) / 1e12
 
-            # post-check: replay the TIMED graph (or launch) of the check copy into a poisoned out
+            # post-check: replay the TIMED graph (or launch) of the check copy into a poisoned out, on draw 0
             step("re-checking the timed graph's output")
+            self._load_draw(0, stream)
             with stream:
                 _nan_fill(out)
                 self._last[0]()  # the timed graph: its last layer call uses the check copy
@@ -589,13 +637,15 @@ class Workbench:
             self._last = []
         return record
 
-    def _time(self, stream: Any, fns: list[Any], repeats: int) -> tuple[list[float], str, str | None]:
+    def _time(self, stream: Any, fns: list[Any], repeats: int,
+              resample: bool = False) -> tuple[list[float], str, str | None]:
         """Per-layer microseconds of ``fns`` (one per weight copy), captured as one decode-step graph.
 
         The graph holds ``layers_per_graph`` layer calls cycling through the copies and ending on the check
         copy (the last), as a model's decode step chains its MoE layers; a sample is CUDA events around
         replays of that graph, divided by the layer calls it ran. Launch gaps inside a graph are counted,
         the host's graph-launch cost is amortised as it is in serving. Without capture, eager launches.
+        ``resample``: sample ``i`` runs on draw ``i`` (copied into the routing buffers before its events).
         """
         import cupy
 
@@ -613,7 +663,9 @@ class Workbench:
         self._last = replays
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
 
-        def sample(inner: int) -> float:
+        def sample(inner: int, draw: int | None = None) -> float:
+            if draw is not None:
+                self._load_draw(draw, stream)
             with stream:
                 start.record(stream)
                 for _ in range(inner):
@@ -624,7 +676,7 @@ class Workbench:
 
         estimate = min(sample(1) for _ in range(3))  # also the warm-up of the graph
         inner = max(1, min(50, math.ceil(TARGET_SAMPLE_US / max(estimate * calls, 1e-3))))
-        return [sample(inner) for _ in range(repeats)], mode, why
+        return [sample(inner, i if resample else None) for i in range(repeats)], mode, why
 
     def _time_stages(self, stream: Any, launch: Any, args: list[tuple], repeats: int) -> list[dict[str, Any]]:
         """Each stage timed alone (a graph of that stage's calls), and -- with two or more stages -- what it costs

@@ -1,5 +1,6 @@
-"""The one registry loader every program uses: the library's kernel modules, the roofline's CUDA source and the
-prototypes, imported so that each registers its variants (``kernels.variants.REGISTRY``) and CUDA sources
+"""The one registry loader every program uses: the library's kernel modules, the roofline's CUDA source, the peers
+(``tools.peers``: registered only where PyTorch, Triton and a GPU are present) and the prototypes, imported so that
+each registers its variants (``kernels.variants.REGISTRY``) and CUDA sources
 (``kernels.compile.SOURCES``). A module that fails to import is reported, not raised: one broken experiment must
 not stop the bench, the sweep or the compile report."""
 
@@ -14,7 +15,7 @@ def load() -> tuple[dict[str, Any], list[str]]:
     from kernels import variants
 
     warnings = []
-    for module in (*variants.BUILTIN_MODULES, "tools.roofline"):
+    for module in (*variants.BUILTIN_MODULES, "tools.roofline", "tools.peers"):
         try:
             importlib.import_module(module)
         except Exception as exc:  # noqa: BLE001 - reported with the results, the rest still loads
