@@ -663,7 +663,7 @@ def run(
             f"one-layer table at reduced width: H and I divided by {SMALL_DIVISOR} (rounded to multiples of 8; "
             "real K; --width real for the real width, ~10 min on 2 CPU cores)"
         )
-    elif experts == 0:
+    if experts == 0:
         experts = None
     if experts is not None and (not isinstance(experts, int) or experts < 1):
         raise ValueError(f"experts must be a positive int, 0 (no cap) or 'auto', got {experts!r}")
