@@ -55,11 +55,13 @@ def files(tmp_path: Path) -> dict[str, str]:
         ("tools.sweep", ["cupy:warp-decode", "--model", "nope"], "--model: unknown preset 'nope'"),
         ("tools.sweep", ["cupy:warp-decode", "--seed", "-1"], "--seed must be an int >= 0, got -1"),
         ("tools.sweep", ["cupy:warp-decode", "--grid", "WARPS"], "--grid takes KEY=v1,v2"),
+        ("tools.sweep", ["cupy:warp-decode", "--grid", "DN_SLOTS=2,,4"], "--grid DN_SLOTS: an empty value in '2,,4'"),
         ("tools.sweep", ["cupy:warp-decode", "--batch", "1,,8"],
          "argument --batch: expected a comma list of ints like 1,2,4, got '1,,8' (item 2 is empty)"),
         ("tools.sweep", ["cupy:warp-decode", "--batch", "1,8,"], "got '1,8,' (item 3 is empty)"),
         ("tools.sweep", ["cupy:warp-decode", "--batch", "1,eight"], "got '1,eight' ('eight' is not an int)"),
         ("tools.sweep", ["cupy:warp-decode", "--batch", "8,0"], "argument --batch: batch sizes must be ints >= 1"),
+        ("tools.sweep", ["--list", "cupy:warp-decode"], "--list lists every variant: leave VARIANT out"),
         ("tools.peers.__main__", ["--configs", "M99"], "--configs: triton:fused-moe has no tile config 'M99'"),
         ("tools.peers.__main__", ["--weight-format", "fp8-block128", "--configs", "0,5"],
          "--configs: triton:fused-moe-w8a8 has no tile config '5'"),
@@ -139,6 +141,43 @@ def test_sweep_knobs_of_registered_variants(stub_sweep: None, capsys: pytest.Cap
     registry, _ = bench.load_registry()
     for variant in registry.values():  # every variant's own grid is made of knobs it knows
         assert set(variant.grid) <= sweep.known_knobs(variant), variant.name
+
+
+def test_sweep_refuses_knob_values_outside_the_family_limits(stub_sweep: None,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A --grid value its kernel family cannot take (not an int, out of its limits) exits 2 naming the knob, the value
+    and what is allowed -- before anything is compiled or timed (the stand-in sweep() is never reached)."""
+    registry, _ = bench.load_registry()
+    family = registry["cupy:warp-decode"].kernel_family
+    low, high = family.limits["DN_SLOTS"]
+    allowed = f"cupy:warp-decode takes DN_SLOTS as an int in {low}..{high} (0 = auto)"
+    for value, problem in (("abc", "'abc' is not an int"), (str(high + 1), f"{high + 1} is out of range"),
+                           ("999999", "999999 is out of range"), ("2.5", "2.5 is not an int"),
+                           ("true", "True is not an int")):
+        line = _exit_2(sweep.main, ["cupy:warp-decode", "--grid", f"DN_SLOTS=2,{value}"], capsys)
+        assert line.endswith(f"error: --grid DN_SLOTS: {problem}; {allowed}"), line
+    with pytest.raises(_Reached):  # the limits themselves pass
+        sweep.main(["cupy:warp-decode", "--grid", f"DN_SLOTS={low},{high}"])
+
+
+def test_sweep_function_checks_the_grid_before_compiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sweep() itself (the Python entry point) refuses the same values with a ValueError, before any compile."""
+    monkeypatch.setattr(bench, "_enable_simulator", lambda: None)
+    monkeypatch.setattr(sweep, "_all_compile_columns", lambda *args: pytest.fail("compiled a refused grid"))
+    with pytest.raises(ValueError, match=r"--grid DN_SLOTS: 999999 is out of range; cupy:warp-decode takes"):
+        sweep.sweep("cupy:warp-decode", "tiny", [1], {"DN_SLOTS": [999999]}, progress=False)
+    assert sweep.grid_error(_knobs_variant(), {"SLOTS": ["x"]}) is None  # no family: build() judges its knobs
+
+
+def test_sweep_lists_the_variants(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--list prints every registered variant with the first line of its description and exits 0 (no GPU needed)."""
+    monkeypatch.setattr(bench, "_enable_simulator", lambda: None)
+    assert sweep.main(["--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    registry, _ = bench.load_registry()
+    assert [line.split()[0] for line in lines] == list(registry)
+    strict = registry["cupy:warp-decode"]
+    assert next(line for line in lines if line.startswith("cupy:warp-decode ")).endswith(strict.description)
 
 
 # -- roofline ----------------------------------------------------------------------------------------------------

@@ -33,3 +33,8 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"batch sizes must be ints >= 1, got {text!r}")
     return values
 
+
+def examples(*commands: str) -> str:
+    """An argparse ``epilog`` listing example commands (with ``formatter_class=argparse.RawDescriptionHelpFormatter``,
+    which keeps its lines as written)."""
+    return "examples:\n" + "\n".join(f"  {command}" for command in commands)
