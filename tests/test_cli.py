@@ -40,11 +40,17 @@ def test_unknown_option_exits_2_naming_it(name: str, capsys: pytest.CaptureFixtu
 
 @pytest.fixture
 def files(tmp_path: Path) -> dict[str, str]:
-    """A missing file, a JSON list and a sweep record: none of them is what any tool reads."""
+    """A missing file, a JSON list, a sweep record and a bench run made without a GPU (checks, no timing): none of
+    them is what the tools below can use."""
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "sweep.json").write_text(json.dumps({"schema": "warp-decode-sweep/1", "points": []}))
+    (tmp_path / "cpu_run.json").write_text(json.dumps({
+        "schema": bench.SCHEMA, "environment": {"gpu": None, "date": "2026-12-05T00:00:00+00:00"},
+        "config": {"models": ["qwen3-30b-a3b"], "batches": [1], "routing": "uniform"}, "rooflines": None,
+        "results": [], "cpu": {"reason": "no CUDA driver"}}))
     return {"missing": str(tmp_path / "missing.json"), "list": str(tmp_path / "list.json"),
-            "sweep": str(tmp_path / "sweep.json"), "table": str(tmp_path / "table.json")}
+            "sweep": str(tmp_path / "sweep.json"), "cpu_run": str(tmp_path / "cpu_run.json"),
+            "table": str(tmp_path / "table.json")}
 
 
 @pytest.mark.parametrize(
@@ -82,6 +88,9 @@ def files(tmp_path: Path) -> dict[str, str]:
         ("tools.dispatch_table", ["--json", "{table}", "--from-bench", "{missing}"], "--from-bench: [Errno 2]"),
         ("tools.dispatch_table", ["--json", "{table}", "--from-bench", "{sweep}"],
          "--from-bench: not a tools.bench result"),
+        ("tools.dispatch_table", ["--json", "{table}", "--from-bench", "{cpu_run}"],
+         "--from-bench: cpu_run.json took no timing (run without a GPU: no CUDA driver); a dispatch table needs a "
+         "tools.bench run on the GPU it describes"),
         ("tools.dispatch_table", ["--json", "{table}", "--batch", "1,,8"], "argument --batch: expected a comma list"),
         ("tools.accuracy", ["--model", "qwen9"], "--model: unknown model 'qwen9'"),
         ("tools.accuracy", ["--paths", "nope"], "--paths: unknown path 'nope'"),
