@@ -194,6 +194,61 @@ def test_sweep_lists_the_variants(monkeypatch: pytest.MonkeyPatch, capsys: pytes
     assert next(line for line in lines if line.startswith("cupy:warp-decode ")).endswith(strict.description)
 
 
+# -- every CLI's --help: each option says what it does and its default, and the help ends in examples ----------------
+HELP_CLIS = ("tools.accuracy", "tools.compile_report", "tools.cpu_timings", "tools.dispatch_table",
+             "tools.peers.__main__", "tools.report", "tools.roofline", "tools.sweep")
+
+
+class _Parser(Exception):
+    """Raised by the stand-in parse_args: carries the parser a CLI built."""
+
+
+def _parser_of(name: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    import argparse
+
+    def caught(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        raise _Parser(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", caught)
+    with pytest.raises(_Parser) as parsed:
+        importlib.import_module(name).main([])
+    return parsed.value.args[0]
+
+
+def test_every_cli_is_in_the_help_checks() -> None:
+    """Each ``python -m tools.X`` program (but the bench and the harness, checked with their owners' tests)."""
+    tools_dir = Path(__file__).resolve().parents[1] / "tools"
+    mains = {f"tools.{path.stem}" for path in tools_dir.glob("*.py") if "def main(" in path.read_text()}
+    assert mains - {"tools.bench", "tools.harness"} | {"tools.peers.__main__"} == set(HELP_CLIS)
+
+
+@pytest.mark.parametrize("name", HELP_CLIS)
+def test_every_option_has_help_with_its_default(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    parser = _parser_of(name, monkeypatch)
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help and action.help.strip(), (name, action.dest)
+        if action.option_strings and action.nargs != 0:  # an option that takes a value says what it is by default
+            assert "default" in action.help or "required" in action.help, (name, action.option_strings)
+    assert parser.formatter_class is argparse.RawDescriptionHelpFormatter, name
+    examples = parser.epilog.splitlines()
+    prog = "python -m " + name.removesuffix(".__main__")
+    assert examples[0] == "examples:" and 2 <= len(examples) - 1 <= 4, (name, examples)
+    assert all(line.startswith(f"  {prog} ") or line == f"  {prog}" for line in examples[1:]), (name, examples)
+
+
+@pytest.mark.parametrize("name", HELP_CLIS)
+def test_help_prints_the_examples(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        importlib.import_module(name).main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "\nexamples:\n  python -m tools." in out and "(default" in out, out[-500:]
+
+
 # -- roofline ----------------------------------------------------------------------------------------------------
 @pytest.mark.cpu_only
 def test_roofline_without_a_gpu_says_so(capsys: pytest.CaptureFixture[str]) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kernels.compile import SOURCES, CudaSource, KernelResources, OfflineCompileError, offline_report
+from tools.cli import examples
 
 # sm_90 (H100 / H200) per-SM limits
 SM90_MAX_WARPS = 64
@@ -343,11 +344,24 @@ def render(rows: list[Row], title: str = "offline compile report (sm_90, NVRTC /
 def main(argv: list[str] | None = None) -> int:
     from tools.display import Steps, console
 
-    parser = argparse.ArgumentParser(prog="python -m tools.compile_report", description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
-    parser.add_argument("--source", action="append", help="only this registered source (repeatable)")
-    parser.add_argument("--defaults-only", action="store_true", help="skip each source's variants list")
-    parser.add_argument("--no-numba", action="store_true", help="skip Numba kernels")
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.compile_report", description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=examples(
+            "python -m tools.compile_report --defaults-only          # every source at its defaults, one line a kernel",
+            "python -m tools.compile_report --source warp_decode_fp8 --no-numba   # one source, its parameter sets",
+            "python -m tools.compile_report --json --defaults-only --no-numba     # one JSON object per row",
+        ))
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object per row instead of a table (default: the table)")
+    parser.add_argument("--source", action="append", metavar="NAME",
+                        help="only this registered CUDA source (repeatable; default: every source, and the Numba "
+                             "kernels)")
+    parser.add_argument("--defaults-only", action="store_true",
+                        help="compile each source at its defaults only (default: also each parameter set in its "
+                             "variants list)")
+    parser.add_argument("--no-numba", action="store_true",
+                        help="skip the Numba kernels (default: include them when no --source is given)")
     args = parser.parse_args(argv)
     with Steps(description="loading the registered CUDA sources") as steps:
         try:
