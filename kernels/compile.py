@@ -47,6 +47,12 @@ class CudaSource:
     warps_knobs: dict[str, str] = field(default_factory=dict)
     # kernel -> the knob that must be non-zero for the text to define it (opt-in kernels behind an #if)
     conditional_kernels: dict[str, str] = field(default_factory=dict)
+    # kernel -> the prefix of the knobs that only its code reads (GATE_UP: "GU_"), where the source keeps its kernels'
+    # knobs apart: tools.compile_report labels a kernel's row without the other kernels' prefixed knobs
+    knob_prefixes: dict[str, str] = field(default_factory=dict)
+    # kernel -> (bytes, why): a spill measured and kept; spill stores, spill loads and stack frame each within the
+    # bytes are shown as accepted, with the reason, by tools.compile_report (every other spill is a finding)
+    accepted_spills: dict[str, tuple[int, str]] = field(default_factory=dict)
 
     def render(self, **defines: int) -> str:
         """The full text NVRTC sees: ``#define`` lines for every knob, then the code."""

@@ -439,6 +439,7 @@ FAMILY = KernelFamily(
         defaults=dict(DEFAULTS),
         # which knob is each kernel's warps per block (tools.compile_report reads this for occupancy)
         warps_knobs={GATE_UP: "GU_WARPS", DOWN: "DN_WARPS"},
+        knob_prefixes={GATE_UP: "GU_", DOWN: "DN_"},  # no GU_ knob in the down's code, no DN_ one in the gate_up's
         description="warp decode: one warp per output scalar (gate_up, down), CuPy RawKernel",
     ),
     limits=LIMITS,

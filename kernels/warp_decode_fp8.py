@@ -268,8 +268,11 @@ LIMITS = {"GU_WARPS": (1, 32), "DN_WARPS": (1, 32), "GU_UNROLL": (0, 16), "DN_UN
           "DN_MIN_BLOCKS": (0, 32), "GU_CHUNK": (0, 16), "DN_CHUNK": (0, 16), "PDL": (0, 1)}
 # The one spill the library accepts: the 8-slot down under its 128-register cap stores <= 128 bytes (L1-resident),
 # measured 10 % faster than uncapped at 142 registers (results/sweep-2026-12-01-strict-fp8-down-*.json); tests and
-# the bench's CPU check hold every other kernel to none.
-ACCEPTED_SPILL_BYTES = {DOWN: 128}
+# the bench's CPU check hold every other kernel to none. The reason travels with the source: the compile report
+# prints it beside the spill.
+ACCEPTED_SPILLS = {DOWN: (128, "8 slots under the 128-register cap spill to L1 and still win: qwen3-30b T=1 19.6 us "
+                              "vs 22.5 uncapped at 142 registers (notes/FINDINGS.md)")}
+ACCEPTED_SPILL_BYTES = {kernel: limit for kernel, (limit, _) in ACCEPTED_SPILLS.items()}
 # down warps (one per output) in one wave: the bf16 down's figure (16 per SM x 132 SMs on the H200), which the
 # 128-register cap below keeps true for the FP8 down
 DOWN_WARPS_PER_SM = 16
@@ -346,7 +349,9 @@ FAMILY = KernelFamily(
         kernels=(GATE_UP, DOWN),
         defaults=dict(DEFAULTS),
         warps_knobs={GATE_UP: "GU_WARPS", DOWN: "DN_WARPS"},
+        knob_prefixes={GATE_UP: "GU_", DOWN: "DN_"},  # no GU_ knob in the down's code, no DN_ one in the gate_up's
         description="strict warp decode on fp8-block128 weights: e4m3fn values and block scales widened in registers",
+        accepted_spills=ACCEPTED_SPILLS,
     ),
     limits=LIMITS,
     auto_knobs=AUTO_KNOBS,

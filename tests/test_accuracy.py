@@ -70,6 +70,14 @@ def test_run_returns_result_that_renders_and_serialises():
     json.dumps(result.to_json())
 
 
+def test_experts_zero_is_no_cap_at_reduced_width():
+    """--experts 0 (no cap) together with the reduced width of a CPU run measures every expert: not an error."""
+    result = accuracy.run(["qwen3-30b-a3b"], seeds=1, batch=(1,), layers=0, experts=0, source="reference",
+                          width="small", paths=["warp_decode"])
+    assert result.config["experts_cap"] is None and result.config["width"] == "small"
+    assert result.cells and all(c.model == "qwen3-30b-a3b" for c in result.cells)
+
+
 def test_fp8_weights_measured_against_both_oracles():
     """--weight-format fp8-block128: every path again on FP8 weights, each row's distance to the fp64 oracle on the
     dequantized weights (the numerics) and on the original ones (format + numerics). Warp decode on FP8 weights

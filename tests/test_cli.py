@@ -40,11 +40,17 @@ def test_unknown_option_exits_2_naming_it(name: str, capsys: pytest.CaptureFixtu
 
 @pytest.fixture
 def files(tmp_path: Path) -> dict[str, str]:
-    """A missing file, a JSON list and a sweep record: none of them is what any tool reads."""
+    """A missing file, a JSON list, a sweep record and a bench run made without a GPU (checks, no timing): none of
+    them is what the tools below can use."""
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "sweep.json").write_text(json.dumps({"schema": "warp-decode-sweep/1", "points": []}))
+    (tmp_path / "cpu_run.json").write_text(json.dumps({
+        "schema": bench.SCHEMA, "environment": {"gpu": None, "date": "2026-12-05T00:00:00+00:00"},
+        "config": {"models": ["qwen3-30b-a3b"], "batches": [1], "routing": "uniform"}, "rooflines": None,
+        "results": [], "cpu": {"reason": "no CUDA driver"}}))
     return {"missing": str(tmp_path / "missing.json"), "list": str(tmp_path / "list.json"),
-            "sweep": str(tmp_path / "sweep.json"), "table": str(tmp_path / "table.json")}
+            "sweep": str(tmp_path / "sweep.json"), "cpu_run": str(tmp_path / "cpu_run.json"),
+            "table": str(tmp_path / "table.json")}
 
 
 @pytest.mark.parametrize(
@@ -55,6 +61,18 @@ def files(tmp_path: Path) -> dict[str, str]:
         ("tools.sweep", ["cupy:warp-decode", "--model", "nope"], "--model: unknown preset 'nope'"),
         ("tools.sweep", ["cupy:warp-decode", "--seed", "-1"], "--seed must be an int >= 0, got -1"),
         ("tools.sweep", ["cupy:warp-decode", "--grid", "WARPS"], "--grid takes KEY=v1,v2"),
+        ("tools.sweep", ["cupy:warp-decode", "--grid", "DN_SLOTS=2,,4"], "--grid DN_SLOTS: an empty value in '2,,4'"),
+        ("tools.sweep", ["cupy:warp-decode", "--batch", "1,,8"],
+         "argument --batch: expected a comma list of ints like 1,2,4, got '1,,8' (item 2 is empty)"),
+        ("tools.sweep", ["cupy:warp-decode", "--batch", "1,8,"], "got '1,8,' (item 3 is empty)"),
+        ("tools.sweep", ["cupy:warp-decode", "--batch", "1,eight"], "got '1,eight' ('eight' is not an int)"),
+        ("tools.sweep", ["cupy:warp-decode", "--batch", "8,0"], "argument --batch: batch sizes must be ints >= 1"),
+        ("tools.sweep", ["--list", "cupy:warp-decode"], "--list lists every variant: leave VARIANT out"),
+        ("tools.peers.__main__", ["--model", "nope"], "--model: unknown preset(s) 'nope'; known: qwen3-30b-a3b"),
+        ("tools.peers.__main__", ["--model", "tiny,qwen9"], "--model: unknown preset(s) 'qwen9'"),
+        ("tools.peers.__main__", ["--batch", "1,,8"], "argument --batch: expected a comma list of ints"),
+        ("tools.peers.__main__", ["--batch", "-1"], "argument --batch: batch sizes must be ints >= 1"),
+        ("tools.peers.__main__", ["--repeats", "0"], "argument --repeats: expected an int >= 1, got 0"),
         ("tools.peers.__main__", ["--configs", "M99"], "--configs: triton:fused-moe has no tile config 'M99'"),
         ("tools.peers.__main__", ["--weight-format", "fp8-block128", "--configs", "0,5"],
          "--configs: triton:fused-moe-w8a8 has no tile config '5'"),
@@ -70,6 +88,10 @@ def files(tmp_path: Path) -> dict[str, str]:
         ("tools.dispatch_table", ["--json", "{table}", "--from-bench", "{missing}"], "--from-bench: [Errno 2]"),
         ("tools.dispatch_table", ["--json", "{table}", "--from-bench", "{sweep}"],
          "--from-bench: not a tools.bench result"),
+        ("tools.dispatch_table", ["--json", "{table}", "--from-bench", "{cpu_run}"],
+         "--from-bench: cpu_run.json took no timing (run without a GPU: no CUDA driver); a dispatch table needs a "
+         "tools.bench run on the GPU it describes"),
+        ("tools.dispatch_table", ["--json", "{table}", "--batch", "1,,8"], "argument --batch: expected a comma list"),
         ("tools.accuracy", ["--model", "qwen9"], "--model: unknown model 'qwen9'"),
         ("tools.accuracy", ["--paths", "nope"], "--paths: unknown path 'nope'"),
         ("tools.accuracy", ["--depth-from", "{list}"], "--depth-from goes with --markdown-from"),
@@ -133,6 +155,98 @@ def test_sweep_knobs_of_registered_variants(stub_sweep: None, capsys: pytest.Cap
     registry, _ = bench.load_registry()
     for variant in registry.values():  # every variant's own grid is made of knobs it knows
         assert set(variant.grid) <= sweep.known_knobs(variant), variant.name
+
+
+def test_sweep_refuses_knob_values_outside_the_family_limits(stub_sweep: None,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A --grid value its kernel family cannot take (not an int, out of its limits) exits 2 naming the knob, the value
+    and what is allowed -- before anything is compiled or timed (the stand-in sweep() is never reached)."""
+    registry, _ = bench.load_registry()
+    family = registry["cupy:warp-decode"].kernel_family
+    low, high = family.limits["DN_SLOTS"]
+    allowed = f"cupy:warp-decode takes DN_SLOTS as an int in {low}..{high} (0 = auto)"
+    for value, problem in (("abc", "'abc' is not an int"), (str(high + 1), f"{high + 1} is out of range"),
+                           ("999999", "999999 is out of range"), ("2.5", "2.5 is not an int"),
+                           ("true", "True is not an int")):
+        line = _exit_2(sweep.main, ["cupy:warp-decode", "--grid", f"DN_SLOTS=2,{value}"], capsys)
+        assert line.endswith(f"error: --grid DN_SLOTS: {problem}; {allowed}"), line
+    with pytest.raises(_Reached):  # the limits themselves pass
+        sweep.main(["cupy:warp-decode", "--grid", f"DN_SLOTS={low},{high}"])
+
+
+def test_sweep_function_checks_the_grid_before_compiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sweep() itself (the Python entry point) refuses the same values with a ValueError, before any compile."""
+    monkeypatch.setattr(bench, "_enable_simulator", lambda: None)
+    monkeypatch.setattr(sweep, "_all_compile_columns", lambda *args: pytest.fail("compiled a refused grid"))
+    with pytest.raises(ValueError, match=r"--grid DN_SLOTS: 999999 is out of range; cupy:warp-decode takes"):
+        sweep.sweep("cupy:warp-decode", "tiny", [1], {"DN_SLOTS": [999999]}, progress=False)
+    assert sweep.grid_error(_knobs_variant(), {"SLOTS": ["x"]}) is None  # no family: build() judges its knobs
+
+
+def test_sweep_lists_the_variants(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--list prints every registered variant with the first line of its description and exits 0 (no GPU needed)."""
+    monkeypatch.setattr(bench, "_enable_simulator", lambda: None)
+    assert sweep.main(["--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    registry, _ = bench.load_registry()
+    assert [line.split()[0] for line in lines] == list(registry)
+    strict = registry["cupy:warp-decode"]
+    assert next(line for line in lines if line.startswith("cupy:warp-decode ")).endswith(strict.description)
+
+
+# -- every CLI's --help: each option says what it does and its default, and the help ends in examples ----------------
+HELP_CLIS = ("tools.accuracy", "tools.compile_report", "tools.cpu_timings", "tools.dispatch_table",
+             "tools.peers.__main__", "tools.report", "tools.roofline", "tools.sweep")
+
+
+class _Parser(Exception):
+    """Raised by the stand-in parse_args: carries the parser a CLI built."""
+
+
+def _parser_of(name: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    import argparse
+
+    def caught(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        raise _Parser(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", caught)
+    with pytest.raises(_Parser) as parsed:
+        importlib.import_module(name).main([])
+    return parsed.value.args[0]
+
+
+def test_every_cli_is_in_the_help_checks() -> None:
+    """Each ``python -m tools.X`` program (but the bench and the harness, checked with their owners' tests)."""
+    tools_dir = Path(__file__).resolve().parents[1] / "tools"
+    mains = {f"tools.{path.stem}" for path in tools_dir.glob("*.py") if "def main(" in path.read_text()}
+    assert mains - {"tools.bench", "tools.harness"} | {"tools.peers.__main__"} == set(HELP_CLIS)
+
+
+@pytest.mark.parametrize("name", HELP_CLIS)
+def test_every_option_has_help_with_its_default(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    parser = _parser_of(name, monkeypatch)
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help and action.help.strip(), (name, action.dest)
+        if action.option_strings and action.nargs != 0:  # an option that takes a value says what it is by default
+            assert "default" in action.help or "required" in action.help, (name, action.option_strings)
+    assert parser.formatter_class is argparse.RawDescriptionHelpFormatter, name
+    examples = parser.epilog.splitlines()
+    prog = "python -m " + name.removesuffix(".__main__")
+    assert examples[0] == "examples:" and 2 <= len(examples) - 1 <= 4, (name, examples)
+    assert all(line.startswith(f"  {prog} ") or line == f"  {prog}" for line in examples[1:]), (name, examples)
+
+
+@pytest.mark.parametrize("name", HELP_CLIS)
+def test_help_prints_the_examples(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        importlib.import_module(name).main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "\nexamples:\n  python -m tools." in out and "(default" in out, out[-500:]
 
 
 # -- roofline ----------------------------------------------------------------------------------------------------

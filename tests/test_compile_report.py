@@ -41,13 +41,17 @@ def test_warp_decode_cupy_compiles_without_spills() -> None:
     from kernels import warp_decode_cupy as wdc
 
     rows = offline.collect(["warp_decode_cupy"])
-    expected = (1 + len(wdc.SOURCE.variants)) * 2
-    assert len(rows) == expected
+    param_sets = [wdc.SOURCE.params(**v) for v in ({}, *wdc.SOURCE.variants)]
+    # one row per kernel and its own knobs: a parameter set that changes only the down's knobs lists no new gate_up
+    expected = {(kernel, json.dumps(offline.kernel_params(wdc.SOURCE, kernel, params), sort_keys=True))
+                for params in param_sets for kernel in (wdc.GATE_UP, wdc.DOWN)}
+    assert len(rows) == len(expected) and {(r.kernel, json.dumps(r.params, sort_keys=True)) for r in rows} == expected
     for row in rows:
         assert not row.error, row.error
         assert row.spills == 0 and row.stack_bytes == 0, (row.kernel, row.params, row.spills, row.stack_bytes)
         assert row.shared_bytes == 0
         warps_knob = "GU_WARPS" if row.kernel == wdc.GATE_UP else "DN_WARPS"
+        assert not any(k.startswith("DN_" if row.kernel == wdc.GATE_UP else "GU_") for k in row.params), row
         assert row.threads_per_block == 32 * {**wdc.DEFAULTS, **row.params}[warps_knob]
         assert row.occupancy is not None
     defaults = {row.kernel: row for row in rows if row.is_default}
@@ -71,6 +75,88 @@ def test_render_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {line["kernel"] for line in lines} == {"moe_gate_up_3d_batched", "moe_down_3d_batched"}
     assert all(line["spills"] == 0 for line in lines)
+
+
+def test_each_row_shows_only_its_kernels_knobs() -> None:
+    """A knob with the prefix a source declares for one kernel belongs to that kernel (the strict gate_up is not
+    labelled with DN_SLOTS); knobs of no declared prefix (PDL) go with every kernel; a kernel, or a source, without a
+    declared prefix keeps them all."""
+    from kernels import warp_decode_cupy as wdc
+    from kernels.compile import CudaSource
+
+    params = wdc.SOURCE.params(DN_SLOTS=8, DN_WARPS=1, GU_UNROLL=4)
+    gate_up = offline.kernel_params(wdc.SOURCE, wdc.GATE_UP, params)
+    down = offline.kernel_params(wdc.SOURCE, wdc.DOWN, params)
+    assert gate_up == {k: v for k, v in params.items() if not k.startswith("DN_")} and gate_up["GU_UNROLL"] == 4
+    assert down == {k: v for k, v in params.items() if not k.startswith("GU_")} and down["DN_SLOTS"] == 8
+    assert "PDL" in gate_up and "PDL" in down
+    source = CudaSource("s", "", ("a", "b", "lists"), {"A_WARPS": 2, "B_WARPS": 4, "LIST_THREADS": 64},
+                        knob_prefixes={"a": "A_", "b": "B_"})
+    assert offline.kernel_params(source, "a", source.defaults) == {"A_WARPS": 2, "LIST_THREADS": 64}
+    assert offline.kernel_params(source, "lists", source.defaults) == source.defaults
+    undeclared = CudaSource("s", "", ("a", "b"), dict(source.defaults), warps_knobs={"a": "A_WARPS", "b": "B_WARPS"})
+    assert offline.kernel_params(undeclared, "a", undeclared.defaults) == undeclared.defaults
+
+
+def test_strict_variant_rows_label_each_kernel_with_its_own_knobs() -> None:
+    """The bench's compile summary of the strict path at qwen3-30b T = 1: the gate_up row names no down knob."""
+    from kernels.contract import Dims
+    from kernels.variants import load_builtin
+
+    rows = offline.variant_rows(load_builtin()["cupy:warp-decode"], Dims(1, 2048, 768, 128, 8))
+    by_kernel = {row.kernel: row for row in rows}
+    assert not any(k.startswith("DN_") for k in by_kernel["moe_gate_up_3d_batched"].params)
+    assert by_kernel["moe_down_3d_batched"].params["DN_SLOTS"] == 8  # the auto rule's choice there
+    assert "DN_" not in offline._fmt_params(by_kernel["moe_gate_up_3d_batched"].params,
+                                            load_builtin()["cupy:warp-decode"].source)
+
+
+def test_accepted_spill_is_marked_with_its_reason() -> None:
+    """A spill the source accepts (declared beside the kernel: CudaSource.accepted_spills) carries its reason and is
+    marked in the table, the reason under it; a larger spill of the same kernel, or any other kernel's, is not."""
+    from kernels import warp_decode_fp8 as wdf
+    from kernels.compile import KernelResources
+    from tools.display import text_of
+
+    limit, why = wdf.SOURCE.accepted_spills[wdf.DOWN]
+    assert why and wdf.ACCEPTED_SPILL_BYTES[wdf.DOWN] == limit
+    assert offline.accepted_spill(wdf.SOURCE, KernelResources(wdf.DOWN, 128, 0, 40, 44, 60)) == why
+    assert offline.accepted_spill(wdf.SOURCE, KernelResources(wdf.DOWN, 128, 0, 0, limit + 4, 0)) == ""
+    assert offline.accepted_spill(wdf.SOURCE, KernelResources(wdf.GATE_UP, 128, 0, 0, 8, 8)) == ""
+    assert offline.accepted_spill(wdf.SOURCE, KernelResources(wdf.DOWN, 80, 0, 0, 0, 0)) == ""
+    rows = [offline.Row("warp_decode_fp8", wdf.DOWN, {"DN_SLOTS": 8}, 128, 0, 40, 44, 60, 128, 16, 0.25,
+                        "registers", accepted_spill=why),
+            offline.Row("warp_decode_fp8", wdf.GATE_UP, {}, 200, 0, 16, 8, 8, 128, 8, 0.125, "registers")]
+    text = text_of(offline.render(rows), 200)
+    assert "44/60†" in text and "8/8" in text and "8/8†" not in text
+    assert f"† accepted spill, {wdf.DOWN} (warp_decode_fp8): {why}" in " ".join(text.split())
+
+
+def test_fp8_down_spill_at_its_auto_rule_is_accepted() -> None:
+    """At qwen3-30b T = 1 the strict FP8 down runs 8 slots under its 128-register cap: whatever this NVRTC spills
+    there is within the declared bound and so marked accepted; nothing else spills."""
+    from kernels.contract import Dims
+    from kernels.variants import load_builtin
+
+    rows = offline.variant_rows(load_builtin()["cupy:warp-decode-fp8"], Dims(1, 2048, 768, 128, 8))
+    assert len(rows) == 2 and not any(row.error for row in rows)
+    for row in rows:
+        assert bool(row.accepted_spill) == bool(row.spills or row.stack_bytes), row
+        assert row.kernel == "moe_down_fp8" or not row.accepted_spill
+
+
+def test_unknown_block_size_is_explained_under_the_table() -> None:
+    """A kernel whose block size no knob gives (the roofline's, set where it is launched) shows ``?``, and the
+    caption says what ``?`` means; a table without one has no such line."""
+    from tools.display import text_of
+
+    rows = [row for row in offline.collect(["roofline"]) if not row.error]
+    assert rows and all(row.threads_per_block is None and row.occupancy is None for row in rows)
+    text = " ".join(text_of(offline.render(rows), 200).split())
+    assert "? the report cannot tell this kernel's threads per block" in text
+    assert "occupancy are not computed offline" in text
+    plain = offline.collect(["warp_decode_cupy"], defaults_only=True)
+    assert "cannot tell" not in text_of(offline.render(plain), 200)
 
 
 def test_compile_errors_become_rows() -> None:

@@ -32,8 +32,11 @@ def test_without_torch_one_line_and_nothing_registered() -> None:
     assert peers.WHY_NOT is not None and "pip install '.[peers]'" in peers.WHY_NOT
     assert peers.PEER not in REGISTRY
     done = _run("--batch", "1")
-    assert done.returncode == 0 and done.stdout.startswith("skipped: the peers needs PyTorch and Triton"), done
+    assert done.returncode == 0 and done.stdout.startswith("skipped: the peers need PyTorch and Triton"), done
     assert done.stderr == ""
+    done = _run("--model", "nope")  # the arguments are checked first, PyTorch or not
+    assert done.returncode == 2 and "--model: unknown preset(s) 'nope'; known: qwen3-30b-a3b" in done.stderr, done
+    assert done.stdout == ""
 
 
 def test_cli_rejects_unknown_options() -> None:

@@ -47,6 +47,7 @@ from kernels.numerics import max_abs, min_cosine, rel_l2
 from kernels.reference import moe_decode
 from kernels.shapes import DEFAULT_MODEL, PRESETS, MoEShape, get_shape
 from kernels.stack import PATHS, Stack, decode_input, moe_fp64, routing_mismatch, sparse_problem
+from tools.cli import examples
 
 LABELS = {  # EC = expert-centric
     "warp_decode": "warp decode",
@@ -663,7 +664,7 @@ def run(
             f"one-layer table at reduced width: H and I divided by {SMALL_DIVISOR} (rounded to multiples of 8; "
             "real K; --width real for the real width, ~10 min on 2 CPU cores)"
         )
-    elif experts == 0:
+    if experts == 0:
         experts = None
     if experts is not None and (not isinstance(experts, int) or experts < 1):
         raise ValueError(f"experts must be a positive int, 0 (no cap) or 'auto', got {experts!r}")
@@ -753,34 +754,55 @@ def run(
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tools.accuracy", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", action="append", help="preset (repeat or comma-separate; 'all' = every preset)")
+    p = argparse.ArgumentParser(prog="python -m tools.accuracy", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=examples(
+                                    "python -m tools.accuracy --model tiny --seeds 2 --layers 3   # seconds on a CPU",
+                                    "python -m tools.accuracy --model qwen3-30b-a3b --seeds 16 --json "
+                                    "results/accuracy.json",
+                                    "python -m tools.accuracy --weight-format fp8-block128 --model tiny --layers 0",
+                                    "python -m tools.accuracy --markdown-from results/accuracy-h200-2026-11-30.json",
+                                ))
+    p.add_argument("--model", action="append",
+                   help="preset (repeat or comma-separate; 'all' = every preset; default: every preset but tiny)")
     p.add_argument("--seeds", type=int, help=f"seeds per cell (default {GPU_SEEDS} with a GPU, {CPU_SEEDS} without)")
-    p.add_argument("--batch", default=",".join(map(str, DEFAULT_BATCH)), help="T values, comma-separated")
+    p.add_argument("--batch", default=",".join(map(str, DEFAULT_BATCH)), metavar="T,...",
+                   help="T values, comma-separated (default %(default)s)")
     p.add_argument("--layers", type=int, help="depth-study layers (default: the model's real count; 0 = skip)")
-    p.add_argument("--experts", type=int, help="cap routed experts per model (0 = no cap; CPU default 8)")
+    p.add_argument("--experts", type=int,
+                   help=f"cap routed experts per model (0 = no cap; default: none with --source kernels, else "
+                        f"max({CPU_EXPERTS}, top_k))")
     p.add_argument("--width", choices=("auto", "small", "real"), default="auto",
-                   help="one-layer table width: small caps H, I at 1024, 512 (auto: real with a GPU, small without)")
+                   help="one-layer table width: small caps H, I at 1024, 512 (default auto: real with --source "
+                        "kernels, small with the reference)")
     p.add_argument("--stack-width", choices=("small", "real"), default="small",
                    help="depth-study width: small caps H, I at 256, 128 (default; real E, K, layers)")
     p.add_argument("--stack-batch", type=int, help="T of the depth study (default: max of --batch)")
     p.add_argument("--stack-seeds", type=int, help="seeds of the depth study (default: min(--seeds, 4))")
-    p.add_argument("--source", choices=("auto", "kernels", "reference"), default="auto")
-    p.add_argument("--paths", help=f"comma-separated subset of {','.join(PATHS)} (warp_decode always runs)")
+    p.add_argument("--source", choices=("auto", "kernels", "reference"), default="auto",
+                   help="where the outputs come from: the GPU kernels or the reference's modes on the host "
+                        "(default auto: kernels with a GPU, reference without)")
+    p.add_argument("--paths", help=f"comma-separated subset of {','.join(PATHS)} (warp_decode always runs; default: "
+                                   "all)")
     p.add_argument("--fallback", choices=("reference", "skip"), default="reference",
-                   help="GPU: a path without a kernel runs its reference mode on the host (slow) or is skipped")
+                   help="GPU: a path without a kernel runs its reference mode on the host (slow) or is skipped "
+                        "(default %(default)s)")
     p.add_argument("--weight-format", choices=tuple(FORMATS), default="bf16",
                    help="also run every path on the weights in this format, against both fp64 oracles "
                         "(the dequantized and the original weights; from the kernels reading that format where one "
-                        "is registered and the source is kernels, else the reference's modes)")
-    p.add_argument("--json", metavar="PATH", help="write the result as JSON (with the GPU and versions)")
+                        "is registered and the source is kernels, else the reference's modes; default %(default)s: "
+                        "the original weights only)")
+    p.add_argument("--json", metavar="PATH",
+                   help="write the result as JSON (with the GPU and versions; default: not written)")
     p.add_argument("--markdown-from", metavar="JSON", action="append",
-                   help="print a recorded result as markdown tables and exit (repeatable: one after another)")
+                   help="print a recorded result as markdown tables and exit (repeatable: one after another; "
+                        "default: measure)")
     p.add_argument("--depth-from", metavar="JSON", action="append",
-                   help="with --markdown-from: append this result's depth study (repeatable)")
+                   help="with --markdown-from: append this result's depth study (repeatable; default: none)")
     p.add_argument("--update-readme", metavar="README",
-                   help="with --markdown-from: replace the README's accuracy block with those tables")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+                   help="with --markdown-from: replace the README's accuracy block with those tables (default: print "
+                        "them)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines (default: a line per step on stderr)")
     return p
 
 

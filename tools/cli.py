@@ -17,11 +17,24 @@ def positive_int(text: str) -> int:
 
 
 def int_list(text: str) -> list[int]:
-    """A comma list of ints >= 1 (``--batch 1,8,64``)."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of ints like 1,2,4, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
+    """A comma list of ints >= 1 (``--batch 1,8,64``): every item an int (none empty: ``1,,8`` is a typo)."""
+    items = [item.strip() for item in text.split(",")]
+    for number, item in enumerate(items, 1):
+        if not item:
+            raise argparse.ArgumentTypeError(f"expected a comma list of ints like 1,2,4, got {text!r} "
+                                             f"(item {number} is empty)")
+        try:
+            int(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma list of ints like 1,2,4, got {text!r} "
+                                             f"({item!r} is not an int)") from None
+    values = [int(item) for item in items]
+    if any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"batch sizes must be ints >= 1, got {text!r}")
     return values
+
+
+def examples(*commands: str) -> str:
+    """An argparse ``epilog`` listing example commands (with ``formatter_class=argparse.RawDescriptionHelpFormatter``,
+    which keeps its lines as written)."""
+    return "examples:\n" + "\n".join(f"  {command}" for command in commands)

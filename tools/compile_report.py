@@ -9,6 +9,12 @@ Compiles every registered :class:`kernels.compile.CudaSource` (library modules v
 sm_90 with NVRTC -- no GPU needed -- at its defaults and at each parameter set in its ``variants`` list.
 Kernel families without CUDA C (Numba) join through their ``offline_reports``. The bench and the sweep
 reuse :func:`collect`, :func:`variant_rows`, :func:`render` and :func:`occupancy`.
+
+Each row shows its kernel's own knobs where its source says which those are (:func:`kernel_params`). A ``?``
+under threads / warps/SM / occupancy: the kernel's block size is set at launch, not by a knob the report can map to
+it, so its occupancy is not computed. A spill the source accepts (``CudaSource.accepted_spills``: bytes and why,
+declared with the kernel) is marked ``†`` and its reason printed under the table; every other spill or stack frame
+is red.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kernels.compile import SOURCES, CudaSource, KernelResources, OfflineCompileError, offline_report
+from tools.cli import examples
 
 # sm_90 (H100 / H200) per-SM limits
 SM90_MAX_WARPS = 64
@@ -88,6 +95,7 @@ class Row:
     is_default: bool = False
     error: str = ""
     variant: str = ""  # the registered variant these knobs belong to, when the row was made for one
+    accepted_spill: str = ""  # why its spill / stack is kept, when the source accepts it (CudaSource.accepted_spills)
 
     @property
     def spills(self) -> int:
@@ -121,10 +129,39 @@ def threads_per_block(source: CudaSource, kernel: str, params: dict[str, Any]) -
     return None
 
 
-def _row(source: str, report: KernelResources, params: dict[str, Any], threads: int | None, default: bool) -> Row:
+def kernel_params(source: CudaSource, kernel: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The knobs of ``params`` that belong to ``kernel``: where the source declares its kernels' knob prefixes
+    (``CudaSource.knob_prefixes``: gate_up ``GU_``, down ``DN_``), a kernel's row leaves out the knobs of the other
+    kernels' prefixes, so the gate_up is not labelled with the down's knobs; knobs of no declared prefix (``PDL``)
+    belong to every kernel, and a kernel or source without a declared prefix keeps them all."""
+    own = source.knob_prefixes.get(kernel)
+    if own is None:
+        return dict(params)
+    others = set(source.knob_prefixes.values()) - {own}
+    return {key: value for key, value in params.items()
+            if key.startswith(own) or not any(key.startswith(prefix) for prefix in others)}
+
+
+def accepted_spill(source: CudaSource | None, report: KernelResources) -> str:
+    """Why ``report``'s spill / stack is kept (``CudaSource.accepted_spills``), or "" when it has none or more than
+    the source accepts."""
+    if source is None or not (report.spill_stores or report.spill_loads or report.stack_bytes):
+        return ""
+    limit, why = source.accepted_spills.get(report.kernel, (0, ""))
+    within = max(report.spill_stores or 0, report.spill_loads or 0, report.stack_bytes or 0) <= limit
+    return why if within else ""
+
+
+def _row(source: str, report: KernelResources, params: dict[str, Any], threads: int | None, default: bool,
+         cuda: CudaSource | None = None) -> Row:
+    """One kernel's row; with its ``cuda`` source, the row keeps only that kernel's knobs (:func:`kernel_params`)
+    and says why an accepted spill is kept."""
+    if cuda is not None:
+        params = kernel_params(cuda, report.kernel, params)
     row = Row(
         source, report.kernel, dict(params), report.registers, report.shared_bytes, report.stack_bytes,
         report.spill_stores, report.spill_loads, threads, is_default=default,
+        accepted_spill=accepted_spill(cuda, report),
     )
     if threads:
         occ = occupancy(report.registers, threads, report.shared_bytes)
@@ -142,7 +179,8 @@ def collect(
     """Compile every registered source (or those named) at its defaults and each ``variants`` entry.
 
     A source that fails to compile yields one row carrying the error instead of raising; an unknown name is a
-    ValueError. ``steps``: a :class:`tools.display.Steps` told about each compile.
+    ValueError. ``steps``: a :class:`tools.display.Steps` told about each compile. A kernel whose own knobs
+    (:func:`kernel_params`) are those of an earlier parameter set is listed once.
     """
     load_sources()
     rows: list[Row] = [Row(error.split(":", 1)[0], "-", error=error) for error in LOAD_ERRORS]
@@ -151,6 +189,7 @@ def collect(
     if unknown:
         raise ValueError(f"unknown CUDA source(s) {', '.join(map(repr, unknown))}; registered: "
                          f"{', '.join(sorted(SOURCES))}")
+    listed: set[tuple[str, str, str]] = set()
     for number, name in enumerate(names, 1):
         source = SOURCES[name]
         param_sets = [({}, True)] + ([] if defaults_only else [(dict(v), False) for v in source.variants])
@@ -165,7 +204,11 @@ def collect(
                 rows.append(Row(name, "-", params, is_default=default, error=str(exc).splitlines()[0][:200]))
                 continue
             for report in sorted(reports, key=lambda r: r.kernel):
-                rows.append(_row(name, report, params, threads_per_block(source, report.kernel, params), default))
+                row = _row(name, report, params, threads_per_block(source, report.kernel, params), default, source)
+                key = (name, row.kernel, json.dumps(row.params, sort_keys=True))
+                if key not in listed:  # e.g. the gate_up of parameter sets that differ in the down's knobs
+                    listed.add(key)
+                    rows.append(row)
     if include_numba and sources is None:
         if steps is not None:
             steps.start("compiling the Numba kernels for sm_90 (Numba, then nvJitLink)")
@@ -218,7 +261,7 @@ def variant_rows(variant: Any, dims: Any = None, params: dict[str, Any] | None =
     merged = source.params(**defines)
     rows = []
     for report in sorted(reports, key=lambda r: r.kernel):
-        row = _row(source.name, report, merged, threads_per_block(source, report.kernel, merged), False)
+        row = _row(source.name, report, merged, threads_per_block(source, report.kernel, merged), False, source)
         row.variant = variant.name
         rows.append(row)
     return rows
@@ -251,9 +294,15 @@ def _fmt_params(params: dict[str, Any], source: CudaSource | None) -> str:
     return " ".join(f"{k}={v}" if k else str(v) for k, v in params.items())
 
 
+UNKNOWN_THREADS = ("? the report cannot tell this kernel's threads per block: its launch sets them (a constant, the "
+                   "problem's dims, or a knob its source does not name in warps_knobs), so warps/SM and occupancy "
+                   "are not computed offline")
+
+
 def render(rows: list[Row], title: str = "offline compile report (sm_90, NVRTC / nvJitLink)") -> Any:
     """A :class:`tools.display.FitTable` of the rows, one line per kernel (parameters shown as differences from the
-    source's defaults; rows made for a variant name it)."""
+    source's defaults; rows made for a variant name it). Its caption explains a ``?`` and gives the reason of each
+    accepted spill (marked ``†``, yellow; any other spill is red)."""
     from rich.text import Text
 
     from tools.display import Column, FitTable
@@ -264,6 +313,7 @@ def render(rows: list[Row], title: str = "offline compile report (sm_90, NVRTC /
                Column("smem B", drop=3), Column("threads", drop=5), Column("warps/SM", drop=1), Column("occupancy"),
                Column("limiter", "left", drop=6)]
     table = FitTable(columns, title=title)
+    notes: dict[str, str] = {}  # footnote lines, each once
     for row in rows:
         source = SOURCES.get(row.source)
         first = row.variant or row.source
@@ -271,25 +321,47 @@ def render(rows: list[Row], title: str = "offline compile report (sm_90, NVRTC /
             table.add_row(first, row.kernel, _fmt_params(row.params, source), Text(row.error, style="red"),
                           *[""] * 7)
             continue
-        spill = Text(f"{row.spill_stores}/{row.spill_loads}", style="red" if row.spills else "")
-        stack = Text(str(row.stack_bytes), style="red" if row.stack_bytes else "")
+        mark, style = ("†", "yellow") if row.accepted_spill else ("", "red")
+        if row.accepted_spill:
+            notes.setdefault(f"† {row.kernel} ({row.source})", f"† accepted spill, {row.kernel} ({row.source}): "
+                                                               f"{row.accepted_spill}")
+        if not row.threads_per_block:
+            notes.setdefault("?", UNKNOWN_THREADS)
+        spill = Text(f"{row.spill_stores}/{row.spill_loads}" + (mark if row.spills else ""),
+                     style=style if row.spills else "")
+        stack = Text(str(row.stack_bytes) + (mark if row.stack_bytes and not row.spills else ""),
+                     style=style if row.stack_bytes else "")
         table.add_row(
             first, row.kernel, _fmt_params(row.params, source), str(row.registers), spill, stack,
             str(row.shared_bytes), str(row.threads_per_block or "?"),
             str(row.warps_per_sm) if row.warps_per_sm is not None else "?",
             f"{row.occupancy:.0%}" if row.occupancy is not None else "?", row.limiter,
         )
+    table.caption = "\n".join(notes[key] for key in sorted(notes, key=lambda key: key != "?")) or None
     return table
 
 
 def main(argv: list[str] | None = None) -> int:
     from tools.display import Steps, console
 
-    parser = argparse.ArgumentParser(prog="python -m tools.compile_report", description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
-    parser.add_argument("--source", action="append", help="only this registered source (repeatable)")
-    parser.add_argument("--defaults-only", action="store_true", help="skip each source's variants list")
-    parser.add_argument("--no-numba", action="store_true", help="skip Numba kernels")
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.compile_report", description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=examples(
+            "python -m tools.compile_report --defaults-only          # every source at its defaults, one line a kernel",
+            "python -m tools.compile_report --source warp_decode_fp8 --no-numba   # one source, its parameter sets",
+            "python -m tools.compile_report --json --defaults-only --no-numba     # one JSON object per row",
+        ))
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object per row instead of a table (default: the table)")
+    parser.add_argument("--source", action="append", metavar="NAME",
+                        help="only this registered CUDA source (repeatable; default: every source, and the Numba "
+                             "kernels)")
+    parser.add_argument("--defaults-only", action="store_true",
+                        help="compile each source at its defaults only (default: also each parameter set in its "
+                             "variants list)")
+    parser.add_argument("--no-numba", action="store_true",
+                        help="skip the Numba kernels (default: include them when no --source is given)")
     args = parser.parse_args(argv)
     with Steps(description="loading the registered CUDA sources") as steps:
         try:

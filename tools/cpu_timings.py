@@ -30,6 +30,7 @@ from kernels.contract import BF16
 from kernels.reference import moe_decode
 from kernels.routing import make_routing
 from kernels.shapes import MoEShape, get_shape
+from tools.cli import examples
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCURACY_ARGS = ("--model", "tiny", "--seeds", "2", "--layers", "3")
@@ -78,8 +79,12 @@ def record(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tools.cpu_timings", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the figures and the environment here")
+    parser = argparse.ArgumentParser(prog="python -m tools.cpu_timings", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=examples("python -m tools.cpu_timings          # a table on stdout",
+                                                     "python -m tools.cpu_timings --json results/cpu-timings.json"))
+    parser.add_argument("--json", type=Path, metavar="PATH",
+                        help="also write the figures and the environment here (default: not written)")
     return parser
 
 

@@ -52,7 +52,7 @@ from kernels.contract import Dims
 from kernels.routing import GENERATORS
 from kernels.shapes import PRESETS, get_shape
 from kernels.variants import get_variant
-from tools.cli import int_list, positive_int
+from tools.cli import examples, int_list, positive_int
 
 DEFAULT_MODELS = tuple(name for name in PRESETS if name != "tiny")
 DEFAULT_REPEATS = 15
@@ -153,6 +153,10 @@ def from_benches(benches: list[tuple[str, dict[str, Any]]], table: dict[str, Any
     env_of: dict[tuple[str, int, str, str], dict[str, Any]] = {}  # the run each kept row came from
     for name, bench in benches:
         env = bench["environment"]
+        if env.get("gpu") is None and not bench.get("results"):  # the bench's CPU path: checks, no timing
+            reason = (bench.get("cpu") or {}).get("reason") or "no GPU"
+            raise ValueError(f"{name} took no timing (run without a GPU: {reason}); a dispatch table needs a "
+                             "tools.bench run on the GPU it describes")
         run_gpu = env["gpu"]["name"]
         if gpu is None:
             gpu = run_gpu
@@ -220,20 +224,34 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.dispatch_table", description=__doc__.split("\n")[0],
                                      usage="%(prog)s [-h] --json PATH [--model M,...] [--batch T,...] [--repeats N] "
                                            "[--routing R,...] [--also VARIANT,...] [--weight-format F] "
-                                           "[--from-bench BENCH_JSON ...]")
+                                           "[--from-bench BENCH_JSON ...]",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=examples(
+                                         "python -m tools.dispatch_table --json /tmp/nvidia-h200.json --from-bench "
+                                         "results/h200-2026-12-02-candidates-uniform.json   # no GPU needed",
+                                         "python -m tools.dispatch_table --json kernels/dispatch_tables/"
+                                         "nvidia-h200.json --model qwen3-30b-a3b --batch 1,8   # on the GPU",
+                                         "python -m tools.dispatch_table --json kernels/dispatch_tables/"
+                                         "nvidia-h200.json --weight-format fp8-block128 --model qwen3-30b-a3b"))
     # not required=True: an unknown option is reported before a missing --json (checked below)
     parser.add_argument("--json", metavar="PATH",
                         help="table file to write / update (kernels/dispatch_tables/<slug>.json); required")
-    parser.add_argument("--model", default=",".join(DEFAULT_MODELS), help="comma-separated presets")
-    parser.add_argument("--batch", type=int_list, default=list(dispatch.TABLE_POINTS))
-    parser.add_argument("--repeats", type=positive_int, default=DEFAULT_REPEATS)
-    parser.add_argument("--routing", default=",".join(dispatch.TABLE_ROUTINGS),
-                        help="comma-separated routings, uniform first (the choice is the best worst case over them)")
-    parser.add_argument("--also", default="", help="comma-separated variants to time and record, never chosen")
+    parser.add_argument("--model", default=",".join(DEFAULT_MODELS), metavar="M,...",
+                        help="comma-separated presets (default: every preset but tiny)")
+    parser.add_argument("--batch", type=int_list, default=list(dispatch.TABLE_POINTS), metavar="T,...",
+                        help=f"comma list of batch sizes T (default {','.join(map(str, dispatch.TABLE_POINTS))})")
+    parser.add_argument("--repeats", type=positive_int, default=DEFAULT_REPEATS, metavar="N",
+                        help="timed samples per candidate and point (default %(default)s)")
+    parser.add_argument("--routing", default=",".join(dispatch.TABLE_ROUTINGS), metavar="R,...",
+                        help="comma-separated routings, uniform first (the choice is the best worst case over them; "
+                             "default %(default)s)")
+    parser.add_argument("--also", default="", metavar="VARIANT,...",
+                        help="comma-separated variants to time and record, never chosen (default: none)")
     parser.add_argument("--weight-format", choices=tuple(dispatch.FORMAT_CANDIDATES), default="bf16",
-                        help="the weights' format: its paths are the candidates (default bf16)")
+                        help="the weights' format: its paths are the candidates (default %(default)s)")
     parser.add_argument("--from-bench", metavar="BENCH_JSON", nargs="+",
-                        help="build the table from bench runs' JSON (later files override earlier ones)")
+                        help="build the table from bench runs' JSON, timed on a GPU (later files override earlier "
+                             "ones; default: measure on this GPU)")
     args = parser.parse_args(argv)
     if not args.json:
         parser.error("the following arguments are required: --json")

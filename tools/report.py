@@ -36,6 +36,7 @@ from rich import box
 from rich.console import Console, Group
 from rich.text import Text
 
+from tools.cli import examples
 from tools.display import Column, FitTable
 from tools.display import console as output_console
 from tools.roofline import bar, percent
@@ -761,14 +762,24 @@ def _not_a_bench_result(data: Any) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.report", description=__doc__.split("\n")[0],
                                      usage="%(prog)s [-h] [--markdown] [--update-readme FILE] [--headline FILE] "
-                                           "JSON [JSON ...]\n       %(prog)s (--update-readme FILE | --headline FILE)")
+                                           "JSON [JSON ...]\n       %(prog)s (--update-readme FILE | --headline FILE)",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=examples(
+                                         "python -m tools.report results/h200-2026-12-02-candidates-uniform.json",
+                                         "python -m tools.report results/h200-2026-12-02-candidates-uniform.json "
+                                         "results/h200-2026-12-02-candidates-zipf.json --markdown",
+                                         "python -m tools.report --update-readme results/REPORT.md   # again from "
+                                         "the runs its own command names"))
     # "*" here, at least one below: so an unknown option is reported before a missing JSON
     parser.add_argument("json", nargs="*", metavar="JSON",
-                        help="result files written by python -m tools.bench --json (in order)")
-    parser.add_argument("--markdown", action="store_true", help="print markdown tables instead of the rich report")
-    parser.add_argument("--update-readme", metavar="FILE", help="replace the bench block of this file with every table")
+                        help="result files written by python -m tools.bench --json (in order; default with one of "
+                             "--update-readme / --headline alone: the runs that document's command names)")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print markdown tables instead of the rich report (default: the rich report)")
+    parser.add_argument("--update-readme", metavar="FILE",
+                        help="replace the bench block of this file with every table (default: no file changed)")
     parser.add_argument("--headline", metavar="FILE", help="replace the headline block of this file with the "
-                                                           "crossover tables")
+                                                           "crossover tables (default: no file changed)")
     args = parser.parse_args(argv)
     if not args.json and bool(args.update_readme) != bool(args.headline):  # one document: the runs it names
         option, document = ("--update-readme", args.update_readme) if args.update_readme else ("--headline",

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kernels.compile import CudaSource, get_kernel, register_source
-from tools.cli import positive_int
+from tools.cli import examples, positive_int
 
 # Peak HBM bandwidth from the vendors' datasheets, TB/s (10^12 bytes/s). First matching substring wins.
 DATASHEET_TBPS: tuple[tuple[str, float], ...] = (
@@ -304,9 +304,14 @@ def format_record(record: dict[str, Any], gpu: str | None = None) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m tools.roofline``: measure the rooflines on this GPU and print them; without one, say so."""
     parser = argparse.ArgumentParser(prog="python -m tools.roofline",
-                                     description="Measure the memory rooflines (streaming read, copies) on this GPU.")
-    parser.add_argument("--repeats", type=positive_int, default=10, help="timed samples per figure (default 10)")
-    parser.add_argument("--json", metavar="PATH", help="also write the measured record here")
+                                     description="Measure the memory rooflines (streaming read, copies) on this GPU.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=examples(
+                                         "python -m tools.roofline                     # without a GPU: says so",
+                                         "python -m tools.roofline --repeats 20 --json results/roofline.json"))
+    parser.add_argument("--repeats", type=positive_int, default=10, metavar="N",
+                        help="timed samples per figure (default %(default)s)")
+    parser.add_argument("--json", metavar="PATH", help="also write the measured record here (default: not written)")
     args = parser.parse_args(argv)
 
     from tools import harness

@@ -3,10 +3,12 @@
     python -m tools.sweep cupy:warp-decode --model qwen3-30b-a3b --batch 1,8,64
     python -m tools.sweep cupy:warp-decode --grid DN_SLOTS=2,4 --grid DN_UNROLL=1,3 --json results/sweep.json
     python -m tools.sweep cupy:warp-decode-mma-fp8 --model qwen3-235b-a22b --batch 8,16 --grid GB_KSPLIT=1,4 --rounds 2
+    python -m tools.sweep --list          # every registered variant, one line each
 
-VARIANT is any registered name (builtin or prototype). The grid is the variant's ``grid`` unless ``--grid``
-is given (then only the ``--grid`` keys are swept; the rest keep the variant's params); a ``--grid`` key the
-variant does not know (see ``known_knobs``) is an error, so a typo never sweeps the defaults. Each point is
+VARIANT is any registered name (builtin or prototype; ``--list`` prints them). The grid is the variant's ``grid``
+unless ``--grid`` is given (then only the ``--grid`` keys are swept; the rest keep the variant's params); a ``--grid``
+key the variant does not know (see ``known_knobs``) is an error, so a typo never sweeps the defaults, and so is a
+value outside the knob's limits (``grid_error``), before anything is compiled. Each point is
 checked against the reference before it is timed (a wrong point is reported, never timed) and timed with
 the bench's harness. The ranked table puts the offline compile report (registers, spill / stack bytes, theoretical
 occupancy, via NVRTC -- when the variant's source is a ``kernels.compile.CudaSource``) beside µs, TB/s
@@ -34,9 +36,11 @@ from typing import Any
 from kernels.contract import Dims
 from kernels.shapes import DEFAULT_MODEL, PRESETS, get_shape
 from tools import bench, harness
-from tools.cli import int_list, positive_int
+from tools.cli import examples, int_list, positive_int
 from tools.registry import load as load_registry
 from tools.roofline import bar, percent
+
+DEFAULT_BATCHES = (1, 8, 64)
 
 
 def parse_value(text: str) -> Any:
@@ -58,7 +62,10 @@ def parse_grid(items: list[str] | None) -> dict[str, list[Any]]:
         key, sep, values = item.partition("=")
         if not sep or not key.strip() or not values.strip():
             raise ValueError(f"--grid takes KEY=v1,v2,..., got {item!r}")
-        grid[key.strip()] = [parse_value(v) for v in values.split(",") if v.strip()]
+        items = values.split(",")
+        if not all(v.strip() for v in items):
+            raise ValueError(f"--grid {key.strip()}: an empty value in {values!r} (KEY=v1,v2,...)")
+        grid[key.strip()] = [parse_value(v) for v in items]
     return grid
 
 
@@ -106,6 +113,30 @@ def known_knobs(variant: Any) -> set[str]:
     keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     known |= {p.name for p in parameters if p.kind in keyword}
     return known
+
+
+def grid_error(variant: Any, grid: dict[str, list[Any]]) -> str | None:
+    """The first ``--grid`` value the variant's kernel family cannot take, as one line naming the knob, the value and
+    what the family allows (its ``limits``); None when every value is fine. Checked before anything is compiled or
+    timed, so a typo is refused at once, GPU or not. Knobs outside the family (a ``build`` keyword) and variants
+    without a family are left to ``build``. Combinations the family's rules refuse at some dims stay points (their
+    compile column says why)."""
+    family = getattr(variant, "kernel_family", None)
+    if family is None:
+        return None
+    defaults = family.defaults
+    for key, values in grid.items():
+        if key not in defaults:
+            continue
+        low, high = family.limits.get(key, (None, None))
+        allowed = (f"an int in {low}..{high}" if low is not None else "an int") + \
+            (" (0 = auto)" if key in family.auto_knobs else "")
+        for value in values:
+            if isinstance(value, bool) or not isinstance(value, int):
+                return f"--grid {key}: {value!r} is not an int; {variant.name} takes {key} as {allowed}"
+            if low is not None and not low <= value <= high:
+                return f"--grid {key}: {value} is out of range; {variant.name} takes {key} as {allowed}"
+    return None
 
 
 def compile_columns(variant: Any, params: dict[str, Any], dims: Any = None) -> dict[str, Any]:
@@ -210,7 +241,7 @@ def sweep(name: str, model: str = DEFAULT_MODEL, batch: list[int] | None = None,
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
 
-    batches = batch or [1, 8, 64]
+    batches = batch or list(DEFAULT_BATCHES)
     shape = get_shape(model)
     with Steps(enabled=progress, description="looking for a CUDA GPU") as steps:
         gpu, why = harness.gpu_available()
@@ -222,6 +253,9 @@ def sweep(name: str, model: str = DEFAULT_MODEL, batch: list[int] | None = None,
             raise ValueError(f"unknown variant {name!r}; registered: {', '.join(registry) or 'none'}")
         variant = registry[name]
         grid = grid if grid else dict(variant.grid)
+        error = grid_error(variant, grid)
+        if error:
+            raise ValueError(error)
         record: dict[str, Any] = {
             "schema": "warp-decode-sweep/1", "variant": name, "model": model, "batches": batches, "grid": grid,
             "routing": routing, "repeats": repeats, "rounds": rounds, "seed": seed,
@@ -332,27 +366,65 @@ def render(record: dict[str, Any]) -> Any:
     return Group(*parts)
 
 
+def list_variants(registry: dict[str, Any]) -> str:
+    """``--list``: every registered variant's name and the first line of its description, one per line."""
+    width = max((len(name) for name in registry), default=0)
+    lines = []
+    for name, variant in registry.items():
+        description = (variant.description or "").strip().splitlines()
+        lines.append(f"{name:<{width}}  {description[0] if description else ''}".rstrip())
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tools.sweep", description="Sweep a variant's parameter grid.",
-        usage="%(prog)s [-h] VARIANT [--model MODEL] [--batch T,...] [--grid KEY=v1,v2 ...] [--routing ROUTING] "
-              "[--repeats N] [--rounds N] [--seed SEED] [--json PATH]")
+        usage="%(prog)s [-h] [--list] VARIANT [--model MODEL] [--batch T,...] [--grid KEY=v1,v2 ...] "
+              "[--routing ROUTING] [--repeats N] [--rounds N] [--seed SEED] [--json PATH]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=examples(
+            "python -m tools.sweep --list                        # the variant names, one line each",
+            "python -m tools.sweep cupy:warp-decode --model tiny --batch 1 --grid DN_SLOTS=1,2   # no GPU: compile "
+            "columns only",
+            "python -m tools.sweep cupy:warp-decode --batch 1,8,64 --grid DN_SLOTS=2,4 --grid DN_UNROLL=1,3 "
+            "--json results/sweep.json",
+            "python -m tools.sweep cupy:warp-decode-mma-fp8 --model qwen3-235b-a22b --batch 8,16 --grid GB_KSPLIT=1,4 "
+            "--rounds 2"))
     # optional here, required below: so an unknown option is reported before a missing VARIANT
     parser.add_argument("variant", nargs="?", metavar="VARIANT",
-                        help="a registered variant name (builtin or prototype)")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"one preset; known: {', '.join(PRESETS)}")
-    parser.add_argument("--batch", type=int_list, default=[1, 8, 64])
+                        help="a registered variant name (builtin or prototype; --list names them)")
+    parser.add_argument("--list", action="store_true",
+                        help="print every registered variant's name and description, then exit (no GPU needed)")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"one preset (default %(default)s); known: {', '.join(PRESETS)}")
+    parser.add_argument("--batch", type=int_list, default=list(DEFAULT_BATCHES), metavar="T,...",
+                        help=f"comma list of batch sizes T (default {','.join(map(str, DEFAULT_BATCHES))})")
     parser.add_argument("--grid", action="append", metavar="KEY=v1,v2",
-                        help="sweep KEY (a knob the variant knows) over these values (repeatable)")
-    parser.add_argument("--routing", choices=bench.ROUTINGS, default="uniform")
-    parser.add_argument("--repeats", type=positive_int, default=20)
-    parser.add_argument("--rounds", type=positive_int, default=1,
-                        help="run the whole grid this many times in turn (drift shows as the spread between runs)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH")
+                        help="sweep KEY (a knob the variant knows) over these values (repeatable; default: the "
+                             "variant's own grid)")
+    parser.add_argument("--routing", choices=bench.ROUTINGS, default="uniform",
+                        help="how tokens pick experts (default %(default)s)")
+    parser.add_argument("--repeats", type=positive_int, default=20, metavar="N",
+                        help="timed samples per point (default %(default)s)")
+    parser.add_argument("--rounds", type=positive_int, default=1, metavar="N",
+                        help="run the whole grid this many times in turn (drift shows as the spread between runs; "
+                             "default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the weights, activations and routing, an int >= 0 (default %(default)s)")
+    parser.add_argument("--json", metavar="PATH", help="also write the sweep record here (default: not written)")
     args = parser.parse_args(argv)
+    if args.list:
+        if args.variant is not None:
+            parser.error("--list lists every variant: leave VARIANT out")
+        if not harness.gpu_available()[0]:
+            bench._enable_simulator()
+        registry, warnings = load_registry()
+        print(list_variants(registry))
+        for warning in warnings:
+            print(f"warning: not loaded: {warning}", file=sys.stderr)
+        return 0
     if args.variant is None:
-        parser.error("the following arguments are required: VARIANT")
+        parser.error("the following arguments are required: VARIANT (--list names them)")
     if args.model not in PRESETS:
         parser.error(f"--model: unknown preset {args.model!r}; known: {', '.join(PRESETS)}")
     if args.seed < 0:
@@ -372,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--grid: unknown knob(s) {', '.join(unknown)} for {args.variant}; "
                      f"known: {', '.join(sorted(known)) or 'none (it takes no knobs)'}")
+    error = grid_error(registry[args.variant], grid)
+    if error:
+        parser.error(error)
     from tools.display import console
 
     record = sweep(args.variant, args.model, args.batch, grid, args.routing, args.repeats, args.seed,

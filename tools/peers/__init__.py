@@ -4,10 +4,10 @@ An optional extra (``pip install ".[peers]"``: PyTorch and Triton); the lab itse
 this package registers ``triton:fused-moe`` (:mod:`tools.peers.triton_fused_moe`, the fused-MoE design of vLLM and
 SGLang, written here) and ``triton:fused-moe-w8a8`` (the same design on fp8-block128 weights with both activation
 quantizations: what serving engines run on FP8 checkpoints) when torch, triton and a CUDA device are present;
-otherwise it registers nothing and :data:`WHY_NOT` says why in one line. Their knob ``CONFIG`` indexes the peer's
-tile configs (:data:`PEERS`); -1 (the default) takes the tile config ``python -m tools.peers --tune`` measured
-fastest for the shape and the nearest batch (``tools/peers/tuned/<gpu slug>.json``), or the first config where
-none was measured.
+otherwise it registers nothing and :data:`WHY_NOT` says why in one sentence ("the peers need ..."). Their knob
+``CONFIG`` indexes the peer's tile configs (:data:`PEERS`); -1 (the default) takes the tile config
+``python -m tools.peers --tune`` measured fastest for the shape and the nearest batch
+(``tools/peers/tuned/<gpu slug>.json``), or the first config where none was measured.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ def _why_not() -> str | None:
         import torch
         import triton  # noqa: F401
     except ImportError as exc:
-        return f"needs PyTorch and Triton (pip install '.[peers]'): {exc}"
+        return f"the peers need PyTorch and Triton (pip install '.[peers]'): {exc}"
     if not torch.cuda.is_available():
-        return "needs a CUDA GPU for PyTorch"
+        return "the peers need a CUDA GPU that PyTorch can use; it sees none"
     return None
 
 

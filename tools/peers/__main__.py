@@ -11,7 +11,7 @@ config's row is also recorded as ``triton:fused-moe`` (the tuned peer, ``tuned_f
 ``--configs`` runs only the named configs (a quicker comparison where the fastest are known; not with ``--tune``).
 ``--weight-format fp8-block128`` does the same for the W8A8 peer ``triton:fused-moe-w8a8`` (its own tile configs)
 beside the lab's FP8 auto-dispatch on both layouts (``cupy:auto-fp8``, ``cupy:auto-fp8-t16``). Without PyTorch,
-Triton or a GPU it says so in one line and exits 0.
+Triton or a GPU it says so in one line and exits 0 (after checking its arguments: a bad one exits 2).
 """
 
 from __future__ import annotations
@@ -23,29 +23,46 @@ import sys
 from typing import Any
 
 from kernels.routing import GENERATORS
+from kernels.shapes import PRESETS
 from tools import peers, report
-from tools.cli import int_list
+from tools.cli import examples, int_list, positive_int
 
 # what each peer is measured beside: the lab's auto-dispatch for its weights (FP8: both layouts')
 LAB_DEFAULT = {"bf16": "cupy:auto,cupy:auto-t16", "fp8-block128": "cupy:auto-fp8,cupy:auto-fp8-t16"}
+DEFAULT_BATCHES = (1, 8, 16, 32, 64)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tools.peers", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen3-30b-a3b", help="comma list of presets")
-    parser.add_argument("--batch", type=int_list, default=[1, 8, 16, 32, 64], help="comma list of batch sizes")
-    parser.add_argument("--routing", default="uniform", choices=GENERATORS)
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.peers", description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=examples(
+            "python -m tools.peers --model tiny --batch 1   # without PyTorch / Triton / a GPU: says so, exits 0",
+            "python -m tools.peers --model qwen3-30b-a3b,qwen3-235b-a22b --batch 1,8,16,32,64 --json peers.json "
+            "--tune",
+            "python -m tools.peers --weight-format fp8-block128 --batch 1,8 --configs 0,1",
+        ))
+    parser.add_argument("--model", default="qwen3-30b-a3b",
+                        help=f"comma list of presets (default %(default)s); known: {', '.join(PRESETS)}")
+    parser.add_argument("--batch", type=int_list, default=list(DEFAULT_BATCHES), metavar="T,...",
+                        help=f"comma list of batch sizes T (default {','.join(map(str, DEFAULT_BATCHES))})")
+    parser.add_argument("--routing", default="uniform", choices=GENERATORS,
+                        help="how tokens pick experts (default %(default)s)")
     parser.add_argument("--weight-format", choices=tuple(LAB_DEFAULT), default="bf16",
-                        help="bf16: the fused-MoE peer; fp8-block128: its W8A8 form")
-    parser.add_argument("--lab", default=None,
+                        help="bf16: the fused-MoE peer; fp8-block128: its W8A8 form (default %(default)s)")
+    parser.add_argument("--lab", default=None, metavar="VARIANT,...",
                         help="lab variants measured beside the peer (default: cupy:auto,cupy:auto-t16; FP8: "
                              "cupy:auto-fp8,cupy:auto-fp8-t16)")
     parser.add_argument("--configs", default=None,
                         help="comma list of the peer's tile configs to run, by name (M16-N64-K128-G1-w4-s3) or "
-                             "index; default: all (the tuned peer is the fastest of those run)")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--json", help="write the bench record (every config's rows, the tuned peer rows) here")
-    parser.add_argument("--tune", action="store_true", help="write the fastest config per point to tools/peers/tuned/")
+                             "index (default: all; the tuned peer is the fastest of those run)")
+    parser.add_argument("--repeats", type=positive_int, default=10, metavar="N",
+                        help="timed samples per point (default %(default)s)")
+    parser.add_argument("--json", metavar="PATH",
+                        help="write the bench record (every config's rows, the tuned peer rows) here (default: not "
+                             "written)")
+    parser.add_argument("--tune", action="store_true",
+                        help="write the fastest config per point to tools/peers/tuned/ (default: write nothing)")
     return parser
 
 
@@ -85,6 +102,11 @@ def write_tuned(rows: list[dict[str, Any]], gpu: str, peer: str = peers.PEER) ->
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    models = [m.strip() for m in args.model.split(",") if m.strip()]
+    unknown = [m for m in models if m not in PRESETS]
+    if unknown or not models:
+        parser.error(f"--model: unknown preset(s) {', '.join(map(repr, unknown)) or 'none given'}; "
+                     f"known: {', '.join(PRESETS)}")
     name = next(p for p, fmt in peers.PEERS.items() if fmt == args.weight_format)
     try:
         chosen = select_configs(name, args.configs)
@@ -93,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tune and args.configs is not None:
         parser.error("--tune picks the fastest of every tile config: leave --configs out")
     if peers.WHY_NOT is not None:
-        print(f"skipped: the peers {peers.WHY_NOT}")
+        print(f"skipped: {peers.WHY_NOT}")
         return 0
     from kernels.dispatch import current_gpu
     from kernels.variants import REGISTRY
@@ -103,8 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     configs = [dataclasses.replace(peer, name=f"{name}[{c.name}]", params={"CONFIG": i}, grid={})
                for i, c in enumerate(peers.configs(name)) if i in chosen]
     lab = [v for v in (args.lab or LAB_DEFAULT[args.weight_format]).split(",") if v]
-    result = bench.run(args.model.split(","), args.batch, variants=[*lab, *configs], routing=args.routing,
-                       repeats=args.repeats, stages=False, json_path=args.json)
+    try:
+        result = bench.run(models, args.batch, variants=[*lab, *configs], routing=args.routing,
+                           repeats=args.repeats, stages=False, json_path=args.json)
+    except bench.SelectionError as error:  # a --lab name no variant has
+        parser.error(f"--lab: {error}")
     data = result.data
     rows = report.tuned_rows(data, name)
     data["results"].extend(rows)
