@@ -32,7 +32,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from kernels.contract import BF16, array_module
+from kernels.contract import BF16, array_module, check_weights
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,11 @@ class WeightFormat:
         return (isinstance(weights, Quantized) and weights.layout == getattr(self, "layout", "rows")
                 and (weights.scales is not None) == self.scaled)
 
-    def check_dims(self, hidden: int, intermediate: int) -> None:
+    def check_dims(self, hidden: int, intermediate: int, what: str = "") -> None:
         """:class:`FormatDimsError` unless this format can store experts of these H and I (a tiled format: whole
-        tiles of :func:`tile_k` values a row; every other format can)."""
+        tiles of :func:`tile_k` values a row; every other format can); ``what`` says whose dims they are."""
         if self.tiled:
-            check_tile_dims(self.name, hidden, intermediate, tile_k(int(self.value_bytes)))
+            check_tile_dims(self.name, hidden, intermediate, tile_k(int(self.value_bytes)), what)
 
     def _check_values(self, name: str, values: Any) -> None:
         """:meth:`check_dims` on ``name``'s values ([E, 2I, H] for w13, [E, H, I] for w2), naming them."""
@@ -107,7 +107,8 @@ class WeightFormat:
         return int(self.value_count(hidden, intermediate) * self.value_bytes) + self.scale_bytes(hidden, intermediate)
 
     def quantize(self, w13: Any, w2: Any) -> tuple[Any, Any]:
-        """This format's (w13, w2) from fp32 or bf16 weights in the contract's layouts."""
+        """This format's (w13, w2) from fp32 or bf16 weights in the contract's layouts. The built-in formats check
+        them first with ``kernels.contract.check_weights`` (shapes, the dims the format stores, finite values)."""
         raise NotImplementedError
 
     def dequantize(self, weights: Any, matrix: str) -> np.ndarray:
@@ -153,6 +154,7 @@ class Bf16(WeightFormat):
     """The contract's bf16 weights: values only, rounded to nearest even from fp32."""
 
     def quantize(self, w13: Any, w2: Any) -> tuple[Any, Any]:
+        check_weights(w13, w2, self)
         return _as_bf16(w13, "w13"), _as_bf16(w2, "w2")
 
     def dequantize(self, weights: Any, matrix: str = "") -> np.ndarray:
@@ -241,6 +243,7 @@ class Fp8Block128(WeightFormat):
         return experts, _blocks(rows), _blocks(cols)
 
     def quantize(self, w13: Any, w2: Any) -> tuple[Quantized, Quantized]:
+        check_weights(w13, w2, self)
         return self._quantize("w13", w13), self._quantize("w2", w2)
 
     def _quantize(self, name: str, w: Any) -> Quantized:
@@ -409,6 +412,7 @@ class Bf16T16(WeightFormat):
     layout: str = "t16"
 
     def quantize(self, w13: Any, w2: Any) -> tuple[Quantized, Quantized]:
+        check_weights(w13, w2, self)
         return self.from_rows(_as_bf16(w13, "w13"), _as_bf16(w2, "w2"))
 
     def from_rows(self, w13: Any, w2: Any) -> tuple[Quantized, Quantized]:
@@ -484,7 +488,9 @@ def format_of(w13: Any) -> str:
 def quantize_weights(w13: Any, w2: Any, weight_format: str | WeightFormat = FP8_BLOCK128.name) -> tuple[Any, Any]:
     """``(w13, w2)`` in ``weight_format`` from fp32 / bf16 weights in the data contract's layouts (NumPy or CuPy:
     the result lives where the input did). For ``"fp8-block128"`` each is a :class:`Quantized` that every entry
-    point taking that format and ``reference.moe_decode(..., weight_format=)`` accept in place of bf16 weights."""
+    point taking that format and ``reference.moe_decode`` accept in place of bf16 weights (they read the format from
+    it). Checked first (``kernels.contract.check_weights``): w13 [E, 2I, H] and w2 [E, H, I] with H and I as the
+    format stores them, every value finite -- a NaN or inf is a ValueError naming the matrix and the experts."""
     return get_format(weight_format).quantize(w13, w2)
 
 

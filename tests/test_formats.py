@@ -224,6 +224,82 @@ def test_fp8_block128_checks_name_the_problem(rng: np.random.Generator) -> None:
         kernels.quantize_weights(problem.w13, problem.w2, "fp4")
 
 
+def _finite_weights(rng: np.random.Generator, experts: int = 4, hidden: int = 128, inter: int = 64) -> tuple:
+    """fp32 weights every format stores (H and I whole tiles of 64 values)."""
+    return (rng.standard_normal((experts, 2 * inter, hidden), dtype=np.float32),
+            rng.standard_normal((experts, hidden, inter), dtype=np.float32))
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_quantize_weights_refuses_non_finite(rng: np.random.Generator, fmt: str) -> None:
+    """A NaN or inf weight is a ValueError naming the matrix, the experts holding them (and how many each) and the
+    first one's index, in every format and from fp32 or bf16: unchecked, a NaN left its fp8-block128 block's scale
+    at 1 (the block's other values quantized unscaled) and an inf zeroed the rest of its block."""
+    w13, w2 = _finite_weights(rng)
+    bad13 = w13.copy()
+    bad13[2, 5, 7] = np.nan
+    bad13[2, 100, 0] = -np.inf
+    bad13[3, 0, 127] = np.nan
+    with pytest.raises(ValueError, match=r"w13 must be finite to become .* 3 NaN/inf values in 2 of 4 experts "
+                                         r"\(expert \(count\): 2 \(2\), 3 \(1\)\); the first is w13\[2, 5, 7\] = nan"):
+        kernels.quantize_weights(bad13, w2, fmt)
+    bad2 = w2.astype(BF16)
+    bad2[1, 64, 3] = np.inf
+    with pytest.raises(ValueError, match=r"w2 must be finite .* 1 NaN/inf values in 1 of 4 experts .* "
+                                         r"w2\[1, 64, 3\] = inf"):
+        kernels.quantize_weights(w13.astype(BF16), bad2, fmt)
+    kernels.quantize_weights(w13, w2, fmt)  # finite: fine
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_quantize_weights_refuses_inconsistent_shapes(rng: np.random.Generator, fmt: str) -> None:
+    """w13 / w2 that no entry point could take are refused where they are quantized, naming the argument and the
+    shape expected -- not later, at the first call: swapped, mismatched, H or I not a multiple of 8, and (tiled
+    formats) not whole tiles."""
+    w13, w2 = _finite_weights(rng)
+    with pytest.raises(ValueError, match=r"w2 must be \[E, H, I\] = \[4, 64, 64\] to match w13 \[E, 2I, H\] = "
+                                         r"\[4, 128, 64\], got shape \(4, 128, 128\) \(w13 and w2 swapped\?\)"):
+        kernels.quantize_weights(w2, w13, fmt)
+    with pytest.raises(ValueError, match=r"w2 must be \[E, H, I\] = \[4, 128, 64\] to match w13 \[E, 2I, H\]"):
+        kernels.quantize_weights(w13, w2[:, :100], fmt)
+    with pytest.raises(ValueError, match=r"w2 must be \[E, H, I\] = \[4, 128, 64\] .*, got shape \(3, 128, 64\)"):
+        kernels.quantize_weights(w13, w2[:3], fmt)
+    with pytest.raises(ValueError, match=r"w13 must be \[E, 2I, H\] and w2 \[E, H, I\] with H a multiple of 8 "
+                                         r"\(16-byte loads\), got H = 100"):
+        kernels.quantize_weights(w13[:, :, :100], w2[:, :100], fmt)
+    with pytest.raises(ValueError, match=r"with I a multiple of 8 .*, got I = 60"):
+        kernels.quantize_weights(w13[:, :120], w2[:, :, :60], fmt)
+    with pytest.raises(ValueError, match="must be even, got 127"):
+        kernels.quantize_weights(w13[:, :127], w2, fmt)
+    with pytest.raises(ValueError, match=r"w2 must have 3 dimensions \[E, H, I\], got shape \(128, 64\)"):
+        kernels.quantize_weights(w13, w2[0], fmt)
+    with pytest.raises(TypeError, match="w2 must be a float32 or bfloat16 array"):
+        kernels.quantize_weights(w13, w2.astype(np.int16), fmt)
+    if get_format(fmt).tiled:  # H = 192 (3 tiles of 64), I = 40: a multiple of 8, not of 32 or 64
+        with pytest.raises(ValueError, match=rf"{fmt} tiles need I and H multiples of \d+, got I = 40, H = 192 "
+                                             r"\(w13 \[E, 2I, H\] = \[1, 80, 192\], w2 \[E, H, I\] = \[1, 192, 40\]\)"):
+            kernels.quantize_weights(np.ones((1, 80, 192), np.float32), np.ones((1, 192, 40), np.float32), fmt)
+
+
+@pytest.mark.gpu
+def test_device_quantize_weights_refuses_non_finite_and_bad_shapes(rng: np.random.Generator) -> None:
+    """The same checks where the weights live (CuPy: bf16 on the device quantizer, fp32 through the host)."""
+    import cupy
+
+    w13, w2 = _finite_weights(rng)
+    for dtype in (BF16, np.float32):
+        bad13 = w13.astype(dtype)
+        bad13[3, 9, 11] = np.nan
+        dev13, dev2 = cupy.asarray(bad13), cupy.asarray(w2.astype(dtype))
+        for fmt in FORMATS:
+            with pytest.raises(ValueError, match=r"w13 must be finite .* 1 of 4 experts .* w13\[3, 9, 11\] = nan"):
+                kernels.quantize_weights(dev13, dev2, fmt)
+            with pytest.raises(ValueError, match=r"\(w13 and w2 swapped\?\)"):
+                kernels.quantize_weights(dev2, dev13, fmt)
+    with pytest.raises(TypeError, match="w2 must be a cupy array like w13"):
+        kernels.quantize_weights(cupy.asarray(w13), w2)
+
+
 def test_fp8_reference_is_the_dequantized_weights(rng: np.random.Generator) -> None:
     """Every mode reads an fp8-block128 expert as value x block scale: fp64 equals a float64 computation on the
     dequantized weights, and the format's error (fp64 on the originals) is measured apart from the modes'."""
