@@ -4,7 +4,8 @@ from fp32/bf16 weights and how to read it back in NumPy.
 A variant names its format (``Variant.weight_format``); the harness counts the bytes the format reads (values and
 scales: TB/s and % of roofline are of those bytes), the report says which divisor it used, the input check
 (``kernels.contract.check_inputs``) asks the format whether w13 / w2 are its weights, and the reference
-(``kernels.reference.moe_decode(..., weight_format=)``) reads them one expert at a time through the format.
+(``kernels.reference.moe_decode``, which like ``kernels.moe_decode`` reads the format from the weights:
+:func:`format_of`) reads them one expert at a time through the format.
 ``bf16`` is the data contract's own layout (w13 [E, 2I, H], w2 [E, H, I], plain arrays, no scales) and the default
 everywhere. A scaled format stores each matrix as a :class:`Quantized` (``values`` in the bf16 layout's shape,
 ``scales``). A new format is one :class:`WeightFormat` subclass registered in :data:`FORMATS`, plus its kernels.

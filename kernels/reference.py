@@ -3,8 +3,8 @@
     out[t] = sum_k  topk_weights[t, k] * w2[e] @ (SiLU(gate) * up),   e = topk_ids[t, k]
     gate   = w13[e, :I] @ x[t],   up = w13[e, I:] @ x[t]
 
-Modes (all read the same inputs; weights in any registered format, ``weight_format=``, read one expert at a time
-through it -- bf16 by default):
+Modes (all read the same inputs; weights in any registered format, read from the weights as ``kernels.moe_decode``
+reads it, one expert at a time through it):
 
 ``"fp64"``         the oracle: every product and sum in float64, no rounding until the caller's.
 ``"warp_decode"``  what warp decode promises: both dot products accumulated in fp32, SiLU(g)*u rounded
@@ -68,6 +68,30 @@ def expert_groups(topk_ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
     return [(int(e), order[s : s + c]) for e, s, c in zip(experts, starts, counts, strict=True)]
 
 
+def weights_format(w13: Any, weight_format: Any = None) -> Any:
+    """The ``WeightFormat`` to read ``w13`` (and w2) through: the one it is in (``kernels.formats.format_of``), or
+    ``weight_format`` when given -- a ValueError naming both unless w13 is in it (``WeightFormat.stores``)."""
+    from kernels.formats import Quantized, format_of, get_format
+
+    if weight_format is None:
+        return get_format(format_of(w13))
+    fmt = get_format(weight_format)
+    if fmt.stores(w13):
+        return fmt
+    if isinstance(w13, Quantized):
+        held = (f"{w13.layout!r}-ordered values {'with' if w13.scales is not None else 'without'} scales")
+        try:
+            held = f"{format_of(w13)} weights ({held})"
+        except ValueError:
+            pass
+    else:
+        held = f"a plain {type(w13).__name__} (bf16 weights)"
+    want = (f"{getattr(fmt, 'layout', 'rows')!r}-ordered values {'with' if fmt.scaled else 'without'} scales"
+            if fmt.name != "bf16" else "a plain array")
+    raise ValueError(f"weight_format {fmt.name!r} disagrees with the weights: w13 holds {held}, {fmt.name} weights "
+                     f"are {want} (leave weight_format out: the format is read from the weights)")
+
+
 def moe_decode(
     x: Any,
     w13: Any,
@@ -77,23 +101,23 @@ def moe_decode(
     mode: str = "fp64",
     quant: str | None = None,
     out_dtype: Any = None,
-    weight_format: Any = "bf16",
+    weight_format: Any = None,
 ) -> np.ndarray:
     """One MoE decode layer on the host. Returns [T, H]: float64 for ``"fp64"``, else bf16.
 
     ``out_dtype=np.float32`` returns the fp32 accumulator before its final bf16 rounding (not for fp64).
-    ``weight_format``: how w13 / w2 are stored (``kernels.formats``); each touched expert is read through it.
+    The weights' format (``kernels.formats``) is read from w13 as ``kernels.moe_decode`` reads it (``format_of``);
+    ``weight_format`` (a name or a ``WeightFormat``) names it instead -- a format w13 is not in is a ValueError
+    naming both -- or one no registry knows. Each touched expert is read through it.
     ``quant`` quantizes activations only (mode ``"classical"``). CuPy inputs are copied to the host first.
     """
-    from kernels.formats import get_format
-
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if quant not in QUANT_MODES:
         raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
     if quant is not None and mode != "classical":
         raise ValueError(f"quant={quant!r} applies to mode='classical' only, got mode={mode!r}")
-    fmt = get_format(weight_format)
+    fmt = weights_format(w13, weight_format)
     x, topk_ids, topk_weights = (_host(a) for a in (x, topk_ids, topk_weights))
     w13, w2 = fmt.host(w13), fmt.host(w2)
     dims = check_inputs(x, w13, w2, topk_ids, topk_weights, weight_format=fmt)

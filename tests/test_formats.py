@@ -9,7 +9,7 @@ import pytest
 
 import kernels
 from kernels import formats
-from kernels.contract import BF16
+from kernels.contract import BF16, check_inputs
 from kernels.formats import BF16_FORMAT, FORMATS, Quantized, WeightFormat, get_format
 from kernels.routing import make_routing
 from kernels.shapes import PRESETS
@@ -114,12 +114,37 @@ def test_reference_reads_weights_through_their_format() -> None:
         via_format = moe_decode(x, q13, q2, ids, wts, mode=mode, quant=quant, weight_format=fmt)
         plain = moe_decode(x, d13, d2, ids, wts, mode=mode, quant=quant)
         assert np.array_equal(via_format.view(np.uint8), plain.view(np.uint8)), mode
-    with pytest.raises(TypeError, match="w13 must be expert-scaled weights"):
+    with pytest.raises(ValueError, match=r"weight_format 'expert-scaled' disagrees with the weights: w13 holds a plain "
+                                         r"ndarray \(bf16 weights\), expert-scaled weights are 'rows'-ordered values "
+                                         "with scales"):
         moe_decode(x, problem.w13, q2, ids, wts, weight_format=fmt)
     with pytest.raises(TypeError, match="w2 must be a numpy array like x, got kernels.formats.Quantized"):
         moe_decode(x, problem.w13, q2, ids, wts)
     with pytest.raises(ValueError, match="w13.values must have 3 dimensions"):
         moe_decode(x, Quantized(q13.values[0], q13.scales), q2, ids, wts, weight_format=fmt)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_reference_reads_the_format_from_the_weights(rng: np.random.Generator, fmt: str) -> None:
+    """reference.moe_decode reads the weights' format from them, as kernels.moe_decode does (format_of): the same
+    result as naming it; a weight_format the weights are not in is a ValueError naming both."""
+    from kernels.reference import moe_decode
+
+    w13, w2 = _finite_weights(rng, experts=3)
+    q13, q2 = kernels.quantize_weights(w13, w2, fmt)
+    x = rng.standard_normal((4, 128)).astype(BF16)
+    ids = rng.integers(0, 3, (4, 2)).astype(np.int32)
+    wts = rng.random((4, 2)).astype(np.float32)
+    for mode in ("fp64", "warp_decode", "classical"):
+        named = moe_decode(x, q13, q2, ids, wts, mode=mode, weight_format=fmt)
+        assert np.array_equal(moe_decode(x, q13, q2, ids, wts, mode=mode).view(np.uint8), named.view(np.uint8))
+        assert np.array_equal(moe_decode(x, q13, q2, ids, wts, mode=mode, weight_format=get_format(fmt))
+                              .view(np.uint8), named.view(np.uint8))
+    for other in FORMATS:
+        if other != fmt:
+            with pytest.raises(ValueError, match=rf"weight_format '{other}' disagrees with the weights: w13 holds "
+                                                 + (r"a plain ndarray" if fmt == "bf16" else rf"{fmt} weights")):
+                moe_decode(x, q13, q2, ids, wts, weight_format=other)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -506,7 +531,9 @@ def test_tiled_values() -> None:
     wts = rng.random((3, 2)).astype(np.float32)
     assert np.array_equal(moe_decode(x, t13, t2, ids, wts, mode="fp64", weight_format=FP8_BLOCK128_T16.name),
                           moe_decode(x, rows13, rows2, ids, wts, mode="fp64", weight_format=FP8_BLOCK128.name))
-    with pytest.raises(ValueError, match="w13 holds 't16'-ordered values, fp8-block128 weights are 'rows'-ordered"):
+    with pytest.raises(ValueError, match=r"weight_format 'fp8-block128' disagrees with the weights: w13 holds "
+                                         r"fp8-block128-t16 weights \('t16'-ordered values with scales\), fp8-block128 "
+                                         "weights are 'rows'-ordered values with scales"):
         moe_decode(x, t13, t2, ids, wts, weight_format=FP8_BLOCK128.name)
     with pytest.raises(ValueError, match="w2 holds 'rows'-ordered values, fp8-block128-t16 weights are 't16'"):
         moe_decode(x, t13, rows2, ids, wts, weight_format=FP8_BLOCK128_T16.name)
@@ -546,12 +573,16 @@ def test_bf16_tiles(rng: np.random.Generator) -> None:
     wts = rng.random((3, 2)).astype(np.float32)
     assert np.array_equal(moe_decode(x, t13, t2, ids, wts, weight_format=BF16_T16.name).view(np.uint16),
                           moe_decode(x, rows13, w2.astype(BF16), ids, wts).view(np.uint16))
-    with pytest.raises(TypeError, match="w13 must be bf16-t16 weights"):
+    with pytest.raises(ValueError, match="weight_format 'bf16-t16' disagrees with the weights: w13 holds a plain "
+                                         "ndarray"):
         moe_decode(x, rows13, t2, ids, wts, weight_format=BF16_T16.name)
     with pytest.raises(ValueError, match="w2 holds 'rows'-ordered values, bf16-t16 weights are 't16'-ordered bf16"):
         moe_decode(x, t13, dataclasses.replace(t2, layout="rows"), ids, wts, weight_format=BF16_T16.name)
-    with pytest.raises(TypeError, match=r"w13.scales is None: fp8-block128-t16 weights carry scales"):
+    with pytest.raises(ValueError, match=r"w13 holds bf16-t16 weights \('t16'-ordered values without scales\), "
+                                         "fp8-block128-t16 weights are 't16'-ordered values with scales"):
         moe_decode(x, t13, t2, ids, wts, weight_format=FP8_BLOCK128_T16.name)
+    with pytest.raises(TypeError, match=r"w13.scales is None: fp8-block128-t16 weights carry scales"):
+        check_inputs(x, t13, t2, ids, wts, weight_format=FP8_BLOCK128_T16.name)
     with pytest.raises(TypeError, match=r"w13.values must have dtype bfloat16"):
         moe_decode(x, dataclasses.replace(t13, values=t13.values.astype(np.float32)), t2, ids, wts,
                    weight_format=BF16_T16.name)
