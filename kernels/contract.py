@@ -16,6 +16,18 @@ Arrays may be NumPy or CuPy (all of one kind). Checks that need the *values* of 
 ``topk_weights`` (ids in range, weights finite) read them back; on a GPU that is a host sync, so they are
 skipped while a CUDA graph is being captured, and the kernels instead guard every expert id (an
 out-of-range id makes that token's output NaN, never an illegal access).
+
+NaN and inf. The routing (``topk_ids``, ``topk_weights``) is control data: checked, as above. Activations and
+weights are data: never inspected on the hot path (that would cost a pass over them and a host sync). A NaN or inf
+in them propagates IEEE-style to exactly the outputs it feeds, in every path and in the reference
+(``kernels.reference.moe_decode``, every mode): one in ``x[t]`` makes ``out[t]`` non-finite and leaves every other
+token's row as it would be without it; one in expert e's weights reaches only the tokens routed to e (w13's: their
+whole rows; ``w2[e, h, :]``'s: their column h). In the fp8-block128 formats a weight is value x block scale, so a
+non-finite weight is a non-finite scale (its whole block); e4m3fn's NaN codes (0x7F, 0xFF) are not values these
+formats hold -- the tensor-core paths widen them as +-480 -- and nothing here writes them. The offline constructors
+refuse non-finite values, a ValueError naming the matrix and where: ``kernels.quantize_weights``
+(:func:`check_weights`: a block scale cannot represent them) and ``kernels.fp8_experts_from_checkpoint`` (NaN codes,
+non-finite scales).
 """
 
 from __future__ import annotations

@@ -509,7 +509,8 @@ def fp8_experts_from_checkpoint(experts: Sequence[Mapping[str, Any]]) -> tuple[Q
         experts = [{k[len(f"{prefix}.{e}."):]: v for k, v in state.items() if k.startswith(f"{prefix}.{e}.")}
                    for e in range(num_experts)]
 
-    ValueError / TypeError name the expert, the tensor and what was expected."""
+    ValueError / TypeError name the expert, the tensor and what was expected; non-finite values (e4m3fn's NaN codes,
+    NaN or inf scales) are refused (the NaN policy: kernels/contract.py)."""
     if isinstance(experts, Mapping) or not isinstance(experts, Sequence) or not experts:
         raise TypeError("experts must be a non-empty sequence of per-expert mappings (tensor name -> array)")
     first = experts[0]
@@ -546,6 +547,11 @@ def fp8_experts_from_checkpoint(experts: Sequence[Mapping[str, Any]]) -> tuple[Q
             elif arr.dtype not in (FP8, np.dtype(np.uint8)):
                 raise TypeError(f"experts[{e}][{name!r}] must be float8_e4m3fn (or its uint8 bit patterns), got "
                                 f"{arr.dtype}")
+            bad = ~np.isfinite(arr) if name.endswith("scale_inv") else (arr.view(np.uint8) & 0x7F) == 0x7F
+            if bad.any():
+                what = "NaN/inf scales" if name.endswith("scale_inv") else "e4m3fn NaN codes (0x7F / 0xFF)"
+                raise ValueError(f"experts[{e}][{name!r}] must be finite: {int(bad.sum())} {what}, the first at "
+                                 f"{list(int(i) for i in np.argwhere(bad)[0])}")
             got[name] = arr.view(FP8) if arr.dtype == np.uint8 else arr
         w13.values[e, :inter], w13.values[e, inter:] = got["gate_proj.weight"], got["up_proj.weight"]
         w13.scales[e] = np.concatenate([got["gate_proj.weight_scale_inv"], got["up_proj.weight_scale_inv"]])

@@ -110,6 +110,7 @@ def moe_decode(
     ``weight_format`` (a name or a ``WeightFormat``) names it instead -- a format w13 is not in is a ValueError
     naming both -- or one no registry knows. Each touched expert is read through it.
     ``quant`` quantizes activations only (mode ``"classical"``). CuPy inputs are copied to the host first.
+    A NaN or inf in x or the weights reaches exactly the outputs it feeds, as in the kernels (kernels/contract.py).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -132,31 +133,34 @@ def moe_decode(
         if out_dtype not in (BF16, np.dtype(np.float32)):
             raise TypeError(f"out_dtype must be bfloat16 or float32 for mode {mode!r}, got {out_dtype}")
 
-    activations = bf16_to_f32(x)
-    if mode == "classical":
-        activations = quantize(activations, quant)
-    activations = activations.astype(acc)
+    # NaN / inf in x or the weights propagate to the outputs they feed (kernels/contract.py); NumPy would warn
+    # at each inf - inf, 0 * inf or inf / inf they meet on the way
+    with np.errstate(invalid="ignore"):
+        activations = bf16_to_f32(x)
+        if mode == "classical":
+            activations = quantize(activations, quant)
+        activations = activations.astype(acc)
 
-    per_pair = np.empty((T * K, H), acc)  # each (token, slot)'s expert output, before the routing weight
-    for expert, pairs in expert_groups(topk_ids):
-        tokens_of_pairs = pairs // K
-        gate_up = matmul_bf16_t(activations[tokens_of_pairs], fmt.expert(w13, expert, "w13"), acc)  # [n, 2I]
-        gate, up = gate_up[:, :I], gate_up[:, I:]
-        if mode == "fp64":
-            hidden = silu(gate) * up
-        elif mode == "warp_decode":
-            hidden = through_bf16(silu(gate) * up)
-        else:  # classical: every GEMM output and the activation pass through bf16 buffers
-            gate, up = through_bf16(gate), through_bf16(up)
-            hidden = quantize(through_bf16(silu(gate) * up), quant)
-        down = matmul_bf16_t(hidden.astype(acc, copy=False), fmt.expert(w2, expert, "w2"), acc)  # [n, H]
-        per_pair[pairs] = through_bf16(down) if mode == "classical" else down
+        per_pair = np.empty((T * K, H), acc)  # each (token, slot)'s expert output, before the routing weight
+        for expert, pairs in expert_groups(topk_ids):
+            tokens_of_pairs = pairs // K
+            gate_up = matmul_bf16_t(activations[tokens_of_pairs], fmt.expert(w13, expert, "w13"), acc)  # [n, 2I]
+            gate, up = gate_up[:, :I], gate_up[:, I:]
+            if mode == "fp64":
+                hidden = silu(gate) * up
+            elif mode == "warp_decode":
+                hidden = through_bf16(silu(gate) * up)
+            else:  # classical: every GEMM output and the activation pass through bf16 buffers
+                gate, up = through_bf16(gate), through_bf16(up)
+                hidden = quantize(through_bf16(silu(gate) * up), quant)
+            down = matmul_bf16_t(hidden.astype(acc, copy=False), fmt.expert(w2, expert, "w2"), acc)  # [n, H]
+            per_pair[pairs] = through_bf16(down) if mode == "classical" else down
 
-    per_pair = per_pair.reshape(T, K, H)
-    weights = topk_weights.astype(acc)
-    out = np.zeros((T, H), acc)
-    for k in range(K):  # the kernels' order: one accumulator, slots in order
-        out += weights[:, k, None] * per_pair[:, k]
+        per_pair = per_pair.reshape(T, K, H)
+        weights = topk_weights.astype(acc)
+        out = np.zeros((T, H), acc)
+        for k in range(K):  # the kernels' order: one accumulator, slots in order
+            out += weights[:, k, None] * per_pair[:, k]
     if out_dtype == BF16:
         return round_bf16(out)
     return out.astype(out_dtype)

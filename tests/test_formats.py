@@ -391,6 +391,29 @@ def test_fp8_checkpoint_loader_assembles_the_lab_layout(rng: np.random.Generator
         kernels.fp8_experts_from_checkpoint([])
 
 
+def test_fp8_checkpoint_loader_refuses_non_finite(rng: np.random.Generator) -> None:
+    """e4m3fn's NaN codes (0x7F, 0xFF: the tensor-core paths would widen them as +-480, the strict ones as NaN) and
+    NaN / inf scales are refused where a checkpoint is loaded, naming the expert, the tensor and the first index."""
+    w13, w2 = _fp8_weights(rng)
+    q13, q2 = FP8_BLOCK.quantize(w13, w2)
+    for code in (0x7F, 0xFF):
+        experts = _checkpoint_tensors(q13, q2, 200)
+        gate = experts[1]["gate_proj.weight"].view(np.uint8).copy()
+        gate[7, 9] = code
+        experts[1] = {**experts[1], "gate_proj.weight": gate}
+        with pytest.raises(ValueError, match=r"experts\[1\]\['gate_proj.weight'\] must be finite: 1 e4m3fn NaN codes "
+                                             r"\(0x7F / 0xFF\), the first at \[7, 9\]"):
+            kernels.fp8_experts_from_checkpoint(experts)
+    for value in (np.nan, np.inf):
+        experts = _checkpoint_tensors(q13, q2, 200)
+        scales = experts[2]["down_proj.weight_scale_inv"].copy()
+        scales[1, 0] = value
+        experts[2] = {**experts[2], "down_proj.weight_scale_inv": scales}
+        with pytest.raises(ValueError, match=r"experts\[2\]\['down_proj.weight_scale_inv'\] must be finite: 1 NaN/inf "
+                                             r"scales, the first at \[1, 0\]"):
+            kernels.fp8_experts_from_checkpoint(experts)
+
+
 # ---------------------------------------------------------------------------------------------------
 # fp8-block128 on the device: the quantize kernel's text through the g++ emulation, then on the GPU
 # ---------------------------------------------------------------------------------------------------
