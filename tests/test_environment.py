@@ -124,3 +124,17 @@ def test_no_torch_outside_the_peers() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert not [d for d in project["dependencies"] if d.split()[0].lower().startswith(("torch", "triton"))]
     assert project["optional-dependencies"]["peers"] == ["torch", "triton"]
+
+
+# sha256 of https://www.apache.org/licenses/LICENSE-2.0.txt (11358 bytes, the appendix's placeholder unfilled)
+APACHE_2_0_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
+
+
+def test_license_file_is_the_license_declared() -> None:
+    """pyproject.toml declares Apache-2.0 and LICENSE is its standard text, unmodified (no added terms)."""
+    import hashlib
+
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"] == "Apache-2.0"
+    text = (ROOT / "LICENSE").read_bytes()
+    assert text.decode("ascii").lstrip().startswith("Apache License\n                           Version 2.0")
+    assert hashlib.sha256(text).hexdigest() == APACHE_2_0_SHA256
