@@ -79,7 +79,7 @@ def weights_format(w13: Any, weight_format: Any = None) -> Any:
     if fmt.stores(w13):
         return fmt
     if isinstance(w13, Quantized):
-        held = (f"{w13.layout!r}-ordered values {'with' if w13.scales is not None else 'without'} scales")
+        held = f"{w13.layout!r}-ordered values {'with' if w13.scales is not None else 'without'} scales"
         try:
             held = f"{format_of(w13)} weights ({held})"
         except ValueError:
@@ -107,8 +107,8 @@ def moe_decode(
 
     ``out_dtype=np.float32`` returns the fp32 accumulator before its final bf16 rounding (not for fp64).
     The weights' format (``kernels.formats``) is read from w13 as ``kernels.moe_decode`` reads it (``format_of``);
-    ``weight_format`` (a name or a ``WeightFormat``) names it instead -- a format w13 is not in is a ValueError
-    naming both -- or one no registry knows. Each touched expert is read through it.
+    ``weight_format`` (a name or a ``WeightFormat``, e.g. one no registry holds) names it instead, and a format w13
+    is not in is a ValueError naming both. Each touched expert is read through it.
     ``quant`` quantizes activations only (mode ``"classical"``). CuPy inputs are copied to the host first.
     A NaN or inf in x or the weights reaches exactly the outputs it feeds, as in the kernels (kernels/contract.py).
     """
