@@ -16,6 +16,18 @@ Arrays may be NumPy or CuPy (all of one kind). Checks that need the *values* of 
 ``topk_weights`` (ids in range, weights finite) read them back; on a GPU that is a host sync, so they are
 skipped while a CUDA graph is being captured, and the kernels instead guard every expert id (an
 out-of-range id makes that token's output NaN, never an illegal access).
+
+NaN and inf. The routing (``topk_ids``, ``topk_weights``) is control data: checked, as above. Activations and
+weights are data: never inspected on the hot path (that would cost a pass over them and a host sync). A NaN or inf
+in them propagates IEEE-style to exactly the outputs it feeds, in every path and in the reference
+(``kernels.reference.moe_decode``, every mode): one in ``x[t]`` makes ``out[t]`` non-finite and leaves every other
+token's row as it would be without it; one in expert e's weights reaches only the tokens routed to e (w13's: their
+whole rows; ``w2[e, h, :]``'s: their column h). In the fp8-block128 formats a weight is value x block scale, so a
+non-finite weight is a non-finite scale (its whole block); e4m3fn's NaN codes (0x7F, 0xFF) are not values these
+formats hold -- the tensor-core paths widen them as +-480 -- and nothing here writes them. The offline constructors
+refuse non-finite values, a ValueError naming the matrix and where: ``kernels.quantize_weights``
+(:func:`check_weights`: a block scale cannot represent them) and ``kernels.fp8_experts_from_checkpoint`` (NaN codes,
+non-finite scales).
 """
 
 from __future__ import annotations
@@ -168,26 +180,10 @@ def check_inputs(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, *,
     check_array("topk_ids", topk_ids, xp, np.dtype(np.int32), 2, "[T, K]")
     check_array("topk_weights", topk_weights, xp, np.dtype(np.float32), 2, "[T, K]")
 
-    tokens, hidden = (int(d) for d in x.shape)
-    experts, two_i, w13_hidden = (int(d) for d in w13.shape)
+    tokens = int(x.shape[0])
     if tokens < 1:
         raise ValueError(f"x must hold at least one token (T >= 1), got shape {tuple(x.shape)}")
-    if experts < 1:
-        raise ValueError(f"w13 must hold at least one expert (E >= 1), got shape {tuple(w13.shape)}")
-    if w13_hidden != hidden:
-        raise ValueError(f"w13 is [E, 2I, H] with H = {hidden} (from x), got shape {tuple(w13.shape)}")
-    if two_i < 2 or two_i % 2:
-        raise ValueError(f"w13's second dimension is 2I (gate then up rows), must be even, got {two_i}")
-    intermediate = two_i // 2
-    if tuple(int(d) for d in w2.shape) != (experts, hidden, intermediate):
-        raise ValueError(
-            f"w2 must be [E, H, I] = [{experts}, {hidden}, {intermediate}] to match w13 and x, "
-            f"got shape {tuple(w2.shape)}"
-        )
-    if hidden % 8:
-        raise ValueError(f"H (x.shape[1]) must be a multiple of 8 for 16-byte loads, got {hidden}")
-    if intermediate % 8:
-        raise ValueError(f"I (w2.shape[2]) must be a multiple of 8 for 16-byte loads, got {intermediate}")
+    experts, hidden, intermediate = check_weight_dims(w13.shape, w2.shape, hidden=int(x.shape[1]))
     if int(topk_ids.shape[0]) != tokens:
         raise ValueError(f"topk_ids must be [T, K] with T = {tokens} (from x), got shape {tuple(topk_ids.shape)}")
     top_k = int(topk_ids.shape[1])
@@ -207,6 +203,93 @@ def check_inputs(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, *,
         if not bool(xp.isfinite(topk_weights).all()):
             raise ValueError("topk_weights must be finite, found NaN or inf")
     return Dims(tokens, hidden, intermediate, experts, top_k)
+
+
+def check_weight_dims(w13_shape: Any, w2_shape: Any, hidden: int | None = None) -> tuple[int, int, int]:
+    """``(E, H, I)`` of w13 [E, 2I, H] and w2 [E, H, I] given their shapes; a ValueError naming the argument and the
+    shape expected unless E >= 1, w13's 2I is even, w2 matches w13 and H and I are multiples of 8. ``hidden``: H as
+    x says (:func:`check_inputs`); without it (weights alone, :func:`check_weights`) w13's last dimension is H."""
+    w13_shape, w2_shape = tuple(int(d) for d in w13_shape), tuple(int(d) for d in w2_shape)
+    experts, two_i, w13_hidden = w13_shape
+    from_x = hidden is not None
+    if experts < 1:
+        raise ValueError(f"w13 must hold at least one expert (E >= 1), got shape {w13_shape}")
+    if from_x and w13_hidden != hidden:
+        raise ValueError(f"w13 is [E, 2I, H] with H = {hidden} (from x), got shape {w13_shape}")
+    hidden = w13_hidden
+    if two_i < 2 or two_i % 2:
+        raise ValueError(f"w13's second dimension is 2I (gate then up rows), must be even, got {two_i}")
+    intermediate = two_i // 2
+    if w2_shape != (experts, hidden, intermediate):
+        # w13 given w2's [E, H, I] and w2 given w13's [E, 2I, H]
+        swapped = len(w2_shape) == 3 and w2_shape[1] == 2 * w13_shape[2] and w2_shape[2] == w13_shape[1]
+        raise ValueError(
+            f"w2 must be [E, H, I] = [{experts}, {hidden}, {intermediate}] to match "
+            + ("w13 and x" if from_x else f"w13 [E, 2I, H] = {list(w13_shape)}")
+            + f", got shape {w2_shape}" + (" (w13 and w2 swapped?)" if swapped else "")
+        )
+    for dim, value, where in (("H", hidden, "x.shape[1]"), ("I", intermediate, "w2.shape[2]")):
+        if value % 8 and from_x:
+            raise ValueError(f"{dim} ({where}) must be a multiple of 8 for 16-byte loads, got {value}")
+        if value % 8:
+            raise ValueError(f"w13 must be [E, 2I, H] and w2 [E, H, I] with {dim} a multiple of 8 (16-byte loads), "
+                             f"got {dim} = {value}: w13 {w13_shape}, w2 {w2_shape}")
+    return experts, hidden, intermediate
+
+
+def check_weights(w13: Any, w2: Any, weight_format: Any = "bf16") -> tuple[int, int, int]:
+    """Check weights in the contract's layouts before they are converted offline into ``weight_format``
+    (``kernels.quantize_weights``); return ``(E, H, I)``.
+
+    w13 [E, 2I, H] and w2 [E, H, I] must be float32 or bf16 (any float) arrays of one kind, NumPy or CuPy, with the
+    dims of :func:`check_weight_dims` and those the format stores (``WeightFormat.check_dims``: a tiled format's whole
+    tiles), and every value finite: a NaN or inf is a ValueError naming the matrix, the experts holding them and the
+    first one's index. A block scale cannot represent them (unchecked, a NaN left its fp8-block128 block unscaled and
+    an inf zeroed the rest of it), and an offline conversion is where a corrupt weight costs least to catch. The
+    finiteness pass reads every value once, an expert at a time; on CuPy it reads one count back to the host.
+    """
+    from kernels.formats import get_format
+
+    fmt = get_format(weight_format)
+    xp = None
+    for name, w in (("w13", w13), ("w2", w2)):
+        dtype = getattr(w, "dtype", None)
+        if dtype is None or not (dtype == BF16 or np.dtype(dtype).kind == "f"):
+            raise TypeError(f"{name} must be a float32 or bfloat16 array, got {type(w).__name__} of {dtype}")
+        module = array_module(w)
+        if xp is not None and module is not xp:
+            raise TypeError(f"w2 must be a {xp.__name__} array like w13, got {type(w).__module__}.{type(w).__name__}")
+        xp = module
+        if w.ndim != 3:
+            want = "[E, 2I, H]" if name == "w13" else "[E, H, I]"
+            raise ValueError(f"{name} must have 3 dimensions {want}, got shape {tuple(w.shape)}")
+    experts, hidden, intermediate = check_weight_dims(w13.shape, w2.shape)
+    fmt.check_dims(hidden, intermediate, f"w13 [E, 2I, H] = {list(w13.shape)}, w2 [E, H, I] = {list(w2.shape)}")
+    for name, w in (("w13", w13), ("w2", w2)):
+        _check_finite(name, w, fmt.name)
+    return experts, hidden, intermediate
+
+
+def _check_finite(name: str, w: Any, target: str) -> None:
+    """ValueError unless every value of ``w`` [E, R, C] is finite (one expert at a time: bounded temporaries)."""
+    xp = array_module(w)
+    counts = xp.zeros(int(w.shape[0]), np.int64)
+    for e in range(int(w.shape[0])):
+        m = w[e]
+        bad = (m.view(np.uint16) & 0x7F80) == 0x7F80 if m.dtype == BF16 else ~xp.isfinite(m)
+        counts[e] = xp.count_nonzero(bad)
+    if not int(counts.sum()):
+        return
+    counts = counts.get() if xp is not np else counts
+    experts = np.flatnonzero(counts)
+    first = int(experts[0])
+    m = w[first]
+    host = (m.get() if xp is not np else m).astype(np.float32)
+    row, col = (int(i) for i in np.argwhere(~np.isfinite(host))[0])
+    listed = ", ".join(f"{int(e)} ({int(counts[e])})" for e in experts[:8]) + (", ..." if len(experts) > 8 else "")
+    raise ValueError(f"{name} must be finite to become {target} weights: {int(counts.sum())} NaN/inf values in "
+                     f"{len(experts)} of {len(counts)} experts (expert (count): {listed}); the first is "
+                     f"{name}[{first}, {row}, {col}] = {host[row, col]}")
 
 
 def check_out(out: Any, dims: Dims, xp: Any, name: str = "out") -> None:

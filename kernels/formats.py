@@ -4,7 +4,8 @@ from fp32/bf16 weights and how to read it back in NumPy.
 A variant names its format (``Variant.weight_format``); the harness counts the bytes the format reads (values and
 scales: TB/s and % of roofline are of those bytes), the report says which divisor it used, the input check
 (``kernels.contract.check_inputs``) asks the format whether w13 / w2 are its weights, and the reference
-(``kernels.reference.moe_decode(..., weight_format=)``) reads them one expert at a time through the format.
+(``kernels.reference.moe_decode``, which like ``kernels.moe_decode`` reads the format from the weights:
+:func:`format_of`) reads them one expert at a time through the format.
 ``bf16`` is the data contract's own layout (w13 [E, 2I, H], w2 [E, H, I], plain arrays, no scales) and the default
 everywhere. A scaled format stores each matrix as a :class:`Quantized` (``values`` in the bf16 layout's shape,
 ``scales``). A new format is one :class:`WeightFormat` subclass registered in :data:`FORMATS`, plus its kernels.
@@ -32,7 +33,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from kernels.contract import BF16, array_module
+from kernels.contract import BF16, array_module, check_weights
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,11 @@ class WeightFormat:
         return (isinstance(weights, Quantized) and weights.layout == getattr(self, "layout", "rows")
                 and (weights.scales is not None) == self.scaled)
 
-    def check_dims(self, hidden: int, intermediate: int) -> None:
+    def check_dims(self, hidden: int, intermediate: int, what: str = "") -> None:
         """:class:`FormatDimsError` unless this format can store experts of these H and I (a tiled format: whole
-        tiles of :func:`tile_k` values a row; every other format can)."""
+        tiles of :func:`tile_k` values a row; every other format can); ``what`` says whose dims they are."""
         if self.tiled:
-            check_tile_dims(self.name, hidden, intermediate, tile_k(int(self.value_bytes)))
+            check_tile_dims(self.name, hidden, intermediate, tile_k(int(self.value_bytes)), what)
 
     def _check_values(self, name: str, values: Any) -> None:
         """:meth:`check_dims` on ``name``'s values ([E, 2I, H] for w13, [E, H, I] for w2), naming them."""
@@ -107,7 +108,8 @@ class WeightFormat:
         return int(self.value_count(hidden, intermediate) * self.value_bytes) + self.scale_bytes(hidden, intermediate)
 
     def quantize(self, w13: Any, w2: Any) -> tuple[Any, Any]:
-        """This format's (w13, w2) from fp32 or bf16 weights in the contract's layouts."""
+        """This format's (w13, w2) from fp32 or bf16 weights in the contract's layouts. The built-in formats check
+        them first with ``kernels.contract.check_weights`` (shapes, the dims the format stores, finite values)."""
         raise NotImplementedError
 
     def dequantize(self, weights: Any, matrix: str) -> np.ndarray:
@@ -153,6 +155,7 @@ class Bf16(WeightFormat):
     """The contract's bf16 weights: values only, rounded to nearest even from fp32."""
 
     def quantize(self, w13: Any, w2: Any) -> tuple[Any, Any]:
+        check_weights(w13, w2, self)
         return _as_bf16(w13, "w13"), _as_bf16(w2, "w2")
 
     def dequantize(self, weights: Any, matrix: str = "") -> np.ndarray:
@@ -241,6 +244,7 @@ class Fp8Block128(WeightFormat):
         return experts, _blocks(rows), _blocks(cols)
 
     def quantize(self, w13: Any, w2: Any) -> tuple[Quantized, Quantized]:
+        check_weights(w13, w2, self)
         return self._quantize("w13", w13), self._quantize("w2", w2)
 
     def _quantize(self, name: str, w: Any) -> Quantized:
@@ -409,6 +413,7 @@ class Bf16T16(WeightFormat):
     layout: str = "t16"
 
     def quantize(self, w13: Any, w2: Any) -> tuple[Quantized, Quantized]:
+        check_weights(w13, w2, self)
         return self.from_rows(_as_bf16(w13, "w13"), _as_bf16(w2, "w2"))
 
     def from_rows(self, w13: Any, w2: Any) -> tuple[Quantized, Quantized]:
@@ -484,7 +489,9 @@ def format_of(w13: Any) -> str:
 def quantize_weights(w13: Any, w2: Any, weight_format: str | WeightFormat = FP8_BLOCK128.name) -> tuple[Any, Any]:
     """``(w13, w2)`` in ``weight_format`` from fp32 / bf16 weights in the data contract's layouts (NumPy or CuPy:
     the result lives where the input did). For ``"fp8-block128"`` each is a :class:`Quantized` that every entry
-    point taking that format and ``reference.moe_decode(..., weight_format=)`` accept in place of bf16 weights."""
+    point taking that format and ``reference.moe_decode`` accept in place of bf16 weights (they read the format from
+    it). Checked first (``kernels.contract.check_weights``): w13 [E, 2I, H] and w2 [E, H, I] with H and I as the
+    format stores them, every value finite -- a NaN or inf is a ValueError naming the matrix and the experts."""
     return get_format(weight_format).quantize(w13, w2)
 
 
@@ -502,7 +509,8 @@ def fp8_experts_from_checkpoint(experts: Sequence[Mapping[str, Any]]) -> tuple[Q
         experts = [{k[len(f"{prefix}.{e}."):]: v for k, v in state.items() if k.startswith(f"{prefix}.{e}.")}
                    for e in range(num_experts)]
 
-    ValueError / TypeError name the expert, the tensor and what was expected."""
+    ValueError / TypeError name the expert, the tensor and what was expected; non-finite values (e4m3fn's NaN codes,
+    NaN or inf scales) are refused (the NaN policy: kernels/contract.py)."""
     if isinstance(experts, Mapping) or not isinstance(experts, Sequence) or not experts:
         raise TypeError("experts must be a non-empty sequence of per-expert mappings (tensor name -> array)")
     first = experts[0]
@@ -539,6 +547,11 @@ def fp8_experts_from_checkpoint(experts: Sequence[Mapping[str, Any]]) -> tuple[Q
             elif arr.dtype not in (FP8, np.dtype(np.uint8)):
                 raise TypeError(f"experts[{e}][{name!r}] must be float8_e4m3fn (or its uint8 bit patterns), got "
                                 f"{arr.dtype}")
+            bad = ~np.isfinite(arr) if name.endswith("scale_inv") else (arr.view(np.uint8) & 0x7F) == 0x7F
+            if bad.any():
+                what = "NaN/inf scales" if name.endswith("scale_inv") else "e4m3fn NaN codes (0x7F / 0xFF)"
+                raise ValueError(f"experts[{e}][{name!r}] must be finite: {int(bad.sum())} {what}, the first at "
+                                 f"{list(int(i) for i in np.argwhere(bad)[0])}")
             got[name] = arr.view(FP8) if arr.dtype == np.uint8 else arr
         w13.values[e, :inter], w13.values[e, inter:] = got["gate_proj.weight"], got["up_proj.weight"]
         w13.scales[e] = np.concatenate([got["gate_proj.weight_scale_inv"], got["up_proj.weight_scale_inv"]])

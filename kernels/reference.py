@@ -3,8 +3,8 @@
     out[t] = sum_k  topk_weights[t, k] * w2[e] @ (SiLU(gate) * up),   e = topk_ids[t, k]
     gate   = w13[e, :I] @ x[t],   up = w13[e, I:] @ x[t]
 
-Modes (all read the same inputs; weights in any registered format, ``weight_format=``, read one expert at a time
-through it -- bf16 by default):
+Modes (all read the same inputs; weights in any registered format, read from the weights as ``kernels.moe_decode``
+reads it, one expert at a time through it):
 
 ``"fp64"``         the oracle: every product and sum in float64, no rounding until the caller's.
 ``"warp_decode"``  what warp decode promises: both dot products accumulated in fp32, SiLU(g)*u rounded
@@ -68,6 +68,30 @@ def expert_groups(topk_ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
     return [(int(e), order[s : s + c]) for e, s, c in zip(experts, starts, counts, strict=True)]
 
 
+def weights_format(w13: Any, weight_format: Any = None) -> Any:
+    """The ``WeightFormat`` to read ``w13`` (and w2) through: the one it is in (``kernels.formats.format_of``), or
+    ``weight_format`` when given -- a ValueError naming both unless w13 is in it (``WeightFormat.stores``)."""
+    from kernels.formats import Quantized, format_of, get_format
+
+    if weight_format is None:
+        return get_format(format_of(w13))
+    fmt = get_format(weight_format)
+    if fmt.stores(w13):
+        return fmt
+    if isinstance(w13, Quantized):
+        held = f"{w13.layout!r}-ordered values {'with' if w13.scales is not None else 'without'} scales"
+        try:
+            held = f"{format_of(w13)} weights ({held})"
+        except ValueError:
+            pass
+    else:
+        held = f"a plain {type(w13).__name__} (bf16 weights)"
+    want = (f"{getattr(fmt, 'layout', 'rows')!r}-ordered values {'with' if fmt.scaled else 'without'} scales"
+            if fmt.name != "bf16" else "a plain array")
+    raise ValueError(f"weight_format {fmt.name!r} disagrees with the weights: w13 holds {held}, {fmt.name} weights "
+                     f"are {want} (leave weight_format out: the format is read from the weights)")
+
+
 def moe_decode(
     x: Any,
     w13: Any,
@@ -77,23 +101,24 @@ def moe_decode(
     mode: str = "fp64",
     quant: str | None = None,
     out_dtype: Any = None,
-    weight_format: Any = "bf16",
+    weight_format: Any = None,
 ) -> np.ndarray:
     """One MoE decode layer on the host. Returns [T, H]: float64 for ``"fp64"``, else bf16.
 
     ``out_dtype=np.float32`` returns the fp32 accumulator before its final bf16 rounding (not for fp64).
-    ``weight_format``: how w13 / w2 are stored (``kernels.formats``); each touched expert is read through it.
+    The weights' format (``kernels.formats``) is read from w13 as ``kernels.moe_decode`` reads it (``format_of``);
+    ``weight_format`` (a name or a ``WeightFormat``, e.g. one no registry holds) names it instead, and a format w13
+    is not in is a ValueError naming both. Each touched expert is read through it.
     ``quant`` quantizes activations only (mode ``"classical"``). CuPy inputs are copied to the host first.
+    A NaN or inf in x or the weights reaches exactly the outputs it feeds, as in the kernels (kernels/contract.py).
     """
-    from kernels.formats import get_format
-
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if quant not in QUANT_MODES:
         raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
     if quant is not None and mode != "classical":
         raise ValueError(f"quant={quant!r} applies to mode='classical' only, got mode={mode!r}")
-    fmt = get_format(weight_format)
+    fmt = weights_format(w13, weight_format)
     x, topk_ids, topk_weights = (_host(a) for a in (x, topk_ids, topk_weights))
     w13, w2 = fmt.host(w13), fmt.host(w2)
     dims = check_inputs(x, w13, w2, topk_ids, topk_weights, weight_format=fmt)
@@ -108,31 +133,34 @@ def moe_decode(
         if out_dtype not in (BF16, np.dtype(np.float32)):
             raise TypeError(f"out_dtype must be bfloat16 or float32 for mode {mode!r}, got {out_dtype}")
 
-    activations = bf16_to_f32(x)
-    if mode == "classical":
-        activations = quantize(activations, quant)
-    activations = activations.astype(acc)
+    # NaN / inf in x or the weights propagate to the outputs they feed (kernels/contract.py); NumPy would warn
+    # at each inf - inf, 0 * inf or inf / inf they meet on the way
+    with np.errstate(invalid="ignore"):
+        activations = bf16_to_f32(x)
+        if mode == "classical":
+            activations = quantize(activations, quant)
+        activations = activations.astype(acc)
 
-    per_pair = np.empty((T * K, H), acc)  # each (token, slot)'s expert output, before the routing weight
-    for expert, pairs in expert_groups(topk_ids):
-        tokens_of_pairs = pairs // K
-        gate_up = matmul_bf16_t(activations[tokens_of_pairs], fmt.expert(w13, expert, "w13"), acc)  # [n, 2I]
-        gate, up = gate_up[:, :I], gate_up[:, I:]
-        if mode == "fp64":
-            hidden = silu(gate) * up
-        elif mode == "warp_decode":
-            hidden = through_bf16(silu(gate) * up)
-        else:  # classical: every GEMM output and the activation pass through bf16 buffers
-            gate, up = through_bf16(gate), through_bf16(up)
-            hidden = quantize(through_bf16(silu(gate) * up), quant)
-        down = matmul_bf16_t(hidden.astype(acc, copy=False), fmt.expert(w2, expert, "w2"), acc)  # [n, H]
-        per_pair[pairs] = through_bf16(down) if mode == "classical" else down
+        per_pair = np.empty((T * K, H), acc)  # each (token, slot)'s expert output, before the routing weight
+        for expert, pairs in expert_groups(topk_ids):
+            tokens_of_pairs = pairs // K
+            gate_up = matmul_bf16_t(activations[tokens_of_pairs], fmt.expert(w13, expert, "w13"), acc)  # [n, 2I]
+            gate, up = gate_up[:, :I], gate_up[:, I:]
+            if mode == "fp64":
+                hidden = silu(gate) * up
+            elif mode == "warp_decode":
+                hidden = through_bf16(silu(gate) * up)
+            else:  # classical: every GEMM output and the activation pass through bf16 buffers
+                gate, up = through_bf16(gate), through_bf16(up)
+                hidden = quantize(through_bf16(silu(gate) * up), quant)
+            down = matmul_bf16_t(hidden.astype(acc, copy=False), fmt.expert(w2, expert, "w2"), acc)  # [n, H]
+            per_pair[pairs] = through_bf16(down) if mode == "classical" else down
 
-    per_pair = per_pair.reshape(T, K, H)
-    weights = topk_weights.astype(acc)
-    out = np.zeros((T, H), acc)
-    for k in range(K):  # the kernels' order: one accumulator, slots in order
-        out += weights[:, k, None] * per_pair[:, k]
+        per_pair = per_pair.reshape(T, K, H)
+        weights = topk_weights.astype(acc)
+        out = np.zeros((T, H), acc)
+        for k in range(K):  # the kernels' order: one accumulator, slots in order
+            out += weights[:, k, None] * per_pair[:, k]
     if out_dtype == BF16:
         return round_bf16(out)
     return out.astype(out_dtype)

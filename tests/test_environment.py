@@ -98,7 +98,21 @@ def test_cupy_from_one_channel_only() -> None:
     text = "\n".join(line.split("#")[0] for line in lines)
     conda_part, _, pip_part = text.partition("- pip:")
     assert "cupy" not in conda_part and "cupy-cuda12x" in pip_part
-    assert "numba-cuda" in pip_part and "numba-cuda" not in conda_part
+    assert "numba-cuda" in pip_part and "numba" not in conda_part
+    assert "numba" in _pip_packages("\n".join(lines))  # numba itself too, as the header comment says
+    header = "\n".join(line for line in lines if line.startswith("#"))
+    assert all(name in header for name in ("CuPy", "Numba", "numba-cuda")), "the comment names the pip packages"
+
+
+def test_numpy_bounded_below_what_numba_and_cupy_support() -> None:
+    """numba and cupy need numpy < 2.6: both files bound it the same way (2.x up to 2.5, nothing from 2.6)."""
+    from packaging.specifiers import SpecifierSet
+
+    text = (ROOT / "environment.yml").read_text()
+    spec = _pyproject_packages()["numpy"]
+    assert _conda_packages(text)["numpy"] == spec
+    allowed = SpecifierSet(spec)
+    assert {v for v in ("1.26.4", "2.0.0", "2.5.2", "2.6.0", "3.0.0") if v in allowed} == {"2.0.0", "2.5.2"}
 
 
 def test_readme_test_command_is_what_ci_runs() -> None:
@@ -124,3 +138,17 @@ def test_no_torch_outside_the_peers() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert not [d for d in project["dependencies"] if d.split()[0].lower().startswith(("torch", "triton"))]
     assert project["optional-dependencies"]["peers"] == ["torch", "triton"]
+
+
+# sha256 of https://www.apache.org/licenses/LICENSE-2.0.txt (11358 bytes, the appendix's placeholder unfilled)
+APACHE_2_0_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
+
+
+def test_license_file_is_the_license_declared() -> None:
+    """pyproject.toml declares Apache-2.0 and LICENSE is its standard text, unmodified (no added terms)."""
+    import hashlib
+
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"] == "Apache-2.0"
+    text = (ROOT / "LICENSE").read_bytes()
+    assert text.decode("ascii").lstrip().startswith("Apache License\n                           Version 2.0")
+    assert hashlib.sha256(text).hexdigest() == APACHE_2_0_SHA256

@@ -9,7 +9,7 @@ import pytest
 
 import kernels
 from kernels import formats
-from kernels.contract import BF16
+from kernels.contract import BF16, check_inputs
 from kernels.formats import BF16_FORMAT, FORMATS, Quantized, WeightFormat, get_format
 from kernels.routing import make_routing
 from kernels.shapes import PRESETS
@@ -114,12 +114,37 @@ def test_reference_reads_weights_through_their_format() -> None:
         via_format = moe_decode(x, q13, q2, ids, wts, mode=mode, quant=quant, weight_format=fmt)
         plain = moe_decode(x, d13, d2, ids, wts, mode=mode, quant=quant)
         assert np.array_equal(via_format.view(np.uint8), plain.view(np.uint8)), mode
-    with pytest.raises(TypeError, match="w13 must be expert-scaled weights"):
+    with pytest.raises(ValueError, match=r"weight_format 'expert-scaled' disagrees with the weights: w13 holds a plain "
+                                         r"ndarray \(bf16 weights\), expert-scaled weights are 'rows'-ordered values "
+                                         "with scales"):
         moe_decode(x, problem.w13, q2, ids, wts, weight_format=fmt)
     with pytest.raises(TypeError, match="w2 must be a numpy array like x, got kernels.formats.Quantized"):
         moe_decode(x, problem.w13, q2, ids, wts)
     with pytest.raises(ValueError, match="w13.values must have 3 dimensions"):
         moe_decode(x, Quantized(q13.values[0], q13.scales), q2, ids, wts, weight_format=fmt)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_reference_reads_the_format_from_the_weights(rng: np.random.Generator, fmt: str) -> None:
+    """reference.moe_decode reads the weights' format from them, as kernels.moe_decode does (format_of): the same
+    result as naming it; a weight_format the weights are not in is a ValueError naming both."""
+    from kernels.reference import moe_decode
+
+    w13, w2 = _finite_weights(rng, experts=3)
+    q13, q2 = kernels.quantize_weights(w13, w2, fmt)
+    x = rng.standard_normal((4, 128)).astype(BF16)
+    ids = rng.integers(0, 3, (4, 2)).astype(np.int32)
+    wts = rng.random((4, 2)).astype(np.float32)
+    for mode in ("fp64", "warp_decode", "classical"):
+        named = moe_decode(x, q13, q2, ids, wts, mode=mode, weight_format=fmt)
+        assert np.array_equal(moe_decode(x, q13, q2, ids, wts, mode=mode).view(np.uint8), named.view(np.uint8))
+        assert np.array_equal(moe_decode(x, q13, q2, ids, wts, mode=mode, weight_format=get_format(fmt))
+                              .view(np.uint8), named.view(np.uint8))
+    for other in FORMATS:
+        if other != fmt:
+            with pytest.raises(ValueError, match=rf"weight_format '{other}' disagrees with the weights: w13 holds "
+                                                 + (r"a plain ndarray" if fmt == "bf16" else rf"{fmt} weights")):
+                moe_decode(x, q13, q2, ids, wts, weight_format=other)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -224,6 +249,82 @@ def test_fp8_block128_checks_name_the_problem(rng: np.random.Generator) -> None:
         kernels.quantize_weights(problem.w13, problem.w2, "fp4")
 
 
+def _finite_weights(rng: np.random.Generator, experts: int = 4, hidden: int = 128, inter: int = 64) -> tuple:
+    """fp32 weights every format stores (H and I whole tiles of 64 values)."""
+    return (rng.standard_normal((experts, 2 * inter, hidden), dtype=np.float32),
+            rng.standard_normal((experts, hidden, inter), dtype=np.float32))
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_quantize_weights_refuses_non_finite(rng: np.random.Generator, fmt: str) -> None:
+    """A NaN or inf weight is a ValueError naming the matrix, the experts holding them (and how many each) and the
+    first one's index, in every format and from fp32 or bf16: unchecked, a NaN left its fp8-block128 block's scale
+    at 1 (the block's other values quantized unscaled) and an inf zeroed the rest of its block."""
+    w13, w2 = _finite_weights(rng)
+    bad13 = w13.copy()
+    bad13[2, 5, 7] = np.nan
+    bad13[2, 100, 0] = -np.inf
+    bad13[3, 0, 127] = np.nan
+    with pytest.raises(ValueError, match=r"w13 must be finite to become .* 3 NaN/inf values in 2 of 4 experts "
+                                         r"\(expert \(count\): 2 \(2\), 3 \(1\)\); the first is w13\[2, 5, 7\] = nan"):
+        kernels.quantize_weights(bad13, w2, fmt)
+    bad2 = w2.astype(BF16)
+    bad2[1, 64, 3] = np.inf
+    with pytest.raises(ValueError, match=r"w2 must be finite .* 1 NaN/inf values in 1 of 4 experts .* "
+                                         r"w2\[1, 64, 3\] = inf"):
+        kernels.quantize_weights(w13.astype(BF16), bad2, fmt)
+    kernels.quantize_weights(w13, w2, fmt)  # finite: fine
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_quantize_weights_refuses_inconsistent_shapes(rng: np.random.Generator, fmt: str) -> None:
+    """w13 / w2 that no entry point could take are refused where they are quantized, naming the argument and the
+    shape expected -- not later, at the first call: swapped, mismatched, H or I not a multiple of 8, and (tiled
+    formats) not whole tiles."""
+    w13, w2 = _finite_weights(rng)
+    with pytest.raises(ValueError, match=r"w2 must be \[E, H, I\] = \[4, 64, 64\] to match w13 \[E, 2I, H\] = "
+                                         r"\[4, 128, 64\], got shape \(4, 128, 128\) \(w13 and w2 swapped\?\)"):
+        kernels.quantize_weights(w2, w13, fmt)
+    with pytest.raises(ValueError, match=r"w2 must be \[E, H, I\] = \[4, 128, 64\] to match w13 \[E, 2I, H\]"):
+        kernels.quantize_weights(w13, w2[:, :100], fmt)
+    with pytest.raises(ValueError, match=r"w2 must be \[E, H, I\] = \[4, 128, 64\] .*, got shape \(3, 128, 64\)"):
+        kernels.quantize_weights(w13, w2[:3], fmt)
+    with pytest.raises(ValueError, match=r"w13 must be \[E, 2I, H\] and w2 \[E, H, I\] with H a multiple of 8 "
+                                         r"\(16-byte loads\), got H = 100"):
+        kernels.quantize_weights(w13[:, :, :100], w2[:, :100], fmt)
+    with pytest.raises(ValueError, match=r"with I a multiple of 8 .*, got I = 60"):
+        kernels.quantize_weights(w13[:, :120], w2[:, :, :60], fmt)
+    with pytest.raises(ValueError, match="must be even, got 127"):
+        kernels.quantize_weights(w13[:, :127], w2, fmt)
+    with pytest.raises(ValueError, match=r"w2 must have 3 dimensions \[E, H, I\], got shape \(128, 64\)"):
+        kernels.quantize_weights(w13, w2[0], fmt)
+    with pytest.raises(TypeError, match="w2 must be a float32 or bfloat16 array"):
+        kernels.quantize_weights(w13, w2.astype(np.int16), fmt)
+    if get_format(fmt).tiled:  # H = 192 (3 tiles of 64), I = 40: a multiple of 8, not of 32 or 64
+        with pytest.raises(ValueError, match=rf"{fmt} tiles need I and H multiples of \d+, got I = 40, H = 192 "
+                                             r"\(w13 \[E, 2I, H\] = \[1, 80, 192\], w2 \[E, H, I\] = \[1, 192, 40\]\)"):
+            kernels.quantize_weights(np.ones((1, 80, 192), np.float32), np.ones((1, 192, 40), np.float32), fmt)
+
+
+@pytest.mark.gpu
+def test_device_quantize_weights_refuses_non_finite_and_bad_shapes(rng: np.random.Generator) -> None:
+    """The same checks where the weights live (CuPy: bf16 on the device quantizer, fp32 through the host)."""
+    import cupy
+
+    w13, w2 = _finite_weights(rng)
+    for dtype in (BF16, np.float32):
+        bad13 = w13.astype(dtype)
+        bad13[3, 9, 11] = np.nan
+        dev13, dev2 = cupy.asarray(bad13), cupy.asarray(w2.astype(dtype))
+        for fmt in FORMATS:
+            with pytest.raises(ValueError, match=r"w13 must be finite .* 1 of 4 experts .* w13\[3, 9, 11\] = nan"):
+                kernels.quantize_weights(dev13, dev2, fmt)
+            with pytest.raises(ValueError, match=r"\(w13 and w2 swapped\?\)"):
+                kernels.quantize_weights(dev2, dev13, fmt)
+    with pytest.raises(TypeError, match="w2 must be a cupy array like w13"):
+        kernels.quantize_weights(cupy.asarray(w13), w2)
+
+
 def test_fp8_reference_is_the_dequantized_weights(rng: np.random.Generator) -> None:
     """Every mode reads an fp8-block128 expert as value x block scale: fp64 equals a float64 computation on the
     dequantized weights, and the format's error (fp64 on the originals) is measured apart from the modes'."""
@@ -288,6 +389,29 @@ def test_fp8_checkpoint_loader_assembles_the_lab_layout(rng: np.random.Generator
         kernels.fp8_experts_from_checkpoint(broken)
     with pytest.raises(TypeError, match="non-empty sequence"):
         kernels.fp8_experts_from_checkpoint([])
+
+
+def test_fp8_checkpoint_loader_refuses_non_finite(rng: np.random.Generator) -> None:
+    """e4m3fn's NaN codes (0x7F, 0xFF: the tensor-core paths would widen them as +-480, the strict ones as NaN) and
+    NaN / inf scales are refused where a checkpoint is loaded, naming the expert, the tensor and the first index."""
+    w13, w2 = _fp8_weights(rng)
+    q13, q2 = FP8_BLOCK.quantize(w13, w2)
+    for code in (0x7F, 0xFF):
+        experts = _checkpoint_tensors(q13, q2, 200)
+        gate = experts[1]["gate_proj.weight"].view(np.uint8).copy()
+        gate[7, 9] = code
+        experts[1] = {**experts[1], "gate_proj.weight": gate}
+        with pytest.raises(ValueError, match=r"experts\[1\]\['gate_proj.weight'\] must be finite: 1 e4m3fn NaN codes "
+                                             r"\(0x7F / 0xFF\), the first at \[7, 9\]"):
+            kernels.fp8_experts_from_checkpoint(experts)
+    for value in (np.nan, np.inf):
+        experts = _checkpoint_tensors(q13, q2, 200)
+        scales = experts[2]["down_proj.weight_scale_inv"].copy()
+        scales[1, 0] = value
+        experts[2] = {**experts[2], "down_proj.weight_scale_inv": scales}
+        with pytest.raises(ValueError, match=r"experts\[2\]\['down_proj.weight_scale_inv'\] must be finite: 1 NaN/inf "
+                                             r"scales, the first at \[1, 0\]"):
+            kernels.fp8_experts_from_checkpoint(experts)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -430,7 +554,9 @@ def test_tiled_values() -> None:
     wts = rng.random((3, 2)).astype(np.float32)
     assert np.array_equal(moe_decode(x, t13, t2, ids, wts, mode="fp64", weight_format=FP8_BLOCK128_T16.name),
                           moe_decode(x, rows13, rows2, ids, wts, mode="fp64", weight_format=FP8_BLOCK128.name))
-    with pytest.raises(ValueError, match="w13 holds 't16'-ordered values, fp8-block128 weights are 'rows'-ordered"):
+    with pytest.raises(ValueError, match=r"weight_format 'fp8-block128' disagrees with the weights: w13 holds "
+                                         r"fp8-block128-t16 weights \('t16'-ordered values with scales\), fp8-block128 "
+                                         "weights are 'rows'-ordered values with scales"):
         moe_decode(x, t13, t2, ids, wts, weight_format=FP8_BLOCK128.name)
     with pytest.raises(ValueError, match="w2 holds 'rows'-ordered values, fp8-block128-t16 weights are 't16'"):
         moe_decode(x, t13, rows2, ids, wts, weight_format=FP8_BLOCK128_T16.name)
@@ -470,12 +596,16 @@ def test_bf16_tiles(rng: np.random.Generator) -> None:
     wts = rng.random((3, 2)).astype(np.float32)
     assert np.array_equal(moe_decode(x, t13, t2, ids, wts, weight_format=BF16_T16.name).view(np.uint16),
                           moe_decode(x, rows13, w2.astype(BF16), ids, wts).view(np.uint16))
-    with pytest.raises(TypeError, match="w13 must be bf16-t16 weights"):
+    with pytest.raises(ValueError, match="weight_format 'bf16-t16' disagrees with the weights: w13 holds a plain "
+                                         "ndarray"):
         moe_decode(x, rows13, t2, ids, wts, weight_format=BF16_T16.name)
     with pytest.raises(ValueError, match="w2 holds 'rows'-ordered values, bf16-t16 weights are 't16'-ordered bf16"):
         moe_decode(x, t13, dataclasses.replace(t2, layout="rows"), ids, wts, weight_format=BF16_T16.name)
-    with pytest.raises(TypeError, match=r"w13.scales is None: fp8-block128-t16 weights carry scales"):
+    with pytest.raises(ValueError, match=r"w13 holds bf16-t16 weights \('t16'-ordered values without scales\), "
+                                         "fp8-block128-t16 weights are 't16'-ordered values with scales"):
         moe_decode(x, t13, t2, ids, wts, weight_format=FP8_BLOCK128_T16.name)
+    with pytest.raises(TypeError, match=r"w13.scales is None: fp8-block128-t16 weights carry scales"):
+        check_inputs(x, t13, t2, ids, wts, weight_format=FP8_BLOCK128_T16.name)
     with pytest.raises(TypeError, match=r"w13.values must have dtype bfloat16"):
         moe_decode(x, dataclasses.replace(t13, values=t13.values.astype(np.float32)), t2, ids, wts,
                    weight_format=BF16_T16.name)
