@@ -440,10 +440,21 @@ def crossover_notes(record: dict[str, Any], names: list[str] | None = None, code
     return notes
 
 
+# A narrow terminal's crossover table: (drop, short title) per column. It keeps T, auto and how far auto is from the
+# best single path and from the peer longest; then the baselines (expert-centric, strict) and the tensor-core paths;
+# the batch-invariant policy and auto's choice (the summary line names the fastest paths) go first.
+CROSSOVER_FIT = {
+    "batch": (0, None), "auto": (0, "auto"), "vs_best": (1, "vs best"), "best": (2, "best"), "peer": (3, "peer"),
+    "vs_peer": (4, "vs peer"), "expert-centric": (5, "EC"), "strict": (6, "strict"), "MMA": (7, "MMA"),
+    "grouped": (8, "grouped"), "per-pair": (9, "per-pair"), "batched": (10, "batched"), "mixed": (11, "mixed"),
+    "invariant": (12, "invariant"), "invariant_cost": (13, "inv. cost"), "choice": (14, "choice"),
+}
+
+
 def crossover_rich(record: dict[str, Any], names: list[str] | None = None) -> Group:
-    drops = {"choice": 2, "best": 1}  # a narrow terminal keeps the times and auto's distance from the best
     titles = crossover_titles(record)
-    table = FitTable([Column(title, "left" if key in ("best", "choice") else "right", drops.get(key, 0))
+    table = FitTable([Column(title, "left" if key in ("best", "choice") else "right", CROSSOVER_FIT[key][0],
+                             short=CROSSOVER_FIT[key][1], wrap=key not in ("vs_best", "vs_peer", "invariant_cost"))
                       for key, title in titles], title=crossover_title(record))
     for point in record["points"]:
         c = crossover_cells(point)
@@ -482,6 +493,15 @@ def _gb(n: float | None) -> str:
     return "-" if n is None else f"{n / 1e9:.2f} GB"
 
 
+def experts_text(counted: dict[str, Any]) -> str:
+    """The experts a row's routing touched (``bytes.unique_experts``): a count, or the mean over several routing
+    draws (a float) to one decimal; "-" where not recorded."""
+    experts = counted.get("unique_experts")
+    if experts is None:
+        return "-"
+    return f"{experts:.1f}" if isinstance(experts, float) else str(experts)
+
+
 def cells(data: dict[str, Any], row: dict[str, Any], width: int = 16) -> dict[str, str]:
     """Every table cell of one result row as text (shared by rich and markdown)."""
     roof = (data.get("rooflines") or {}).get("read_tbps")
@@ -509,7 +529,7 @@ def cells(data: dict[str, Any], row: dict[str, Any], width: int = 16) -> dict[st
         "rel_l2": _fmt(err.get("rel_l2"), ".1e"),
         "max_abs": _fmt(err.get("max_abs"), ".1e"),
         "check": check_text,
-        "experts": str((row.get("bytes") or {}).get("unique_experts", "-")),
+        "experts": experts_text(row.get("bytes") or {}),
         "weights": _gb((row.get("bytes") or {}).get("weights")),
         "copies": f"{row.get('copies', '-')}/{(row.get('rotation') or {}).get('copies_needed', '-')}",
         "mode": row.get("timing_mode") or "",
@@ -524,6 +544,9 @@ COLUMNS = (
     ("max_abs", "max-abs", "right", 7), ("check", "check", "left", 3), ("experts", "experts", "right", 5),
     ("weights", "weights", "right", 4), ("copies", "copies", "right", 8),
 )
+
+
+SHORT_TITLES = {"batch": "T", "us": "µs", "pct": "roof", "rel_l2": "rel-L2"}  # a narrow terminal's titles
 
 
 def _model_rows(data: dict[str, Any], model: str) -> list[dict[str, Any]]:
@@ -575,7 +598,8 @@ def header(data: dict[str, Any]) -> FitTable:
 
 def model_table(data: dict[str, Any], model: str) -> Group:
     """One model's rows (a section per batch, stage times under their row), then the failed rows' errors."""
-    table = FitTable([Column(title, justify, drop) for _, title, justify, drop in COLUMNS], title=model)
+    table = FitTable([Column(title, justify, drop, short=SHORT_TITLES.get(key))
+                      for key, title, justify, drop in COLUMNS], title=model)
     errors = []
     previous = None
     for row in _model_rows(data, model):
@@ -615,20 +639,20 @@ def cpu_section(data: dict[str, Any]) -> list[Any]:
         parts.append(Text(f"CUDA simulator: {sim.get('status', 'skipped')} -- {sim.get('message', '')}", style="dim"))
     if sim.get("status") in ("failed", "error") and sim.get("message"):
         parts.append(Text(f"simulator check {sim['status']}: {sim['message']}", style="red"))
-    batches = sorted({case["batch"] for case in cpu.get("reference") or []})
-    ref = FitTable([Column("mode", "left"), *(Column(f"T={b}") for b in batches)],
-                   title="reference vs the fp64 oracle (tiny; rel-L2)")
-    by_mode: dict[str, dict[int, Any]] = {}
+    by_batch: dict[int, dict[str, Any]] = {}  # a row per batch, a column per mode: as narrow as the modes are few
     for case in cpu.get("reference") or []:
-        by_mode.setdefault(case["mode"], {})[case["batch"]] = case.get("rel_l2")
-    for mode, values in by_mode.items():
-        ref.add_row(mode, *(_fmt(values.get(b), ".1e") for b in batches))
+        by_batch.setdefault(case["batch"], {})[case["mode"]] = case.get("rel_l2")
+    modes = list(dict.fromkeys(mode for values in by_batch.values() for mode in values))
+    ref = FitTable([Column("T"), *(Column(mode) for mode in modes)],
+                   title="reference vs the fp64 oracle (tiny; rel-L2)")
+    for batch in sorted(by_batch):
+        ref.add_row(str(batch), *(_fmt(by_batch[batch].get(mode), ".1e") for mode in modes))
     parts.append(ref)
     expected = FitTable([Column(col) for col in ("model", "batch", "experts", "weights", "act+inter+out",
                                                  "roofline µs @ datasheet")], title="bytes per layer (this routing)")
     for case in cpu.get("expected_bytes") or []:
         b = case["bytes"]
-        expected.add_row(case["model"], str(case["batch"]), str(b["unique_experts"]), _gb(b["weights"]),
+        expected.add_row(case["model"], str(case["batch"]), experts_text(b), _gb(b["weights"]),
                          f"{(b['activation'] + b['intermediate'] + b['output']) / 1e6:.2f} MB",
                          _fmt(case.get("us_at_4_8_tbps"), ".1f"))
     parts.append(expected)
