@@ -611,3 +611,21 @@ def test_narrow_note_is_one_line_naming_what_was_left_out():
     note = text.splitlines()[-1]
     assert note.startswith("(narrow terminal: extra 1, extra 2") and note.endswith("more left out)")
     assert "narrow terminal" not in _assert_fits(table, 10_000)
+
+
+def test_piped_output_has_no_trailing_spaces(data):
+    """Rich pads a table's cells to their column's width; written to a pipe or a file, no line ends in a space (the
+    report's and the bench's console, and the CLI's stdout)."""
+    from tools.display import console
+
+    out = io.StringIO()
+    printer = console(out)
+    printer.print(report.renderables(report.load(ROOT / "results" / WIDE_RUNS[1])))
+    printer.print(BenchResult(data))
+    lines = out.getvalue().splitlines()
+    assert len(lines) > 50 and not [line for line in lines if line.endswith(" ")]
+    assert "triton:fused-moe[M64-N128-K128-G16-w8-s3]" in out.getvalue()  # as wide as a line needs
+    result = subprocess.run([sys.executable, "-m", "tools.report", str(FIXTURE)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0 and "cupy:warp-decode" in result.stdout
+    assert not [line for line in result.stdout.splitlines() if line.endswith(" ")]

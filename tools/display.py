@@ -1,7 +1,7 @@
 """Terminal output shared by the lab's programs: tables that never cut a number, and progress from the first second.
 
 - :func:`console` prints to stdout: the terminal's width in a terminal; plain text as wide as each line needs when
-  piped or redirected, so a log of a run keeps every digit.
+  piped or redirected (no trailing spaces), so a log of a run keeps every digit.
 - :class:`FitTable` is a table that fits the width it is given by shortening its titles, then leaving out its
   columns (least useful first), and wrapping text at spaces, never by cutting a number or a name: a narrow terminal
   gets a compact layout and a line saying what was left out.
@@ -27,11 +27,40 @@ PLAIN_WIDTH = 10_000  # "unlimited" width of piped output: rich wraps nothing an
 
 
 def console(file: IO[str] | None = None) -> Console:
-    """A console on ``file`` (stdout): the terminal's width there, else wide enough for any line."""
+    """A console on ``file`` (stdout): the terminal's width there, else wide enough for any line, each line written
+    without the trailing spaces rich pads a table's cells with."""
     stream = file or sys.stdout
     if stream.isatty():
         return Console(file=stream)
-    return Console(file=stream, width=PLAIN_WIDTH, force_terminal=False, color_system=None)
+    return Console(file=_Trimmed(stream), width=PLAIN_WIDTH, force_terminal=False, color_system=None)
+
+
+class _Trimmed:
+    """A text stream writing each line to ``stream`` without its trailing spaces; spaces at the end of a line not yet
+    ended wait for what follows them."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+        self._pending = ""
+
+    def write(self, text: str) -> int:
+        *lines, self._pending = (self._pending + text).split("\n")
+        if lines:
+            self.stream.write("\n".join(line.rstrip(" ") for line in lines) + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        kept = self._pending.rstrip(" ")
+        if kept:
+            self.stream.write(kept)
+            self._pending = self._pending[len(kept):]
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:  # encoding, fileno, ...: the stream's
+        return getattr(self.stream, name)
 
 
 def text_of(renderable: Any, width: int = PLAIN_WIDTH) -> str:
