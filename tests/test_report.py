@@ -629,3 +629,18 @@ def test_piped_output_has_no_trailing_spaces(data):
                             text=True, timeout=60)
     assert result.returncode == 0 and "cupy:warp-decode" in result.stdout
     assert not [line for line in result.stdout.splitlines() if line.endswith(" ")]
+
+
+@pytest.mark.parametrize("columns", [80, 160])
+def test_ipython_pretty_form_follows_the_terminal_width(data, monkeypatch, columns):
+    monkeypatch.setenv("COLUMNS", str(columns))
+    printed = []
+
+    class Printer:
+        def text(self, value):
+            printed.append(value)
+
+    BenchResult(data)._repr_pretty_(Printer(), False)
+    lines = printed[0].splitlines()
+    assert max(len(line) for line in lines) <= columns and "cupy:expert-centric" in printed[0]
+    assert ("narrow terminal" in printed[0]) == (columns == 80)

@@ -35,6 +35,12 @@ def console(file: IO[str] | None = None) -> Console:
     return Console(file=_Trimmed(stream), width=PLAIN_WIDTH, force_terminal=False, color_system=None)
 
 
+def terminal_width() -> int:
+    """The width of the terminal the user sees: ``COLUMNS`` where set, else rich's detection (the terminal on stdin,
+    stdout or stderr; 115 in Jupyter; 80 where there is none)."""
+    return Console().width
+
+
 class _Trimmed:
     """A text stream writing each line to ``stream`` without its trailing spaces; spaces at the end of a line not yet
     ended wait for what follows them."""
