@@ -6,6 +6,7 @@
     python -m tools.report results/uniform.json --headline README.md          # the README's crossover tables
     python -m tools.report results/uniform.json results/zipf.json  # several runs: + crossover tables over all
     python -m tools.report --update-readme results/REPORT.md       # again from the runs its own command names
+    python -m tools.report results/uniform.json results/zipf.json --plot results/plots  # figures (PNG; matplotlib)
 
 ``--update-readme`` replaces the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` with the
 markdown tables; ``--headline`` the text between ``<!-- headline:begin -->`` and ``<!-- headline:end -->`` with the
@@ -16,6 +17,10 @@ run by adding it to the document's command, then run the tool on the document al
 
 TB/s = unique expert weight bytes of the call (experts touched by this routing x 3*H*I*2) / median time.
 "% roof" is that figure as a percentage of the streaming-read roofline measured in the same run.
+
+``--plot DIR`` draws the runs instead of printing them (``tools.plot``: per model, routing and weight format, µs per
+layer and % of the roofline against T and a roofline view; the README's headline chart), as PNG, and SVG too with
+``--plot-format svg``, and prints the paths written; it needs matplotlib, which nothing else here does.
 
 Given several files (say a uniform and a Zipf run), the report also prints one crossover table per (model, routing):
 strict warp decode, batched warp decode (FMA, mixed and tensor-core MMA), expert-centric and ``cupy:auto`` per batch,
@@ -41,6 +46,7 @@ from tools.display import console as output_console
 from tools.roofline import bar, percent
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+PLOT_FORMATS = ("png", "svg")  # --plot-format: PNG always, SVG beside it on request (tools.plot.FORMATS)
 HEADLINE = ("<!-- headline:begin -->", "<!-- headline:end -->")
 DIVISOR_NOTE = (
     "TB/s = unique expert weight bytes touched by the routing, in each row's weight format ({formats}; bf16: "
@@ -210,6 +216,21 @@ def row_routing(data: dict[str, Any], row: dict[str, Any]) -> str:
     return str(row.get("routing") or (data.get("config") or {}).get("routing") or "unknown")
 
 
+def latest_rows(datasets: list[dict[str, Any]]) -> dict[tuple[str, str, str, int], dict[str, Any]]:
+    """Every (model, routing, variant, batch) that ``datasets`` (bench records, in order) measured, the LATER run
+    winning whatever its status (a later failure hides an older timing: the kernel changed): its ``row``, the index
+    of its run (``source``) and that run's streaming-read roofline (``roof``, TB/s; None where not measured).
+
+    The one merge of several runs: the crossover tables and the plots (``tools.plot``) read their cells from it."""
+    found: dict[tuple[str, str, str, int], dict[str, Any]] = {}
+    for index, data in enumerate(datasets):
+        roof = (data.get("rooflines") or {}).get("read_tbps")
+        for row in data.get("results", []):
+            key = (row["model"], row_routing(data, row), row["variant"], int(row["batch"]))
+            found[key] = {"row": row, "source": index, "roof": roof}
+    return found
+
+
 def crossover_keys(datasets: list[dict[str, Any]], weight_format: str = "bf16") -> list[tuple[str, str]]:
     """Every (model, routing) with rows of at least two of strict / batched / expert-centric / auto (first-seen order)
     among the paths of ``weight_format`` (:data:`CROSSOVER_SETS`).
@@ -273,19 +294,18 @@ def crossover_table(datasets: list[dict[str, Any]], model: str, routing: str,
     paths = {column: variant for variant, column in variants.items() if column in PATH_COLUMNS}
     auto_variant = next(v for v, c in variants.items() if c == "auto")
     found: dict[tuple[str, int], dict[str, Any]] = {}
-    for index, data in enumerate(datasets):
-        roof = (data.get("rooflines") or {}).get("read_tbps")
-        for row in data.get("results", []):
-            column = variants.get(row.get("variant"))
-            if column is None or row["model"] != model or row_routing(data, row) != routing:
-                continue
-            timed = _timed(row)
-            tbps = row.get("tbps") if timed else None
-            found[(column, int(row["batch"]))] = {
-                "variant": row["variant"], "status": row.get("status"), "source": index,
-                "us": row["median_us"] if timed else None, "tbps": tbps, "pct": percent(tbps, roof),
-                "choice": row.get("choice"), "choice_source": row.get("choice_source"),
-            }
+    for (row_model, routed, variant, batch), latest in latest_rows(datasets).items():
+        column = variants.get(variant)
+        if column is None or row_model != model or routed != routing:
+            continue
+        row = latest["row"]
+        timed = _timed(row)
+        tbps = row.get("tbps") if timed else None
+        found[(column, batch)] = {
+            "variant": variant, "status": row.get("status"), "source": latest["source"],
+            "us": row["median_us"] if timed else None, "tbps": tbps, "pct": percent(tbps, latest["roof"]),
+            "choice": row.get("choice"), "choice_source": row.get("choice_source"),
+        }
     batches = sorted({batch for _, batch in found})
     points = []
     for batch in batches:
@@ -785,7 +805,8 @@ def _not_a_bench_result(data: Any) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.report", description=__doc__.split("\n")[0],
                                      usage="%(prog)s [-h] [--markdown] [--update-readme FILE] [--headline FILE] "
-                                           "JSON [JSON ...]\n       %(prog)s (--update-readme FILE | --headline FILE)")
+                                           "[--plot DIR [--plot-format {png,svg}]] JSON [JSON ...]\n"
+                                           "       %(prog)s (--update-readme FILE | --headline FILE)")
     # "*" here, at least one below: so an unknown option is reported before a missing JSON
     parser.add_argument("json", nargs="*", metavar="JSON",
                         help="result files written by python -m tools.bench --json (in order)")
@@ -793,7 +814,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--update-readme", metavar="FILE", help="replace the bench block of this file with every table")
     parser.add_argument("--headline", metavar="FILE", help="replace the headline block of this file with the "
                                                            "crossover tables")
+    parser.add_argument("--plot", metavar="DIR", help="draw the runs as figures under DIR (results/plots/ by "
+                                                      "convention) and print their paths; needs matplotlib")
+    parser.add_argument("--plot-format", choices=PLOT_FORMATS, help="png (default) or svg: SVG beside each PNG")
     args = parser.parse_args(argv)
+    if args.plot_format and not args.plot:
+        parser.error("--plot-format: give --plot DIR too")
+    if args.plot and not args.json:
+        parser.error("--plot: give the JSON files to draw (python -m tools.report RUN.json ... --plot DIR)")
     if not args.json and bool(args.update_readme) != bool(args.headline):  # one document: the runs it names
         option, document = ("--update-readme", args.update_readme) if args.update_readme else ("--headline",
                                                                                                  args.headline)
@@ -813,6 +841,18 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             parser.error(f"{path} is {problem}, not a tools.bench result (python -m tools.bench --json)")
         datas.append(data)
+    if args.plot:
+        try:
+            from tools import plot
+        except ImportError as exc:
+            print(f"{parser.prog}: error: --plot needs matplotlib>=3.7 (pip install 'matplotlib>=3.7'): {exc}",
+                  file=sys.stderr)
+            return 2
+        written = plot.write(datas, args.plot, args.plot_format or "png")
+        if not written:
+            print(f"{parser.prog}: nothing to draw: no timed rows in {', '.join(args.json)}", file=sys.stderr)
+            return 1
+        print("\n".join(str(path) for path in written))
     crossovers = crossover_markdown(datas, names=args.json)
     if args.headline:
         if not crossovers:
@@ -835,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             parser.error(str(exc))
         print(f"updated {args.update_readme} from {', '.join(args.json)}")
-    elif args.headline:
+    elif args.headline or (args.plot and not args.markdown):
         pass
     elif args.markdown:
         sys.stdout.write("\n".join([*(markdown(data, crossovers=False) for data in datas), crossovers]))
