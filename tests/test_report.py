@@ -518,3 +518,129 @@ def test_load_fills_the_tuned_peer_rows_a_cut_run_lacks(tmp_path):
     assert (tuned[8]["median_us"], tuned[8]["tuned_from"]) == (75.0, f"{peer}[B]")
     assert (tuned[16]["median_us"], tuned[16]["tuned_from"]) == (91.0, f"{peer}[B]")
     assert len([r for r in report.load(path)["results"] if r["variant"] == peer]) == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# Terminal widths, pipes and IPython
+# ------------------------------------------------------------------------------------------------
+WIDE_RUNS = ("h200-2026-12-02-candidates-uniform.json",  # two models, seven paths, a crossover table of its own
+             "h200-2026-12-03-gate-up-hot-unroll-policies-peer-uniform.json",  # the peer's configs: long names
+             "h200-2026-12-02-fp8-paths-uniform.json")  # the FP8 paths and their table
+
+
+def _cpu_record() -> dict:
+    """A run without a GPU, as the bench records it: simulator cases, the reference in four modes at seven batches,
+    bytes (a mean of touched experts over routing draws) and compile rows named after long variants."""
+    modes = ("warp_decode", "classical", "classical+fp8", "classical+mxfp8")
+    compile_rows = [{"source": "s", "kernel": kernel, "params": {}, "registers": 128, "shared_bytes": 0,
+                     "stack_bytes": 0, "spill_stores": 44, "spill_loads": 60, "threads_per_block": 256,
+                     "warps_per_sm": 16, "occupancy": 0.25, "limiter": "registers", "variant": variant}
+                    for variant, kernel in (("cupy:warp-decode-mma-grouped-fp8-t16", "moe_gate_up_3d_batched"),
+                                            ("cupy:expert-centric, cupy:expert-centric-fp8, "
+                                             "cupy:expert-centric-mxfp8", "gemm_fp8_scaled"),
+                                            ("numba:warp-decode-fp8", "moe_gate_up_fp8_numba"))]
+    return {"schema": "warp-decode-bench/1", "environment": {"date": "2026-12-04"}, "rooflines": None, "results": [],
+            "config": {"variants": ["numba:warp-decode-fp8"], "routing": "uniform"},
+            "cpu": {"reason": "no CUDA driver (libcuda not found)",
+                    "simulator": {"status": "ok", "cases": [{"case": "numba:warp-decode-fp8 tiny T=1",
+                                                             "rel_l2": 2.34e-3, "ulp": 0.0, "ok": True}]},
+                    "reference": [{"mode": mode, "batch": batch, "rel_l2": 2.3e-3 * (1 + i), "max_abs": 1e-3}
+                                  for i, mode in enumerate(modes) for batch in (1, 2, 4, 8, 16, 32, 64)],
+                    "expected_bytes": [{"model": "qwen3-235b-a22b", "batch": 16,
+                                        "bytes": {"unique_experts": 79.43, "weights": 7.5e8, "activation": 4096,
+                                                  "intermediate": 24576, "output": 4096}, "us_at_4_8_tbps": 155.3}],
+                    "compile_report": "summary", "compile": compile_rows}}
+
+
+def _fit_tables(renderable):
+    from rich.console import Group
+
+    from tools.display import FitTable
+
+    if isinstance(renderable, FitTable):
+        yield renderable
+    elif isinstance(renderable, Group):
+        for part in renderable.renderables:
+            yield from _fit_tables(part)
+
+
+def _assert_fits(renderable, width: int) -> str:
+    """``renderable`` laid out at ``width``: no line wider, and every word (a number, a name) of every cell of every
+    column its tables keep shown whole on one line."""
+    from tools.display import text_of
+
+    text = text_of(renderable, width)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= width
+    shown = {word for line in lines for word in line.split()}
+    for table in _fit_tables(renderable):
+        fit = table.fit(Console(width=width, file=io.StringIO()), width)
+        assert fit.widths is not None, f"{table.title}: folds at {width}"
+        for cells, _, _ in table.rows:
+            for index in fit.kept:
+                for word in cells[index].plain.split():
+                    assert word in shown, f"{table.title} at {width}: {word!r} broken"
+    return text
+
+
+@pytest.mark.parametrize("width", [80, 100, 160])
+def test_tables_fit_the_width_and_break_no_number_or_name(data, width):
+    """At a terminal's width every table fits: optional columns are left out (least useful first) or titled short,
+    one line under the table says so, and no number or name is split over two lines."""
+    datas = [report.load(ROOT / "results" / name) for name in WIDE_RUNS]
+    for run in (data, *datas, _cpu_record()):
+        text = _assert_fits(report.renderables(run), width)
+        notes = [line for line in text.splitlines() if line.startswith("(narrow terminal")]
+        assert all(line.endswith(")") for line in notes)  # one line each
+    for record in report.crossover_tables(datas):
+        text = _assert_fits(report.crossover_rich(record), width)
+        assert "narrow terminal" in text or width == 160
+    cpu = report.renderables(_cpu_record())
+    assert "79.4" in _assert_fits(cpu, width)  # a mean of touched experts: one decimal
+    if width == 80:
+        narrow = _assert_fits(report.crossover_rich(report.crossover_tables(datas)[0]), width)
+        assert "auto" in narrow and "vs best" in narrow and "(narrow terminal: short titles; " in narrow
+
+
+def test_narrow_note_is_one_line_naming_what_was_left_out():
+    from tools.display import Column, FitTable
+
+    table = FitTable([Column("name", "left"), Column("value"), *(Column(f"extra {i}", drop=i) for i in range(1, 9))])
+    table.add_row("cupy:warp-decode-mma-grouped-fp8-t16", "1059.33", *[f"{i}.00e-03" for i in range(8)])
+    text = _assert_fits(table, 60)
+    note = text.splitlines()[-1]
+    assert note.startswith("(narrow terminal: extra 1, extra 2") and note.endswith("more left out)")
+    assert "narrow terminal" not in _assert_fits(table, 10_000)
+
+
+def test_piped_output_has_no_trailing_spaces(data):
+    """Rich pads a table's cells to their column's width; written to a pipe or a file, no line ends in a space (the
+    report's and the bench's console, and the CLI's stdout)."""
+    from tools.display import console
+
+    out = io.StringIO()
+    printer = console(out)
+    printer.print(report.renderables(report.load(ROOT / "results" / WIDE_RUNS[1])))
+    printer.print(BenchResult(data))
+    lines = out.getvalue().splitlines()
+    assert len(lines) > 50 and not [line for line in lines if line.endswith(" ")]
+    assert "triton:fused-moe[M64-N128-K128-G16-w8-s3]" in out.getvalue()  # as wide as a line needs
+    result = subprocess.run([sys.executable, "-m", "tools.report", str(FIXTURE)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0 and "cupy:warp-decode" in result.stdout
+    assert not [line for line in result.stdout.splitlines() if line.endswith(" ")]
+
+
+@pytest.mark.parametrize("columns", [80, 160])
+def test_ipython_pretty_form_follows_the_terminal_width(data, monkeypatch, columns):
+    monkeypatch.setenv("COLUMNS", str(columns))
+    printed = []
+
+    class Printer:
+        def text(self, value):
+            printed.append(value)
+
+    BenchResult(data)._repr_pretty_(Printer(), False)
+    lines = printed[0].splitlines()
+    assert max(len(line) for line in lines) <= columns and "cupy:expert-centric" in printed[0]
+    assert ("narrow terminal" in printed[0]) == (columns == 80)

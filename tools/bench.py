@@ -126,7 +126,7 @@ class BenchResult:
         return display.text_of(self.__rich__(), width)
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
-        printer.text("BenchResult(...)" if cycle else self._text())
+        printer.text("BenchResult(...)" if cycle else self._text(display.terminal_width()))
 
     def _repr_html_(self) -> str:
         from rich.console import Console

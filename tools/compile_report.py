@@ -308,10 +308,11 @@ def render(rows: list[Row], title: str = "offline compile report (sm_90, NVRTC /
     from tools.display import Column, FitTable
 
     by_variant = any(row.variant for row in rows)
+    # a narrow terminal keeps the kernel, its registers and spills longest; occupancy and what limits it go first
     columns = [Column("variant" if by_variant else "source", "left"), Column("kernel", "left"),
-               Column("params", "left", drop=4), Column("regs"), Column("spill st/ld B"), Column("stack B", drop=2),
-               Column("smem B", drop=3), Column("threads", drop=5), Column("warps/SM", drop=1), Column("occupancy"),
-               Column("limiter", "left", drop=6)]
+               Column("params", "left", drop=5), Column("regs"), Column("spill st/ld B", short="spill B"),
+               Column("stack B", drop=3), Column("smem B", drop=4), Column("threads", drop=6),
+               Column("warps/SM", drop=2), Column("occupancy", drop=1, short="occ."), Column("limiter", "left", drop=7)]
     table = FitTable(columns, title=title)
     notes: dict[str, str] = {}  # footnote lines, each once
     for row in rows:

@@ -1,9 +1,10 @@
 """Terminal output shared by the lab's programs: tables that never cut a number, and progress from the first second.
 
 - :func:`console` prints to stdout: the terminal's width in a terminal; plain text as wide as each line needs when
-  piped or redirected, so a log of a run keeps every digit.
-- :class:`FitTable` is a table that fits the width it is given by dropping its optional columns (least useful
-  first) and wrapping text at spaces, never by cutting a cell: a narrow terminal gets a compact layout.
+  piped or redirected (no trailing spaces), so a log of a run keeps every digit.
+- :class:`FitTable` is a table that fits the width it is given by shortening its titles, then leaving out its
+  columns (least useful first), and wrapping text at spaces, never by cutting a number or a name: a narrow terminal
+  gets a compact layout and a line saying what was left out.
 - :class:`Steps` shows what a long command is doing: a rich progress line on a terminal's stderr, or one plain
   line per step with the seconds elapsed when stderr is not a terminal.
 """
@@ -26,11 +27,46 @@ PLAIN_WIDTH = 10_000  # "unlimited" width of piped output: rich wraps nothing an
 
 
 def console(file: IO[str] | None = None) -> Console:
-    """A console on ``file`` (stdout): the terminal's width there, else wide enough for any line."""
+    """A console on ``file`` (stdout): the terminal's width there, else wide enough for any line, each line written
+    without the trailing spaces rich pads a table's cells with."""
     stream = file or sys.stdout
     if stream.isatty():
         return Console(file=stream)
-    return Console(file=stream, width=PLAIN_WIDTH, force_terminal=False, color_system=None)
+    return Console(file=_Trimmed(stream), width=PLAIN_WIDTH, force_terminal=False, color_system=None)
+
+
+def terminal_width() -> int:
+    """The width of the terminal the user sees: ``COLUMNS`` where set, else rich's detection (the terminal on stdin,
+    stdout or stderr; 115 in Jupyter; 80 where there is none)."""
+    return Console().width
+
+
+class _Trimmed:
+    """A text stream writing each line to ``stream`` without its trailing spaces; spaces at the end of a line not yet
+    ended wait for what follows them."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+        self._pending = ""
+
+    def write(self, text: str) -> int:
+        *lines, self._pending = (self._pending + text).split("\n")
+        if lines:
+            self.stream.write("\n".join(line.rstrip(" ") for line in lines) + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        kept = self._pending.rstrip(" ")
+        if kept:
+            self.stream.write(kept)
+            self._pending = self._pending[len(kept):]
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:  # encoding, fileno, ...: the stream's
+        return getattr(self.stream, name)
 
 
 def text_of(renderable: Any, width: int = PLAIN_WIDTH) -> str:
@@ -47,21 +83,37 @@ def text_of(renderable: Any, width: int = PLAIN_WIDTH) -> str:
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Column:
-    """One column of a :class:`FitTable`. ``drop``: 0 keeps it always; columns with higher ``drop`` go first when
-    the table does not fit."""
+    """One column of a :class:`FitTable`. ``drop``: 0 keeps it always; columns with higher ``drop`` go first when the
+    table does not fit. ``short``: a shorter title, used before any column is left out. ``wrap``: False keeps each
+    cell on one line (say "+1.2 %"); text cells otherwise wrap at spaces."""
 
     title: str
     justify: str = "right"
     drop: int = 0
     style: str | None = None
+    short: str | None = None
+    wrap: bool = True
+
+
+@dataclass(frozen=True)
+class Fit:
+    """How a :class:`FitTable` is laid out at one width: the columns ``kept`` and ``dropped`` (indices), whether the
+    ``short`` titles are used, and the content width of each kept column (None: even the columns it always keeps do
+    not fit; rich folds their cells)."""
+
+    kept: list[int]
+    short: bool
+    widths: list[int] | None
+    dropped: list[int]
 
 
 class FitTable:
-    """A rich table laid out for the width it is rendered at, cutting no cell.
+    """A rich table laid out for the width it is rendered at, never cutting a number or a name.
 
-    Columns are kept at the width of their widest cell; text cells may wrap at spaces. When even the
-    narrowest layout of every column does not fit, the optional columns are left out, highest ``drop`` first
-    (a caption says which); if it still does not fit, cells fold onto a second line rather than lose a digit.
+    Columns are kept at the width of their widest cell; text cells wrap at spaces only, so every word (a number, a
+    variant name) stays whole on one line. When even the narrowest layout does not fit, the table first uses its
+    columns' short titles, then leaves columns out, highest ``drop`` first (the rightmost of equal ``drop`` first),
+    and says so in one line under the table. Only when the columns it always keeps do not fit even so do cells fold.
     """
 
     def __init__(self, columns: Sequence[Column], title: str | None = None, caption: str | None = None,
@@ -80,50 +132,63 @@ class FitTable:
     def add_section(self) -> None:
         self._section = bool(self.rows)
 
-    def _table(self, keep: list[int], widths: list[int] | None = None) -> Table:
-        dropped = [self.columns[i].title for i in range(len(self.columns)) if i not in keep]
-        caption = self.caption
-        if dropped:
-            note = f"(narrow terminal: {', '.join(t or 'bar' for t in dropped)} left out; pipe to a file for all)"
-            caption = f"{caption}\n{note}" if caption else note
-        table = Table(title=self.title, caption=caption, box=self.box, show_header=self.show_header,
+    def _title(self, index: int, short: bool) -> str:
+        column = self.columns[index]
+        return column.short if short and column.short is not None else column.title
+
+    def _table(self, fit: Fit) -> Table:
+        table = Table(title=self.title, caption=self.caption, box=self.box, show_header=self.show_header,
                       title_justify="left", caption_justify="left", title_style="bold")
-        for position, index in enumerate(keep):
+        for position, index in enumerate(fit.kept):
             column = self.columns[index]
-            table.add_column(column.title, justify=column.justify, style=column.style, overflow="fold",  # type: ignore[arg-type]
-                             width=None if widths is None else widths[position])
+            table.add_column(self._title(index, fit.short), justify=column.justify, style=column.style,  # type: ignore[arg-type]
+                             overflow="fold", no_wrap=not column.wrap,
+                             width=None if fit.widths is None else fit.widths[position])
         for cells, style, section in self.rows:
             if section:
                 table.add_section()
-            table.add_row(*[cells[i] for i in keep], style=style)
+            table.add_row(*[cells[i] for i in fit.kept], style=style)
         return table
 
-    def _ranges(self, console_: Console, options: ConsoleOptions, keep: list[int]) -> list[tuple[int, int]]:
-        """(narrowest, widest) of each kept column: its longest word and its longest line, header included."""
-        wide = options.update_width(PLAIN_WIDTH)
-        ranges = []
-        for index in keep:
-            cells = [Text(self.columns[index].title)] + [row[0][index] for row in self.rows]
-            measured = [Measurement.get(console_, wide, cell) for cell in cells]
-            ranges.append((max(m.minimum for m in measured), max(m.maximum for m in measured)))
-        return ranges
+    def _overhead(self, columns: int) -> int:
+        """Borders and padding of a table of ``columns`` columns (rich's ``Table._extra_width`` + a space each side)."""
+        edges = (2 + columns - 1) if self.box else 0
+        return edges + 2 * columns
 
-    def _layout(self, console_: Console, options: ConsoleOptions) -> Table:
-        width = options.max_width
-        keep = list(range(len(self.columns)))
+    def fit(self, console_: Console, width: int) -> Fit:
+        """The layout at ``width``: see the class."""
+        wide = console_.options.update_width(PLAIN_WIDTH)
+
+        def measure(texts: list[Any]) -> tuple[int, int]:
+            measured = [Measurement.get(console_, wide, text) for text in texts]
+            return max((m.minimum for m in measured), default=0), max((m.maximum for m in measured), default=0)
+
+        n = len(self.columns)
+        body = [measure([row[0][i] for row in self.rows]) for i in range(n)]
+        body = [(high, high) if not c.wrap else (low, high) for c, (low, high) in zip(self.columns, body, strict=True)]
+        heads = {short: [measure([Text(self._title(i, short))] if self.show_header else []) for i in range(n)]
+                 for short in (False, True)}
+        ranges = {short: [(max(b[0], h[0]), max(b[1], h[1])) for b, h in zip(body, heads[short], strict=True)]
+                  for short in (False, True)}
         order = sorted((i for i, c in enumerate(self.columns) if c.drop), key=lambda i: (-self.columns[i].drop, -i))
+        has_short = any(c.short is not None for c in self.columns)
+        keep = list(range(n))
         while True:
-            ranges = self._ranges(console_, options, keep)
-            overhead = self._table(keep)._extra_width + 2 * len(keep)  # borders and one space of padding each side
-            if sum(low for low, _ in ranges) + overhead <= width or not order:
-                break
+            for short in (False, True) if has_short else (False,):
+                low = sum(ranges[short][i][0] for i in keep)
+                if low + self._overhead(len(keep)) <= width:
+                    return self._widths(keep, short, [ranges[short][i] for i in keep], width)
+            if not order:
+                return Fit(keep, has_short, None, [i for i in range(n) if i not in keep])
             keep.remove(order.pop(0))
-        spare = width - overhead - sum(low for low, _ in ranges)
-        if spare < 0:  # nothing fits: rich folds the cells (every column overflows by folding, none by "…")
-            return self._table(keep)
-        if sum(high for _, high in ranges) + overhead <= width:
-            return self._table(keep, [high for _, high in ranges])
+
+    def _widths(self, keep: list[int], short: bool, ranges: list[tuple[int, int]], width: int) -> Fit:
+        dropped = [i for i in range(len(self.columns)) if i not in keep]
+        spare = width - self._overhead(len(keep)) - sum(high for _, high in ranges)
+        if spare >= 0:
+            return Fit(keep, short, [high for _, high in ranges], dropped)
         widths = [low for low, _ in ranges]
+        spare = width - self._overhead(len(keep)) - sum(widths)
         while spare > 0:  # widen the wrapped columns one character at a time, the most wrapped first
             wanting = [i for i, (low, high) in enumerate(ranges) if widths[i] < high]
             if not wanting:
@@ -131,13 +196,32 @@ class FitTable:
             index = max(wanting, key=lambda i: ranges[i][1] - widths[i])
             widths[index] += 1
             spare -= 1
-        return self._table(keep, widths)
+        return Fit(keep, short, widths, dropped)
+
+    def note(self, fit: Fit, width: int) -> str | None:
+        """One line (at most ``width`` characters where any wording fits) saying what a narrow layout changed."""
+        short = fit.short and any(self.columns[i].short is not None for i in fit.kept)
+        names = list(dict.fromkeys(self.columns[i].short or self.columns[i].title or "bar" for i in fit.dropped))
+        if not names:
+            return "(narrow terminal: short titles; pipe to a file for full titles)" if short else None
+        head = "(narrow terminal: " + ("short titles; " if short else "")
+        wordings = [f"{head}{', '.join(names)} left out; pipe to a file for all)",
+                    f"{head}{', '.join(names)} left out)"]
+        wordings += [f"{head}{', '.join(names[:k])} and {len(names) - k} more left out)"
+                     for k in range(len(names) - 1, 0, -1)]
+        wordings.append(f"{head}{len(names)} column{'s' if len(names) > 1 else ''} left out)")
+        return next((w for w in wordings if len(w) <= width), wordings[-1])
 
     def __rich_console__(self, console_: Console, options: ConsoleOptions) -> RenderResult:
-        yield self._layout(console_, options)
+        fit = self.fit(console_, options.max_width)
+        yield self._table(fit)
+        note = self.note(fit, options.max_width)
+        if note:
+            yield Text(note, style="dim italic")
 
     def __rich_measure__(self, console_: Console, options: ConsoleOptions) -> Measurement:
-        return Measurement.get(console_, options, self._table(list(range(len(self.columns)))))
+        n = len(self.columns)
+        return Measurement.get(console_, options, self._table(Fit(list(range(n)), False, None, [])))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@
     python -m tools.report results/uniform.json --headline README.md          # the README's crossover tables
     python -m tools.report results/uniform.json results/zipf.json  # several runs: + crossover tables over all
     python -m tools.report --update-readme results/REPORT.md       # again from the runs its own command names
+    python -m tools.report results/uniform.json results/zipf.json --plot results/plots  # figures (PNG; matplotlib)
 
 ``--update-readme`` replaces the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` with the
 markdown tables; ``--headline`` the text between ``<!-- headline:begin -->`` and ``<!-- headline:end -->`` with the
@@ -16,6 +17,10 @@ run by adding it to the document's command, then run the tool on the document al
 
 TB/s = unique expert weight bytes of the call (experts touched by this routing x 3*H*I*2) / median time.
 "% roof" is that figure as a percentage of the streaming-read roofline measured in the same run.
+
+``--plot DIR`` draws the runs instead of printing them (``tools.plot``: per model, routing and weight format, µs per
+layer and % of the roofline against T and a roofline view; the README's headline chart), as PNG, and SVG too with
+``--plot-format svg``, and prints the paths written; it needs matplotlib, which nothing else here does.
 
 Given several files (say a uniform and a Zipf run), the report also prints one crossover table per (model, routing):
 strict warp decode, batched warp decode (FMA, mixed and tensor-core MMA), expert-centric and ``cupy:auto`` per batch,
@@ -42,6 +47,7 @@ from tools.display import console as output_console
 from tools.roofline import bar, percent
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+PLOT_FORMATS = ("png", "svg")  # --plot-format: PNG always, SVG beside it on request (tools.plot.FORMATS)
 HEADLINE = ("<!-- headline:begin -->", "<!-- headline:end -->")
 DIVISOR_NOTE = (
     "TB/s = unique expert weight bytes touched by the routing, in each row's weight format ({formats}; bf16: "
@@ -211,6 +217,21 @@ def row_routing(data: dict[str, Any], row: dict[str, Any]) -> str:
     return str(row.get("routing") or (data.get("config") or {}).get("routing") or "unknown")
 
 
+def latest_rows(datasets: list[dict[str, Any]]) -> dict[tuple[str, str, str, int], dict[str, Any]]:
+    """Every (model, routing, variant, batch) that ``datasets`` (bench records, in order) measured, the LATER run
+    winning whatever its status (a later failure hides an older timing: the kernel changed): its ``row``, the index
+    of its run (``source``) and that run's streaming-read roofline (``roof``, TB/s; None where not measured).
+
+    The one merge of several runs: the crossover tables and the plots (``tools.plot``) read their cells from it."""
+    found: dict[tuple[str, str, str, int], dict[str, Any]] = {}
+    for index, data in enumerate(datasets):
+        roof = (data.get("rooflines") or {}).get("read_tbps")
+        for row in data.get("results", []):
+            key = (row["model"], row_routing(data, row), row["variant"], int(row["batch"]))
+            found[key] = {"row": row, "source": index, "roof": roof}
+    return found
+
+
 def crossover_keys(datasets: list[dict[str, Any]], weight_format: str = "bf16") -> list[tuple[str, str]]:
     """Every (model, routing) with rows of at least two of strict / batched / expert-centric / auto (first-seen order)
     among the paths of ``weight_format`` (:data:`CROSSOVER_SETS`).
@@ -274,19 +295,18 @@ def crossover_table(datasets: list[dict[str, Any]], model: str, routing: str,
     paths = {column: variant for variant, column in variants.items() if column in PATH_COLUMNS}
     auto_variant = next(v for v, c in variants.items() if c == "auto")
     found: dict[tuple[str, int], dict[str, Any]] = {}
-    for index, data in enumerate(datasets):
-        roof = (data.get("rooflines") or {}).get("read_tbps")
-        for row in data.get("results", []):
-            column = variants.get(row.get("variant"))
-            if column is None or row["model"] != model or row_routing(data, row) != routing:
-                continue
-            timed = _timed(row)
-            tbps = row.get("tbps") if timed else None
-            found[(column, int(row["batch"]))] = {
-                "variant": row["variant"], "status": row.get("status"), "source": index,
-                "us": row["median_us"] if timed else None, "tbps": tbps, "pct": percent(tbps, roof),
-                "choice": row.get("choice"), "choice_source": row.get("choice_source"),
-            }
+    for (row_model, routed, variant, batch), latest in latest_rows(datasets).items():
+        column = variants.get(variant)
+        if column is None or row_model != model or routed != routing:
+            continue
+        row = latest["row"]
+        timed = _timed(row)
+        tbps = row.get("tbps") if timed else None
+        found[(column, batch)] = {
+            "variant": variant, "status": row.get("status"), "source": latest["source"],
+            "us": row["median_us"] if timed else None, "tbps": tbps, "pct": percent(tbps, latest["roof"]),
+            "choice": row.get("choice"), "choice_source": row.get("choice_source"),
+        }
     batches = sorted({batch for _, batch in found})
     points = []
     for batch in batches:
@@ -441,10 +461,21 @@ def crossover_notes(record: dict[str, Any], names: list[str] | None = None, code
     return notes
 
 
+# A narrow terminal's crossover table: (drop, short title) per column. It keeps T, auto and how far auto is from the
+# best single path and from the peer longest; then the baselines (expert-centric, strict) and the tensor-core paths;
+# the batch-invariant policy and auto's choice (the summary line names the fastest paths) go first.
+CROSSOVER_FIT = {
+    "batch": (0, None), "auto": (0, "auto"), "vs_best": (1, "vs best"), "best": (2, "best"), "peer": (3, "peer"),
+    "vs_peer": (4, "vs peer"), "expert-centric": (5, "EC"), "strict": (6, "strict"), "MMA": (7, "MMA"),
+    "grouped": (8, "grouped"), "per-pair": (9, "per-pair"), "batched": (10, "batched"), "mixed": (11, "mixed"),
+    "invariant": (12, "invariant"), "invariant_cost": (13, "inv. cost"), "choice": (14, "choice"),
+}
+
+
 def crossover_rich(record: dict[str, Any], names: list[str] | None = None) -> Group:
-    drops = {"choice": 2, "best": 1}  # a narrow terminal keeps the times and auto's distance from the best
     titles = crossover_titles(record)
-    table = FitTable([Column(title, "left" if key in ("best", "choice") else "right", drops.get(key, 0))
+    table = FitTable([Column(title, "left" if key in ("best", "choice") else "right", CROSSOVER_FIT[key][0],
+                             short=CROSSOVER_FIT[key][1], wrap=key not in ("vs_best", "vs_peer", "invariant_cost"))
                       for key, title in titles], title=crossover_title(record))
     for point in record["points"]:
         c = crossover_cells(point)
@@ -483,6 +514,15 @@ def _gb(n: float | None) -> str:
     return "-" if n is None else f"{n / 1e9:.2f} GB"
 
 
+def experts_text(counted: dict[str, Any]) -> str:
+    """The experts a row's routing touched (``bytes.unique_experts``): a count, or the mean over several routing
+    draws (a float) to one decimal; "-" where not recorded."""
+    experts = counted.get("unique_experts")
+    if experts is None:
+        return "-"
+    return f"{experts:.1f}" if isinstance(experts, float) else str(experts)
+
+
 def cells(data: dict[str, Any], row: dict[str, Any], width: int = 16) -> dict[str, str]:
     """Every table cell of one result row as text (shared by rich and markdown)."""
     roof = (data.get("rooflines") or {}).get("read_tbps")
@@ -510,7 +550,7 @@ def cells(data: dict[str, Any], row: dict[str, Any], width: int = 16) -> dict[st
         "rel_l2": _fmt(err.get("rel_l2"), ".1e"),
         "max_abs": _fmt(err.get("max_abs"), ".1e"),
         "check": check_text,
-        "experts": str((row.get("bytes") or {}).get("unique_experts", "-")),
+        "experts": experts_text(row.get("bytes") or {}),
         "weights": _gb((row.get("bytes") or {}).get("weights")),
         "copies": f"{row.get('copies', '-')}/{(row.get('rotation') or {}).get('copies_needed', '-')}",
         "mode": row.get("timing_mode") or "",
@@ -525,6 +565,9 @@ COLUMNS = (
     ("max_abs", "max-abs", "right", 7), ("check", "check", "left", 3), ("experts", "experts", "right", 5),
     ("weights", "weights", "right", 4), ("copies", "copies", "right", 8),
 )
+
+
+SHORT_TITLES = {"batch": "T", "us": "µs", "pct": "roof", "rel_l2": "rel-L2"}  # a narrow terminal's titles
 
 
 def _model_rows(data: dict[str, Any], model: str) -> list[dict[str, Any]]:
@@ -576,7 +619,8 @@ def header(data: dict[str, Any]) -> FitTable:
 
 def model_table(data: dict[str, Any], model: str) -> Group:
     """One model's rows (a section per batch, stage times under their row), then the failed rows' errors."""
-    table = FitTable([Column(title, justify, drop) for _, title, justify, drop in COLUMNS], title=model)
+    table = FitTable([Column(title, justify, drop, short=SHORT_TITLES.get(key))
+                      for key, title, justify, drop in COLUMNS], title=model)
     errors = []
     previous = None
     for row in _model_rows(data, model):
@@ -616,20 +660,20 @@ def cpu_section(data: dict[str, Any]) -> list[Any]:
         parts.append(Text(f"CUDA simulator: {sim.get('status', 'skipped')} -- {sim.get('message', '')}", style="dim"))
     if sim.get("status") in ("failed", "error") and sim.get("message"):
         parts.append(Text(f"simulator check {sim['status']}: {sim['message']}", style="red"))
-    batches = sorted({case["batch"] for case in cpu.get("reference") or []})
-    ref = FitTable([Column("mode", "left"), *(Column(f"T={b}") for b in batches)],
-                   title="reference vs the fp64 oracle (tiny; rel-L2)")
-    by_mode: dict[str, dict[int, Any]] = {}
+    by_batch: dict[int, dict[str, Any]] = {}  # a row per batch, a column per mode: as narrow as the modes are few
     for case in cpu.get("reference") or []:
-        by_mode.setdefault(case["mode"], {})[case["batch"]] = case.get("rel_l2")
-    for mode, values in by_mode.items():
-        ref.add_row(mode, *(_fmt(values.get(b), ".1e") for b in batches))
+        by_batch.setdefault(case["batch"], {})[case["mode"]] = case.get("rel_l2")
+    modes = list(dict.fromkeys(mode for values in by_batch.values() for mode in values))
+    ref = FitTable([Column("T"), *(Column(mode) for mode in modes)],
+                   title="reference vs the fp64 oracle (tiny; rel-L2)")
+    for batch in sorted(by_batch):
+        ref.add_row(str(batch), *(_fmt(by_batch[batch].get(mode), ".1e") for mode in modes))
     parts.append(ref)
     expected = FitTable([Column(col) for col in ("model", "batch", "experts", "weights", "act+inter+out",
                                                  "roofline µs @ datasheet")], title="bytes per layer (this routing)")
     for case in cpu.get("expected_bytes") or []:
         b = case["bytes"]
-        expected.add_row(case["model"], str(case["batch"]), str(b["unique_experts"]), _gb(b["weights"]),
+        expected.add_row(case["model"], str(case["batch"]), experts_text(b), _gb(b["weights"]),
                          f"{(b['activation'] + b['intermediate'] + b['output']) / 1e6:.2f} MB",
                          _fmt(case.get("us_at_4_8_tbps"), ".1f"))
     parts.append(expected)
@@ -762,12 +806,15 @@ def _not_a_bench_result(data: Any) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.report", description=__doc__.split("\n")[0],
                                      usage="%(prog)s [-h] [--markdown] [--update-readme FILE] [--headline FILE] "
-                                           "JSON [JSON ...]\n       %(prog)s (--update-readme FILE | --headline FILE)",
+                                           "[--plot DIR [--plot-format {png,svg}]] JSON [JSON ...]\n"
+                                           "       %(prog)s (--update-readme FILE | --headline FILE)",
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=examples(
                                          "python -m tools.report results/h200-2026-12-02-candidates-uniform.json",
                                          "python -m tools.report results/h200-2026-12-02-candidates-uniform.json "
                                          "results/h200-2026-12-02-candidates-zipf.json --markdown",
+                                         "python -m tools.report results/h200-2026-12-02-candidates-uniform.json "
+                                         "--plot results/plots",
                                          "python -m tools.report --update-readme results/REPORT.md   # again from "
                                          "the runs its own command names"))
     # "*" here, at least one below: so an unknown option is reported before a missing JSON
@@ -780,7 +827,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="replace the bench block of this file with every table (default: no file changed)")
     parser.add_argument("--headline", metavar="FILE", help="replace the headline block of this file with the "
                                                            "crossover tables (default: no file changed)")
+    parser.add_argument("--plot", metavar="DIR", help="draw the runs as figures under DIR (results/plots/ by "
+                                                      "convention) and print their paths; needs matplotlib "
+                                                      "(default: no figures)")
+    parser.add_argument("--plot-format", choices=PLOT_FORMATS, help="png (default) or svg: SVG beside each PNG")
     args = parser.parse_args(argv)
+    if args.plot_format and not args.plot:
+        parser.error("--plot-format: give --plot DIR too")
+    if args.plot and not args.json:
+        parser.error("--plot: give the JSON files to draw (python -m tools.report RUN.json ... --plot DIR)")
     if not args.json and bool(args.update_readme) != bool(args.headline):  # one document: the runs it names
         option, document = ("--update-readme", args.update_readme) if args.update_readme else ("--headline",
                                                                                                  args.headline)
@@ -800,6 +855,18 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             parser.error(f"{path} is {problem}, not a tools.bench result (python -m tools.bench --json)")
         datas.append(data)
+    if args.plot:
+        try:
+            from tools import plot
+        except ImportError as exc:
+            print(f"{parser.prog}: error: --plot needs matplotlib>=3.7 (pip install 'matplotlib>=3.7'): {exc}",
+                  file=sys.stderr)
+            return 2
+        written = plot.write(datas, args.plot, args.plot_format or "png")
+        if not written:
+            print(f"{parser.prog}: nothing to draw: no timed rows in {', '.join(args.json)}", file=sys.stderr)
+            return 1
+        print("\n".join(str(path) for path in written))
     crossovers = crossover_markdown(datas, names=args.json)
     if args.headline:
         if not crossovers:
@@ -822,7 +889,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             parser.error(str(exc))
         print(f"updated {args.update_readme} from {', '.join(args.json)}")
-    elif args.headline:
+    elif args.headline or (args.plot and not args.markdown):
         pass
     elif args.markdown:
         sys.stdout.write("\n".join([*(markdown(data, crossovers=False) for data in datas), crossovers]))
