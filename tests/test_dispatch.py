@@ -245,53 +245,34 @@ def test_committed_h200_table_choices() -> None:
                     got = dispatch.point_choice(point, policy, weight_format=fmt)
                     assert got == want == point["choices"][policy], (key, tokens)
                 assert point["choice"] == point["choices"]["fastest"]
-    # what the H200 table says today (results/h200-2026-12-02-candidates-*.json, the best worst case over both
-    # routings), under both policies: strict at T = 1 (and qwen3-30b T = 2), the per-pair form at qwen3-235b T = 2,
-    # the grouped path at qwen3-235b T = 4-16 and qwen3-30b T = 16, the MMA path elsewhere; the invariant policy
-    # per-pair up to T = 2 (qwen3-30b: 4), grouped from there
+    # what the H200 table says today: every entry built from runs with a fresh routing per sample and layer copy
+    # (results/h200-2026-12-04-sampled-candidates-*.json, the best worst case over uniform and Zipf routing). On
+    # every format the per-pair tensor-core form leads while pairs are few (bf16 rows: strict at qwen3-30b T = 1),
+    # the grouped form at qwen3-235b T = 4 (and bf16 T = 8 / 16, bf16-t16 T = 16, bf16 rows qwen3-30b T = 16), the
+    # tensor-core path elsewhere; the invariant policy per-pair up to T = 4 at qwen3-30b (2 at qwen3-235b), grouped
+    # from there
     dispatch.load_table.cache_clear()
-    for model, want, invariant in (
-            ("qwen3-30b-a3b", {1: S, 2: S, 4: M, 8: M, 16: G, 32: M, 64: M}, {1: P, 2: P, 4: P, 8: G, 64: G}),
-            ("qwen3-235b-a22b", {1: S, 2: P, 4: G, 8: G, 16: G, 32: M, 64: M}, {1: P, 2: P, 4: G, 64: G})):
-        shape = PRESETS[model]
-        for tokens, path in want.items():
+    G8, GT = dispatch.FP8_MMA_GROUPED, dispatch.T16_MMA_GROUPED
+    bm, bp = dispatch.T16_MMA, dispatch.T16_MMA_PAIRS
+    table = {  # (model, format): (fastest from T = 1 to 64, the invariant policy's per-pair limit)
+        ("qwen3-30b-a3b", "bf16"): ((S, P, P, M, G, M, M), 4),
+        ("qwen3-235b-a22b", "bf16"): ((P, P, G, G, G, M, M), 2),
+        ("qwen3-30b-a3b", "fp8-block128"): ((FP, FP, FP, FM, FM, FM, FM), 4),
+        ("qwen3-235b-a22b", "fp8-block128"): ((FP, FP, G8, FM, FM, FM, FM), 2),
+        ("qwen3-30b-a3b", "fp8-block128-t16"): ((TP, TP, TP, TM, TM, TM, TM), 4),
+        ("qwen3-235b-a22b", "fp8-block128-t16"): ((TP, TP, TG, TM, TM, TM, TM), 2),
+        ("qwen3-30b-a3b", "bf16-t16"): ((bp, bp, bp, bm, bm, bm, bm), 4),
+        ("qwen3-235b-a22b", "bf16-t16"): ((bp, bp, GT, bm, GT, bm, bm), 2),
+    }
+    for (model, fmt), (fastest, per_pair_up_to) in table.items():
+        pair, grouped = dispatch.INVARIANT_PATHS[fmt]
+        for tokens, path in zip(dispatch.TABLE_POINTS, fastest, strict=True):
+            dims = _dims(PRESETS[model], tokens)
             for policy in ("fastest", "warp_decode"):
-                assert dispatch.choose(_dims(shape, tokens), "NVIDIA H200", policy=policy) == (path, "table")
-        for tokens, path in invariant.items():
-            assert dispatch.choose(_dims(shape, tokens), "NVIDIA H200", policy="batch_invariant") == (path, "table")
-    # its FP8 entries (every point re-measured with the FP8 pair at 4 k ranges: results/dispatch-2026-12-02-fp8-
-    # ksplit4.log; T = 8 / 16 again with the tensor-core path's grouped down from T*K >= E/2 at I >= 1536:
-    # results/dispatch-2026-12-03-fp8-grouped-from-half.log; qwen3-235b T = 4 with it from T*K >= E/4:
-    # results/dispatch-2026-12-03-fp8-t4-grouped-from-quarter.log; T = 4 with its gate_up under 96 registers:
-    # results/dispatch-2026-12-03-fp8-t4-gate-up-regs.log): the per-pair tensor-core form at T = 1 / 2, the
-    # tensor-core path from T = 4 (at qwen3-30b T = 32 by its worst case: 0.6 % behind the grouped form uniform, 1.1 %
-    # ahead under Zipf)
-    for model, want in (("qwen3-30b-a3b", {1: FP, 2: FP, 4: FM, 8: FM, 16: FM, 32: FM, 64: FM}),
-                        ("qwen3-235b-a22b", {1: FP, 2: FP, 4: FM, 8: FM, 16: FM, 32: FM, 64: FM})):
-        for tokens, path in want.items():
-            got = dispatch.choose(_dims(PRESETS[model], tokens), "NVIDIA H200", weight_format="fp8-block128")
-            assert got == (path, "table"), (model, tokens)
-        assert dispatch.choose(_dims(shape, 1), "NVIDIA H200") == (S, "table")
-    # its fp8-block128-t16 entries (results/dispatch-2026-12-04-fp8-t16.log): the per-pair form on tiles at T = 1 / 2,
-    # the tensor-core path from T = 4; the invariant policy per-pair up to T = 4 at qwen3-30b (2 at qwen3-235b)
-    for model, per_pair_up_to in (("qwen3-30b-a3b", 4), ("qwen3-235b-a22b", 2)):
-        for tokens in dispatch.TABLE_POINTS:
-            dims = _dims(PRESETS[model], tokens)
-            assert dispatch.choose(dims, "NVIDIA H200", weight_format="fp8-block128-t16") == (
-                TP if tokens <= 2 else TM, "table"), (model, tokens)
-            assert dispatch.choose(dims, "NVIDIA H200", policy="batch_invariant", weight_format="fp8-block128-t16") == (
-                TP if tokens <= per_pair_up_to else TG, "table"), (model, tokens)
-    # its bf16-t16 entries (results/dispatch-2026-12-04-bf16-t16.log): the per-pair form on tiles at T = 1 / 2 (and 4 at
-    # qwen3-235b), the tensor-core path after it, the grouped form at qwen3-235b T = 16; the invariant policy per-pair
-    # up to T = 4
-    bm, bp, bg = dispatch.T16_MMA, dispatch.T16_MMA_PAIRS, dispatch.T16_MMA_GROUPED
-    for model, want in (("qwen3-30b-a3b", {1: bp, 2: bp, 4: bm, 8: bm, 16: bm, 32: bm, 64: bm}),
-                        ("qwen3-235b-a22b", {1: bp, 2: bp, 4: bp, 8: bm, 16: bg, 32: bm, 64: bm})):
-        for tokens, path in want.items():
-            dims = _dims(PRESETS[model], tokens)
-            assert dispatch.choose(dims, "NVIDIA H200", weight_format="bf16-t16") == (path, "table"), (model, tokens)
-            assert dispatch.choose(dims, "NVIDIA H200", policy="batch_invariant", weight_format="bf16-t16") == (
-                bp if tokens <= 4 else bg, "table"), (model, tokens)
+                assert dispatch.choose(dims, "NVIDIA H200", policy=policy, weight_format=fmt) == (path, "table"), (
+                    model, fmt, tokens, policy)
+            assert dispatch.choose(dims, "NVIDIA H200", policy="batch_invariant", weight_format=fmt) == (
+                pair if tokens <= per_pair_up_to else grouped, "table"), (model, fmt, tokens)
 
 
 def test_validate_table_rejects_bad_tables() -> None:

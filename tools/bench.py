@@ -65,9 +65,9 @@ SIM_SHAPE = "tiny"  # the shape the CPU path simulates and checks the reference 
 # ------------------------------------------------------------------------------------------------
 def is_peer(variant: Any) -> bool:
     """Whether ``variant`` is one of the peers (``tools.peers``): not a path of the library."""
-    from tools.peers import PEERS
+    from tools.registry import peers
 
-    return variant.name in PEERS
+    return variant.name in peers()[0]
 
 
 def select_variants(registry: dict[str, Any], patterns: Iterable[Any] | None, prototypes: bool = True,
@@ -523,10 +523,11 @@ def list_variants(prototypes: bool = True, file: Any = None) -> None:
               file=out)
     print("* the default selection (python -m tools.bench); --all: every library path; --prototypes: prototypes too",
           file=out)
-    from tools.peers import PEERS, WHY_NOT
+    from tools.registry import peers
 
-    if WHY_NOT is not None:
-        print(f"  {', '.join(PEERS)}: not here: the peers {WHY_NOT}", file=out)
+    names, why_not = peers()
+    if why_not is not None:
+        print(f"  {', '.join(names)}: not here: {why_not}", file=out)
     for line in warnings:
         print(f"warning: {line}", file=out)
 

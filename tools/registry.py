@@ -9,13 +9,21 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+PEERS_MODULE = "tools.peers"  # loaded by name: nothing imports the optional peers directly
+
+
+def peers() -> tuple[tuple[str, ...], str | None]:
+    """The peers' variant names and, where they cannot run here, why (None where they are registered)."""
+    module = importlib.import_module(PEERS_MODULE)
+    return tuple(module.PEERS), module.WHY_NOT
+
 
 def load() -> tuple[dict[str, Any], list[str]]:
     """Import everything that registers; returns ``(the variant registry, one line per module that failed)``."""
     from kernels import variants
 
     warnings = []
-    for module in (*variants.BUILTIN_MODULES, "tools.roofline", "tools.peers"):
+    for module in (*variants.BUILTIN_MODULES, "tools.roofline", PEERS_MODULE):
         try:
             importlib.import_module(module)
         except Exception as exc:  # noqa: BLE001 - reported with the results, the rest still loads
