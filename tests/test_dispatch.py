@@ -620,14 +620,10 @@ def cupy_mod():
 
 
 def _path_call(choice: str) -> Any:
-    def mma(*arrays: Any) -> Any:
-        return dispatch.wdb.warp_decode_batched(*arrays, **dispatch.MMA_KNOBS)
-
-    def mixed(*arrays: Any) -> Any:
-        return dispatch.wdb.warp_decode_batched(*arrays, **dispatch.wdb.MIXED_KNOBS)
-
-    return {S: dispatch.wdc.warp_decode, B: dispatch.wdb.warp_decode_batched, M: mma, X: mixed,
-            EC: dispatch.ec.expert_centric}[choice]
+    """The chosen path called directly: strict, expert-centric, or the batched module with that path's knobs."""
+    if choice in dispatch.BATCHED_KNOBS:
+        return lambda *arrays: dispatch.wdb.warp_decode_batched(*arrays, **dispatch.BATCHED_KNOBS[choice])
+    return {S: dispatch.wdc.warp_decode, EC: dispatch.ec.expert_centric}[choice]
 
 
 def _check_chosen_mode(cupy: Any, got: np.ndarray, problem: Any, choice: str, what: str) -> None:
