@@ -929,3 +929,27 @@ def test_moe_decode_on_tiled_weights(cupy_mod: Any, rng: np.random.Generator, to
         assert np.array_equal(direct, runs[0]) and np.array_equal(on_rows, runs[0]), ws.choice
         with pytest.raises(ValueError, match=f"this call passes {rows_fmt} weights"):
             dispatch.moe_decode(x, *rows, ids, wts, workspace=ws, policy=policy)
+
+
+def test_check_prints_what_each_pick_costs_under_each_routing(tmp_path: Path, capsys: Any) -> None:
+    """--check: a pick that is fastest under uniform routing but 10 % behind under Zipf is reported over the 3 % bar,
+    with the routing's fastest path named; a point where one path wins both is not."""
+    from tools import dispatch_table
+
+    def run(medians: dict[str, float]) -> dict[str, Any]:
+        full = {name: 100.0 for name in dispatch.CANDIDATES} | medians
+        return {"median_us": full, "status": dict.fromkeys(full, "ok")}
+
+    split = {**run({S: 50.0, M: 60.0}), "routings": {"zipf": run({S: 55.0, M: 50.0})}}
+    clear = {**run({M: 40.0}), "routings": {"zipf": run({M: 40.0})}}
+    table = {"schema": dispatch.SCHEMA, "gpu": "NVIDIA H200", "date": "d",
+             "entries": {"H2048-I768-E128-K8": {"model": "qwen3-30b-a3b", "points": {"4": split, "8": clear}}}}
+    rows = dispatch_table.pick_costs(table)
+    assert [(r["batch"], r["pick"]) for r in rows] == [(4, S), (8, M)]
+    assert rows[0]["slowdown"] == {"uniform": 1.0, "zipf": pytest.approx(1.1)} and rows[0]["fastest"]["zipf"] == M
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(table))
+    assert dispatch_table.main(["--json", str(path), "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "T=4" in out and "+10.0 % (fastest cupy:warp-decode-mma)  OVER" in out
+    assert "1 point(s) where the pick is more than 3 % slower" in out

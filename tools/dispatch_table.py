@@ -5,6 +5,7 @@
     python -m tools.dispatch_table --json ... --also numba:warp-decode     # record other paths too (never chosen)
     python -m tools.dispatch_table --json kernels/dispatch_tables/nvidia-h200.json --from-bench a.json b.json
     python -m tools.dispatch_table --json kernels/dispatch_tables/nvidia-h200.json --weight-format fp8-block128
+    python -m tools.dispatch_table --json kernels/dispatch_tables/nvidia-h200.json --check   # no GPU: the picks' cost
 
 Every point records each candidate's (``kernels.dispatch.CANDIDATES``: strict, batched, mixed, MMA, the per-pair and
 grouped tensor-core forms, expert-centric) median, status and TB/s under uniform routing (the point's own
@@ -14,6 +15,10 @@ seven; "warp_decode": the six warp-decode paths; "batch_invariant": the per-pair
 with status "ok" under every routing whose largest slowdown against each routing's fastest is least
 (``worst_slowdown`` records it per candidate). The point's ``choices`` (per policy) and ``choice`` (policy "fastest")
 say what that gives, for people reading the file.
+
+``--check`` measures nothing: for each point of the table it prints the pick and how much slower it is than the
+fastest candidate under each routing the point recorded (a routing-blind choice can lose under one routing what it
+wins under another).
 
 ``--from-bench`` builds the table from one or more bench runs' JSON instead of timing again (no GPU needed):
 rows of the candidates are collected per (model, batch, routing: the row's ``routing``, else the run's config)
@@ -203,6 +208,45 @@ def from_bench(bench: dict[str, Any], table: dict[str, Any] | None = None, name:
     return from_benches([(name, bench)], table, weight_format)
 
 
+def pick_costs(table: dict[str, Any], policy: str = dispatch.FASTEST) -> list[dict[str, Any]]:
+    """Per entry and point: the pick of ``policy`` and, under each recorded routing, how much slower it is than that
+    routing's fastest candidate of the policy (``slowdown``: 1.0 = the fastest) -- whether the routing-blind choice
+    holds under each routing the table measured."""
+    rows = []
+    for key, entry in table["entries"].items():
+        fmt = dispatch.key_format(key)
+        pool = dispatch.FORMAT_CANDIDATES[fmt][policy]
+        for tokens, point in entry["points"].items():
+            pick = dispatch.point_choice(point, policy, weight_format=fmt)
+            if pick is None:
+                continue
+            slowdown, fastest = {}, {}
+            for routing, run in dispatch.point_routings(point).items():
+                ok = {n: run["median_us"][n] for n in pool
+                      if (run.get("status") or {}).get(n) == "ok" and (run.get("median_us") or {}).get(n)}
+                fastest[routing] = min(ok, key=ok.get)
+                slowdown[routing] = ok[pick] / ok[fastest[routing]]
+            rows.append({"model": entry["model"], "weight_format": fmt, "batch": int(tokens), "pick": pick,
+                         "slowdown": slowdown, "fastest": fastest})
+    return rows
+
+
+def print_check(table: dict[str, Any], policy: str, limit: float) -> int:
+    """The :func:`pick_costs` of ``table`` a line each; returns how many points are more than ``limit`` slower."""
+    over = 0
+    for row in pick_costs(table, policy):
+        worst = max(row["slowdown"].values())
+        over += worst > limit
+        costs = "  ".join(f"{routing} {100 * (value - 1):+5.1f} %"
+                          + (f" (fastest {row['fastest'][routing]})" if value > limit else "")
+                          for routing, value in row["slowdown"].items())
+        print(f"{row['model']:16s} {row['weight_format']:16s} T={row['batch']:<3d} {row['pick']:36s} {costs}"
+              + ("  OVER" if worst > limit else ""))
+    print(f"{over} point(s) where the pick is more than {100 * (limit - 1):.0f} % slower than the fastest under some "
+          "routing")
+    return over
+
+
 def _print_choices(table: dict[str, Any]) -> None:
     for key, entry in table["entries"].items():
         fmt = dispatch.key_format(key)
@@ -224,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.dispatch_table", description=__doc__.split("\n")[0],
                                      usage="%(prog)s [-h] --json PATH [--model M,...] [--batch T,...] [--repeats N] "
                                            "[--routing R,...] [--also VARIANT,...] [--weight-format F] "
-                                           "[--from-bench BENCH_JSON ...]",
+                                           "[--from-bench BENCH_JSON ...] [--check [--policy P]]",
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=examples(
                                          "python -m tools.dispatch_table --json /tmp/nvidia-h200.json --from-bench "
@@ -232,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
                                          "python -m tools.dispatch_table --json kernels/dispatch_tables/"
                                          "nvidia-h200.json --model qwen3-30b-a3b --batch 1,8   # on the GPU",
                                          "python -m tools.dispatch_table --json kernels/dispatch_tables/"
-                                         "nvidia-h200.json --weight-format fp8-block128 --model qwen3-30b-a3b"))
+                                         "nvidia-h200.json --weight-format fp8-block128 --model qwen3-30b-a3b",
+                                         "python -m tools.dispatch_table --json kernels/dispatch_tables/"
+                                         "nvidia-h200.json --check   # does each pick hold under every routing?"))
     # not required=True: an unknown option is reported before a missing --json (checked below)
     parser.add_argument("--json", metavar="PATH",
                         help="table file to write / update (kernels/dispatch_tables/<slug>.json); required")
@@ -252,9 +298,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from-bench", metavar="BENCH_JSON", nargs="+",
                         help="build the table from bench runs' JSON, timed on a GPU (later files override earlier "
                              "ones; default: measure on this GPU)")
+    parser.add_argument("--check", action="store_true",
+                        help="no measuring: print, for the table at --json, each point's pick and how much slower it "
+                             "is than the fastest candidate under each routing the table recorded (default: off)")
+    parser.add_argument("--policy", choices=dispatch.POLICIES, default=dispatch.FASTEST,
+                        help="--check: the policy whose picks are checked (default fastest)")
     args = parser.parse_args(argv)
     if not args.json:
         parser.error("the following arguments are required: --json")
+    if args.check:
+        try:
+            table = dispatch.validate_table(json.loads(Path(args.json).read_text()))
+        except (OSError, ValueError) as exc:
+            parser.error(f"--check: {' '.join(str(exc).split())}")
+        print_check(table, args.policy, 1.03)
+        return 0
     routings = [r.strip() for r in args.routing.split(",") if r.strip()]
     if not routings or routings[0] != "uniform" or any(r not in GENERATORS for r in routings) \
             or len(set(routings)) != len(routings):
