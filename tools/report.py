@@ -485,11 +485,20 @@ def crossover_rich(record: dict[str, Any], names: list[str] | None = None) -> Gr
     return Group(table, *notes, Text(record["summary"], style="bold"))
 
 
-def crossover_markdown(datasets: list[dict[str, Any]], names: list[str] | None = None, level: str = "###") -> str:
-    """One markdown table per (model, routing) with a summary line; "" when no run has two of the paths."""
+# the README's compact headline: the baselines, auto and the peer, and how auto stands against the best and the peer
+HEADLINE_COLUMNS = ("batch", "strict", "expert-centric", "auto", "peer", "best", "choice", "vs_best", "vs_peer")
+
+
+def crossover_markdown(datasets: list[dict[str, Any]], names: list[str] | None = None, level: str = "###",
+                       columns: tuple[str, ...] | None = None, formats: tuple[str, ...] | None = None) -> str:
+    """One markdown table per (model, routing) with a summary line; "" when no run has two of the paths.
+    ``columns``: only these of :data:`CROSSOVER_TITLES` (the compact headline: :data:`HEADLINE_COLUMNS`);
+    ``formats``: only the tables of these weight formats."""
     blocks = []
     for record in crossover_tables(datasets):
-        titles = crossover_titles(record)
+        if formats is not None and record.get("weight_format", "bf16") not in formats:
+            continue
+        titles = tuple(t for t in crossover_titles(record) if columns is None or t[0] in columns)
         lines = [f"{level} {crossover_title(record)}", "",
                  "| " + " | ".join(title for _, title in titles) + " |",
                  "|" + "|".join("---" if key in ("best", "choice") else "---:" for key, _ in titles) + "|"]
@@ -869,10 +878,12 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(str(path) for path in written))
     crossovers = crossover_markdown(datas, names=args.json)
     if args.headline:
-        if not crossovers:
-            parser.error("--headline: these runs have no crossover table (each needs two of the paths)")
+        compact = crossover_markdown(datas, names=args.json, level="####", columns=HEADLINE_COLUMNS,
+                                     formats=("bf16",))
+        if not compact:
+            parser.error("--headline: these runs have no bf16 crossover table (each needs two of the paths)")
         try:
-            update_readme(args.headline, crossovers.replace("### ", "#### "), *HEADLINE)
+            update_readme(args.headline, compact, *HEADLINE)
         except (OSError, ValueError) as exc:
             parser.error(f"--headline: {exc}")
         print(f"updated the headline of {args.headline} from {', '.join(args.json)}")
