@@ -476,8 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  python -m tools.bench                                   # auto, strict, baseline, peer; T = 1..64\n"
                "  python -m tools.bench --all --batch 1,8,64              # every path of the library\n"
                "  python -m tools.bench --model qwen3-235b-a22b --routing zipf --json run.json\n"
-               "  python -m tools.bench --variants 'cupy:auto*' --stages  # the autos, each stage timed too\n"
-               "  python -m tools.bench --list                            # the variant names")
+               "  python -m tools.bench --variants 'cupy:auto*' --stages  # the autos, each stage timed too")
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"comma list of presets, or 'all' (every preset but tiny); default {DEFAULT_MODEL}; "
                              f"known: {', '.join(PRESETS)}")
@@ -486,15 +485,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--variants", default=None,
                         help="comma list of variant names or globs (default: " + ", ".join(QUICK_VARIANTS)
                              + ", those installed; --list names them all)")
-    parser.add_argument("--all", action="store_true", help="every path of the library (instead of the default four)")
-    parser.add_argument("--list", action="store_true", help="list the registered variants and exit")
+    parser.add_argument("--all", action="store_true", help="every path of the library (default: the four above)")
+    parser.add_argument("--list", action="store_true", help="list the registered variants and exit (python -m "
+                                                            "tools.bench --list)")
     parser.add_argument("--prototypes", action="store_true", help="also run the experiments in prototypes/")
     parser.add_argument("--routing", choices=ROUTINGS, default="uniform",
                         help="the routing generator each sample draws from (default uniform)")
     parser.add_argument("--repeats", type=positive_int, default=DEFAULT_REPEATS,
                         help=f"timed samples per point, each on fresh routing draws (default {DEFAULT_REPEATS})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the activations and routing draws (default 0)")
-    parser.add_argument("--json", metavar="PATH", help="write every raw sample + the environment here")
+    parser.add_argument("--json", metavar="PATH",
+                        help="write every raw sample + the environment here (default: no file written)")
     parser.add_argument("--markdown", action="store_true", help="print markdown tables (for a PR) instead")
     parser.add_argument("--stages", action="store_true",
                         help="also time each stage of a launch alone and its cost in the layer's chain (slower)")
