@@ -1,12 +1,21 @@
 """Shared fixtures. GPU tests carry ``@pytest.mark.gpu`` and are skipped cleanly where no GPU is present; tests of
 the no-GPU flow (a CuPy stand-in, "NO TIMING TAKEN") carry ``@pytest.mark.cpu_only`` and are skipped where one is.
-Tests over ~2 s on 2 CPU cores carry ``@pytest.mark.slow``: ``python -m pytest -m "not slow"`` is the quick subset."""
+Tests over ~2 s on 2 CPU cores carry ``@pytest.mark.slow``: ``python -m pytest -m "not slow"`` is the quick subset.
+
+A run keeps one folder of offline compile reports (``$WD_OFFLINE_REPORT_CACHE``, kernels/compile.py) and one of g++
+emulators (``$WD_EMULATOR_CACHE``, tests/warp_checks.py), which the tools the tests start (the bench, the sweep)
+share, so a text is compiled once per run; set either to keep it elsewhere (then it is not removed)."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
+
+CACHES = ("WD_OFFLINE_REPORT_CACHE", "WD_EMULATOR_CACHE")
+_OWNED: list[str] = []  # the cache folders this process made (and removes at the end)
 
 
 def _gpu_available() -> bool:
@@ -21,6 +30,20 @@ def _gpu_available() -> bool:
 
 
 GPU = _gpu_available()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name in CACHES:
+        if not os.environ.get(name):
+            folder = tempfile.mkdtemp(prefix=f"{name.lower()}-")
+            _OWNED.append(folder)
+            os.environ[name] = folder
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for folder in _OWNED:
+        shutil.rmtree(folder, ignore_errors=True)
+    _OWNED.clear()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
