@@ -2,22 +2,41 @@
 the no-GPU flow (a CuPy stand-in, "NO TIMING TAKEN") carry ``@pytest.mark.cpu_only`` and are skipped where one is.
 Tests over ~2 s on 2 CPU cores carry ``@pytest.mark.slow``: ``python -m pytest -m "not slow"`` is the quick subset.
 
+Without a GPU, where pytest-xdist is installed (the ``test`` extra), a run spreads over one worker process per CPU
+(at most 8), handed a test at a time: each worker keeps to its own CPU (the Numba simulator and the g++ emulations
+pin themselves to the first CPU of their process, see kernels/simt.py) and takes the slow tests first, so that the
+quick ones fill the end. ``-n 0`` runs in one process, as does a run naming single tests (``file::test``) and every
+run on a GPU machine (the GPU tests share one device); ``-n N`` or ``PYTEST_XDIST_AUTO_NUM_WORKERS`` set N.
+
 A run keeps one folder of offline compile reports (``$WD_OFFLINE_REPORT_CACHE``, kernels/compile.py) and one of g++
-emulators (``$WD_EMULATOR_CACHE``, tests/warp_checks.py), which the tools the tests start (the bench, the sweep)
-share, so a text is compiled once per run; set either to keep it elsewhere (then it is not removed)."""
+emulators (``$WD_EMULATOR_CACHE``, tests/warp_checks.py), which the workers and the tools the tests start (the
+bench, the sweep) share, so a text is compiled once per run; set either to keep it elsewhere (then it is not
+removed)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
 
 import pytest
 
+MAX_WORKERS = 8
 CACHES = ("WD_OFFLINE_REPORT_CACHE", "WD_EMULATOR_CACHE")
 _OWNED: list[str] = []  # the cache folders this process made (and removes at the end)
 
 
+def _is_worker(config: pytest.Config) -> bool:
+    """A pytest-xdist worker (not a pytest that a test started from one: that inherits PYTEST_XDIST_WORKER)."""
+    return hasattr(config, "workerinput")
+
+
+def _cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+@functools.cache
 def _gpu_available() -> bool:
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         return False
@@ -29,10 +48,42 @@ def _gpu_available() -> bool:
         return False
 
 
-GPU = _gpu_available()
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Without ``-n`` / ``--dist``: ``-n auto --maxschedchunk 1`` (pytest_xdist_auto_num_workers below), unless the
+    run names single tests only or pytest-xdist is not installed (then one process, as before)."""
+    if _is_worker(config) or not config.pluginmanager.hasplugin("xdist") or config.option.collectonly:
+        return
+    if config.option.numprocesses is not None or config.option.dist != "no":
+        return
+    if config.args and all("::" in arg for arg in config.args):
+        return
+    config.option.numprocesses = "auto"
+    if getattr(config.option, "maxschedchunk", 0) is None:
+        # a test at a time (a worker holds at most two): tests take 0.01-40 s, and a worker that was handed a chunk
+        # of slow tests up front kept the other waiting at the end (90 s against 53 s for one file)
+        config.option.maxschedchunk = 1
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """One worker per CPU this process may use (at most MAX_WORKERS); none (one process) on a GPU machine or a
+    single CPU. ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides, as in pytest-xdist."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    cpus = len(_cpus())
+    return 0 if cpus < 2 or _gpu_available() else min(cpus, MAX_WORKERS)
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if _is_worker(config):
+        if hasattr(os, "sched_setaffinity"):
+            # Before NumPy is imported (its BLAS sizes its thread pool by the CPUs it may use): worker i on CPU i.
+            # The simulator's threads and the emulators' lanes hand over at every step, so each simulation keeps to
+            # the first CPU of its process; on CPUs of their own, two workers' simulations run side by side.
+            cpus = _cpus()
+            os.sched_setaffinity(0, {cpus[int(config.workerinput["workerid"].removeprefix("gw")) % len(cpus)]})
+        return  # a worker uses its controller's folders (its environment is the controller's)
     for name in CACHES:
         if not os.environ.get(name):
             folder = tempfile.mkdtemp(prefix=f"{name.lower()}-")
@@ -47,7 +98,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if GPU:
+    if _gpu_available():
         skip = pytest.mark.skip(reason="needs a machine without a CUDA GPU (checks the no-GPU flow)")
         marker = "cpu_only"
     else:
@@ -56,6 +107,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if marker in item.keywords:
             item.add_marker(skip)
+    if _is_worker(config):
+        # every worker collects the same order; the slow tests first, so that the quick ones, not a 20-40 s test
+        # started last, decide when the workers finish (a stable sort: each part keeps its files' order)
+        items.sort(key=lambda item: "slow" not in item.keywords)
 
 
 @pytest.fixture
