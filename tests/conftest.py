@@ -24,6 +24,7 @@ import pytest
 
 MAX_WORKERS = 8
 CACHES = ("WD_OFFLINE_REPORT_CACHE", "WD_EMULATOR_CACHE")
+BLAS_THREADS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _OWNED: list[str] = []  # the cache folders this process made (and removes at the end)
 
 
@@ -78,12 +79,18 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 def pytest_configure(config: pytest.Config) -> None:
     if _is_worker(config):
         if hasattr(os, "sched_setaffinity"):
-            # Before NumPy is imported (its BLAS sizes its thread pool by the CPUs it may use): worker i on CPU i.
-            # The simulator's threads and the emulators' lanes hand over at every step, so each simulation keeps to
-            # the first CPU of its process; on CPUs of their own, two workers' simulations run side by side.
+            # Worker i on CPU i. The simulator's threads and the emulators' lanes hand over at every step, so each
+            # simulation keeps to the first CPU of its process; on CPUs of their own, two workers' simulations run
+            # side by side.
             cpus = _cpus()
             os.sched_setaffinity(0, {cpus[int(config.workerinput["workerid"].removeprefix("gw")) % len(cpus)]})
         return  # a worker uses its controller's folders (its environment is the controller's)
+    if getattr(config.option, "numprocesses", None):
+        # One BLAS thread per worker, set before the workers start: pytest imports Numba (and so NumPy and its
+        # BLAS) to read pyproject's warning filters before this file is loaded, too early for a worker to pin itself
+        # first, and a second BLAS thread spinning beside the other worker made NumPy-heavy tests 10-17x slower.
+        for name in BLAS_THREADS:
+            os.environ.setdefault(name, "1")
     for name in CACHES:
         if not os.environ.get(name):
             folder = tempfile.mkdtemp(prefix=f"{name.lower()}-")
