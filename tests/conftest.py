@@ -15,6 +15,7 @@ removed)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -82,8 +83,9 @@ def pytest_configure(config: pytest.Config) -> None:
             # Worker i on CPU i. The simulator's threads and the emulators' lanes hand over at every step, so each
             # simulation keeps to the first CPU of its process; on CPUs of their own, two workers' simulations run
             # side by side.
-            cpus = _cpus()
-            os.sched_setaffinity(0, {cpus[int(config.workerinput["workerid"].removeprefix("gw")) % len(cpus)]})
+            cpus, number = _cpus(), config.workerinput["workerid"].removeprefix("gw")
+            with contextlib.suppress(OSError):  # a restricted container: run as is
+                os.sched_setaffinity(0, {cpus[int(number) % len(cpus) if number.isdigit() else 0]})
         return  # a worker uses its controller's folders (its environment is the controller's)
     if getattr(config.option, "numprocesses", None):
         # One BLAS thread per worker, set before the workers start: pytest imports Numba (and so NumPy and its
