@@ -9,7 +9,10 @@ keeps the module in memory, and CuPy keeps the cubin on disk (``$CUPY_CACHE_DIR`
 ``offline_report(source, **defines)`` compiles the same text for sm_90 with NVRTC directly
 (``cuda.bindings.nvrtc``) -- no driver, no GPU -- and parses ptxas' resource report (registers, shared
 memory, stack frame, spill bytes); the report is kept in memory by the rendered text, so a text is compiled
-once per process however many callers ask. ``ptx_report(ptx)`` does the same for PTX from other front ends
+once per process however many callers ask. With ``$WD_OFFLINE_REPORT_CACHE`` naming a folder the reports are also
+kept there, one file per text (keyed by its hash, the arch, the options and NVRTC's version), so processes sharing
+the folder compile a text once between them: the test suite points its workers and the tools it starts at one
+folder for the run. ``ptx_report(ptx)`` does the same for PTX from other front ends
 (Numba) through nvJitLink. Sources are registered in :data:`SOURCES` (a kernel family does it) so
 ``tools.compile_report`` finds them.
 
@@ -19,11 +22,14 @@ Edit-and-rerun from IPython: change ``source.code`` (or build a new ``CudaSource
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import json
+import os
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -372,13 +378,72 @@ def offline_compile(text: str, arch: str = DEFAULT_ARCH, name: str = "kernel.cu"
 _REPORTS: dict[tuple[str, str], tuple[KernelResources, ...]] = {}
 
 
+REPORT_CACHE_ENV = "WD_OFFLINE_REPORT_CACHE"
+
+
+@functools.cache
+def _nvrtc_version() -> str:
+    err, major, minor = _nvrtc().nvrtcVersion()
+    return f"{major}.{minor}" if int(err) == 0 else "unknown"
+
+
+@contextlib.contextmanager
+def _shared_report_file(text: str, arch: str) -> Any:
+    """The cache file of ``text`` in ``$WD_OFFLINE_REPORT_CACHE`` (``None`` where that is unset), held under an
+    exclusive lock so that a process asking for a text another is compiling waits for its report."""
+    folder = os.environ.get(REPORT_CACHE_ENV)
+    if not folder:
+        yield None
+        return
+    key = _key("\0".join(("reports-v1", text, arch, *NVRTC_OPTIONS, _nvrtc_version())))
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{key}.json")
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): concurrent misses compile twice, the writes stay atomic
+        yield path
+        return
+    with open(f"{path}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield path
+
+
+def _read_reports(path: str | None) -> tuple[KernelResources, ...] | None:
+    if path is None or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return tuple(KernelResources(**record) for record in json.load(f))
+
+
+def _write_reports(path: str | None, reports: list[KernelResources]) -> None:
+    if path is None:
+        return
+    partial = f"{path}.{os.getpid()}.{uuid.uuid4().hex}"
+    with open(partial, "w") as f:
+        json.dump([asdict(report) for report in reports], f)
+    os.replace(partial, path)  # readers see the whole file or none
+
+
 def offline_report(source: CudaSource, arch: str = DEFAULT_ARCH, **defines: int) -> list[KernelResources]:
     """Resource report of every kernel in ``source`` compiled with these knobs for ``arch``; compiled once per
-    process (the key is the rendered text, so an edited ``source.code`` is compiled afresh; errors are not kept)."""
+    process (the key is the rendered text, so an edited ``source.code`` is compiled afresh; errors are not kept),
+    and once per ``$WD_OFFLINE_REPORT_CACHE`` folder where that is set."""
     text = source.render(**defines)
     cached = _REPORTS.get((text, arch))
     if cached is not None:
         return list(cached)
+    with _shared_report_file(text, arch) as path:
+        shared = _read_reports(path)
+        if shared is not None:
+            _REPORTS[text, arch] = shared
+            return list(shared)
+        reports = _compile_report(source, text, arch)
+        _write_reports(path, reports)
+    _REPORTS[text, arch] = tuple(reports)
+    return reports
+
+
+def _compile_report(source: CudaSource, text: str, arch: str) -> list[KernelResources]:
     _, log = offline_compile(text, arch, f"{source.name}.cu")
     reports = parse_ptxas_log(log, arch)
     if not reports:
@@ -393,7 +458,6 @@ def offline_report(source: CudaSource, arch: str = DEFAULT_ARCH, **defines: int)
         reports = [r for r in parse_ptxas_log(log, arch) if r.kernel != marker]
     if not reports:
         raise OfflineCompileError(f"no ptxas report found for {source.name}:\n{log}")
-    _REPORTS[text, arch] = tuple(reports)
     return reports
 
 

@@ -221,6 +221,7 @@ def test_offline_report_recompiles_when_the_compute_cache_swallowed_ptxas_report
 
     monkeypatch.setattr(compile_mod, "offline_compile", cached_first)
     monkeypatch.setattr(compile_mod, "_REPORTS", {})  # as in a fresh process: another test may have compiled it
+    monkeypatch.delenv(compile_mod.REPORT_CACHE_ENV, raising=False)  # and without the run's shared reports
     reports = compile_mod.offline_report(wdc.SOURCE, **wdc.DEFAULTS)
     assert {r.kernel for r in reports} == {wdc.GATE_UP, wdc.DOWN} and len(texts) == 2
     assert texts[1].startswith(texts[0]) and "// offline report" in texts[1][len(texts[0]):]
@@ -240,6 +241,7 @@ def test_offline_report_compiles_a_text_once_per_process(monkeypatch) -> None:
 
     monkeypatch.setattr(compile_mod, "offline_compile", counting)
     monkeypatch.setattr(compile_mod, "_REPORTS", {})
+    monkeypatch.delenv(compile_mod.REPORT_CACHE_ENV, raising=False)
     source = compile_mod.CudaSource("cache_test", 'extern "C" __global__ void k(float* x) { x[0] = N; }', ("k",),
                                     {"N": 1})
     first = compile_mod.offline_report(source)
@@ -253,6 +255,36 @@ def test_offline_report_compiles_a_text_once_per_process(monkeypatch) -> None:
         with pytest.raises(compile_mod.OfflineCompileError):
             compile_mod.offline_report(source)
     assert len(compiled) == 5
+
+
+def test_offline_report_compiles_a_text_once_per_shared_folder(monkeypatch, tmp_path) -> None:
+    """With $WD_OFFLINE_REPORT_CACHE set, a process that has not compiled a text reads the report another process
+    left in that folder (the test suite's workers and the tools it starts share one); another text, or the same text
+    for another arch, is compiled; a compile error leaves nothing behind."""
+    import kernels.compile as compile_mod
+
+    real, compiled = compile_mod.offline_compile, []
+
+    def counting(text: str, arch: str = "sm_90", name: str = "kernel.cu") -> tuple[bytes, str]:
+        compiled.append((text, arch))
+        return real(text, arch, name)
+
+    monkeypatch.setattr(compile_mod, "offline_compile", counting)
+    monkeypatch.setattr(compile_mod, "_REPORTS", {})
+    monkeypatch.setenv(compile_mod.REPORT_CACHE_ENV, str(tmp_path / "reports"))
+    source = compile_mod.CudaSource("shared_test", 'extern "C" __global__ void k(float* x) { x[0] = N; }', ("k",),
+                                    {"N": 1})
+    first = compile_mod.offline_report(source)
+    monkeypatch.setattr(compile_mod, "_REPORTS", {})  # another process: nothing in memory
+    assert compile_mod.offline_report(source) == first and len(compiled) == 1
+    compile_mod.offline_report(source, N=2)
+    compile_mod.offline_report(source, arch="sm_80")
+    assert len(compiled) == 3 and len(set(compiled)) == 3
+    assert len(list((tmp_path / "reports").glob("*.json"))) == 3
+    source.code = "not CUDA"
+    with pytest.raises(compile_mod.OfflineCompileError):
+        compile_mod.offline_report(source)
+    assert len(list((tmp_path / "reports").glob("*.json"))) == 3
 
 
 def test_variant_rows_report_what_a_variant_runs() -> None:

@@ -15,14 +15,16 @@ NAME = re.compile(r"^([A-Za-z0-9_.\-]+)(\[[^\]]*\])?\s*(.*)$")
 # PyPI name -> the conda-forge package that environment.yml must name, for everything installed from conda-forge.
 # Each is the conda-forge feedstock's package name: https://github.com/conda-forge/ml_dtypes-feedstock publishes
 # ml-dtypes as `ml_dtypes`; https://github.com/conda-forge/matplotlib-feedstock publishes `matplotlib-base`, the
-# library without a GUI toolkit (its `matplotlib` adds Qt: the plots here draw headless); numpy, rich, pytest and
-# ruff are published under their PyPI names (https://github.com/conda-forge/{numpy,rich,pytest,ruff}-feedstock).
+# library without a GUI toolkit (its `matplotlib` adds Qt: the plots here draw headless); numpy, rich, pytest,
+# pytest-xdist and ruff are published under their PyPI names
+# (https://github.com/conda-forge/{numpy,rich,pytest,pytest-xdist,ruff}-feedstock).
 CONDA_FORGE_NAMES = {
     "numpy": "numpy",
     "ml-dtypes": "ml_dtypes",
     "rich": "rich",
     "matplotlib": "matplotlib-base",
     "pytest": "pytest",
+    "pytest-xdist": "pytest-xdist",
     "ruff": "ruff",
 }
 

@@ -98,25 +98,10 @@ def _simulate(cases: list[str], bad_ids: bool, timeout: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def simulation(request: pytest.FixtureRequest) -> dict:
-    """The module's one simulator process: the shuffles and the quick cases (~2 s on 2 idle cores), and, when the
-    run also holds the slow simulator tests (which ask for ``simulated``; the quick subset deselects them), every
-    other case and the bad-id guard (~20 s more) -- one interpreter and one import of Numba, not two."""
-    from kernels.warp_decode_numba import SIM_CASES
-
-    slow = any("simulated" in getattr(item, "fixturenames", ()) for item in request.session.items)
-    rest = [name for name in SIM_CASES if name not in QUICK_SIM_CASES] if slow else []
-    return _simulate([*QUICK_SIM_CASES, *rest], bad_ids=slow, timeout=1800 if slow else 300)
-
-
-@pytest.fixture(scope="module")
-def simulated_quick(simulation: dict) -> dict:
-    return {**simulation, "cases": [case for case in simulation["cases"] if case["case"] in QUICK_SIM_CASES]}
-
-
-@pytest.fixture(scope="module")
-def simulated(simulation: dict) -> dict:
-    return {**simulation, "cases": [case for case in simulation["cases"] if case["case"] not in QUICK_SIM_CASES]}
+def simulated_quick() -> dict:
+    """The quick subset's simulator process: the shuffles and the quick cases (~2 s on 2 idle cores). The slow test
+    runs the other cases in a process of its own, which a parallel run starts beside this one."""
+    return _simulate(list(QUICK_SIM_CASES), bad_ids=False, timeout=300)
 
 
 def _assert_case_matches(case: dict) -> None:
@@ -142,17 +127,15 @@ def test_simulator_smallest_case_matches_reference(simulated_quick: dict) -> Non
 
 
 @pytest.mark.slow
-def test_simulator_kernels_match_reference(simulated: dict) -> None:
+def test_simulator_kernels_match_reference_and_guard_bad_ids() -> None:
+    """Every other case (~20 s together) and the bad-id guard, in one simulator process."""
     from kernels.warp_decode_numba import SIM_CASES
 
+    simulated = _simulate([name for name in SIM_CASES if name not in QUICK_SIM_CASES], bad_ids=True, timeout=1800)
     cases = {case["case"]: case for case in simulated["cases"]}
     assert set(cases) | set(QUICK_SIM_CASES) == set(SIM_CASES)
     for case in cases.values():
         _assert_case_matches(case)
-
-
-@pytest.mark.slow
-def test_simulator_guards_bad_expert_ids(simulated: dict) -> None:
     bad = simulated["bad_ids"]
     assert bad["bad_rows_nan"] and bad["good_row_finite"]
     assert bad["ok"], bad

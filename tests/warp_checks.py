@@ -9,6 +9,7 @@ of ``reference.moe_decode(mode="warp_decode")``, 85 % of them bitwise equal, rel
 from __future__ import annotations
 
 import atexit
+import hashlib
 import math
 import os
 import shutil
@@ -25,6 +26,11 @@ from kernels.contract import BF16
 from kernels.problem import Problem
 from kernels.reference import moe_decode
 from kernels.shapes import PRESETS, MoEShape
+
+try:
+    import fcntl
+except ImportError:  # no flock (Windows): workers missing the same emulator at once both build it
+    fcntl = None
 
 
 class _Flags:
@@ -390,45 +396,89 @@ template <class F> void launch(long long blocks, int threads, F body) {
 EMULATION_FLAGS = ("-std=c++20", "-Og", "-ffp-contract=off", "-pthread",
                    *(("-fsanitize=address", "-fno-omit-frame-pointer", "-DWD_EMU_OS_THREADS")
                      if os.environ.get("WD_EMULATION_SANITIZE") == "address" else ()))
+# The folder the builds go to: the one tests/conftest.py makes for the run, which every pytest-xdist worker shares, or
+# (outside pytest) a folder of this process's own, removed at exit.
+EMULATOR_CACHE_ENV = "WD_EMULATOR_CACHE"
 _EMULATORS: dict[tuple[str, ...], str] = {}
 _PRECOMPILED: list[tuple[str, ...]] = []  # [g++ flags that use the precompiled EMULATION_HEADERS] once built
+_OWN_FOLDER: list[str] = []
+
+
+def _build_root() -> str:
+    folder = os.environ.get(EMULATOR_CACHE_ENV)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        return folder
+    if not _OWN_FOLDER:
+        _OWN_FOLDER.append(tempfile.mkdtemp(prefix="emu_"))
+        atexit.register(shutil.rmtree, _OWN_FOLDER[0], True)
+    return _OWN_FOLDER[0]
+
+
+def _built_once(key: tuple[str, ...], build: Any) -> str:
+    """The folder in which ``build(folder)`` ran for ``key``: built once per build root (the run's, shared by every
+    worker) -- a worker asking for a key another is building waits for it under a lock, and a build is moved into
+    place whole, so no one runs a half-written binary. ``build`` raising leaves nothing behind."""
+    root = _build_root()
+    digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:32]
+    final = os.path.join(root, digest)
+    if os.path.isdir(final):
+        return final
+    with open(f"{final}.lock", "a") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isdir(final):
+            return final
+        partial = tempfile.mkdtemp(prefix=f"{digest}.partial.", dir=root)
+        try:
+            build(partial)
+            os.rename(partial, final)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            if not os.path.isdir(final):
+                raise
+    return final
 
 
 def _precompiled_headers() -> tuple[str, ...]:
     """EMULATION_HEADERS precompiled once per test run (g++ then skips parsing ~80k lines of the standard library
     per build, ~0.5 s of 1.2); ``()`` if that fails (every build then parses the headers itself, same binary)."""
     if not _PRECOMPILED:
-        folder = tempfile.mkdtemp(prefix="emu_pch_")
-        atexit.register(shutil.rmtree, folder, True)
-        with open(f"{folder}/emu_headers.h", "w") as f:
-            f.write(EMULATION_HEADERS)
-        command = ["g++", *EMULATION_FLAGS, "-x", "c++-header", "emu_headers.h", "-o", "emu_headers.h.gch"]
-        build = subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=300)
-        _PRECOMPILED.append(("-include", f"{folder}/emu_headers.h") if build.returncode == 0 else ())
+        def build(folder: str) -> None:
+            with open(f"{folder}/emu_headers.h", "w") as f:
+                f.write(EMULATION_HEADERS)
+            command = ["g++", *EMULATION_FLAGS, "-x", "c++-header", "emu_headers.h", "-o", "emu_headers.h.gch"]
+            subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=300)
+
+        folder = _built_once(("pch", EMULATION_HEADERS, *EMULATION_FLAGS), build)
+        usable = os.path.exists(f"{folder}/emu_headers.h.gch")
+        _PRECOMPILED.append(("-include", f"{folder}/emu_headers.h") if usable else ())
     return _PRECOMPILED[0]
 
 
 def build_emulator(kernel_text: str, harness: str, *defines: str) -> str:
     """The path of the g++-built emulator: ``harness`` (which ``#include "kernel.cu"``) with ``kernel_text`` as
-    kernel.cu and ``defines`` (``-DNAME=value``) on the command line. Built once per distinct input per test run,
-    removed at exit; the test is skipped where g++ is missing."""
+    kernel.cu and ``defines`` (``-DNAME=value``) on the command line. Built once per distinct input per test run
+    (however many workers ask), removed at its end; the test is skipped where g++ is missing."""
     key = (kernel_text, harness, *defines)
     binary = _EMULATORS.get(key)
     if binary is None:
         if shutil.which("g++") is None:
             pytest.skip("needs g++ (to run the CUDA C on the CPU)")
-        build_dir = tempfile.mkdtemp(prefix="emu_")
-        atexit.register(shutil.rmtree, build_dir, True)
-        with open(f"{build_dir}/kernel.cu", "w") as f:
-            f.write(kernel_text)
-        with open(f"{build_dir}/harness.cpp", "w") as f:
-            f.write(harness)
-        build = subprocess.run(  # timeouts here and in run_emulator guard against hangs only (~1 s idle)
-            ["g++", *EMULATION_FLAGS, *_precompiled_headers(), *defines, "harness.cpp", "-o", "emu"],
-            cwd=build_dir, capture_output=True, text=True, timeout=300,
-        )
-        assert build.returncode == 0, build.stderr[-3000:]
-        binary = _EMULATORS[key] = f"{build_dir}/emu"
+        headers = _precompiled_headers()
+
+        def build(folder: str) -> None:
+            with open(f"{folder}/kernel.cu", "w") as f:
+                f.write(kernel_text)
+            with open(f"{folder}/harness.cpp", "w") as f:
+                f.write(harness)
+            done = subprocess.run(  # timeouts here and in run_emulator guard against hangs only (~1 s idle)
+                ["g++", *EMULATION_FLAGS, *headers, *defines, "harness.cpp", "-o", "emu"],
+                cwd=folder, capture_output=True, text=True, timeout=300,
+            )
+            assert done.returncode == 0, done.stderr[-3000:]
+
+        binary = _EMULATORS[key] = f"{_built_once(('emulator', *key, *EMULATION_FLAGS), build)}/emu"
     return binary
 
 
