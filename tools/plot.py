@@ -8,7 +8,7 @@ T, a line per path (``cupy:auto*`` thick, the Triton peer dashed with triangles)
 weight bytes each point touched against its time per layer, under the roofline measured in the runs (bytes = roofline
 x time). :func:`headline_figure` is the README's chart: auto, the strict and expert-centric baselines and the peer.
 
-Cells come from ``tools.report.latest_rows`` (a later file wins a cell, as in the crossover tables); only timed rows
+Cells come from ``tools.runs.latest_rows`` (a later file wins a cell, as in the crossover tables); only timed rows
 are drawn, and a peer's configs (``triton:fused-moe[...]``) only through the tuned peer row. A tiled format's figures
 show its row layout's baseline and peer beside its own paths, as its crossover table does.
 """
@@ -23,10 +23,10 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter, NullLocator
 
-from tools import report
+from tools import runs
 from tools.roofline import percent
 
-FORMATS = report.PLOT_FORMATS
+FORMATS = runs.PLOT_FORMATS
 Series = dict[str, list[dict[str, Any]]]  # variant -> its points in T order: batch, us, pct, weights, roof
 
 
@@ -36,20 +36,20 @@ Series = dict[str, list[dict[str, Any]]]  # variant -> its points in T order: ba
 def groups(datasets: list[dict[str, Any]]) -> dict[tuple[str, str, str], Series]:
     """(model, routing, weight format) -> the timed points of each path, from the merged runs (first-seen order)."""
     out: dict[tuple[str, str, str], Series] = {}
-    for (model, routing, variant, batch), latest in report.latest_rows(datasets).items():
+    for (model, routing, variant, batch), latest in runs.latest_rows(datasets).items():
         row = latest["row"]
         if variant.endswith("]") or row.get("status") != "ok" or row.get("median_us") is None:
             continue
         point = {"batch": batch, "us": row["median_us"], "pct": percent(row.get("tbps"), latest["roof"]),
                  "weights": (row.get("bytes") or {}).get("weights"), "roof": latest["roof"]}
         weight_format = str((row.get("bytes") or {}).get("weight_format") or "bf16")
-        formats = [weight_format] + [fmt for fmt, borrowed in report.CROSSOVER_BORROWED.items() if variant in borrowed]
+        formats = [weight_format] + [fmt for fmt, borrowed in runs.CROSSOVER_BORROWED.items() if variant in borrowed]
         for fmt in formats:
             out.setdefault((model, routing, fmt), {}).setdefault(variant, []).append(point)
     for series in out.values():
         for points in series.values():
             points.sort(key=lambda p: p["batch"])
-    borrowed = report.CROSSOVER_BORROWED  # a tiled format's figure needs a path of its own, not only borrowed rows
+    borrowed = runs.CROSSOVER_BORROWED  # a tiled format's figure needs a path of its own, not only borrowed rows
     return {key: series for key, series in out.items() if any(v not in borrowed.get(key[2], ()) for v in series)}
 
 
@@ -175,7 +175,7 @@ HEADLINE = {"auto": "auto", "strict": "strict warp decode", "expert-centric": "e
 def headline_series(merged: dict[tuple[str, str, str], Series], model: str, routing: str,
                     weight_format: str = "bf16") -> Series:
     """The lines of :func:`headline_figure` that ``merged`` (:func:`groups`) holds, in :data:`HEADLINE` order."""
-    columns = {column: variant for variant, column in report.CROSSOVER_SETS[weight_format].items()}
+    columns = {column: variant for variant, column in runs.CROSSOVER_SETS[weight_format].items()}
     series = merged.get((model, routing, weight_format), {})
     return {columns[c]: series[columns[c]] for c in HEADLINE if c in columns and columns[c] in series}
 
@@ -187,7 +187,7 @@ def headline_figure(datasets: list[dict[str, Any]], model: str, routing: str, we
     ``weight_format``; a line the runs did not measure is left out). ``merged``: :func:`groups` of ``datasets``,
     where already made."""
     series = headline_series(groups(datasets) if merged is None else merged, model, routing, weight_format)
-    columns = report.CROSSOVER_SETS[weight_format]
+    columns = runs.CROSSOVER_SETS[weight_format]
     labels = {variant: f"{HEADLINE[columns[variant]]} ({variant})" for variant in series}
     fmt = "" if weight_format == "bf16" else f", {weight_format} weights"
     return paths_figure(series, f"{model}, {routing} routing{fmt}", labels)
