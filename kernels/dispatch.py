@@ -240,16 +240,25 @@ def point_routings(point: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {"uniform": point, **(point.get("routings") or {})}
 
 
-def worst_slowdowns(point: dict[str, Any], candidates: list[str] | tuple[str, ...]) -> dict[str, float]:
-    """Per candidate with status "ok" and a median under EVERY routing the point records: its largest
-    median / (that routing's fastest such candidate's median) over the routings."""
+def routing_slowdowns(point: dict[str, Any], candidates: list[str] | tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """Per routing the point records, per candidate with status "ok" and a median under EVERY one of them: its
+    median / (that routing's fastest such candidate's median); {} when no candidate qualifies."""
     runs = point_routings(point)
     ok = [n for n in candidates if all((r.get("status") or {}).get(n) == "ok" and (r.get("median_us") or {}).get(n)
                                        for r in runs.values())]
     if not ok:
         return {}
     best = {name: min(r["median_us"][n] for n in ok) for name, r in runs.items()}
-    return {n: max(r["median_us"][n] / best[name] for name, r in runs.items()) for n in ok}
+    return {name: {n: r["median_us"][n] / best[name] for n in ok} for name, r in runs.items()}
+
+
+def worst_slowdowns(point: dict[str, Any], candidates: list[str] | tuple[str, ...]) -> dict[str, float]:
+    """Per candidate of :func:`routing_slowdowns`: its largest slowdown over the routings."""
+    per_routing = routing_slowdowns(point, candidates)
+    if not per_routing:
+        return {}
+    names = next(iter(per_routing.values()))
+    return {n: max(ratios[n] for ratios in per_routing.values()) for n in names}
 
 
 def point_choice(point: dict[str, Any], policy: str = FASTEST, dims: Dims | None = None,

@@ -45,7 +45,8 @@ from kernels.contract import check_int
 from kernels.routing import GENERATORS
 from kernels.shapes import DEFAULT_MODEL, PRESETS, get_shape
 from tools import display, harness, report
-from tools.cli import int_list, positive_int
+from tools.cli import examples, int_list, positive_int
+from tools.registry import describe
 from tools.registry import load as load_registry
 
 SCHEMA = "warp-decode-bench/1"
@@ -472,11 +473,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time the lab's MoE decode paths against the roofline measured in the same run (without a GPU: "
                     "check them on the CPU, no timing). The default answers how fast warp decode is here against "
                     "the baseline and the peer, in about a minute on an H200.",
-        epilog="examples:\n"
-               "  python -m tools.bench                                   # auto, strict, baseline, peer; T = 1..64\n"
-               "  python -m tools.bench --all --batch 1,8,64              # every path of the library\n"
-               "  python -m tools.bench --model qwen3-235b-a22b --routing zipf --json run.json\n"
-               "  python -m tools.bench --variants 'cupy:auto*' --stages  # the autos, each stage timed too")
+        epilog=examples("python -m tools.bench                                   # auto, strict, baseline, peer",
+                        "python -m tools.bench --all --batch 1,8,64              # every path of the library",
+                        "python -m tools.bench --model qwen3-235b-a22b --routing zipf --json run.json",
+                        "python -m tools.bench --variants 'cupy:auto*' --stages  # the autos, each stage timed too"))
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"comma list of presets, or 'all' (every preset but tiny); default {DEFAULT_MODEL}; "
                              f"known: {', '.join(PRESETS)}")
@@ -512,16 +512,11 @@ def list_variants(prototypes: bool = True, file: Any = None) -> None:
 
     registry, warnings = load_registry()
     out = file or sys.stdout
-    room = max(20, shutil.get_terminal_size((120, 24)).columns - 62)  # the description gets what the line has left
-    for variant in registry.values():
-        if getattr(variant, "prototype", False) and not prototypes:
-            continue
-        mark = "*" if variant.name in QUICK_VARIANTS else " "
-        description = " ".join((variant.description or "").split())
-        if len(description) > room:
-            description = description[:room - 3].rstrip() + "..."
-        print(f"{mark} {variant.name:40s} {getattr(variant, 'weight_format', 'bf16'):17s} {description}".rstrip(),
-              file=out)
+    shown = {name: v for name, v in registry.items() if prototypes or not getattr(v, "prototype", False)}
+    width = max((len(name) for name in shown), default=0)
+    room = max(20, shutil.get_terminal_size((120, 24)).columns - width - 22)  # what the line has left
+    for line in describe(shown, marked=QUICK_VARIANTS, room=room):
+        print(line, file=out)
     print("* the default selection (python -m tools.bench); --all: every library path; --prototypes: prototypes too",
           file=out)
     from tools.registry import peers

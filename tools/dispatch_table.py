@@ -220,12 +220,9 @@ def pick_costs(table: dict[str, Any], policy: str = dispatch.FASTEST) -> list[di
             pick = dispatch.point_choice(point, policy, weight_format=fmt)
             if pick is None:
                 continue
-            slowdown, fastest = {}, {}
-            for routing, run in dispatch.point_routings(point).items():
-                ok = {n: run["median_us"][n] for n in pool
-                      if (run.get("status") or {}).get(n) == "ok" and (run.get("median_us") or {}).get(n)}
-                fastest[routing] = min(ok, key=ok.get)
-                slowdown[routing] = ok[pick] / ok[fastest[routing]]
+            per_routing = dispatch.routing_slowdowns(point, pool)
+            slowdown = {routing: ratios[pick] for routing, ratios in per_routing.items()}
+            fastest = {routing: min(ratios, key=ratios.get) for routing, ratios in per_routing.items()}
             rows.append({"model": entry["model"], "weight_format": fmt, "batch": int(tokens), "pick": pick,
                          "slowdown": slowdown, "fastest": fastest})
     return rows

@@ -371,7 +371,6 @@ class Workbench:
         self._load_draw(0)
         self.topk_ids, self.topk_weights = self.ids_buffers[self.check_copy], self.weights_buffers[self.check_copy]
         cupy.cuda.Device().synchronize()  # generation and copies ran on the legacy stream; timing uses another
-        self.bytes = self.draw_bytes(1)
         self.layers_per_graph = shape.layers
         self.info["layers_per_graph"] = shape.layers
         self.dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)

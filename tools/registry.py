@@ -35,3 +35,20 @@ def load() -> tuple[dict[str, Any], list[str]]:
     except Exception as exc:  # noqa: BLE001
         warnings.append(f"prototypes: {type(exc).__name__}: {exc}"[:300])
     return variants.REGISTRY, warnings
+
+
+def describe(registry: dict[str, Any], marked: Any = None, room: int | None = None) -> list[str]:
+    """One line per variant of ``registry``: its name, the weight format it reads and its description (whitespace
+    folded; cut to ``room`` characters with "..." where given). With ``marked`` (names), each line starts with ``*``
+    for a marked variant and a space for the others. What ``--list`` prints in the bench and the sweep."""
+    width = max((len(name) for name in registry), default=0)
+    lines = []
+    for name, variant in registry.items():
+        description = " ".join((variant.description or "").split())
+        if room is not None and len(description) > room:
+            description = description[:max(0, room - 3)].rstrip() + "..."
+        mark = "" if marked is None else ("* " if name in marked else "  ")
+        weight_format = getattr(variant, "weight_format", "bf16")
+        lines.append(f"{mark}{name:<{width}}  {weight_format:<16s}  {description}".rstrip())
+    return lines
+

@@ -37,6 +37,7 @@ from kernels.contract import Dims
 from kernels.shapes import DEFAULT_MODEL, PRESETS, get_shape
 from tools import bench, harness
 from tools.cli import examples, int_list, positive_int
+from tools.registry import describe
 from tools.registry import load as load_registry
 from tools.roofline import bar, percent
 
@@ -366,16 +367,6 @@ def render(record: dict[str, Any]) -> Any:
     return Group(*parts)
 
 
-def list_variants(registry: dict[str, Any]) -> str:
-    """``--list``: every registered variant's name and the first line of its description, one per line."""
-    width = max((len(name) for name in registry), default=0)
-    lines = []
-    for name, variant in registry.items():
-        description = (variant.description or "").strip().splitlines()
-        lines.append(f"{name:<{width}}  {description[0] if description else ''}".rstrip())
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tools.sweep", description="Sweep a variant's parameter grid.",
@@ -419,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         if not harness.gpu_available()[0]:
             bench._enable_simulator()
         registry, warnings = load_registry()
-        print(list_variants(registry))
+        print("\n".join(describe(registry)))
         for warning in warnings:
             print(f"warning: not loaded: {warning}", file=sys.stderr)
         return 0
