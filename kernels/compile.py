@@ -113,7 +113,10 @@ def preset_variants(resolve: Any, defaults: dict[str, int], tokens: tuple[int, .
     seen: list[dict[str, int]] = []
     for shape in PRESETS.values():
         for t in tokens:
-            params = resolve(Dims(t, shape.hidden, shape.intermediate, shape.experts, shape.top_k))
+            try:
+                params = resolve(Dims(t, shape.hidden, shape.intermediate, shape.experts, shape.top_k))
+            except ValueError:  # a preset these knobs cannot run (a tiled format's odd widths): nothing to compile
+                continue
             override = {key: value for key, value in params.items() if defaults.get(key) != value}
             if override and override not in seen:
                 seen.append(override)

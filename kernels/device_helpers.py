@@ -385,6 +385,87 @@ __device__ __forceinline__ void staged_outputs(const float* partial, const int* 
 """
 
 
+# What the batched families (kernels/batched/) share: register caps, scale rows, the down kernels' start, PDL wait and
+# end. Each family defines DOWN_WAITS_LATE (1: the tensor-core downs wait after their first w2 loads) before it.
+BATCHED_HELPERS = r"""
+// ---- batched helpers (kernels/device_helpers.py) ----
+// The scales of weight row `row` (in units of the matrix's rows) of expert e: w13's gate row i at (e * 2 IB +
+// i / 128) * HB, its up row at (e * 2 IB + IB + i / 128) * HB; w2's row h at (e * HB + h / 128) * IB.
+__device__ __forceinline__ const float* scale_row(const float* scales, long long block_row, int col_blocks) {
+    return scales + block_row * col_blocks;
+}
+// Register caps: __maxnreg__(N) (CUDA >= 12.4). With only __launch_bounds__(threads) ptxas picks ~64
+// registers for mid-size tiles and spills; an explicit cap keeps every default spill-free.
+#if GB_MAX_REGS > 0
+#define GB_BOUNDS __maxnreg__(GB_MAX_REGS)
+#else
+#define GB_BOUNDS __launch_bounds__(GB_WARPS * 32)
+#endif
+#if DB_MAX_REGS > 0
+#define DB_BOUNDS __maxnreg__(DB_MAX_REGS)
+#else
+#define DB_BOUNDS __launch_bounds__(DB_WARPS * 32)
+#endif
+// The start of both down kernels: zero the warp's partial, wait for gate_up, release the next kernel. (Measured
+// and removed: a bulk L2 prefetch of each warp's first / next expert's w2 block, before the wait or one expert
+// ahead -- 1-20 % slower at every point of results/sweep-batched-pdl-*.json.)
+__device__ __forceinline__ void down_prologue(float* mine, int partial_floats, int lane) {
+    for (int j = lane; j < partial_floats; j += 32) mine[j] = 0.0f;
+#if !DOWN_WAITS_LATE
+    pdl_wait();     // the intermediate is gate_up's output: every read of it is an ld_dep after this
+    pdl_release();
+#endif
+    __syncwarp();
+}
+
+// DB_EARLY_W2: the wait between a round's w2 loads and its intermediate loads, once per warp (warp-uniform).
+// Warps without work wait at the end of the loop (down_epilogue_wait) before the block writes anything.
+__device__ __forceinline__ void wait_once(bool& waited) {
+#if DOWN_WAITS_LATE
+    if (!waited) {
+        pdl_wait();
+        pdl_release();
+        waited = true;
+    }
+#endif
+}
+__device__ __forceinline__ void down_epilogue_wait() {
+#if DOWN_WAITS_LATE
+    pdl_wait();     // a no-op once waited
+    pdl_release();
+#endif
+}
+
+// ---- end of batched helpers ----
+"""
+
+# The end of the FMA and tensor-core downs (kernels/batched/): the warps' shared-memory partials summed, written once.
+BLOCK_OUTPUTS = r"""
+// The end of both down kernels (after __syncthreads): every (token, column) of the block sums the DB_WARPS
+// partials [w][T][COLUMNS] in warp order and is written once; a token with any expert id outside [0, E)
+// gets NaN. Deterministic, no atomics.
+template <int COLUMNS>
+__device__ __forceinline__ void write_block_outputs(const float* partial, const int* __restrict__ topk_ids,
+                                                    void* __restrict__ out, int out_f32, int tokens, int hidden,
+                                                    int experts, int top_k, int h0) {
+    for (int j = threadIdx.x; j < tokens * COLUMNS; j += DB_WARPS * 32) {
+        const int t = j / COLUMNS;
+        const int h = h0 + (j - t * COLUMNS);
+        if (h >= hidden) continue;
+        float v = 0.0f;
+        #pragma unroll
+        for (int w = 0; w < DB_WARPS; ++w) v = __fadd_rn(v, partial[(size_t)w * tokens * COLUMNS + j]);
+        bool bad = false;
+        for (int k = 0; k < top_k; ++k) bad |= (unsigned)__ldg(topk_ids + t * top_k + k) >= (unsigned)experts;
+        if (bad) v = __int_as_float(0x7fc00000);
+        const long long idx = (long long)t * hidden + h;
+        if (out_f32) reinterpret_cast<float*>(out)[idx] = v;
+        else reinterpret_cast<bf16_t*>(out)[idx] = f32_to_bf16(v);  // the one final rounding
+    }
+}
+"""
+
+
 def padded_row_bytes(inter: int) -> int:
     """Bytes of one staged w2 row of ``inter`` bf16 (``staged_row_stride`` in the CUDA helpers)."""
     return (2 * inter + 63) // 128 * 128 + 64

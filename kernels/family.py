@@ -95,6 +95,9 @@ class KernelFamily:
     knobs: dict[str, int] | None = None  # the knobs and their defaults when there is no source (else its defaults)
     limits: dict[str, tuple[int, int]] = field(default_factory=dict)
     auto_knobs: tuple[str, ...] = ()  # knobs for which 0 means "pick from the dims"
+    # compile-time constants of the source that are not knobs: the rules set them from the dims (and the family's
+    # fixed choices); a caller cannot set them, sweeps do not vary them, and they do not count as the family's knobs
+    derived: tuple[str, ...] = ()
     # rules(dims or None, validated values) -> values: fills the auto knobs, rejects what cannot run (ValueError)
     rules: Callable[[Dims | None, dict[str, int]], dict[str, int]] | None = None
     device_needs: dict[str, int] = field(default_factory=dict)  # knob -> minimum compute capability (90 = sm_90)
@@ -112,6 +115,9 @@ class KernelFamily:
     def __post_init__(self) -> None:
         if self.source is None and self.knobs is None:
             self.knobs = {}
+        if self.source is not None and set(self.derived) - set(self.source.defaults):
+            raise ValueError(f"kernel family {self.name!r}: derived names unknown macros "
+                             f"{sorted(set(self.derived) - set(self.source.defaults))}")
         unknown = (set(self.limits) | set(self.auto_knobs) | set(self.device_needs)) - set(self.defaults)
         if unknown:
             raise ValueError(f"kernel family {self.name!r}: limits / auto_knobs / device_needs name unknown knobs "
@@ -121,7 +127,9 @@ class KernelFamily:
 
     @property
     def defaults(self) -> dict[str, int]:
-        return dict(self.source.defaults if self.source is not None else self.knobs or {})
+        """The family's knobs and their defaults (the source's macros but the derived ones)."""
+        macros = self.source.defaults if self.source is not None else self.knobs or {}
+        return {knob: value for knob, value in macros.items() if knob not in self.derived}
 
     def resolve(self, dims: Dims | None = None, **knobs: Any) -> dict[str, int]:
         """Every knob as an int: ``knobs`` validated against the defaults and limits (ValueError / TypeError name
@@ -129,6 +137,8 @@ class KernelFamily:
         if dims is not None and not isinstance(dims, Dims):
             raise TypeError(f"dims must be a kernels.contract.Dims, got {type(dims).__name__}")
         values = validate_knobs(self.name, knobs, self.defaults, self.limits, self.auto_knobs)
+        if self.derived and self.source is not None:
+            values.update({name: self.source.defaults[name] for name in self.derived})
         return self.rules(dims, values) if self.rules is not None else values
 
     def for_device(self, params: dict[str, int]) -> dict[str, int]:

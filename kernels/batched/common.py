@@ -1,0 +1,111 @@
+"""What the batched families share on the host: a family per weight format, the workspace, register caps.
+
+:class:`FormatFamilies` builds one :class:`~kernels.family.KernelFamily` per weight format for a mechanism (the FMA
+pair, the tensor-core pair, the per-pair pair): the mechanism's CUDA C with the format's loader
+(:mod:`kernels.batched.loaders`) in front of its kernels, so that the kernels never branch on the format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kernels.batched.lists import lists_size
+from kernels.contract import BF16, Dims
+from kernels.family import KernelFamily
+from kernels.formats import Quantized, WeightFormat, get_format
+
+REGISTERS_PER_BLOCK = 65536  # sm_70 .. sm_90
+DEFAULT_MAX_REGS = 128  # GB_MAX_REGS / DB_MAX_REGS where auto (-1) and no rule caps lower: spill-free at the defaults
+NO_SCALES = np.uint64(0)  # the scale pointer of unscaled weights (never read)
+
+
+class FormatFamilies:
+    """One kernel family per weight format, built on first use by ``make(fmt)`` (and for ``formats`` at once, so
+    that the compile report sees them): ``families("fp8-block128")`` is the mechanism on fp8-block128 weights."""
+
+    def __init__(self, make: Callable[[WeightFormat], KernelFamily], formats: tuple[str, ...]) -> None:
+        self._make = make
+        self._families: dict[str, KernelFamily] = {}
+        for name in formats:
+            self(name)
+
+    def __call__(self, fmt: WeightFormat | str) -> KernelFamily:
+        fmt = get_format(fmt)
+        family = self._families.get(fmt.name)
+        if family is None:
+            family = self._families[fmt.name] = self._make(fmt)
+        return family
+
+    @property
+    def families(self) -> dict[str, KernelFamily]:
+        return dict(self._families)
+
+
+def block_registers(warps: int, cap: int) -> int:
+    """Registers a block of ``warps`` warps takes under a __maxnreg__ ``cap`` (allocated in units of 8)."""
+    return warps * 32 * -(-cap // 8) * 8
+
+
+def check_register_caps(values: dict[str, int], stages: tuple[str, ...] = ("GB", "DB")) -> None:
+    """Each stage's -1 cap ("auto") not set by a rule becomes :data:`DEFAULT_MAX_REGS`; ValueError where a cap times
+    the block's threads exceeds the register file (the launch would fail)."""
+    for stage in stages:
+        if values[f"{stage}_MAX_REGS"] == -1:
+            values[f"{stage}_MAX_REGS"] = DEFAULT_MAX_REGS
+        warps, cap = values[f"{stage}_WARPS"], values[f"{stage}_MAX_REGS"]
+        if cap and block_registers(warps, cap) > REGISTERS_PER_BLOCK:
+            raise ValueError(
+                f"{stage}_WARPS {warps} x 32 threads x {stage}_MAX_REGS {cap} registers exceeds the "
+                f"{REGISTERS_PER_BLOCK} registers of a block (the launch would fail): lower {stage}_WARPS or "
+                f"{stage}_MAX_REGS (0 lets __launch_bounds__ fit the block)")
+
+
+def experts_average(dims: Dims, pairs: float) -> bool:
+    """T*K >= pairs x E: an expert averages at least ``pairs`` (token, expert) pairs (qwen3, E / K = 16: from
+    T = 16 x pairs) -- the load measure the auto rules switch on."""
+    return dims.tokens * dims.top_k >= pairs * dims.experts
+
+
+def weight_args(w: Any, fmt: WeightFormat) -> tuple[Any, Any]:
+    """A weight matrix as the kernels take it: (values, scales), the scales a null pointer for an unscaled format."""
+    values = w.values if isinstance(w, Quantized) else w
+    return values, (w.scales if fmt.scaled else NO_SCALES)
+
+
+@dataclass
+class Workspace:
+    """The buffers a batched family needs, allocated once per dims (and knob set: the grouped down's rows)."""
+
+    dims: Dims
+    intermediate: Any  # [T, K, I] bf16 (the same buffer as strict warp decode's)
+    lists: Any = None  # [lists_size(dims)] int32: routing lists written by moe_expert_lists (not the per-pair path)
+    pair_out: Any = None  # [T*K, H] float32: each pair's weighted down row (the grouped down only)
+
+    def matches(self, dims: Dims) -> bool:
+        return self.dims == dims
+
+
+def check_dims(dims: Any) -> None:
+    """TypeError / ValueError unless ``dims`` is a Dims of ints >= 1."""
+    if not isinstance(dims, Dims):
+        raise TypeError(f"dims must be a kernels.contract.Dims, got {type(dims).__name__}")
+    for name in ("tokens", "hidden", "intermediate", "experts", "top_k"):
+        value = getattr(dims, name)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"dims.{name} must be an int >= 1, got {value!r}")
+
+
+def allocate(dims: Dims, lists: bool, pair_out: bool) -> Workspace:
+    """The intermediate, and the lists buffer and the per-pair rows where asked (CuPy, current device)."""
+    import cupy
+
+    return Workspace(
+        dims=dims,
+        intermediate=cupy.empty((dims.tokens, dims.top_k, dims.intermediate), dtype=BF16),
+        lists=cupy.zeros(lists_size(dims), dtype=cupy.int32) if lists else None,
+        pair_out=cupy.empty((dims.tokens * dims.top_k, dims.hidden), dtype=np.float32) if pair_out else None,
+    )

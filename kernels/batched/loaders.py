@@ -1,0 +1,271 @@
+"""Weight formats as device-side loaders: the CUDA C a format supplies so that the batched kernels read it.
+
+A batched kernel family is written once, against the names below; the family compiles with the loader of the
+weights' format placed before its kernels, so a kernel body never branches on the format. Adding a format to the
+batched paths is one :class:`~kernels.formats.WeightFormat` (data: layout, quantize, dequantize) and one
+:class:`Loader` registered here (``tests/test_toy_format.py`` does it for a toy format).
+
+**FMA loader** (``Loader.fma``, for the FMA family, ``kernels/batched/fma.py``):
+
+* ``weight_t``: one stored value; ``WEIGHT_CHUNK_BYTES(act_bytes)``: the bytes of weights holding the values of an
+  activation chunk of ``act_bytes``;
+* ``chunk_scale<ACT_BYTES>(scales, c, ok)``: the scale of chunk ``c`` of a row whose scale row is ``scales``
+  (1.0f where the format has none: no load);
+* ``weight_pair(chunk, w, scale, lo, hi)``: value pair ``w`` of a loaded weight chunk widened to FP32, dequantized.
+
+**Tensor-core loader** (``Loader.mma``, for the tensor-core and per-pair families):
+
+* ``weight_t``; ``a_chunk_t`` (a lane's 8 values of an A row), ``a_load_t`` (its load per A row and k block),
+  ``MMA_HALVES`` (chunks per load: a k block is 32 values wide, or 64 with two);
+* ``a_fragment(load, h)``: half ``h`` of a lane's A load as a bf16 m16n8k16 fragment; ``b_fragment<PRE>(chunk)``:
+  a lane's 8 bf16 activations as its B fragment; ``intermediate_value(v)``: what the gate_up writes for ``v``;
+* ``w13_gate_offset(i, hidden)``, ``w13_up_offset(gate, i, hidden, inter)``, ``w2_row_offset(h, inter)``: where a
+  row starts inside its expert (values), and ``a_index(idx)``: the 16-byte index of a row's ``idx``-th load;
+* ``RoundScales<UNROLL, RT>``: a round's scales -- ``load<CHECKED, COLS_DEP>(j, first, c_end, tiles)`` after the
+  A loads of k block ``j`` and ``apply(j, acc, part)`` after its mma -- and ``mma_sums(acc, part)``: where the mma
+  accumulate (``acc``, or a scaled format's partial that ``apply`` scales into ``acc``);
+* ``FORMAT_WHOLE_ROUNDS``: 1 where unmasked whole rounds pay at every k range (fp8: its widening is most of a
+  round), 0 where the family's own choice stands.
+
+Both may read the family's derived macros: ``FP8_LOAD16`` (16 e4m3 values per load: H and I multiples of 16) and
+``FP8_PRMT`` (the e4m3 widening, kernels/device_helpers.py; 3: the intermediate written x 2^8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kernels.formats import BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, WeightFormat
+
+
+@dataclass(frozen=True)
+class Loader:
+    """The device code of one weight format: ``fma`` for the FMA kernels, ``mma`` for the tensor-core ones (None:
+    that family does not read the format). ``needs``: derived macro -> the value the format requires (fp8 tiles:
+    ``FP8_LOAD16`` 1)."""
+
+    format: str
+    fma: str | None
+    mma: str | None
+    needs: dict[str, int] = field(default_factory=dict)
+
+
+LOADERS: dict[str, Loader] = {}
+
+
+def register_loader(loader: Loader) -> Loader:
+    """Make ``loader`` the batched families' reader of its format (re-registering a format replaces it)."""
+    LOADERS[loader.format] = loader
+    return loader
+
+
+def loader_for(fmt: WeightFormat | str, kind: str) -> str:
+    """The ``kind`` ("fma" / "mma") loader text of ``fmt``; ValueError naming the formats that have one."""
+    name = fmt if isinstance(fmt, str) else fmt.name
+    loader = LOADERS.get(name)
+    text = getattr(loader, kind) if loader is not None else None
+    if text is None:
+        have = sorted(n for n, entry in LOADERS.items() if getattr(entry, kind) is not None)
+        raise ValueError(f"no {kind} loader for weight format {name!r}; formats with one: {have}")
+    return text
+
+
+# ---------------------------------------------------------------------------------------------------
+# FMA loaders
+# ---------------------------------------------------------------------------------------------------
+BF16_FMA = r"""
+// ---- weight loader: bf16 values (kernels/batched/loaders.py) ----
+typedef bf16_t weight_t;
+#define WEIGHT_CHUNK_BYTES(act_bytes) (act_bytes)
+template <int ACT_BYTES>
+__device__ __forceinline__ float chunk_scale(const float* scales, int c, bool ok) {
+    (void)scales; (void)c; (void)ok;
+    return 1.0f;
+}
+template <typename W>
+__device__ __forceinline__ void weight_pair(const W& wv, int w, float scale, float& lo, float& hi) {
+    (void)scale;
+    lo = bf16_lo(word(wv, w));
+    hi = bf16_hi(word(wv, w));
+}
+"""
+
+FP8_FMA = r"""
+// ---- weight loader: fp8-block128 (kernels/batched/loaders.py) ----
+// e4m3fn bytes (a chunk holds the values of an activation chunk of twice the bytes), each widened and multiplied by
+// its 128 x 128 block's scale (rounded once in FP32, as the reference reads it)
+typedef unsigned char weight_t;
+#define WEIGHT_CHUNK_BYTES(act_bytes) ((act_bytes) / 2)
+template <int ACT_BYTES>
+__device__ __forceinline__ float chunk_scale(const float* scales, int c, bool ok) {
+    return __ldg(scales + (ok ? c * (ACT_BYTES / 2) / FP8_BLOCK : 0));
+}
+template <typename W>
+__device__ __forceinline__ void weight_pair(const W& wv, int w, float scale, float& lo, float& hi) {
+    e4m3x2_to_f32(word(wv, w / 2) >> (16 * (w % 2)), lo, hi);
+    lo = __fmul_rn(lo, scale);
+    hi = __fmul_rn(hi, scale);
+}
+"""
+
+# ---------------------------------------------------------------------------------------------------
+# Tensor-core loaders: values, addressing, scales
+# ---------------------------------------------------------------------------------------------------
+BF16_VALUES = r"""
+// ---- weight loader: bf16 values (kernels/batched/loaders.py) ----
+typedef bf16_t weight_t;
+typedef uint4 a_chunk_t;
+typedef uint4 a_load_t;
+#define MMA_HALVES 1
+#define FORMAT_WHOLE_ROUNDS 0
+__device__ __forceinline__ uint4 a_fragment(const uint4& v, int h) { (void)h; return v; }
+template <bool PRE_SCALED_B = false>
+__device__ __forceinline__ uint4 b_fragment(const uint4& v) { return v; }
+__device__ __forceinline__ bf16_t intermediate_value(float v) { return f32_to_bf16(v); }  // the one bf16 rounding
+"""
+
+FP8_VALUES = r"""
+// ---- weight loader: fp8-block128 values (kernels/batched/loaders.py) ----
+// 8 e4m3fn values (8 bytes) per chunk, widened to a bf16 fragment in registers (value x 2^-112, exact; FP8_PRMT 2 / 3
+// leave 2^8 of it to the B fragments); 16 per load with FP8_LOAD16 (64-wide k blocks). Whole rounds at every range.
+typedef unsigned char weight_t;
+typedef uint2 a_chunk_t;
+#if FP8_LOAD16
+typedef uint4 a_load_t;
+#define MMA_HALVES 2
+#else
+typedef uint2 a_load_t;
+#define MMA_HALVES 1
+#endif
+#define FORMAT_WHOLE_ROUNDS 1
+__device__ __forceinline__ uint4 a_fragment(const uint4& v, int h) {
+    return e4m3x8_to_bf16x8(h == 0 ? make_uint2(v.x, v.y) : make_uint2(v.z, v.w));
+}
+__device__ __forceinline__ uint4 a_fragment(const uint2& v, int h) { (void)h; return e4m3x8_to_bf16x8(v); }
+// a lane's B chunk (8 bf16 activations) as its fragment: with FP8_PRMT 2 times 2^8 (the factor the A fragments'
+// widening leaves out). FP8_PRMT 3: the gate_up writes the intermediate already x 2^8 (intermediate_value), so the
+// down's B (PRE_SCALED_B) is taken as loaded.
+#define INTER_X256 (FP8_PRMT == 3)
+template <bool PRE_SCALED_B = false>
+__device__ __forceinline__ uint4 b_fragment(const uint4& v) {
+#if FP8_PRMT >= 2
+    if (INTER_X256 && PRE_SCALED_B) return v;
+    return make_uint4(bf16x2_times_256(v.x), bf16x2_times_256(v.y), bf16x2_times_256(v.z), bf16x2_times_256(v.w));
+#else
+    return v;
+#endif
+}
+// the gate_up's intermediate value: the one bf16 rounding of SiLU(g) x u, then with FP8_PRMT 3 x 2^8 (exact below
+// 2^120; NaN and infinities stay)
+__device__ __forceinline__ bf16_t intermediate_value(float v) {
+    const bf16_t r = f32_to_bf16(v);
+    if (!INTER_X256) return r;
+    return f32_to_bf16(__uint_as_float((u32)r << 16) * 256.0f);
+}
+"""
+
+ROW_ADDRESSING = r"""
+// rows: the data contract's row-major layouts (w13 [E, 2I, H]: gate rows, then up rows; w2 [E, H, I])
+__device__ __forceinline__ size_t w13_gate_offset(int i, int hidden) { return (size_t)i * hidden; }
+__device__ __forceinline__ size_t w13_up_offset(size_t gate, int i, int hidden, int inter) {
+    (void)i;
+    return gate + (size_t)inter * hidden;
+}
+__device__ __forceinline__ size_t w2_row_offset(int h, int inter) { return (size_t)h * inter; }
+__device__ __forceinline__ int a_index(int idx) { return idx; }
+"""
+
+TILE_ADDRESSING = r"""
+// 16-row tiles (kernels/formats.py, bf16-t16 / fp8-block128-t16): the values of TILE_ROWS rows x TILE_K k are one
+// contiguous tile of TILE_ROWS x TILE_ROW_BYTES bytes, k block after k block (w13: neuron group i / 8's gate rows,
+// then its up rows; w2: rows 16t .. 16t + 15). A row's pointer is its tile's first k block plus its row in the tile
+// (tile_row); a_index maps the row-major 16-byte index to the tiled one. The mma's A operand is 16 rows x 64 bytes
+// per k block (4 loads of 16 bytes a row: 64 e4m3 or 32 bf16 values): one tile.
+#define TILE_K (TILE_ROW_BYTES / (int)sizeof(weight_t))   // values per tile row
+#define TILE_VALUES (TILE_ROWS * TILE_K)
+#define TILE_CHUNKS (TILE_ROW_BYTES / 16)                   // 16-byte loads per tile row, and per tile:
+#define TILE_LOADS (TILE_ROWS * TILE_CHUNKS)
+static_assert(TILE_ROWS == 16 && TILE_ROW_BYTES == 64, "tiles: one per mma k block, 16 rows x 64 bytes");
+static_assert(sizeof(a_load_t) == 16, "tiles are read in 16-byte loads (fp8: FP8_LOAD16 1)");
+// row r of a tiled matrix with `cols` values per row, whose tiles hold `rows_per_tile` of its rows (in values)
+__device__ __forceinline__ size_t tile_row(int r, int cols, int rows_per_tile) {
+    return (size_t)(r / rows_per_tile) * (cols / TILE_K) * TILE_VALUES + (size_t)(r % rows_per_tile) * TILE_K;
+}
+__device__ __forceinline__ size_t w13_gate_offset(int i, int hidden) { return tile_row(i, hidden, TILE_ROWS / 2); }
+__device__ __forceinline__ size_t w13_up_offset(size_t gate, int i, int hidden, int inter) {
+    (void)i; (void)hidden; (void)inter;
+    return gate + (TILE_ROWS / 2) * TILE_K;                            // a w13 tile: 8 gate rows, then their up rows
+}
+__device__ __forceinline__ size_t w2_row_offset(int h, int inter) { return tile_row(h, inter, TILE_ROWS); }
+__device__ __forceinline__ int a_index(int idx) { return idx + (idx / TILE_CHUNKS) * (TILE_LOADS - TILE_CHUNKS); }
+"""
+
+NO_SCALES = r"""
+// no scales: the mma accumulate into acc directly
+template <int UNROLL, int RT>
+struct RoundScales {
+    template <bool CHECKED, bool COLS_DEP, typename Tiles>
+    __device__ __forceinline__ void load(int j, int first, int c_end, const Tiles& tiles) {
+        (void)j; (void)first; (void)c_end; (void)tiles;
+    }
+    template <int N>
+    __device__ __forceinline__ void apply(int j, float (&acc)[N][4], float (&part)[N][4]) { (void)j; (void)acc; (void)part; }
+};
+template <int N>
+__device__ __forceinline__ auto mma_sums(float (&acc)[N][4], float (&part)[N][4]) -> float (&)[N][4] {
+    (void)part;
+    return acc;
+}
+"""
+
+BLOCK_SCALES = r"""
+// fp8-block128's scales: the mma accumulate a partial per 128-wide scale block (its k blocks summed in the tensor
+// core), which is multiplied by 2^112 and the block's scale into acc when the scale block -- or the warp's k range --
+// ends (s_lo for rows g: acc[0], acc[1]; s_hi for rows g + 8). A function of k alone: never of T or the batch.
+__device__ __forceinline__ void fp8_flush(float (&acc)[4], float (&part)[4], float s_lo, float s_hi) {
+    acc[0] = fmaf(part[0] * FP8_UNSCALE, s_lo, acc[0]);
+    acc[1] = fmaf(part[1] * FP8_UNSCALE, s_lo, acc[1]);
+    acc[2] = fmaf(part[2] * FP8_UNSCALE, s_hi, acc[2]);
+    acc[3] = fmaf(part[3] * FP8_UNSCALE, s_hi, acc[3]);
+    part[0] = part[1] = part[2] = part[3] = 0.0f;
+}
+template <int UNROLL, int RT>
+struct RoundScales {
+    float lo[UNROLL][RT], hi[UNROLL][RT];
+    bool flush[UNROLL];
+    // k block j (chunks first .. first + MMA_KB - 1): flushes where its scale block or the range ends, and loads the
+    // scales then (a down's rows -- COLS_DEP: 16 per tile from a multiple of 16 -- lie in one 128-row block: one row)
+    template <bool CHECKED, bool COLS_DEP, typename Tiles>
+    __device__ __forceinline__ void load(int j, int first, int c_end, const Tiles& tiles) {
+        const int next = first + 4 * MMA_HALVES;                    // the next k block's first chunk
+        flush[j] = next % (FP8_BLOCK / 8) == 0 || next >= c_end;
+        const int block = flush[j] && (!CHECKED || first < c_end) ? first / (FP8_BLOCK / 8) : 0;
+        #pragma unroll
+        for (int t = 0; t < RT; ++t) {
+            lo[j][t] = COLS_DEP && t > 0 ? lo[j][0] : flush[j] ? __ldg(tiles[t].scale_lo + block) : 0.0f;
+            hi[j][t] = COLS_DEP ? lo[j][t] : flush[j] ? __ldg(tiles[t].scale_hi + block) : 0.0f;
+        }
+    }
+    template <int N>
+    __device__ __forceinline__ void apply(int j, float (&acc)[N][4], float (&part)[N][4]) {
+        constexpr int NB = N / RT;
+        if (flush[j]) {                                              // warp-uniform
+            #pragma unroll
+            for (int t = 0; t < RT; ++t)
+                #pragma unroll
+                for (int nb = 0; nb < NB; ++nb) fp8_flush(acc[t * NB + nb], part[t * NB + nb], lo[j][t], hi[j][t]);
+        }
+    }
+};
+template <int N>
+__device__ __forceinline__ auto mma_sums(float (&acc)[N][4], float (&part)[N][4]) -> float (&)[N][4] {
+    (void)acc;
+    return part;
+}
+"""
+
+BF16_LOADER = register_loader(Loader(BF16_FORMAT.name, BF16_FMA, BF16_VALUES + ROW_ADDRESSING + NO_SCALES))
+BF16_T16_LOADER = register_loader(Loader(BF16_T16.name, None, BF16_VALUES + TILE_ADDRESSING + NO_SCALES))
+FP8_LOADER = register_loader(Loader(FP8_BLOCK128.name, FP8_FMA, FP8_VALUES + ROW_ADDRESSING + BLOCK_SCALES))
+FP8_T16_LOADER = register_loader(Loader(FP8_BLOCK128_T16.name, None, FP8_VALUES + TILE_ADDRESSING + BLOCK_SCALES,
+                                        needs={"FP8_LOAD16": 1}))
