@@ -4,22 +4,20 @@
     out = kernels.dispatch.moe_decode(x, w13, w2, topk_ids, topk_weights, out=out, workspace=ws, policy="fastest")
 
 Candidates: ``"cupy:warp-decode"`` (strict: one warp per (token, slot, neuron); best when few pairs share an expert),
-``"cupy:warp-decode-batched"`` (each active expert's weights read once per batch), ``"cupy:warp-decode-mixed"``
-(batched with the FMA gate_up and the tensor-core down), ``"cupy:warp-decode-mma"`` (batched on tensor cores:
+``"cupy:warp-decode-batched"`` (each active expert's weights read once per batch), ``"cupy:warp-decode-mma"`` (batched on tensor cores:
 mma.sync, FP32 accumulators -- warp decode's numerics in the tensor core's summation order), the batch-invariant
 pair (below: ``"cupy:warp-decode-mma-pairs"``, ``"cupy:warp-decode-mma-grouped"``) and ``"cupy:expert-centric"``
 (align, gather, grouped GEMMs, SiLU, combine: reproduces ``reference.moe_decode(mode="classical")``, four bf16
-roundings). The six warp-decode paths reproduce mode "warp_decode".
+roundings). The five warp-decode paths reproduce mode "warp_decode".
 
 Policies (``policy=``, :data:`POLICIES`; candidates in :data:`POLICY_CANDIDATES`): ``"fastest"`` (the default), the
-fastest of the seven; ``"warp_decode"``, the six warp-decode paths only, keeping warp decode's numerics;
+fastest of the six; ``"warp_decode"``, the five warp-decode paths only, keeping warp decode's numerics;
 ``"batch_invariant"``, a token's output bitwise the same whatever batch it rides in: the tensor-core path with the
 grouped down at every T (``"cupy:warp-decode-mma-grouped"``) or its per-pair form (``"cupy:warp-decode-mma-pairs"``),
-which share one numerics (``kernels.warp_decode_batched.GROUPED_KNOBS``: a pair's gate_up dots are mma chains over
-``INVARIANT_KSPLIT`` fixed k ranges, a function of H alone, added in range order; a column never sees another; each
-pair's down row is weighted once and a token's slots are summed in slot order from 0), so switching between them
-with T changes nothing. The FP8 pair (``FP8_GROUPED_KNOBS``, ``FP8_PER_PAIR_KNOBS``) takes ``FP8_INVARIANT_KSPLIT``
-ranges, both forms alike. "fastest" and "warp_decode" are not
+which share one numerics (``kernels.batched.mma.grouped_knobs``: a pair's gate_up dots are mma chains over
+``invariant_ksplit`` fixed k ranges, a function of H and the format alone, added in range order; a column never sees
+another; each pair's down row is weighted once and a token's slots are summed in slot order from 0), so switching
+between them with T changes nothing. "fastest" and "warp_decode" are not
 batch-invariant: they switch between paths whose sums differ (strict's lane chains, the tensor core's, the batched
 downs' per-warp partials).
 
@@ -51,8 +49,8 @@ it never syncs with the host and a captured CUDA graph stays valid for any routi
    T between points uses the nearest LOWER point (below the first: the first; above the last: the
    last). Older tables holding only a ``choice`` per point are still read (that choice if it belongs to the policy).
 2. Otherwise :func:`heuristic`: strict at T = 1 and when ``T * K <= E / 8``, the MMA path when ``T * K >= E``, else
-   batched (FP8: the per-pair tensor-core form in strict's place, the tensor-core path in batched's); never the mixed
-   or expert-centric path, never a path that cannot run the dims (:func:`batched_supported`,
+   batched (FP8: the per-pair tensor-core form in strict's place, the tensor-core path in batched's); never the
+   expert-centric path, never a path that cannot run the dims (:func:`batched_supported`,
    :func:`expert_centric_supported`; strict runs everything). The H200 runs behind it: notes/FINDINGS.md.
 
 Variants ``"cupy:auto"`` (policy "fastest") and ``"cupy:auto-warp-decode"`` (no kernel family of their own: they
@@ -71,7 +69,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from kernels import warp_decode_batched as wdb
+from kernels import batched
 from kernels import warp_decode_cupy as wdc
 from kernels import warp_decode_fp8 as wdf
 from kernels.contract import Dims, array_module, check_inputs
@@ -83,7 +81,6 @@ ec = importlib.import_module("kernels.expert_centric_path")
 
 STRICT = "cupy:warp-decode"
 BATCHED = "cupy:warp-decode-batched"
-MIXED = "cupy:warp-decode-mixed"
 MMA = "cupy:warp-decode-mma"
 EXPERT_CENTRIC = "cupy:expert-centric"
 FP8 = FP8_BLOCK128.name
@@ -105,7 +102,7 @@ T16_MMA_GROUPED = "cupy:warp-decode-mma-grouped-t16"
 # the batch-invariant pair are candidates of the other policies too: the per-pair form, whose pairs sharing an expert
 # read it back to back, led at qwen3-235b T = 2 by the worst case over uniform and Zipf routing, and the grouped path
 # at qwen3-235b T = 4 / 8 / 16 (H200, results/h200-2026-12-02-candidates-*.json)
-WARP_DECODE_CANDIDATES = (STRICT, BATCHED, MIXED, MMA, MMA_PAIRS, MMA_GROUPED)
+WARP_DECODE_CANDIDATES = (STRICT, BATCHED, MMA, MMA_PAIRS, MMA_GROUPED)
 CANDIDATES = (*WARP_DECODE_CANDIDATES, EXPERT_CENTRIC)
 # on FP8 weights the per-pair tensor-core form is a candidate too: it beats strict FP8 from qwen3-235b T = 1 and
 # qwen3-30b T = 2 (H200, results/sweep-2026-12-02-mma-pairs-fp8-*.json); so is the grouped form, which led at
@@ -115,15 +112,7 @@ FP8_CANDIDATES = (FP8_STRICT, FP8_BATCHED, FP8_MMA, FP8_MMA_PAIRS, FP8_MMA_GROUP
 FP8_T16_CANDIDATES = (FP8_T16_MMA, FP8_T16_MMA_PAIRS, FP8_T16_MMA_GROUPED)
 # bf16-t16 weights: the tensor-core bf16 paths on tiles
 T16_CANDIDATES = (T16_MMA, T16_MMA_PAIRS, T16_MMA_GROUPED)
-MMA_KNOBS = wdb.MMA_KNOBS  # the batched module's tensor-core kernels (the MMA variant's params)
-BATCHED_KNOBS = {BATCHED: {}, MIXED: wdb.MIXED_KNOBS, MMA: wdb.MMA_KNOBS,  # the batched-module paths
-                 FP8_BATCHED: wdb.FP8_KNOBS, FP8_MMA: wdb.MMA_FP8_KNOBS,
-                 MMA_GROUPED: wdb.GROUPED_KNOBS, MMA_PAIRS: wdb.PER_PAIR_KNOBS,
-                 FP8_MMA_GROUPED: wdb.FP8_GROUPED_KNOBS, FP8_MMA_PAIRS: wdb.FP8_PER_PAIR_KNOBS,
-                 FP8_T16_MMA: wdb.MMA_FP8_T16_KNOBS, FP8_T16_MMA_PAIRS: wdb.FP8_T16_PER_PAIR_KNOBS,
-                 FP8_T16_MMA_GROUPED: wdb.FP8_T16_GROUPED_KNOBS,
-                 T16_MMA: wdb.MMA_T16_KNOBS, T16_MMA_PAIRS: wdb.PER_PAIR_T16_KNOBS,
-                 T16_MMA_GROUPED: wdb.GROUPED_T16_KNOBS}
+BATCHED_PATHS = batched.PATHS  # variant name -> (batched family path, knobs): the batched paths
 FASTEST = "fastest"
 WARP_DECODE = "warp_decode"
 BATCH_INVARIANT = "batch_invariant"
@@ -199,10 +188,10 @@ def key_format(key: str) -> str:
 # ---------------------------------------------------------------------------------------------------
 # What each path can run
 # ---------------------------------------------------------------------------------------------------
-def batched_supported(dims: Dims, **knobs: int) -> bool:
-    """Whether the batched kernels (default knobs, plus ``knobs``: the MMA ones) can run ``dims``."""
+def batched_supported(name: str, dims: Dims) -> bool:
+    """Whether the batched path ``name`` (a key of :data:`BATCHED_PATHS`) can run ``dims``."""
     try:
-        wdb.resolve_params(dims, **knobs)
+        get_variant(name).resolve(dims)
     except ValueError:
         return False
     return True
@@ -222,8 +211,8 @@ def expert_centric_supported(dims: Dims) -> bool:
 
 def supported(name: str, dims: Dims) -> bool:
     """Whether candidate ``name`` can run ``dims`` (the strict paths run every dims)."""
-    if name in BATCHED_KNOBS:
-        return batched_supported(dims, **BATCHED_KNOBS[name])
+    if name in BATCHED_PATHS:
+        return batched_supported(name, dims)
     if name == EXPERT_CENTRIC:
         return expert_centric_supported(dims)
     return name in (STRICT, FP8_STRICT)  # the strict paths run every dims
@@ -405,7 +394,7 @@ def _runnable(path: str, dims: Dims, weight_format: str) -> str:
     if strict is not None:
         return strict
     try:  # what stops it: the kernels' own rule
-        wdb.resolve_params(dims, **BATCHED_KNOBS[path])
+        get_variant(path).resolve(dims)
     except ValueError as error:
         raise ValueError(f"no path reading {weight_format} weights runs {dims} (their tensor-core kernels' limits: "
                          f"{error}); use {ROW_LAYOUT[weight_format]} weights instead, whose strict path runs any "
@@ -454,8 +443,9 @@ def make_workspace(dims: Dims, gpu: str | None = None, policy: str = FASTEST,
     choice, source = choose(dims, gpu, table_dir, policy, weight_format)
     if choice == EXPERT_CENTRIC:
         inner = ec.make_workspace(dims, None)
-    elif choice in BATCHED_KNOBS:
-        inner = wdb.make_workspace(dims, **BATCHED_KNOBS[choice])
+    elif choice in BATCHED_PATHS:
+        path, knobs = BATCHED_PATHS[choice]
+        inner = batched.make_workspace(dims, path, weight_format, **knobs)
     else:
         inner = wdc.make_workspace(dims.tokens, dims.top_k, dims.intermediate)  # strict's [T, K, I] (FP8's too)
     return Workspace(dims, choice, source, inner, policy, weight_format)
@@ -465,7 +455,7 @@ def moe_decode(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out:
                workspace: Workspace | None = None, policy: str = FASTEST) -> Any:
     """One MoE decode layer by the fastest path of ``policy`` for this shape and T; returns ``out`` [T, H].
 
-    ``policy="fastest"``: strict, batched, mixed, MMA, the invariant pair or expert-centric (the last reproduces
+    ``policy="fastest"``: strict, batched, MMA, the invariant pair or expert-centric (the last reproduces
     mode "classical"); ``policy="warp_decode"``: all but expert-centric (warp decode's numerics). fp8-block128
     weights: the FP8 paths; fp8-block128-t16 (bf16-t16) weights: the tensor-core FP8 (bf16) paths on tiles. With
     ``out`` and ``workspace`` (``make_workspace(dims, policy=policy, weight_format=...)``, same policy and format)
@@ -493,9 +483,10 @@ def moe_decode(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out:
                          f"{weight_format} weights: make it with make_workspace(dims, weight_format={weight_format!r})")
     if workspace.choice == EXPERT_CENTRIC:
         return ec.expert_centric(x, w13, w2, topk_ids, topk_weights, quant=None, out=out, workspace=workspace.inner)
-    if workspace.choice in BATCHED_KNOBS:
-        return wdb.warp_decode_batched(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace.inner,
-                                       **BATCHED_KNOBS[workspace.choice])
+    if workspace.choice in BATCHED_PATHS:
+        path, knobs = BATCHED_PATHS[workspace.choice]
+        return batched.warp_decode_batched(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace.inner,
+                                           path=path, **knobs)
     if workspace.choice == FP8_STRICT:
         return wdf.warp_decode_fp8(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace.inner)
     return wdc.warp_decode(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace.inner)
@@ -535,10 +526,10 @@ def _auto_variant(name: str, policy: str, description: str, weight_format: str =
 
 
 # (cupy:auto's reference mode is "classical" at a T where it picks the expert-centric path: its launch says so)
-VARIANT = _auto_variant("cupy:auto", FASTEST, "auto-dispatch, policy fastest: strict, batched, mixed, MMA warp decode "
+VARIANT = _auto_variant("cupy:auto", FASTEST, "auto-dispatch, policy fastest: strict, batched, MMA warp decode "
                         "or expert-centric from a per-GPU measured table (or a heuristic)")
 VARIANT_WARP_DECODE = _auto_variant("cupy:auto-warp-decode", WARP_DECODE, "auto-dispatch, policy warp_decode: strict, "
-                                    "batched, mixed or MMA warp decode (warp decode's numerics) from a per-GPU "
+                                    "batched or MMA warp decode (warp decode's numerics) from a per-GPU "
                                     "measured table (or a heuristic)")
 VARIANT_FP8 = _auto_variant("cupy:auto-fp8", FASTEST, "auto-dispatch on fp8-block128 weights: strict, batched or "
                             "tensor-core FP8 warp decode from the table's FP8 entries (or the heuristic)", FP8)

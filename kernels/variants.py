@@ -35,7 +35,7 @@ BUILTIN_MODULES = (
     "kernels.warp_decode_numba",
     "kernels.warp_decode_numba_fp8",
     "kernels.expert_centric_path",
-    "kernels.warp_decode_batched",
+    "kernels.batched",
     "kernels.dispatch",
 )
 

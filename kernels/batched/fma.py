@@ -40,7 +40,6 @@ GATE_UP, DOWN = "moe_gate_up_batched", "moe_down_batched"
 KERNELS = (lists.KERNEL, GATE_UP, DOWN)
 MAX_TILE = 8  # cap of the automatic GB_TILE / DB_TILE
 KNOBS: dict[str, int] = {
-    **lists.KNOBS,
     "GB_WARPS": 4,  # warps per gate_up block (all on one expert: they share its x rows in L1)
     "GB_OUTS": 2,  # neurons per warp: x loads reused across 2*OUTS rows
     "GB_TILE": 8,  # pairs per pass (FP32 accumulators [TILE][OUTS] x 2 per lane); 0 = auto_tile
@@ -51,18 +50,15 @@ KNOBS: dict[str, int] = {
     "DB_OUTS": 4,  # hidden columns per block: intermediate reads reused across OUTS rows
     "DB_TILE": 8,  # 0 = auto_down_tile
     "DB_UNROLL": 1,  # DB_UNROLL x DB_OUTS w2 loads in flight per lane; 0 = auto_down_unroll
-    "DB_BYTES": 16,
     "DB_MAX_REGS": -1,  # likewise; -1 = 128
-    "DB_EARLY_INTER": 1,  # 1: intermediate loads issued with the w2 loads (latencies overlap); 0: after them
     "PDL": 1,  # programmatic dependent launch of the three kernels (sm_90+: device_needs turns it off before)
 }
-DERIVED = {"LIST_PER": 1}  # from E (lists.list_rules)
+DERIVED = {"LIST_THREADS": 256, "LIST_PER": 1, "DB_BYTES": 16}  # lists.list_rules; DB_BYTES: 16-byte loads
 AUTO_KNOBS = ("GB_TILE", "GB_UNROLL", "DB_TILE", "DB_UNROLL")
 LIMITS = {
-    **lists.LIMITS,
     "GB_WARPS": (1, 32), "GB_OUTS": (1, 32), "GB_TILE": (0, 32), "GB_UNROLL": (0, 64), "GB_MAX_REGS": (-1, 255),
     "DB_WARPS": (1, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (-1, 255),
-    "DB_EARLY_INTER": (0, 1), "PDL": (0, 1), "GB_BYTES": (4, 16), "DB_BYTES": (4, 16),
+    "PDL": (0, 1), "GB_BYTES": (4, 16),
 }
 # fp8-block128: 8-value chunks (GB_BYTES 16: the gate_up's intermediate is then bitwise the strict FP8 kernel's), the
 # down capped at 160 registers, which its scales and widening need to stay spill-free at the qwen3 shapes from T = 1
@@ -110,7 +106,7 @@ def make_rules(fmt: WeightFormat) -> Any:
     def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         """Fill the auto knobs from ``dims``; ValueError for what these kernels cannot run (load widths, register
         caps, the lists' and the down's shared memory)."""
-        for key in ("GB_BYTES", "DB_BYTES"):
+        for key in ("GB_BYTES",):
             if values[key] not in (4, 8, 16):
                 raise ValueError(f"{key} must be 4, 8 or 16, got {values[key]}")
             if fmt.scaled and values[key] < 8:
@@ -208,8 +204,7 @@ CODE = r"""
 // Knobs (#defines set by kernels.compile): GB_* gate/up, DB_* down: *_WARPS warps per block, *_OUTS outputs per warp,
 // *_TILE pairs per pass (FP32 accumulators [TILE][OUTS] in registers), *_UNROLL chunk rounds in flight per lane,
 // *_BYTES activation bytes per lane per load (4, 8, 16; the loader's WEIGHT_CHUNK_BYTES of weights), *_MAX_REGS
-// register cap (0: __launch_bounds__ only); DB_EARLY_INTER 1: the down issues a round's intermediate loads together
-// with its w2 loads; PDL 1: each kernel waits (griddepcontrol.wait) before it reads what the kernel right before it
+// register cap (0: __launch_bounds__ only); DB_BYTES (16, derived) the down's activation bytes per load; PDL 1: each kernel waits (griddepcontrol.wait) before it reads what the kernel right before it
 // wrote, then lets the next kernel's blocks launch (the down reads the lists, two kernels back, before its wait).
 static_assert(GB_WARPS >= 1 && GB_WARPS <= 32 && DB_WARPS >= 1 && DB_WARPS <= 32, "WARPS must be 1..32");
 static_assert(GB_OUTS >= 1 && GB_OUTS <= 32 && DB_OUTS >= 1 && DB_OUTS <= 32, "OUTS must be 1..32");
@@ -218,7 +213,6 @@ static_assert(GB_UNROLL >= 1 && DB_UNROLL >= 1, "UNROLL must be >= 1");
 static_assert(GB_BYTES == 4 || GB_BYTES == 8 || GB_BYTES == 16, "GB_BYTES must be 4, 8 or 16");
 static_assert(DB_BYTES == 4 || DB_BYTES == 8 || DB_BYTES == 16, "DB_BYTES must be 4, 8 or 16");
 static_assert(WEIGHT_CHUNK_BYTES(GB_BYTES) >= 4 && WEIGHT_CHUNK_BYTES(DB_BYTES) >= 4, "a weight chunk is >= 4 bytes");
-static_assert(DB_EARLY_INTER == 0 || DB_EARLY_INTER == 1, "DB_EARLY_INTER must be 0 or 1");
 static_assert(PDL == 0 || PDL == 1, "PDL must be 0 or 1");
 // ------------------------------------------------------------------------------------------------
 // gate_up's two steps of a round:
@@ -469,7 +463,6 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
                         wv[r][o] = ldg_chunk(rows[o], c, c < chunks);
                     }
                 }
-#if DB_EARLY_INTER
                 // 2) ... and the tile's intermediate chunks in the same breath (L2 hits; pairs past n re-read
                 //    pair n-1's row, an L1 hit), so their latency overlaps the w2 loads' instead of following it
                 vec_t iv[DB_TILE][DB_UNROLL];
@@ -482,22 +475,13 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
                                                  c < chunks);
                     }
                 acc[0][0] += __uint_as_float(all_loads_arrived(wv) | all_loads_arrived(iv));  // += 0.0f
-#else
-                // 2) the intermediate chunks only after every w2 load arrived (the strict kernel's order)
-                const vec_t* inter_r = reinterpret_cast<const vec_t*>(intermediate) + all_loads_arrived(wv);
-#endif
                 // 3) per pair: FMAs into its accumulators (the intermediate chunk shared by the DB_OUTS rows)
                 #pragma unroll
                 for (int tt = 0; tt < DB_TILE; ++tt) {
                     if (tt < n) {                                    // warp-uniform
                         #pragma unroll
                         for (int r = 0; r < DB_UNROLL; ++r) {
-#if DB_EARLY_INTER
                             const vec_t v = iv[tt][r];
-#else
-                            const int c = c0 + r * 32 + lane;
-                            const vec_t v = ld_dep_chunk(inter_r + inter_off[tt], c, c < chunks);
-#endif
                             #pragma unroll
                             for (int w = 0; w < WORDS; ++w) {
                                 const float a_lo = bf16_lo(word(v, w)), a_hi = bf16_hi(word(v, w));

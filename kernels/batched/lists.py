@@ -6,8 +6,9 @@ of pairs (pair = t*K + k) sorted by expert, stable by pair index, and -- for the
 (warp-parallel ranks with ``__match_any_sync``, exclusive prefixes over the warps), no atomics, in shared memory.
 Out-of-range ids go to one extra pseudo-expert slot (E) whose pairs get NaN downstream.
 
-A family that uses the lists puts :data:`CODE` in its source (after the shared helpers) and :data:`KNOBS` among
-its knobs; it defines ``PAIR_TILES`` and ``TILE_PAIRS`` (derived macros). The host side here sizes the buffer and
+A family that uses the lists puts :data:`CODE` in its source (after the shared helpers) and sets
+its derived macros (``LIST_THREADS``, ``LIST_PER``: :func:`list_rules`); it defines ``PAIR_TILES`` and
+``TILE_PAIRS``. The host side here sizes the buffer and
 the kernel's shared memory and launches it (:func:`lists_stage`).
 """
 
@@ -24,8 +25,8 @@ LIST_HEADER = 4  # int32s before the slot arrays in the lists buffer (must match
 TILE_ARRAYS = 4  # the tile table's arrays: expert, first pair, pairs, place in the expert's run of tiles
 SHARED_LIMIT = 48 * 1024  # dynamic shared memory without opt-in
 OPT_IN_SHARED_LIMIT = 227 * 1024  # what a kernel may opt into above 48 KB (sm_90; the launches set it)
-KNOBS = {"LIST_THREADS": 256}  # threads of the one-block list kernel (a multiple of 32)
-LIMITS = {"LIST_THREADS": (32, 1024)}
+# threads of the one-block list kernel (32..1024 swept within 0.3 %: results/sweep-2026-12-01-list-threads-*.json)
+LIST_THREADS = 256
 LIST_PER_LIMIT = 16  # experts (+1 pseudo expert) per list thread: (E + 1) <= LIST_THREADS * LIST_PER
 
 
@@ -54,16 +55,16 @@ def lists_shared_bytes(dims: Dims, params: dict[str, int]) -> int:
 
 
 def list_rules(dims: Dims | None, values: dict[str, int]) -> None:
-    """LIST_PER (derived) from ``dims``; ValueError where the list kernel cannot cover E or its shared memory."""
-    if values["LIST_THREADS"] % 32:
-        raise ValueError(f"LIST_THREADS must be a multiple of 32, got {values['LIST_THREADS']}")
+    """LIST_THREADS and LIST_PER (derived) from ``dims``; ValueError where the list kernel cannot cover E or its
+    shared memory."""
+    values["LIST_THREADS"] = LIST_THREADS
     if dims is None:
         values["LIST_PER"] = 1
         return
     values["LIST_PER"] = -(-(dims.experts + 1) // values["LIST_THREADS"])
     if values["LIST_PER"] > LIST_PER_LIMIT:
-        raise ValueError(f"the list kernel covers at most LIST_THREADS * {LIST_PER_LIMIT} experts: E = {dims.experts} "
-                         f"needs LIST_THREADS >= {-(-(dims.experts + 1) // LIST_PER_LIMIT)} (<= 1024)")
+        raise ValueError(f"the list kernel covers E + 1 <= {LIST_THREADS * LIST_PER_LIMIT} experts (its "
+                         f"{LIST_THREADS} threads x {LIST_PER_LIMIT}), got E = {dims.experts}")
     if lists_shared_bytes(dims, values) > OPT_IN_SHARED_LIMIT:
         raise ValueError(
             f"the list kernel keeps (1 + LIST_THREADS / 32) ints per expert and two per pair in shared memory: "

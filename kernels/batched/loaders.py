@@ -21,9 +21,10 @@ batched paths is one :class:`~kernels.formats.WeightFormat` (data: layout, quant
   a lane's 8 bf16 activations as its B fragment; ``intermediate_value(v)``: what the gate_up writes for ``v``;
 * ``w13_gate_offset(i, hidden)``, ``w13_up_offset(gate, i, hidden, inter)``, ``w2_row_offset(h, inter)``: where a
   row starts inside its expert (values), and ``a_index(idx)``: the 16-byte index of a row's ``idx``-th load;
-* ``RoundScales<UNROLL, RT>``: a round's scales -- ``load<CHECKED, COLS_DEP>(j, first, c_end, tiles)`` after the
-  A loads of k block ``j`` and ``apply(j, acc, part)`` after its mma -- and ``mma_sums(acc, part)``: where the mma
-  accumulate (``acc``, or a scaled format's partial that ``apply`` scales into ``acc``);
+* ``ROUND_SCALES(UNROLL, RT)``, ``LOAD_ROUND_SCALES(j, first)``, ``APPLY_ROUND_SCALES(j)``: a round's scales --
+  declared, loaded after the A loads of k block ``j``, applied after its mma (macros read in the round's scope) --
+  and ``mma_sums(acc, part)``: where the mma accumulate (``acc``, or a scaled format's partial that the apply scales
+  into ``acc``);
 * ``FORMAT_WHOLE_ROUNDS``: 1 where unmasked whole rounds pay at every k range (fp8: its widening is most of a
   round), 0 where the family's own choice stands.
 
@@ -202,15 +203,9 @@ __device__ __forceinline__ int a_index(int idx) { return idx + (idx / TILE_CHUNK
 
 NO_SCALES = r"""
 // no scales: the mma accumulate into acc directly
-template <int UNROLL, int RT>
-struct RoundScales {
-    template <bool CHECKED, bool COLS_DEP, typename Tiles>
-    __device__ __forceinline__ void load(int j, int first, int c_end, const Tiles& tiles) {
-        (void)j; (void)first; (void)c_end; (void)tiles;
-    }
-    template <int N>
-    __device__ __forceinline__ void apply(int j, float (&acc)[N][4], float (&part)[N][4]) { (void)j; (void)acc; (void)part; }
-};
+#define ROUND_SCALES(UNROLL, RT) (void)part
+#define LOAD_ROUND_SCALES(j, first) (void)0
+#define APPLY_ROUND_SCALES(j) (void)0
 template <int N>
 __device__ __forceinline__ auto mma_sums(float (&acc)[N][4], float (&part)[N][4]) -> float (&)[N][4] {
     (void)part;
@@ -229,34 +224,36 @@ __device__ __forceinline__ void fp8_flush(float (&acc)[4], float (&part)[4], flo
     acc[3] = fmaf(part[3] * FP8_UNSCALE, s_hi, acc[3]);
     part[0] = part[1] = part[2] = part[3] = 0.0f;
 }
-template <int UNROLL, int RT>
-struct RoundScales {
-    float lo[UNROLL][RT], hi[UNROLL][RT];
-    bool flush[UNROLL];
-    // k block j (chunks first .. first + MMA_KB - 1): flushes where its scale block or the range ends, and loads the
-    // scales then (a down's rows -- COLS_DEP: 16 per tile from a multiple of 16 -- lie in one 128-row block: one row)
-    template <bool CHECKED, bool COLS_DEP, typename Tiles>
-    __device__ __forceinline__ void load(int j, int first, int c_end, const Tiles& tiles) {
-        const int next = first + 4 * MMA_HALVES;                    // the next k block's first chunk
-        flush[j] = next % (FP8_BLOCK / 8) == 0 || next >= c_end;
-        const int block = flush[j] && (!CHECKED || first < c_end) ? first / (FP8_BLOCK / 8) : 0;
+template <int UNROLL, int RT, int N>
+__device__ __forceinline__ void apply_block_scales(const float (&s_lo)[UNROLL][RT], const float (&s_hi)[UNROLL][RT],
+                                                   const bool (&flush)[UNROLL], int j, float (&acc)[N][4],
+                                                   float (&part)[N][4]) {
+    constexpr int NB = N / RT;
+    if (flush[j]) {                                                  // warp-uniform
         #pragma unroll
-        for (int t = 0; t < RT; ++t) {
-            lo[j][t] = COLS_DEP && t > 0 ? lo[j][0] : flush[j] ? __ldg(tiles[t].scale_lo + block) : 0.0f;
-            hi[j][t] = COLS_DEP ? lo[j][t] : flush[j] ? __ldg(tiles[t].scale_hi + block) : 0.0f;
-        }
-    }
-    template <int N>
-    __device__ __forceinline__ void apply(int j, float (&acc)[N][4], float (&part)[N][4]) {
-        constexpr int NB = N / RT;
-        if (flush[j]) {                                              // warp-uniform
+        for (int t = 0; t < RT; ++t)
             #pragma unroll
-            for (int t = 0; t < RT; ++t)
-                #pragma unroll
-                for (int nb = 0; nb < NB; ++nb) fp8_flush(acc[t * NB + nb], part[t * NB + nb], lo[j][t], hi[j][t]);
-        }
+            for (int nb = 0; nb < NB; ++nb) fp8_flush(acc[t * NB + nb], part[t * NB + nb], s_lo[j][t], s_hi[j][t]);
     }
-};
+}
+// The round's scales live in mma_round's registers (ROUND_SCALES); k block j (chunks first .. first + MMA_KB - 1)
+// flushes where its scale block or the range ends and loads the rows' scales then (a down's rows -- COLS_DEP: 16 per
+// tile from a multiple of 16 -- lie in one 128-row block: one row). A macro, read in mma_round's scope (CHECKED,
+// COLS_DEP, RT, c_end, tiles), so that the compiler sees the loads where the round issues them: as a function the
+// same loads compiled to other (equivalent) machine code.
+#define ROUND_SCALES(UNROLL, RT) float s_lo[UNROLL][RT], s_hi[UNROLL][RT]; bool flush[UNROLL]
+#define LOAD_ROUND_SCALES(j, first)                                                                               \
+    do {                                                                                                          \
+        const int next = (first) + 4 * MMA_HALVES;                                                                \
+        flush[j] = next % (FP8_BLOCK / 8) == 0 || next >= c_end;                                                  \
+        const int block = flush[j] && (!CHECKED || (first) < c_end) ? (first) / (FP8_BLOCK / 8) : 0;              \
+        _Pragma("unroll")                                                                                         \
+        for (int t = 0; t < RT; ++t) {                                                                            \
+            s_lo[j][t] = COLS_DEP && t > 0 ? s_lo[j][0] : flush[j] ? __ldg(tiles[t].scale_lo + block) : 0.0f;     \
+            s_hi[j][t] = COLS_DEP ? s_lo[j][t] : flush[j] ? __ldg(tiles[t].scale_hi + block) : 0.0f;              \
+        }                                                                                                         \
+    } while (0)
+#define APPLY_ROUND_SCALES(j) apply_block_scales(s_lo, s_hi, flush, j, acc, part)
 template <int N>
 __device__ __forceinline__ auto mma_sums(float (&acc)[N][4], float (&part)[N][4]) -> float (&)[N][4] {
     (void)acc;

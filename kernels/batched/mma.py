@@ -44,7 +44,6 @@ from kernels.formats import BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T1
 
 SUM_THREADS = 256  # threads of a moe_sum_slots block (its __launch_bounds__), 4 columns each
 KNOBS: dict[str, int] = {
-    **lists.KNOBS,
     "GB_WARPS": 4,  # warps per gate_up block, 8 neurons each
     "GB_UNROLL": 0,  # k blocks of loads in flight per lane; 0 = MMA_UNROLL
     "GB_KSPLIT": 1,  # the gate_up's k chains in this many fixed ranges, added in order (the invariant pair's numerics)
@@ -61,7 +60,7 @@ KNOBS: dict[str, int] = {
     "PDL": 1,  # programmatic dependent launch (sm_90+: device_needs turns it off before)
 }
 DERIVED = {  # set by the rules from the format and the dims, not knobs
-    "LIST_PER": 1,  # experts per list thread (lists.list_rules)
+    "LIST_THREADS": 256, "LIST_PER": 1,  # the list kernel's threads, experts per thread (lists.list_rules)
     "GB_RANGE_FLUSH": 0,  # the split chains in one loop of whole rounds, where each range is whole rounds
     "DB_WHOLE_RANGES": 0,  # the bf16 grouped down without a masked round, where its range is whole rounds
     "FP8_LOAD16": 0,  # fp8 loaders: 16 values per load (H and I multiples of 16)
@@ -69,7 +68,6 @@ DERIVED = {  # set by the rules from the format and the dims, not knobs
 }
 AUTO_KNOBS = ("GB_UNROLL", "DB_WARPS", "DB_UNROLL", "DB_ROW_TILES")
 LIMITS = {
-    **lists.LIMITS,
     "GB_WARPS": (1, 32), "GB_UNROLL": (0, 64), "GB_KSPLIT": (1, 8), "GB_SHARE": (-1, 4), "GB_HOT_UNROLL": (-1, 8),
     "GB_MAX_REGS": (-1, 255), "DB_WARPS": (0, 32), "DB_UNROLL": (0, 64), "DB_GROUPED": (-1, 1),
     "DB_ROW_TILES": (0, 2), "DB_HOT_UNROLL": (-1, 8), "DB_MAX_REGS": (-1, 255), "HOT_NBLK": (-1, 4), "PDL": (0, 1),

@@ -87,7 +87,7 @@ __device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part
     constexpr int OWN = SHARED ? (UNROLL + 1) / 2 : UNROLL;          // A loads per lane: SHARED, its k blocks only
     a_load_t lo[OWN][RT], hi[OWN][RT];                                // (groups of 2 or 4: at most half of them)
     uint4 col[UNROLL][NB][MMA_HALVES];
-    RoundScales<UNROLL, RT> scales;                                  // the loader's: the round's block scales, if any
+    ROUND_SCALES(UNROLL, RT);                                        // the loader's: the round's scales, if any
     float (&sums)[RT * NB][4] = mma_sums(acc, part);                 // where the mma accumulate (acc, or part)
     #pragma unroll
     for (int j = 0; j < UNROLL; ++j) {
@@ -100,7 +100,7 @@ __device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part
                 hi[j][t] = ldg_chunk(reinterpret_cast<const a_load_t*>(tiles[t].hi), a_index(c / MMA_HALVES), ok);
             }
         }
-        scales.template load<CHECKED, COLS_DEP>(j, c0 + MMA_KB * j, c_end, tiles);
+        LOAD_ROUND_SCALES(j, c0 + MMA_KB * j);                       // scaled formats: k block j's scales
         #pragma unroll
         for (int nb = 0; nb < NB; ++nb)
             #pragma unroll
@@ -178,7 +178,7 @@ __device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part
                 }
             }
         }
-        scales.apply(j, acc, part);                                  // scaled formats: a block's partial into acc
+        APPLY_ROUND_SCALES(j);                                       // scaled formats: a block's partial into acc
     }
 }
 
