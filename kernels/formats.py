@@ -40,6 +40,7 @@ import numpy as np
 
 from kernels.arrays import BF16, array_module, check_array
 from kernels.geometry import BLOCK, TILE_ROWS, tile_k
+from kernels.geometry import TILE_ROW_BYTES as TILE_ROW_BYTES  # the geometry's every name, here as before
 
 
 @dataclass(frozen=True)
