@@ -192,6 +192,10 @@ def test_ratio_markdown_pairs_variants_of_the_same_run_point():
     text = ratio_markdown(runs)
     assert "| qwen3-30b-a3b | 1.25 |" in text and "T=8" not in text  # a wrong point is never compared
     assert ratio_markdown([{"results": []}]) == ""
+    # a later run's cupy row alone never pairs with an earlier run's numba row; a later run with both wins the point
+    later = {"results": [row("cupy:warp-decode", 1, 10.0), row("cupy:warp-decode", 8, 100.0),
+                         row("numba:warp-decode", 8, 150.0)]}
+    assert "| qwen3-30b-a3b | 1.25 | 1.50 |" in ratio_markdown([*runs, later])
 
 
 # ------------------------------------------------------------------------------------------------

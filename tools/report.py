@@ -708,13 +708,15 @@ def markdown(data: dict[str, Any], crossovers: bool = True) -> str:
 
 
 def ratio_markdown(datas: list[dict[str, Any]], slow: str = "numba:warp-decode", fast: str = "cupy:warp-decode") -> str:
-    """Markdown table of median-time ratios ``slow / fast`` per (model, batch) over several runs; "" if none."""
-    medians: dict[tuple[str, int], dict[str, float]] = {}
+    """Markdown table of median-time ratios ``slow / fast`` per (model, batch), both medians from the same run (a
+    later run that measured both wins the point); "" if none."""
+    points: dict[tuple[str, int], float] = {}
     for data in datas:
+        medians: dict[tuple[str, int], dict[str, float]] = {}
         for row in data.get("results", []):
             if row.get("status") == "ok" and row.get("median_us") and row["variant"] in (slow, fast):
                 medians.setdefault((row["model"], int(row["batch"])), {})[row["variant"]] = row["median_us"]
-    points = {key: m[slow] / m[fast] for key, m in medians.items() if slow in m and fast in m}
+        points.update({key: m[slow] / m[fast] for key, m in medians.items() if slow in m and fast in m})
     if not points:
         return ""
     batches = sorted({b for _, b in points})
