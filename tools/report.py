@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -389,6 +390,15 @@ def crossover_titles(record: dict[str, Any]) -> tuple[tuple[str, str], ...]:
 def crossover_title(record: dict[str, Any]) -> str:
     fmt = record.get("weight_format", "bf16")
     return f"Crossover: {record['model']}, {record['routing']} routing" + ("" if fmt == "bf16" else f", {fmt} weights")
+
+
+def link(name: str, base: str | Path | None = None) -> str:
+    """A file ``name`` (as given on the command line) in markdown: a link relative to the folder ``base`` (the
+    document's), else code."""
+    if base is None:
+        return f"`{name}`"
+    target = Path(os.path.relpath(os.path.abspath(name), os.path.abspath(base))).as_posix()
+    return f"[{name}]({target})"
 
 
 def crossover_notes(record: dict[str, Any], names: list[str] | None = None, code: bool = True) -> list[str]:
