@@ -128,6 +128,21 @@ def test_the_report_alone_needs_no_matplotlib():
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60).returncode == 0
 
 
+def test_update_readme_with_plot_draws_the_charts_it_links(tmp_path, capsys):
+    """--update-readme FILE --plot DIR (the runs from FILE's own command): a chart per crossover table, the ones the
+    document links (relative to it), and nothing else."""
+    doc = tmp_path / "results" / "REPORT.md"
+    doc.parent.mkdir()
+    doc.write_text(f"`python -m tools.report {FIXTURE} --update-readme results/REPORT.md --plot results/plots`\n"
+                   "<!-- bench:begin -->\n<!-- bench:end -->\n")
+    assert report.main(["--update-readme", str(doc), "--plot", str(doc.parent / "plots")]) == 0
+    printed = [Path(p) for p in capsys.readouterr().out.split() if p.endswith(".png")]
+    assert [p.name for p in printed] == ["qwen3-30b-a3b-uniform-bf16-crossover.png"]
+    assert sorted(p.name for p in (doc.parent / "plots").iterdir()) == [printed[0].name]
+    assert printed[0].read_bytes().startswith(PNG)
+    assert "](plots/qwen3-30b-a3b-uniform-bf16-crossover.png)" in doc.read_text()
+
+
 def test_crossover_figure_draws_the_table_columns_in_fixed_colours():
     """A crossover table's chart: its paths, auto and the peer (not the batch-invariant policy), labelled by column,
     each path in its column's colour whatever the format."""
