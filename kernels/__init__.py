@@ -14,19 +14,19 @@ from kernels import _compat  # noqa: F401  (first: NumPy 2.5 vs older numba-cuda
 
 if TYPE_CHECKING:
     from kernels.api import expert_centric, moe_decode, warp_decode
-    from kernels.contract import BF16, Dims, check_inputs
+    from kernels.arrays import BF16
+    from kernels.contract import check_inputs
     from kernels.formats import fp8_experts_from_checkpoint, quantize_weights
     from kernels.problem import Problem, make_problem, make_weights
     from kernels.routing import ROUTINGS, make_routing, route
-    from kernels.shapes import DEFAULT_MODEL, PRESETS, MoEShape, get_shape
+    from kernels.shapes import DEFAULT_MODEL, PRESETS, Dims, MoEShape, get_shape
 
 # public name -> the module that defines it
 _HOMES = {
     "expert_centric": "kernels.api",
     "moe_decode": "kernels.api",
     "warp_decode": "kernels.api",
-    "BF16": "kernels.contract",
-    "Dims": "kernels.contract",
+    "BF16": "kernels.arrays",
     "check_inputs": "kernels.contract",
     "fp8_experts_from_checkpoint": "kernels.formats",
     "quantize_weights": "kernels.formats",
@@ -37,6 +37,7 @@ _HOMES = {
     "make_routing": "kernels.routing",
     "route": "kernels.routing",
     "DEFAULT_MODEL": "kernels.shapes",
+    "Dims": "kernels.shapes",
     "PRESETS": "kernels.shapes",
     "MoEShape": "kernels.shapes",
     "get_shape": "kernels.shapes",

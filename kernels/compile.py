@@ -107,8 +107,9 @@ def validate_knobs(what: str, params: dict[str, Any], defaults: dict[str, int], 
 def preset_variants(resolve: Any, defaults: dict[str, int], tokens: tuple[int, ...] = (1, 3, 8, 64)) -> list[dict]:
     """The knobs ``resolve(dims)`` picks for every preset at these batches, as overrides of ``defaults``:
     what a source lists in ``variants`` so the offline report compiles what the presets will run."""
-    from kernels.contract import Dims
-    from kernels.shapes import PRESETS
+    # here, not at the top: kernels.shapes loads ml_dtypes (through kernels.arrays), which the report tools'
+    # ``import kernels.compile`` does without; kernels.shapes imports nothing that reaches this module
+    from kernels.shapes import PRESETS, Dims
 
     seen: list[dict[str, int]] = []
     for shape in PRESETS.values():

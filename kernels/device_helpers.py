@@ -10,7 +10,7 @@ swaps the one inline-PTX instruction for plain C++.
 
 from __future__ import annotations
 
-from kernels.formats import BLOCK, TILE_ROW_BYTES, TILE_ROWS
+from kernels.geometry import BLOCK, TILE_ROW_BYTES, TILE_ROWS
 
 WARP_HELPERS = r"""
 // ---- shared device helpers (kernels/device_helpers.py) ----

@@ -1,4 +1,4 @@
-"""A kernel family declared once, and the typed launch object every variant's ``build`` returns.
+"""A kernel family declared once: the source, knobs and stages behind a set of variants.
 
 A :class:`KernelFamily` states everything the lab needs to know about one set of kernels:
 
@@ -10,49 +10,27 @@ A :class:`KernelFamily` states everything the lab needs to know about one set of
 * which kernels a knob set launches, its workspace and its stages.
 
 ``family.build(dims, **knobs)`` resolves the knobs, compiles the kernels once (cached per device, source text and
-knob set), allocates the workspace once and returns a :class:`Launch`: call it with ``(x, w13, w2, topk_ids,
-topk_weights, out)``; it allocates nothing and never syncs with the host, so a CUDA graph can capture it.
-``launch.stages(...)`` gives the same work as named zero-argument callables, each timed alone by the bench.
+knob set), allocates the workspace once and returns a :class:`~kernels.variants.Launch`: call it with ``(x, w13,
+w2, topk_ids, topk_weights, out)``; it allocates nothing and never syncs with the host, so a CUDA graph can capture
+it. ``launch.stages(...)`` gives the same work as named zero-argument callables, each timed alone by the bench.
 
 ``family.variant(name, ...)`` makes the registry entry (:class:`kernels.variants.Variant`), which then carries the
 family: the bench, the sweep and the compile report ask the variant for its source, knobs and resolver.
+
+This module builds on :mod:`kernels.variants`, the registry, which defines ``Launch`` and ``Stage`` (what every
+variant's ``build`` returns, a family's or not) and never imports this module; ``from kernels.family import Launch,
+Stage`` keeps working.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kernels.compile import CudaSource, get_kernel, register_source, validate_knobs
 from kernels.contract import Dims
-
-if TYPE_CHECKING:
-    from kernels.variants import Variant
-
-Stage = tuple[str, Callable[[], None]]
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One layer's launch for fixed dims: ``launch(x, w13, w2, topk_ids, topk_weights, out)``.
-
-    ``stages``: the same work as ``[(name, zero-argument callable), ...]`` (None: not split). ``params``: the
-    resolved knobs it runs. ``workspace``: its preallocated buffers. ``reference_mode`` / ``quant``: the numerics
-    its output reproduces when they differ from its variant's (auto-dispatch: the chosen path's). ``facts``:
-    what else the build decided (auto-dispatch: ``choice``, ``choice_source``, ``policy``).
-    """
-
-    run: Callable[..., None]
-    stages: Callable[..., list[Stage]] | None = None
-    params: Mapping[str, Any] = field(default_factory=dict)
-    workspace: Any = None
-    reference_mode: str | None = None
-    quant: str | None = None
-    facts: Mapping[str, Any] = field(default_factory=dict)
-
-    def __call__(self, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> None:
-        self.run(x, w13, w2, topk_ids, topk_weights, out)
+from kernels.variants import Launch, Stage, Variant
 
 
 @dataclass(frozen=True)
@@ -182,8 +160,6 @@ class KernelFamily:
         """A :class:`~kernels.variants.Variant` of this family: ``params`` are the defaults with the auto knobs
         left to the rules, updated by ``knobs``; ``build`` defaults to :meth:`build`. Register it with
         ``register(family.variant(...))``."""
-        from kernels.variants import Variant
-
         params = {**self.defaults, **{knob: 0 for knob in self.auto_knobs}, **dict(knobs)}
         return Variant(name=name, backend=backend, family=family or self.name, build=build or self.build,
                        params=params, kernel_family=self, **fields)

@@ -21,6 +21,11 @@ fp32 / bf16 weights, :func:`fp8_experts_from_checkpoint` assembles a checkpoint'
 k block: 1 KB contiguous instead of 16 pieces a row apart, 1-5 % faster on the H200 (notes/FINDINGS.md).
 ``bf16-t16`` puts bf16 values in the same tiles (16 rows x 32 values: 64 bytes a row, the tensor-core bf16 kernels' k
 block), without scales. ``Quantized.layout`` names the order, and each format's check refuses the other's.
+
+The weights' own checks are here, beside the formats they consult: :func:`check_weight_dims` (w13 and w2's shapes,
+whatever the format) and :func:`check_weights` (weights about to be converted). ``kernels.contract`` re-exports both
+and builds its input check on this module; this module builds on :mod:`kernels.arrays` and :mod:`kernels.geometry`
+(and, on first use, the on-device quantizer ``kernels.quantize_cuda``), never on ``kernels.contract``.
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from kernels.contract import BF16, array_module, check_weights
+from kernels.arrays import BF16, array_module, check_array
+from kernels.geometry import BLOCK, TILE_ROWS, tile_k
+from kernels.geometry import TILE_ROW_BYTES as TILE_ROW_BYTES  # the geometry's every name, here as before
 
 
 @dataclass(frozen=True)
@@ -109,7 +116,7 @@ class WeightFormat:
 
     def quantize(self, w13: Any, w2: Any) -> tuple[Any, Any]:
         """This format's (w13, w2) from fp32 or bf16 weights in the contract's layouts. The built-in formats check
-        them first with ``kernels.contract.check_weights`` (shapes, the dims the format stores, finite values)."""
+        them first with :func:`check_weights` (shapes, the dims the format stores, finite values)."""
         raise NotImplementedError
 
     def dequantize(self, weights: Any, matrix: str) -> np.ndarray:
@@ -168,8 +175,6 @@ class Bf16(WeightFormat):
         return not isinstance(weights, Quantized)
 
     def check(self, name: str, weights: Any, xp: Any, what: str) -> Any:
-        from kernels.contract import check_array
-
         check_array(name, weights, xp, BF16, 3, what)
         return weights
 
@@ -192,7 +197,6 @@ def _as_bf16(weights: Any, name: str) -> Any:
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 FP8_MAX = 448.0  # the largest finite e4m3fn value
-BLOCK = 128  # rows and columns of an fp8-block128 scale block
 E4M3_VALUES = np.arange(256, dtype=np.uint8).view(FP8).astype(np.float32)  # each bit pattern's value (exact)
 
 
@@ -311,14 +315,6 @@ class Fp8Block128(WeightFormat):
                              f"(one per {BLOCK} x {BLOCK} block{', gate and up apart' if name == 'w13' else ''}), "
                              f"got {tuple(weights.scales.shape)}")
         return values
-
-
-TILE_ROWS, TILE_ROW_BYTES = 16, 64  # a tile: 16 rows x 64 bytes (64 e4m3 or 32 bf16 values), 1 KB contiguous
-
-
-def tile_k(itemsize: int) -> int:
-    """Values per tile row for values of ``itemsize`` bytes: 64 e4m3, 32 bf16 (one tensor-core k block)."""
-    return TILE_ROW_BYTES // itemsize
 
 
 def tile_values(values: Any, matrix: str) -> Any:
@@ -440,8 +436,6 @@ class Bf16T16(WeightFormat):
         return untile_values(weights.values[expert:expert + 1], matrix)[0]
 
     def check(self, name: str, weights: Any, xp: Any, what: str) -> Any:
-        from kernels.contract import check_array
-
         if not isinstance(weights, Quantized):
             raise TypeError(f"{name} must be {self.name} weights (kernels.formats.Quantized: quantize_weights(w13, "
                             f"w2, {self.name!r}) makes them), got {type(weights).__name__}")
@@ -486,11 +480,97 @@ def format_of(w13: Any) -> str:
                      f"({', '.join(FORMATS)})")
 
 
+def check_weight_dims(w13_shape: Any, w2_shape: Any, hidden: int | None = None) -> tuple[int, int, int]:
+    """``(E, H, I)`` of w13 [E, 2I, H] and w2 [E, H, I] given their shapes; a ValueError naming the argument and the
+    shape expected unless E >= 1, w13's 2I is even, w2 matches w13 and H and I are multiples of 8. ``hidden``: H as
+    x says (``kernels.contract.check_inputs``); without it (weights alone, :func:`check_weights`) w13's last
+    dimension is H."""
+    w13_shape, w2_shape = tuple(int(d) for d in w13_shape), tuple(int(d) for d in w2_shape)
+    experts, two_i, w13_hidden = w13_shape
+    from_x = hidden is not None
+    if experts < 1:
+        raise ValueError(f"w13 must hold at least one expert (E >= 1), got shape {w13_shape}")
+    if from_x and w13_hidden != hidden:
+        raise ValueError(f"w13 is [E, 2I, H] with H = {hidden} (from x), got shape {w13_shape}")
+    hidden = w13_hidden
+    if two_i < 2 or two_i % 2:
+        raise ValueError(f"w13's second dimension is 2I (gate then up rows), must be even, got {two_i}")
+    intermediate = two_i // 2
+    if w2_shape != (experts, hidden, intermediate):
+        # w13 given w2's [E, H, I] and w2 given w13's [E, 2I, H]
+        swapped = len(w2_shape) == 3 and w2_shape[1] == 2 * w13_shape[2] and w2_shape[2] == w13_shape[1]
+        raise ValueError(
+            f"w2 must be [E, H, I] = [{experts}, {hidden}, {intermediate}] to match "
+            + ("w13 and x" if from_x else f"w13 [E, 2I, H] = {list(w13_shape)}")
+            + f", got shape {w2_shape}" + (" (w13 and w2 swapped?)" if swapped else "")
+        )
+    for dim, value, where in (("H", hidden, "x.shape[1]"), ("I", intermediate, "w2.shape[2]")):
+        if value % 8 and from_x:
+            raise ValueError(f"{dim} ({where}) must be a multiple of 8 for 16-byte loads, got {value}")
+        if value % 8:
+            raise ValueError(f"w13 must be [E, 2I, H] and w2 [E, H, I] with {dim} a multiple of 8 (16-byte loads), "
+                             f"got {dim} = {value}: w13 {w13_shape}, w2 {w2_shape}")
+    return experts, hidden, intermediate
+
+
+def check_weights(w13: Any, w2: Any, weight_format: Any = "bf16") -> tuple[int, int, int]:
+    """Check weights in the contract's layouts before they are converted offline into ``weight_format``
+    (``kernels.quantize_weights``); return ``(E, H, I)``.
+
+    w13 [E, 2I, H] and w2 [E, H, I] must be float32 or bf16 (any float) arrays of one kind, NumPy or CuPy, with the
+    dims of :func:`check_weight_dims` and those the format stores (``WeightFormat.check_dims``: a tiled format's whole
+    tiles), and every value finite: a NaN or inf is a ValueError naming the matrix, the experts holding them and the
+    first one's index. A block scale cannot represent them (unchecked, a NaN left its fp8-block128 block unscaled and
+    an inf zeroed the rest of it), and an offline conversion is where a corrupt weight costs least to catch. The
+    finiteness pass reads every value once, an expert at a time; on CuPy it reads one count back to the host.
+    """
+    fmt = get_format(weight_format)
+    xp = None
+    for name, w in (("w13", w13), ("w2", w2)):
+        dtype = getattr(w, "dtype", None)
+        if dtype is None or not (dtype == BF16 or np.dtype(dtype).kind == "f"):
+            raise TypeError(f"{name} must be a float32 or bfloat16 array, got {type(w).__name__} of {dtype}")
+        module = array_module(w)
+        if xp is not None and module is not xp:
+            raise TypeError(f"w2 must be a {xp.__name__} array like w13, got {type(w).__module__}.{type(w).__name__}")
+        xp = module
+        if w.ndim != 3:
+            want = "[E, 2I, H]" if name == "w13" else "[E, H, I]"
+            raise ValueError(f"{name} must have 3 dimensions {want}, got shape {tuple(w.shape)}")
+    experts, hidden, intermediate = check_weight_dims(w13.shape, w2.shape)
+    fmt.check_dims(hidden, intermediate, f"w13 [E, 2I, H] = {list(w13.shape)}, w2 [E, H, I] = {list(w2.shape)}")
+    for name, w in (("w13", w13), ("w2", w2)):
+        _check_finite(name, w, fmt.name)
+    return experts, hidden, intermediate
+
+
+def _check_finite(name: str, w: Any, target: str) -> None:
+    """ValueError unless every value of ``w`` [E, R, C] is finite (one expert at a time: bounded temporaries)."""
+    xp = array_module(w)
+    counts = xp.zeros(int(w.shape[0]), np.int64)
+    for e in range(int(w.shape[0])):
+        m = w[e]
+        bad = (m.view(np.uint16) & 0x7F80) == 0x7F80 if m.dtype == BF16 else ~xp.isfinite(m)
+        counts[e] = xp.count_nonzero(bad)
+    if not int(counts.sum()):
+        return
+    counts = counts.get() if xp is not np else counts
+    experts = np.flatnonzero(counts)
+    first = int(experts[0])
+    m = w[first]
+    host = (m.get() if xp is not np else m).astype(np.float32)
+    row, col = (int(i) for i in np.argwhere(~np.isfinite(host))[0])
+    listed = ", ".join(f"{int(e)} ({int(counts[e])})" for e in experts[:8]) + (", ..." if len(experts) > 8 else "")
+    raise ValueError(f"{name} must be finite to become {target} weights: {int(counts.sum())} NaN/inf values in "
+                     f"{len(experts)} of {len(counts)} experts (expert (count): {listed}); the first is "
+                     f"{name}[{first}, {row}, {col}] = {host[row, col]}")
+
+
 def quantize_weights(w13: Any, w2: Any, weight_format: str | WeightFormat = FP8_BLOCK128.name) -> tuple[Any, Any]:
     """``(w13, w2)`` in ``weight_format`` from fp32 / bf16 weights in the data contract's layouts (NumPy or CuPy:
     the result lives where the input did). For ``"fp8-block128"`` each is a :class:`Quantized` that every entry
     point taking that format and ``reference.moe_decode`` accept in place of bf16 weights (they read the format from
-    it). Checked first (``kernels.contract.check_weights``): w13 [E, 2I, H] and w2 [E, H, I] with H and I as the
+    it). Checked first (:func:`check_weights`): w13 [E, 2I, H] and w2 [E, H, I] with H and I as the
     format stores them, every value finite -- a NaN or inf is a ValueError naming the matrix and the experts."""
     return get_format(weight_format).quantize(w13, w2)
 

@@ -1,16 +1,31 @@
-"""MoE layer shapes of real models, and the arithmetic of what one decode step must move.
+"""MoE layer shapes of real models, the sizes of one call (:class:`Dims`), and the arithmetic of what one decode step
+must move.
 
 Every preset's numbers are copied from the model's published ``config.json`` (field names in the comment
 beside each). Only *shapes* come from there: the toolkit never downloads weights, it generates them.
+
+Sizes only: this module builds on :mod:`kernels.arrays` alone, so the compile layer (``kernels.compile``'s
+``preset_variants``) and the data contract (``kernels.contract``, which re-exports :class:`Dims`) can both use it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kernels.contract import check_int
+from kernels.arrays import check_int
 
 BF16_BYTES = 2
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes one call works on."""
+
+    tokens: int  # T
+    hidden: int  # H
+    intermediate: int  # I
+    experts: int  # E
+    top_k: int  # K
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The registry every measured implementation joins: the bench, the sweep and the tests read it.
 
 A :class:`Variant` is a named way to compute one MoE decode layer. ``build(dims, **params)`` does all
-allocation and compilation up front and returns a :class:`kernels.family.Launch`::
+allocation and compilation up front and returns a :class:`Launch`::
 
     launch(x, w13, w2, topk_ids, topk_weights, out) -> None
 
@@ -21,12 +21,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kernels.contract import Dims
-from kernels.family import Launch
 
 # library modules whose import registers variants (kernels never imports tools/ or prototypes/)
 BUILTIN_MODULES = (
@@ -38,6 +37,30 @@ BUILTIN_MODULES = (
     "kernels.batched",
     "kernels.dispatch",
 )
+
+Stage = tuple[str, Callable[[], None]]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One layer's launch for fixed dims: ``launch(x, w13, w2, topk_ids, topk_weights, out)``.
+
+    ``stages``: the same work as ``[(name, zero-argument callable), ...]`` (None: not split). ``params``: the
+    resolved knobs it runs. ``workspace``: its preallocated buffers. ``reference_mode`` / ``quant``: the numerics
+    its output reproduces when they differ from its variant's (auto-dispatch: the chosen path's). ``facts``:
+    what else the build decided (auto-dispatch: ``choice``, ``choice_source``, ``policy``).
+    """
+
+    run: Callable[..., None]
+    stages: Callable[..., list[Stage]] | None = None
+    params: Mapping[str, Any] = field(default_factory=dict)
+    workspace: Any = None
+    reference_mode: str | None = None
+    quant: str | None = None
+    facts: Mapping[str, Any] = field(default_factory=dict)
+
+    def __call__(self, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> None:
+        self.run(x, w13, w2, topk_ids, topk_weights, out)
 
 
 @dataclass(frozen=True)

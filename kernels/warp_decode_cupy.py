@@ -19,7 +19,7 @@ The module declares one kernel family, :data:`FAMILY` (knobs, auto rules, worksp
 ``"cupy:warp-decode"``. Public API: :func:`warp_decode` (what ``kernels.warp_decode(..., backend="cupy")``
 calls), the stages :func:`gate_up` and :func:`down`, :func:`make_workspace`, :func:`resolve_params`.
 The defaults (:data:`DEFAULTS`, :func:`_auto_down`) won the H200 sweeps: notes/FINDINGS.md ("Strict warp
-decode"); the experiments removed from here: notes/_removed_strict.md.
+decode"), notes/strict.md; the experiments removed from here: notes/PROTOTYPES.md ("Removed from the library").
 """
 
 from __future__ import annotations

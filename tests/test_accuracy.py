@@ -143,12 +143,23 @@ def test_markdown_of_several_recorded_results_into_a_report(tmp_path, capsys):
     a, b, c, d = (str(f) for f in files)
     assert accuracy.main(["--markdown-from", a, "--markdown-from", b, "--depth-from", c, "--depth-from", d]) == 0
     text = capsys.readouterr().out
-    assert text.count("Measured on") == 2 and text.count("Error across depth") == 2
-    assert text.index("fp8-block128 weights (vs original") < text.rindex("Error across depth")
+    assert text.count("measured on") == 2 and text.count("error across depth") == 2
+    assert text.index("fp8-block128 weights (vs original") < text.rindex("error across depth")
+    assert text.startswith(f"From `{a}`: measured on ")  # each table names its file
     report = tmp_path / "REPORT.md"
     report.write_text("before\n" + "\n".join(accuracy.MARKERS) + "\nafter\n")
     assert accuracy.main(["--markdown-from", a, "--markdown-from", b, "--update-readme", str(report)]) == 0
-    assert report.read_text().count("Measured on") == 2 and report.read_text().startswith("before")
+    assert report.read_text().count("measured on") == 2 and report.read_text().startswith("before")
+    assert "From [" + a + "](bf16-0.json): measured on" in report.read_text()  # a link, relative to the document
+    # --compact: a row per (model, T, weight format) and a column per path
+    assert accuracy.main(["--compact", "--markdown-from", b, "--depth-from", d, "--update-readme", str(report)]) == 0
+    compact = report.read_text()
+    assert compact.count(accuracy.COMPACT_LEGEND) == 1 and "| model | T | weights | warp decode | " in compact
+    rows = [line for line in compact.splitlines() if line.startswith("| tiny | 2 |")]
+    assert [row.split(" | ")[2] for row in rows] == ["bf16", "fp8-block128"]
+    assert "(1.00x)" not in rows[0].split(" | ")[3] and "x), orig. " in rows[1] and "error across depth" in compact
+    with pytest.raises(SystemExit):
+        accuracy.main(["--compact"])
 
 
 def test_kernels_are_found_per_weight_format():

@@ -17,7 +17,7 @@ import pytest
 from kernels.contract import BF16
 from kernels.routing import make_routing
 from kernels.shapes import get_shape
-from tools import harness, roofline, sweep
+from tools import gpu, harness, roofline, sweep
 from tools.bench import _as_list, build_parser, main, select_variants
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -303,13 +303,13 @@ def test_why_no_gpu_names_what_is_missing(monkeypatch):
             return 12090
 
     fake = type("cupy", (), {"cuda": type("cuda", (), {"runtime": Runtime})})
-    monkeypatch.setattr(harness, "_cuda_driver_version", lambda: None)
-    assert harness._why_no_device(fake, RuntimeError("cudaErrorInsufficientDriver")) == (
+    monkeypatch.setattr(gpu, "_cuda_driver_version", lambda: None)
+    assert gpu._why_no_device(fake, RuntimeError("cudaErrorInsufficientDriver")) == (
         "no CUDA driver (libcuda not found)")
-    monkeypatch.setattr(harness, "_cuda_driver_version", lambda: 12020)
-    assert harness._why_no_device(fake, RuntimeError("cudaErrorInsufficientDriver: ...")) == (
+    monkeypatch.setattr(gpu, "_cuda_driver_version", lambda: 12020)
+    assert gpu._why_no_device(fake, RuntimeError("cudaErrorInsufficientDriver: ...")) == (
         "the CUDA driver (12020) is older than CuPy's CUDA runtime (12090)")
-    assert harness._why_no_device(fake, RuntimeError("cudaErrorNoDevice")) == "no GPU (the CUDA driver sees none)"
+    assert gpu._why_no_device(fake, RuntimeError("cudaErrorNoDevice")) == "no GPU (the CUDA driver sees none)"
 
 
 @pytest.mark.cpu_only

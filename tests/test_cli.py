@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tools import bench, harness, roofline, sweep
+from tools import bench, roofline, sweep
 
 CLIS = ("tools.roofline", "tools.sweep", "tools.accuracy", "tools.report", "tools.dispatch_table")
 
@@ -196,7 +196,7 @@ def test_sweep_lists_the_variants(monkeypatch: pytest.MonkeyPatch, capsys: pytes
 
 # -- every CLI's --help: each option says what it does and its default, and the help ends in examples ----------------
 HELP_CLIS = ("tools.accuracy", "tools.bench", "tools.compile_report", "tools.cpu_timings", "tools.dispatch_table",
-             "tools.peers.__main__", "tools.report", "tools.roofline", "tools.sweep")
+             "tools.peers.__main__", "tools.report", "tools.roofline", "tools.sass_hashes", "tools.sweep")
 
 
 class _Parser(Exception):
@@ -263,7 +263,7 @@ def test_roofline_prints_and_writes_what_measure_returns(monkeypatch: pytest.Mon
     record = {"datasheet_tbps": 4.8, "read_tbps": 4.32, "read_best_tbps": 4.41, "d2d_memcpy_tbps": 3.6,
               "copy16_tbps": 3.84}
     seen = []
-    monkeypatch.setattr(harness, "gpu_available", lambda: (True, "1 device(s)"))
+    monkeypatch.setattr(roofline, "gpu_available", lambda: (True, "1 device(s)"))
     monkeypatch.setattr(roofline, "measure", lambda repeats: seen.append(repeats) or dict(record))
     monkeypatch.setattr(roofline, "_gpu_name", lambda: "NVIDIA H200")
     path = tmp_path / "out" / "roof.json"

@@ -126,3 +126,35 @@ def test_plot_without_matplotlib_exits_2_with_one_line(tmp_path, monkeypatch, ca
 def test_the_report_alone_needs_no_matplotlib():
     code = "import sys, tools.report; sys.exit('matplotlib' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60).returncode == 0
+
+
+def test_update_readme_with_plot_draws_the_charts_it_links(tmp_path, capsys):
+    """--update-readme FILE --plot DIR (the runs from FILE's own command): a chart per crossover table, the ones the
+    document links (relative to it), and nothing else."""
+    doc = tmp_path / "results" / "REPORT.md"
+    doc.parent.mkdir()
+    doc.write_text(f"`python -m tools.report {FIXTURE} --update-readme results/REPORT.md --plot results/plots`\n"
+                   "<!-- bench:begin -->\n<!-- bench:end -->\n")
+    assert report.main(["--update-readme", str(doc), "--plot", str(doc.parent / "plots")]) == 0
+    printed = [Path(p) for p in capsys.readouterr().out.split() if p.endswith(".png")]
+    assert [p.name for p in printed] == ["qwen3-30b-a3b-uniform-bf16-crossover.png"]
+    assert sorted(p.name for p in (doc.parent / "plots").iterdir()) == [printed[0].name]
+    assert printed[0].read_bytes().startswith(PNG)
+    assert "](plots/qwen3-30b-a3b-uniform-bf16-crossover.png)" in doc.read_text()
+
+
+def test_crossover_figure_draws_the_table_columns_in_fixed_colours():
+    """A crossover table's chart: its paths, auto and the peer (not the batch-invariant policy), labelled by column,
+    each path in its column's colour whatever the format."""
+    from tools import plot
+
+    rows = [_row(v, t, us * t, "fp8-block128-t16") for v, us in (("cupy:auto-fp8-t16", 10.0),
+                                                                 ("cupy:warp-decode-mma-fp8-t16", 11.0),
+                                                                 ("cupy:auto-invariant-fp8-t16", 10.5))
+            for t in (1, 8)]
+    rows += [_row("triton:fused-moe-w8a8", t, 12.0 * t, "fp8-block128") for t in (1, 8)]
+    figure = plot.crossover_figure([_run(rows)], "qwen3-30b-a3b", "uniform", "fp8-block128-t16")
+    lines = {line.get_label(): line for line in figure.axes[0].get_lines()}
+    assert list(lines) == ["auto (cupy:auto-fp8-t16)", "Triton W8A8 peer (triton:fused-moe-w8a8)",
+                           "MMA (cupy:warp-decode-mma-fp8-t16)"]
+    assert lines["MMA (cupy:warp-decode-mma-fp8-t16)"].get_color() == plot.COLUMN_COLORS["MMA"]

@@ -59,8 +59,22 @@ def test_simulator_example_runs_the_numba_kernels() -> None:
     assert "simulated ok" in done.stdout
 
 
+def _beside(tmp_path: Path, names: list[str], document: str, text: str) -> Path:
+    """A copy of ``document`` under ``tmp_path`` at its place in the repository, the runs it names linked in at
+    theirs: relative links (a report's runs and charts) come out as in the repository."""
+    for name in names:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        if not (tmp_path / name).exists():
+            (tmp_path / name).symlink_to(ROOT / name)
+    copy = tmp_path / document
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.write_text(text)
+    return copy
+
+
 @pytest.mark.parametrize("document, option", [("README.md", "--headline"), ("results/REPORT.md", "--update-readme")])
-def test_tables_are_generated_from_committed_json(tmp_path: Path, document: str, option: str) -> None:
+def test_tables_are_generated_from_committed_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, document: str,
+                                                  option: str) -> None:
     """Every number in the README's headline and in results/REPORT.md comes from the committed JSON through
     tools.report, by the command the document itself names: regenerating changes nothing."""
     from tools import report
@@ -68,9 +82,26 @@ def test_tables_are_generated_from_committed_json(tmp_path: Path, document: str,
     text = (ROOT / document).read_text()
     names = report.named_runs(text, option, document)
     assert names and all((ROOT / name).is_file() for name in names), names
-    copy = tmp_path / Path(document).name
-    copy.write_text(text)
-    files = [str(ROOT / name) for name in names]
-    assert report.main([*files, option, str(copy)]) == 0
-    regenerated = copy.read_text().replace(str(ROOT) + "/", "")
-    assert regenerated == text
+    copy = _beside(tmp_path, names, document, text)
+    monkeypatch.chdir(tmp_path)
+    assert report.main([*names, option, document]) == 0
+    assert copy.read_text() == text
+
+
+def test_report_accuracy_block_is_generated_by_the_command_it_names(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """results/REPORT.md's accuracy tables come from the committed JSON through the tools.accuracy command the
+    document names: regenerating changes nothing."""
+    from tools import accuracy
+
+    document = "results/REPORT.md"
+    text = (ROOT / document).read_text()
+    command = re.search(r"`python -m tools\.accuracy ([^`]+?) --update-readme results/REPORT\.md`", text)
+    assert command, "results/REPORT.md names no tools.accuracy command"
+    argv = command.group(1).split()
+    names = [arg for arg in argv if arg.endswith(".json")]
+    assert names and all((ROOT / name).is_file() for name in names), names
+    copy = _beside(tmp_path, names, document, text)
+    monkeypatch.chdir(tmp_path)
+    assert accuracy.main([*argv, "--update-readme", document]) == 0
+    assert copy.read_text() == text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -131,7 +132,8 @@ def test_readme_marker_replacement(tmp_path):
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     updated = readme.read_text()
-    assert "old typed numbers" not in updated and "| batch |" in updated and updated.endswith("tail\n")
+    assert "old typed numbers" not in updated and updated.endswith("tail\n")
+    assert "| T | strict µs (% roof)" in updated and "Any run's full tables" in updated  # the report, not the rows
 
 
 def test_regenerate_from_the_documents_own_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -145,7 +147,8 @@ def test_regenerate_from_the_documents_own_command(tmp_path: Path, capsys: pytes
     assert report.named_runs(text, "--update-readme", doc) == [str(FIXTURE)] * 2
     assert report.main(["--update-readme", str(doc)]) == 0
     updated = doc.read_text()
-    assert "old typed numbers" not in updated and updated.count(f"From `{FIXTURE}`") == 2
+    assert "old typed numbers" not in updated and "#### qwen3-30b-a3b, uniform routing" in updated
+    assert f"[{FIXTURE}](" in updated  # the run the cells come from, a link to its JSON
     assert updated.startswith(text.split("<!--")[0])  # the command itself is kept
     for argv, message in ((["--headline", str(doc)], "names no `python -m tools.report JSON... --headline REPORT.md`"),
                           (["--headline", str(doc), "--update-readme", str(doc)], "required: JSON"),
@@ -192,6 +195,12 @@ def test_ratio_markdown_pairs_variants_of_the_same_run_point():
     text = ratio_markdown(runs)
     assert "| qwen3-30b-a3b | 1.25 |" in text and "T=8" not in text  # a wrong point is never compared
     assert ratio_markdown([{"results": []}]) == ""
+    # a later run's cupy row alone never pairs with an earlier run's numba row; a later run with both wins the point
+    later = {"results": [row("cupy:warp-decode", 1, 10.0), row("cupy:warp-decode", 8, 100.0),
+                         row("numba:warp-decode", 8, 150.0)]}
+    text = ratio_markdown([*runs, later], names=["a.json", "b.json"], link_base=".")
+    assert "| qwen3-30b-a3b | 1.25 | 1.50 |" in text
+    assert text.rstrip().endswith("From [a.json](a.json), [b.json](b.json).")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -368,30 +377,77 @@ def test_crossover_readme_update_round_trips(tmp_path):
     uniform = _run([_row(STRICT, 1, 20.0), _row(BATCHED, 1, 25.0), _row(AUTO, 1, 20.1)])
     zipf = _run([_row(STRICT, 1, 18.0, routing="zipf"), _row(BATCHED, 1, 15.0, routing="zipf"),
                  _row(AUTO, 1, 18.0, routing="zipf")], routing="zipf")
-    paths = [tmp_path / "uniform.json", tmp_path / "zipf.json"]
+    paths = [tmp_path / "runs" / "uniform.json", tmp_path / "runs" / "zipf.json"]
+    paths[0].parent.mkdir()
     for path, run in zip(paths, (uniform, zipf), strict=True):
         path.write_text(json.dumps(run))
-    readme = tmp_path / "README.md"
-    readme.write_text("# t\n\n<!-- bench:begin -->\nold\n<!-- bench:end -->\n\ntail\n")
+    readme = tmp_path / "docs" / "README.md"
+    readme.parent.mkdir()
+    readme.write_text("# t\n\n<!-- bench:begin -->\nold typed numbers\n<!-- bench:end -->\n\ntail\n")
     command = [sys.executable, "-m", "tools.report", *map(str, paths), "--update-readme", str(readme)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     first = readme.read_text()
     block = first[first.index(report.BEGIN):first.index(report.END)]
-    assert "old" not in block and first.endswith("<!-- bench:end -->\n\ntail\n")
-    assert block.count("| batch |") == 2  # the per-model tables of both files, then the crossover tables
-    assert block.index("### Crossover: qwen3-30b-a3b, uniform routing") < block.index("| batch |")  # crossovers first
-    assert block.index("uniform routing") < block.index("### Crossover: qwen3-30b-a3b, zipf routing")
-    assert "#### Crossover" not in block  # the per-file sections leave the crossover to the combined tables
-    assert "+20.0 % ⚠" in block and f"`{paths[1]}`: strict, batched, auto" in block
+    assert "old typed numbers" not in block and first.endswith("<!-- bench:end -->\n\ntail\n")
+    assert "| batch |" not in block  # no run's full rows: the JSON is the record, the report says how to print it
+    assert f"`python -m tools.report {paths[0].parent}/<run>.json --markdown`" in block
+    assert block.index("### bf16 weights") < block.index("#### qwen3-30b-a3b, uniform routing") \
+        < block.index("#### qwen3-30b-a3b, zipf routing")
+    assert "![Crossover: qwen3-30b-a3b, uniform routing: " in block  # the chart, beside the document by default
+    assert "(plots/qwen3-30b-a3b-uniform-bf16-crossover.png)" in block
+    assert "+20.0 % ⚠" in block and f"[{paths[1]}](../runs/zipf.json): strict, batched, auto" in block
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and readme.read_text() == first  # idempotent
     result = subprocess.run([sys.executable, "-m", "tools.report", *map(str, paths), "--markdown"], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.count("### Crossover") == 2
+    assert result.stdout.count("| batch |") == 2  # --markdown still prints every run in full
     result = subprocess.run([sys.executable, "-m", "tools.report", *map(str, paths)], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.count("Crossover: qwen3-30b-a3b") == 2
+
+
+def test_report_markdown_sections_formats_and_links(tmp_path):
+    """The report block: a section per weight format (bf16 first), its tables model by model (each routing under
+    its model), the batch-invariant columns apart in a table of their own, figures linked from ``--plot DIR``
+    relative to the document."""
+    fp8 = {"cupy:warp-decode-fp8": "strict", "cupy:warp-decode-mma-fp8": "MMA"}
+    rows = []
+    for model in (MODEL, "qwen3-235b-a22b"):
+        for routing in ("uniform", "zipf"):
+            rows += [_row(STRICT, 1, 20.0, routing=routing, model=model), _row(AUTO, 1, 20.0, routing=routing,
+                                                                              model=model)]
+    rows += [_row(v, 1, 10.0 + i, model=MODEL) for i, v in enumerate(fp8)]
+    rows += [_row("cupy:auto-invariant", 1, 21.0, model=MODEL)]
+    block = report.report_markdown([_run(rows)], ["results/r.json"], tmp_path / "results" / "REPORT.md",
+                                   plot_dir=tmp_path / "figures")
+    headings = [line for line in block.splitlines() if line.startswith("#")]
+    assert headings == ["## Crossover: which path is fastest at each T", "### bf16 weights",
+                        "#### qwen3-30b-a3b, uniform routing", "#### qwen3-30b-a3b, zipf routing",
+                        "#### qwen3-235b-a22b, uniform routing", "#### qwen3-235b-a22b, zipf routing",
+                        "### fp8-block128 weights", "#### qwen3-30b-a3b, uniform routing",
+                        "## Batch-invariance cost"]
+    assert "(../figures/qwen3-30b-a3b-uniform-fp8-block128-crossover.png)" in block
+    assert "batch-invariant µs" not in block and "costs T=1" not in block  # not in the crossover tables ...
+    assert "| bf16 | qwen3-30b-a3b | uniform | +5.0 % |" in block  # ... but in its own, one run: no †
+    assert report.figure_keys([_run(rows)])[-1] == (MODEL, "uniform", "fp8-block128")
+
+
+def test_invariance_table_compares_within_one_run():
+    """The invariant policy's cost is costed against auto timed in the same run where that run has one; against the
+    crossover table's (later) auto cell, marked †, where not."""
+    inv = "cupy:auto-invariant"
+    first = _run([_row(AUTO, 1, 20.0), _row(inv, 1, 20.2), _row(inv, 8, 90.0)])
+    later = _run([_row(STRICT, 1, 19.0), _row(AUTO, 1, 25.0), _row(AUTO, 8, 100.0)])
+    record = report.crossover_table([first, later], MODEL, "uniform")
+    assert _point(record, 1)["invariant_vs_auto"] == pytest.approx(20.2 / 25.0 - 1)  # the table's column: as shown
+    assert _point(record, 1)["invariant_vs_own_auto"] == pytest.approx(0.01)
+    assert _point(record, 8)["invariant_vs_own_auto"] is None
+    text = report.invariance_markdown([record], ["a.json", "b.json"])
+    assert f"| bf16 | {MODEL} | uniform | +1.0 % | -10.0 % † |" in text
+    assert text.rstrip().endswith("bf16: `a.json`: invariant, auto; `b.json`: auto.")
+    assert report.invariance_markdown([report.crossover_table([later], MODEL, "uniform")]) == ""
 
 
 BENCH_RESULTS = sorted(p for p in (ROOT / "results").glob("*.json")
@@ -644,3 +700,32 @@ def test_ipython_pretty_form_follows_the_terminal_width(data, monkeypatch, colum
     lines = printed[0].splitlines()
     assert max(len(line) for line in lines) <= columns and "cupy:expert-centric" in printed[0]
     assert ("narrow terminal" in printed[0]) == (columns == 80)
+
+
+# ------------------------------------------------------------------------------------------------
+# results/REPORT.md: read in ten minutes; every run, chart and section it links exists
+# ------------------------------------------------------------------------------------------------
+def _slug(heading: str) -> str:
+    """A markdown heading's anchor, as GitHub makes it."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_report_document_is_short_and_what_it_links_exists():
+    path = ROOT / "results" / "REPORT.md"
+    text = path.read_text()
+    assert len(text.splitlines()) <= 800, "results/REPORT.md: a report a person reads in ten minutes"
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    files = [t for t in targets if not t.startswith("#")]
+    assert any(t.endswith(".png") for t in files) and any(t.endswith(".json") for t in files)
+    for target in files:
+        assert (path.parent / target).is_file(), target
+    for name in set(re.findall(r"results/[\w.-]+\.(?:json|log|png)", text)):
+        assert (ROOT / name).is_file(), name
+    anchors = {_slug(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}
+    assert {t[1:] for t in targets if t.startswith("#")} <= anchors
+    assert "`python -m tools.report results/<run>.json --markdown`" in text  # any run in full, on demand
+    block = text[text.index(report.BEGIN):text.index(report.END)]
+    tables = block.split("\n#### ")[1:]
+    assert len(tables) >= 4
+    for table in tables:  # each crossover table: its chart and the JSON its cells come from
+        assert "![" in table and ".png)" in table and ".json)" in table, table[:80]

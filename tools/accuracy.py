@@ -800,31 +800,86 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--depth-from", metavar="JSON", action="append",
                    help="with --markdown-from: append this result's depth study (repeatable; default: none)")
     p.add_argument("--update-readme", metavar="README",
-                   help="with --markdown-from: replace the README's accuracy block with those tables (default: print "
-                        "them)")
+                   help="with --markdown-from: replace the README's accuracy block with those tables, each file a "
+                        "link relative to README (default: print them)")
+    p.add_argument("--compact", action="store_true",
+                   help="with --markdown-from: one row per (model, T, weight format) and a column per path, rel-L2 "
+                        "and x closer only (default: a row per path with max-abs, min cosine and the seeds' range)")
     p.add_argument("--quiet", action="store_true", help="no progress lines (default: a line per step on stderr)")
     return p
 
 
 MARKERS = ("<!-- accuracy:begin -->", "<!-- accuracy:end -->")
 PATH_LABELS = {"warp_decode": "warp decode", "classical": "expert-centric bf16",
-               "classical+fp8": "expert-centric FP8", "classical+mxfp8": "expert-centric MXFP8"}
+               "classical+fp8": "expert-centric FP8", "classical+mxfp8": "expert-centric MXFP8",
+               "batch_invariant": "batch-invariant"}
+COMPACT_LEGEND = (
+    "Each cell: the median over seeds of one layer's rel-L2 against the fp64 oracle, and (Nx) that over warp "
+    "decode's on the same seed; on quantized weights against the oracle on the dequantized weights, and (orig.) on "
+    "the original ones. Max-abs, min cosine, the seeds' range and each row's kernel: "
+    "`python -m tools.accuracy --markdown-from FILE`.")
 
 
-def markdown(data: dict[str, Any], layer: bool = True) -> str:
+def _from(source: str | None, sentence: str) -> str:
+    """``sentence``, after "From SOURCE: " where the result's file is named."""
+    return f"From {source}: {sentence[0].lower()}{sentence[1:]}" if source else sentence
+
+
+def _compact_layer(data: dict[str, Any]) -> list[str]:
+    """One row per (model, T, weight format), a column per path: median rel-L2, (x closer), orig. on quantized
+    weights."""
+    cells = data["layer"]
+    paths = list(dict.fromkeys(cell["path"] for cell in cells))
+    models = list(dict.fromkeys(cell["model"] for cell in cells))
+    formats = list(dict.fromkeys(["bf16", *(cell.get("weight_format", "bf16") for cell in cells)]))
+    found = {(c["model"], c["tokens"], c.get("weight_format", "bf16"), c["path"]): c for c in cells}
+    keys = sorted(dict.fromkeys((m, t, f) for m, t, f, _ in found),
+                  key=lambda k: (models.index(k[0]), formats.index(k[2]), k[1]))
+    quantized = len(formats) > 1
+    lines = ["| model | T | " + ("weights | " if quantized else "")
+             + " | ".join(PATH_LABELS.get(p, p) for p in paths) + " |",
+             "|---|---:|" + ("---|" if quantized else "") + "---:|" * len(paths)]
+    for model, tokens, fmt in keys:
+        texts = []
+        for path in paths:
+            cell = found.get((model, tokens, fmt, path))
+            if cell is None:
+                texts.append("-")
+                continue
+            summ = cell["summary"]
+            text = f"{summ['rel_l2']['median']:.2e}"
+            if summ.get("x_closer"):
+                text += f" ({summ['x_closer']['median']:.2f}x)"
+            if summ.get("rel_l2_original"):
+                text += f", orig. {summ['rel_l2_original']['median']:.2e}"
+            texts.append(text)
+        lines.append(f"| {model} | {tokens} | " + (f"{fmt} | " if quantized else "") + " | ".join(texts) + " |")
+    return lines
+
+
+def markdown(data: dict[str, Any], layer: bool = True, compact: bool = False, source: str | None = None) -> str:
     """Markdown tables of a recorded result (``--json``): one row per (model, T, path), medians over seeds,
-    then the depth study if it ran (only the depth study with ``layer=False``)."""
+    then the depth study if it ran (only the depth study with ``layer=False``). ``compact``: one row per (model, T,
+    weight format) and a column per path, rel-L2 and x closer only (:data:`COMPACT_LEGEND`); ``source``: the
+    result's file (markdown), named at the head of each table."""
     env = data.get("environment") or {}
     gpu = (env.get("gpu") or {}).get("name") or ("a GPU" if data["config"].get("gpu") else "CPU (reference modes)")
-    lines = [f"Measured on {gpu}, {env.get('date', 'date not recorded')}: {data['config']['seeds']} seeds per row, "
-             f"outputs from {'the GPU kernels' if data['config'].get('gpu') else 'the reference modes on the host'}; "
-             "error of one layer's [T, H] output against the fp64 oracle; `x closer` = rel-L2(path) / rel-L2(warp "
-             "decode) on the same seed, median [min, max] over seeds.", "",
-             "| model | T | path | rel-L2 | max-abs | min cosine | x closer | source |",
-             "|---|---|---|---|---|---|---|---|"]
+    outputs = "the GPU kernels" if data["config"].get("gpu") else "the reference modes on the host"
+    if compact:
+        measured = (f"From {source}: " if source else "") + (
+            f"{gpu}, {env.get('date', 'date not recorded')}, {data['config']['seeds']} seeds per row, outputs from "
+            f"{outputs}.")
+        lines = [measured, "", *_compact_layer(data)] if layer else []
+    else:
+        lines = [_from(source, f"Measured on {gpu}, {env.get('date', 'date not recorded')}: "
+                               f"{data['config']['seeds']} seeds per row, outputs from {outputs}; error of one "
+                               "layer's [T, H] output against the fp64 oracle; `x closer` = rel-L2(path) / "
+                               "rel-L2(warp decode) on the same seed, median [min, max] over seeds."), "",
+                 "| model | T | path | rel-L2 | max-abs | min cosine | x closer | source |",
+                 "|---|---|---|---|---|---|---|---|"]
     if not layer:
         lines = []
-    for cell in data["layer"] if layer else []:
+    for cell in data["layer"] if layer and not compact else []:
         summ = cell["summary"]
         ratio = summ.get("x_closer")
         ratio_text = (f"{ratio['median']:.2f}x [{ratio['min']:.2f}, {ratio['max']:.2f}]" if ratio
@@ -837,10 +892,11 @@ def markdown(data: dict[str, Any], layer: bool = True) -> str:
                      f"{summ['rel_l2']['median']:.2e} | {summ['max_abs']['median']:.2e} | "
                      f"{summ['min_cos']['min']:.6f} | {ratio_text} | {cell['source']} |")
     for depth in data.get("depth", []):
-        lines += ["", f"Error across depth, {depth['model']} ({depth['layers']} layers, T = {depth['tokens']}, "
-                      f"H x I = {depth['shape'].get('hidden')} x {depth['shape'].get('intermediate')}, "
-                      f"{len(depth['seeds'])} seeds, reference modes): median rel-L2 of the residual stream "
-                      "against the fp64 stack, and tokens whose top-k set differs from it.", ""]
+        lines += ["", _from(source, f"Error across depth, {depth['model']} ({depth['layers']} layers, "
+                                    f"T = {depth['tokens']}, H x I = {depth['shape'].get('hidden')} x "
+                                    f"{depth['shape'].get('intermediate')}, {len(depth['seeds'])} seeds, reference "
+                                    "modes): median rel-L2 of the residual stream against the fp64 stack, and tokens "
+                                    "whose top-k set differs from it."), ""]
         names = list(depth["paths"])
         if any(depth["paths"][n].get("rel_l2_original") for n in names):
             lines[-2] += (" On quantized weights: against the fp64 stack on the dequantized weights, and (orig.) on "
@@ -860,7 +916,8 @@ def markdown(data: dict[str, Any], layer: bool = True) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _markdown_of(parser: argparse.ArgumentParser, option: str, path: str, layer: bool = True) -> str:
+def _markdown_of(parser: argparse.ArgumentParser, option: str, path: str, layer: bool = True, compact: bool = False,
+                 link_base: str | Path | None = None) -> str:
     """``markdown()`` of the result file ``path``; an unreadable file or one that is not a recorded result of this
     tool ends in ``parser.error`` naming ``option`` (exit 2, one line) instead of a traceback."""
     try:
@@ -870,7 +927,9 @@ def _markdown_of(parser: argparse.ArgumentParser, option: str, path: str, layer:
     if not isinstance(data, dict) or "config" not in data or ("layer" not in data and "depth" not in data):
         parser.error(f"{option}: {path} is not a result of python -m tools.accuracy --json")
     try:
-        return markdown(data, layer=layer)
+        from tools.report import link
+
+        return markdown(data, layer=layer, compact=compact, source=link(path, link_base))
     except (KeyError, TypeError, AttributeError) as exc:
         parser.error(f"{option}: {path} is not a result of python -m tools.accuracy --json "
                      f"({type(exc).__name__}: {exc})")
@@ -879,10 +938,16 @@ def _markdown_of(parser: argparse.ArgumentParser, option: str, path: str, layer:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.compact and not args.markdown_from:
+        parser.error("--compact goes with --markdown-from")
     if args.markdown_from:
-        text = "\n".join(_markdown_of(parser, "--markdown-from", path) for path in args.markdown_from)
+        base = Path(args.update_readme).parent if args.update_readme else None  # the runs as links from there
+        text = "\n".join(_markdown_of(parser, "--markdown-from", path, compact=args.compact, link_base=base)
+                         for path in args.markdown_from)
         for path in args.depth_from or []:
-            text += _markdown_of(parser, "--depth-from", path, layer=False)
+            text += _markdown_of(parser, "--depth-from", path, layer=False, compact=args.compact, link_base=base)
+        if args.compact:
+            text = COMPACT_LEGEND + "\n\n" + text
         if args.update_readme:
             from tools.report import update_readme
 

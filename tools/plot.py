@@ -6,7 +6,9 @@
 Per (model, routing, weight format), :func:`paths_figure`: µs per layer and % of the streaming-read roofline against
 T, a line per path (``cupy:auto*`` thick, the Triton peer dashed with triangles), and :func:`roofline_figure`: the
 weight bytes each point touched against its time per layer, under the roofline measured in the runs (bytes = roofline
-x time). :func:`headline_figure` is the README's chart: auto, the strict and expert-centric baselines and the peer.
+x time). :func:`headline_figure` is the README's chart: auto, the strict and expert-centric baselines and the peer;
+:func:`crossover_figure` the chart of one crossover table (its columns), the ones ``tools.report --update-readme FILE
+--plot DIR`` draws (:func:`write_crossover`) and links from FILE.
 
 Cells come from ``tools.runs.latest_rows`` (a later file wins a cell, as in the crossover tables); only timed rows
 are drawn, and a peer's configs (``triton:fused-moe[...]``) only through the tuned peer row. A tiled format's figures
@@ -15,7 +17,6 @@ show its row layout's baseline and peer beside its own paths, as its crossover t
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +54,27 @@ def groups(datasets: list[dict[str, Any]]) -> dict[tuple[str, str, str], Series]
     return {key: series for key, series in out.items() if any(v not in borrowed.get(key[2], ()) for v in series)}
 
 
-def file_stem(*parts: str) -> str:
-    """``qwen3-30b-a3b``, ``uniform``, ``bf16`` -> ``qwen3-30b-a3b-uniform-bf16`` (anything but [A-Za-z0-9._-] to _)."""
-    return "-".join(re.sub(r"[^A-Za-z0-9._-]+", "_", part) for part in parts)
+file_stem = runs.figure_stem  # ``qwen3-30b-a3b``, ``uniform``, ``bf16`` -> ``qwen3-30b-a3b-uniform-bf16``
+
+
+def crossover_series(datasets: list[dict[str, Any]], model: str, routing: str, weight_format: str = "bf16") -> Series:
+    """The timed points of the columns of the crossover table of ``weight_format`` for ``model`` under ``routing``
+    (its paths, auto and the peer; not the batch-invariant policy, whose cost has a table of its own), from the same
+    merge as the table (``tools.runs.latest_rows``), in the table's column order."""
+    columns = {variant: column for variant, column in runs.CROSSOVER_SETS[weight_format].items()
+               if column != "invariant"}
+    found: dict[str, list[dict[str, Any]]] = {}
+    for (row_model, routed, variant, batch), latest in runs.latest_rows(datasets).items():
+        row = latest["row"]
+        if (row_model, routed) != (model, routing) or variant not in columns or row.get("status") != "ok" \
+                or row.get("median_us") is None:
+            continue
+        found.setdefault(variant, []).append({
+            "batch": batch, "us": row["median_us"], "pct": percent(row.get("tbps"), latest["roof"]),
+            "weights": (row.get("bytes") or {}).get("weights"), "roof": latest["roof"]})
+    order = {column: index for index, column in enumerate(runs.CROSSOVER_COLUMNS)}
+    return {variant: sorted(found[variant], key=lambda p: p["batch"])
+            for variant in sorted(found, key=lambda v: order[columns[v]])}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -114,12 +133,17 @@ def _figure(width: float, height: float) -> Figure:
 # ------------------------------------------------------------------------------------------------
 # Figures
 # ------------------------------------------------------------------------------------------------
-def paths_figure(series: Series, title: str, labels: dict[str, str] | None = None) -> Figure:
-    """µs per layer (log) and % of the read roofline against T (log2), a line per path of ``series``."""
+def paths_figure(series: Series, title: str, labels: dict[str, str] | None = None,
+                 colors: dict[str, str] | None = None) -> Figure:
+    """µs per layer (log) and % of the read roofline against T (log2), a line per path of ``series``; ``colors``:
+    a colour per variant, in place of the one its place in the series gives it."""
     labels = labels or {}
     figure = _figure(13, 4.8)
     time_ax, roof_ax = figure.subplots(1, 2)
     styles = _styles(series)
+    for variant, color in (colors or {}).items():
+        if variant in styles:
+            styles[variant] = {**styles[variant], "color": color}
     batches = sorted({p["batch"] for points in series.values() for p in points})
     for variant in _legend_order(series):
         points, label = series[variant], labels.get(variant, variant)
@@ -193,6 +217,22 @@ def headline_figure(datasets: list[dict[str, Any]], model: str, routing: str, we
     return paths_figure(series, f"{model}, {routing} routing{fmt}", labels)
 
 
+# a crossover chart's colour per column, the same in every format's chart (auto and the peer keep their styles)
+COLUMN_COLORS = {"strict": "tab:blue", "batched": "tab:orange", "mixed": "tab:green", "MMA": "tab:cyan",
+                 "per-pair": "tab:pink", "grouped": "tab:gray", "expert-centric": "gold"}
+
+
+def crossover_figure(datasets: list[dict[str, Any]], model: str, routing: str, weight_format: str = "bf16") -> Figure:
+    """The chart of one crossover table (``tools.report.crossover_table``): its columns' µs per layer and % of the
+    read roofline against T, labelled by column (``strict (cupy:warp-decode)``)."""
+    series = crossover_series(datasets, model, routing, weight_format)
+    columns = runs.CROSSOVER_SETS[weight_format]
+    peer = "Triton peer" if weight_format in ("bf16", "bf16-t16") else "Triton W8A8 peer"
+    labels = {variant: f"{peer if columns[variant] == 'peer' else columns[variant]} ({variant})" for variant in series}
+    colors = {variant: COLUMN_COLORS[columns[variant]] for variant in series if columns[variant] in COLUMN_COLORS}
+    return paths_figure(series, f"{model}, {routing} routing, {weight_format} weights", labels, colors)
+
+
 # ------------------------------------------------------------------------------------------------
 # Files
 # ------------------------------------------------------------------------------------------------
@@ -222,4 +262,23 @@ def write(datasets: list[dict[str, Any]], directory: str | Path, plot_format: st
     for model, routing in dict.fromkeys((m, r) for m, r, fmt in merged if fmt == "bf16"):
         if len(headline_series(merged, model, routing)) >= 2:
             save(headline_figure(datasets, model, routing, merged=merged), file_stem(model, routing, "headline"))
+    return written
+
+
+def write_crossover(datasets: list[dict[str, Any]], directory: str | Path, keys: list[tuple[str, str, str]],
+                    plot_format: str = "png") -> list[Path]:
+    """The chart of each crossover table ``keys`` names ((model, routing, weight format)), as
+    ``MODEL-ROUTING-FORMAT-crossover.png`` under ``directory`` (and SVG too where ``plot_format`` is "svg"): the
+    figures a report generated by ``tools.report --update-readme`` links. Returns the paths written, in order."""
+    if plot_format not in FORMATS:
+        raise ValueError(f"plot format must be one of {FORMATS}, got {plot_format!r}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    for model, routing, fmt in keys:
+        figure = crossover_figure(datasets, model, routing, fmt)
+        for suffix in dict.fromkeys(("png", plot_format)):
+            path = directory / f"{runs.crossover_figure_stem(model, routing, fmt)}.{suffix}"
+            figure.savefig(path)
+            written.append(path)
     return written

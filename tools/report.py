@@ -2,15 +2,21 @@
 
     python -m tools.report results/h200.json                      # the rich report
     python -m tools.report results/h200.json --markdown           # markdown tables for a PR
-    python -m tools.report results/*.json --update-readme results/REPORT.md   # every table, regenerated
+    python -m tools.report results/*.json --update-readme results/REPORT.md   # the report's tables, regenerated
     python -m tools.report results/uniform.json --headline README.md          # the README's crossover tables
     python -m tools.report results/uniform.json results/zipf.json  # several runs: + crossover tables over all
     python -m tools.report --update-readme results/REPORT.md       # again from the runs its own command names
+    python -m tools.report --update-readme results/REPORT.md --plot results/plots   # and the charts it links
     python -m tools.report results/uniform.json results/zipf.json --plot results/plots  # figures (PNG; matplotlib)
 
-``--update-readme`` replaces the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` with the
-markdown tables; ``--headline`` the text between ``<!-- headline:begin -->`` and ``<!-- headline:end -->`` with the
-crossover tables alone. Every number in a document is regenerated from committed JSON, never typed. A generated
+``--update-readme`` replaces the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` with a report
+(``report_markdown``): per weight format, model and routing the crossover table and a link to its chart, the
+batch-invariant policy's cost over auto, Numba against CuPy, every run a link to its JSON -- not every run's rows: the
+JSON is the record, and ``python -m tools.report RUN.json --markdown`` prints one run's full tables (the report says
+so). With ``--plot DIR`` it also draws the charts it links (``DIR/MODEL-ROUTING-FORMAT-crossover.png``; without it the
+links point at ``plots/`` beside the document). ``--headline`` replaces the text between ``<!-- headline:begin -->``
+and ``<!-- headline:end -->`` with the bf16 crossover tables alone, in a compact form. Every number in a document is
+regenerated from committed JSON, never typed. A generated
 document names the command that made it (``python -m tools.report A.json B.json ... --update-readme FILE``); given no
 JSON and one of the two options, the tool regenerates FILE from the runs that command names (``named_runs``): add a
 run by adding it to the document's command, then run the tool on the document alone.
@@ -20,7 +26,8 @@ TB/s = unique expert weight bytes of the call (experts touched by this routing x
 
 ``--plot DIR`` draws the runs instead of printing them (``tools.plot``: per model, routing and weight format, µs per
 layer and % of the roofline against T and a roofline view; the README's headline chart), as PNG, and SVG too with
-``--plot-format svg``, and prints the paths written; it needs matplotlib, which nothing else here does.
+``--plot-format svg``, and prints the paths written; with ``--update-readme`` it draws that document's charts instead
+(one per crossover table). It needs matplotlib, which nothing else here does.
 
 Given several files (say a uniform and a Zipf run), the report also prints one crossover table per (model, routing):
 strict warp decode, batched warp decode (FMA, mixed and tensor-core MMA), expert-centric and ``cupy:auto`` per batch,
@@ -32,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -52,6 +60,7 @@ from tools.runs import (
     CROSSOVER_SETS,
     PATH_COLUMNS,
     PLOT_FORMATS,
+    crossover_figure_stem,
     latest_rows,
     row_routing,
 )
@@ -241,6 +250,8 @@ def crossover_table(datasets: list[dict[str, Any]], model: str, routing: str,
     ``mixed_runs``: the timed cells of that batch come from different files. ``summary``: the batch ranges where
     each path is fastest and how often auto is within 3 % of the best. ``weight_format``: the table of that format's
     paths (:data:`CROSSOVER_SETS`; fp8-block128: the FP8 paths, the W8A8 baseline and the W8A8 peer).
+    ``invariant_vs_auto``: the batch-invariant cell over the auto cell; ``invariant_vs_own_auto``: over the auto row
+    of the run that measured the invariant cell (one process), None where that run timed no auto there.
     """
     variants = CROSSOVER_SETS[weight_format]
     paths = {column: variant for variant, column in variants.items() if column in PATH_COLUMNS}
@@ -273,6 +284,8 @@ def crossover_table(datasets: list[dict[str, Any]], model: str, routing: str,
         vs_peer = auto["us"] / peer["us"] - 1.0 if auto is not None and peer is not None else None
         invariant = timed.get("invariant")
         invariant_cost = invariant["us"] / auto["us"] - 1.0 if auto is not None and invariant is not None else None
+        own_auto = (_run_row(datasets[invariant["source"]], model, routing, auto_variant, batch)
+                    if invariant is not None else None)
         points.append({
             "batch": batch, "cells": point_cells, "best": best,
             "best_us": singles[best]["us"] if best is not None else None,
@@ -280,6 +293,7 @@ def crossover_table(datasets: list[dict[str, Any]], model: str, routing: str,
             "choice_source": auto_cell.get("choice_source") if auto_cell is not None else None,
             "auto_vs_best": vs_best, "flag": vs_best is not None and vs_best > AUTO_SLACK, "auto_vs_peer": vs_peer,
             "invariant_vs_auto": invariant_cost,
+            "invariant_vs_own_auto": invariant["us"] / own_auto["median_us"] - 1.0 if own_auto is not None else None,
             "mixed_runs": len({cell["source"] for cell in timed.values()}) > 1,
         })
     fastest = {c: [p["batch"] for p in points if p["best"] == c] for c in paths}
@@ -294,7 +308,15 @@ def crossover_table(datasets: list[dict[str, Any]], model: str, routing: str,
     return record
 
 
-def _crossover_summary(record: dict[str, Any]) -> str:
+def _run_row(data: dict[str, Any], model: str, routing: str, variant: str, batch: int) -> dict[str, Any] | None:
+    """The timed row of ``variant`` at (``model``, ``routing``, ``batch``) in one run, if it has one."""
+    return next((row for row in data.get("results", []) if row["variant"] == variant and row["model"] == model
+                 and int(row["batch"]) == batch and row_routing(data, row) == routing and _timed(row)), None)
+
+
+def _crossover_summary(record: dict[str, Any], invariant: bool = True) -> str:
+    """The line under a crossover table: which path is fastest where, how auto stands against the best single path
+    and the peer, and (``invariant``) what the batch-invariant policy costs over auto."""
     timed_batches = [p["batch"] for p in record["points"] if p["best"] is not None]
     if not timed_batches:
         parts = ["no timed single path of its own"]
@@ -325,7 +347,7 @@ def _crossover_summary(record: dict[str, Any]) -> str:
                                                for p in behind) + ")"
         parts.append(text)
     costs = [p for p in record["points"] if p.get("invariant_vs_auto") is not None]
-    if costs:
+    if costs and invariant:
         parts.append("the batch-invariant policy costs " + ", ".join(
             f"T={p['batch']}: {_signed_percent(p['invariant_vs_auto'])}" for p in costs) + " over auto")
     return f"{record['model']}, {record['routing']} routing: " + "; ".join(parts)
@@ -391,15 +413,30 @@ def crossover_title(record: dict[str, Any]) -> str:
     return f"Crossover: {record['model']}, {record['routing']} routing" + ("" if fmt == "bf16" else f", {fmt} weights")
 
 
-def crossover_notes(record: dict[str, Any], names: list[str] | None = None, code: bool = True) -> list[str]:
-    """Where the cells come from (file -> columns; ``names``: the files, else "run 1"...) and what the marks mean."""
+def link(name: str, base: str | Path | None = None) -> str:
+    """A file ``name`` (as given on the command line) in markdown: a link relative to the folder ``base`` (the
+    document's), else code."""
+    if base is None:
+        return f"`{name}`"
+    target = Path(os.path.relpath(os.path.abspath(name), os.path.abspath(base))).as_posix()
+    return f"[{name}]({target})"
+
+
+def crossover_notes(record: dict[str, Any], names: list[str] | None = None, code: bool = True,
+                    link_base: str | Path | None = None, hide: tuple[str, ...] = ()) -> list[str]:
+    """Where the cells come from (file -> columns; ``names``: the files, else "run 1"...) and what the marks mean.
+    ``link_base``: each file a markdown link relative to that folder; ``hide``: columns not shown (not listed)."""
     quote = "`" if code else ""
-    label = (lambda i: f"{quote}{names[i]}{quote}") if names else (lambda i: f"run {i + 1}")
+    if names and link_base is not None:
+        label = lambda i: link(names[i], link_base)  # noqa: E731
+    else:
+        label = (lambda i: f"{quote}{names[i]}{quote}") if names else (lambda i: f"run {i + 1}")
     by_source: dict[int, list[str]] = {}
     for point in record["points"]:
         for column, cell in point["cells"].items():
-            if cell is not None and column not in by_source.setdefault(cell["source"], []):
+            if cell is not None and column not in hide and column not in by_source.setdefault(cell["source"], []):
                 by_source[cell["source"]].append(column)
+    by_source = {source: columns for source, columns in by_source.items() if columns}
     notes = ["Cells: median µs per layer (% of the read roofline of the run that measured the cell); "
              + "; ".join(f"{label(i)}: {', '.join(cols)}" for i, cols in sorted(by_source.items())) + "."]
     marks = []
@@ -440,27 +477,45 @@ def crossover_rich(record: dict[str, Any], names: list[str] | None = None) -> Gr
 HEADLINE_COLUMNS = ("batch", "strict", "expert-centric", "auto", "peer", "best", "choice", "vs_best", "vs_peer")
 
 
+INVARIANT_KEYS = ("invariant", "invariant_cost")  # the batch-invariant policy's two columns
+
+
+def crossover_record_markdown(record: dict[str, Any], names: list[str] | None = None, level: str = "###",
+                              columns: tuple[str, ...] | None = None, title: str | None = None,
+                              link_base: str | Path | None = None, invariant: bool = True,
+                              figure: str | None = None) -> str:
+    """One crossover table in markdown: heading (``title``, default :func:`crossover_title`), the chart where
+    ``figure`` (an image path) is given, the table, where its cells come from, and the summary line.
+    ``columns``: only these of :data:`CROSSOVER_TITLES`; ``link_base``: the runs as links relative to that folder;
+    ``invariant`` False: without the batch-invariant policy's columns, sources and cost (a table of their own:
+    :func:`invariance_markdown`)."""
+    titles = tuple(t for t in crossover_titles(record) if (columns is None or t[0] in columns)
+                   and (invariant or t[0] not in INVARIANT_KEYS))
+    heading = title or crossover_title(record)
+    lines = [f"{level} {heading}", ""]
+    if figure is not None:
+        lines += [f"![{crossover_title(record)}: µs per layer and % of the roofline against T]({figure})", ""]
+    lines += ["| " + " | ".join(text for _, text in titles) + " |",
+              "|" + "|".join("---" if key in ("best", "choice") else "---:" for key, _ in titles) + "|"]
+    for point in record["points"]:
+        c = crossover_cells(point)
+        if point["best"] is not None:
+            c[point["best"]] = f"**{c[point['best']]}**"
+        lines.append("| " + " | ".join(c[key].replace("|", "\\|") for key, _ in titles) + " |")
+    notes = crossover_notes(record, names, link_base=link_base, hide=() if invariant else ("invariant",))
+    summary = record["summary"] if invariant else _crossover_summary(record, invariant=False)
+    lines += ["", *notes, "", summary]
+    return "\n".join(lines) + "\n"
+
+
 def crossover_markdown(datasets: list[dict[str, Any]], names: list[str] | None = None, level: str = "###",
                        columns: tuple[str, ...] | None = None, formats: tuple[str, ...] | None = None) -> str:
     """One markdown table per (model, routing) with a summary line; "" when no run has two of the paths.
     ``columns``: only these of :data:`CROSSOVER_TITLES` (the compact headline: :data:`HEADLINE_COLUMNS`);
     ``formats``: only the tables of these weight formats."""
-    blocks = []
-    for record in crossover_tables(datasets):
-        if formats is not None and record.get("weight_format", "bf16") not in formats:
-            continue
-        titles = tuple(t for t in crossover_titles(record) if columns is None or t[0] in columns)
-        lines = [f"{level} {crossover_title(record)}", "",
-                 "| " + " | ".join(title for _, title in titles) + " |",
-                 "|" + "|".join("---" if key in ("best", "choice") else "---:" for key, _ in titles) + "|"]
-        for point in record["points"]:
-            c = crossover_cells(point)
-            if point["best"] is not None:
-                c[point["best"]] = f"**{c[point['best']]}**"
-            lines.append("| " + " | ".join(c[key].replace("|", "\\|") for key, _ in titles) + " |")
-        lines += ["", *crossover_notes(record, names), "", record["summary"]]
-        blocks.append("\n".join(lines) + "\n")
-    return "\n".join(blocks)
+    return "\n".join(crossover_record_markdown(record, names, level, columns)
+                     for record in crossover_tables(datasets)
+                     if formats is None or record.get("weight_format", "bf16") in formats)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -707,23 +762,150 @@ def markdown(data: dict[str, Any], crossovers: bool = True) -> str:
     return "\n".join(lines) + "\n"
 
 
-def ratio_markdown(datas: list[dict[str, Any]], slow: str = "numba:warp-decode", fast: str = "cupy:warp-decode") -> str:
-    """Markdown table of median-time ratios ``slow / fast`` per (model, batch) over several runs; "" if none."""
-    medians: dict[tuple[str, int], dict[str, float]] = {}
-    for data in datas:
+def ratio_markdown(datas: list[dict[str, Any]], slow: str = "numba:warp-decode", fast: str = "cupy:warp-decode",
+                   names: list[str] | None = None, link_base: str | Path | None = None) -> str:
+    """Markdown table of median-time ratios ``slow / fast`` per (model, batch), both medians from the same run (a
+    later run that measured both wins the point); "" if none. ``names``: the runs' files, named under the table
+    (links relative to ``link_base`` where given)."""
+    points: dict[tuple[str, int], tuple[float, int]] = {}
+    for index, data in enumerate(datas):
+        medians: dict[tuple[str, int], dict[str, float]] = {}
         for row in data.get("results", []):
             if row.get("status") == "ok" and row.get("median_us") and row["variant"] in (slow, fast):
                 medians.setdefault((row["model"], int(row["batch"])), {})[row["variant"]] = row["median_us"]
-    points = {key: m[slow] / m[fast] for key, m in medians.items() if slow in m and fast in m}
+        points.update({key: (m[slow] / m[fast], index) for key, m in medians.items() if slow in m and fast in m})
     if not points:
         return ""
     batches = sorted({b for _, b in points})
     lines = [f"Time of `{slow}` / time of `{fast}` (median µs per layer, same run):", "",
              "| model | " + " | ".join(f"T={b}" for b in batches) + " |", "|---|" + "---:|" * len(batches)]
     for model in dict.fromkeys(m for m, _ in sorted(points)):
-        lines.append(f"| {model} | " + " | ".join(f"{points[(model, b)]:.2f}" if (model, b) in points else "-"
+        lines.append(f"| {model} | " + " | ".join(f"{points[(model, b)][0]:.2f}" if (model, b) in points else "-"
                                                  for b in batches) + " |")
+    if names:
+        sources = sorted({index for _, index in points.values()})
+        lines += ["", "From " + ", ".join(link(names[i], link_base) for i in sources) + "."]
     return "\n".join(lines) + "\n"
+
+
+FORMAT_NOTES = {  # a sentence under each weight format's heading in a generated report
+    "bf16": "bf16 weights in rows, as checkpoints ship them; the expert-centric baseline and the Triton peer "
+            "(`triton:fused-moe`, the serving engines' design) read the same weights.",
+    "fp8-block128": "e4m3 weights with a float32 scale per 128 x 128 block, as FP8 checkpoints ship them; warp decode "
+                    "keeps bf16 activations (W8A16), the expert-centric baseline and the Triton peer quantize them "
+                    "to FP8 too (W8A8).",
+    "fp8-block128-t16": "the same FP8 values in 16-row x 64-value tiles (1 KB per tensor-core k block) for the "
+                        "tensor-core paths; the expert-centric and peer columns are the row layout's W8A8 ones, shown "
+                        "beside them, never the best single path.",
+    "bf16-t16": "bf16 in the same 1 KB tiles (16 x 32 values) for the tensor-core paths; the expert-centric and peer "
+                "columns are the row layout's, shown beside them, never the best single path.",
+}
+CROSSOVER_LEGEND = (
+    "Each table: median µs per layer at T decode tokens (% of the streaming-read roofline measured in the same run), "
+    "the fastest single path in bold; auto = `kernels.moe_decode` (policy \"fastest\": its dispatch table's pick, "
+    "`auto's choice`); auto vs best / vs peer = auto's time over theirs - 1; ⚠ auto more than "
+    f"{100 * AUTO_SLACK:.0f} % slower than the best single path; † that T's cells come from different runs. "
+    "The chart above each table draws the same cells against T.")
+INVARIANCE_LEGEND = (
+    "What `kernels.moe_decode(..., policy=\"batch_invariant\")` (a token's output bits the same in any batch; "
+    "variants `cupy:auto-invariant`, `-fp8`, `-fp8-t16`, `-t16`) costs over the default policy \"fastest\" (auto) "
+    "on the same weights: invariant µs / auto µs - 1 at each T, both timed in one run (one process); † where that "
+    "run timed no auto there, against the crossover table's auto cell, from another run (so the spread between runs "
+    "is in the figure too). Negative: the invariant policy measured faster.")
+
+
+def invariance_markdown(records: list[dict[str, Any]], names: list[str] | None = None,
+                        link_base: str | Path | None = None) -> str:
+    """The batch-invariant policy's cost over auto, a row per crossover table (``records``) that measured it and a
+    column per T, and the runs each format's cells come from; "" where no table has both."""
+    rows = [r for r in records if any(p.get("invariant_vs_auto") is not None for p in r["points"])]
+    if not rows:
+        return ""
+    batches = sorted({p["batch"] for r in rows for p in r["points"] if p.get("invariant_vs_auto") is not None})
+    lines = [INVARIANCE_LEGEND, "", "| weights | model | routing | " + " | ".join(f"T={b}" for b in batches) + " |",
+             "|---|---|---|" + "---:|" * len(batches)]
+    sources: dict[str, dict[int, list[str]]] = {}  # format -> run -> the columns it gave
+    for record in rows:
+        by_batch = {p["batch"]: p for p in record["points"]}
+        texts = []
+        for batch in batches:
+            point = by_batch.get(batch)
+            if point is None or point.get("invariant_vs_auto") is None:
+                texts.append("-")
+                continue
+            invariant, auto = point["cells"]["invariant"], point["cells"]["auto"]
+            own = point.get("invariant_vs_own_auto")
+            texts.append(_signed_percent(point["invariant_vs_auto"]) + " †" if own is None else _signed_percent(own))
+            runs = sources.setdefault(record["weight_format"], {})
+            used = (("invariant", invariant["source"]), ("auto", invariant["source"] if own is not None
+                                                         else auto["source"]))
+            for column, source in used:
+                if column not in runs.setdefault(source, []):
+                    runs[source].append(column)
+        lines.append(f"| {record['weight_format']} | {record['model']} | {record['routing']} | "
+                     + " | ".join(texts) + " |")
+    label = (lambda i: link(names[i], link_base)) if names else (lambda i: f"run {i + 1}")
+    lines.append("")
+    lines += [f"{fmt}: " + "; ".join(f"{label(i)}: {', '.join(columns)}" for i, columns in sorted(runs.items())) + "."
+              for fmt, runs in sources.items()]
+    return "\n".join(lines) + "\n"
+
+
+def full_tables_line(names: list[str]) -> str:
+    """How to print any one run's full tables (a generated report holds the crossover tables, not every row)."""
+    example = Path(names[0]).parent / "<run>.json" if names else Path("<run>.json")
+    return (f"Any run's full tables (every variant and T, its spread, check and error against fp64): "
+            f"`python -m tools.report {example.as_posix()} --markdown` (without `--markdown`: the rich report); "
+            "the JSON is the record.")
+
+
+def report_markdown(datasets: list[dict[str, Any]], names: list[str], document: str | Path | None = None,
+                    plot_dir: str | Path | None = None) -> str:
+    """The block ``--update-readme`` writes: per weight format, model and routing the crossover table and its chart
+    (``plot_dir``/MODEL-ROUTING-FORMAT-crossover.png, linked relative to the ``document``'s folder; default
+    ``plots/`` beside it), the batch-invariant policy's cost, Numba against CuPy, and how to print any one run in
+    full. Every run is a link to its JSON, relative to the document."""
+    base = Path(document).parent if document is not None else None
+    plots = Path(plot_dir) if plot_dir is not None else (base or Path(".")) / "plots"
+    records = crossover_tables(datasets)
+    order = {model: index for index, model in enumerate(dict.fromkeys(r["model"] for r in records))}
+    records.sort(key=lambda r: (list(CROSSOVER_SETS).index(r["weight_format"]), order[r["model"]]))  # stable
+    lines = [full_tables_line(names), ""]
+    if records:
+        lines += ["## Crossover: which path is fastest at each T", "", CROSSOVER_LEGEND, ""]
+    else:
+        lines += ["These runs have no crossover table (each needs two of the paths of one weight format).", ""]
+    seen_formats = set()
+    for record in records:
+        fmt = record["weight_format"]
+        if fmt not in seen_formats:
+            seen_formats.add(fmt)
+            lines += [f"### {fmt} weights", ""] + ([FORMAT_NOTES[fmt], ""] if fmt in FORMAT_NOTES else [])
+        figure = None
+        if figure_drawn(record):
+            target = plots / f"{crossover_figure_stem(record['model'], record['routing'], fmt)}.png"
+            figure = Path(os.path.relpath(os.path.abspath(target), os.path.abspath(base or "."))).as_posix()
+        lines.append(crossover_record_markdown(record, names, level="####",
+                                               title=f"{record['model']}, {record['routing']} routing",
+                                               link_base=base or Path("."), invariant=False, figure=figure))
+    invariance = invariance_markdown(records, names, base or Path("."))
+    if invariance:
+        lines += ["## Batch-invariance cost", "", invariance]
+    ratios = ratio_markdown(datasets, names=names, link_base=base or Path("."))
+    if ratios:
+        lines += ["## Numba vs CuPy, strict warp decode", "", ratios]
+    return "\n".join(lines)
+
+
+def figure_drawn(record: dict[str, Any]) -> bool:
+    """Whether a crossover table has a chart (``tools.plot.crossover_figure``): a timed cell in a column it draws."""
+    return any(cell is not None and cell["us"] is not None for point in record["points"]
+               for column, cell in point["cells"].items() if column != "invariant")
+
+
+def figure_keys(datasets: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """(model, routing, weight format) of every crossover table with a chart: the figures a report links."""
+    return [(r["model"], r["routing"], r["weight_format"]) for r in crossover_tables(datasets) if figure_drawn(r)]
 
 
 def replace_between_markers(text: str, block: str, begin: str = BEGIN, end: str = END) -> str:
@@ -767,7 +949,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.report", description=__doc__.split("\n")[0],
                                      usage="%(prog)s [-h] [--markdown] [--update-readme FILE] [--headline FILE] "
                                            "[--plot DIR [--plot-format {png,svg}]] JSON [JSON ...]\n"
-                                           "       %(prog)s (--update-readme FILE | --headline FILE)",
+                                           "       %(prog)s (--update-readme FILE [--plot DIR] | --headline FILE)",
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=examples(
                                          "python -m tools.report results/h200-2026-12-02-candidates-uniform.json",
@@ -775,8 +957,8 @@ def main(argv: list[str] | None = None) -> int:
                                          "results/h200-2026-12-02-candidates-zipf.json --markdown",
                                          "python -m tools.report results/h200-2026-12-02-candidates-uniform.json "
                                          "--plot results/plots",
-                                         "python -m tools.report --update-readme results/REPORT.md   # again from "
-                                         "the runs its own command names"))
+                                         "python -m tools.report --update-readme results/REPORT.md --plot "
+                                         "results/plots   # again from the runs its own command names"))
     # "*" here, at least one below: so an unknown option is reported before a missing JSON
     parser.add_argument("json", nargs="*", metavar="JSON",
                         help="result files written by python -m tools.bench --json (in order; default with one of "
@@ -784,17 +966,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", action="store_true",
                         help="print markdown tables instead of the rich report (default: the rich report)")
     parser.add_argument("--update-readme", metavar="FILE",
-                        help="replace the bench block of this file with every table (default: no file changed)")
+                        help="replace the bench block of this file with the report: the crossover tables and their "
+                             "charts' links, the batch-invariance cost, Numba vs CuPy, each linked to its runs "
+                             "(default: no file changed)")
     parser.add_argument("--headline", metavar="FILE", help="replace the headline block of this file with the "
                                                            "crossover tables (default: no file changed)")
     parser.add_argument("--plot", metavar="DIR", help="draw the runs as figures under DIR (results/plots/ by "
-                                                      "convention) and print their paths; needs matplotlib "
+                                                      "convention) and print their paths; with --update-readme, the "
+                                                      "charts that document links; needs matplotlib "
                                                       "(default: no figures)")
     parser.add_argument("--plot-format", choices=PLOT_FORMATS, help="png (default) or svg: SVG beside each PNG")
     args = parser.parse_args(argv)
     if args.plot_format and not args.plot:
         parser.error("--plot-format: give --plot DIR too")
-    if args.plot and not args.json:
+    if args.plot and not args.json and not args.update_readme:
         parser.error("--plot: give the JSON files to draw (python -m tools.report RUN.json ... --plot DIR)")
     if not args.json and bool(args.update_readme) != bool(args.headline):  # one document: the runs it names
         option, document = ("--update-readme", args.update_readme) if args.update_readme else ("--headline",
@@ -822,12 +1007,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{parser.prog}: error: --plot needs matplotlib>=3.7 (pip install 'matplotlib>=3.7'): {exc}",
                   file=sys.stderr)
             return 2
-        written = plot.write(datas, args.plot, args.plot_format or "png")
+        if args.update_readme:  # the document's figures: a chart per crossover table, the ones it links
+            written = plot.write_crossover(datas, args.plot, figure_keys(datas), args.plot_format or "png")
+        else:
+            written = plot.write(datas, args.plot, args.plot_format or "png")
         if not written:
             print(f"{parser.prog}: nothing to draw: no timed rows in {', '.join(args.json)}", file=sys.stderr)
             return 1
         print("\n".join(str(path) for path in written))
-    crossovers = crossover_markdown(datas, names=args.json)
     if args.headline:
         compact = crossover_markdown(datas, names=args.json, level="####", columns=HEADLINE_COLUMNS,
                                      formats=("bf16",))
@@ -839,13 +1026,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--headline: {exc}")
         print(f"updated the headline of {args.headline} from {', '.join(args.json)}")
     if args.update_readme:
-        # the crossover tables first (the answer: which path where), then every run's full tables
-        per_run = "\n".join(f"From `{path}`:\n\n{markdown(data, crossovers=False)}"
-                             for path, data in zip(args.json, datas, strict=True))
-        block = (crossovers + "\n### Every run in full\n\n" + per_run) if crossovers else per_run
-        ratios = ratio_markdown(datas)
-        if ratios:
-            block += "\n### Numba vs CuPy, strict warp decode\n\n" + ratios
+        # the answers (which path where, what invariance costs), each linked to its runs; a run in full on demand
+        block = report_markdown(datas, args.json, args.update_readme, args.plot)
         try:
             update_readme(args.update_readme, block)
         except (OSError, ValueError) as exc:
@@ -854,6 +1036,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.headline or (args.plot and not args.markdown):
         pass
     elif args.markdown:
+        crossovers = crossover_markdown(datas, names=args.json)
         sys.stdout.write("\n".join([*(markdown(data, crossovers=False) for data in datas), crossovers]))
     else:
         console = output_console()

@@ -27,6 +27,7 @@ from typing import Any
 
 from kernels.compile import CudaSource, get_kernel, register_source
 from tools.cli import examples, positive_int
+from tools.gpu import capture, gpu_available
 
 # Peak HBM bandwidth from the vendors' datasheets, TB/s (10^12 bytes/s). First matching substring wins.
 DATASHEET_TBPS: tuple[tuple[str, float], ...] = (
@@ -141,17 +142,6 @@ def _time_graph(graph: Any, stream: Any, repeats: int, inner: int) -> list[float
 
 def _ptr(arr: Any) -> int:
     return arr.data.ptr
-
-
-def capture(stream: Any, fn: Any) -> Any:
-    """``fn()``'s launches on ``stream`` captured as a CUDA graph (capture ends even when ``fn`` raises)."""
-    stream.begin_capture()
-    try:
-        with stream:
-            fn()
-    finally:
-        graph = stream.end_capture()
-    return graph
 
 
 def time_launches(launches: list[Any], repeats: int = 20, inner: int = 5) -> list[float]:
@@ -314,9 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the measured record here (default: not written)")
     args = parser.parse_args(argv)
 
-    from tools import harness
-
-    gpu, why = harness.gpu_available()
+    gpu, why = gpu_available()
     if not gpu:
         print(f"no CUDA GPU ({why}): no roofline measured")
         return 0

@@ -4,6 +4,7 @@ figures (``tools.plot``), so neither imports the other's module for it."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 PLOT_FORMATS = ("png", "svg")  # --plot-format: PNG always, SVG beside it on request (tools.plot.FORMATS)
@@ -66,3 +67,15 @@ def latest_rows(datasets: list[dict[str, Any]]) -> dict[tuple[str, str, str, int
             key = (row["model"], row_routing(data, row), row["variant"], int(row["batch"]))
             found[key] = {"row": row, "source": index, "roof": roof}
     return found
+
+
+def figure_stem(*parts: str) -> str:
+    """``qwen3-30b-a3b``, ``uniform``, ``bf16`` -> ``qwen3-30b-a3b-uniform-bf16``: a figure's file name without its
+    suffix (anything but [A-Za-z0-9._-] to _). Here, not in ``tools.plot``, so that a document can link a figure
+    without importing matplotlib."""
+    return "-".join(re.sub(r"[^A-Za-z0-9._-]+", "_", part) for part in parts)
+
+
+def crossover_figure_stem(model: str, routing: str, weight_format: str) -> str:
+    """The file name (no suffix) of the chart of one crossover table (``tools.plot.crossover_figure``)."""
+    return figure_stem(model, routing, weight_format, "crossover")

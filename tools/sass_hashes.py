@@ -134,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", default=DEFAULT_TABLE, help="dispatch table whose picks to hash (default: H200's)")
     parser.add_argument("--tokens", type=int_list, default=None,
                         help="only these batches (default: every batch in the table)")
-    parser.add_argument("--out", help="write the hashes here (JSON)")
-    parser.add_argument("--compare", help="compare against hashes written earlier; exit 1 if any differ")
+    parser.add_argument("--out", help="write the hashes here (JSON; default: not written)")
+    parser.add_argument("--compare",
+                        help="compare against hashes written earlier; exit 1 if any differ (default: no comparison)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes (default: CPUs)")
     args = parser.parse_args(argv)
     if not args.out and not args.compare:
