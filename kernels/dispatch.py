@@ -4,11 +4,12 @@
     out = kernels.dispatch.moe_decode(x, w13, w2, topk_ids, topk_weights, out=out, workspace=ws, policy="fastest")
 
 Candidates: ``"cupy:warp-decode"`` (strict: one warp per (token, slot, neuron); best when few pairs share an expert),
-``"cupy:warp-decode-batched"`` (each active expert's weights read once per batch), ``"cupy:warp-decode-mma"`` (batched on tensor cores:
-mma.sync, FP32 accumulators -- warp decode's numerics in the tensor core's summation order), the batch-invariant
-pair (below: ``"cupy:warp-decode-mma-pairs"``, ``"cupy:warp-decode-mma-grouped"``) and ``"cupy:expert-centric"``
-(align, gather, grouped GEMMs, SiLU, combine: reproduces ``reference.moe_decode(mode="classical")``, four bf16
-roundings). The five warp-decode paths reproduce mode "warp_decode".
+``"cupy:warp-decode-batched"`` (each active expert's weights read once per batch), ``"cupy:warp-decode-mma"``
+(batched on tensor cores: mma.sync, FP32 accumulators -- warp decode's numerics in the tensor core's summation
+order), the batch-invariant pair (below: ``"cupy:warp-decode-mma-pairs"``, ``"cupy:warp-decode-mma-grouped"``)
+and ``"cupy:expert-centric"`` (align, gather, grouped GEMMs, SiLU, combine: reproduces
+``reference.moe_decode(mode="classical")``, four bf16 roundings). The five warp-decode paths reproduce mode
+"warp_decode".
 
 Policies (``policy=``, :data:`POLICIES`; candidates in :data:`POLICY_CANDIDATES`): ``"fastest"`` (the default), the
 fastest of the six; ``"warp_decode"``, the five warp-decode paths only, keeping warp decode's numerics;

@@ -30,7 +30,7 @@ from kernels.batched.mma import MMA, grouped_knobs
 from kernels.batched.pairs import PAIRS
 from kernels.contract import BF16, Dims, check_aligned, check_inputs, check_out, require_cupy
 from kernels.family import KernelFamily
-from kernels.formats import FP8_BLOCK128, FP8_BLOCK128_T16, BF16_T16, Quantized, format_of, get_format
+from kernels.formats import BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, Quantized, format_of, get_format
 from kernels.variants import Variant, register
 
 FAMILIES = {"fma": FMA, "mma": MMA, "pairs": PAIRS}
@@ -72,7 +72,8 @@ def warp_decode_batched(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: 
     params = chosen.resolve(dims, **knobs)  # knob errors first (no device call), then the alignment, the compile
     if workspace is not None:
         if not isinstance(workspace, Workspace):
-            raise TypeError(f"workspace must come from kernels.batched.make_workspace(), got {type(workspace).__name__}")
+            raise TypeError(f"workspace must come from kernels.batched.make_workspace(), got "
+                            f"{type(workspace).__name__}")
         if not workspace.matches(dims):
             raise ValueError(f"workspace was made for {workspace.dims}, this call needs {dims}")
         if params.get("DB_GROUPED") and workspace.pair_out is None:

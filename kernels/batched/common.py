@@ -45,6 +45,28 @@ class FormatFamilies:
         return dict(self._families)
 
 
+def sample_variants(resolve: Callable[..., dict[str, int]], defaults: dict[str, int],
+                    knob_sets: tuple[dict[str, int], ...] = ({},)) -> list[dict[str, int]]:
+    """What a family's offline compile report compiles besides its defaults: the knob sets ``resolve(dims, **knobs)``
+    gives at qwen3-30b-a3b T = 1 and 64 and qwen3-235b-a22b T = 4 (the dispatch's regimes; ``tools.sass_hashes``
+    covers every pick), as overrides of ``defaults``, skipping dims a format cannot hold."""
+    from kernels.shapes import PRESETS
+
+    seen: list[dict[str, int]] = []
+    for model, t in (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 64), ("qwen3-235b-a22b", 4)):
+        shape = PRESETS[model]
+        dims = Dims(t, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
+        for knobs in knob_sets:
+            try:
+                params = resolve(dims, **knobs)
+            except ValueError:
+                continue
+            override = {key: value for key, value in params.items() if defaults.get(key) != value}
+            if override not in seen:
+                seen.append(override)
+    return seen
+
+
 def block_registers(warps: int, cap: int) -> int:
     """Registers a block of ``warps`` warps takes under a __maxnreg__ ``cap`` (allocated in units of 8)."""
     return warps * 32 * -(-cap // 8) * 8

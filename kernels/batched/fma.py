@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 from kernels.batched import lists
-from kernels.batched.common import FormatFamilies, allocate, check_register_caps, weight_args
+from kernels.batched.common import FormatFamilies, allocate, check_register_caps, sample_variants, weight_args
 from kernels.batched.loaders import loader_for
-from kernels.compile import CudaSource, launch_ex, preset_variants
+from kernels.compile import CudaSource, launch_ex
 from kernels.contract import Dims
 from kernels.device_helpers import BATCHED_HELPERS, BLOCK_OUTPUTS, FP8_HELPERS, PDL_HELPERS, WARP_HELPERS
 from kernels.family import Compiled, KernelFamily, Stage
@@ -190,7 +190,7 @@ def make_family(fmt: WeightFormat) -> KernelFamily:
     family = KernelFamily(name=f"warp-decode-batched{suffix}", source=source, limits=LIMITS, auto_knobs=AUTO_KNOBS,
                           derived=tuple(DERIVED), rules=make_rules(fmt), device_needs={"PDL": 90},
                           workspace=lambda dims, params: make_workspace(dims), stages=make_stages(fmt))
-    source.variants = preset_variants(family.resolve, source.defaults)
+    source.variants = sample_variants(family.resolve, source.defaults)
     return family
 
 
@@ -204,8 +204,9 @@ CODE = r"""
 // Knobs (#defines set by kernels.compile): GB_* gate/up, DB_* down: *_WARPS warps per block, *_OUTS outputs per warp,
 // *_TILE pairs per pass (FP32 accumulators [TILE][OUTS] in registers), *_UNROLL chunk rounds in flight per lane,
 // *_BYTES activation bytes per lane per load (4, 8, 16; the loader's WEIGHT_CHUNK_BYTES of weights), *_MAX_REGS
-// register cap (0: __launch_bounds__ only); DB_BYTES (16, derived) the down's activation bytes per load; PDL 1: each kernel waits (griddepcontrol.wait) before it reads what the kernel right before it
-// wrote, then lets the next kernel's blocks launch (the down reads the lists, two kernels back, before its wait).
+// register cap (0: __launch_bounds__ only; DB_BYTES is 16, derived); PDL 1: each kernel waits (griddepcontrol.wait)
+// before it reads what the kernel right before it wrote, then lets the next kernel's blocks launch (the down reads the
+// lists, two kernels back, before its wait).
 static_assert(GB_WARPS >= 1 && GB_WARPS <= 32 && DB_WARPS >= 1 && DB_WARPS <= 32, "WARPS must be 1..32");
 static_assert(GB_OUTS >= 1 && GB_OUTS <= 32 && DB_OUTS >= 1 && DB_OUTS <= 32, "OUTS must be 1..32");
 static_assert(GB_TILE >= 1 && GB_TILE <= 32 && DB_TILE >= 1 && DB_TILE <= 32, "TILE must be 1..32");

@@ -31,12 +31,13 @@ from kernels.batched.common import (
     block_registers,
     check_register_caps,
     experts_average,
+    sample_variants,
     weight_args,
 )
 from kernels.batched.loaders import LOADERS, loader_for
 from kernels.batched.mma_core import CODE as CORE
 from kernels.batched.mma_cuda import CODE, DOWN, DOWN_GROUPED, FAMILY_DEFINES, GATE_UP, SUM_SLOTS
-from kernels.compile import CudaSource, launch_ex, preset_variants
+from kernels.compile import CudaSource, launch_ex
 from kernels.contract import Dims
 from kernels.device_helpers import BATCHED_HELPERS, BLOCK_OUTPUTS, FP8_HELPERS, PDL_HELPERS, WARP_HELPERS
 from kernels.family import Compiled, KernelFamily, Stage
@@ -211,7 +212,8 @@ def takes_pass_regs(dims: Dims, values: dict[str, int], fmt: WeightFormat, stage
 
 def auto_row_tiles(dims: Dims, values: dict[str, int], fmt: WeightFormat) -> int:
     """DB_ROW_TILES: 2 on the FP8 grouped down at I >= 1536 with DB_UNROLL >= 2 where T*K >= 2E, else 1. H200
-    (results/sweep-2026-12-03-fp8-widening-row-tiles-*.json): qwen3-235b T = 32 / 64 527.5 / 604.0 -> 523.7 / 591.3 us."""
+    (results/sweep-2026-12-03-fp8-widening-row-tiles-*.json): qwen3-235b T = 32 / 64 527.5 / 604.0 -> 523.7 / 591.3
+    us."""
     wide = values["DB_GROUPED"] and wide_fp8(dims, fmt) and values["DB_UNROLL"] >= 2
     return 2 if wide and experts_average(dims, GROUPED_FROM_PAIRS_PER_EXPERT) else 1
 
@@ -290,8 +292,8 @@ def make_rules(fmt: WeightFormat) -> Any:
         if down_unroll_auto and values["DB_GROUPED"] and wide_fp8(dims, fmt) and values["DB_ROW_TILES"] == 1:
             values["DB_UNROLL"] = ONE_TILE_DOWN_UNROLL  # results/sweep-2026-12-03-grouped-down-unroll-*.json
         if values["DB_ROW_TILES"] > 1 and not values["DB_GROUPED"]:
-            raise ValueError(f"DB_ROW_TILES {values['DB_ROW_TILES']} gives the grouped down's warps more rows: it needs "
-                             f"DB_GROUPED 1, got 0")
+            raise ValueError(f"DB_ROW_TILES {values['DB_ROW_TILES']} gives the grouped down's warps more rows: it "
+                             "needs DB_GROUPED 1, got 0")
         if values["GB_SHARE"] == -1:
             values["GB_SHARE"] = auto_share(dims, values, fmt)
         _check_share(values)
@@ -394,8 +396,7 @@ def make_family(fmt: WeightFormat) -> KernelFamily:
     family = KernelFamily(name=f"warp-decode-mma{suffix}", source=source, limits=LIMITS, auto_knobs=AUTO_KNOBS,
                           derived=tuple(DERIVED), rules=make_rules(fmt), device_needs={"PDL": 90},
                           kernel_names=kernel_names, workspace=make_workspace, stages=make_stages(fmt))
-    source.variants = [*preset_variants(family.resolve, source.defaults),
-                       *preset_variants(lambda dims: family.resolve(dims, **grouped_knobs(fmt)), source.defaults)]
+    source.variants = sample_variants(family.resolve, source.defaults, ({}, grouped_knobs(fmt)))
     return family
 
 

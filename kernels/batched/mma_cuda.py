@@ -8,7 +8,7 @@ FAMILY_DEFINES = r"""
 #define GB_NBLK 1            // 8-pair blocks per gate_up pass (2: measured slower at every T, notes/PROTOTYPES.md)
 #define DB_NBLK 1            // ... per down pass
 #define PAIR_TILES 1         // the lists with the tile table: gate_up and the downs run one block row per tile
-#define DOWN_WAITS_LATE 1    // the downs issue their first w2 loads before the PDL wait (they stream during gate_up's tail)
+#define DOWN_WAITS_LATE 1    // the downs' first w2 loads go before the PDL wait (they stream during gate_up's tail)
 // HOT_NBLK > GB_NBLK: a tile holds up to 8 * HOT_NBLK pairs, and a tile with more than one GB_NBLK pass of pairs
 // runs in ONE pass of HOT_NBLK 8-pair blocks (the A fragments loaded and widened once for all of them) with fewer k
 // blocks in flight (the B fragments' registers stay those of the normal pass); the grouped down likewise with DB_NBLK,
@@ -32,7 +32,7 @@ CODE = r"""
 // GB_KSPLIT S: each dot's k chain in S fixed ranges (k_range, a function of H and S alone), each its own mma chain
 // from 0, the partials added in range order (__fadd_rn) -- GB_RANGE_FLUSH (derived) walks them in one loop;
 // GB_SHARE 2 / 4: a hot expert's tiles in groups whose warps share each round's widened A fragments through shared
-// memory (share_group; the same bits); HOT_NBLK, GB_HOT_UNROLL, DB_HOT_UNROLL: a hot expert's tiles in one pass (above);
+// memory (share_group; the same bits); HOT_NBLK, GB_HOT_UNROLL, DB_HOT_UNROLL: a hot expert's tiles in one pass;
 // DB_GROUPED 1: the down as a grouped GEMM over the tile table writing each pair's weighted FP32 row, then
 // moe_sum_slots sums a token's K rows in slot order (the reference's order) and rounds once; 0: moe_down_mma's
 // balanced runs; DB_ROW_TILES 2: the grouped down's warps take two 16-row tiles sharing each B fragment;
@@ -42,11 +42,13 @@ static_assert(GB_UNROLL >= 1 && DB_UNROLL >= 1, "UNROLL must be >= 1");
 static_assert(PDL == 0 || PDL == 1, "PDL must be 0 or 1");
 static_assert(HOT_NBLK >= 0 && HOT_NBLK <= 4, "HOT_NBLK is 0..4");
 static_assert(DB_GROUPED == 0 || DB_GROUPED == 1, "DB_GROUPED is 0 or 1");
-static_assert(DB_ROW_TILES == 1 || (DB_ROW_TILES == 2 && DB_GROUPED == 1), "DB_ROW_TILES is 1 or 2 (2 needs DB_GROUPED 1)");
+static_assert(DB_ROW_TILES == 1 || (DB_ROW_TILES == 2 && DB_GROUPED == 1),
+              "DB_ROW_TILES is 1 or 2 (2 needs DB_GROUPED 1)");
 static_assert(GB_KSPLIT >= 1 && GB_KSPLIT <= 8, "GB_KSPLIT is 1..8");
 static_assert(GB_SHARE >= 0 && GB_SHARE <= 4 && GB_SHARE != 3 &&
               (GB_SHARE <= 1 || ((GB_KSPLIT == 1 || GB_RANGE_FLUSH == 1) && GB_WARPS % GB_SHARE == 0)),
-              "GB_SHARE is 0, 1, 2 or 4 (2 / 4 need one k loop -- GB_KSPLIT 1 or GB_RANGE_FLUSH 1 -- and divide GB_WARPS)");
+              "GB_SHARE is 0, 1, 2 or 4 (2 / 4 need one k loop -- GB_KSPLIT 1 or GB_RANGE_FLUSH 1 -- and divide "
+              "GB_WARPS)");
 #define GB_HOT_ROUNDS (GB_HOT_UNROLL > 0 ? GB_HOT_UNROLL : HOT_UNROLL(GB_UNROLL, GB_NBLK))
 #define GB_SHARE_UNROLL (HOT_GB ? GB_HOT_ROUNDS : GB_UNROLL)
 static_assert(GB_SHARE <= 1 || GB_WARPS / 2 * 2 * SHARE_ROUND(GB_SHARE_UNROLL, 1) * 16 <= 48 * 1024,
@@ -171,7 +173,8 @@ __device__ __forceinline__ void gate_up_passes(const ARows& rows, const bf16_t* 
 }
 
 // ------------------------------------------------------------------------------------------------
-// moe_gate_up_mma: block b owns work unit a, a tile of one slot's pairs (the tile table); its warp w owns neurons i0 .. i0+7,
+// moe_gate_up_mma: block b owns work unit a, a tile of one slot's pairs (the tile table); its warp w owns neurons
+//   i0 .. i0+7,
 //   i0 = ((b mod per_slot) * GB_WARPS + w) * 8: A rows 0..7 = gate rows i0+g, rows 8..15 = up rows i0+g, so
 //   lane (g, q) ends with gate AND up of neuron i0+g for pairs 2q, 2q+1 of each 8-pair block -- SiLU(g) * u
 //   and the one bf16 rounding happen in the lane, no shuffle. B column g = x[token of pair g] (L1 hits).

@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from kernels.batched.common import FormatFamilies, allocate, check_register_caps, weight_args
+from kernels.batched.common import FormatFamilies, allocate, check_register_caps, sample_variants, weight_args
 from kernels.batched.loaders import LOADERS, loader_for
 from kernels.batched.mma import invariant_ksplit
 from kernels.batched.mma_core import CODE as CORE
-from kernels.compile import CudaSource, launch_ex, preset_variants
+from kernels.compile import CudaSource, launch_ex
 from kernels.contract import Dims
 from kernels.device_helpers import BATCHED_HELPERS, FP8_HELPERS, PDL_HELPERS, WARP_HELPERS
 from kernels.family import Compiled, KernelFamily, Stage
@@ -153,7 +153,7 @@ def make_family(fmt: WeightFormat) -> KernelFamily:
     family = KernelFamily(name=f"warp-decode-pairs{suffix}", source=source, limits=LIMITS, auto_knobs=AUTO_KNOBS,
                           derived=tuple(DERIVED), rules=make_rules(fmt), device_needs={"PDL": 90},
                           workspace=make_workspace, stages=make_stages(fmt))
-    source.variants = preset_variants(family.resolve, source.defaults)
+    source.variants = sample_variants(family.resolve, source.defaults)
     return family
 
 
