@@ -5,7 +5,7 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_sanitizer_ncu
 ``compute-sanitizer --tool memcheck python3 notes/diag_sanitizer_ncu.py small`` or
 ``ncu --clock-control none --section SpeedOfLight ... python3 notes/diag_sanitizer_ncu.py t64``.
 
-* ``small``  the warp-decode paths (strict, batched, mixed, MMA) and the fused prototype, eagerly, on
+* ``small``  the warp-decode paths (strict, batched, MMA; mixed until it left) and the fused prototype, eagerly, on
              small odd shapes and on qwen3-30b-a3b T = 1; every output compared with the references (NaN-poisoned
              first), so a checker run also says the results were right under the tool.
 * ``skew``   the tensor-core batched kernels' work units (tiles of pairs, whole slots, the grouped down with its
@@ -50,6 +50,9 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_sanitizer_ncu
 * ``bf16-t16`` the three tensor-core bf16 paths on bf16-t16 tiles (W_TILED without W_FP8) on odd tiling shapes and at
              qwen3-30b-a3b T = 20, skewed routings, outputs compared with the references on the row layout
              (added 2026-12-04, for the bf16 tiles).
+* ``families`` every batched family on every weight format it reads (kernels.batched.PATHS) on odd shapes and at
+             qwen3-30b-a3b T = 20, skewed routings, hot tiles in two-block passes, outputs compared with the
+             references (added 2026-12-04, for the families and their loaders).
 * ``fp8-chunks`` strict FP8 at 16-value chunks (and 8 slots at 16-value gate_up chunks) on a shape with partial
              scale blocks at both edges and at qwen3-30b-a3b T = 2 (added 2026-12-01 late).
 """
@@ -67,8 +70,7 @@ from kernels.shapes import MoEShape
 from kernels.variants import get_variant
 from tests.warp_checks import ODD_SHAPES, _assert_matches, _poisoned_out, _references
 
-PATHS = ("cupy:warp-decode", "cupy:warp-decode-batched", "cupy:warp-decode-mixed", "cupy:warp-decode-mma",
-         "proto:fused-layer")
+PATHS = ("cupy:warp-decode", "cupy:warp-decode-batched", "cupy:warp-decode-mma", "proto:fused-layer")
 
 
 def _dims(problem: object) -> Dims:
@@ -94,15 +96,11 @@ def small() -> None:
             print("ok", name, dims, flush=True)
 
 
-SKEW_KNOBS = (
-    {"PAIR_TILES": 0, "DB_GROUPED": 0},
-    {"PAIR_TILES": 1, "DB_GROUPED": 0},
-    {"PAIR_TILES": 1, "DB_GROUPED": 1},
-)
+SKEW_KNOBS = ({"DB_GROUPED": 0}, {"DB_GROUPED": 1})  # the balanced down's runs, the grouped down and its sum
 
 
 def skew() -> None:
-    from kernels import warp_decode_batched as wdb
+    from kernels import batched
 
     for shape, tokens, routing in ((ODD_SHAPES["h264-i40"], 9, "same"), (ODD_SHAPES["h2880-i264"], 37, "zipf"),
                                    ("qwen3-30b-a3b", 40, "zipf-2")):
@@ -110,9 +108,8 @@ def skew() -> None:
         dims = _dims(problem)
         faithful, oracle = _references(problem)
         for knobs in SKEW_KNOBS:
-            params = {**wdb.MMA_KNOBS, **knobs}
             out = _poisoned_out(cupy, dims.tokens, dims.hidden)
-            wdb.warp_decode_batched(*problem.arrays, out=out, **params)
+            batched.warp_decode_batched(*problem.arrays, out=out, path="mma", **knobs)
             cupy.cuda.runtime.deviceSynchronize()
             _assert_matches(cupy.asnumpy(out), faithful, oracle, f"{knobs} {dims} {routing}", own_order=True)
             print("ok", knobs, dims, routing, flush=True)
@@ -254,29 +251,25 @@ WHOLE_FLUSH_SHAPE = MoEShape("h1024-i128", 1024, 128, 8, 4)  # 16-chunk gate_up 
 
 
 def whole_flush() -> None:
-    """Both forms on, checked by resolve_params (which refuses them where they cannot run)."""
-    from kernels import warp_decode_batched as wdb
+    """Both forms where the rules derive them (the shape's ranges are whole rounds), printed from the resolved knobs."""
     from kernels.reference import moe_decode
 
-    both = {"DB_WHOLE_RANGES": 1, "GB_RANGE_FLUSH": 1}
     for tokens, routing in ((9, "zipf"), (6, "same")):
         problem = make_problem(WHOLE_FLUSH_SHAPE, tokens, seed=8, routing=routing, xp=cupy)
         faithful, oracle = _references(problem)
         tag = f"{_dims(problem)} {routing}"
-        _run_checked("cupy:warp-decode-mma-grouped", problem, (problem.w13, problem.w2), faithful, oracle, tag, **both)
-        _run_checked("cupy:warp-decode-mma", problem, (problem.w13, problem.w2), faithful, oracle, tag,
-                     DB_GROUPED=1, DB_WHOLE_RANGES=1)
+        _run_checked("cupy:warp-decode-mma-grouped", problem, (problem.w13, problem.w2), faithful, oracle, tag)
+        _run_checked("cupy:warp-decode-mma", problem, (problem.w13, problem.w2), faithful, oracle, tag, DB_GROUPED=1)
         problem, weights, args, oracle = _fp8_case(WHOLE_FLUSH_SHAPE, tokens, routing)
         faithful = moe_decode(*args, mode="warp_decode", weight_format="fp8-block128")
-        _run_checked("cupy:warp-decode-mma-grouped-fp8", problem, weights, faithful, oracle, tag, GB_UNROLL=2,
-                     GB_RANGE_FLUSH=1)
-    print("resolved", wdb.resolve_params(_dims(problem), **{**wdb.GROUPED_KNOBS, **both}), flush=True)
+        _run_checked("cupy:warp-decode-mma-grouped-fp8", problem, weights, faithful, oracle, tag, GB_UNROLL=2)
+    print("resolved", get_variant("cupy:warp-decode-mma-grouped").resolve(_dims(problem)), flush=True)
 
 
 HOT_CASES = (  # (variant, knobs): a hot tile in one pass of 2 / 3 blocks, the grouped and the balanced downs
-    ("cupy:warp-decode-mma-grouped", {"GB_NBLK": 1, "HOT_NBLK": 3}),
-    ("cupy:warp-decode-mma", {"GB_NBLK": 1, "HOT_NBLK": 2, "DB_GROUPED": 0}),
-    ("cupy:warp-decode-mma-grouped-fp8", {"GB_UNROLL": 2, "HOT_NBLK": 2, "GB_RANGE_FLUSH": 1}),
+    ("cupy:warp-decode-mma-grouped", {"HOT_NBLK": 3}),
+    ("cupy:warp-decode-mma", {"HOT_NBLK": 2, "DB_GROUPED": 0}),
+    ("cupy:warp-decode-mma-grouped-fp8", {"GB_UNROLL": 2, "HOT_NBLK": 2}),
     ("cupy:warp-decode-mma-fp8", {"HOT_NBLK": 2, "DB_GROUPED": 0}),
     # bf16 two-block hot passes as auto_hot_nblk gives them at large experts: the grouped down, both kernels under
     # the 96-register caps (PASS_REGS), the share groups as resolved (added 2026-12-03)
@@ -289,10 +282,8 @@ def hot() -> None:
     """HOT_NBLK: tiles of up to 16 / 24 pairs, a hot expert's tile in one pass of 2 / 3 8-pair blocks, bf16 and FP8,
     under Zipf and all-on-one-set routings (added 2026-12-02, for hot tiles; the tensor-core cases run the
     single-chain gate_up's hot passes at GB_UNROLL k blocks since auto_hot_gate_up_unroll, 2026-12-03)."""
-    from kernels import warp_decode_batched as wdb
-
     problem = _bf16_and_fp8_cases(WHOLE_FLUSH_SHAPE, HOT_CASES)
-    print("resolved", wdb.resolve_params(_dims(problem), **{**wdb.MMA_FP8_KNOBS, **HOT_CASES[-1][1]}), flush=True)
+    print("resolved", get_variant("cupy:warp-decode-mma").resolve(_dims(problem), **HOT_CASES[-1][1]), flush=True)
 
 
 def _bf16_and_fp8_cases(shape: MoEShape, cases: tuple[tuple[str, dict[str, int]], ...]) -> object:
@@ -330,17 +321,54 @@ ROW_TILES_SHAPE = MoEShape("h1040-i128", 1040, 128, 8, 4)  # 32.5 warps of 32 ro
 
 
 def row_tiles() -> None:
-    """The FP8 tensor-core kernels with the widening's multiply on B (FP8_PRMT 2, and 3: the intermediate written
-    x 2^8) and the grouped down at two row tiles per warp (DB_ROW_TILES 2, with hot tiles), FP8 and bf16, on a shape
-    whose H is not a multiple of a warp's 32 rows, under Zipf and all-on-one-set routings (added 2026-12-03, for those
-    knobs)."""
+    """The FP8 tensor-core kernels (the widening's multiply on B: FP8_PRMT 2 on the tensor-core pair, 3 on the
+    per-pair pair) and the grouped down at two row tiles per warp (DB_ROW_TILES 2, with hot tiles), FP8 and bf16, on
+    a shape whose H is not a multiple of a warp's 32 rows, under Zipf and all-on-one-set routings (added 2026-12-03,
+    for those knobs)."""
     cases = (("cupy:warp-decode-mma-grouped-fp8", {"DB_ROW_TILES": 2, "HOT_NBLK": 2}),
-             ("cupy:warp-decode-mma-fp8", {"FP8_PRMT": 2, "DB_GROUPED": 1, "DB_ROW_TILES": 2}),
-             ("cupy:warp-decode-mma-pairs-fp8", {"FP8_PRMT": 2}),
+             ("cupy:warp-decode-mma-fp8", {"DB_GROUPED": 1, "DB_ROW_TILES": 2}),
+             ("cupy:warp-decode-mma-pairs-fp8", {}),
              ("cupy:warp-decode-mma-grouped", {"DB_ROW_TILES": 2}),
-             ("cupy:warp-decode-mma-fp8", {"FP8_PRMT": 3, "GB_UNROLL": 2}),
-             ("cupy:warp-decode-mma-pairs-fp8", {"FP8_PRMT": 3}))
+             ("cupy:warp-decode-mma-fp8", {"GB_UNROLL": 2}))
     _bf16_and_fp8_cases(ROW_TILES_SHAPE, cases)
+
+
+FAMILY_SHAPES = ((MoEShape("h160-i96", 160, 96, 12, 4), 9, "zipf"),
+                 (MoEShape("h576-i448", 576, 448, 24, 6), 37, "same"),
+                 (ODD_SHAPES["h264-i40"], 9, "same"), (ODD_SHAPES["h2880-i264"], 37, "zipf"),
+                 ("qwen3-30b-a3b", 20, "zipf-2"))
+
+
+def families() -> None:
+    """Every registered batched path (kernels.batched.PATHS: each family on each weight format) on odd shapes and
+    qwen3-30b-a3b under skewed routings, with hot tiles in two-block passes and the grouped down where they apply,
+    outputs compared with the references on the same weights (added 2026-12-04, for the families)."""
+    from kernels import batched
+    from kernels.formats import get_format
+    from kernels.reference import moe_decode
+
+    for shape, tokens, routing in FAMILY_SHAPES:
+        problem, fp8_weights, args, fp8_oracle = _fp8_case(shape, tokens, routing)
+        faithful, oracle = _references(problem)
+        fp8_faithful = moe_decode(*args, mode="warp_decode", weight_format="fp8-block128")
+        tag = f"{_dims(problem)} {routing}"
+        for name in batched.PATHS:
+            variant = get_variant(name)
+            fmt = get_format(variant.weight_format)
+            if not variant.can_run(_dims(problem)):
+                continue
+            try:
+                variant.resolve(_dims(problem))
+            except ValueError as error:  # a tiled format on dims it cannot tile
+                print("skip", name, tag, error, flush=True)
+                continue
+            fp8 = fmt.scaled
+            rows = fp8_weights if fp8 else (problem.w13, problem.w2)
+            weights = fmt.from_rows(*rows) if fmt.tiled else rows
+            extra = ({"HOT_NBLK": 2},) if variant.resolve(_dims(problem)).get("HOT_NBLK") == 0 else ()
+            for knobs in ({}, *extra):
+                _run_checked(name, problem, weights, fp8_faithful if fp8 else faithful, fp8_oracle if fp8 else oracle,
+                             tag, **knobs)
 
 
 def layers(name: str, model: str, tokens: int, count: int = 3, routing: str = "uniform", seed: int = 8) -> None:
@@ -395,11 +423,13 @@ if __name__ == "__main__":
     elif what == "point":
         variant, model, tokens, routing = sys.argv[2:6]
         layers(variant, model, int(tokens), count=1, routing=routing, seed=0)
+    elif what == "families":
+        families()
     elif what == "new":
         new()
     elif what == "new-odd":
         new(odd_only=True)
     else:
         raise SystemExit(f"unknown workload {what!r}: small, skew, t64, zipf64, t1, fp8, fp8-chunks, fp8-pair, "
-                         "fp8-mma-t32, fp8-strict-t1, fp8-point, point, new, new-odd, whole-flush, hot, row-tiles "
-                         "or t16")
+                         "fp8-mma-t32, fp8-strict-t1, fp8-point, point, new, new-odd, whole-flush, hot, row-tiles, "
+                         "t16 or families")

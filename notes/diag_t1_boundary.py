@@ -5,14 +5,14 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_t1_boundary.p
 
 At qwen3-30b-a3b T = 1 the per-pair FP8 pair takes ~14.7 µs per layer; its gate_up alone ~9.5 and its down alone
 ~6.0. The suspect for the rest (PROTOTYPES.md, ``DB_KPARTS``) is the kernel boundary: the gate_up's warps fill the
-register file, so the down's blocks start -- and issue their first w2 loads before the PDL wait -- only as the gate_up
-drains. This times it from inside: an edited copy of the batched family's source stamps ``%globaltimer`` (ns) into
-device arrays -- each gate_up block's last warp end, each down block's first warp start and last warp end -- for one
-layer pair (``FP8_PER_PAIR_KNOBS``, PDL on) replayed as a CUDA graph, each replay on another 8 experts (16 disjoint
-sets, 600 MB at qwen3-30b: the weights come from DRAM). Times are relative to the first gate_up warp's start. The
-result (FINDINGS.md, 2026-12-03): every down block is resident before the gate_up's last block ends; the time goes to
-the gate_up's ramp and spread and to the down's rounds after the wait. At qwen3-235b the first replay of each graph
-ran ~70 µs, the second ones ~43.5 (read the replays from 18 on there).
+register file, so the down's blocks start -- and issue their first w2 loads before the PDL wait -- only as the
+gate_up drains. This times it from inside: an edited copy of the per-pair family's source stamps ``%globaltimer``
+(ns) into device arrays -- each gate_up block's last warp end, each down block's first warp start and last warp end
+-- for one layer pair (the per-pair family on fp8-block128, PDL on) replayed as a CUDA graph, each replay on another
+8 experts (16 disjoint sets, 600 MB at qwen3-30b: the weights come from DRAM). Times are relative to the first
+gate_up warp's start. The result (FINDINGS.md, 2026-12-03): every down block is resident before the gate_up's last
+block ends; the time goes to the gate_up's ramp and spread and to the down's rounds after the wait. At qwen3-235b
+the first replay of each graph ran ~70 µs, the second ones ~43.5 (read the replays from 18 on there).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from typing import Any
 import cupy
 import numpy as np
 
-from kernels import warp_decode_batched as wdb
+from kernels import batched
+from kernels.batched import pairs
 from kernels.compile import CudaSource, get_module
 from kernels.contract import Dims
 from kernels.formats import Quantized
@@ -59,14 +60,15 @@ EDITS = [  # (unique text, text to insert after it)
 
 
 def marked_family() -> Any:
-    code = wdb.FAMILY.source.code
+    family = batched.family("pairs", "fp8-block128")
+    code = family.source.code
     for anchor, insert in EDITS:
         assert code.count(anchor) == 1, anchor
         code = code.replace(anchor, anchor + insert)
     code = PRELUDE + code
-    source = CudaSource(name="warp_decode_batched_marked", code=code, kernels=wdb.FAMILY.source.kernels,
-                        defaults=dict(wdb.FAMILY.source.defaults))
-    return dataclasses.replace(wdb.FAMILY, source=source, _cache={})
+    source = CudaSource(name="batched_pairs_marked", code=code, kernels=family.source.kernels,
+                        defaults=dict(family.source.defaults))
+    return dataclasses.replace(family, source=source, _cache={})
 
 
 def fp8_weights(shape: Any, rng: np.random.Generator) -> tuple[Quantized, Quantized]:
@@ -94,7 +96,7 @@ def stamps(model: str, replays: int = 32) -> dict[str, Any]:
     weights = cupy.asarray(rng.random((1, shape.top_k), dtype=np.float32))
     out = cupy.empty((1, shape.hidden), dtype=cupy.uint16)
     family = marked_family()
-    compiled = family.compile(dims, **wdb.FP8_PER_PAIR_KNOBS)
+    compiled = family.compile(dims)
     module = get_module(family.source, **compiled.params)
 
     def device_array(name: str, n: int) -> Any:
@@ -102,7 +104,7 @@ def stamps(model: str, replays: int = 32) -> dict[str, Any]:
 
     gu_start, gu_end = device_array("wd_gu_start", 1), device_array("wd_gu_end", MARKS)
     dn_start, dn_end = device_array("wd_dn_start", MARKS), device_array("wd_dn_end", MARKS)
-    gu_blocks, dn_blocks = wdb.gate_up_blocks(dims, compiled.params), wdb.down_blocks(dims, compiled.params)
+    gu_blocks, dn_blocks = pairs.gate_up_blocks(dims, compiled.params), pairs.down_blocks(dims, compiled.params)
     stream = cupy.cuda.Stream(non_blocking=True)
     graphs = []
     with stream:
