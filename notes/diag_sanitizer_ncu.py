@@ -52,7 +52,8 @@ Run from the repo root on a GPU: ``PYTHONPATH=. python3 notes/diag_sanitizer_ncu
              (added 2026-12-04, for the bf16 tiles).
 * ``families`` every batched family on every weight format it reads (kernels.batched.PATHS) on odd shapes and at
              qwen3-30b-a3b T = 20, skewed routings, hot tiles in two-block passes, outputs compared with the
-             references (added 2026-12-04, for the families and their loaders).
+             references (added 2026-12-04, for the families and their loaders); ``families-odd`` the odd shapes only
+             (for racecheck's time).
 * ``fp8-chunks`` strict FP8 at 16-value chunks (and 8 slots at 16-value gate_up chunks) on a shape with partial
              scale blocks at both edges and at qwen3-30b-a3b T = 2 (added 2026-12-01 late).
 """
@@ -339,7 +340,7 @@ FAMILY_SHAPES = ((MoEShape("h160-i96", 160, 96, 12, 4), 9, "zipf"),
                  ("qwen3-30b-a3b", 20, "zipf-2"))
 
 
-def families() -> None:
+def families(odd_only: bool = False) -> None:
     """Every registered batched path (kernels.batched.PATHS: each family on each weight format) on odd shapes and
     qwen3-30b-a3b under skewed routings, with hot tiles in two-block passes and the grouped down where they apply,
     outputs compared with the references on the same weights (added 2026-12-04, for the families)."""
@@ -347,7 +348,7 @@ def families() -> None:
     from kernels.formats import get_format
     from kernels.reference import moe_decode
 
-    for shape, tokens, routing in FAMILY_SHAPES:
+    for shape, tokens, routing in FAMILY_SHAPES[:-1] if odd_only else FAMILY_SHAPES:
         problem, fp8_weights, args, fp8_oracle = _fp8_case(shape, tokens, routing)
         faithful, oracle = _references(problem)
         fp8_faithful = moe_decode(*args, mode="warp_decode", weight_format="fp8-block128")
@@ -425,6 +426,8 @@ if __name__ == "__main__":
         layers(variant, model, int(tokens), count=1, routing=routing, seed=0)
     elif what == "families":
         families()
+    elif what == "families-odd":
+        families(odd_only=True)
     elif what == "new":
         new()
     elif what == "new-odd":
@@ -432,4 +435,4 @@ if __name__ == "__main__":
     else:
         raise SystemExit(f"unknown workload {what!r}: small, skew, t64, zipf64, t1, fp8, fp8-chunks, fp8-pair, "
                          "fp8-mma-t32, fp8-strict-t1, fp8-point, point, new, new-odd, whole-flush, hot, row-tiles, "
-                         "t16 or families")
+                         "t16, families or families-odd")
