@@ -1,7 +1,7 @@
 """The CUDA C device helpers every warp-decode source starts with: one copy, prepended as text.
 
 ``WARP_HELPERS`` is placed at the top of the strict (``kernels/warp_decode_cupy.py``), batched
-(``kernels/warp_decode_batched_cuda.py``) and prototype sources: bf16 as raw 16-bit patterns (widening is a
+(``kernels/batched/``) and prototype sources: bf16 as raw 16-bit patterns (widening is a
 shift / mask, narrowing integer round-to-nearest-even; no ``cuda_bf16.h``), 4/8/16-byte vector loads with
 branch-free masking, ``all_loads_arrived`` (the trick that makes ptxas issue a round's loads before its first
 FMA) and the deterministic shuffle sum. ``WD_HOST_EMULATION`` (defined by the g++ emulations in the tests)
@@ -418,8 +418,8 @@ __device__ __forceinline__ void down_prologue(float* mine, int partial_floats, i
     __syncwarp();
 }
 
-// DB_EARLY_W2: the wait between a round's w2 loads and its intermediate loads, once per warp (warp-uniform).
-// Warps without work wait at the end of the loop (down_epilogue_wait) before the block writes anything.
+// DOWN_WAITS_LATE (the tensor-core downs): the wait between a round's w2 loads and its intermediate loads, once per
+// warp (warp-uniform). Warps without work wait at the end of the loop (down_epilogue_wait) before the block writes anything.
 __device__ __forceinline__ void wait_once(bool& waited) {
 #if DOWN_WAITS_LATE
     if (!waited) {

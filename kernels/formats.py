@@ -74,12 +74,12 @@ class WeightFormat:
 
     @property
     def scaled(self) -> bool:
-        """Whether the format carries scales (the kernels' W_FP8 for fp8-block128)."""
+        """Whether the format carries scales (fp8-block128's per block: its loaders apply them)."""
         return self.scale_bytes(256, 256) > 0
 
     @property
     def tiled(self) -> bool:
-        """Whether its values are in 16-row tiles (the kernels' W_TILED)."""
+        """Whether its values are in 16-row tiles (the batched kernels read them through its loader)."""
         return getattr(self, "layout", "rows") == "t16"
 
     def stores(self, weights: Any) -> bool:
