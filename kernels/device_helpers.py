@@ -419,7 +419,8 @@ __device__ __forceinline__ void down_prologue(float* mine, int partial_floats, i
 }
 
 // DOWN_WAITS_LATE (the tensor-core downs): the wait between a round's w2 loads and its intermediate loads, once per
-// warp (warp-uniform). Warps without work wait at the end of the loop (down_epilogue_wait) before the block writes anything.
+// warp (warp-uniform). Warps without work wait at the end of the loop (down_epilogue_wait) before the block writes
+// anything.
 __device__ __forceinline__ void wait_once(bool& waited) {
 #if DOWN_WAITS_LATE
     if (!waited) {
