@@ -49,6 +49,7 @@ KNOBS: dict[str, int] = {
     "GB_UNROLL": 0,  # k blocks of loads in flight per lane; 0 = MMA_UNROLL
     "GB_KSPLIT": 1,  # the gate_up's k chains in this many fixed ranges, added in order (the invariant pair's numerics)
     "GB_SHARE": -1,  # a hot expert's tiles in groups of 2 / 4 sharing each round's widening; -1 = auto_share
+    "DB_SHARE": -1,  # the grouped down likewise; -1 = auto_share
     "GB_HOT_UNROLL": -1,  # k blocks in flight in a hot pass; 0 = the halved rounds, -1 = auto (hot_unroll)
     "GB_MAX_REGS": -1,  # __maxnreg__ cap (0: launch bounds alone); -1 = auto (PASS_REGS where measured, else 128)
     "DB_WARPS": 0,  # warps per down block; 0 = auto_down_warps
@@ -69,7 +70,8 @@ DERIVED = {  # set by the rules from the format and the dims, not knobs
 }
 AUTO_KNOBS = ("GB_UNROLL", "DB_WARPS", "DB_UNROLL", "DB_ROW_TILES")
 LIMITS = {
-    "GB_WARPS": (1, 32), "GB_UNROLL": (0, 64), "GB_KSPLIT": (1, 8), "GB_SHARE": (-1, 4), "GB_HOT_UNROLL": (-1, 8),
+    "GB_WARPS": (1, 32), "GB_UNROLL": (0, 64), "GB_KSPLIT": (1, 8), "GB_SHARE": (-1, 4), "DB_SHARE": (-1, 4),
+    "GB_HOT_UNROLL": (-1, 8),
     "GB_MAX_REGS": (-1, 255), "DB_WARPS": (0, 32), "DB_UNROLL": (0, 64), "DB_GROUPED": (-1, 1),
     "DB_ROW_TILES": (0, 2), "DB_HOT_UNROLL": (-1, 8), "DB_MAX_REGS": (-1, 255), "HOT_NBLK": (-1, 4), "PDL": (0, 1),
 }
@@ -90,7 +92,7 @@ GROUPED_FROM_PAIRS_PER_EXPERT = 2  # auto DB_GROUPED from T*K / E >= 2 (qwen3: T
 FP8_WIDE_GROUPED_FROM_PAIRS_PER_EXPERT = 0.25  # on FP8 weights at I >= 1536: from T*K / E >= 1/4 (qwen3-235b: T >= 4)
 ROW_TILES_FROM_INTER = 1536  # the FP8 down's wide rules from I = 1536 (qwen3-235b-a22b)
 ONE_TILE_DOWN_UNROLL = 4  # auto DB_UNROLL of the FP8 grouped down with one row tile from I = ROW_TILES_FROM_INTER
-SHARE_GROUP = 4  # auto GB_SHARE where it applies (auto_share)
+SHARE_GROUP = 4  # auto GB_SHARE / DB_SHARE where they apply (auto_share)
 SHARED_LIMIT = 48 * 1024  # static shared memory of the GB_SHARE buffers
 # The batch-invariant numerics: the gate_up's dots as mma chains over fixed k ranges (a function of H alone), added
 # in range order; each pair's down row weighted; the slots summed in order from 0 -- here with DB_GROUPED 1, and in
@@ -218,29 +220,38 @@ def auto_row_tiles(dims: Dims, values: dict[str, int], fmt: WeightFormat) -> int
     return 2 if wide and experts_average(dims, GROUPED_FROM_PAIRS_PER_EXPERT) else 1
 
 
-def share_unmet(values: dict[str, int], share: int) -> str | None:
-    """Why the gate_up cannot run groups of ``share`` tiles with these knobs (a ValueError's message), or None."""
-    if not (values["GB_KSPLIT"] == 1 or values["GB_RANGE_FLUSH"] == 1):
+def share_unmet(values: dict[str, int], stage: str, share: int) -> str | None:
+    """Why ``stage`` ("GB" / "DB") cannot run groups of ``share`` tiles with these knobs (a ValueError's message), or
+    None: the gate_up walking H in one loop / the grouped down, 2 or 4 dividing the stage's warps, the groups'
+    buffers within 48 KB of static shared memory."""
+    if stage == "GB" and not (values["GB_KSPLIT"] == 1 or values["GB_RANGE_FLUSH"] == 1):
         return "GB_SHARE groups tiles in the gate_up's one loop over H: it needs GB_KSPLIT 1 or whole-round ranges"
-    if share not in (2, 4) or values["GB_WARPS"] % share:
-        return f"GB_SHARE must be 2 or 4 and divide GB_WARPS, got GB_SHARE {share} and GB_WARPS {values['GB_WARPS']}"
-    unroll = values["GB_UNROLL"] if values["HOT_NBLK"] <= 1 else (
-        values["GB_HOT_UNROLL"] or max(1, values["GB_UNROLL"] // values["HOT_NBLK"]))
+    if stage == "DB" and not values["DB_GROUPED"]:
+        return "DB_SHARE groups the tile table's tiles of one expert in the grouped down: it needs DB_GROUPED 1"
+    warps = values[f"{stage}_WARPS"]
+    if share not in (2, 4) or warps % share:
+        return (f"{stage}_SHARE must be 2 or 4 and divide {stage}_WARPS, got {stage}_SHARE {share} and {stage}_WARPS "
+                f"{warps}")
+    unroll = values[f"{stage}_UNROLL"] if values["HOT_NBLK"] <= 1 else (
+        values[f"{stage}_HOT_UNROLL"] or max(1, values[f"{stage}_UNROLL"] // values["HOT_NBLK"]))
     halves = 2 if values["FP8_LOAD16"] else 1
-    buffers = values["GB_WARPS"] // 2 * 2 * unroll * halves * 2 * 32 * 16
+    row_tiles = values["DB_ROW_TILES"] if stage == "DB" else 1
+    buffers = warps // 2 * 2 * unroll * halves * row_tiles * 2 * 32 * 16
     if buffers > SHARED_LIMIT:
-        return (f"GB_SHARE: the groups' buffers take {buffers} bytes of static shared memory > {SHARED_LIMIT}; lower "
-                "GB_WARPS or GB_UNROLL")
+        return (f"{stage}_SHARE: the groups' buffers take {buffers} bytes of static shared memory > {SHARED_LIMIT}; "
+                f"lower {stage}_WARPS or {stage}_UNROLL")
     return None
 
 
-def auto_share(dims: Dims, values: dict[str, int], fmt: WeightFormat) -> int:
-    """GB_SHARE: :data:`SHARE_GROUP` on bf16 weights from T*K >= 2E where it can run, else 0. H200, bf16 (results/
-    sweep-2026-12-03-shared-widening-mma-bf16-*.json): Zipf qwen3-30b T = 32 / 64 185.2 / 233.0 -> 181.2 / 231.2 us;
-    on FP8 weights 1-9 % slower: off."""
+def auto_share(dims: Dims, values: dict[str, int], fmt: WeightFormat, stage: str) -> int:
+    """GB_SHARE / DB_SHARE: :data:`SHARE_GROUP` on bf16 weights from T*K >= 2E where the stage can run it, else 0.
+    H200, bf16 (results/sweep-2026-12-03-shared-widening-mma-bf16-*.json): Zipf qwen3-30b T = 32 / 64 185.2 / 233.0 ->
+    181.2 / 231.2 us (both stages). The down's groups alone, same machine and draws, old code against new without
+    them, twice (results/h200-2026-12-04-families-db-share-ab.txt): qwen3-235b Zipf T = 32 / 64 +0.6 / +1.2-1.6 %
+    without, uniform within 0.1 %. On FP8 weights 1-9 % slower: off."""
     if fmt.scaled or not experts_average(dims, GROUPED_FROM_PAIRS_PER_EXPERT):
         return 0
-    return SHARE_GROUP if share_unmet(values, SHARE_GROUP) is None else 0
+    return SHARE_GROUP if share_unmet(values, stage, SHARE_GROUP) is None else 0
 
 
 def make_rules(fmt: WeightFormat) -> Any:
@@ -270,7 +281,7 @@ def make_rules(fmt: WeightFormat) -> Any:
         lists.list_rules(dims, values)
         if dims is None:
             values["DB_ROW_TILES"] = values["DB_ROW_TILES"] or 1
-            for key in ("HOT_NBLK", "GB_SHARE", "DB_HOT_UNROLL", "GB_HOT_UNROLL"):
+            for key in ("HOT_NBLK", "GB_SHARE", "DB_SHARE", "DB_HOT_UNROLL", "GB_HOT_UNROLL"):
                 values[key] = max(values[key], 0)
             _check_share(values)
             return values
@@ -294,8 +305,9 @@ def make_rules(fmt: WeightFormat) -> Any:
         if values["DB_ROW_TILES"] > 1 and not values["DB_GROUPED"]:
             raise ValueError(f"DB_ROW_TILES {values['DB_ROW_TILES']} gives the grouped down's warps more rows: it "
                              "needs DB_GROUPED 1, got 0")
-        if values["GB_SHARE"] == -1:
-            values["GB_SHARE"] = auto_share(dims, values, fmt)
+        for stage in ("GB", "DB"):
+            if values[f"{stage}_SHARE"] == -1:
+                values[f"{stage}_SHARE"] = auto_share(dims, values, fmt, stage)
         _check_share(values)
         shared = down_shared_bytes(dims, values)
         if shared > lists.OPT_IN_SHARED_LIMIT:
@@ -308,9 +320,11 @@ def make_rules(fmt: WeightFormat) -> Any:
 
 
 def _check_share(values: dict[str, int]) -> None:
-    unmet = share_unmet(values, values["GB_SHARE"]) if values["GB_SHARE"] > 1 else None
-    if unmet:
-        raise ValueError(unmet)
+    for stage in ("GB", "DB"):
+        share = values[f"{stage}_SHARE"]
+        unmet = share_unmet(values, stage, share) if share > 1 else None
+        if unmet:
+            raise ValueError(unmet)
 
 
 def kernel_names(params: dict[str, int]) -> tuple[str, ...]:

@@ -32,7 +32,8 @@ CODE = r"""
 // GB_KSPLIT S: each dot's k chain in S fixed ranges (k_range, a function of H and S alone), each its own mma chain
 // from 0, the partials added in range order (__fadd_rn) -- GB_RANGE_FLUSH (derived) walks them in one loop;
 // GB_SHARE 2 / 4: a hot expert's tiles in groups whose warps share each round's widened A fragments through shared
-// memory (share_group; the same bits); HOT_NBLK, GB_HOT_UNROLL, DB_HOT_UNROLL: a hot expert's tiles in one pass;
+// memory (share_group; the same bits), DB_SHARE likewise in the grouped down; HOT_NBLK, GB_HOT_UNROLL,
+// DB_HOT_UNROLL: a hot expert's tiles in one pass;
 // DB_GROUPED 1: the down as a grouped GEMM over the tile table writing each pair's weighted FP32 row, then
 // moe_sum_slots sums a token's K rows in slot order (the reference's order) and rounds once; 0: moe_down_mma's
 // balanced runs; DB_ROW_TILES 2: the grouped down's warps take two 16-row tiles sharing each B fragment;
@@ -51,8 +52,15 @@ static_assert(GB_SHARE >= 0 && GB_SHARE <= 4 && GB_SHARE != 3 &&
               "GB_WARPS)");
 #define GB_HOT_ROUNDS (GB_HOT_UNROLL > 0 ? GB_HOT_UNROLL : HOT_UNROLL(GB_UNROLL, GB_NBLK))
 #define GB_SHARE_UNROLL (HOT_GB ? GB_HOT_ROUNDS : GB_UNROLL)
+#define DB_SHARE_UNROLL (HOT_DB ? DB_HOT_ROUNDS : DB_UNROLL)
 static_assert(GB_SHARE <= 1 || GB_WARPS / 2 * 2 * SHARE_ROUND(GB_SHARE_UNROLL, 1) * 16 <= 48 * 1024,
               "GB_SHARE: the groups' A buffers exceed 48 KB of static shared memory (fewer GB_WARPS or GB_UNROLL)");
+static_assert(DB_SHARE >= 0 && DB_SHARE <= 4 && DB_SHARE != 3 &&
+              (DB_SHARE <= 1 || (DB_GROUPED == 1 && DB_WARPS % DB_SHARE == 0 &&
+                                 8 * (HOT_NBLK > DB_NBLK ? HOT_NBLK : DB_NBLK) >= TILE_PAIRS)),
+              "DB_SHARE is 0, 1, 2 or 4 (2 / 4 need DB_GROUPED 1, divide DB_WARPS and a tile in one down pass)");
+static_assert(DB_SHARE <= 1 || DB_WARPS / 2 * 2 * SHARE_ROUND(DB_SHARE_UNROLL, DB_ROW_TILES) * 16 <= 48 * 1024,
+              "DB_SHARE: the groups' A buffers exceed 48 KB of static shared memory (fewer DB_WARPS or DB_UNROLL)");
 // whole unmasked rounds where they paid (results/sweep-2026-12-02-whole-rounds-*.json): always on a format that asks
 // for them (fp8), the single-chain gate_up, and the bf16 grouped down where its range is whole rounds
 #define GATE_UP_ROUNDS (FORMAT_WHOLE_ROUNDS || GB_KSPLIT == 1 ? WHOLE_ROUNDS : MASKED_ROUNDS)
@@ -373,6 +381,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
 // The grouped down warp's passes over a tile's `count` pairs (tile_pairs[0 .. count - 1]): NB 8-pair blocks per pass,
 // UNROLL k blocks of loads in flight per lane; lane (g, q) writes rows h0+16t+g, h0+16t+g+8 of its pairs' FP32 rows
 // for each of the RT row tiles t it is given.
+// SHARED (DB_SHARE): one pass (count <= 8 NB) whose A fragments the warp's group shares (mma_round).
 template <int NB, int UNROLL, int RT, bool SHARED = false>
 __device__ __forceinline__ void down_grouped_passes(const ARows (&tiles)[RT], const int* tile_pairs,
                                                     int count, const bf16_t* __restrict__ intermediate,
@@ -440,6 +449,32 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
     const int e = __ldg(TILE_ARRAY(0) + a), first = __ldg(TILE_ARRAY(1) + a), count = __ldg(TILE_ARRAY(2) + a);
     const int h0 = ((blockIdx.x - a * per_tile) * DB_WARPS + (threadIdx.x >> 5)) * WARP_ROWS;
     const bool good = a < used && (e | first | count) >= 0 && e < experts;            // block-uniform
+#if DB_SHARE > 1
+    __shared__ uint4 a_share[DB_WARPS / 2][2 * SHARE_ROUND(DB_SHARE_UNROLL, DB_ROW_TILES)];   // a region per group
+    int members = 1, place = 0;
+    if (good) share_group(__ldg(TILE_ARRAY(3) + a), DB_SHARE, members, place);
+    if (members > 1) {                                               // block-uniform: a group of a hot expert's tiles
+        // as gate_up's groups (share_seat: the warp's row tile and tile); a warp past H computes the last rows and
+        // writes nothing, so that every warp meets every barrier
+        const ShareSeat seat = share_seat(blockIdx.x - a * per_tile, members, place, DB_WARPS);
+        const int rows0 = seat.first * WARP_ROWS;
+        const int mine = a - place + seat.member;                    // the same expert's tile
+        const int* tile_pairs = sorted_pairs(lists, slots) + __ldg(TILE_ARRAY(1) + mine);
+        const int mine_count = __ldg(TILE_ARRAY(2) + mine);
+        bool waited = false;
+        ARows tiles[DB_ROW_TILES];
+        #pragma unroll
+        for (int t = 0; t < DB_ROW_TILES; ++t)
+            tiles[t] = w2_rows(w2, s2, e, min(rows0 + 16 * t + g, hidden - 1),
+                               min(rows0 + 16 * t + g + 8, hidden - 1), hidden, inter);
+        AShare share{a_share[seat.set], seat.member, members, 0};
+        down_grouped_passes<HOT_DB ? HOT_NBLK : DB_NBLK, DB_SHARE_UNROLL, DB_ROW_TILES, true>(
+            tiles, tile_pairs, mine_count, intermediate, topk_weights, pair_out, hidden, inter, rows0, g, q, waited,
+            &share);
+        down_epilogue_wait();
+        return;
+    }
+#endif
     bool waited = false;
     if (good && h0 < hidden) {                                       // warp-uniform
         const int* tile_pairs = sorted_pairs(lists, slots) + first;
