@@ -49,6 +49,8 @@ it never syncs with the host and a captured CUDA graph stays valid for any routi
    the one whose WORST slowdown against that routing's fastest candidate is least wins (one routing: the fastest).
    T between points uses the nearest LOWER point (below the first: the first; above the last: the
    last). Older tables holding only a ``choice`` per point are still read (that choice if it belongs to the policy).
+   A table may name variants since removed (``cupy:warp-decode-mixed``): their medians and choices are history,
+   never picked.
 2. Otherwise :func:`heuristic`: strict at T = 1 and when ``T * K <= E / 8``, the MMA path when ``T * K >= E``, else
    batched (FP8: the per-pair tensor-core form in strict's place, the tensor-core path in batched's); never the
    expert-centric path, never a path that cannot run the dims (:func:`batched_supported`,
@@ -267,9 +269,19 @@ def point_choice(point: dict[str, Any], policy: str = FASTEST, dims: Dims | None
     return choice if choice in candidates else None
 
 
+def registered(name: Any) -> bool:
+    """Whether ``name`` is a registered variant. A table may name variants since removed (its measurements and
+    choices are history): those are never candidates, so never picked."""
+    try:
+        get_variant(name)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
 def validate_table(table: Any) -> dict[str, Any]:
     """ValueError unless ``table`` has the layout tools.dispatch_table writes (or the older choice-only
-    layout); returns it."""
+    layout); returns it. A variant no longer registered may appear anywhere (history): it is never picked."""
     if not isinstance(table, dict) or table.get("schema") != SCHEMA:
         raise ValueError(f"a dispatch table must be a JSON object with schema {SCHEMA!r}")
     for key in ("gpu", "date", "entries"):
@@ -286,8 +298,9 @@ def validate_table(table: Any) -> dict[str, Any]:
                 raise ValueError(f"dispatch table entry {key!r}: point {tokens!r} is not a batch size")
             if not isinstance(point, dict):
                 raise ValueError(f"{where}: a point must be an object")
-            if "choice" in point and point["choice"] not in FORMAT_CANDIDATES[fmt][FASTEST]:
-                raise ValueError(f"{where}: choice {point['choice']!r} is not one of {FORMAT_CANDIDATES[fmt][FASTEST]}")
+            choice = point.get("choice")  # a variant since removed (a table's history) is never picked: no error
+            if "choice" in point and choice not in FORMAT_CANDIDATES[fmt][FASTEST] and registered(choice):
+                raise ValueError(f"{where}: choice {choice!r} is not one of {FORMAT_CANDIDATES[fmt][FASTEST]}")
             medians = point.get("median_us")
             if medians is None:
                 if "choice" not in point:

@@ -4,7 +4,8 @@ CPU: slugs, policies, the heuristic and its boundaries (T*K vs E/8 and 2E, paths
 table lookup per policy (nearest lower point, a point where expert-centric is fastest, old choice-only points,
 missing candidates, bad statuses, unknown shape / GPU -> heuristic), table validation, the tool's winner /
 point / merge logic and ``--from-bench`` over several runs, the committed H200 table (valid, its choices the
-fastest candidate of each policy at every point), input / policy / workspace errors before any device call,
+fastest candidate of each policy at every point), a table naming a variant since removed (the mixed path: history,
+never picked, named by the tool), input / policy / workspace errors before any device call,
 the variants' registration, and the bench harness checking a launch against its own ``reference_mode`` /
 ``quant`` (on the NumPy stand-in for CuPy of tests/test_bench.py).
 GPU: moe_decode equals the chosen path bitwise and matches the chosen path's reference mode, per policy
@@ -23,26 +24,20 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kernels import dispatch
-from kernels import warp_decode_batched as wdb
+from kernels import batched, dispatch
+from kernels.batched import fma, lists, mma
 from kernels.contract import BF16, Dims
+from kernels.formats import get_format
 from kernels.problem import make_problem
 from kernels.shapes import PRESETS
 from kernels.variants import get_variant
-from tests.test_warp_decode_batched import (
-    FakeCupyArray,
-    _assert_matches,
-    _poisoned_out,
-    _references,
-    _seed,
-    write_fresh_inputs,
-)
+from tests.warp_checks import FakeCupyArray, _assert_matches, _poisoned_out, _references, _seed
 from tools import dispatch_table
 
 QWEN30 = PRESETS["qwen3-30b-a3b"]
 TINY = PRESETS["tiny"]
 S, B, M, EC = dispatch.STRICT, dispatch.BATCHED, dispatch.MMA, dispatch.EXPERT_CENTRIC
-X = dispatch.MIXED
+X = "cupy:warp-decode-mixed"  # a candidate until the batched families: old tables and runs still name it (history)
 P, G = dispatch.MMA_PAIRS, dispatch.MMA_GROUPED
 TM, TP, TG = dispatch.FP8_T16_MMA, dispatch.FP8_T16_MMA_PAIRS, dispatch.FP8_T16_MMA_GROUPED  # fp8-block128-t16's
 
@@ -100,10 +95,13 @@ def test_gpu_slug() -> None:
 
 def test_policies_and_candidates() -> None:
     assert dispatch.POLICIES == ("fastest", "warp_decode", "batch_invariant")
-    assert dispatch.CANDIDATES == (S, B, X, M, P, G, EC) and EC == "cupy:expert-centric"
-    assert (M, X) == ("cupy:warp-decode-mma", "cupy:warp-decode-mixed")
-    assert dispatch.POLICY_CANDIDATES == {"fastest": (S, B, X, M, P, G, EC), "warp_decode": (S, B, X, M, P, G),
+    assert dispatch.CANDIDATES == (S, B, M, P, G, EC) and EC == "cupy:expert-centric"
+    assert M == "cupy:warp-decode-mma" and not dispatch.registered(X) and dispatch.registered(M)
+    assert dispatch.POLICY_CANDIDATES == {"fastest": (S, B, M, P, G, EC), "warp_decode": (S, B, M, P, G),
                                           "batch_invariant": (P, G)}
+    assert set(dispatch.BATCHED_PATHS) >= {B, M, P, G} and X not in dispatch.BATCHED_PATHS
+    assert {name: dispatch.BATCHED_PATHS[name] for name in (B, M, P, G)} == {
+        B: ("fma", {}), M: ("mma", {}), P: ("pairs", {}), G: ("mma", mma.grouped_knobs(get_format("bf16")))}
     for bad in ("Fastest", "classical", None, 3):
         with pytest.raises(ValueError, match=r"policy must be one of \('fastest', 'warp_decode', 'batch_invariant'\)"):
             dispatch.check_policy(bad)
@@ -123,18 +121,21 @@ def test_heuristic_boundaries(policy: str) -> None:
 def test_heuristic_never_picks_expert_centric_and_skips_what_cannot_run() -> None:
     for t in (1, 8, 64, 4096):
         assert dispatch.heuristic(_dims(QWEN30, t)) != EC
-    # the mixed path's tensor-core down keeps DB_WARPS * T * 16 fp32 partials in shared memory (227 KB, opted into),
-    # the FMA one DB_WARPS * T * DB_OUTS; the MMA path's grouped down (from T*K >= 2E) keeps none, so only the list
+    # the balanced tensor-core down keeps DB_WARPS * T * 16 fp32 partials in shared memory (227 KB, opted into), the
+    # FMA one DB_WARPS * T * DB_OUTS; the MMA path's grouped down (auto from T*K >= 2E) keeps none, so only the list
     # kernel's shared memory (two ints per pair) bounds it. Between the limits batched, beyond them strict.
-    mixed_max = wdb.max_tokens(**wdb.MIXED_KNOBS)
-    assert mixed_max < 2048 < wdb.max_tokens() < 4096
-    assert dispatch.batched_supported(_dims(QWEN30, mixed_max), **wdb.MIXED_KNOBS)
-    assert not dispatch.batched_supported(_dims(QWEN30, mixed_max + 1), **wdb.MIXED_KNOBS)
+    balanced_max = lists.OPT_IN_SHARED_LIMIT // (mma.MMA_DOWN_WARPS * 16 * 4)
+    assert balanced_max < 2048 < fma.max_tokens() < 4096
+    balanced = {"DB_GROUPED": 0, "DB_WARPS": mma.MMA_DOWN_WARPS}
+    batched.family("mma").resolve(_dims(QWEN30, balanced_max), **balanced)
+    with pytest.raises(ValueError, match=r"DB_WARPS \* T \* 16 fp32 partials"):
+        batched.family("mma").resolve(_dims(QWEN30, balanced_max + 1), **balanced)
     assert dispatch.supported(M, _dims(QWEN30, 2048)) and not dispatch.supported(M, _dims(QWEN30, 4096))
     assert dispatch.heuristic(_dims(QWEN30, 2048)) == M and dispatch.heuristic(_dims(QWEN30, 4096)) == S
     big = _dims(QWEN30, 4096)
-    assert not dispatch.batched_supported(big) and dispatch.heuristic(big, "warp_decode") == S
-    assert dispatch.supported(X, _dims(QWEN30, mixed_max)) and not dispatch.supported(X, _dims(QWEN30, mixed_max + 1))
+    assert dispatch.batched_supported(B, _dims(QWEN30, 2048)) and not dispatch.batched_supported(B, big)
+    assert dispatch.heuristic(big, "warp_decode") == S
+    assert not dispatch.supported(X, _dims(QWEN30, 1))  # no longer a path at all
 
 
 def test_expert_centric_support_checks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -221,14 +222,20 @@ def test_old_format_points(tmp_path: Path) -> None:
 
 def test_committed_h200_table_choices() -> None:
     """The committed tables validate, were measured on their GPU, and each point's choice under each policy is
-    that policy's fastest "ok" candidate (also what the tool recorded in ``choices`` / ``choice``)."""
+    that policy's fastest "ok" candidate (also what the tool recorded in ``choices`` / ``choice``); the candidates
+    they list are today's and, as history, variants since removed (the H200's: the mixed path, never its pick)."""
     paths = sorted(dispatch.TABLE_DIR.glob("*.json"))
     assert dispatch.TABLE_DIR / "nvidia-h200.json" in paths
     for path in paths:
         table = dispatch.validate_table(json.loads(path.read_text()))
         assert path.stem == dispatch.gpu_slug(table["gpu"]) == table["slug"], path
         assert table["environment"]["gpu"]["name"] == table["gpu"], f"{path}: not measured on {table['gpu']}"
-        assert table["candidates"] == list(dispatch.CANDIDATES) and table["sources"], path
+        listed = [name for name in table["candidates"] if dispatch.registered(name)]
+        assert listed == list(dispatch.CANDIDATES) and table["sources"], path
+        retired = dispatch_table.unregistered(table)
+        assert set(table["candidates"]) - set(listed) <= set(retired), path
+        assert not {c for e in table["entries"].values() for p in e["points"].values()
+                    for c in (p["choice"], *p["choices"].values())} & set(retired), path
         root = Path(__file__).resolve().parents[1]
         missing = [src["file"] for src in table["sources"] if not (root / src["file"]).is_file()]
         assert not missing, f"{path} cites bench runs that are not committed: {missing}"
@@ -251,6 +258,7 @@ def test_committed_h200_table_choices() -> None:
     # the grouped form at qwen3-235b T = 4 (and bf16 T = 8 / 16, bf16-t16 T = 16, bf16 rows qwen3-30b T = 16), the
     # tensor-core path elsewhere; the invariant policy per-pair up to T = 4 at qwen3-30b (2 at qwen3-235b), grouped
     # from there
+    assert dispatch_table.unregistered(json.loads((dispatch.TABLE_DIR / "nvidia-h200.json").read_text())) == [X]
     dispatch.load_table.cache_clear()
     G8, GT = dispatch.FP8_MMA_GROUPED, dispatch.T16_MMA_GROUPED
     bm, bp = dispatch.T16_MMA, dispatch.T16_MMA_PAIRS
@@ -321,8 +329,8 @@ def test_tool_winner_and_point() -> None:
 def test_choice_by_the_worst_case_over_routings() -> None:
     """The routing is unknown when the path is picked: a path fastest under uniform routing but 30 % behind under
     Zipf loses to one within 2 % under both; a path wrong under any routing is never chosen."""
-    uniform = {S: _record(100.0), B: _record(102.0), X: _record(101.0), M: _record(150.0), EC: _record(140.0)}
-    zipf = {S: _record(130.0), B: _record(100.0), X: _record(104.0), M: _record(99.0, "wrong"), EC: _record(120.0)}
+    uniform = {S: _record(100.0), B: _record(102.0), M: _record(150.0), EC: _record(140.0)}
+    zipf = {S: _record(130.0), B: _record(100.0), M: _record(99.0, "wrong"), EC: _record(120.0)}
     point = dispatch_table.point_record(uniform, skewed={"zipf": zipf})
     assert point["choice"] == B and point["choices"] == {"fastest": B, "warp_decode": B}
     assert point["worst_slowdown"][S] == pytest.approx(1.3) and point["worst_slowdown"][B] == pytest.approx(1.02)
@@ -333,7 +341,7 @@ def test_choice_by_the_worst_case_over_routings() -> None:
                                  _dims(PRESETS["qwen3-30b-a3b"], 16), 16, point)
     assert dispatch.validate_table(table) is table
     zipf[B] = _record(100.0, "error")
-    assert dispatch_table.point_record(uniform, skewed={"zipf": zipf})["choice"] == X
+    assert dispatch_table.point_record(uniform, skewed={"zipf": zipf})["choice"] == S  # 1.083 (Zipf) vs EC's 1.4
     broken = json.loads(json.dumps(table))
     broken["entries"][dispatch.shape_key(_dims(PRESETS["qwen3-30b-a3b"], 16))]["points"]["16"]["routings"] = {
         "zipf": {"median_us": {S: -1.0}, "status": {S: "ok"}}}
@@ -352,11 +360,55 @@ def test_table_from_uniform_and_zipf_bench_runs() -> None:
                   routing="zipf")
     point = next(iter(dispatch_table.from_benches([("u.json", uniform), ("z.json", zipf)])["entries"].values()))[
         "points"]["16"]
-    assert point["choice"] == M  # 1.011 worst (uniform) against mixed's 1.133 (Zipf)
+    assert point["choice"] == M  # 1.011 worst (uniform) against the grouped path's 1.020 (Zipf)
     assert point["choices"]["batch_invariant"] == G  # its own pair: the grouped path's 1.02 (Zipf)
     assert point["routings"]["zipf"]["median_us"][M] == 150.0
+    assert X not in point["median_us"] and X not in point["routings"]["zipf"]["median_us"]  # an old run's mixed rows
     uniform_only = dispatch_table.from_benches([("u.json", uniform)])
-    assert next(iter(uniform_only["entries"].values()))["points"]["16"]["choice"] == X
+    assert next(iter(uniform_only["entries"].values()))["points"]["16"]["choice"] == M  # not the faster mixed path
+
+
+def test_a_table_naming_a_removed_variant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A table measured while the mixed path was a candidate keeps it as history: in the candidates, medians and
+    even as a point's recorded choice (an old-format point's only one). The dispatch never picks it -- the point's
+    fastest candidate of today, or the heuristic where the point offers none -- and never fails on it; the tool names
+    it on stderr (--check, --from-bench) and skips a bench run's rows of it."""
+    gpu = "Fake GPU 5"
+    _write_table(tmp_path, gpu, QWEN30, {8: {S: 12.0, B: 11.0, M: 10.0, EC: 13.0}, 16: {S: 30.0, B: 12.0, M: 11.0}})
+    path = tmp_path / f"{dispatch.gpu_slug(gpu)}.json"
+    table = json.loads(path.read_text())
+    table["candidates"] = [S, B, X, M, P, G, EC]
+    for point in table["entries"][dispatch.shape_key(_dims(QWEN30, 8))]["points"].values():
+        for run in dispatch.point_routings(point).values():
+            run["median_us"][X], run["status"][X] = 5.0, "ok"  # fastest of all, once
+        point["choice"] = point["choices"]["fastest"] = X
+    table["entries"]["H64-I32-E16-K2"] = {"model": "old", "points": {"1": {"choice": X}}}  # an old-format point
+    path.write_text(json.dumps(table))
+    dispatch.load_table.cache_clear()
+    assert dispatch.validate_table(json.loads(path.read_text()))
+    assert dispatch.choose(_dims(QWEN30, 8), gpu, tmp_path) == (M, "table")
+    assert dispatch.choose(_dims(QWEN30, 16), gpu, tmp_path, "warp_decode") == (M, "table")
+    old = Dims(1, 64, 32, 16, 2)
+    assert dispatch.choose(old, gpu, tmp_path) == (dispatch.heuristic(old), "heuristic")
+    assert dispatch_table.unregistered(table) == [X]
+    assert [row["pick"] for row in dispatch_table.pick_costs(table)] == [M, M]
+    assert dispatch_table.main(["--json", str(path), "--check"]) == 0
+    printed = capsys.readouterr()
+    assert f"names 1 variant(s) no longer registered ({X})" in printed.err and X not in printed.out
+    bench = _bench("2026-12-05T00:00:00Z", [_bench_row(n, 32, us) for n, us in
+                                            ((S, 400.0), (B, 300.0), (M, 200.0), (EC, 250.0), (P, 500.0),
+                                             (G, 210.0), (X, 100.0))], gpu=gpu)
+    (tmp_path / "run.json").write_text(json.dumps(bench))
+    assert dispatch_table.main(["--json", str(path), "--from-bench", str(tmp_path / "run.json")]) == 0
+    printed = capsys.readouterr()
+    assert f"run.json measured 1 variant(s) no longer registered ({X}): their rows are skipped" in printed.err
+    assert f"{path} names 1 variant(s) no longer registered" in printed.err  # the history kept from before
+    merged = dispatch.validate_table(json.loads(path.read_text()))
+    points = merged["entries"][dispatch.shape_key(_dims(QWEN30, 32))]["points"]
+    assert points["32"]["choice"] == M and X not in points["32"]["median_us"]
+    assert X in merged["entries"][dispatch.shape_key(_dims(QWEN30, 8))]["points"]["8"]["median_us"]
+    assert merged["candidates"] == list(dispatch.CANDIDATES)
+    dispatch.load_table.cache_clear()
 
 
 @pytest.mark.parametrize("routing", ["zipf", "uniform,nope", "uniform,zipf,zipf", ""])
@@ -394,10 +446,10 @@ def test_table_from_a_bench_run() -> None:
         _bench_row(S, 1, 26.0), _bench_row(B, 1, 28.0), _bench_row(M, 1, 30.0), _bench_row(EC, 1, 40.0),
         _bench_row(S, 8, 140.0), _bench_row(B, 8, 130.0), _bench_row(M, 8, 135.0), _bench_row(EC, 8, 150.0),
         _bench_row(S, 64, 900.0), _bench_row(B, 64, 500.0, status="wrong"), _bench_row(M, 64, 450.0, status="error"),
-        _bench_row(EC, 64, 400.0), _bench_row(X, 1, 29.0), _bench_row(X, 8, 131.0), _bench_row(X, 64, 950.0),
+        _bench_row(EC, 64, 400.0), _bench_row(X, 1, 1.0), _bench_row(X, 8, 1.0), _bench_row(X, 64, 1.0),  # retired
         *[_bench_row(n, t, us) for t, us in ((1, 27.0), (8, 150.0), (64, 960.0)) for n in (P, G)],
         _bench_row(S, 2, 30.0), _bench_row(B, 2, 31.0), _bench_row(M, 2, 32.0),  # EC not measured: no point
-        _bench_row("numba:warp-decode", 1, 1.0), _bench_row("cupy:auto", 1, 1.0),  # never candidates
+        _bench_row("numba:warp-decode", 1, 1.0), _bench_row("cupy:auto", 1, 1.0),  # never candidates (nor X)
     ])
     table = dispatch_table.from_bench(bench, name="run.json")
     points = next(iter(table["entries"].values()))["points"]
@@ -433,11 +485,11 @@ def test_table_from_several_bench_runs(tmp_path: Path) -> None:
     assert dispatch_table.main(["--json", str(out), "--from-bench", *map(str, paths)]) == 0
     table = dispatch.validate_table(json.loads(out.read_text()))
     points = next(iter(table["entries"].values()))["points"]
-    assert points["1"]["median_us"] == {S: 22.0, B: 20.0, X: 29.0, M: 33.0, EC: 40.0, P: 1000.0, G: 1000.0}
-    assert points["1"]["sources"] == {S: "final.json", B: "final.json", X: "evening.json", M: "evening.json",
-                                      EC: "evening.json", P: "evening.json", G: "evening.json"}
+    assert points["1"]["median_us"] == {S: 22.0, B: 20.0, M: 33.0, EC: 40.0, P: 1000.0, G: 1000.0}  # no mixed row
+    assert points["1"]["sources"] == {S: "final.json", B: "final.json", M: "evening.json", EC: "evening.json",
+                                      P: "evening.json", G: "evening.json"}
     assert points["1"]["choices"] == {"fastest": B, "warp_decode": B, "batch_invariant": G}
-    assert points["32"]["median_us"] == {S: 530.0, B: 300.0, X: 320.0, M: 310.0, EC: 314.0, P: 1000.0, G: 1000.0}
+    assert points["32"]["median_us"] == {S: 530.0, B: 300.0, M: 310.0, EC: 314.0, P: 1000.0, G: 1000.0}
     assert points["32"]["choices"] == {"fastest": B, "warp_decode": B, "batch_invariant": G}
     assert [s["file"] for s in table["sources"]] == ["evening.json", "final.json", "zipf.json"]
     assert table["date"] == "2026-11-30T19:08:00Z"  # the latest run that gave rows (zipf.json gave none)
@@ -620,10 +672,16 @@ def cupy_mod():
 
 
 def _path_call(choice: str) -> Any:
-    """The chosen path called directly: strict, expert-centric, or the batched module with that path's knobs."""
-    if choice in dispatch.BATCHED_KNOBS:
-        return lambda *arrays: dispatch.wdb.warp_decode_batched(*arrays, **dispatch.BATCHED_KNOBS[choice])
+    """The chosen path called directly: strict, expert-centric, or the batched family with that path's knobs."""
+    if choice in dispatch.BATCHED_PATHS:
+        path, knobs = dispatch.BATCHED_PATHS[choice]
+        return lambda *arrays: batched.warp_decode_batched(*arrays, path=path, **knobs)
     return {S: dispatch.wdc.warp_decode, EC: dispatch.ec.expert_centric}[choice]
+
+
+def _tensor_core(choice: str) -> bool:
+    """Whether ``choice`` sums in the tensor core's order (the tensor-core and per-pair families)."""
+    return dispatch.BATCHED_PATHS.get(choice, ("", {}))[0] in ("mma", "pairs")
 
 
 def _check_chosen_mode(cupy: Any, got: np.ndarray, problem: Any, choice: str, what: str) -> None:
@@ -634,7 +692,7 @@ def _check_chosen_mode(cupy: Any, got: np.ndarray, problem: Any, choice: str, wh
     mode = get_variant(choice).reference_mode
     if mode == "warp_decode":
         faithful, oracle = _references(problem)
-        _assert_matches(got, faithful, oracle, what, own_order=choice in (M, X))  # the tensor core's sum order
+        _assert_matches(got, faithful, oracle, what, own_order=_tensor_core(choice))  # the tensor core's sum order
         return
     from tests.test_expert_centric import _check_close, _f32
 
@@ -661,7 +719,7 @@ def _run_three_times(cupy: Any, problem: Any, ws: dispatch.Workspace, policy: st
 @pytest.mark.parametrize("tokens, policy", [(1, "fastest"), (3, "fastest"), (8, "fastest"), (64, "fastest"),
                                             (64, "warp_decode")])
 def test_moe_decode_equals_chosen_path(cupy_mod: Any, rng: np.random.Generator, tokens: int, policy: str) -> None:
-    """qwen3-30b on this GPU's table: on the H200 strict at T=1/3, batched at 8, MMA at 64 (both policies)."""
+    """qwen3-30b on this GPU's table: on the H200 strict at T=1, per-pair at 3, MMA at 8 and 64 (both policies)."""
     cupy = cupy_mod
     problem = make_problem("qwen3-30b-a3b", tokens, seed=_seed(rng), xp=cupy)
     dims = _dims(problem.shape, tokens)
@@ -700,6 +758,8 @@ def _capture_and_replay(cupy: Any, rng: np.random.Generator, problem: Any, ws: d
                         policy: str, what: str) -> None:
     """Capture moe_decode (out + workspace) and the auto variant's launch in one graph, replay it twice with new
     routing and inputs written into the same buffers, check both outputs against the chosen path's mode."""
+    from tests.test_warp_decode_batched import write_fresh_inputs
+
     dims = ws.dims
     outs = [_poisoned_out(cupy, dims.tokens, dims.hidden) for _ in range(2)]
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -801,7 +861,7 @@ def test_fp8_weights_choose_among_the_fp8_paths(tmp_path: Path) -> None:
                                             weight_format="fp8-block128")
         table = dispatch_table.merge(table, gpu, {"date": "2026-12-01"}, QWEN30.name, _dims(QWEN30, tokens), tokens,
                                      point, "fp8-block128")
-    point = dispatch_table.point_record({n: _record(10.0) for n in (S, B, M, EC, X)})
+    point = dispatch_table.point_record({n: _record(10.0) for n in (S, B, M, EC)})
     table = dispatch_table.merge(table, gpu, {"date": "2026-12-01"}, QWEN30.name, _dims(QWEN30, 8), 8, point)
     dispatch.validate_table(table)
     (tmp_path / f"{dispatch.gpu_slug(gpu)}.json").write_text(json.dumps(table))
@@ -840,13 +900,17 @@ def test_batch_invariant_policy_keeps_one_numerics() -> None:
     assert {t: dispatch.heuristic(_dims(QWEN30, t), "batch_invariant") for t in want} == want
     assert dispatch.heuristic(_dims(QWEN30, 1), "batch_invariant", "fp8-block128") == dispatch.FP8_MMA_PAIRS
     assert dispatch.heuristic(_dims(QWEN30, 64), "batch_invariant", "fp8-block128") == dispatch.FP8_MMA_GROUPED
-    for tokens in (1, 2, 64, 2048):
-        grouped = wdb.resolve_params(_dims(QWEN30, tokens), **wdb.GROUPED_KNOBS)
-        assert grouped["DB_GROUPED"] == 1 and grouped["PAIR_TILES"] == 1 and grouped["GB_MMA"] == grouped["DB_MMA"] == 1
-    assert wdb.resolve_params(_dims(QWEN30, 1), **wdb.PER_PAIR_KNOBS)["PER_PAIR"] == 1
+    for fmt, (pairs, grouped) in dispatch.INVARIANT_PATHS.items():  # the tensor-core family, grouped at every T
+        assert dispatch.BATCHED_PATHS[grouped] == ("mma", mma.grouped_knobs(get_format(fmt)))
+        assert dispatch.BATCHED_PATHS[pairs] == ("pairs", {})  # no lists, a token per down block
+        for tokens in (1, 2, 64, 2048):
+            resolved = get_variant(grouped).resolve(_dims(QWEN30, tokens))
+            assert (resolved["DB_GROUPED"], resolved["GB_KSPLIT"]) == (1, mma.invariant_ksplit(get_format(fmt)))
+            assert get_variant(pairs).resolve(_dims(QWEN30, tokens))["GB_KSPLIT"] == resolved["GB_KSPLIT"]  # one
+            # numerics: the same k ranges
     many_slots = Dims(1, 64, 32, 40, 20)  # K = 20: more slots than a per-token down block has warps
     with pytest.raises(ValueError, match="K <= 16, got 20"):
-        wdb.resolve_params(many_slots, **wdb.PER_PAIR_KNOBS)
+        batched.family("pairs").resolve(many_slots)
     assert not dispatch.supported(dispatch.MMA_PAIRS, many_slots)
     assert dispatch.heuristic(many_slots, "batch_invariant") == dispatch.MMA_GROUPED
 
@@ -871,8 +935,8 @@ def test_tiled_weights_choose_among_the_tiled_paths(tmp_path: Path, t16: str) ->
     whose strict path runs them."""
     rows_fmt, (mma, pairs, grouped), auto, strict = TILED_FORMATS[t16]
     assert dispatch.FORMAT_CANDIDATES[t16]["fastest"] == (mma, pairs, grouped)
-    for name in (mma, pairs, grouped):
-        assert dispatch.BATCHED_KNOBS[name]["W_TILED"] == 1 and get_variant(name).weight_format == t16
+    for name, path in ((mma, "mma"), (pairs, "pairs"), (grouped, "mma")):
+        assert dispatch.BATCHED_PATHS[name][0] == path and get_variant(name).weight_format == t16
     assert get_variant(auto).weight_format == t16
     for tokens, want in {1: pairs, 2: pairs, 4: mma, 8: mma, 64: mma}.items():
         assert dispatch.heuristic(_dims(QWEN30, tokens), weight_format=t16) == want, tokens
@@ -922,10 +986,9 @@ def test_moe_decode_on_tiled_weights(cupy_mod: Any, rng: np.random.Generator, to
             runs.append(out.get().view(np.uint16))
         assert not np.any((runs[0] & 0x7F80) == 0x7F80), f"{ws.choice}: NaN/inf (a row not written)"
         assert np.array_equal(runs[0], runs[1]), f"{ws.choice}: not repeatable"
-        knobs = dispatch.BATCHED_KNOBS[ws.choice]
-        direct = wdb.warp_decode_batched(x, *tiles, ids, wts, **knobs).get().view(np.uint16)
-        row_knobs = {k: v for k, v in knobs.items() if k != "W_TILED"}
-        on_rows = wdb.warp_decode_batched(x, *rows, ids, wts, **row_knobs).get().view(np.uint16)
+        path, knobs = dispatch.BATCHED_PATHS[ws.choice]
+        direct = batched.warp_decode_batched(x, *tiles, ids, wts, path=path, **knobs).get().view(np.uint16)
+        on_rows = batched.warp_decode_batched(x, *rows, ids, wts, path=path, **knobs).get().view(np.uint16)
         assert np.array_equal(direct, runs[0]) and np.array_equal(on_rows, runs[0]), ws.choice
         with pytest.raises(ValueError, match=f"this call passes {rows_fmt} weights"):
             dispatch.moe_decode(x, *rows, ids, wts, workspace=ws, policy=policy)

@@ -7,14 +7,16 @@
     python -m tools.dispatch_table --json kernels/dispatch_tables/nvidia-h200.json --weight-format fp8-block128
     python -m tools.dispatch_table --json kernels/dispatch_tables/nvidia-h200.json --check   # no GPU: the picks' cost
 
-Every point records each candidate's (``kernels.dispatch.CANDIDATES``: strict, batched, mixed, MMA, the per-pair and
+Every point records each candidate's (``kernels.dispatch.CANDIDATES``: strict, batched, MMA, the per-pair and
 grouped tensor-core forms, expert-centric) median, status and TB/s under uniform routing (the point's own
 ``median_us`` / ``status`` / ``tbps``) and under each skewed routing measured (``routings``: ``{"zipf": {...}}``).
 ``kernels.dispatch`` cannot see the routing when it picks, so it picks by the worst case: per policy ("fastest": all
-seven; "warp_decode": the six warp-decode paths; "batch_invariant": the per-pair and grouped forms), the candidate
+six; "warp_decode": the five warp-decode paths; "batch_invariant": the per-pair and grouped forms), the candidate
 with status "ok" under every routing whose largest slowdown against each routing's fastest is least
 (``worst_slowdown`` records it per candidate). The point's ``choices`` (per policy) and ``choice`` (policy "fastest")
-say what that gives, for people reading the file.
+say what that gives, for people reading the file. A table keeps what it measured of variants since removed (the
+mixed path, ``cupy:warp-decode-mixed``): history, never picked nor checked; the tool names them on stderr
+(:func:`unregistered`), and skips a bench run's rows of them.
 
 ``--check`` measures nothing: for each point of the table it prints the pick and how much slower it is than the
 fastest candidate under each routing the point recorded (a routing-blind choice can lose under one routing what it
@@ -244,6 +246,29 @@ def print_check(table: dict[str, Any], policy: str, limit: float) -> int:
     return over
 
 
+def unregistered(table: dict[str, Any]) -> list[str]:
+    """The variants ``table`` names (candidates, medians, choices) that are no longer registered -- removed paths
+    such as ``cupy:warp-decode-mixed``, whose measurements a table keeps as history: ``kernels.dispatch`` never picks
+    them and ``--check`` never weighs them."""
+    names = set(table.get("candidates") or [])
+    for pools in (table.get("formats") or {}).values():
+        names.update(name for pool in (pools or {}).values() for name in pool or [])
+    for entry in table.get("entries", {}).values():
+        for point in entry.get("points", {}).values():
+            names.update(n for n in (point.get("choice"), *(point.get("choices") or {}).values()) if n)
+            for run in dispatch.point_routings(point).values():
+                names.update(run.get("median_us") or {})
+    return sorted(name for name in names if isinstance(name, str) and not dispatch.registered(name))
+
+
+def note_unregistered(table: dict[str, Any], where: str) -> None:
+    """A line on stderr naming the variants :func:`unregistered` finds in ``table`` (``where``: its file)."""
+    names = unregistered(table)
+    if names:
+        print(f"note: {where} names {len(names)} variant(s) no longer registered ({', '.join(names)}): their "
+              "measurements stay in the table as history, never picked nor checked", file=sys.stderr)
+
+
 def _print_choices(table: dict[str, Any]) -> None:
     for key, entry in table["entries"].items():
         fmt = dispatch.key_format(key)
@@ -308,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             table = dispatch.validate_table(json.loads(Path(args.json).read_text()))
         except (OSError, ValueError) as exc:
             parser.error(f"--check: {' '.join(str(exc).split())}")
+        note_unregistered(table, args.json)
         print_check(table, args.policy, 1.03)
         return 0
     routings = [r.strip() for r in args.routing.split(",") if r.strip()]
@@ -324,6 +350,12 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.json)
         try:
             runs = [(_source_name(Path(f)), json.loads(Path(f).read_text())) for f in args.from_bench]
+            for name, run in runs:
+                retired = sorted({row.get("variant") for row in run.get("results") or [] if isinstance(row, dict)
+                                  and isinstance(row.get("variant"), str) and not dispatch.registered(row["variant"])})
+                if retired:
+                    print(f"note: {name} measured {len(retired)} variant(s) no longer registered "
+                          f"({', '.join(retired)}): their rows are skipped", file=sys.stderr)
             table = from_benches(runs, json.loads(path.read_text()) if path.is_file() else None, args.weight_format)
         except (OSError, ValueError) as exc:  # unreadable, not JSON, runs of different GPUs, no complete point
             parser.error(f"--from-bench: {' '.join(str(exc).split())}")
@@ -331,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--from-bench: not a tools.bench result ({type(exc).__name__}: {exc})")
         if path.stem != table["slug"]:
             print(f"warning: {path.name} does not match the bench GPU's slug {table['slug']!r}", file=sys.stderr)
+        note_unregistered(table, args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(table, indent=1) + "\n")
         _print_choices(table)
@@ -349,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {path.name} does not match this GPU's slug {dispatch.gpu_slug(gpu)!r}; "
               "kernels.dispatch will not find it", file=sys.stderr)
     table = json.loads(path.read_text()) if path.is_file() else None
+    if table is not None:
+        note_unregistered(table, args.json)
     pool = candidates(args.weight_format)
     names = list(pool) + [n for n in args.also.split(",") if n and n not in pool]
     try:
