@@ -623,20 +623,21 @@ SHARE_IDS = [[0, 1 if t < 20 else 2 if t < 32 else 3 + t % 3] for t in range(40)
 @pytest.mark.slow
 @pytest.mark.parametrize(("hot", "row_tiles", "ksplit"), [(0, 1, 1), (2, 2, 1), (0, 1, 2)])
 def test_shared_widening_emulated(hot: int, row_tiles: int, ksplit: int) -> None:
-    """GB_SHARE 2 / 4: a hot expert's tiles in groups of 2 / 4 whose gate_up warps share each round's A fragments
-    (runs of 5, 3 and 2 tiles: groups of 4 + 1, 2 + 2 + 1, 2 + 1, 2) give the bits of every tile on its own,
-    intermediate and out, on FP8 and bf16 weights, with warps past I (I = 144: 18 neuron groups in blocks of 4), with
-    HOT_NBLK 2's 16-pair tiles, two row tiles per grouped-down warp, and the batch-invariant form's split k chains
-    walked in one loop (GB_KSPLIT 2, GB_RANGE_FLUSH); the tile table's runs as the NumPy model has them. Refused:
-    groups without one loop over H, groups that do not divide the block, buffers beyond 48 KB."""
+    """GB_SHARE / DB_SHARE 2 / 4: a hot expert's tiles in groups of 2 / 4 whose gate_up and grouped-down warps share
+    each round's A fragments (runs of 5, 3 and 2 tiles: groups of 4 + 1, 2 + 2 + 1, 2 + 1, 2) give the bits of every
+    tile on its own, intermediate and out, on FP8 and bf16 weights, with warps past I (I = 144: 18 neuron groups in
+    blocks of 4), with HOT_NBLK 2's 16-pair tiles, two row tiles per grouped-down warp, and the batch-invariant
+    form's split k chains walked in one loop (GB_KSPLIT 2, GB_RANGE_FLUSH); the tile table's runs as the NumPy model
+    has them. Refused: groups without one loop over H, groups that do not divide the block, buffers beyond 48 KB,
+    down groups without the grouped down."""
     base = make_problem(SHAPE_16, 40, seed=40, routing=SHARE_IDS)
     knobs = {"HOT_NBLK": hot, "DB_GROUPED": 1, "DB_ROW_TILES": row_tiles, "DB_WARPS": 4, "GB_SHARE": 0,
-             "GB_KSPLIT": ksplit, **({"GB_UNROLL": 2} if ksplit > 1 else {})}
+             "DB_SHARE": 0, "GB_KSPLIT": ksplit, **({"GB_UNROLL": 2} if ksplit > 1 else {})}
     for problem in (_fp8_problem(base), base):
         dims, fmt = _dims(problem), format_of(problem.w13)
         want = _emulate(problem, "mma", out_dtype=np.float32, **knobs)
         for share in (2, 4):
-            shared = {**knobs, "GB_SHARE": share}
+            shared = {**knobs, "GB_SHARE": share, "DB_SHARE": share}
             resolved = _resolve(dims, "mma", fmt, **shared)
             assert (resolved["GB_WARPS"], resolved["DB_WARPS"], resolved["GB_KSPLIT"], resolved["GB_RANGE_FLUSH"],
                     mma.tile_pairs(resolved)) == (4, 4, ksplit, int(ksplit > 1), 8 * max(1, hot))
@@ -656,8 +657,8 @@ def test_shared_widening_emulated(hot: int, row_tiles: int, ksplit: int) -> None
         _resolve(dims, "mma", **{**refuse, "GB_KSPLIT": 1, "GB_SHARE": 4, "GB_WARPS": 2})
     with pytest.raises(ValueError, match="static shared memory"):
         _resolve(dims, "mma", **{**refuse, "GB_KSPLIT": 1, "GB_SHARE": 2, "GB_WARPS": 16, "GB_UNROLL": 8})
-    with pytest.raises(ValueError, match=r"unknown .* parameter\(s\) \['DB_SHARE'\]"):
-        _resolve(dims, "mma", DB_SHARE=2)
+    with pytest.raises(ValueError, match="DB_SHARE groups the tile table's tiles of one expert in the grouped down"):
+        _resolve(dims, "mma", **{**refuse, "DB_SHARE": 2, "DB_GROUPED": 0, "DB_ROW_TILES": 1})
 
 
 def _subnormal_weights(problem: Problem, seed: int) -> Problem:
@@ -988,10 +989,10 @@ def test_gpu_hot_tiles_bitwise(model: str, tokens: int, routing: str) -> None:
                          [("qwen3-235b-a22b", 32, "zipf"), ("qwen3-30b-a3b", 64, "same"),
                           ("qwen3-235b-a22b", 64, "zipf")])
 def test_gpu_shared_widening_bitwise(model: str, tokens: int, routing: str) -> None:
-    """GB_SHARE 2 / 4 (a hot expert's tiles sharing each round's widened A fragments in the gate_up) give the bits of
-    no sharing on the tensor-core FP8 path, on bf16 and on the batch-invariant grouped path's split k chains at the
-    presets' widths (16 experts: runs of up to 4-8 tiles), every output written (NaN-poisoned out and intermediate),
-    repeatably, and match the reference."""
+    """GB_SHARE / DB_SHARE 2 / 4 (a hot expert's tiles sharing each round's widened A fragments in the gate_up and
+    the grouped down) give the bits of no sharing on the tensor-core FP8 path, on bf16 and on the batch-invariant
+    grouped path's split k chains at the presets' widths (16 experts: runs of up to 4-8 tiles), every output written
+    (NaN-poisoned out and intermediate), repeatably, and match the reference."""
     import cupy
 
     from kernels.shapes import get_shape
@@ -1003,13 +1004,13 @@ def test_gpu_shared_widening_bitwise(model: str, tokens: int, routing: str) -> N
     bf16 = _bf16_on_device(cupy, make_problem(run_shape, tokens, seed=tokens + 6, routing=routing))
     faithful, oracle = _references(host)
     for on, knobs in ((problem, {}), (bf16, {}), (bf16, _grouped("bf16"))):
-        alone = _run_poisoned(cupy, on, "mma", **{**knobs, "GB_SHARE": 0})
+        alone = _run_poisoned(cupy, on, "mma", **{**knobs, "GB_SHARE": 0, "DB_SHARE": 0})
         assert _resolve(_dims(on), "mma", format_of(on.w13), **knobs)["DB_GROUPED"] == 1
         for share in (2, 4):
-            shared = _run_poisoned(cupy, on, "mma", **{**knobs, "GB_SHARE": share})
+            shared = _run_poisoned(cupy, on, "mma", **{**knobs, "GB_SHARE": share, "DB_SHARE": share})
             assert not np.isnan(shared.astype(np.float32)).any()
             assert np.array_equal(shared.view(np.uint16), alone.view(np.uint16)), (share, on is problem)
-            repeat = _run_poisoned(cupy, on, "mma", **{**knobs, "GB_SHARE": share})
+            repeat = _run_poisoned(cupy, on, "mma", **{**knobs, "GB_SHARE": share, "DB_SHARE": share})
             assert np.array_equal(repeat.view(np.uint16), shared.view(np.uint16))
         if on is problem:
             _assert_matches(alone, faithful, oracle, f"fp8 shared widening {model} T={tokens}", own_order=True)
