@@ -279,6 +279,13 @@ def test_auto_knobs() -> None:
     # ... and GB_RANGE_FLUSH (derived) the split-chain gate_up's ranges (16 k blocks at qwen3-235b) whole hot rounds
     assert big["grouped", 64]["GB_RANGE_FLUSH"] == 1
     assert _resolve("mma", Dims(64, 4096, 1536, 128, 8), **GROUPED, GB_HOT_UNROLL=3)["GB_RANGE_FLUSH"] == 0
+    # ... a hot pass's rounds as the CUDA C runs them: the halved rounds (HOT_NBLK 2, *_HOT_UNROLL 0) of UNROLL 5 are 2
+    # k blocks, which split neither 20-chunk ranges (H = 320, GB_KSPLIT 2) nor I = 160's 20 chunks
+    odd_rounds = {"DB_GROUPED": 1, "HOT_NBLK": 2, "GB_KSPLIT": 2, "GB_UNROLL": 5, "DB_UNROLL": 5, "DB_HOT_UNROLL": 0}
+    assert [_resolve("mma", Dims(12, 320, 160, 5, 3), **{**odd_rounds, **k})["GB_RANGE_FLUSH"]
+            for k in ({}, {"HOT_NBLK": 0}, {"GB_HOT_UNROLL": 5})] == [0, 1, 1]
+    assert [_resolve("mma", Dims(12, 320, 160, 5, 3), **{**odd_rounds, **k})["DB_WHOLE_RANGES"]
+            for k in ({}, {"HOT_NBLK": 0}, {"DB_HOT_UNROLL": 5})] == [0, 1, 1]
     assert mma.tile_pairs(fp8) == 16 and mma.tile_pairs(_resolve("mma", None, FP8_NAME)) == 8
     assert _resolve("mma", Dims(8, 2048, 768, 128, 8), DB_WARPS=4)["DB_WARPS"] == 4
     # auto GB_SHARE: groups of 4 on bf16 from T*K >= 2E where the gate_up can share (the grouped path's split chains
@@ -1418,6 +1425,14 @@ def test_whole_ranges_emulated(rng: np.random.Generator) -> None:
     assert [resolved(ALIGNED_SHAPE, **ALIGNED_GROUPED), resolved(ALIGNED_SHAPE, **{**ALIGNED_GROUPED, "DB_UNROLL": 4}),
             resolved(ALIGNED_SHAPE, 12, **{**ALIGNED_GROUPED, "HOT_NBLK": 2, "DB_HOT_UNROLL": 3}),
             resolved(PRESETS["tiny"], **ALIGNED_GROUPED)] == [1, 0, 0, 0]  # tiny: I = 48, 6 chunks
+    # a hot pass's halved rounds (DB_UNROLL 5, HOT_NBLK 2: 2 k blocks) do not split I = 160's 20 chunks: the masked
+    # rounds run there (whole rounds alone dropped the last 4 chunks of the hot tiles' rows: errors of 1.2)
+    hot = make_problem(MoEShape("h64-i160", 64, 160, 5, 3), 12, seed=12, routing="same")  # 12 pairs an expert
+    odd_rounds = {"DB_GROUPED": 1, "HOT_NBLK": 2, "DB_UNROLL": 5, "DB_HOT_UNROLL": 0}
+    assert [resolved(hot.shape, 12, **{**odd_rounds, "DB_HOT_UNROLL": r}) for r in (0, 5)] == [0, 1]
+    _assert_matches(_emulate(hot, out_dtype=np.float32, path="mma", **odd_rounds)["out"],
+                    moe_decode(*hot.arrays, mode="warp_decode", out_dtype=np.float32),
+                    moe_decode(*hot.arrays, mode="fp64"), "hot passes' halved rounds", own_order=True)
     qwen = PRESETS["qwen3-30b-a3b"]  # I = 768: 96 chunks
     assert [resolved(qwen, t, **GROUPED) for t in (1, 16, 64)] == [1, 1, 1]
     assert [resolved(qwen, 16), resolved(qwen, 16, FP8_NAME, **FP8_GROUPED)] == [0, 0]  # balanced down; FP8
@@ -1455,6 +1470,22 @@ def test_range_flush_emulated(rng: np.random.Generator) -> None:
     expect = bf16_to_f32(np.asarray([4.0 * 4.0 / (1.0 + np.exp(-4.0))], np.float32).astype(BF16))[0]
     for path, case in (("mma", flush), ("mma", per_range), ("pairs", per_pair)):
         inter = bf16_to_f32(_emulate(ones, path=path, **case)["inter"][:, :, 5].view(BF16))
+        assert np.all(inter == expect), (path, case, inter)
+
+    # ... and where a hot pass's rounds straddle two ranges the rules leave the flush off: GB_UNROLL 5 with HOT_NBLK 2
+    # runs hot rounds of 2 k blocks (8 chunks) over H = 320's two 20-chunk ranges (a flush there once gave a hot tile
+    # one chain over H: 0 for this neuron, not 4)
+    wide = MoEShape("h320-i64", 320, 64, 5, 3)
+    crafted = np.concatenate([np.full(64, 2.0**19), np.zeros(96), np.full(32, 0.125), np.full(64, -(2.0**19)),
+                              np.zeros(64)]).astype(BF16)
+    hot = make_problem(wide, 12, seed=seed, routing="same")  # 12 pairs an expert: hot 16-pair tiles
+    w13 = hot.w13.copy()
+    w13[:, 5], w13[:, wide.intermediate + 5] = crafted, crafted
+    hot = dataclasses.replace(hot, x=np.ones((12, wide.hidden), BF16), w13=w13)
+    odd_rounds = {"DB_GROUPED": 1, "HOT_NBLK": 2, "GB_KSPLIT": 2, "GB_UNROLL": 5}
+    assert _resolve("mma", _dims(hot), **odd_rounds)["GB_RANGE_FLUSH"] == 0
+    for path, case in (("mma", odd_rounds), ("pairs", {"GB_KSPLIT": 2, "GB_WARPS": 2})):
+        inter = bf16_to_f32(_emulate(hot, path=path, **case)["inter"][:, :, 5].view(BF16))
         assert np.all(inter == expect), (path, case, inter)
 
     def resolved(shape: MoEShape, **extra: int) -> int:
