@@ -125,8 +125,9 @@ def test_invariant_forms_agree_in_any_batch_on_the_gpu(weight_format: str) -> No
     picks at a T."""
     import cupy
 
-    from kernels import warp_decode_batched as wdb
-    from kernels.formats import quantize_weights
+    from kernels import batched
+    from kernels.batched.mma import grouped_knobs
+    from kernels.formats import get_format, quantize_weights
 
     shape = PRESETS["qwen3-30b-a3b"].with_(experts=64)
     seed = 13
@@ -134,17 +135,16 @@ def test_invariant_forms_agree_in_any_batch_on_the_gpu(weight_format: str) -> No
     w13, w2 = weights.w13, weights.w2
     if weight_format != "bf16":
         w13, w2 = quantize_weights(w13, w2, weight_format)
-    if weight_format == "bf16":
-        pairs, grouped = wdb.PER_PAIR_KNOBS, wdb.GROUPED_KNOBS
-    else:
-        pairs, grouped = wdb.FP8_PER_PAIR_KNOBS, wdb.FP8_GROUPED_KNOBS
-    assert pairs["GB_KSPLIT"] == grouped["GB_KSPLIT"] > 1
+    pairs, grouped = ("pairs", {}), ("mma", grouped_knobs(get_format(weight_format)))  # each form: (path, knobs)
+    ranges = [batched.family(path, weight_format).resolve(None, **knobs)["GB_KSPLIT"]
+              for path, knobs in (pairs, grouped)]
+    assert ranges[0] == ranges[1] > 1  # the same k ranges: the numerics both forms share
 
-    def run(host: tuple[Any, ...], knobs: dict[str, int]) -> np.ndarray:
+    def run(host: tuple[Any, ...], form: tuple[str, dict[str, int]]) -> np.ndarray:
         x, ids, wts = (cupy.asarray(a) for a in host)
         out = cupy.empty((x.shape[0], x.shape[1]), BF16)
         out.view(cupy.uint16).fill(0x7FC0)
-        wdb.warp_decode_batched(x, w13, w2, ids, wts, out=out, **knobs)
+        batched.warp_decode_batched(x, w13, w2, ids, wts, out=out, path=form[0], **form[1])
         cupy.cuda.runtime.deviceSynchronize()
         return out.get().view(np.uint16)
 
@@ -156,8 +156,8 @@ def test_invariant_forms_agree_in_any_batch_on_the_gpu(weight_format: str) -> No
     for routing in (*GENERATORS, DUPLICATES):
         for tokens in BATCHES:
             host, position = _batch(shape, probe, tokens, routing, seed)
-            for name, knobs in (("grouped", grouped), ("pairs", pairs)) if tokens <= 8 else (("grouped", grouped),):
-                got = run(host, knobs)
+            for name, form in (("grouped", grouped), ("pairs", pairs)) if tokens <= 8 else (("grouped", grouped),):
+                got = run(host, form)
                 assert not np.any((got & 0x7FC0) == 0x7FC0), f"{name} {routing} T={tokens}: output not fully written"
                 if not np.array_equal(got[position], alone[0]):
                     mismatches.append((name, routing, tokens, int((got[position] != alone[0]).sum())))

@@ -354,12 +354,13 @@ def test_sweep_grid_parsing():
 
 
 def test_sweep_compile_columns_report_what_runs():
-    """Auto knobs are resolved for the sweep's dims, and a resolved 0 is compiled as 0: the mixed path's tensor-core
-    down at T = 64 runs 24 warps under launch bounds alone (DB_MAX_REGS 0), so it must fit 85 registers."""
-    import kernels.warp_decode_batched as wdb
+    """Auto knobs are resolved for the sweep's dims, and a resolved 0 is compiled as 0: the tensor-core path's
+    balanced down at T = 64 runs 24 warps under launch bounds alone (DB_MAX_REGS 0), so it must fit 85 registers."""
     from kernels.contract import Dims
+    from kernels.variants import get_variant
 
-    columns = sweep.compile_columns(wdb.MIXED_VARIANT, dict(wdb.MIXED_VARIANT.params), Dims(64, 2048, 768, 128, 8))
+    variant = get_variant("cupy:warp-decode-mma")
+    columns = sweep.compile_columns(variant, {**variant.params, "DB_GROUPED": 0}, Dims(64, 2048, 768, 128, 8))
     assert columns["compile"] == "ok", columns
     assert columns["registers_per_kernel"]["moe_down_mma"] <= 65536 // (24 * 32)
     assert columns["spills"] == 0 and columns["stack_bytes"] == 0 and columns["occupancy"] > 0
@@ -393,8 +394,8 @@ def test_sweep_names_a_knob_the_rules_override():
     cap, 128 included (a GB_MAX_REGS=128 column once ran at 96)."""
     from types import SimpleNamespace
 
-    import kernels.warp_decode_batched as wdb
     from kernels.contract import Dims
+    from kernels.variants import get_variant
     from tools.display import text_of
 
     def resolve(dims: Any, **params: Any) -> dict[str, Any]:  # a rule that replaces CAP 128
@@ -405,7 +406,8 @@ def test_sweep_names_a_knob_the_rules_override():
     assert sweep.overridden(fake, {"CAP": 128, "AUTO": 0}, dims) == {"CAP": 96}
     assert sweep.overridden(fake, {"CAP": 120, "AUTO": -1}, dims) == {}
     assert sweep.overridden(fake, {"CAP": 128}, None) == {}
-    assert sweep.overridden(wdb.MMA_FP8_VARIANT, {"GB_MAX_REGS": 128, "DB_MAX_REGS": 128}, dims) == {}
+    assert sweep.overridden(get_variant("cupy:warp-decode-mma-fp8"), {"GB_MAX_REGS": 128, "DB_MAX_REGS": 128},
+                            dims) == {}
     one = {"compile": "ok", "registers": 96, "registers_per_kernel": {"gate_up": 96}, "spills": 8, "stack_bytes": 0,
            "shared_bytes": 0, "occupancy": 0.3}
     merged = sweep.merge_batches({"4": {**one, "overridden": {"CAP": 96}}, "8": one})

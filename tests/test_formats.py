@@ -509,7 +509,7 @@ def test_tiled_values() -> None:
     w13's tile j is neuron group j's 8 gate rows, then its 8 up rows, k block after k block; w2's is rows 16t ..
     16t + 15. The reference reads it as the same weights; each layout's checks refuse the other; shapes that do not
     tile, and knobs that cannot read tiles, are refused with the reason."""
-    from kernels import warp_decode_batched as wdb
+    from kernels import batched
     from kernels.contract import Dims
     from kernels.formats import FP8_BLOCK128, FP8_BLOCK128_T16, quantize_weights, tile_values, untile_values
     from kernels.reference import moe_decode
@@ -563,10 +563,17 @@ def test_tiled_values() -> None:
     with pytest.raises(ValueError, match="tiles need I and H multiples of 64, got I = 128, H = 200"):
         quantize_weights(np.zeros((1, 256, 200), np.float32), np.zeros((1, 200, 128), np.float32),
                          FP8_BLOCK128_T16.name)
-    with pytest.raises(ValueError, match=r"W_TILED reads tiles .* FP8_LOAD16 1 with W_FP8\), got 1, 1 \(and 0 with"):
-        wdb.resolve_params(Dims(1, hidden, inter, experts, 2), **{**wdb.MMA_FP8_KNOBS, "W_TILED": 1, "FP8_LOAD16": 0})
-    # without W_FP8 the same knob reads bf16-t16 tiles (32 values a tile row)
-    assert wdb.resolve_params(Dims(1, hidden, inter, experts, 2), **{**wdb.MMA_KNOBS, "W_TILED": 1})["W_TILED"] == 1
+    # the tensor-core families read the tiles in 16-value loads (their FP8_LOAD16, derived from H and I), the FMA
+    # family not at all
+    for path in ("mma", "pairs"):
+        family = batched.family(path, FP8_BLOCK128_T16.name)
+        assert family.resolve(Dims(1, hidden, inter, experts, 2))["FP8_LOAD16"] == 1
+        with pytest.raises(ValueError, match=r"fp8-block128-t16 weights need FP8_LOAD16 1 \(H and I multiples of 16\)"):
+            family.resolve(Dims(1, 200, inter, experts, 2))
+        with pytest.raises(ValueError, match="fp8-block128-t16 holds 64-value tiles: H and I must be multiples of 64"):
+            family.resolve(Dims(1, 208, inter, experts, 2))
+    with pytest.raises(ValueError, match="no fma loader for weight format 'fp8-block128-t16'"):
+        batched.family("fma", FP8_BLOCK128_T16.name)
 
 
 def test_bf16_tiles(rng: np.random.Generator) -> None:

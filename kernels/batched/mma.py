@@ -178,8 +178,13 @@ def hot_unroll(values: dict[str, int], stage: str, fmt: WeightFormat) -> int:
 
 
 def round_sizes(values: dict[str, int], stage: str) -> tuple[int, int]:
-    """A stage's k blocks per round: a normal pass's and a hot pass's (where ``*_HOT_UNROLL`` sets them)."""
-    return values[f"{stage}_UNROLL"], values[f"{stage}_HOT_UNROLL"] or values[f"{stage}_UNROLL"]
+    """A stage's k blocks per round: a normal pass's and a hot pass's -- ``*_HOT_UNROLL`` where set, else the halved
+    rounds the CUDA C runs (HOT_UNROLL: ``*_UNROLL / HOT_NBLK``, at least 1), which need not divide ``*_UNROLL`` (5 / 2
+    = 2: 8-chunk hot rounds straddle 20-chunk ranges). Without hot passes (HOT_NBLK <= 1) both are the normal one."""
+    unroll = values[f"{stage}_UNROLL"]
+    if values["HOT_NBLK"] <= 1:
+        return unroll, unroll
+    return unroll, values[f"{stage}_HOT_UNROLL"] or max(1, unroll // values["HOT_NBLK"])
 
 
 def range_flush(dims: Dims, values: dict[str, int], fmt: WeightFormat) -> int:
