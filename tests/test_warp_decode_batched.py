@@ -176,7 +176,7 @@ REMOVED_KNOBS = {  # knobs of the old single module that a family no longer take
     # and the derived macros its rules set: a caller passing one gets the unknown-parameter error naming it
     "fma": ("GB_MMA", "DB_MMA", "PER_PAIR", "W_FP8", "W_TILED", "DB_EARLY_W2", "DB_EARLY_INTER", "DB_BALANCE",
             "GB_KSPLIT", "DB_BYTES", "LIST_THREADS", "LIST_PER"),
-    "mma": ("GB_MMA", "PER_PAIR", "W_FP8", "W_TILED", "GB_NBLK", "DB_NBLK", "DB_BALANCE", "PAIR_TILES", "DB_SHARE",
+    "mma": ("GB_MMA", "PER_PAIR", "W_FP8", "W_TILED", "GB_NBLK", "DB_NBLK", "DB_BALANCE", "PAIR_TILES",
             "DB_EARLY_W2", "FP8_BLOCK_SUM", "FP8_LOAD16", "FP8_PRMT", "GB_RANGE_FLUSH", "DB_WHOLE_RANGES",
             "LIST_THREADS", "LIST_PER", "PAIRS_INNER"),
     "pairs": ("PER_PAIR", "W_FP8", "DB_EARLY_W2", "FP8_BLOCK_SUM", "FP8_LOAD16", "FP8_PRMT", "HOT_NBLK", "DB_WARPS",
@@ -288,13 +288,17 @@ def test_auto_knobs() -> None:
             for k in ({}, {"HOT_NBLK": 0}, {"DB_HOT_UNROLL": 5})] == [0, 1, 1]
     assert mma.tile_pairs(fp8) == 16 and mma.tile_pairs(_resolve("mma", None, FP8_NAME)) == 8
     assert _resolve("mma", Dims(8, 2048, 768, 128, 8), DB_WARPS=4)["DB_WARPS"] == 4
-    # auto GB_SHARE: groups of 4 on bf16 from T*K >= 2E where the gate_up can share (the grouped path's split chains
-    # walk H in one loop: GB_RANGE_FLUSH); FP8 0
-    share = {(name, t): _resolve("mma", Dims(t, 4096, 1536, 128, 8), fmt, **knobs)["GB_SHARE"]
+    # auto GB_SHARE / DB_SHARE: groups of 4 on bf16 from T*K >= 2E where the stage can share (the grouped path's
+    # split chains walk H in one loop: GB_RANGE_FLUSH); FP8 0
+    share = {(name, t): tuple(_resolve("mma", Dims(t, 4096, 1536, 128, 8), fmt, **knobs)[k]
+                              for k in ("GB_SHARE", "DB_SHARE"))
              for name, fmt, knobs in (("mma", BF16_NAME, {}), ("grouped", BF16_NAME, GROUPED),
                                       ("mma-fp8", FP8_NAME, {})) for t in (16, 32)}
-    assert share == {("mma", 16): 0, ("mma", 32): 4, ("grouped", 16): 0, ("grouped", 32): 4, ("mma-fp8", 16): 0,
-                     ("mma-fp8", 32): 0}
+    assert share == {("mma", 16): (0, 0), ("mma", 32): (4, 4), ("grouped", 16): (0, 0), ("grouped", 32): (4, 4),
+                     ("mma-fp8", 16): (0, 0), ("mma-fp8", 32): (0, 0)}
+    assert _resolve("mma", Dims(32, 4096, 1536, 128, 8), DB_SHARE=2)["DB_SHARE"] == 2  # asked for: kept
+    with pytest.raises(ValueError, match="DB_SHARE groups the tile table's tiles of one expert in the grouped down"):
+        _resolve("mma", Dims(8, 2048, 768, 128, 8), DB_GROUPED=0, DB_SHARE=2)
     assert _resolve("mma", Dims(32, 4096, 1536, 128, 8), GB_WARPS=2)["GB_SHARE"] == 0
     assert _resolve("mma", Dims(32, 4096, 1536, 128, 8), GB_SHARE=2)["GB_SHARE"] == 2  # asked for: kept
     with pytest.raises(ValueError, match="GB_SHARE groups tiles in the gate_up's one loop over H"):
@@ -738,7 +742,7 @@ EMULATED += [
     # the grouped down: one block row per tile, per-pair rows, the slot-order sum; partial 16-row groups over
     # H = 200, tiles of 8 and 16 pairs (hot two-block passes in the gate_up and the down), duplicate ids in a token;
     # auto GB_SHARE 4 (T*K >= 2E, bf16): an expert's tiles in groups (of 2 in the T = 12 "same" cases, of 4 here)
-    # share each round's A fragments
+    # share each round's A fragments; DB_SHARE 4 likewise in the grouped down where its warps divide (4, not 3)
     (MULTI_SHAPE, 25, "same", "mma", {"DB_GROUPED": 1, "DB_WARPS": 3}, True),  # 4 tiles an expert: a group of 4
     (MULTI_SHAPE, 9, "zipf", "mma", {"DB_GROUPED": 1, "HOT_NBLK": 2, "GB_UNROLL": 2}, True),
     ("tiny", 6, DUP_IDS, "mma", {}, False),  # the defaults: grouped (T*K >= 2E), GB_SHARE 4
@@ -767,8 +771,8 @@ def test_emulation_cases_run_what_they_name() -> None:
     forms = {EMULATED_IDS[i]: resolved(i) for i in range(len(EMULATED))}
     assert forms[EMULATED_IDS[8]]["LIST_PER"] == 2
     mma_cases = {name: r for name, r in forms.items() if "-mma-" in name}
-    assert [(r["DB_GROUPED"], r["HOT_NBLK"], r["GB_SHARE"]) for r in mma_cases.values()] == [
-        (0, 0, 0), (0, 0, 4), (0, 0, 4), (0, 2, 4), (0, 3, 4), (1, 0, 4), (1, 2, 4), (1, 0, 4)]
+    assert [(r["DB_GROUPED"], r["HOT_NBLK"], r["GB_SHARE"], r["DB_SHARE"]) for r in mma_cases.values()] == [
+        (0, 0, 0, 0), (0, 0, 4, 0), (0, 0, 4, 0), (0, 2, 4, 0), (0, 3, 4, 0), (1, 0, 4, 0), (1, 2, 4, 4), (1, 0, 4, 4)]
     pair_cases = [r for name, r in forms.items() if "-pairs-" in name]
     assert [(r["GB_KSPLIT"], r["PAIRS_INNER"]) for r in pair_cases] == [(1, 0), (1, 1), (1, 1), (4, 0), (4, 1)]
 
