@@ -35,8 +35,9 @@ Both may read the family's derived macros: ``FP8_LOAD16`` (16 e4m3 values per lo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from kernels.formats import BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, WeightFormat
+from kernels.formats import BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, WeightFormat, tile_k
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,23 @@ def register_loader(loader: Loader) -> Loader:
     """Make ``loader`` the batched families' reader of its format (re-registering a format replaces it)."""
     LOADERS[loader.format] = loader
     return loader
+
+
+def loader_macros(dims: Any, values: dict[str, int], fmt: WeightFormat, widening: int) -> None:
+    """The tensor-core loaders' derived macros in ``values``: ``FP8_LOAD16`` (fp8 where H and I are multiples of 16)
+    and ``FP8_PRMT`` (``widening`` on fp8: 2 for the tensor-core pair, 3 for the per-pair pair); ValueError where
+    the dims cannot hold the format's tiles (checked first: it names what the tiles need) or the format needs a
+    macro these dims cannot give."""
+    width = tile_k(1 if fmt.scaled else 2)
+    if fmt.tiled and dims is not None and (dims.hidden % width or dims.intermediate % width):
+        raise ValueError(f"{fmt.name} holds {width}-value tiles: H and I must be multiples of {width}, got "
+                         f"H = {dims.hidden}, I = {dims.intermediate}")
+    fits16 = dims is None or (dims.hidden % 16 == 0 and dims.intermediate % 16 == 0)
+    values["FP8_LOAD16"] = int(fmt.scaled and fits16)
+    values["FP8_PRMT"] = widening if fmt.scaled else 0
+    for macro, need in LOADERS[fmt.name].needs.items():
+        if values[macro] != need:
+            raise ValueError(f"{fmt.name} weights need {macro} {need} (H and I multiples of 16)")
 
 
 def loader_for(fmt: WeightFormat | str, kind: str) -> str:

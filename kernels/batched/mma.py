@@ -34,14 +34,14 @@ from kernels.batched.common import (
     sample_variants,
     weight_args,
 )
-from kernels.batched.loaders import LOADERS, loader_for
+from kernels.batched.loaders import loader_for, loader_macros
 from kernels.batched.mma_core import CODE as CORE
 from kernels.batched.mma_cuda import CODE, DOWN, DOWN_GROUPED, FAMILY_DEFINES, GATE_UP, SUM_SLOTS
 from kernels.compile import CudaSource, launch_ex
 from kernels.contract import Dims
 from kernels.device_helpers import BATCHED_HELPERS, BLOCK_OUTPUTS, FP8_HELPERS, PDL_HELPERS, WARP_HELPERS
 from kernels.family import Compiled, KernelFamily, Stage
-from kernels.formats import BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, WeightFormat, tile_k
+from kernels.formats import BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, WeightFormat
 
 SUM_THREADS = 256  # threads of a moe_sum_slots block (its __launch_bounds__), 4 columns each
 KNOBS: dict[str, int] = {
@@ -264,16 +264,7 @@ def make_rules(fmt: WeightFormat) -> Any:
         """Fill the auto knobs and the derived macros from ``dims``; ValueError for what cannot run."""
         if values["DB_GROUPED"] == -1:
             values["DB_GROUPED"] = auto_grouped(dims, fmt)
-        fits16 = dims is None or (dims.hidden % 16 == 0 and dims.intermediate % 16 == 0)
-        values["FP8_LOAD16"] = int(fmt.scaled and fits16)
-        values["FP8_PRMT"] = 2 if fmt.scaled else 0
-        for macro, need in LOADERS[fmt.name].needs.items():
-            if values[macro] != need:
-                raise ValueError(f"{fmt.name} weights need {macro} {need} (H and I multiples of 16)")
-        width = tile_k(1 if fmt.scaled else 2)
-        if fmt.tiled and dims is not None and (dims.hidden % width or dims.intermediate % width):
-            raise ValueError(f"{fmt.name} holds {width}-value tiles: H and I must be multiples of {width}, got "
-                             f"H = {dims.hidden}, I = {dims.intermediate}")
+        loader_macros(dims, values, fmt, widening=2)  # the byte permute, its multiply on B
         if values["DB_WARPS"] == 0:
             values["DB_WARPS"] = auto_down_warps(dims, values, fmt)
             if values["DB_WARPS"] == MMA_WIDE_DOWN_WARPS and values["DB_MAX_REGS"] == -1:

@@ -18,14 +18,14 @@ from typing import Any
 import numpy as np
 
 from kernels.batched.common import FormatFamilies, allocate, check_register_caps, sample_variants, weight_args
-from kernels.batched.loaders import LOADERS, loader_for
+from kernels.batched.loaders import loader_for, loader_macros
 from kernels.batched.mma import invariant_ksplit
 from kernels.batched.mma_core import CODE as CORE
 from kernels.compile import CudaSource, launch_ex
 from kernels.contract import Dims
 from kernels.device_helpers import BATCHED_HELPERS, FP8_HELPERS, PDL_HELPERS, WARP_HELPERS
 from kernels.family import Compiled, KernelFamily, Stage
-from kernels.formats import BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, WeightFormat, tile_k
+from kernels.formats import BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, WeightFormat
 
 GATE_UP, DOWN = "moe_gate_up_pair", "moe_down_token"
 KERNELS = (GATE_UP, DOWN)
@@ -73,16 +73,7 @@ def make_rules(fmt: WeightFormat) -> Any:
         values["GB_KSPLIT"] = values["GB_KSPLIT"] or invariant_ksplit(fmt)
         values["GB_WARPS"] = values["GB_WARPS"] or values["GB_KSPLIT"]
         values["DB_UNROLL"] = values["DB_UNROLL"] or (FP8_DOWN_UNROLL if fmt.scaled else BF16_DOWN_UNROLL)
-        fits16 = dims is None or (dims.hidden % 16 == 0 and dims.intermediate % 16 == 0)
-        values["FP8_LOAD16"] = int(fmt.scaled and fits16)
-        values["FP8_PRMT"] = 3 if fmt.scaled else 0
-        for macro, need in LOADERS[fmt.name].needs.items():
-            if values[macro] != need:
-                raise ValueError(f"{fmt.name} weights need {macro} {need} (H and I multiples of 16)")
-        width = tile_k(1 if fmt.scaled else 2)
-        if fmt.tiled and dims is not None and (dims.hidden % width or dims.intermediate % width):
-            raise ValueError(f"{fmt.name} holds {width}-value tiles: H and I must be multiples of {width}, got "
-                             f"H = {dims.hidden}, I = {dims.intermediate}")
+        loader_macros(dims, values, fmt, widening=3)  # ... and the intermediate written x 2^8
         if values["GB_WARPS"] % values["GB_KSPLIT"]:
             raise ValueError(f"the per-pair gate_up gives each of GB_KSPLIT k ranges a warp: GB_WARPS must be a "
                              f"multiple of GB_KSPLIT, got {values['GB_WARPS']} and {values['GB_KSPLIT']}")
