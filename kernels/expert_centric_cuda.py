@@ -13,7 +13,7 @@ the kernel family spell the register path STAGES=0.)
 
 bf16 values travel as raw ``unsigned short`` bits (no cuda_bf16.h); conversions are bit-exact RNE.
 
-``W_FP8`` 1 (with fp8 activations: the W8A8 design serving engines run on FP8 checkpoints) reads fp8-block128
+``W8A8`` 1 (with fp8 activations: the W8A8 design serving engines run on FP8 checkpoints) reads fp8-block128
 weights: each lane loads its 8 e4m3 values of a weight row (8 bytes), widens them to bf16 fragments (exact, times
 2^-112: kernels/device_helpers.py FP8_HELPERS) and each 32-wide K chunk's MMA result is scaled by the activation
 row's group scale, the weight block's scale and 2^112. Register loads only (STAGES 1, no PREFETCH).
@@ -29,8 +29,8 @@ CODE = r"""
 #define NT (BLOCK_N / 8)
 typedef unsigned short bf16;
 typedef unsigned int u32;
-static_assert(W_FP8 == 0 || (W_FP8 == 1 && STAGES < 2 && PREFETCH == 0), "W_FP8 runs on register loads only");
-#if W_FP8
+static_assert(W8A8 == 0 || (W8A8 == 1 && STAGES < 2 && PREFETCH == 0), "W8A8 runs on register loads only");
+#if W8A8
 typedef unsigned char wt_t;                       // e4m3fn bytes, a float32 scale per 128 x 128 block
 #else
 typedef bf16 wt_t;
@@ -253,7 +253,7 @@ __device__ __forceinline__ uint4 load_weights(const bf16* p) {   // streamed onc
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
-// W_FP8: 8 e4m3 weights (8 bytes) as the 8 bf16 of a B fragment (value x 2^-112, exact)
+// W8A8: 8 e4m3 weights (8 bytes) as the 8 bf16 of a B fragment (value x 2^-112, exact)
 __device__ __forceinline__ uint4 load_weights(const unsigned char* p) {
     uint2 v;
     asm("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
@@ -287,7 +287,7 @@ __device__ __forceinline__ void prefetch_step(const wt_t* Wexp, int c0, int n0, 
     }
 }
 
-// W_FP8: the weight block scales of this block's n8 tiles at K chunk c, times 2^112 (the fragments' unscale);
+// W8A8: the weight block scales of this block's n8 tiles at K chunk c, times 2^112 (the fragments' unscale);
 // w_scale is the expert's [block rows][kgroups], rows below w_split (w13's gate) in block row n / 128, the rest
 // (w13's up rows, blocked apart) in ceil(w_split / 128) + (n - w_split) / 128
 struct WeightScales { const float* w_scale; int w_split, kgroups, n0, N; };
@@ -325,7 +325,7 @@ __device__ __forceinline__ void chunk_mma(float (*acc)[NT][4], const uint4 (*a)[
                 float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 mma_bf16(part, lo.x, hi.x, lo.y, hi.y, b[j].x, b[j].y);
                 mma_bf16(part, lo.z, hi.z, lo.w, hi.w, b[j].z, b[j].w);
-#if W_FP8
+#if W8A8
                 const float w_s = c < chunks ? weight_scale(ws, j, c) : 0.0f;
                 acc[m][j][0] += part[0] * (s_lo * w_s);
                 acc[m][j][1] += part[1] * (s_lo * w_s);
@@ -370,7 +370,7 @@ __device__ __forceinline__ void grouped_gemm(const bf16* __restrict__ A, const f
                                              const int* __restrict__ tile_expert,
                                              int N, int Kd, int E, bf16* __restrict__ C)
 {
-    static_assert(!W_FP8 || SCALED, "W_FP8 is the W8A8 design: fp8 activations (gemm_fp8_scaled)");
+    static_assert(!W8A8 || SCALED, "W8A8 is the W8A8 design: fp8 activations (gemm_fp8_scaled)");
     __shared__ float partial[REDUCE_SLABS * SLAB_FLOATS];
     const int tile = blockIdx.x;
     // tile_expert is -1 past the real tile count (align writes it), so one load decides the block's fate
@@ -525,7 +525,7 @@ __device__ __forceinline__ void grouped_gemm(const bf16* __restrict__ A, const f
         }
 }
 
-#if !W_FP8
+#if !W8A8
 extern "C" __global__ void GEMM_BOUNDS gemm_bf16(
     const bf16* __restrict__ A, const bf16* __restrict__ W, const int* __restrict__ tile_expert,
     int N, int Kd, int E, bf16* __restrict__ C)
@@ -534,7 +534,7 @@ extern "C" __global__ void GEMM_BOUNDS gemm_bf16(
 }
 #endif
 
-// W_FP8: W holds e4m3 bytes, W_scale its block scales [E][block rows][ceil(Kd / 128)] (w_split: see weight_scale)
+// W8A8: W holds e4m3 bytes, W_scale its block scales [E][block rows][ceil(Kd / 128)] (w_split: see weight_scale)
 extern "C" __global__ void GEMM_BOUNDS gemm_fp8_scaled(
     const bf16* __restrict__ A, const float* __restrict__ A_scale, int scale_groups, const wt_t* __restrict__ W,
     const float* __restrict__ W_scale, int w_split, const int* __restrict__ tile_expert, int N, int Kd, int E,
@@ -643,10 +643,10 @@ extern "C" __global__ void combine(const bf16* __restrict__ src, const int* __re
 KERNELS = (
     "moe_align", "quantize_rows", "gather_rows", "gemm_bf16", "gemm_fp8_scaled", "silu_mul", "scatter_rows", "combine",
 )
-W8A8_KERNELS = tuple(k for k in KERNELS if k != "gemm_bf16")  # W_FP8 1: the bf16 GEMM is not compiled
+W8A8_KERNELS = tuple(k for k in KERNELS if k != "gemm_bf16")  # W8A8 1: the bf16 GEMM is not compiled
 # DEFAULTS are the compile-time knobs of the large-batch tiles, what kernels.expert_centric_path.auto_params picks
 # above T*K = 64 (below: BLOCK_N=32, WARPS=8, register loads); VARIANTS the other sets the offline report compiles.
-DEFAULTS = {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 2, "PREFETCH": 0, "W_FP8": 0}
+DEFAULTS = {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 2, "PREFETCH": 0, "W8A8": 0}
 VARIANTS = [
     {"BLOCK_N": 128, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 1, "PREFETCH": 0},
     {"BLOCK_N": 32, "WARPS": 8, "M_TILES": 1, "UNROLL": 2, "STAGES": 1, "PREFETCH": 0},
@@ -659,8 +659,8 @@ VARIANTS = [
     {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 1, "STAGES": 4, "PREFETCH": 0},
     {"BLOCK_N": 128, "WARPS": 4, "M_TILES": 1, "UNROLL": 1, "STAGES": 3, "PREFETCH": 0},
     {"BLOCK_N": 32, "WARPS": 8, "M_TILES": 1, "UNROLL": 1, "STAGES": 4, "PREFETCH": 0},
-    {"BLOCK_N": 32, "WARPS": 8, "M_TILES": 1, "UNROLL": 2, "STAGES": 1, "PREFETCH": 0, "W_FP8": 1},  # W8A8
-    {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 1, "PREFETCH": 0, "W_FP8": 1},
+    {"BLOCK_N": 32, "WARPS": 8, "M_TILES": 1, "UNROLL": 2, "STAGES": 1, "PREFETCH": 0, "W8A8": 1},  # W8A8
+    {"BLOCK_N": 64, "WARPS": 4, "M_TILES": 1, "UNROLL": 2, "STAGES": 1, "PREFETCH": 0, "W8A8": 1},
 ]
 
 # kernels.expert_centric_path.FAMILY registers it (tools.compile_report finds it there)

@@ -51,7 +51,7 @@ PARAM_NAMES = tuple(DEFAULTS)  # the compile-time knobs; build() and expert_cent
 AUTO_KNOBS = ("BLOCK_N", "WARPS", "STAGES")  # 0 = auto: auto_params(dims) picks them
 # ranges (the rules check the rest: BLOCK_N a multiple of 8, shared memory, PREFETCH on the register path only)
 LIMITS = {"BLOCK_N": (0, 768), "WARPS": (0, 32), "M_TILES": (1, 96), "UNROLL": (1, 16), "STAGES": (0, 8),
-          "PREFETCH": (0, 8), "W_FP8": (0, 1)}
+          "PREFETCH": (0, 8), "W8A8": (0, 1)}
 BLOCK_SMEM_LIMIT = 227 * 1024  # sm_90 opt-in maximum per block
 DYNAMIC_SMEM_LIMIT = 200 * 1024  # cp.async ring per block (H200: 227 KiB per block opt-in, 228 KiB per SM)
 SMALL_BATCH_PAIRS = 64  # T*K at or below this: small GEMM tiles (more blocks for the few experts touched)
@@ -95,13 +95,13 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
     """The family's rules on validated knobs (names, int types and :data:`LIMITS` checked): the auto knobs (0)
     from :func:`auto_params` of ``dims``, then ValueError for tiles these kernels cannot run."""
     tiles = auto_params(dims)
-    if values["W_FP8"] and values["STAGES"] == 0:
+    if values["W8A8"] and values["STAGES"] == 0:
         values["STAGES"] = 1  # the W8A8 GEMMs load weights into registers (8 bytes a lane: no 16-byte ring slots)
     for knob in AUTO_KNOBS:
         if values[knob] == 0:
             values[knob] = tiles[knob]
-    if values["W_FP8"] and (values["STAGES"] >= 2 or values["PREFETCH"]):
-        raise ValueError(f"W_FP8 (fp8-block128 weights) runs the GEMMs on register loads: STAGES must be 1 and "
+    if values["W8A8"] and (values["STAGES"] >= 2 or values["PREFETCH"]):
+        raise ValueError(f"W8A8 (fp8-block128 weights) runs the GEMMs on register loads: STAGES must be 1 and "
                          f"PREFETCH 0, got STAGES={values['STAGES']}, PREFETCH={values['PREFETCH']}")
     if values["PREFETCH"] and values["STAGES"] >= 2:
         raise ValueError(f"PREFETCH (L2 prefetch distance in steps, 0..8) is for the register path (STAGES=1) only, "
@@ -328,8 +328,8 @@ def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_we
 
     def gemm(a: Any, a_scale: Any, groups: int, w: Any, n: int, kd: int, c: Any, n_blocks: int,
              split: int) -> None:
-        if ws.quant == "fp8":  # W_FP8: the weights' values and block scales (split: w13's gate rows), else bf16
-            values, scales = (w.values, w.scales) if p["W_FP8"] else (w, null)
+        if ws.quant == "fp8":  # W8A8: the weights' values and block scales (split: w13's gate rows), else bf16
+            values, scales = (w.values, w.scales) if p["W8A8"] else (w, null)
             args = (a, a_scale, i32(groups), values, scales, i32(split), ws.tile_expert, i32(n), i32(kd), i32(E), c)
         else:
             args = (a, w, ws.tile_expert, i32(n), i32(kd), i32(E), c)
@@ -373,7 +373,7 @@ FAMILY = KernelFamily(
     limits=LIMITS,
     auto_knobs=AUTO_KNOBS,
     rules=rules,
-    kernel_names=lambda params: W8A8_KERNELS if params.get("W_FP8") else KERNELS,
+    kernel_names=lambda params: W8A8_KERNELS if params.get("W8A8") else KERNELS,
     workspace=_family_workspace,
     stages=stages,
     prepare=_prepare_kernels,
@@ -402,13 +402,13 @@ def expert_centric(
         raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
     if isinstance(w13, Quantized) and w13.layout != "rows":
         raise ValueError(f"the expert-centric path reads row-major weights; w13 holds {w13.layout!r}-ordered values")
-    fp8 = isinstance(w13, Quantized)  # fp8-block128 weights: the W8A8 design (W_FP8, fp8 activations)
+    fp8 = isinstance(w13, Quantized)  # fp8-block128 weights: the W8A8 design (W8A8, fp8 activations)
     if fp8 and quant != "fp8":
         raise ValueError(f"fp8-block128 weights run the W8A8 design: quant must be 'fp8', got {quant!r}")
     dims = check_inputs(x, w13, w2, topk_ids, topk_weights, weight_format=FP8_BLOCK128 if fp8 else "bf16")
-    params = check_params(dims, **{"W_FP8": int(fp8), **params})
-    if params["W_FP8"] != int(fp8):
-        raise ValueError(f"W_FP8 {params['W_FP8']} needs {'fp8-block128' if params['W_FP8'] else 'bf16'} weights")
+    params = check_params(dims, **{"W8A8": int(fp8), **params})
+    if params["W8A8"] != int(fp8):
+        raise ValueError(f"W8A8 {params['W8A8']} needs {'fp8-block128' if params['W8A8'] else 'bf16'} weights")
     xp = array_module(x)
     if xp is np:
         raise TypeError("expert_centric runs on the GPU: pass cupy arrays (reference.moe_decode is the host version)")
@@ -431,7 +431,7 @@ def expert_centric(
 
 def _builder(quant: str | None) -> Callable[..., Launch]:
     """The build of the variant for ``quant``: resolve, allocate the workspace for that mode, compile once (the
-    W8A8 variant's knobs hold W_FP8 1: its launch takes fp8-block128 weights)."""
+    W8A8 variant's knobs hold W8A8 1: its launch takes fp8-block128 weights)."""
 
     def build(dims: Dims, **params: Any) -> Launch:
         full = check_params(dims, **params)
@@ -461,7 +461,7 @@ EXPERT_CENTRIC_FP8 = register(FAMILY.variant(
     description="expert-centric path with e4m3 activations, fp32 scale per 128 elements (bf16 weights)",
 ))
 EXPERT_CENTRIC_W8A8 = register(FAMILY.variant(
-    "cupy:expert-centric-w8a8", build=_builder("fp8"), knobs={"fuse_scatter": True, "W_FP8": 1},
+    "cupy:expert-centric-w8a8", build=_builder("fp8"), knobs={"fuse_scatter": True, "W8A8": 1},
     reference_mode="classical", quant="fp8", weight_format=FP8_BLOCK128.name,
     grid={"BLOCK_N": [32, 64, 128], "WARPS": [4, 8], "M_TILES": [1], "UNROLL": [1, 2], "fuse_scatter": [True]},
     description="expert-centric W8A8 on fp8-block128 weights: e4m3 activations per 128 elements, e4m3 weights per "

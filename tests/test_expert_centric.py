@@ -93,7 +93,7 @@ def test_offline_compile_zero_spills(which: str) -> None:
     """Every kernel compiles for sm_90 without spills, at the defaults and every listed variant."""
     param_sets = [{}] if which == "defaults" else list(VARIANTS)
     for params, reports in zip(param_sets, _reports(param_sets), strict=True):
-        assert set(reports) == set(W8A8_KERNELS if params.get("W_FP8") else KERNELS), params
+        assert set(reports) == set(W8A8_KERNELS if params.get("W8A8") else KERNELS), params
         for report in reports.values():
             assert report.spills == 0 and report.stack_bytes == 0, (params, report)
             assert report.registers <= 255
@@ -479,7 +479,7 @@ def test_routings(routing: str, quant) -> None:
     [dict(fuse_scatter=False), dict(BLOCK_N=32, UNROLL=4), dict(BLOCK_N=128, WARPS=8, STAGES=1), dict(M_TILES=2),
      dict(WARPS=1, UNROLL=1), dict(STAGES=1), dict(STAGES=3, BLOCK_N=64), dict(STAGES=2, WARPS=1, UNROLL=1),
      dict(STAGES=8, BLOCK_N=32, UNROLL=1), dict(STAGES=4, M_TILES=2, BLOCK_N=64), dict(PREFETCH=1, STAGES=1),
-     dict(PREFETCH=3, BLOCK_N=64, STAGES=1), *(v for v in VARIANTS if not v.get("W_FP8"))],  # W_FP8 sets: the w8a8 test
+     dict(PREFETCH=3, BLOCK_N=64, STAGES=1), *(v for v in VARIANTS if not v.get("W8A8"))],  # W8A8 sets: the w8a8 test
     ids=str,
 )
 def test_tile_params(params: dict) -> None:
@@ -666,7 +666,7 @@ def test_w8a8_on_fp8_weights(shape: Any, tokens: int, routing: Any) -> None:
 
     def run() -> np.ndarray:
         out = cp.full((tokens, run_shape.hidden), np.nan, BF16)
-        expert_centric(x, q13, q2, ids, wts, quant="fp8", out=out, W_FP8=1)
+        expert_centric(x, q13, q2, ids, wts, quant="fp8", out=out, W8A8=1)
         cp.cuda.runtime.deviceSynchronize()
         return out.get()
 
@@ -682,13 +682,13 @@ def test_w8a8_on_fp8_weights(shape: Any, tokens: int, routing: Any) -> None:
 
 
 def test_w8a8_knob_rules() -> None:
-    """W_FP8 runs the register-load GEMMs: auto STAGES becomes 1, an explicit ring or prefetch is refused."""
+    """W8A8 runs the register-load GEMMs: auto STAGES becomes 1, an explicit ring or prefetch is refused."""
     from kernels.expert_centric_path import check_params
 
     dims = Dims(64, 2048, 768, 128, 8)
-    assert check_params(dims)["STAGES"] == 2 and check_params(dims, W_FP8=1)["STAGES"] == 1
-    with pytest.raises(ValueError, match="W_FP8 .* STAGES must be 1"):
-        check_params(dims, W_FP8=1, STAGES=2)
+    assert check_params(dims)["STAGES"] == 2 and check_params(dims, W8A8=1)["STAGES"] == 1
+    with pytest.raises(ValueError, match="W8A8 .* STAGES must be 1"):
+        check_params(dims, W8A8=1, STAGES=2)
     with pytest.raises(ValueError, match="PREFETCH 0"):
-        check_params(dims, W_FP8=1, PREFETCH=2)
+        check_params(dims, W8A8=1, PREFETCH=2)
     assert REGISTRY["cupy:expert-centric-w8a8"].weight_format == "fp8-block128"
