@@ -3,7 +3,8 @@
 The toy format ``toy-pairswap`` stores bf16 values with each pair of neighbours along k swapped (the two halves of
 every 32-bit word exchanged): data (:class:`PairSwapped`, quantize / dequantize in NumPy) plus a loader whose
 device code swaps them back while widening. Every batched family then compiles for it as it is (offline, sm_90),
-runs it in the g++ emulation, and -- on a GPU -- gives bitwise the outputs it gives on the same values in bf16.
+and gives bitwise the outputs it gives on the same values in bf16: in the g++ emulation (the FMA and tensor-core
+families) and on a GPU (all three).
 """
 
 from __future__ import annotations
@@ -139,6 +140,23 @@ def test_toy_format_compiles_in_every_family_without_a_kernel_edit(toy: PairSwap
     kernels = family.kernel_names(params) if family.kernel_names else family.source.compiled_kernels(**params)
     cubin, log = offline_compile(family.source.render(**params))
     assert cubin and all(f"'{name}'" in log or name in log for name in kernels)
+
+
+@pytest.mark.parametrize("path", ["fma", "mma"])
+def test_toy_format_emulated_is_bitwise_the_bf16_path(toy: PairSwapped, path: str) -> None:
+    """The family's CUDA C with the toy loader, run by the g++ emulation, gives bitwise what it gives on bf16 rows
+    (intermediate and out): the loader undoes the layout exactly, the kernels do the rest unchanged."""
+    from kernels.problem import make_problem
+    from kernels.shapes import MoEShape
+    from tests.test_warp_decode_batched import _emulate
+
+    problem = make_problem(MoEShape("toy-h64-i48", DIMS.hidden, DIMS.intermediate, DIMS.experts, DIMS.top_k),
+                           DIMS.tokens, seed=5, routing="zipf")
+    t13, t2 = toy.quantize(problem.w13, problem.w2)
+    want = _emulate(problem, path=path)
+    got = _emulate(dataclasses.replace(problem, w13=t13, w2=t2), path=path)
+    assert np.array_equal(got["inter"], want["inter"]) and np.isfinite(want["out"].astype(np.float32)).all()
+    assert np.array_equal(got["out"].view(np.uint16), want["out"].view(np.uint16))
 
 
 def test_format_families_are_built_on_first_use(toy: PairSwapped) -> None:
