@@ -665,10 +665,10 @@ def _resolve_with_derived(family: Any, dims: Dims, knobs: dict[str, Any]) -> dic
 
 
 def _emulate(problem: Problem, ids: np.ndarray | None = None, out_dtype: Any = BF16, *, path: str = "fma",
-             **knobs: int) -> dict[str, np.ndarray]:
+             **knobs: int) -> dict[str, Any]:
     """Run ``path``'s kernels ("fma", "mma" or "pairs") as CUDA C on the CPU with the CuPy path's geometry, on the
     family of the problem's weight format (a Quantized w13 names it, as for the entry point): out, intermediate,
-    lists (untouched for "pairs").
+    lists (untouched for "pairs") and params, the macros the kernels were rendered with.
 
     ``knobs`` are the family's; among them a derived macro of the family (GB_RANGE_FLUSH, DB_WHOLE_RANGES,
     FP8_LOAD16, FP8_PRMT, ...), which no caller of the library may set, overrides the rules' value after they ran:
@@ -691,7 +691,7 @@ def _emulate(problem: Problem, ids: np.ndarray | None = None, out_dtype: Any = B
         inter = np.fromfile(f"{tmp}/inter.bin", np.uint16).reshape(dims.tokens, dims.top_k, dims.intermediate)
         raw_lists = np.fromfile(f"{tmp}/lists.bin", np.int32)
     out = raw.reshape(dims.tokens, dims.hidden) if f32 else raw.view(BF16).reshape(dims.tokens, dims.hidden)
-    return {"out": out, "inter": inter, "lists": raw_lists}
+    return {"out": out, "inter": inter, "lists": raw_lists, "params": resolved}
 
 
 def _emulate_strict_gate_up(problem: Problem, ids: np.ndarray | None = None, **params: int) -> np.ndarray:

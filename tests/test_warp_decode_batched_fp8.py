@@ -14,7 +14,6 @@ and routings, bitwise repeats, graph replay, the forms that must give the same b
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 from typing import Any
 
 import numpy as np
@@ -22,28 +21,19 @@ import pytest
 
 from kernels import batched
 from kernels import warp_decode_fp8 as wdf
-from kernels.batched import fma, lists, mma, pairs
+from kernels.batched import fma, lists, mma
 from kernels.contract import BF16, Dims
 from kernels.family import Compiled
-from kernels.formats import FP8, FP8_BLOCK128, FP8_BLOCK128_T16, Quantized, format_of, get_format, quantize_weights
+from kernels.formats import FP8, FP8_BLOCK128, FP8_BLOCK128_T16, format_of, get_format, quantize_weights
 from kernels.problem import Problem, make_problem
 from kernels.reference import moe_decode
 from kernels.shapes import MoEShape
+from tests.test_warp_decode_batched import _emulate, _tile_pairs
 from tests.test_warp_decode_fp8 import _emulate as strict_fp8_emulation
-from tests.warp_checks import (
-    EMULATION_LOAD,
-    EMULATION_PRELUDE,
-    _assert_matches,
-    _poisoned_out,
-    _seed,
-    build_emulator,
-    run_emulator,
-    slow_except,
-)
+from tests.warp_checks import _assert_matches, _poisoned_out, _seed, slow_except
 
 FMT = FP8_BLOCK128.name
 T16 = FP8_BLOCK128_T16.name
-FAMILIES = {"fma": fma, "mma": mma, "pairs": pairs}
 
 
 def _fp8_problem(problem: Problem, weight_format: str = FMT) -> Problem:
@@ -106,203 +96,8 @@ def _assert_lists(raw: np.ndarray, problem: Problem, tile_pairs: int, ids: np.nd
 
 
 # ---------------------------------------------------------------------------------------------------
-# CPU: a family's CUDA C emulated (g++; every thread of a block a lane, blocks one after another)
+# CPU: the families' CUDA C emulated (g++): tests/test_warp_decode_batched.py's harness, _emulate
 # ---------------------------------------------------------------------------------------------------
-EMULATION_HARNESS = EMULATION_PRELUDE + r"""
-#define __maxnreg__(...)
-#define __shared__ static
-EmuBarrier* g_block = nullptr;
-float* wdb_dynamic_shared = nullptr;
-inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
-inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
-inline void __syncthreads() { g_block->arrive_and_wait(); }
-inline void __syncwarp() { g_warp->bar.arrive_and_wait(); }
-inline int __popc(unsigned v) { return __builtin_popcount(v); }
-inline unsigned __match_any_sync(unsigned, int v) {
-    unsigned mask = 0;
-    for (int l = 0; l < 32; ++l) mask |= (unsigned)(exchange(v, l) == v) << l;
-    return mask;
-}
-// mma.sync.m16n8k16 (bf16 in, fp32 accumulate): every lane publishes its six fragment registers (a0..a3, b0, b1),
-// then lane (g, q) computes D rows g, g+8 x columns 2q, 2q+1 from the PTX ISA layout: A[m][k] in lane
-// (m%8)*4 + (k%8)/2, register (m >= 8) + 2 (k >= 8); B[k][n] in lane n*4 + (k%8)/2, register (k >= 8); the low half
-// of a register is the even k
-inline void emulated_mma_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
-                               unsigned b1) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    uint32_t* mine = g_warp->frags[lane];
-    mine[0] = a0; mine[1] = a1; mine[2] = a2; mine[3] = a3; mine[4] = b0; mine[5] = b1;
-    g_warp->bar.arrive_and_wait();
-    auto half = [](unsigned w, int k) { return __uint_as_float(k % 2 ? (w & 0xffff0000u) : (w << 16)); };
-    auto a_el = [&](int m, int k) {
-        return half(g_warp->frags[(m % 8) * 4 + (k % 8) / 2][(m < 8 ? 0 : 1) + (k < 8 ? 0 : 2)], k);
-    };
-    auto b_el = [&](int k, int n) { return half(g_warp->frags[n * 4 + (k % 8) / 2][4 + (k < 8 ? 0 : 1)], k); };
-    float sums[4];
-    for (int r = 0; r < 4; ++r) {
-        const int m = g + (r >= 2 ? 8 : 0), n = 2 * q + (r & 1);
-        float sum = 0.0f;
-        for (int k = 0; k < 16; ++k) sum = fmaf(a_el(m, k), b_el(k, n), sum);
-        sums[r] = sum;
-    }
-    g_warp->bar.arrive_and_wait();  // every lane has read the fragments before any lane's next mma writes
-    for (int r = 0; r < 4; ++r) d[r] += sums[r];
-}
-#include "kernel.cu"
-
-template <class F> void launch(long long blocks, int threads, F body) {
-    EmuBarrier block_bar(threads);
-    g_block = &block_bar;
-    std::vector<std::unique_ptr<WarpCtx>> warps;
-    for (int w = 0; w < threads / 32; ++w) warps.emplace_back(new WarpCtx);
-    gridDim.x = (unsigned)blocks;
-    run_lanes(threads, [&](int l) {
-        g_warp = warps[l / 32].get();
-        for (long long b = 0; b < blocks; ++b) {
-            threadIdx.x = l;
-            blockIdx.x = (unsigned)b;
-            body();
-            block_bar.arrive_and_wait();
-        }
-    });
-}
-""" + EMULATION_LOAD + r"""
-template <class T> void save(const std::string& path, const std::vector<T>& v) {
-    FILE* f = fopen(path.c_str(), "wb");
-    fwrite(v.data(), sizeof(T), v.size(), f);
-    fclose(f);
-}
-// EMU_PATH (-D): 1 the FMA family, 2 the tensor-core family, 3 the per-pair family; EMU_SCALED: fp8 values + scales
-int main(int argc, char** argv) {
-    int T = atoi(argv[1]), H = atoi(argv[2]), I = atoi(argv[3]), E = atoi(argv[4]), K = atoi(argv[5]);
-    int f32 = atoi(argv[6]);
-    long long gu_blocks = atoll(argv[7]), dn_blocks = atoll(argv[8]), sum_blocks = atoll(argv[9]);
-    int slots = atoi(argv[10]), lists_size = atoi(argv[11]);
-    size_t shared_floats = (size_t)atoll(argv[12]);
-    std::string dir = argv[13];
-    auto x = load<uint16_t>(dir + "/x.bin", (size_t)T * H);
-#if EMU_SCALED
-    auto w13 = load<uint8_t>(dir + "/w13.bin", (size_t)E * 2 * I * H);
-    auto w2 = load<uint8_t>(dir + "/w2.bin", (size_t)E * H * I);
-    const size_t HB = (H + 127) / 128, IB = (I + 127) / 128;
-    auto s13v = load<float>(dir + "/s13.bin", (size_t)E * 2 * IB * HB);
-    auto s2v = load<float>(dir + "/s2.bin", (size_t)E * HB * IB);
-    const float* s13 = s13v.data();
-    const float* s2 = s2v.data();
-#else
-    auto w13 = load<uint16_t>(dir + "/w13.bin", (size_t)E * 2 * I * H);
-    auto w2 = load<uint16_t>(dir + "/w2.bin", (size_t)E * H * I);
-    const float* s13 = nullptr;  // never read
-    const float* s2 = nullptr;
-#endif
-    auto ids = load<int>(dir + "/ids.bin", (size_t)T * K);
-    auto wts = load<float>(dir + "/wts.bin", (size_t)T * K);
-    std::vector<int> lists(lists_size, -12345);
-    std::vector<uint16_t> inter((size_t)T * K * I, 0x7fc0);
-    std::vector<uint32_t> out((size_t)T * H, 0x7fc07fc0u);  // NaN poison in either view
-    std::vector<float> shared(std::max<size_t>(shared_floats, 1), __uint_as_float(0x7fc00000u));
-    wdb_dynamic_shared = shared.data();
-#if EMU_PATH == 3
-    (void)slots; (void)sum_blocks;
-    launch(gu_blocks, GB_WARPS * 32,
-           [&] { moe_gate_up_pair(x.data(), w13.data(), s13, ids.data(), inter.data(), H, I, E, K, T * K); });
-    launch(dn_blocks, 32 * K, [&] {
-        moe_down_token(inter.data(), w2.data(), s2, ids.data(), wts.data(), out.data(), f32, T, H, I, E, K);
-    });
-#else
-    launch(1, LIST_THREADS, [&] { moe_expert_lists(ids.data(), T * K, E, slots, lists.data()); });
-#if EMU_PATH == 1
-    (void)sum_blocks;
-    launch(gu_blocks, GB_WARPS * 32, [&] {
-        moe_gate_up_batched(x.data(), w13.data(), s13, lists.data(), inter.data(), H, I, E, K, slots, T * K);
-    });
-    launch(dn_blocks, DB_WARPS * 32, [&] {
-        moe_down_batched(inter.data(), w2.data(), s2, ids.data(), wts.data(), lists.data(), out.data(), f32, T, H, I,
-                         E, K, slots);
-    });
-#else
-    launch(gu_blocks, GB_WARPS * 32, [&] {
-        moe_gate_up_mma(x.data(), w13.data(), s13, lists.data(), inter.data(), H, I, E, K, slots, T * K);
-    });
-#if DB_GROUPED
-    std::vector<float> pair_out((size_t)T * K * H, __uint_as_float(0x7fc00000u));
-    launch(dn_blocks, DB_WARPS * 32, [&] {
-        moe_down_grouped(inter.data(), w2.data(), s2, wts.data(), lists.data(), pair_out.data(), H, I, E, K, slots,
-                         T * K);
-    });
-    launch(sum_blocks, 256, [&] { moe_sum_slots(pair_out.data(), ids.data(), out.data(), f32, T, H, E, K); });
-#else
-    (void)sum_blocks;
-    launch(dn_blocks, DB_WARPS * 32, [&] {
-        moe_down_mma(inter.data(), w2.data(), s2, ids.data(), wts.data(), lists.data(), out.data(), f32, T, H, I, E,
-                     K, slots);
-    });
-#endif
-#endif
-#endif
-    save(dir + "/lists.bin", lists);
-    save(dir + "/inter.bin", inter);
-    FILE* f = fopen((dir + "/out.bin").c_str(), "wb");
-    fwrite(out.data(), 1, (size_t)T * H * (f32 ? 4 : 2), f);
-    fclose(f);
-    return 0;
-}
-"""
-
-
-def _write_inputs(tmp: str, problem: Problem, ids: np.ndarray | None) -> None:
-    """The emulator's inputs: x, the weights' bytes (and scales, where the format has them), ids, routing weights."""
-    problem.x.tofile(f"{tmp}/x.bin")
-    for name in ("w13", "w2"):
-        weights = getattr(problem, name)
-        if isinstance(weights, Quantized):
-            weights.values.view(np.uint8).tofile(f"{tmp}/{name}.bin")
-            if weights.scales is not None:
-                weights.scales.astype(np.float32).tofile(f"{tmp}/{name.replace('w', 's')}.bin")
-        else:
-            weights.tofile(f"{tmp}/{name}.bin")
-    np.ascontiguousarray(problem.topk_ids if ids is None else ids, np.int32).tofile(f"{tmp}/ids.bin")
-    problem.topk_weights.tofile(f"{tmp}/wts.bin")
-
-
-def _tile_pairs(path: str, params: dict[str, int]) -> int:
-    """Pairs per tile of the tile table ``path`` writes with these knobs (0: none; the per-pair family: no lists)."""
-    return mma.tile_pairs(params) if path == "mma" else 0
-
-
-def _emulate(problem: Problem, path: str, ids: np.ndarray | None = None, out_dtype: Any = BF16,
-             derived: dict[str, int] | None = None, **knobs: Any) -> dict[str, Any]:
-    """The ``path`` family's kernels on the problem's weight format, emulated with the CuPy path's geometry: out,
-    the intermediate (bf16 bits), the lists buffer and the resolved knobs. ``derived``: derived macros set here
-    instead of by the rules -- to run the other live form of a choice the rules make per dims (GB_RANGE_FLUSH 0 where
-    the ranges would allow 1), never a removed one."""
-    dims = _dims(problem)
-    fmt = get_format(format_of(problem.w13))
-    family = batched.family(path, fmt.name)
-    params = family.resolve(dims, **knobs)
-    if derived:
-        assert set(derived) <= set(family.derived), f"{sorted(derived)}: not derived macros of {family.name}"
-        params = {**params, **derived}
-    module = FAMILIES[path]
-    grouped = path == "mma" and params["DB_GROUPED"] == 1
-    shared = max(0 if path == "pairs" else lists.lists_shared_bytes(dims, params),
-                 0 if path == "pairs" else module.down_shared_bytes(dims, params))
-    binary = build_emulator(family.source.render(**params), EMULATION_HARNESS,
-                            f"-DEMU_PATH={list(FAMILIES).index(path) + 1}", f"-DEMU_SCALED={int(fmt.scaled)}")
-    f32 = int(np.dtype(out_dtype) == np.float32)
-    with tempfile.TemporaryDirectory() as tmp:
-        _write_inputs(tmp, problem, ids)
-        run_emulator(binary, dims.tokens, dims.hidden, dims.intermediate, dims.experts, dims.top_k, f32,
-                     module.gate_up_blocks(dims, params), module.down_blocks(dims, params),
-                     mma.sum_blocks(dims) if grouped else 0, lists.slots(dims), lists.lists_size(dims),
-                     -(-shared // 4), tmp)
-        raw = np.fromfile(f"{tmp}/out.bin", np.float32 if f32 else np.uint16)
-        inter = np.fromfile(f"{tmp}/inter.bin", np.uint16).reshape(dims.tokens, dims.top_k, dims.intermediate)
-        raw_lists = np.fromfile(f"{tmp}/lists.bin", np.int32)
-    out = raw.reshape(dims.tokens, dims.hidden) if f32 else raw.view(BF16).reshape(dims.tokens, dims.hidden)
-    return {"out": out, "inter": inter, "lists": raw_lists, "params": params}
-
-
 def _strict_fp8_intermediate(problem: Problem) -> np.ndarray:
     """The strict FP8 kernel's emulated gate_up output [T, K, I] (bf16 bits)."""
     return strict_fp8_emulation(problem, problem.w13, problem.w2, intermediate=True, GU_CHUNK=8)[1]
@@ -356,9 +151,9 @@ def test_cuda_source_emulated_on_cpu(rng: np.random.Generator, shape: Any, token
     """Lists vs the NumPy model, out vs the reference on the same FP8 weights; the FMA gate_up's intermediate
     bitwise the strict FP8 kernel's at its chunk size (GB_BYTES 16: 8 values)."""
     problem = _fp8_problem(make_problem(shape, tokens, seed=_seed(rng), routing=routing))
-    got = _emulate(problem, path, **knobs)
+    got = _emulate(problem, path=path, **knobs)
     if path != "pairs":  # the per-pair family writes no lists
-        _assert_lists(got["lists"], problem, _tile_pairs(path, got["params"]))
+        _assert_lists(got["lists"], problem, _tile_pairs(_dims(problem), knobs, path, FMT))
     faithful, oracle = _references(problem)
     own_order = path != "fma"  # the tensor core sums 16 products at once
     _assert_matches(got["out"], faithful, oracle, f"fp8 emulated {problem.shape.name} {path} {knobs}",
@@ -366,7 +161,7 @@ def test_cuda_source_emulated_on_cpu(rng: np.random.Generator, shape: Any, token
     if path == "fma" and got["params"]["GB_BYTES"] == 16:
         assert np.array_equal(got["inter"], _strict_fp8_intermediate(problem)), "intermediate != strict FP8's"
     if fp32:
-        got32 = _emulate(problem, path, out_dtype=np.float32, **knobs)["out"]
+        got32 = _emulate(problem, path=path, out_dtype=np.float32, **knobs)["out"]
         faithful32, _ = _references(problem, out_dtype=np.float32)
         _assert_matches(got32, faithful32, oracle, "fp8 emulated fp32 out", own_order=own_order)
 
@@ -381,10 +176,10 @@ def test_bad_ids_emulated_on_cpu(rng: np.random.Generator, path: str, knobs: dic
     ids = problem.topk_ids.copy()
     ids[0, 1] = problem.shape.experts
     ids[2, 0] = -3
-    got = _emulate(problem, path, ids=ids, **knobs)
+    got = _emulate(problem, path=path, ids=ids, **knobs)
     assert np.all(np.isnan(got["out"][[0, 2]].astype(np.float32)))
     if path != "pairs":
-        _assert_lists(got["lists"], problem, _tile_pairs(path, got["params"]), ids=ids)
+        _assert_lists(got["lists"], problem, _tile_pairs(_dims(problem), knobs, path, FMT), ids=ids)
     good = [1, 3, 4]
     sub = dataclasses.replace(problem, tokens=3, x=problem.x[good], topk_ids=problem.topk_ids[good],
                               topk_weights=problem.topk_weights[good])
@@ -528,11 +323,11 @@ def test_range_flush_emulated() -> None:
     dims = _dims(problem)
     resolved = _resolve(dims, "mma", **knobs)
     assert resolved["FP8_LOAD16"] == 1 and resolved["GB_RANGE_FLUSH"] == 1
-    got = _emulate(problem, "mma", out_dtype=np.float32, **knobs)
-    want = _emulate(problem, "mma", out_dtype=np.float32, derived={"GB_RANGE_FLUSH": 0}, **knobs)
+    got = _emulate(problem, path="mma", out_dtype=np.float32, **knobs)
+    want = _emulate(problem, path="mma", out_dtype=np.float32, GB_RANGE_FLUSH=0, **knobs)
     assert np.array_equal(got["inter"], want["inter"])
     assert np.array_equal(_bits32(got["out"]), _bits32(want["out"]))
-    per_pair = _emulate(problem, "pairs", out_dtype=np.float32, GB_KSPLIT=4, GB_WARPS=4)
+    per_pair = _emulate(problem, path="pairs", out_dtype=np.float32, GB_KSPLIT=4, GB_WARPS=4)
     assert np.array_equal(_bits32(per_pair["out"]), _bits32(got["out"]))
     faithful, oracle = _references(problem, out_dtype=np.float32)
     _assert_matches(got["out"], faithful, oracle, "FP8 range flush", own_order=True)
@@ -561,12 +356,12 @@ def test_hot_tiles_emulated() -> None:
         hot = _resolve(_dims(problem), "mma", fmt, **{**knobs, "HOT_NBLK": 2})
         assert (hot["GB_RANGE_FLUSH"], mma.tile_pairs(hot)) == (1, 16)
         assert hot["DB_HOT_UNROLL"] == (0 if scaled else hot["DB_UNROLL"])  # bf16: the hot down at full rounds
-        got = _emulate(problem, "mma", out_dtype=np.float32, **{**knobs, "HOT_NBLK": 2})
-        want = _emulate(problem, "mma", out_dtype=np.float32, **{**knobs, "HOT_NBLK": 0})
+        got = _emulate(problem, path="mma", out_dtype=np.float32, **{**knobs, "HOT_NBLK": 2})
+        want = _emulate(problem, path="mma", out_dtype=np.float32, **{**knobs, "HOT_NBLK": 0})
         _assert_lists(got["lists"], problem, 16)
         assert np.array_equal(got["inter"], want["inter"]), fmt
         assert np.array_equal(_bits32(got["out"]), _bits32(want["out"])), fmt
-        deep = _emulate(problem, "mma", out_dtype=np.float32, **{**knobs, "HOT_NBLK": 2, "GB_HOT_UNROLL": 2})
+        deep = _emulate(problem, path="mma", out_dtype=np.float32, **{**knobs, "HOT_NBLK": 2, "GB_HOT_UNROLL": 2})
         assert np.array_equal(_bits32(deep["out"]), _bits32(want["out"])), fmt
     for path in ("fma", "pairs"):  # hot tiles are the tensor-core family's tile table
         with pytest.raises(ValueError, match=r"unknown .* parameter\(s\) \['HOT_NBLK'\]"):
@@ -595,13 +390,13 @@ def test_tiled_values_emulated(shape: Any, tokens: int, routing: Any, path: str,
     rows = _fp8_problem(base)
     tiled = _fp8_problem(base, T16)
     assert (tiled.w13.layout, tiled.w2.layout) == ("t16", "t16") and tiled.w13.values.shape == rows.w13.values.shape
-    want = _emulate(rows, path, out_dtype=np.float32, **knobs)
-    got = _emulate(tiled, path, out_dtype=np.float32, **knobs)
+    want = _emulate(rows, path=path, out_dtype=np.float32, **knobs)
+    got = _emulate(tiled, path=path, out_dtype=np.float32, **knobs)
     assert got["params"] == want["params"]
     assert np.array_equal(got["inter"], want["inter"])
     assert np.array_equal(_bits32(got["out"]), _bits32(want["out"]))
     if path == "mma" and knobs.get("HOT_NBLK"):
-        _assert_lists(got["lists"], tiled, _tile_pairs(path, got["params"]))
+        _assert_lists(got["lists"], tiled, _tile_pairs(_dims(tiled), knobs, path, T16))
     args = (base.x, tiled.w13, tiled.w2, base.topk_ids, base.topk_weights)
     assert np.array_equal(moe_decode(*args, mode="fp64", weight_format=T16),
                           moe_decode(base.x, rows.w13, rows.w2, base.topk_ids, base.topk_weights, mode="fp64",
@@ -635,13 +430,13 @@ def test_shared_widening_emulated(hot: int, row_tiles: int, ksplit: int) -> None
              "DB_SHARE": 0, "GB_KSPLIT": ksplit, **({"GB_UNROLL": 2} if ksplit > 1 else {})}
     for problem in (_fp8_problem(base), base):
         dims, fmt = _dims(problem), format_of(problem.w13)
-        want = _emulate(problem, "mma", out_dtype=np.float32, **knobs)
+        want = _emulate(problem, path="mma", out_dtype=np.float32, **knobs)
         for share in (2, 4):
             shared = {**knobs, "GB_SHARE": share, "DB_SHARE": share}
             resolved = _resolve(dims, "mma", fmt, **shared)
             assert (resolved["GB_WARPS"], resolved["DB_WARPS"], resolved["GB_KSPLIT"], resolved["GB_RANGE_FLUSH"],
                     mma.tile_pairs(resolved)) == (4, 4, ksplit, int(ksplit > 1), 8 * max(1, hot))
-            got = _emulate(problem, "mma", out_dtype=np.float32, **shared)
+            got = _emulate(problem, path="mma", out_dtype=np.float32, **shared)
             _assert_lists(got["lists"], problem, mma.tile_pairs(resolved))
             assert np.array_equal(got["inter"], want["inter"]), (fmt, share)
             assert np.array_equal(_bits32(got["out"]), _bits32(want["out"])), (fmt, share)
@@ -697,15 +492,15 @@ def test_widening_multiply_on_b_emulated(shape: Any, tokens: int, routing: Any, 
         return (bits.astype(np.uint32) << 16).view(np.float32)
 
     grouped = {**_grouped(), "GB_KSPLIT": ksplit, **knobs}
-    on_b = _emulate(problem, "mma", out_dtype=np.float32, **grouped)
-    in_inter = _emulate(problem, "pairs", out_dtype=np.float32, GB_KSPLIT=ksplit)
+    on_b = _emulate(problem, path="mma", out_dtype=np.float32, **grouped)
+    in_inter = _emulate(problem, path="pairs", out_dtype=np.float32, GB_KSPLIT=ksplit)
     assert (on_b["params"]["FP8_PRMT"], in_inter["params"]["FP8_PRMT"]) == (2, 3)
     assert np.array_equal(values(in_inter["inter"]), values(on_b["inter"]) * np.float32(256), equal_nan=True)
     assert np.array_equal(_bits32(in_inter["out"]), _bits32(on_b["out"]))
     mild = _subnormal_weights(_fp8_problem(make_problem(shape, tokens, seed=tokens + 1, routing=routing)), tokens)
     faithful, oracle = _references(mild, out_dtype=np.float32)
     for path, path_knobs in (("mma", grouped), ("pairs", {"GB_KSPLIT": ksplit})):
-        _assert_matches(_emulate(mild, path, out_dtype=np.float32, **path_knobs)["out"], faithful, oracle,
+        _assert_matches(_emulate(mild, path=path, out_dtype=np.float32, **path_knobs)["out"], faithful, oracle,
                         f"fp8 widening with the multiply on B {shape.name} {path}", own_order=True)
 
 
@@ -726,8 +521,8 @@ def test_row_tiles_emulated(shape: Any, tokens: int, routing: Any, knobs: dict[s
         assert np.bincount(base.topk_ids.ravel()).max() > 8
     grouped = {**_grouped(), **knobs}  # the FP8 ranges on both formats
     for problem in (_fp8_problem(base), base):
-        two = _emulate(problem, "mma", out_dtype=np.float32, **{**grouped, "DB_ROW_TILES": 2})
-        one = _emulate(problem, "mma", out_dtype=np.float32, **{**grouped, "DB_ROW_TILES": 1})
+        two = _emulate(problem, path="mma", out_dtype=np.float32, **{**grouped, "DB_ROW_TILES": 2})
+        one = _emulate(problem, path="mma", out_dtype=np.float32, **{**grouped, "DB_ROW_TILES": 1})
         assert not np.isnan(two["out"]).any()
         assert np.array_equal(two["inter"], one["inter"]), format_of(problem.w13)
         assert np.array_equal(_bits32(two["out"]), _bits32(one["out"])), format_of(problem.w13)
@@ -766,7 +561,8 @@ def _run_poisoned(cupy: Any, problem: Problem, path: str, derived: dict[str, int
                   **knobs: Any) -> np.ndarray:
     """One batched layer on the device (the ``path`` family on the weights' format) with ``knobs``, out and the
     intermediate NaN-poisoned first; out on the host. ``derived``: derived macros set instead of by the rules (as
-    ``_emulate``'s: the other live form of a per-dims choice), run through the family's compile directly."""
+    ``_emulate`` takes them among its knobs: the other live form of a per-dims choice), run through the family's
+    compile directly."""
     dims = _dims(problem)
     fmt = format_of(problem.w13)
     out = _poisoned_out(cupy, dims.tokens, dims.hidden)
