@@ -406,8 +406,8 @@ def test_tiled_values_emulated(shape: Any, tokens: int, routing: Any, path: str,
     for refused in ("pairs", "mma"):
         with pytest.raises(ValueError, match="fp8-block128-t16 holds 64-value tiles: H and I must be multiples of 64"):
             _resolve(_dims(make_problem(SHAPE_16, 2, seed=0)), refused, T16)
-        with pytest.raises(ValueError, match="fp8-block128-t16 weights need FP8_LOAD16 1"):
-            _resolve(Dims(2, 200, 64, 6, 2), refused, T16)  # 8-value loads cannot read 16-byte tile rows
+        with pytest.raises(ValueError, match="fp8-block128-t16 holds 64-value tiles"):
+            _resolve(Dims(2, 200, 64, 6, 2), refused, T16)  # not even 16-value loads: the tiles' rule names it
 
 
 # T = 40, K = 2 over 6 experts: expert 0 in every token (5 tiles of 8, 3 of 16), expert 1 in 20 (3 / 2 tiles), 2 in 12
