@@ -13,7 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from kernels.batched import lists
 from kernels.batched.lists import lists_size
+from kernels.compile import launch_ex
 from kernels.contract import BF16, Dims
 from kernels.family import KernelFamily
 from kernels.formats import Quantized, WeightFormat, get_format
@@ -109,6 +111,34 @@ class Workspace:
 
     def matches(self, dims: Dims) -> bool:
         return self.dims == dims
+
+
+def list_stages(compiled: Any, fmt: WeightFormat, kernels: tuple[Any, Any, Any], gate_up_blocks: int,
+                down_blocks: int, down_shared: int, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any,
+                out: Any) -> list[tuple[str, Any]]:
+    """The three launches the FMA pair and the tensor-core pair's balanced down share -- the lists, a gate_up from the
+    lists into the intermediate, a down from the intermediate into ``out`` (the kernels take the same arguments) --
+    as named zero-argument callables on ``compiled``'s workspace."""
+    params, d, ws = compiled.params, compiled.dims, compiled.workspace
+    lists_k, gate_up_k, down_k = kernels
+    w13, s13 = weight_args(w13, fmt)
+    w2, s2 = weight_args(w2, fmt)
+    i32, n_slots, programmatic = np.int32, lists.slots(d), bool(params["PDL"])
+    lists.opt_in_shared(down_k, down_shared)
+
+    def gate_up() -> None:
+        launch_ex(gate_up_k, (gate_up_blocks,), (params["GB_WARPS"] * 32,),
+                  (x, w13, s13, ws.lists, ws.intermediate, i32(d.hidden), i32(d.intermediate), i32(d.experts),
+                   i32(d.top_k), i32(n_slots), i32(d.tokens * d.top_k)), programmatic=programmatic)
+
+    def down() -> None:
+        launch_ex(down_k, (down_blocks,), (params["DB_WARPS"] * 32,),
+                  (ws.intermediate, w2, s2, topk_ids, topk_weights, ws.lists, out,
+                   i32(1 if out.dtype == np.float32 else 0), i32(d.tokens), i32(d.hidden), i32(d.intermediate),
+                   i32(d.experts), i32(d.top_k), i32(n_slots)), shared_mem=down_shared, programmatic=programmatic)
+
+    return [("expert_lists", lists.lists_stage(lists_k, d, params, topk_ids, ws.lists)), ("gate_up", gate_up),
+            ("down", down)]
 
 
 def check_dims(dims: Any) -> None:

@@ -25,12 +25,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
-
 from kernels.batched import lists
-from kernels.batched.common import FormatFamilies, allocate, check_register_caps, sample_variants, weight_args
+from kernels.batched.common import FormatFamilies, allocate, check_register_caps, list_stages, sample_variants
 from kernels.batched.loaders import loader_for
-from kernels.compile import CudaSource, launch_ex
+from kernels.compile import CudaSource
 from kernels.contract import Dims
 from kernels.device_helpers import BATCHED_HELPERS, BLOCK_OUTPUTS, FP8_HELPERS, PDL_HELPERS, WARP_HELPERS
 from kernels.family import Compiled, KernelFamily, Stage
@@ -151,28 +149,10 @@ def make_stages(fmt: WeightFormat) -> Any:
     def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any,
                out: Any) -> list[Stage]:
         """The layer as three launches (expert_lists, gate_up, down) into ``compiled``'s workspace."""
-        params, d, ws = compiled.params, compiled.dims, compiled.workspace
-        w13, s13 = weight_args(w13, fmt)
-        w2, s2 = weight_args(w2, fmt)
-        lists_k, gate_up_k, down_k = (compiled.kernels[name] for name in KERNELS)
-        i32, n_slots, programmatic = np.int32, lists.slots(d), bool(params["PDL"])
-        down_shared = down_shared_bytes(d, params)
-        lists.opt_in_shared(down_k, down_shared)
-
-        def gate_up() -> None:
-            launch_ex(gate_up_k, (gate_up_blocks(d, params),), (params["GB_WARPS"] * 32,),
-                      (x, w13, s13, ws.lists, ws.intermediate, i32(d.hidden), i32(d.intermediate), i32(d.experts),
-                       i32(d.top_k), i32(n_slots), i32(d.tokens * d.top_k)), programmatic=programmatic)
-
-        def down() -> None:
-            launch_ex(down_k, (down_blocks(d, params),), (params["DB_WARPS"] * 32,),
-                      (ws.intermediate, w2, s2, topk_ids, topk_weights, ws.lists, out,
-                       i32(1 if out.dtype == np.float32 else 0), i32(d.tokens), i32(d.hidden), i32(d.intermediate),
-                       i32(d.experts), i32(d.top_k), i32(n_slots)),
-                      shared_mem=down_shared, programmatic=programmatic)
-
-        return [("expert_lists", lists.lists_stage(lists_k, d, params, topk_ids, ws.lists)),
-                ("gate_up", gate_up), ("down", down)]
+        d, params = compiled.dims, compiled.params
+        kernels = tuple(compiled.kernels[name] for name in KERNELS)
+        return list_stages(compiled, fmt, kernels, gate_up_blocks(d, params), down_blocks(d, params),
+                           down_shared_bytes(d, params), x, w13, w2, topk_ids, topk_weights, out)
 
     return stages
 

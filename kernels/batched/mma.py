@@ -31,6 +31,7 @@ from kernels.batched.common import (
     block_registers,
     check_register_caps,
     experts_average,
+    list_stages,
     sample_variants,
     weight_args,
 )
@@ -349,42 +350,30 @@ def sum_blocks(dims: Dims) -> int:
 def make_stages(fmt: WeightFormat) -> Any:
     def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any,
                out: Any) -> list[Stage]:
-        """The layer as three launches (expert_lists, gate_up, down), four with DB_GROUPED (+ sum)."""
+        """The layer as three launches (expert_lists, gate_up, down), four with DB_GROUPED (the grouped down + sum)."""
         params, d, ws = compiled.params, compiled.dims, compiled.workspace
-        w13, s13 = weight_args(w13, fmt)
-        w2, s2 = weight_args(w2, fmt)
         lists_k, gate_up_k, down_k, *sum_k = (compiled.kernels[name] for name in kernel_names(params))
-        i32, n_slots, programmatic = np.int32, lists.slots(d), bool(params["PDL"])
-        out_f32 = i32(1 if out.dtype == np.float32 else 0)
-        down_shared = down_shared_bytes(d, params)
-        lists.opt_in_shared(down_k, down_shared)
-
-        def gate_up() -> None:
-            launch_ex(gate_up_k, (gate_up_blocks(d, params),), (params["GB_WARPS"] * 32,),
-                      (x, w13, s13, ws.lists, ws.intermediate, i32(d.hidden), i32(d.intermediate), i32(d.experts),
-                       i32(d.top_k), i32(n_slots), i32(d.tokens * d.top_k)), programmatic=programmatic)
-
-        def down() -> None:
-            launch_ex(down_k, (down_blocks(d, params),), (params["DB_WARPS"] * 32,),
-                      (ws.intermediate, w2, s2, topk_ids, topk_weights, ws.lists, out, out_f32, i32(d.tokens),
-                       i32(d.hidden), i32(d.intermediate), i32(d.experts), i32(d.top_k), i32(n_slots)),
-                      shared_mem=down_shared, programmatic=programmatic)
+        first = list_stages(compiled, fmt, (lists_k, gate_up_k, down_k), gate_up_blocks(d, params),
+                            down_blocks(d, params), down_shared_bytes(d, params), x, w13, w2, topk_ids,
+                            topk_weights, out)
+        if not sum_k:
+            return first
+        _, s2 = weight_args(w2, fmt)
+        w2 = weight_args(w2, fmt)[0]
+        i32, programmatic = np.int32, bool(params["PDL"])
 
         def down_grouped() -> None:
             launch_ex(down_k, (down_blocks(d, params),), (params["DB_WARPS"] * 32,),
                       (ws.intermediate, w2, s2, topk_weights, ws.lists, ws.pair_out, i32(d.hidden),
-                       i32(d.intermediate), i32(d.experts), i32(d.top_k), i32(n_slots), i32(d.tokens * d.top_k)),
-                      programmatic=programmatic)
+                       i32(d.intermediate), i32(d.experts), i32(d.top_k), i32(lists.slots(d)),
+                       i32(d.tokens * d.top_k)), programmatic=programmatic)
 
         def sum_slots() -> None:
             launch_ex(sum_k[0], (sum_blocks(d),), (SUM_THREADS,),
-                      (ws.pair_out, topk_ids, out, out_f32, i32(d.tokens), i32(d.hidden), i32(d.experts),
-                       i32(d.top_k)), programmatic=programmatic)
+                      (ws.pair_out, topk_ids, out, i32(1 if out.dtype == np.float32 else 0), i32(d.tokens),
+                       i32(d.hidden), i32(d.experts), i32(d.top_k)), programmatic=programmatic)
 
-        first = [("expert_lists", lists.lists_stage(lists_k, d, params, topk_ids, ws.lists)), ("gate_up", gate_up)]
-        if sum_k:
-            return [*first, ("down", down_grouped), ("sum", sum_slots)]
-        return [*first, ("down", down)]
+        return [*first[:2], ("down", down_grouped), ("sum", sum_slots)]
 
     return stages
 
