@@ -21,14 +21,20 @@ import pytest
 
 from kernels import batched
 from kernels import warp_decode_fp8 as wdf
-from kernels.batched import fma, lists, mma
+from kernels.batched import fma, mma
 from kernels.contract import BF16, Dims
 from kernels.family import Compiled
 from kernels.formats import FP8, FP8_BLOCK128, FP8_BLOCK128_T16, format_of, get_format, quantize_weights
 from kernels.problem import Problem, make_problem
 from kernels.reference import moe_decode
 from kernels.shapes import MoEShape
-from tests.test_warp_decode_batched import _emulate, _tile_pairs
+from tests.test_warp_decode_batched import (
+    _assert_lists_equal,
+    _emulate,
+    _tile_pairs,
+    _unpack_lists,
+    expert_lists_numpy,
+)
 from tests.test_warp_decode_fp8 import _emulate as strict_fp8_emulation
 from tests.warp_checks import _assert_matches, _poisoned_out, _seed, slow_except
 
@@ -56,43 +62,11 @@ def _resolve(dims: Dims | None, path: str, weight_format: str = FMT, **knobs: An
     return batched.family(path, weight_format).resolve(dims, **knobs)
 
 
-# ---------------------------------------------------------------------------------------------------
-# CPU: the routing lists, modelled in NumPy (what moe_expert_lists writes)
-# ---------------------------------------------------------------------------------------------------
-def expert_lists_numpy(topk_ids: np.ndarray, experts: int, tile_pairs: int = 0) -> dict[str, Any]:
-    """Slots in ascending expert id (bad ids last, as expert E), pairs stable; with ``tile_pairs`` (the tensor-core
-    family) the tile table: each slot's pairs in runs of tile_pairs, (expert, first, count, t | n << 16)."""
-    flat = np.asarray(topk_ids, np.int64).ravel()
-    keyed = np.where((flat < 0) | (flat >= experts), experts, flat)
-    order = np.argsort(keyed, kind="stable")
-    slot_experts, offsets, counts = np.unique(keyed[order], return_index=True, return_counts=True)
-    bad = int(np.sum(keyed == experts))
-    tiles = [(int(e), int(o) + f, min(tile_pairs, int(c) - f), f // tile_pairs | -(-int(c) // tile_pairs) << 16)
-             for e, o, c in zip(slot_experts, offsets, counts, strict=True)
-             for f in range(0, int(c), tile_pairs)] if tile_pairs else []
-    return {"used": int(slot_experts.size), "good": flat.size - bad, "bad": bad, "expert": slot_experts,
-            "offset": offsets, "count": counts, "sorted": order,
-            "tiles": np.array(tiles, np.int64).reshape(-1, lists.TILE_ARRAYS)}
-
-
-def _unpack_lists(raw: np.ndarray, dims: Dims) -> dict[str, Any]:
-    s, h, cap = lists.slots(dims), lists.LIST_HEADER, lists.tile_capacity(dims)
-    used, tiles, pairs_ = int(raw[0]), int(raw[3]), dims.tokens * dims.top_k
-    table = h + 3 * s + pairs_
-    return {"used": used, "good": int(raw[1]), "bad": int(raw[2]), "expert": raw[h:h + used],
-            "offset": raw[h + s:h + s + used], "count": raw[h + 2 * s:h + 2 * s + used],
-            "sorted": raw[h + 3 * s:h + 3 * s + pairs_],
-            "tiles": np.stack([raw[table + j * cap:table + j * cap + tiles] for j in range(lists.TILE_ARRAYS)], axis=1)}
-
-
 def _assert_lists(raw: np.ndarray, problem: Problem, tile_pairs: int, ids: np.ndarray | None = None) -> None:
+    """The lists buffer against its NumPy model (tests/test_warp_decode_batched.py)."""
     dims = _dims(problem)
-    got = _unpack_lists(raw, dims)
-    want = expert_lists_numpy(problem.topk_ids if ids is None else ids, dims.experts, tile_pairs)
-    for key in ("used", "good", "bad"):
-        assert got[key] == want[key], key
-    for key in ("expert", "offset", "count", "sorted", "tiles"):
-        assert np.array_equal(np.asarray(got[key]), np.asarray(want[key])), key
+    _assert_lists_equal(_unpack_lists(raw, dims),
+                        expert_lists_numpy(problem.topk_ids if ids is None else ids, dims.experts, tile_pairs))
 
 
 # ---------------------------------------------------------------------------------------------------
