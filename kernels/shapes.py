@@ -3,6 +3,8 @@ must move.
 
 Every preset's numbers are copied from the model's published ``config.json`` (field names in the comment
 beside each). Only *shapes* come from there: the toolkit never downloads weights, it generates them.
+A preset may also carry the rest of its decoder (attention heads, head dim, RoPE base, vocabulary, norm epsilon:
+what a whole decode step needs, ``kernels.decode_reference``); those fields stay None where no config is cited.
 
 Sizes only: this module builds on :mod:`kernels.arrays` alone, so the compile layer (``kernels.compile``'s
 ``preset_variants``) and the data contract (``kernels.contract``, which re-exports :class:`Dims`) can both use it.
@@ -11,6 +13,8 @@ Sizes only: this module builds on :mod:`kernels.arrays` alone, so the compile la
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from kernels.arrays import check_int
 
@@ -43,6 +47,14 @@ class MoEShape:
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
     activation: str = "silu"  # the model's own activation; the kernels implement SiLU(gate) * up
     source: str = ""  # where the numbers come from
+    # the rest of the decoder (config.json names): all six set, or none (an MoE layer alone)
+    num_attention_heads: int | None = None  # query heads
+    num_key_value_heads: int | None = None  # KV heads (grouped-query attention: heads share them in groups)
+    head_dim: int | None = None  # q_proj maps H -> heads * head_dim, which need not equal H
+    rope_theta: float | None = None  # RoPE base
+    vocab_size: int | None = None
+    rms_norm_eps: float | None = None
+    max_position_embeddings: int | None = None  # optional even then
 
     def __post_init__(self) -> None:
         for field in ("hidden", "intermediate", "experts", "top_k", "layers"):  # NumPy ints become ints
@@ -52,6 +64,39 @@ class MoEShape:
                 f"MoEShape hidden ({self.hidden}) and intermediate ({self.intermediate}) must be multiples of 8 "
                 "(the kernels load 16 bytes = 8 bf16 per lane)"
             )
+        self._check_attention()
+
+    def _check_attention(self) -> None:
+        """The decoder fields: all of :data:`ATTENTION_FIELDS` or none, each in range, heads a multiple of KV heads."""
+        given = [f for f in ATTENTION_FIELDS if getattr(self, f) is not None]
+        if given and len(given) < len(ATTENTION_FIELDS):
+            missing = [f for f in ATTENTION_FIELDS if getattr(self, f) is None]
+            raise ValueError(f"MoEShape {self.name!r}: the decoder fields come together; set {', '.join(missing)} "
+                             f"too (or none of {', '.join(ATTENTION_FIELDS)})")
+        for field in (*ATTENTION_FIELDS, "max_position_embeddings"):
+            value = getattr(self, field)
+            if value is None:
+                continue
+            if field not in ("rope_theta", "rms_norm_eps"):
+                object.__setattr__(self, field, check_int(f"MoEShape.{field}", value, 1))
+                continue
+            if isinstance(value, bool | np.bool_) or not isinstance(value, int | float | np.integer | np.floating):
+                raise TypeError(f"MoEShape.{field} must be a number, got {value!r}")
+            if not 0 < float(value) < float("inf"):
+                raise ValueError(f"MoEShape.{field} must be a finite number > 0, got {value!r}")
+            object.__setattr__(self, field, float(value))
+        if not given:
+            return
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"MoEShape.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads}): query heads share KV heads in groups")
+        if self.head_dim % 2:
+            raise ValueError(f"MoEShape.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
+
+    @property
+    def has_attention(self) -> bool:
+        """True when the preset carries its decoder's fields (a whole decode step can be built from it)."""
+        return self.num_attention_heads is not None
 
     # -- bytes -------------------------------------------------------------------------------------
     @property
@@ -93,6 +138,34 @@ class MoEShape:
         out = tokens * self.hidden * BF16_BYTES
         return x + intermediate + out
 
+    # -- the rest of a decode step (decoder presets only) --------------------------------------------
+    @property
+    def attention_weight_bytes(self) -> int:
+        """bf16 bytes of one layer's QKV and O projections."""
+        heads, kv_heads, head_dim = self._attention("attention_weight_bytes")
+        return (heads + 2 * kv_heads + heads) * head_dim * self.hidden * BF16_BYTES
+
+    def kv_cache_bytes(self, context: int) -> int:
+        """bf16 bytes of one layer's K and V for one sequence of ``context`` positions."""
+        _, kv_heads, head_dim = self._attention("kv_cache_bytes")
+        return 2 * check_int("context", context, 0) * kv_heads * head_dim * BF16_BYTES
+
+    @property
+    def router_bytes(self) -> int:
+        """bf16 bytes of one layer's router weight [E, H]."""
+        return self.experts * self.hidden * BF16_BYTES
+
+    @property
+    def lm_head_bytes(self) -> int:
+        """bf16 bytes of the LM head [vocab, H]."""
+        self._attention("lm_head_bytes")
+        return self.vocab_size * self.hidden * BF16_BYTES
+
+    def _attention(self, what: str) -> tuple[int, int, int]:
+        if not self.has_attention:
+            raise ValueError(f"{what} needs the decoder fields, which preset {self.name!r} does not carry")
+        return self.num_attention_heads, self.num_key_value_heads, self.head_dim
+
     def flops(self, tokens: int) -> int:
         """Multiply-adds x 2 of the routed experts at batch ``tokens`` (gate, up and down GEMVs)."""
         _check_tokens(tokens)
@@ -103,6 +176,16 @@ class MoEShape:
         return replace(self, **changes)
 
 
+ATTENTION_FIELDS = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rope_theta",
+    "vocab_size",
+    "rms_norm_eps",
+)
+
+
 def _check_tokens(tokens: int) -> None:
     check_int("tokens", tokens, 1)
 
@@ -111,11 +194,45 @@ PRESETS: dict[str, MoEShape] = {
     s.name: s
     for s in (
         # Qwen/Qwen3-30B-A3B config.json: hidden_size 2048, moe_intermediate_size 768, num_experts 128,
-        # num_experts_per_tok 8, num_hidden_layers 48, norm_topk_prob true, hidden_act "silu".
-        MoEShape("qwen3-30b-a3b", 2048, 768, 128, 8, layers=48, source="Qwen/Qwen3-30B-A3B config.json"),
+        # num_experts_per_tok 8, num_hidden_layers 48, norm_topk_prob true, hidden_act "silu";
+        # num_attention_heads 32, num_key_value_heads 4, head_dim 128, rope_theta 1000000, vocab_size 151936,
+        # rms_norm_eps 1e-06, max_position_embeddings 40960.
+        MoEShape(
+            "qwen3-30b-a3b",
+            2048,
+            768,
+            128,
+            8,
+            layers=48,
+            source="Qwen/Qwen3-30B-A3B config.json",
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            rope_theta=1000000.0,
+            vocab_size=151936,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=40960,
+        ),
         # Qwen/Qwen3-235B-A22B config.json: hidden_size 4096, moe_intermediate_size 1536, num_experts 128,
-        # num_experts_per_tok 8, num_hidden_layers 94, norm_topk_prob true, hidden_act "silu".
-        MoEShape("qwen3-235b-a22b", 4096, 1536, 128, 8, layers=94, source="Qwen/Qwen3-235B-A22B config.json"),
+        # num_experts_per_tok 8, num_hidden_layers 94, norm_topk_prob true, hidden_act "silu";
+        # num_attention_heads 64, num_key_value_heads 4, head_dim 128, rope_theta 1000000, vocab_size 151936,
+        # rms_norm_eps 1e-06, max_position_embeddings 40960.
+        MoEShape(
+            "qwen3-235b-a22b",
+            4096,
+            1536,
+            128,
+            8,
+            layers=94,
+            source="Qwen/Qwen3-235B-A22B config.json",
+            num_attention_heads=64,
+            num_key_value_heads=4,
+            head_dim=128,
+            rope_theta=1000000.0,
+            vocab_size=151936,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=40960,
+        ),
         # Qwen/Qwen3-Coder-480B-A35B-Instruct config.json: hidden_size 6144, moe_intermediate_size 2560,
         # num_experts 160, num_experts_per_tok 8, num_hidden_layers 62, norm_topk_prob true.
         MoEShape(
@@ -171,8 +288,25 @@ PRESETS: dict[str, MoEShape] = {
             activation="swiglu-oai",
             source="openai/gpt-oss-120b config.json",
         ),
-        # Small enough for the CUDA simulator and the CPU tests; H not a multiple of 256 on purpose.
-        MoEShape("tiny", 136, 48, 6, 2, layers=4, source="synthetic"),
+        # Small enough for the CUDA simulator and the CPU tests; H not a multiple of 256 on purpose. Its decoder:
+        # heads * head_dim = 128 != H = 136 (as at both Qwen3 MoE presets, q_proj changes the width), two query
+        # heads per KV head, a RoPE base small enough that a few hundred positions turn every pair visibly.
+        MoEShape(
+            "tiny",
+            136,
+            48,
+            6,
+            2,
+            layers=4,
+            source="synthetic",
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            rope_theta=10000.0,
+            vocab_size=512,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=4096,
+        ),
     )
 }
 
