@@ -36,6 +36,7 @@ BUILTIN_MODULES = (
     "kernels.expert_centric_path",
     "kernels.batched",
     "kernels.dispatch",
+    "kernels.decode",  # the decode-step kernels register their sources (no variants)
 )
 
 Stage = tuple[str, Callable[[], None]]

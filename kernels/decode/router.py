@@ -1,0 +1,234 @@
+"""The fused router: logits, softmax and top-k of T tokens in one launch, ids and weights left on the device.
+
+``fused_router(h, w_router, top_k)`` computes, for every token t, the router logits h[t] . W_router[e] in FP32 with
+warp-decode's pattern (a warp per expert row, 16-byte loads, FP32 accumulators, the warp butterfly), keeps them in
+shared memory (one block per token), then one warp takes the FP32 softmax over the E experts and the top-K (ties to
+the lower expert id, as :func:`kernels.routing.route`), renormalized with ``norm_topk_prob``. It writes
+``topk_ids`` [T, K] int32 and ``topk_weights`` [T, K] float32 for the MoE kernels: no host round trip, and with the
+outputs passed in nothing is allocated, so a CUDA graph can capture it. E <= 512, K <= 16, H a multiple of 8.
+
+The numbers are the bf16 reference step's (:func:`kernels.decode_reference.select_experts` on fp32 logits): only the
+order of the FP32 sums (the dot products, the softmax's denominator) and ``expf`` differ, so ids match wherever no two
+logits lie within a few ulps of the k-th, and weights within ~1e-6 relative.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kernels.arrays import BF16
+from kernels.compile import CudaSource, launch_ex
+from kernels.contract import Dims
+from kernels.device_helpers import WARP_HELPERS
+from kernels.family import KernelFamily
+
+KERNEL = "fused_router"
+MAX_EXPERTS = 512  # the logits' shared array (2 KB) and 16 per lane in the softmax warp
+MAX_TOP_K = 16
+KNOBS: dict[str, int] = {
+    "WARPS": 16,  # warps per block (a block is one token): expert rows in flight at once
+    "UNROLL": 4,  # 16-byte chunks of W (and of h) in flight per lane
+}
+LIMITS = {"WARPS": (1, 32), "UNROLL": (1, 16)}
+
+
+def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
+    """No auto knob; ValueError for dims the kernel cannot take (E, K, H) and for UNROLL past what WARPS leaves."""
+    registers = min(255, 65536 // (32 * values["WARPS"]))  # the launch bounds' cap per thread
+    if 8 * values["UNROLL"] + 24 > registers:  # 8 registers a chunk pair in flight, ~24 more (ptxas: 64 spill at 8)
+        raise ValueError(f"UNROLL {values['UNROLL']} needs ~{8 * values['UNROLL'] + 24} registers; WARPS "
+                         f"{values['WARPS']} leaves {registers}: lower UNROLL or WARPS")
+    if dims is not None:
+        check_router_dims(dims.hidden, dims.experts, dims.top_k)
+    return values
+
+
+def check_router_dims(hidden: int, experts: int, top_k: int) -> None:
+    """ValueError naming the argument for what the kernel refuses: E in [1, 512], K in [1, min(16, E)], H % 8."""
+    if not 1 <= experts <= MAX_EXPERTS:
+        raise ValueError(f"w_router's experts (E) must be in [1, {MAX_EXPERTS}] (the logits live in shared memory), "
+                         f"got {experts}")
+    if not 1 <= top_k <= min(MAX_TOP_K, experts):
+        raise ValueError(f"top_k must be in [1, min({MAX_TOP_K}, E={experts})], got {top_k}")
+    if hidden < 8 or hidden % 8:
+        raise ValueError(f"the hidden size (H) must be a positive multiple of 8 (16-byte loads), got {hidden}")
+
+
+CODE = r"""
+// ==== the fused router (kernels/decode/router.py) ====
+// Knobs: WARPS warps per block (one block per token), UNROLL 16-byte chunks in flight per lane.
+#define ROUTER_MAX_EXPERTS 512
+static_assert(WARPS >= 1 && WARPS <= 32, "WARPS must be in [1, 32]");
+static_assert(UNROLL >= 1, "UNROLL must be >= 1");
+
+// ------------------------------------------------------------------------------------------------
+// fused_router: block t owns token t. Phase 1: warp w computes the logits of experts w, w + WARPS, ... --
+//   lane l reads 16-byte chunks l, l + 32, ... of the expert's W row and of h[t] (UNROLL chunks in flight),
+//   one FP32 FMA chain per lane, then the warp butterfly -- into shared memory. Phase 2 (warp 0): the max
+//   (exact), p[e] = expf(logit - max) summed lane-strided then by the butterfly, p[e] /= sum (IEEE); then K
+//   rounds of a warp argmax over p (greater value, or equal value and lower id: ties to the lower expert id),
+//   the chosen p marked taken (-1). Lane k keeps slot k and writes it, divided by the chosen p's sum (in slot
+//   order) when renormalize. A round that finds no candidate (NaN logits) writes id -1 and a NaN weight, which
+//   the MoE kernels treat as a bad id.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(WARPS * 32) fused_router(
+    const bf16_t* __restrict__ h,             // [T, H] the post-attention RMSNorm output
+    const bf16_t* __restrict__ w_router,      // [E, H]
+    int* __restrict__ topk_ids,               // [T, K]
+    float* __restrict__ topk_weights,         // [T, K]
+    int hidden, int experts, int top_k, int renormalize)
+{
+    __shared__ float probs[ROUTER_MAX_EXPERTS];                      // the logits, then the softmax
+    const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int chunks = hidden / 8;
+    const uint4* x = reinterpret_cast<const uint4*>(h + (size_t)t * hidden);
+    for (int e = warp; e < experts; e += WARPS) {
+        const uint4* row = reinterpret_cast<const uint4*>(w_router + (size_t)e * hidden);
+        float acc = 0.0f;
+        for (int c0 = 0; c0 < chunks; c0 += 32 * UNROLL) {
+            uint4 v[2][UNROLL];                                      // [W, h][chunk]
+            #pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int c = c0 + u * 32 + lane;
+                v[0][u] = ldg_chunk(row, c, c < chunks);
+                v[1][u] = ldg_chunk(x, c, c < chunks);
+            }
+            acc += __uint_as_float(all_loads_arrived(v));            // + 0.0f: the round's loads issue together
+            #pragma unroll
+            for (int u = 0; u < UNROLL; ++u)
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const u32 a = word(v[0][u], j), b = word(v[1][u], j);
+                    acc = fmaf(bf16_lo(a), bf16_lo(b), acc);
+                    acc = fmaf(bf16_hi(a), bf16_hi(b), acc);
+                }
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) probs[e] = acc;
+    }
+    __syncthreads();
+    if (warp != 0) return;
+
+    float top = __int_as_float(0xff800000);                          // -inf; the max is exact in any order
+    for (int e = lane; e < experts; e += 32) top = fmaxf(top, probs[e]);
+    #pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) top = fmaxf(top, __shfl_xor_sync(FULL_MASK, top, offset));
+    float sum = 0.0f;
+    for (int e = lane; e < experts; e += 32) {
+        const float p = expf(probs[e] - top);
+        probs[e] = p;
+        sum += p;
+    }
+    sum = warp_sum(sum);
+    for (int e = lane; e < experts; e += 32) probs[e] = probs[e] / sum;
+    __syncwarp();
+
+    float mine = __int_as_float(0x7fc00000), chosen = 0.0f;          // lane k: slot k's p; every lane: the sum
+    int mine_id = -1;
+    for (int k = 0; k < top_k; ++k) {
+        float best = -1.0f;
+        int best_id = 0x7fffffff;
+        for (int e = lane; e < experts; e += 32) {                   // ids rise: strict > keeps the lowest
+            const float p = probs[e];
+            if (p >= 0.0f && p > best) { best = p; best_id = e; }
+        }
+        #pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            const float other = __shfl_xor_sync(FULL_MASK, best, offset);
+            const int other_id = __shfl_xor_sync(FULL_MASK, best_id, offset);
+            if (other > best || (other == best && other_id < best_id)) { best = other; best_id = other_id; }
+        }
+        const bool found = best_id < experts;                        // warp-uniform
+        if (lane == k) {
+            mine = found ? best : __int_as_float(0x7fc00000);
+            mine_id = found ? best_id : -1;
+        }
+        chosen += found ? best : __int_as_float(0x7fc00000);         // slot order
+        __syncwarp();
+        if (found && lane == 0) probs[best_id] = -1.0f;              // taken
+        __syncwarp();
+    }
+    if (lane < top_k) {
+        topk_ids[(size_t)t * top_k + lane] = mine_id;
+        topk_weights[(size_t)t * top_k + lane] = renormalize ? mine / chosen : mine;
+    }
+}
+"""
+
+SOURCE = CudaSource(name="decode_router", code=WARP_HELPERS + CODE, kernels=(KERNEL,), defaults=dict(KNOBS),
+                    variants=[{"WARPS": 8, "UNROLL": 2}, {"WARPS": 32, "UNROLL": 4}, {"WARPS": 16, "UNROLL": 8},
+                              {"WARPS": 4, "UNROLL": 1}],
+                    warps_knobs={KERNEL: "WARPS"},
+                    description="the fused router of a decode step: logits (a warp per expert row), softmax and "
+                                "top-k of a token per block")
+ROUTER = KernelFamily(name="decode-router", source=SOURCE, limits=LIMITS, rules=rules)
+
+
+def _is_cupy(arr: Any) -> bool:
+    return type(arr).__module__.startswith("cupy")
+
+
+def _check_array(name: str, arr: Any, dtype: Any, shape: tuple[int, ...] | None, what: str) -> None:
+    """TypeError / ValueError naming ``name``: a CuPy array of ``dtype``, ``len(what)`` dims (``shape`` if given),
+    C-contiguous."""
+    if not _is_cupy(arr) or not hasattr(arr, "dtype"):
+        raise TypeError(f"{name} must be a cupy.ndarray (the router runs on the GPU), got "
+                        f"{type(arr).__module__}.{type(arr).__name__}")
+    if np.dtype(arr.dtype) != np.dtype(dtype):
+        raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {arr.dtype}")
+    if arr.ndim != 2 or (shape is not None and tuple(arr.shape) != shape):
+        want = list(shape) if shape is not None else "2 dimensions"
+        raise ValueError(f"{name} must be {what} = {want}, got shape {tuple(arr.shape)}")
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (call .copy() first)")
+
+
+def check_router_inputs(h: Any, w_router: Any, top_k: Any, norm_topk_prob: Any = True, topk_ids: Any = None,
+                        topk_weights: Any = None) -> tuple[int, int, int, int]:
+    """Every check of :func:`fused_router` that needs no GPU; returns (T, H, E, K)."""
+    _check_array("h", h, BF16, None, "[T, H]")
+    _check_array("w_router", w_router, BF16, None, "[E, H]")
+    tokens, hidden = (int(d) for d in h.shape)
+    experts = int(w_router.shape[0])
+    if tokens < 1:
+        raise ValueError(f"h must hold at least one token, got shape {tuple(h.shape)}")
+    if int(w_router.shape[1]) != hidden:
+        raise ValueError(f"w_router must be [E, H] with h's H = {hidden}, got shape {tuple(w_router.shape)}")
+    if isinstance(top_k, bool | np.bool_) or not isinstance(top_k, int | np.integer):
+        raise TypeError(f"top_k must be an int, got {top_k!r}")
+    if not isinstance(norm_topk_prob, bool | np.bool_):
+        raise TypeError(f"norm_topk_prob must be a bool, got {norm_topk_prob!r}")
+    check_router_dims(hidden, experts, int(top_k))
+    if topk_ids is not None:
+        _check_array("topk_ids", topk_ids, np.int32, (tokens, int(top_k)), "[T, K]")
+    if topk_weights is not None:
+        _check_array("topk_weights", topk_weights, np.float32, (tokens, int(top_k)), "[T, K]")
+    return tokens, hidden, experts, int(top_k)
+
+
+def fused_router(h: Any, w_router: Any, top_k: int, norm_topk_prob: bool = True, topk_ids: Any = None,
+                 topk_weights: Any = None) -> tuple[Any, Any]:
+    """Route T tokens on the GPU in one launch: (topk_ids [T, K] int32, topk_weights [T, K] float32).
+
+    ``h`` [T, H] bf16 (the post-attention RMSNorm output) and ``w_router`` [E, H] bf16, CuPy arrays. Pass
+    ``topk_ids`` / ``topk_weights`` to write into (nothing is then allocated: graph-capturable); the kernel is
+    compiled on first use per device. Launches on CuPy's current stream and never syncs.
+    """
+    tokens, hidden, experts, top_k = check_router_inputs(h, w_router, top_k, norm_topk_prob, topk_ids, topk_weights)
+    import cupy
+
+    for name, arr in (("h", h), ("w_router", w_router)):
+        if int(arr.data.ptr) % 16:
+            raise ValueError(f"{name} must start on a 16-byte boundary (16-byte loads), got {arr.data.ptr:#x}")
+    if topk_ids is None:
+        topk_ids = cupy.empty((tokens, top_k), dtype=np.int32)
+    if topk_weights is None:
+        topk_weights = cupy.empty((tokens, top_k), dtype=np.float32)
+    params = ROUTER.resolve(Dims(tokens, hidden, 1, experts, top_k))
+    kernel = ROUTER.kernels_for(params)[KERNEL]
+    i32 = np.int32
+    launch_ex(kernel, (tokens,), (32 * params["WARPS"],),
+              (h, w_router, topk_ids, topk_weights, i32(hidden), i32(experts), i32(top_k), i32(bool(norm_topk_prob))))
+    return topk_ids, topk_weights

@@ -1,0 +1,269 @@
+"""The fused router (kernels/decode/router.py): offline compile, the CUDA C emulated on the CPU against the NumPy
+reference step's routing (``select_experts`` on fp32 logits), the input checks, and GPU tests (H200)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kernels.arrays import BF16
+from kernels.compile import offline_report
+from kernels.decode import fused_router
+from kernels.decode.router import ROUTER, SOURCE, check_router_inputs
+from kernels.decode_reference import linear, select_experts
+from tests.warp_checks import EMULATION_LOAD, EMULATION_PRELUDE, FakeCupyArray, build_emulator, run_emulator
+
+TIE_MARGIN = 1e-4  # ids compared only where the reference's k-th and (k+1)-th logits differ by more (see _check)
+
+
+def _reference(h: np.ndarray, w: np.ndarray, top_k: int, renormalize: bool) -> tuple[np.ndarray, ...]:
+    logits = linear(h.astype(np.float32), w)
+    ids, weights = select_experts(logits, top_k, renormalize)
+    return logits, ids, weights
+
+
+def _inputs(rng: np.random.Generator, tokens: int, hidden: int, experts: int) -> tuple[np.ndarray, np.ndarray]:
+    h = rng.standard_normal((tokens, hidden)).astype(BF16)
+    w = (rng.standard_normal((experts, hidden)) * hidden**-0.5).astype(BF16)
+    return h, w
+
+
+def _check(h: np.ndarray, w: np.ndarray, top_k: int, renormalize: bool, ids: np.ndarray, weights: np.ndarray) -> None:
+    """Ids equal where the reference's k-th and (k+1)-th logits are more than TIE_MARGIN apart (elsewhere the
+    FP32 summation order may swap them: both kernels are right); weights within rel 1e-5 on those tokens."""
+    logits, want_ids, want_weights = _reference(h, w, top_k, renormalize)
+    assert ids.shape == want_ids.shape and weights.shape == want_weights.shape
+    assert np.isfinite(weights).all() and (ids >= 0).all()  # every slot written over the poison
+    ordered = -np.sort(-logits, axis=1)
+    clear = (ordered[:, top_k - 1] - ordered[:, top_k] > TIE_MARGIN) if top_k < logits.shape[1] else \
+        np.ones(len(ids), bool)
+    gaps = -np.diff(ordered[:, : top_k + 1], axis=1)
+    clear &= (gaps > TIE_MARGIN).all(axis=1)  # the slots' order too
+    assert clear.sum() >= max(1, len(ids) // 2), "too few tokens without near-ties to compare"
+    np.testing.assert_array_equal(ids[clear], want_ids[clear])
+    np.testing.assert_allclose(weights[clear], want_weights[clear], rtol=1e-5, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Offline compile (NVRTC for sm_90, no GPU)
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("knobs", [{}, {"WARPS": 8, "UNROLL": 2}, {"WARPS": 32, "UNROLL": 4}],
+                         ids=["defaults", "w8-u2", "w32-u4"])
+def test_compiles_without_spills(knobs: dict[str, int]) -> None:
+    params = ROUTER.resolve(**knobs)
+    (report,) = offline_report(SOURCE, **params)
+    assert report.kernel == "fused_router"
+    assert report.spills == 0 and report.stack_bytes == 0, report
+    assert report.shared_bytes == 4 * 512
+
+
+def test_rules_refuse_unroll_past_the_register_cap() -> None:
+    with pytest.raises(ValueError, match="UNROLL"):
+        ROUTER.resolve(WARPS=32, UNROLL=8)
+    with pytest.raises(ValueError, match="WARPS"):
+        ROUTER.resolve(WARPS=64)
+
+
+def test_source_is_registered_for_the_compile_report() -> None:
+    """In a fresh process (this one imported the module already): what tools.compile_report loads has it."""
+    import subprocess
+    import sys
+
+    code = "from tools.compile_report import load_sources; print('decode_router' in load_sources())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "True", done.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU: the CUDA C emulated (g++; every thread of the block a lane, barriers for warps and the block)
+# ---------------------------------------------------------------------------------------------------
+HARNESS = EMULATION_PRELUDE + r"""
+#define __shared__ static
+#define INFINITY HUGE_VALF
+EmuBarrier* g_block = nullptr;
+inline void __syncthreads() { g_block->arrive_and_wait(); }
+inline void __syncwarp() { g_warp->bar.arrive_and_wait(); }
+#include "kernel.cu"
+""" + EMULATION_LOAD + r"""
+int main(int argc, char** argv) {
+    const int T = atoi(argv[1]), H = atoi(argv[2]), E = atoi(argv[3]), K = atoi(argv[4]), renorm = atoi(argv[5]);
+    const std::string dir = argv[6];
+    auto h = load<uint16_t>(dir + "/h.bin", (size_t)T * H);
+    auto w = load<uint16_t>(dir + "/w.bin", (size_t)E * H);
+    std::vector<int> ids((size_t)T * K, -12345);
+    std::vector<float> wts((size_t)T * K, __uint_as_float(0x7fc00000u));   // poisoned
+    const int threads = WARPS * 32;
+    EmuBarrier block_bar(threads);
+    g_block = &block_bar;
+    std::vector<std::unique_ptr<WarpCtx>> warps;
+    for (int i = 0; i < WARPS; ++i) warps.emplace_back(new WarpCtx);
+    gridDim.x = T;
+    for (int b = 0; b < T; ++b)   // blocks one after another: fresh lanes, so a lane that returned early is no issue
+        run_lanes(threads, [&](int l) {
+            g_warp = warps[l / 32].get();
+            threadIdx.x = l;
+            blockIdx.x = (unsigned)b;
+            fused_router(reinterpret_cast<const bf16_t*>(h.data()), reinterpret_cast<const bf16_t*>(w.data()),
+                         ids.data(), wts.data(), H, E, K, renorm);
+        });
+    FILE* f = fopen((dir + "/ids.bin").c_str(), "wb"); fwrite(ids.data(), 4, ids.size(), f); fclose(f);
+    f = fopen((dir + "/wts.bin").c_str(), "wb"); fwrite(wts.data(), 4, wts.size(), f); fclose(f);
+    return 0;
+}
+"""
+
+
+def _emulate(h: np.ndarray, w: np.ndarray, top_k: int, renormalize: bool, tmp_path: Any,
+             **knobs: int) -> tuple[np.ndarray, np.ndarray]:
+    params = ROUTER.resolve(**knobs)
+    binary = build_emulator(SOURCE.render(**params), HARNESS)
+    tokens, hidden = h.shape
+    h.view(np.uint16).tofile(tmp_path / "h.bin")
+    w.view(np.uint16).tofile(tmp_path / "w.bin")
+    run_emulator(binary, tokens, hidden, w.shape[0], top_k, int(renormalize), tmp_path)
+    ids = np.fromfile(tmp_path / "ids.bin", np.int32).reshape(tokens, top_k)
+    weights = np.fromfile(tmp_path / "wts.bin", np.float32).reshape(tokens, top_k)
+    return ids, weights
+
+
+@pytest.mark.parametrize(("tokens", "hidden", "experts", "top_k", "renormalize", "knobs"), [
+    (3, 72, 37, 5, True, {"WARPS": 4, "UNROLL": 1}),    # odd sizes: lanes past H's end, E not a multiple of WARPS
+    (3, 72, 37, 5, False, {"WARPS": 4, "UNROLL": 1}),   # norm_topk_prob off
+    (2, 256, 128, 8, True, {"WARPS": 8, "UNROLL": 2}),  # qwen3's E and K
+], ids=["h72-e37-k5", "h72-e37-k5-raw", "h256-e128-k8"])
+def test_emulated_matches_reference(rng: np.random.Generator, tmp_path: Any, tokens: int, hidden: int, experts: int,
+                                    top_k: int, renormalize: bool, knobs: dict[str, int]) -> None:
+    h, w = _inputs(rng, tokens, hidden, experts)
+    ids, weights = _emulate(h, w, top_k, renormalize, tmp_path, **knobs)
+    _check(h, w, top_k, renormalize, ids, weights)
+    if renormalize:
+        np.testing.assert_allclose(weights.sum(axis=1), 1.0, rtol=1e-6)
+
+
+def test_emulated_exact_tie_goes_to_the_lower_id(tmp_path: Any) -> None:
+    """Experts 3, 9 and 20 share one row (the same logit, bitwise) and lead: slots 0..2 are 3, 9, 20 in that order,
+    as kernels.route breaks ties."""
+    rng = np.random.default_rng(7)
+    h, w = _inputs(rng, 1, 64, 24)
+    w *= np.asarray(0.25, BF16)
+    w[[3, 9, 20]] = h[0] * np.asarray(0.125, BF16)  # exact; h . h / 8 ~ 8: far above the others
+    ids, weights = _emulate(h, w, 4, True, tmp_path, WARPS=4, UNROLL=1)
+    assert list(ids[0, :3]) == [3, 9, 20]
+    assert weights[0, 0] == weights[0, 1] == weights[0, 2]
+    _, want_ids, want_weights = _reference(h, w, 4, True)
+    assert np.array_equal(ids, want_ids)
+    np.testing.assert_allclose(weights, want_weights, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Input checks (CPU: they run before any device call)
+# ---------------------------------------------------------------------------------------------------
+def _fakes(T: int = 3, H: int = 64, E: int = 16) -> tuple[FakeCupyArray, FakeCupyArray]:
+    return FakeCupyArray((T, H), BF16), FakeCupyArray((E, H), BF16)
+
+
+def test_checks_accept_good_inputs() -> None:
+    h, w = _fakes()
+    ids, weights = FakeCupyArray((3, 4), np.int32), FakeCupyArray((3, 4), np.float32)
+    assert check_router_inputs(h, w, 4, True, ids, weights) == (3, 64, 16, 4)
+
+
+@pytest.mark.parametrize(("change", "error", "name"), [
+    ({"h": np.zeros((3, 64), BF16)}, TypeError, "h must be a cupy"),
+    ({"w_router": np.zeros((16, 64), BF16)}, TypeError, "w_router must be a cupy"),
+    ({"h": FakeCupyArray((3, 64), np.float32)}, TypeError, "h must have dtype bfloat16"),
+    ({"w_router": FakeCupyArray((16, 64), np.float16)}, TypeError, "w_router must have dtype"),
+    ({"h": FakeCupyArray((64,), BF16)}, ValueError, "h must be"),
+    ({"w_router": FakeCupyArray((16, 72), BF16)}, ValueError, "w_router must be"),
+    ({"h": FakeCupyArray((3, 60), BF16), "w_router": FakeCupyArray((16, 60), BF16)}, ValueError, "multiple of 8"),
+    ({"w_router": FakeCupyArray((513, 64), BF16)}, ValueError, "w_router's experts"),
+    ({"top_k": 17, "w_router": FakeCupyArray((64, 64), BF16)}, ValueError, "top_k"),
+    ({"top_k": 0}, ValueError, "top_k"),
+    ({"top_k": 17}, ValueError, "top_k"),
+    ({"top_k": 2.0}, TypeError, "top_k"),
+    ({"norm_topk_prob": 1}, TypeError, "norm_topk_prob"),
+    ({"topk_ids": FakeCupyArray((3, 4), np.int64)}, TypeError, "topk_ids"),
+    ({"topk_ids": FakeCupyArray((3, 5), np.int32)}, ValueError, "topk_ids"),
+    ({"topk_weights": FakeCupyArray((3, 4), BF16)}, TypeError, "topk_weights"),
+    ({"topk_weights": np.zeros((3, 4), np.float32)}, TypeError, "topk_weights must be a cupy"),
+], ids=lambda v: None if isinstance(v, dict | type) else str(v)[:24])
+def test_checks_refuse(change: dict[str, Any], error: type, name: str) -> None:
+    h, w = _fakes()
+    args = {"h": h, "w_router": w, "top_k": 4, "norm_topk_prob": True, "topk_ids": None, "topk_weights": None, **change}
+    with pytest.raises(error, match=name):
+        fused_router(**args)
+
+
+def test_checks_refuse_non_contiguous() -> None:
+    h, w = _fakes()
+    h.flags = type("Flags", (), {"c_contiguous": False})()
+    with pytest.raises(ValueError, match="h must be C-contiguous"):
+        fused_router(h, w, 4)
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU (H200)
+# ---------------------------------------------------------------------------------------------------
+@pytest.fixture
+def cupy_mod() -> Any:
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("needs a CUDA GPU")
+    except Exception:  # noqa: BLE001 - no driver: no GPU
+        pytest.skip("needs a CUDA GPU")
+    return cupy
+
+
+def _poisoned(cupy: Any, tokens: int, top_k: int) -> tuple[Any, Any]:
+    ids = cupy.full((tokens, top_k), -12345, dtype=np.int32)
+    weights = cupy.full((tokens, top_k), np.nan, dtype=np.float32)
+    return ids, weights
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", [2048, 4096], ids=["qwen3-30b", "qwen3-235b"])
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_gpu_matches_reference_and_repeats(cupy_mod: Any, rng: np.random.Generator, hidden: int,
+                                           tokens: int) -> None:
+    cupy, experts, top_k = cupy_mod, 128, 8
+    h, w = _inputs(rng, tokens, hidden, experts)
+    h_d, w_d = cupy.asarray(h), cupy.asarray(w)
+    ids, weights = _poisoned(cupy, tokens, top_k)
+    got = fused_router(h_d, w_d, top_k, True, ids, weights)
+    assert got[0] is ids and got[1] is weights
+    first = (cupy.asnumpy(ids), cupy.asnumpy(weights))
+    _check(h, w, top_k, True, *first)
+    ids.fill(-12345)
+    weights.fill(np.nan)
+    fused_router(h_d, w_d, top_k, True, ids, weights)
+    assert np.array_equal(cupy.asnumpy(ids), first[0])
+    assert np.array_equal(cupy.asnumpy(weights).view(np.uint32), first[1].view(np.uint32))  # bitwise
+    new_ids, new_weights = fused_router(h_d, w_d, top_k, norm_topk_prob=False)
+    _check(h, w, top_k, False, cupy.asnumpy(new_ids), cupy.asnumpy(new_weights))
+
+
+@pytest.mark.gpu
+def test_gpu_graph_capture_replays_on_new_inputs(cupy_mod: Any, rng: np.random.Generator) -> None:
+    cupy, tokens, hidden, experts, top_k = cupy_mod, 7, 2048, 128, 8
+    h, w = _inputs(rng, tokens, hidden, experts)
+    h_d, w_d = cupy.asarray(h), cupy.asarray(w)
+    ids, weights = _poisoned(cupy, tokens, top_k)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        fused_router(h_d, w_d, top_k, True, ids, weights)  # compiles outside the capture
+        stream.synchronize()
+        stream.begin_capture()
+        fused_router(h_d, w_d, top_k, True, ids, weights)
+        graph = stream.end_capture()
+        for _ in range(2):
+            h, w = _inputs(rng, tokens, hidden, experts)
+            h_d.set(h)
+            w_d.set(w)
+            ids.fill(-12345)
+            weights.fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            _check(h, w, top_k, True, cupy.asnumpy(ids), cupy.asnumpy(weights))
