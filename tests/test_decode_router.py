@@ -10,8 +10,8 @@ import pytest
 
 from kernels.arrays import BF16
 from kernels.compile import offline_report
-from kernels.decode import fused_router
-from kernels.decode.router import ROUTER, SOURCE, check_router_inputs
+from kernels.decode import fused_router, make_router_workspace
+from kernels.decode.router import ROUTER, SOURCE, RouterWorkspace, check_router_inputs, row_groups
 from kernels.decode_reference import linear, select_experts
 from tests.warp_checks import EMULATION_LOAD, EMULATION_PRELUDE, FakeCupyArray, build_emulator, run_emulator
 
@@ -49,14 +49,21 @@ def _check(h: np.ndarray, w: np.ndarray, top_k: int, renormalize: bool, ids: np.
 # ---------------------------------------------------------------------------------------------------
 # Offline compile (NVRTC for sm_90, no GPU)
 # ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("knobs", [{}, {"WARPS": 8, "UNROLL": 2}, {"WARPS": 32, "UNROLL": 4}],
-                         ids=["defaults", "w8-u2", "w32-u4"])
+@pytest.mark.parametrize("knobs", [{}, {"WARPS": 8, "UNROLL": 2}, {"WARPS": 32, "UNROLL": 4},
+                                   {"WARPS": 8, "UNROLL": 4, "ROWS": 4}],
+                         ids=["defaults", "w8-u2", "w32-u4", "w8-u4-r4"])
 def test_compiles_without_spills(knobs: dict[str, int]) -> None:
     params = ROUTER.resolve(**knobs)
     (report,) = offline_report(SOURCE, **params)
     assert report.kernel == "fused_router"
     assert report.spills == 0 and report.stack_bytes == 0, report
-    assert report.shared_bytes == 4 * 512
+    assert report.shared_bytes == 4 * 512 + 4  # the last block's logits and its flag
+
+
+def test_row_groups_cover_the_experts() -> None:
+    assert row_groups(128, ROUTER.resolve()) == 128 // (ROUTER.resolve()["WARPS"] * ROUTER.resolve()["ROWS"])
+    assert row_groups(37, ROUTER.resolve(WARPS=4, ROWS=2)) == 5
+    assert row_groups(512, ROUTER.resolve(WARPS=32, UNROLL=4, ROWS=8)) == 2
 
 
 def test_rules_refuse_unroll_past_the_register_cap() -> None:
@@ -64,6 +71,8 @@ def test_rules_refuse_unroll_past_the_register_cap() -> None:
         ROUTER.resolve(WARPS=32, UNROLL=8)
     with pytest.raises(ValueError, match="WARPS"):
         ROUTER.resolve(WARPS=64)
+    with pytest.raises(ValueError, match="ROWS"):
+        ROUTER.resolve(ROWS=9)
 
 
 def test_source_is_registered_for_the_compile_report() -> None:
@@ -85,31 +94,57 @@ HARNESS = EMULATION_PRELUDE + r"""
 EmuBarrier* g_block = nullptr;
 inline void __syncthreads() { g_block->arrive_and_wait(); }
 inline void __syncwarp() { g_warp->bar.arrive_and_wait(); }
+inline void __threadfence() {}                                  // lanes are fibers of one CPU thread
+inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
+inline float __ldcg(const float* p) { return *p; }
 #include "kernel.cu"
 """ + EMULATION_LOAD + r"""
 int main(int argc, char** argv) {
     const int T = atoi(argv[1]), H = atoi(argv[2]), E = atoi(argv[3]), K = atoi(argv[4]), renorm = atoi(argv[5]);
     const std::string dir = argv[6];
+    const int groups = atoi(argv[7]);
     auto h = load<uint16_t>(dir + "/h.bin", (size_t)T * H);
     auto w = load<uint16_t>(dir + "/w.bin", (size_t)E * H);
-    std::vector<int> ids((size_t)T * K, -12345);
-    std::vector<float> wts((size_t)T * K, __uint_as_float(0x7fc00000u));   // poisoned
+    std::vector<float> logits((size_t)T * E, __uint_as_float(0x7fc00000u));
+    std::vector<unsigned> tickets((size_t)T, 0u);
+    std::vector<int> ids((size_t)T * K), first_ids;
+    std::vector<float> wts((size_t)T * K), first_wts;
     const int threads = WARPS * 32;
     EmuBarrier block_bar(threads);
     g_block = &block_bar;
     std::vector<std::unique_ptr<WarpCtx>> warps;
     for (int i = 0; i < WARPS; ++i) warps.emplace_back(new WarpCtx);
     gridDim.x = T;
-    for (int b = 0; b < T; ++b)   // blocks one after another: fresh lanes, so a lane that returned early is no issue
-        run_lanes(threads, [&](int l) {
-            g_warp = warps[l / 32].get();
-            threadIdx.x = l;
-            blockIdx.x = (unsigned)b;
-            fused_router(reinterpret_cast<const bf16_t*>(h.data()), reinterpret_cast<const bf16_t*>(w.data()),
-                         ids.data(), wts.data(), H, E, K, renorm);
-        });
+    gridDim.y = groups;
+    // Two launches (the tickets must come back to 0 in between), each block order different: token by token,
+    // then group by group (a token's blocks interleaved with the others'), the groups of odd tokens in reverse so
+    // that another block takes each token's last ticket.
+    for (int launch = 0; launch < 2; ++launch) {
+        std::fill(ids.begin(), ids.end(), -12345);
+        std::fill(wts.begin(), wts.end(), __uint_as_float(0x7fc00000u));   // poisoned
+        for (int i = 0; i < T * groups; ++i) {
+            const int t = launch == 0 ? i / groups : i % T, j = launch == 0 ? i % groups : i / T;
+            const int g = t % 2 ? groups - 1 - j : j;
+            run_lanes(threads, [&](int l) {   // fresh lanes per block: a lane that returned early is no issue
+                g_warp = warps[l / 32].get();
+                threadIdx.x = l;
+                blockIdx.x = (unsigned)t;
+                blockIdx.y = (unsigned)g;
+                fused_router(reinterpret_cast<const bf16_t*>(h.data()), reinterpret_cast<const bf16_t*>(w.data()),
+                             logits.data(), tickets.data(), ids.data(), wts.data(), H, E, K, renorm);
+            });
+        }
+        for (int t = 0; t < T; ++t)
+            if (tickets[t] != 0u) { fprintf(stderr, "token %d's ticket left at %u\\n", t, tickets[t]); return 3; }
+        if (launch == 0) { first_ids = ids; first_wts = wts; }
+    }
+    if (ids != first_ids || memcmp(wts.data(), first_wts.data(), 4 * wts.size()) != 0) {
+        fprintf(stderr, "the second launch differs from the first\\n");
+        return 4;
+    }
     FILE* f = fopen((dir + "/ids.bin").c_str(), "wb"); fwrite(ids.data(), 4, ids.size(), f); fclose(f);
     f = fopen((dir + "/wts.bin").c_str(), "wb"); fwrite(wts.data(), 4, wts.size(), f); fclose(f);
+    f = fopen((dir + "/logits.bin").c_str(), "wb"); fwrite(logits.data(), 4, logits.size(), f); fclose(f);
     return 0;
 }
 """
@@ -122,7 +157,7 @@ def _emulate(h: np.ndarray, w: np.ndarray, top_k: int, renormalize: bool, tmp_pa
     tokens, hidden = h.shape
     h.view(np.uint16).tofile(tmp_path / "h.bin")
     w.view(np.uint16).tofile(tmp_path / "w.bin")
-    run_emulator(binary, tokens, hidden, w.shape[0], top_k, int(renormalize), tmp_path)
+    run_emulator(binary, tokens, hidden, w.shape[0], top_k, int(renormalize), tmp_path, row_groups(w.shape[0], params))
     ids = np.fromfile(tmp_path / "ids.bin", np.int32).reshape(tokens, top_k)
     weights = np.fromfile(tmp_path / "wts.bin", np.float32).reshape(tokens, top_k)
     return ids, weights
@@ -132,7 +167,9 @@ def _emulate(h: np.ndarray, w: np.ndarray, top_k: int, renormalize: bool, tmp_pa
     (3, 72, 37, 5, True, {"WARPS": 4, "UNROLL": 1}),    # odd sizes: lanes past H's end, E not a multiple of WARPS
     (3, 72, 37, 5, False, {"WARPS": 4, "UNROLL": 1}),   # norm_topk_prob off
     (2, 256, 128, 8, True, {"WARPS": 8, "UNROLL": 2}),  # qwen3's E and K
-], ids=["h72-e37-k5", "h72-e37-k5-raw", "h256-e128-k8"])
+    (3, 72, 37, 5, True, {"WARPS": 2, "UNROLL": 1, "ROWS": 3}),  # rows per warp: the last group part-full
+    (2, 256, 128, 8, True, {}),                         # the defaults
+], ids=["h72-e37-k5", "h72-e37-k5-raw", "h256-e128-k8", "h72-e37-k5-r3", "h256-e128-k8-defaults"])
 def test_emulated_matches_reference(rng: np.random.Generator, tmp_path: Any, tokens: int, hidden: int, experts: int,
                                     top_k: int, renormalize: bool, knobs: dict[str, int]) -> None:
     h, w = _inputs(rng, tokens, hidden, experts)
@@ -140,6 +177,20 @@ def test_emulated_matches_reference(rng: np.random.Generator, tmp_path: Any, tok
     _check(h, w, top_k, renormalize, ids, weights)
     if renormalize:
         np.testing.assert_allclose(weights.sum(axis=1), 1.0, rtol=1e-6)
+
+
+def test_emulated_logits_and_nan_tokens(rng: np.random.Generator, tmp_path: Any) -> None:
+    """The workspace holds every logit (close to the reference's: only the FP32 order differs); a token with a NaN
+    in h gets NaN logits, so ids -1 and NaN weights in every slot, and the other tokens are untouched."""
+    h, w = _inputs(rng, 3, 72, 37)
+    h[1, 5] = np.nan
+    ids, weights = _emulate(h, w, 5, True, tmp_path, WARPS=2, UNROLL=1, ROWS=2)
+    logits = np.fromfile(tmp_path / "logits.bin", np.float32).reshape(3, 37)
+    want = linear(h.astype(np.float32), w)
+    assert np.isnan(logits[1]).all()
+    np.testing.assert_allclose(logits[[0, 2]], want[[0, 2]], rtol=1e-4, atol=1e-5)
+    assert (ids[1] == -1).all() and np.isnan(weights[1]).all()
+    _check(h[[0, 2]], w, 5, True, ids[[0, 2]], weights[[0, 2]])
 
 
 def test_emulated_exact_tie_goes_to_the_lower_id(tmp_path: Any) -> None:
@@ -167,7 +218,9 @@ def _fakes(T: int = 3, H: int = 64, E: int = 16) -> tuple[FakeCupyArray, FakeCup
 def test_checks_accept_good_inputs() -> None:
     h, w = _fakes()
     ids, weights = FakeCupyArray((3, 4), np.int32), FakeCupyArray((3, 4), np.float32)
+    workspace = RouterWorkspace(FakeCupyArray((3, 16), np.float32), FakeCupyArray((3,), np.uint32))
     assert check_router_inputs(h, w, 4, True, ids, weights) == (3, 64, 16, 4)
+    assert check_router_inputs(h, w, 4, True, ids, weights, workspace) == (3, 64, 16, 4)
 
 
 @pytest.mark.parametrize(("change", "error", "name"), [
@@ -188,10 +241,18 @@ def test_checks_accept_good_inputs() -> None:
     ({"topk_ids": FakeCupyArray((3, 5), np.int32)}, ValueError, "topk_ids"),
     ({"topk_weights": FakeCupyArray((3, 4), BF16)}, TypeError, "topk_weights"),
     ({"topk_weights": np.zeros((3, 4), np.float32)}, TypeError, "topk_weights must be a cupy"),
+    ({"workspace": FakeCupyArray((3, 16), np.float32)}, TypeError, "workspace must be a RouterWorkspace"),
+    ({"workspace": RouterWorkspace(FakeCupyArray((3, 17), np.float32), FakeCupyArray((3,), np.uint32))},
+     ValueError, "workspace.logits"),
+    ({"workspace": RouterWorkspace(FakeCupyArray((3, 16), np.float32), FakeCupyArray((3,), np.int32))},
+     TypeError, "workspace.tickets"),
+    ({"workspace": RouterWorkspace(FakeCupyArray((3, 16), np.float32), FakeCupyArray((4,), np.uint32))},
+     ValueError, "workspace.tickets"),
 ], ids=lambda v: None if isinstance(v, dict | type) else str(v)[:24])
 def test_checks_refuse(change: dict[str, Any], error: type, name: str) -> None:
     h, w = _fakes()
-    args = {"h": h, "w_router": w, "top_k": 4, "norm_topk_prob": True, "topk_ids": None, "topk_weights": None, **change}
+    args = {"h": h, "w_router": w, "top_k": 4, "norm_topk_prob": True, "topk_ids": None, "topk_weights": None,
+            "workspace": None, **change}
     with pytest.raises(error, match=name):
         fused_router(**args)
 
@@ -236,11 +297,14 @@ def test_gpu_matches_reference_and_repeats(cupy_mod: Any, rng: np.random.Generat
     assert got[0] is ids and got[1] is weights
     first = (cupy.asnumpy(ids), cupy.asnumpy(weights))
     _check(h, w, top_k, True, *first)
-    ids.fill(-12345)
-    weights.fill(np.nan)
-    fused_router(h_d, w_d, top_k, True, ids, weights)
-    assert np.array_equal(cupy.asnumpy(ids), first[0])
-    assert np.array_equal(cupy.asnumpy(weights).view(np.uint32), first[1].view(np.uint32))  # bitwise
+    workspace = make_router_workspace(tokens, experts)
+    for _ in range(3):  # a workspace of its own, reused: its tickets come back to 0 each time
+        ids.fill(-12345)
+        weights.fill(np.nan)
+        fused_router(h_d, w_d, top_k, True, ids, weights, workspace)
+        assert np.array_equal(cupy.asnumpy(ids), first[0])
+        assert np.array_equal(cupy.asnumpy(weights).view(np.uint32), first[1].view(np.uint32))  # bitwise
+        assert not cupy.asnumpy(workspace.tickets).any()
     new_ids, new_weights = fused_router(h_d, w_d, top_k, norm_topk_prob=False)
     _check(h, w, top_k, False, cupy.asnumpy(new_ids), cupy.asnumpy(new_weights))
 
@@ -251,12 +315,13 @@ def test_gpu_graph_capture_replays_on_new_inputs(cupy_mod: Any, rng: np.random.G
     h, w = _inputs(rng, tokens, hidden, experts)
     h_d, w_d = cupy.asarray(h), cupy.asarray(w)
     ids, weights = _poisoned(cupy, tokens, top_k)
+    workspace = make_router_workspace(tokens, experts)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        fused_router(h_d, w_d, top_k, True, ids, weights)  # compiles outside the capture
+        fused_router(h_d, w_d, top_k, True, ids, weights, workspace)  # compiles outside the capture
         stream.synchronize()
         stream.begin_capture()
-        fused_router(h_d, w_d, top_k, True, ids, weights)
+        fused_router(h_d, w_d, top_k, True, ids, weights, workspace)
         graph = stream.end_capture()
         for _ in range(2):
             h, w = _inputs(rng, tokens, hidden, experts)
@@ -267,3 +332,4 @@ def test_gpu_graph_capture_replays_on_new_inputs(cupy_mod: Any, rng: np.random.G
             graph.launch(stream)
             stream.synchronize()
             _check(h, w, top_k, True, cupy.asnumpy(ids), cupy.asnumpy(weights))
+            assert not cupy.asnumpy(workspace.tickets).any()

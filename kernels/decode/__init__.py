@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from kernels.decode.router import ROUTER, fused_router
+from kernels.decode.router import ROUTER, RouterWorkspace, fused_router, make_router_workspace
 
-__all__ = ["ROUTER", "fused_router"]
+__all__ = ["ROUTER", "RouterWorkspace", "fused_router", "make_router_workspace"]

@@ -1,11 +1,16 @@
 """The fused router: logits, softmax and top-k of T tokens in one launch, ids and weights left on the device.
 
 ``fused_router(h, w_router, top_k)`` computes, for every token t, the router logits h[t] . W_router[e] in FP32 with
-warp-decode's pattern (a warp per expert row, 16-byte loads, FP32 accumulators, the warp butterfly), keeps them in
-shared memory (one block per token), then one warp takes the FP32 softmax over the E experts and the top-K (ties to
-the lower expert id, as :func:`kernels.routing.route`), renormalized with ``norm_topk_prob``. It writes
-``topk_ids`` [T, K] int32 and ``topk_weights`` [T, K] float32 for the MoE kernels: no host round trip, and with the
-outputs passed in nothing is allocated, so a CUDA graph can capture it. E <= 512, K <= 16, H a multiple of 8.
+warp-decode's pattern (a warp per expert row, 16-byte loads, FP32 accumulators, the warp butterfly) over a grid of
+(token, expert-row group) blocks, so the router matrix is read by every SM rather than one; the logits go to a
+workspace [T, E] in global memory. Each block then takes a ticket on its token's counter (``atomicAdd`` after a
+``__threadfence``): the block that takes the last one reads the token's E logits back and one warp takes the FP32
+softmax over the E experts and the top-K (ties to the lower expert id, as :func:`kernels.routing.route`),
+renormalized with ``norm_topk_prob``, and resets the counter to 0 for the next launch. Every logit is the same lane
+chain and butterfly whichever block computes it and whichever block finishes last, so the outputs are deterministic.
+It writes ``topk_ids`` [T, K] int32 and ``topk_weights`` [T, K] float32 for the MoE kernels: no host round trip, and
+with the outputs and a workspace (:func:`make_router_workspace`) passed in nothing is allocated, so a CUDA graph can
+capture it. E <= 512, K <= 16, H a multiple of 8.
 
 The numbers are the bf16 reference step's (:func:`kernels.decode_reference.select_experts` on fp32 logits): only the
 order of the FP32 sums (the dot products, the softmax's denominator) and ``expf`` differ, so ids match wherever no two
@@ -14,6 +19,7 @@ logits lie within a few ulps of the k-th, and weights within ~1e-6 relative.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,13 +31,14 @@ from kernels.device_helpers import WARP_HELPERS
 from kernels.family import KernelFamily
 
 KERNEL = "fused_router"
-MAX_EXPERTS = 512  # the logits' shared array (2 KB) and 16 per lane in the softmax warp
+MAX_EXPERTS = 512  # the last block's shared copy of the logits (2 KB) and 16 per lane in the softmax warp
 MAX_TOP_K = 16
 KNOBS: dict[str, int] = {
-    "WARPS": 16,  # warps per block (a block is one token): expert rows in flight at once
-    "UNROLL": 4,  # 16-byte chunks of W (and of h) in flight per lane
+    "WARPS": 4,  # warps per block (a block is one token's group of WARPS * ROWS expert rows)
+    "UNROLL": 8,  # 16-byte chunks of W (and of h) in flight per lane: all of H = 2048 in one round
+    "ROWS": 1,  # expert rows per warp, one after another (fewer, fuller blocks where T * E is large)
 }
-LIMITS = {"WARPS": (1, 32), "UNROLL": (1, 16)}
+LIMITS = {"WARPS": (1, 32), "UNROLL": (1, 16), "ROWS": (1, 8)}
 
 
 def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
@@ -43,6 +50,12 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
     if dims is not None:
         check_router_dims(dims.hidden, dims.experts, dims.top_k)
     return values
+
+
+def row_groups(experts: int, params: dict[str, int]) -> int:
+    """Blocks per token: the expert-row groups of WARPS * ROWS rows (the grid's y)."""
+    rows = params["WARPS"] * params["ROWS"]
+    return -(-experts // rows)
 
 
 def check_router_dims(hidden: int, experts: int, top_k: int) -> None:
@@ -58,33 +71,44 @@ def check_router_dims(hidden: int, experts: int, top_k: int) -> None:
 
 CODE = r"""
 // ==== the fused router (kernels/decode/router.py) ====
-// Knobs: WARPS warps per block (one block per token), UNROLL 16-byte chunks in flight per lane.
+// Knobs: WARPS warps per block, ROWS expert rows per warp, UNROLL 16-byte chunks in flight per lane.
 #define ROUTER_MAX_EXPERTS 512
 static_assert(WARPS >= 1 && WARPS <= 32, "WARPS must be in [1, 32]");
 static_assert(UNROLL >= 1, "UNROLL must be >= 1");
+static_assert(ROWS >= 1, "ROWS must be >= 1");
 
 // ------------------------------------------------------------------------------------------------
-// fused_router: block t owns token t. Phase 1: warp w computes the logits of experts w, w + WARPS, ... --
-//   lane l reads 16-byte chunks l, l + 32, ... of the expert's W row and of h[t] (UNROLL chunks in flight),
-//   one FP32 FMA chain per lane, then the warp butterfly -- into shared memory. Phase 2 (warp 0): the max
-//   (exact), p[e] = expf(logit - max) summed lane-strided then by the butterfly, p[e] /= sum (IEEE); then K
-//   rounds of a warp argmax over p (greater value, or equal value and lower id: ties to the lower expert id),
-//   the chosen p marked taken (-1). Lane k keeps slot k and writes it, divided by the chosen p's sum (in slot
-//   order) when renormalize. A round that finds no candidate (NaN logits) writes id -1 and a NaN weight, which
-//   the MoE kernels treat as a bad id.
+// fused_router: grid (T, groups); block (t, g) owns token t's expert rows g * WARPS * ROWS + w + r * WARPS
+//   (warp w, r < ROWS). Phase 1: per row, lane l reads 16-byte chunks l, l + 32, ... of the expert's W row and
+//   of h[t] (UNROLL chunks in flight), one FP32 FMA chain per lane, then the warp butterfly -- into
+//   logits[t, e] (global). Ticket: every writer fences, the block syncs, thread 0 fences and takes a ticket on
+//   tickets[t]; the block with the last ticket (gridDim.y - 1) resets the counter, reads the token's logits
+//   back through L2 (__ldcg) into shared memory and goes on with warp 0. Phase 2 (warp 0): the max (exact),
+//   p[e] = expf(logit - max) summed lane-strided then by the butterfly, p[e] /= sum (IEEE); then K rounds of a
+//   warp argmax over p (greater value, or equal value and lower id: ties to the lower expert id), the chosen p
+//   marked taken (-1). Lane k keeps slot k and writes it, divided by the chosen p's sum (in slot order) when
+//   renormalize. A round that finds no candidate (NaN logits) writes id -1 and a NaN weight, which the MoE
+//   kernels treat as a bad id.
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(WARPS * 32) fused_router(
     const bf16_t* __restrict__ h,             // [T, H] the post-attention RMSNorm output
     const bf16_t* __restrict__ w_router,      // [E, H]
+    float* __restrict__ logits,               // [T, E] workspace
+    unsigned* __restrict__ tickets,           // [T] workspace: 0 before the launch, 0 after it
     int* __restrict__ topk_ids,               // [T, K]
     float* __restrict__ topk_weights,         // [T, K]
     int hidden, int experts, int top_k, int renormalize)
 {
     __shared__ float probs[ROUTER_MAX_EXPERTS];                      // the logits, then the softmax
+    __shared__ int last_block;
     const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int chunks = hidden / 8;
     const uint4* x = reinterpret_cast<const uint4*>(h + (size_t)t * hidden);
-    for (int e = warp; e < experts; e += WARPS) {
+    float* token_logits = logits + (size_t)t * experts;
+    const int first = (int)blockIdx.y * (WARPS * ROWS) + warp;
+    for (int r = 0; r < ROWS; ++r) {
+        const int e = first + r * WARPS;
+        if (e >= experts) break;                                     // warp-uniform
         const uint4* row = reinterpret_cast<const uint4*>(w_router + (size_t)e * hidden);
         float acc = 0.0f;
         for (int c0 = 0; c0 < chunks; c0 += 32 * UNROLL) {
@@ -106,11 +130,24 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) fused_router(
                 }
         }
         acc = warp_sum(acc);
-        if (lane == 0) probs[e] = acc;
+        if (lane == 0) token_logits[e] = acc;
+    }
+    __threadfence();                                                 // this thread's logits visible device-wide
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const unsigned ticket = atomicAdd(&tickets[t], 1u);
+        last_block = ticket == gridDim.y - 1;
+        if (last_block) {
+            tickets[t] = 0u;                                         // every block of t has taken its ticket
+            __threadfence();                                         // the others' logits before the reads below
+        }
     }
     __syncthreads();
-    if (warp != 0) return;
+    if (!last_block || warp != 0) return;
 
+    for (int e = lane; e < experts; e += 32) probs[e] = __ldcg(token_logits + e);   // L2: not a stale L1 line
+    __syncwarp();
     float top = __int_as_float(0xff800000);                          // -inf; the max is exact in any order
     for (int e = lane; e < experts; e += 32) top = fmaxf(top, probs[e]);
     #pragma unroll
@@ -159,11 +196,54 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) fused_router(
 
 SOURCE = CudaSource(name="decode_router", code=WARP_HELPERS + CODE, kernels=(KERNEL,), defaults=dict(KNOBS),
                     variants=[{"WARPS": 8, "UNROLL": 2}, {"WARPS": 32, "UNROLL": 4}, {"WARPS": 16, "UNROLL": 8},
-                              {"WARPS": 4, "UNROLL": 1}],
+                              {"WARPS": 4, "UNROLL": 1}, {"WARPS": 8, "UNROLL": 4, "ROWS": 4}],
                     warps_knobs={KERNEL: "WARPS"},
-                    description="the fused router of a decode step: logits (a warp per expert row), softmax and "
-                                "top-k of a token per block")
+                    description="the fused router of a decode step: logits (a warp per (token, expert) row over "
+                                "the grid), then softmax and top-k in each token's last block")
 ROUTER = KernelFamily(name="decode-router", source=SOURCE, limits=LIMITS, rules=rules)
+
+
+@dataclass(frozen=True)
+class RouterWorkspace:
+    """What :func:`fused_router` keeps between its blocks: ``logits`` [T, E] float32 and ``tickets`` [T] uint32
+    (zero before a launch; the launch leaves them zero). One launch at a time may use it: two streams that route
+    concurrently need a workspace each."""
+
+    logits: Any
+    tickets: Any
+
+    @property
+    def tokens(self) -> int:
+        return int(self.logits.shape[0])
+
+    @property
+    def experts(self) -> int:
+        return int(self.logits.shape[1])
+
+
+def make_router_workspace(tokens: int, experts: int) -> RouterWorkspace:
+    """A :class:`RouterWorkspace` for ``tokens`` tokens and ``experts`` experts on CuPy's current device, tickets
+    zeroed (T * (E + 1) * 4 bytes). Allocate it once, outside a graph capture, and pass it to every call."""
+    import cupy
+
+    if tokens < 1 or not 1 <= experts <= MAX_EXPERTS:
+        raise ValueError(f"a router workspace needs tokens >= 1 and experts in [1, {MAX_EXPERTS}], got "
+                         f"({tokens}, {experts})")
+    return RouterWorkspace(cupy.empty((tokens, experts), dtype=np.float32), cupy.zeros((tokens,), dtype=np.uint32))
+
+
+_WORKSPACES: dict[tuple[int, int, int, int], RouterWorkspace] = {}
+
+
+def _cached_workspace(tokens: int, experts: int) -> RouterWorkspace:
+    """The workspace of (device, stream, T, E), made on first use: calls on one stream run one after another."""
+    import cupy
+
+    key = (int(cupy.cuda.runtime.getDevice()), int(cupy.cuda.get_current_stream().ptr), tokens, experts)
+    workspace = _WORKSPACES.get(key)
+    if workspace is None:
+        workspace = _WORKSPACES[key] = make_router_workspace(tokens, experts)
+    return workspace
 
 
 def _is_cupy(arr: Any) -> bool:
@@ -178,7 +258,7 @@ def _check_array(name: str, arr: Any, dtype: Any, shape: tuple[int, ...] | None,
                         f"{type(arr).__module__}.{type(arr).__name__}")
     if np.dtype(arr.dtype) != np.dtype(dtype):
         raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {arr.dtype}")
-    if arr.ndim != 2 or (shape is not None and tuple(arr.shape) != shape):
+    if arr.ndim != len(what.split(",")) or (shape is not None and tuple(arr.shape) != shape):
         want = list(shape) if shape is not None else "2 dimensions"
         raise ValueError(f"{name} must be {what} = {want}, got shape {tuple(arr.shape)}")
     if not arr.flags.c_contiguous:
@@ -186,7 +266,7 @@ def _check_array(name: str, arr: Any, dtype: Any, shape: tuple[int, ...] | None,
 
 
 def check_router_inputs(h: Any, w_router: Any, top_k: Any, norm_topk_prob: Any = True, topk_ids: Any = None,
-                        topk_weights: Any = None) -> tuple[int, int, int, int]:
+                        topk_weights: Any = None, workspace: Any = None) -> tuple[int, int, int, int]:
     """Every check of :func:`fused_router` that needs no GPU; returns (T, H, E, K)."""
     _check_array("h", h, BF16, None, "[T, H]")
     _check_array("w_router", w_router, BF16, None, "[E, H]")
@@ -205,18 +285,27 @@ def check_router_inputs(h: Any, w_router: Any, top_k: Any, norm_topk_prob: Any =
         _check_array("topk_ids", topk_ids, np.int32, (tokens, int(top_k)), "[T, K]")
     if topk_weights is not None:
         _check_array("topk_weights", topk_weights, np.float32, (tokens, int(top_k)), "[T, K]")
+    if workspace is not None:
+        if not isinstance(workspace, RouterWorkspace):
+            raise TypeError(f"workspace must be a RouterWorkspace (make_router_workspace), got "
+                            f"{type(workspace).__name__}")
+        _check_array("workspace.logits", workspace.logits, np.float32, (tokens, experts), "[T, E]")
+        _check_array("workspace.tickets", workspace.tickets, np.uint32, (tokens,), "[T]")
     return tokens, hidden, experts, int(top_k)
 
 
 def fused_router(h: Any, w_router: Any, top_k: int, norm_topk_prob: bool = True, topk_ids: Any = None,
-                 topk_weights: Any = None) -> tuple[Any, Any]:
+                 topk_weights: Any = None, workspace: RouterWorkspace | None = None) -> tuple[Any, Any]:
     """Route T tokens on the GPU in one launch: (topk_ids [T, K] int32, topk_weights [T, K] float32).
 
     ``h`` [T, H] bf16 (the post-attention RMSNorm output) and ``w_router`` [E, H] bf16, CuPy arrays. Pass
-    ``topk_ids`` / ``topk_weights`` to write into (nothing is then allocated: graph-capturable); the kernel is
-    compiled on first use per device. Launches on CuPy's current stream and never syncs.
+    ``topk_ids`` / ``topk_weights`` to write into and a ``workspace`` (:func:`make_router_workspace` (T, E)) for
+    the logits and the per-token tickets: nothing is then allocated (graph-capturable). Without one, a workspace
+    cached per (device, stream, T, E) is made on first use (so capture after a first call). The kernel is compiled
+    on first use per device. Launches on CuPy's current stream and never syncs.
     """
-    tokens, hidden, experts, top_k = check_router_inputs(h, w_router, top_k, norm_topk_prob, topk_ids, topk_weights)
+    tokens, hidden, experts, top_k = check_router_inputs(h, w_router, top_k, norm_topk_prob, topk_ids, topk_weights,
+                                                         workspace)
     import cupy
 
     for name, arr in (("h", h), ("w_router", w_router)):
@@ -226,9 +315,12 @@ def fused_router(h: Any, w_router: Any, top_k: int, norm_topk_prob: bool = True,
         topk_ids = cupy.empty((tokens, top_k), dtype=np.int32)
     if topk_weights is None:
         topk_weights = cupy.empty((tokens, top_k), dtype=np.float32)
+    if workspace is None:
+        workspace = _cached_workspace(tokens, experts)
     params = ROUTER.resolve(Dims(tokens, hidden, 1, experts, top_k))
     kernel = ROUTER.kernels_for(params)[KERNEL]
     i32 = np.int32
-    launch_ex(kernel, (tokens,), (32 * params["WARPS"],),
-              (h, w_router, topk_ids, topk_weights, i32(hidden), i32(experts), i32(top_k), i32(bool(norm_topk_prob))))
+    launch_ex(kernel, (tokens, row_groups(experts, params)), (32 * params["WARPS"],),
+              (h, w_router, workspace.logits, workspace.tickets, topk_ids, topk_weights, i32(hidden), i32(experts),
+               i32(top_k), i32(bool(norm_topk_prob))))
     return topk_ids, topk_weights
