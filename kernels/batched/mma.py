@@ -358,8 +358,7 @@ def make_stages(fmt: WeightFormat) -> Any:
                             topk_weights, out)
         if not sum_k:
             return first
-        _, s2 = weight_args(w2, fmt)
-        w2 = weight_args(w2, fmt)[0]
+        w2, s2 = weight_args(w2, fmt)
         i32, programmatic = np.int32, bool(params["PDL"])
 
         def down_grouped() -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels.arrays import BF16
+from kernels.arrays import BF16, check_aligned
 from kernels.compile import CudaSource, launch_ex
 from kernels.contract import Dims
 from kernels.device_helpers import WARP_HELPERS
@@ -308,9 +308,7 @@ def fused_router(h: Any, w_router: Any, top_k: int, norm_topk_prob: bool = True,
                                                          workspace)
     import cupy
 
-    for name, arr in (("h", h), ("w_router", w_router)):
-        if int(arr.data.ptr) % 16:
-            raise ValueError(f"{name} must start on a 16-byte boundary (16-byte loads), got {arr.data.ptr:#x}")
+    check_aligned(h=h, w_router=w_router)
     if topk_ids is None:
         topk_ids = cupy.empty((tokens, top_k), dtype=np.int32)
     if topk_weights is None:
