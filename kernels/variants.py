@@ -102,6 +102,18 @@ class Variant:
         known = self.kernel_family.defaults
         return {**params, **self.kernel_family.resolve(dims, **{k: v for k, v in params.items() if k in known})}
 
+    def compiled_params(self, dims: Dims) -> dict[str, int] | None:
+        """The macros its CUDA C compiles with at ``dims`` (knobs resolved, derived macros set), or None where it
+        has no CUDA C or cannot run these dims."""
+        source = self.source
+        if source is None or not self.can_run(dims):
+            return None
+        try:
+            params = self.resolve(dims)
+        except ValueError:
+            return None
+        return {k: v for k, v in params.items() if k in source.defaults}
+
     def can_run(self, dims: Dims, **overrides: Any) -> bool:
         """Whether ``make(dims, **overrides)`` can run these dims (True for a variant without ``supports``)."""
         return self.supports is None or bool(self.supports(dims, **{**self.params, **overrides}))

@@ -16,48 +16,27 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from typing import Any
 
 from tools.cli import examples, int_list
 
 
-def _compile(job: tuple[str, str, int]) -> str:
+def _dims(model: str, tokens: int) -> Any:
     from kernels.contract import Dims
     from kernels.shapes import PRESETS
+
+    shape = PRESETS[model]
+    return Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
+
+
+def _compile(job: tuple[str, dict[str, int], str]) -> str:
+    """Compile one variant's knob set (``job``: name, the macros, a label) on this device."""
     from kernels.variants import get_variant
 
-    name, model, tokens = job
-    variant = get_variant(name)
-    shape = PRESETS[model]
-    dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
-    family = variant.kernel_family
-    if family is None or family.source is None or not variant.can_run(dims):
-        return f"skip {name} {model} T={tokens}"
-    try:
-        params = family.for_device(family.resolve(dims, **{k: v for k, v in variant.params.items()
-                                                          if k in family.defaults}))
-    except ValueError as error:
-        return f"skip {name} {model} T={tokens}: {error}"
-    family.kernels_for(params)
-    return f"ok {name} {model} T={tokens}"
-
-
-def _key(name: str, model: str, tokens: int) -> tuple | None:
-    """The (source, knob set) a point compiles, or None where it compiles nothing."""
-    from kernels.contract import Dims
-    from kernels.shapes import PRESETS
-    from kernels.variants import get_variant
-
-    variant = get_variant(name)
-    family = variant.kernel_family
-    shape = PRESETS[model]
-    dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
-    if family is None or family.source is None or not variant.can_run(dims):
-        return None
-    try:
-        params = family.resolve(dims, **{k: v for k, v in variant.params.items() if k in family.defaults})
-    except ValueError:
-        return None
-    return family.source.name, tuple(sorted(params.items()))
+    name, params, label = job
+    family = get_variant(name).kernel_family
+    family.kernels_for(family.for_device(params))
+    return f"ok {label}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,12 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     jobs, seen = [], set()
-    for job in ((n, m, t) for n in names for m in models for t in args.batch):
-        key = _key(*job)
+    for name, model, tokens in ((n, m, t) for n in names for m in models for t in args.batch):
+        variant = registry[name]
+        params = variant.compiled_params(_dims(model, tokens))
+        key = None if params is None else (variant.source.name, tuple(sorted(params.items())))
         if key is not None and key not in seen:  # one process per distinct text
             seen.add(key)
-            jobs.append(job)
-    print(f"compiling {len(jobs)} (variant, model, T) points in {args.jobs} processes", file=sys.stderr, flush=True)
+            jobs.append((name, params, f"{name} {model} T={tokens}"))
+    print(f"compiling {len(jobs)} distinct knob sets in {args.jobs} processes", file=sys.stderr, flush=True)
     start = time.perf_counter()
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         for i, line in enumerate(pool.map(_compile, jobs)):

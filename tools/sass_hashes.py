@@ -55,14 +55,10 @@ def text_sections(cubin: bytes) -> dict[str, str]:
 def kernel_texts(variant: Any, dims: Any) -> list[tuple[str, str]]:
     """``[(kernel, rendered CUDA C)]`` that ``variant`` launches at ``dims`` (empty where it has no CUDA C or
     cannot run there)."""
+    params = variant.compiled_params(dims)
+    if params is None:
+        return []
     family = variant.kernel_family
-    if family is None or family.source is None or not variant.can_run(dims):
-        return []
-    known = family.defaults
-    try:
-        params = family.resolve(dims, **{k: v for k, v in variant.params.items() if k in known})
-    except ValueError:
-        return []
     names = family.kernel_names(params) if family.kernel_names else family.source.compiled_kernels(**params)
     text = family.source.render(**params)
     return [(name, text) for name in names]
