@@ -18,27 +18,39 @@ as ``kernels.route`` does.
 
 Modes (of a :class:`DecodeState`: a cache holds one mode's numbers):
 
-``"fp64"``  the oracle: every op in float64 on the bf16 weights (widened exactly), the cache in float64, the MoE as
-            ``kernels.reference.moe_decode``'s fp64 mode computes it but on float64 activations (moe_decode takes
-            bf16 x, which would round the oracle).
-``"bf16"``  where the step's kernels round: bf16 weights, fp32 accumulation inside each op, bf16 between ops:
-            RMSNorm in fp32 rounded once (the prologue of the GEMV it feeds); the QKV output rounded; q/k norm and
-            RoPE in fp32 (cos, sin: an fp32 table of float64 angles) rounded once, the cache in bf16; scores,
-            softmax and the sum over V in fp32, the output rounded; O projection plus the residual in fp32, rounded
-            once (the epilogue); router logits, softmax and top-k in fp32, never stored (``kernels.route``); the MoE
-            by ``moe_decode(mode="warp_decode")``, its bf16 output added to the residual in fp32 and rounded; the
-            final RMSNorm rounded, the logits fp32.
+``"fp64"``  the oracle: every op in float64 on the weights (bf16, or a format's dequantized values, widened exactly),
+            the cache in float64, the MoE as ``kernels.reference.moe_decode``'s fp64 mode computes it but on float64
+            activations (moe_decode takes bf16 x, which would round the oracle).
+``"bf16"``  the step's kernels, operation for operation (the order contract of issue 59; twins in
+            ``kernels.numerics`` and ``kernels.decode.moe_order``): FP32 inside each kernel, bf16 between them.
+            RMSNorm (:func:`~kernels.numerics.rms_norm_chain`: the sum of squares by the lane chain, rounded once,
+            the GEMV's prologue); every projection (QKV, O, router, LM head) by :func:`~kernels.numerics.dot_chain`
+            (lane l: 8-element chunks l, l + 32, ..., then the warp butterfly); the QKV output rounded; q/k head
+            RMSNorm and RoPE (:func:`~kernels.numerics.head_norm_rope`, cos / sin an fp32 table of float64 angles)
+            rounded once, the cache in bf16; attention by :func:`~kernels.numerics.chunked_attention` (chunks of
+            ``split`` positions, default :data:`ATTENTION_SPLIT`, exp by ``exp_rn``, combined in chunk order) rounded
+            once; the O projection's epilogue ``bf16(r + y)`` in FP32; the router
+            (:func:`~kernels.numerics.router_chain`: fp32 logits never stored, exp_rn softmax, top-k); the MoE by
+            :func:`~kernels.decode.moe_order.strict_moe_chain` (the strict warp-decode kernels' order at the knobs
+            they resolve for the step's dims), its bf16 output added to the residual in FP32 and rounded (the next
+            norm's prologue); the final RMSNorm rounded, the logits fp32, the argmax to the lower id on ties. Not
+            reproduced: CUDA's expf in the MoE's SiLU (moe_order's docstring). With bf16 weights the GPU step's
+            tokens, logits and hidden states must equal this mode's bit for bit; with ``fp8-block128`` weights
+            (:func:`make_model`'s ``weight_format``) the projections read the dequantized values in the same order,
+            no bitwise promise (the FP8 kernels dequantize in their own order).
 
-Projections and the MoE run a token at a time, attention a sequence at a time: a sequence gets the same bits in any
-batch, in both modes. In the bf16 mode that is needed: a perturbation far below an ulp flips a few roundings, and a
-few layers of them grow it to the mode's own distance from the oracle (~1e-2 at ``tiny``), so a check against the
-bf16 mode is bitwise or no sharper than that. Weights are generated (:func:`make_model`), never downloaded.
+Projections, the router and the MoE run each token's rows on their own, attention a sequence at a time: a sequence
+gets the same bits in any batch, in both modes (the MoE's knobs follow T, but at ``tiny`` none of them moves its
+order: I = 48 is one chunk round). In the bf16 mode that is needed: a perturbation far below an ulp flips a few
+roundings, and a few layers of them grow it to the mode's own distance from the oracle (~1e-2 at ``tiny``), so a
+check against the bf16 mode is bitwise or no sharper than that. Weights are generated (:func:`make_model`), never
+downloaded.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from statistics import NormalDist
 from typing import Any
@@ -46,12 +58,26 @@ from typing import Any
 import numpy as np
 
 from kernels.arrays import BF16, check_int
-from kernels.numerics import bf16_to_f32, round_bf16, silu, through_bf16
-from kernels.reference import expert_groups, moe_decode, weights_format
+from kernels.decode.moe_order import strict_moe_chain
+from kernels.formats import Quantized, dequantize_blocks, get_format, quantize_blocks
+from kernels.numerics import (
+    as_f32,
+    bf16_to_f32,
+    chunked_attention,
+    dot_chain,
+    head_norm_rope,
+    rms_norm_chain,
+    round_bf16,
+    router_chain,
+    silu,
+)
+from kernels.reference import expert_groups, weights_format
 from kernels.routing import route
 from kernels.shapes import ATTENTION_FIELDS, MoEShape, get_shape
 
 MODES = ("fp64", "bf16")
+WEIGHT_FORMATS = ("bf16", "fp8-block128")  # what make_model quantizes wqkv, wo and the experts to
+ATTENTION_SPLIT = 64  # positions per attention chunk in the bf16 mode: the attention kernel's default SPLIT
 EMBED_STD = 0.02  # Qwen3's initializer_range: what the embedding's scale starts from
 NORM_NOISE = 0.05  # norms' weights: 1 + N(0, 0.05^2)
 CACHE_HEADROOM = 64  # positions a new state holds beyond its longest sequence unless told
@@ -60,7 +86,8 @@ CACHE_HEADROOM = 64  # positions a new state holds beyond its longest sequence u
 # -- the model ----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer's weights, all bf16 (HF names in the comments)."""
+    """One decoder layer's weights, bf16 (HF names in the comments); wqkv, wo, w13 and w2 a ``Quantized`` in an
+    fp8-block128 model (2-D ones: one scale per 128 x 128 block of the [N, K] matrix)."""
 
     input_norm: np.ndarray  # [H] input_layernorm
     wqkv: np.ndarray  # [(heads + 2 kv_heads) * head_dim, H] q_proj, k_proj, v_proj rows stacked
@@ -82,6 +109,7 @@ class Model:
     layers: tuple[LayerWeights, ...]
     final_norm: np.ndarray  # [H] norm
     lm_head: np.ndarray  # [V, H] (untied)
+    weight_format: str = "bf16"  # of wqkv, wo and the experts (WEIGHT_FORMATS); the rest is bf16 in every model
 
 
 def decoder_config(config: str | MoEShape, name: str = "config") -> MoEShape:
@@ -112,16 +140,21 @@ def _normal_bf16(rng: np.random.Generator, shape: tuple[int, ...], std: float, m
     return table[rng.integers(0, 65536, size=shape, dtype=np.uint16)]
 
 
-def make_model(config: str | MoEShape, seed: int = 0, layers: int | None = None) -> Model:
+def make_model(config: str | MoEShape, seed: int = 0, layers: int | None = None,
+               weight_format: str = "bf16") -> Model:
     """A decoder with random bf16 weights scaled like trained ones, deterministic by ``seed``.
 
     Projections ~ N(0, 1/fan_in) (the router and the LM head too), the embedding ~ N(0, 0.02^2), norms' weights
     ~ 1 + N(0, 0.05^2). ``layers`` (default: the preset's) builds only the first few: layer l's weights depend on
     (seed, l) alone, so they are the same in a shorter model. ``config.with_(experts=..., vocab_size=...)`` shrinks
-    a real-width layer for a quick CPU check.
+    a real-width layer for a quick CPU check. ``weight_format="fp8-block128"`` quantizes those bf16 weights' wqkv,
+    wo, w13 and w2 to the lab's block-128 FP8 (``kernels.formats``), the router, norms, embedding and LM head left
+    bf16 as Qwen3's FP8 checkpoints ship them; both modes read the dequantized values.
     """
     shape = decoder_config(config)
     seed = check_int("seed", seed, 0)
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
     layers = shape.layers if layers is None else check_int("layers", layers, 1, shape.layers)
     H, I, E = shape.hidden, shape.intermediate, shape.experts
     heads, kv_heads, head_dim = shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim
@@ -132,7 +165,7 @@ def make_model(config: str | MoEShape, seed: int = 0, layers: int | None = None)
     built = []
     for layer in range(layers):
         rng = np.random.default_rng([seed, 1, layer])
-        built.append(LayerWeights(
+        weights = LayerWeights(
             input_norm=_normal_bf16(rng, (H,), NORM_NOISE, 1.0),
             wqkv=_normal_bf16(rng, ((heads + 2 * kv_heads) * head_dim, H), H**-0.5),
             q_norm=_normal_bf16(rng, (head_dim,), NORM_NOISE, 1.0),
@@ -142,8 +175,31 @@ def make_model(config: str | MoEShape, seed: int = 0, layers: int | None = None)
             router=_normal_bf16(rng, (E, H), H**-0.5),
             w13=_normal_bf16(rng, (E, 2 * I, H), H**-0.5),
             w2=_normal_bf16(rng, (E, H, I), I**-0.5),
-        ))
-    return Model(shape, embed, tuple(built), final_norm, lm_head)
+        )
+        if weight_format != "bf16":
+            w13, w2 = get_format(weight_format).quantize(weights.w13, weights.w2)
+            weights = replace(weights, wqkv=Quantized(*quantize_blocks(bf16_to_f32(weights.wqkv))),
+                              wo=Quantized(*quantize_blocks(bf16_to_f32(weights.wo))), w13=w13, w2=w2)
+        built.append(weights)
+    return Model(shape, embed, tuple(built), final_norm, lm_head, weight_format)
+
+
+_DEQUANTIZED: dict[int, tuple[Any, np.ndarray]] = {}  # id(Quantized) -> (it, its float32 values)
+
+
+def dense_weights(weights: Any, matrix: str = "") -> np.ndarray:
+    """A matrix as the reference reads it: a bf16 array as is; a ``Quantized`` one dequantized to float32 (2-D: the
+    [N, K] matrix's blocks; 3-D: the experts' ``matrix`` "w13" or "w2"), made once per matrix."""
+    if not isinstance(weights, Quantized):
+        return weights
+    held = _DEQUANTIZED.get(id(weights))
+    if held is None or held[0] is not weights:
+        if np.ndim(weights.values) == 2:
+            values = dequantize_blocks(weights.values, weights.scales)
+        else:
+            values = get_format(weights_format(weights)).dequantize(weights, matrix)
+        held = _DEQUANTIZED[id(weights)] = (weights, np.asarray(values, np.float32))
+    return held[1]
 
 
 # -- the ops, each in its input's float precision (float32 or float64) ---------------------------------------------
@@ -410,62 +466,108 @@ def _check_tokens(tokens: Any, batch: int, vocab: int) -> np.ndarray:
     return tokens.astype(np.int64)
 
 
-def decode_step(model: Model, tokens: Any, state: DecodeState) -> StepResult:
+def rope_tables(positions: Any, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """The float32 cos / sin tables [T, head_dim / 2] a kernel reads: angles position * theta^(-2i/head_dim) in
+    float64, each rounded once (the same values :func:`rope` uses in float32)."""
+    half = head_dim // 2
+    inv_freq = float(theta) ** (-np.arange(half, dtype=np.float64) * 2.0 / head_dim)
+    angles = np.asarray(positions).astype(np.float64)[:, None] * inv_freq
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def decode_step(model: Model, tokens: Any, state: DecodeState, split: int | None = None) -> StepResult:
     """One decode step of ``tokens`` [T] (one per sequence of ``state``), in the state's mode.
 
-    Appends each token's K and V to its sequence's cache (at position = its length, then length + 1).
+    Appends each token's K and V to its sequence's cache (at position = its length, then length + 1). ``split``:
+    the bf16 mode's attention chunk (positions, a multiple of 32; default :data:`ATTENTION_SPLIT`); the oracle has
+    none.
     """
     model = _check_model(model)
     state = _check_state(state, model)
+    tokens = _check_tokens(tokens, state.batch, model.config.vocab_size)
+    split = ATTENTION_SPLIT if split is None else check_int("split", split, 32)
+    if split % 32:
+        raise ValueError(f"split must be a multiple of 32 (whole warps of positions), got {split}")
+    result = _step_fp64(model, tokens, state) if state.mode == "fp64" else _step_bf16(model, tokens, state, split)
+    for seq in state.sequences:
+        seq.length += 1
+    return result
+
+
+def _step_fp64(model: Model, tokens: np.ndarray, state: DecodeState) -> StepResult:
+    """The oracle: float64 throughout, the math of the module docstring."""
     shape = model.config
-    tokens = _check_tokens(tokens, state.batch, shape.vocab_size)
-    oracle = state.mode == "fp64"
-    acc = np.float64 if oracle else np.float32
-    store = (lambda a: a) if oracle else through_bf16  # what a bf16 store and load do; nothing in the oracle
     heads, kv_heads, head_dim, eps = (shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim,
                                       shape.rms_norm_eps)
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
-    positions = state.lengths
-    batch = state.batch
+    positions, batch = state.lengths, state.batch
     routing = []
-
-    h = _widen(model.embed[tokens], acc)  # the residual stream
+    h = _widen(model.embed[tokens], np.float64)  # the residual stream
     for index, layer in enumerate(model.layers):
-        qkv = store(linear(store(rms_norm(h, layer.input_norm, eps)), layer.wqkv))
+        qkv = linear(rms_norm(h, layer.input_norm, eps), dense_weights(layer.wqkv))
         q = qkv[:, :q_size].reshape(batch, heads, head_dim)
         k = qkv[:, q_size : q_size + kv_size].reshape(batch, kv_heads, head_dim)
         v = qkv[:, q_size + kv_size :].reshape(batch, kv_heads, head_dim)
-        q = store(rope(rms_norm(q, layer.q_norm, eps), positions, shape.rope_theta))
-        k = store(rope(rms_norm(k, layer.k_norm, eps), positions, shape.rope_theta))
-        attended = np.empty((batch, heads, head_dim), acc)
+        q = rope(rms_norm(q, layer.q_norm, eps), positions, shape.rope_theta)
+        k = rope(rms_norm(k, layer.k_norm, eps), positions, shape.rope_theta)
+        attended = np.empty((batch, heads, head_dim))
         for t, seq in enumerate(state.sequences):
-            seq.keys[index, seq.length] = k[t]  # exact: k, v hold values of the cache's dtype
+            seq.keys[index, seq.length] = k[t]
             seq.values[index, seq.length] = v[t]
-            attended[t] = gqa_attention(q[t], _widen(seq.keys[index, : seq.length + 1], acc),
-                                        _widen(seq.values[index, : seq.length + 1], acc))
-        h = store(h + linear(store(attended).reshape(batch, q_size), layer.wo))
-
-        moe_in = store(rms_norm(h, layer.post_norm, eps))
+            attended[t] = gqa_attention(q[t], seq.keys[index, : seq.length + 1], seq.values[index, : seq.length + 1])
+        h = h + linear(attended.reshape(batch, q_size), dense_weights(layer.wo))
+        moe_in = rms_norm(h, layer.post_norm, eps)
         topk_ids, topk_weights = select_experts(linear(moe_in, layer.router), shape.top_k, shape.norm_topk_prob)
         routing.append(topk_ids)
-        if oracle:
-            h = h + moe_fp64(moe_in, layer.w13, layer.w2, topk_ids, topk_weights)
-        else:  # a token at a time: moe_decode groups a call's tokens per expert into one GEMM, whose order moves
-            moe_x = round_bf16(moe_in)
-            out = np.concatenate([moe_decode(moe_x[t : t + 1], layer.w13, layer.w2, topk_ids[t : t + 1],
-                                             topk_weights[t : t + 1], mode="warp_decode") for t in range(batch)])
-            h = store(h + bf16_to_f32(out))
-
-    for seq in state.sequences:
-        seq.length += 1
-    hidden = store(rms_norm(h, model.final_norm, eps))
+        h = h + moe_fp64(moe_in, layer.w13, layer.w2, topk_ids, topk_weights)
+    hidden = rms_norm(h, model.final_norm, eps)
     logits = linear(hidden, model.lm_head)
-    return StepResult(np.argmax(logits, axis=1), logits, hidden if oracle else round_bf16(hidden),
-                      np.stack(routing) if routing else np.empty((0, batch, shape.top_k), np.int32))
+    return StepResult(np.argmax(logits, axis=1), logits, hidden, _routing(routing, batch, shape.top_k))
 
 
-def prefill(model: Model, prompts: Sequence[Sequence[int]], mode: str = "fp64",
-            capacity: int | None = None) -> tuple[DecodeState, StepResult]:
+def _step_bf16(model: Model, tokens: np.ndarray, state: DecodeState, split: int) -> StepResult:
+    """The kernels' step: each op the twin of its kernel (module docstring), bf16 between them."""
+    shape = model.config
+    heads, kv_heads, head_dim, eps = (shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim,
+                                      shape.rms_norm_eps)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    batch = state.batch
+    cos, sin = rope_tables(state.lengths, head_dim, shape.rope_theta)  # [T, half]
+    routing = []
+    h = model.embed[tokens]  # the residual stream, bf16
+    for index, layer in enumerate(model.layers):
+        xn = rms_norm_chain(h, layer.input_norm, eps)
+        qkv = round_bf16(dot_chain(xn[:, None, :], dense_weights(layer.wqkv)[None]))
+        q = head_norm_rope(qkv[:, :q_size].reshape(batch, heads, head_dim), layer.q_norm, cos[:, None],
+                           sin[:, None], eps)
+        k = head_norm_rope(qkv[:, q_size : q_size + kv_size].reshape(batch, kv_heads, head_dim), layer.k_norm,
+                           cos[:, None], sin[:, None], eps)
+        v = qkv[:, q_size + kv_size :].reshape(batch, kv_heads, head_dim)
+        attended = np.empty((batch, heads, head_dim), BF16)
+        for t, seq in enumerate(state.sequences):
+            seq.keys[index, seq.length] = k[t]
+            seq.values[index, seq.length] = v[t]
+            attended[t] = chunked_attention(q[t], seq.keys[index, : seq.length + 1],
+                                            seq.values[index, : seq.length + 1], split)
+        y = dot_chain(attended.reshape(batch, 1, q_size), dense_weights(layer.wo)[None])
+        h = round_bf16(as_f32(h) + y)  # the O projection's residual epilogue
+        moe_in = rms_norm_chain(h, layer.post_norm, eps)
+        topk_ids, topk_weights = router_chain(moe_in, layer.router, shape.top_k, shape.norm_topk_prob)
+        routing.append(topk_ids)
+        out = strict_moe_chain(moe_in, dense_weights(layer.w13, "w13"), dense_weights(layer.w2, "w2"), topk_ids,
+                               topk_weights)
+        h = round_bf16(as_f32(h) + as_f32(out))  # the next norm's prologue: bf16(h + moe_out)
+    hidden = rms_norm_chain(h, model.final_norm, eps)
+    logits = dot_chain(hidden[:, None, :], model.lm_head[None])
+    return StepResult(np.argmax(logits, axis=1), logits, hidden, _routing(routing, batch, shape.top_k))
+
+
+def _routing(routing: list[np.ndarray], batch: int, top_k: int) -> np.ndarray:
+    return np.stack(routing) if routing else np.empty((0, batch, top_k), np.int32)
+
+
+def prefill(model: Model, prompts: Sequence[Sequence[int]], mode: str = "fp64", capacity: int | None = None,
+            split: int | None = None) -> tuple[DecodeState, StepResult]:
     """Fill a new state's caches with ``prompts`` (token lists, lengths free) by :func:`decode_step`, token by token.
 
     Sequences advance together while they have tokens left (a step over those that do). Returns the state and each
@@ -493,7 +595,7 @@ def prefill(model: Model, prompts: Sequence[Sequence[int]], mode: str = "fp64",
     last: list[tuple[StepResult, int] | None] = [None] * len(prompts)
     for position in range(longest):
         active = [i for i, p in enumerate(prompts) if p.size > position]
-        result = decode_step(model, np.array([prompts[i][position] for i in active]), state.select(active))
+        result = decode_step(model, np.array([prompts[i][position] for i in active]), state.select(active), split)
         for row, i in enumerate(active):
             if prompts[i].size == position + 1:
                 last[i] = (result, row)
@@ -504,11 +606,12 @@ def prefill(model: Model, prompts: Sequence[Sequence[int]], mode: str = "fp64",
                              np.stack([r.topk_ids[:, row] for r, row in rows], axis=1))
 
 
-def generate(model: Model, state: DecodeState, tokens: Any, steps: int) -> list[StepResult]:
-    """``steps`` greedy steps from ``tokens`` [T]: each step's input is the previous step's ``next_tokens``."""
+def generate(model: Model, state: DecodeState, tokens: Any, steps: int, split: int | None = None) -> list[StepResult]:
+    """``steps`` greedy steps from ``tokens`` [T]: each step's input is the previous step's ``next_tokens``
+    (``split``: :func:`decode_step`'s)."""
     steps = check_int("steps", steps, 1)
     results = []
     for _ in range(steps):
-        results.append(decode_step(model, tokens, state))
+        results.append(decode_step(model, tokens, state, split))
         tokens = results[-1].next_tokens
     return results

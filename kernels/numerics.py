@@ -149,9 +149,10 @@ def warp_sum(lanes: np.ndarray) -> np.ndarray:
     v = np.asarray(lanes, np.float32)
     if v.shape[-1] != LANES:
         raise ValueError(f"the last axis must hold the {LANES} lanes, got shape {v.shape}")
-    lane = np.arange(LANES)
-    for offset in (16, 8, 4, 2, 1):
-        v = v + v[..., lane ^ offset]
+    lead = v.shape[:-1]
+    for offset in (16, 8, 4, 2, 1):  # lane l ^ offset is lane l's partner: the other half of its pair of blocks
+        pairs = v.reshape(lead + (LANES // (2 * offset), 2, offset))
+        v = (pairs + pairs[..., ::-1, :]).reshape(lead + (LANES,))
     return v[..., 0]
 
 

@@ -59,9 +59,13 @@ def strict_gate_up(x: np.ndarray, w13: Any, topk_ids: np.ndarray, params: dict[s
     acc = np.zeros(wc.shape[:2] + (LANES,), np.float32)  # [P, 2I, 32]: gate rows then up rows
     first = np.zeros(2 * inter, bool)
     first[:inter:outs] = True  # gate_acc[0]: each warp's first neuron's gate accumulator
+    chunks = w13.shape[2] // elems
     for r in range(wc.shape[2]):
         acc[:, first] = acc[:, first] + np.float32(0.0)
         for j in range(unroll):
+            if (r * unroll + j) * LANES >= chunks:  # every lane's chunk past H: +0 products, as one + 0.0f
+                acc = acc + np.float32(0.0)
+                break
             for e in range(elems):
                 acc = acc + wc[:, :, r, j, :, e] * xc[:, :, r, j, :, e]
     sums = warp_sum(acc)  # [P, 2I]
