@@ -1,16 +1,23 @@
 """The NumPy decode step (kernels/decode_reference.py): the presets' decoder fields, each op against a plainly written
-form, the whole step against a plain loop, bf16 against the fp64 oracle, batch independence, and the input checks."""
+form, the kernels' FP32 twins (kernels/numerics.py, kernels/decode/moe_order.py) against float64 and hand-checked
+cases and, where a g++ emulation of the kernel exists (the strict MoE, the fused router), bit for bit against it; the
+whole step against a plain loop, bf16 against the fp64 oracle, FP8 weights, batch independence, the input checks."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kernels.arrays import BF16
+from kernels.decode.moe_order import strict_moe_chain
 from kernels.decode_reference import (
+    ATTENTION_SPLIT,
     DecodeState,
     Model,
     decode_step,
+    dense_weights,
     generate,
     gqa_attention,
     linear,
@@ -20,9 +27,23 @@ from kernels.decode_reference import (
     prefill,
     rms_norm,
     rope,
+    rope_tables,
     select_experts,
 )
-from kernels.numerics import bf16_to_f32, rel_l2
+from kernels.formats import Quantized
+from kernels.numerics import (
+    bf16_to_f32,
+    bf16_ulp,
+    chunked_attention,
+    dot_chain,
+    exp_rn,
+    fma_f32,
+    head_norm_rope,
+    rel_l2,
+    rms_norm_chain,
+    round_bf16,
+    router_chain,
+)
 from kernels.problem import make_problem
 from kernels.reference import expert_ffn, moe_decode
 from kernels.routing import route
@@ -159,6 +180,196 @@ def test_linear_gives_a_token_the_same_bits_in_any_batch(rng: np.random.Generato
         np.testing.assert_allclose(batch, x @ _f64(w).T, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
 
 
+# -- the kernels' FP32 twins (the order contract of issue 59) -------------------------------------------------------
+def _bf16(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 1.0) -> np.ndarray:
+    return round_bf16(rng.standard_normal(shape) * scale)
+
+
+def _within_bf16_ulps(got: np.ndarray, want: np.ndarray, ulps: float) -> None:
+    """bf16 ``got`` within ``ulps`` bf16 ulps of float64 ``want`` (one rounding: 0.5; a rounding plus the FP32 sums'
+    few-ulp error that flips it: 1)."""
+    err = np.abs(_f64(got) - want)
+    assert np.all(err <= ulps * bf16_ulp(want)), float(np.max(err / bf16_ulp(want)))
+
+
+def test_exp_rn_against_float64_and_by_hand() -> None:
+    """Within 3 ulp of e^x over [-87, 88] (2.96 at most; the contract's Taylor polynomial truncates at ~1.7 ulp near
+    r = -ln2/2 alone, so "2 ulp" does not hold: 0.5 % of inputs exceed it); exact where the ops are."""
+    x = np.linspace(-87.0, 88.0, 400_001).astype(np.float32)
+    got = exp_rn(x).astype(np.float64)
+    want = np.exp(x.astype(np.float64))
+    ulps = np.abs(got - want) / np.spacing(want.astype(np.float32)).astype(np.float64)
+    assert ulps.max() <= 3.0 and np.mean(ulps <= 1.0) > 0.9, (ulps.max(), np.mean(ulps <= 1.0))
+    special = exp_rn(np.array([0.0, -87.5, -np.inf, 88.0, 100.0, np.inf, np.nan], np.float32))
+    assert special[0] == 1.0 and special[1] == special[2] == 0.0  # r = 0: the polynomial's 1 * 0 + 1 ... + 1
+    assert special[3] == special[4] == special[5] == special[6]  # fminf(x, 88): inf and NaN too (NaN -> 88)
+    assert exp_rn(np.float32(-87.0)) > 0 and exp_rn(np.float32(-87.0)).dtype == np.float32
+    for value in (1.0, -0.3466, 0.3466, 50.5, -86.99):  # the contract's ops one scalar at a time, bit for bit
+        f = np.float32
+        x = f(value)
+        n = np.rint(x * f(1.44269504))
+        r = (x - n * f(0.693145751953125)) - n * f(1.42860677e-06)
+        p = f(1 / 720)
+        for c in (1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0, 1.0):
+            p = p * r + f(c)
+        assert exp_rn(x) == np.ldexp(p, int(n)) and abs(exp_rn(x) / np.exp(np.float64(x)) - 1) < 3 * 2.0**-23
+
+
+def test_dot_chain_against_float64(rng: np.random.Generator) -> None:
+    """K = 2048 x N = 5120 (the qwen3-30b QKV) and odd K: within the FP32 chain's error bound of the float64 dot."""
+    for k, n in ((2048, 5120), (136, 300), (8, 3), (2056, 5)):
+        a, w = _bf16(rng, (2, 1, k)), _bf16(rng, (n, k), k**-0.5)
+        got = dot_chain(a, w)
+        assert got.shape == (2, n) and got.dtype == np.float32
+        exact = np.einsum("tk,nk->tn", _f64(a[:, 0]), _f64(w))
+        scale = np.einsum("tk,nk->tn", np.abs(_f64(a[:, 0])), np.abs(_f64(w)))
+        bound = (-(-k // 256) * 8 + 5) * 2.0**-24 * scale  # each lane's chain plus the butterfly's 5 adds
+        assert np.all(np.abs(got - exact) <= bound)
+
+
+def test_dot_chain_order_by_hand() -> None:
+    """Lane 0 takes elements 0..7 and then, a round later, 256..263: 2^24 first swallows the ones after it (2^24 + 1
+    rounds to 2^24), 2^24 last keeps the 8 ones before it; the other lanes' 8s are exact at 2^24's spacing of 2."""
+    a = np.ones(512, np.float32)
+    b = np.zeros(512, np.float32)
+    b[:256] = 1.0
+    b[0] = 2.0**24
+    assert dot_chain(round_bf16(a), round_bf16(b)) == 2.0**24 + 31 * 8  # lane 0's 7 ones lost
+    b[0], b[256] = 1.0, 2.0**24
+    assert dot_chain(round_bf16(a), round_bf16(b)) == 2.0**24 + 32 * 8  # lane 0: 8 ones, then 2^24 (exact)
+    assert dot_chain(round_bf16(a[:8]), round_bf16(b[:8])) == 8.0
+
+
+def test_fma_f32_is_one_rounding(rng: np.random.Generator) -> None:
+    """a * b + c rounded once. By hand: 5237765 * 205 = 2^30 + 1, and 2^54 + 2^30 + 1 lies just above the float32
+    midpoint 2^54 + 2^30 (float32's spacing there is 2^31): it rounds up; float64 first rounds it onto the midpoint
+    (spacing 4), whose tie goes to the even 2^54. Random operands: the float32 rounding of the exact value."""
+    a, b, c = np.float32(5237765.0), np.float32(205.0), np.float32(2.0**54)
+    assert np.float32(np.float64(a) * np.float64(b) + np.float64(c)) == np.float32(2.0**54)  # double rounding
+    assert fma_f32(a, b, c) == np.float32(2.0**54 + 2.0**31)
+    assert fma_f32(-a, b, -c) == -np.float32(2.0**54 + 2.0**31)
+    x = rng.standard_normal(20000).astype(np.float32)
+    y = bf16_to_f32(_bf16(rng, (20000,)))
+    z = (rng.standard_normal(20000) * 4.0).astype(np.float32)
+    exact = np.longdouble(x) * np.longdouble(y) + np.longdouble(z)  # 64-bit significands: exact where spans allow
+    want = exact.astype(np.float32)
+    assert np.mean(fma_f32(x, y, z) == want) > 0.999
+
+
+def test_rms_norm_chain_against_float64(rng: np.random.Generator) -> None:
+    x, g = _bf16(rng, (5, 136)), _bf16(rng, (136,), 0.05) + np.asarray(1.0, BF16)
+    got = rms_norm_chain(x, g, 1e-6)
+    assert got.dtype == BF16 and got.shape == x.shape
+    _within_bf16_ulps(got, rms_norm(_f64(x), g, 1e-6), 1.0)
+    ones = np.ones((1, 64), BF16)
+    assert np.array_equal(rms_norm_chain(ones, ones[0], 1e-6), ones)  # 1 / sqrt(1 + 1e-6) rounds to bf16 1
+
+
+def test_head_norm_rope_against_float64(rng: np.random.Generator) -> None:
+    """D in {32, 64, 128, 256}: the float64 head norm and RoPE at the same positions, within a bf16 ulp; cos / sin
+    are rope's own float32 table; position 0 is the norm alone."""
+    positions = np.array([0, 5, 4000])
+    for d in (32, 64, 128, 256):
+        x, g = _bf16(rng, (3, 4, d)), _bf16(rng, (d,), 0.05) + np.asarray(1.0, BF16)
+        cos, sin = rope_tables(positions, d, 1e6)
+        got = head_norm_rope(x, g, cos[:, None], sin[:, None], 1e-6)
+        assert got.dtype == BF16 and got.shape == x.shape
+        want = rope(rms_norm(_f64(x), g, 1e-6), positions, 1e6)
+        _within_bf16_ulps(got, want, 1.0)
+        assert np.array_equal(got[0], rms_norm_chain(x[0], g, 1e-6)) or d % 256 == 0  # one 8-chunk per lane
+    angles = 17 * 1e4 ** (-np.arange(16) * 2.0 / 32)
+    cos, sin = rope_tables(np.array([17]), 32, 1e4)
+    assert np.array_equal(cos[0], np.cos(angles).astype(np.float32))
+    assert np.array_equal(sin[0], np.sin(angles).astype(np.float32))
+
+
+@pytest.mark.parametrize("n, split", [(1, 64), (13, 32), (64, 64), (65, 64), (300, 32), (300, 128)])
+def test_chunked_attention_against_float64(rng: np.random.Generator, n: int, split: int) -> None:
+    heads, kv_heads, d = 4, 2, 32
+    q, keys, values = _bf16(rng, (heads, d)), _bf16(rng, (n, kv_heads, d)), _bf16(rng, (n, kv_heads, d))
+    got = chunked_attention(q, keys, values, split)
+    assert got.dtype == BF16 and got.shape == (heads, d)
+    want = gqa_attention(_f64(q), _f64(keys), _f64(values))
+    err = np.abs(_f64(got) - want)
+    assert np.all(err <= bf16_ulp(want) + 1e-6 * np.abs(want).max()), float(np.max(err / bf16_ulp(want)))
+    if n == 1:  # one position: w = exp_rn(0) = 1, l = 1, o = v, a = 1: v itself
+        assert np.array_equal(got, np.repeat(values[0], heads // kv_heads, axis=0))
+
+
+def test_chunked_attention_by_hand() -> None:
+    """33 positions: 32 of score 0 and value 4, one of score ~ln 96 (its key rounded to bf16: 94.9) and value 8 ->
+    (32 * 4 + 94.9 * 8) / 126.9 = 6.991, 7 in bf16; the same in one chunk of 64 or two of 32 (combined)."""
+    d = 32
+    q = np.zeros((1, d), np.float32)
+    q[0, 0] = 1.0
+    keys = np.zeros((33, 1, d), np.float32)
+    keys[32, 0, 0] = np.log(96.0) * np.sqrt(d)
+    values = np.full((33, 1, d), 4.0, np.float32)
+    values[32] = 8.0
+    for split in (32, 64):
+        assert np.all(_f64(chunked_attention(round_bf16(q), round_bf16(keys), round_bf16(values), split)) == 7.0)
+
+
+def test_router_chain_is_route_on_its_logits(rng: np.random.Generator) -> None:
+    """Ids as kernels.route on the same fp32 logits where no near-tie, weights within 1e-6 (their exp and sum
+    orders differ); ties go to the lower id; renormalized weights sum to 1."""
+    xn, w = _bf16(rng, (64, 136)), _bf16(rng, (40, 136), 136**-0.5)
+    ids, weights = router_chain(xn, w, 4)
+    logits = dot_chain(xn[:, None], w[None])
+    want_ids, want_weights = route(logits, 4)
+    ordered = -np.sort(-logits, axis=1)
+    clear = (-np.diff(ordered[:, :5], axis=1) > 1e-4).all(axis=1)
+    assert clear.sum() > 40 and np.array_equal(ids[clear], want_ids[clear])
+    np.testing.assert_allclose(weights[clear], want_weights[clear], rtol=1e-6)
+    np.testing.assert_allclose(weights.sum(axis=1), 1.0, rtol=1e-6)
+    tied = np.zeros((6, 8), np.float32)
+    tied[[1, 3, 4]] = 1.0  # experts 1, 3, 4 share the top logit exactly
+    ids, weights = router_chain(round_bf16(np.ones((1, 8))), round_bf16(tied), 2, renormalize=False)
+    assert ids.tolist() == [[1, 3]] and weights[0, 0] == weights[0, 1]
+
+
+def test_router_chain_is_the_router_kernel_emulated(rng: np.random.Generator, tmp_path: Any) -> None:
+    """The fused router's CUDA C under g++: the same ids and weights, bit for bit, once its expf (glibc's, here) is
+    the twin's exp: the lane chain, the lane-strided sum, the argmax rounds and the renormalization in its order."""
+    from tests.test_decode_router import _emulate as emulate_router
+
+    def expf(v: np.ndarray) -> np.ndarray:
+        return np.exp(np.asarray(v, np.float64)).astype(np.float32)
+
+    xn, w = _bf16(rng, (3, 72)), _bf16(rng, (37, 72), 72**-0.5)
+    ids, weights = emulate_router(xn, w, 5, True, tmp_path, WARPS=2, UNROLL=1)
+    got_ids, got_weights = router_chain(xn, w, 5, exp=expf)
+    assert np.array_equal(ids, got_ids) and np.array_equal(weights.view(np.uint32), got_weights.view(np.uint32))
+
+
+# (shape, tokens, routing, knobs): the step's defaults at tiny, odd shapes, knobs that move the order
+STRICT_EMULATED = [
+    ("tiny", 3, "uniform", {}),
+    (MoEShape("h264-i40", 264, 40, 3, 2), 2, [2, 2],
+     {"GU_BYTES": 16, "GU_UNROLL": 1, "GU_OUTS": 2, "DN_BYTES": 8, "DN_OUTS": 4}),
+    ("tiny", 1, "zipf", {"GU_OUTS": 2, "DN_OUTS": 3, "DN_SLOTS": 1, "DN_UNROLL": 2}),
+    (MoEShape("h64-k40", 64, 24, 44, 40), 1, "uniform", {"GU_BYTES": 4, "GU_OUTS": 4, "DN_BYTES": 4, "DN_SLOTS": 6}),
+    (MoEShape("h2056-i776", 2056, 776, 4, 3), 1, "uniform", {}),
+]
+
+
+@pytest.mark.parametrize(("shape", "tokens", "routing", "knobs"), [
+    pytest.param(*case, id=f"{getattr(case[0], 'name', case[0])}-T{case[1]}",
+                 marks=() if i < 2 else pytest.mark.slow) for i, case in enumerate(STRICT_EMULATED)])
+def test_strict_moe_chain_is_the_strict_kernels_emulated(shape: Any, tokens: int, routing: Any,
+                                                         knobs: dict[str, int]) -> None:
+    """kernels/warp_decode_cupy.py's CUDA C under g++: the same bf16 output and the same fp32 sums, bit for bit."""
+    from tests.test_warp_decode_cupy import _emulate as emulate_strict
+
+    p = make_problem(shape, tokens, seed=3, routing=routing)
+    got = strict_moe_chain(*p.arrays, params=knobs)
+    assert np.array_equal(got.view(np.uint16), emulate_strict(p, **knobs).view(np.uint16))
+    sums = strict_moe_chain(*p.arrays, params=knobs, out_dtype=np.float32)
+    assert np.array_equal(sums.view(np.uint32), emulate_strict(p, out_dtype=np.float32, **knobs).view(np.uint32))
+    np.testing.assert_allclose(_f64(got), moe_decode(*p.arrays, mode="fp64"), rtol=0.02, atol=0.02 * np.abs(
+        _f64(got)).max())
+
+
 # -- the model ------------------------------------------------------------------------------------------------------
 def test_make_model_shapes_scales_and_prefix() -> None:
     s = PRESETS["tiny"]
@@ -251,9 +462,10 @@ def test_bf16_greedy_tokens_match_the_oracle_at_tiny() -> None:
     """Four sequences (prompts of 3, 7, 1 and 12 tokens), prefill + 16 greedy steps in each mode on its own cache.
 
     Seed 14 is chosen: its 4 sequences keep all 17 tokens equal. Measured over seeds 0..29 (same prompts rule), 74
-    of 120 sequences do; fed the oracle's tokens (seeds 0..19, 16 steps), 1226 of 1280 steps give the same token,
-    the hidden state's per-row rel-L2 has median 8.9e-3 (90th percentile 3.8e-2 where an earlier routing flip left
-    its mark in the cache) and 92 of 1280 rows route differently in some layer (rel-L2 0.2-0.6 there). A random
+    of 120 sequences do, with the bf16 mode in the kernels' order (lane chains, chunked attention, the strict MoE)
+    as in the earlier BLAS-order form; fed the oracle's tokens (seeds 0..19, 16 steps, the earlier form), 1226 of
+    1280 steps gave the same token, the hidden state's per-row rel-L2 median 8.9e-3 (90th percentile 3.8e-2 where
+    an earlier routing flip left its mark in the cache), 92 of 1280 rows routed differently in some layer. A random
     model's top two logits lie close: ~1 % of logit error flips some argmaxes.
     """
     model = make_model("tiny", seed=14)
@@ -294,6 +506,47 @@ def test_a_real_width_layer() -> None:
     b = decode_step(model, [1, 2], cache)
     a = decode_step(model, [1, 2], new_state(model, [3, 40], mode="fp64", seed=1))
     assert rel_l2(b.hidden, a.hidden) < 1.5e-2 and rel_l2(b.logits, a.logits) < 1.5e-2  # measured 6e-3
+
+
+def test_fp8_block128_model() -> None:
+    """wqkv, wo and the experts in block-128 FP8 (the rest bf16, as the checkpoints ship); both modes read the
+    dequantized values: bf16 against fp64 as far apart as with bf16 weights; the weights near the bf16 ones."""
+    model = make_model("tiny", seed=3, layers=2, weight_format="fp8-block128")
+    plain = make_model("tiny", seed=3, layers=2)
+    layer = model.layers[0]
+    assert model.weight_format == "fp8-block128" and plain.weight_format == "bf16"
+    assert all(isinstance(w, Quantized) for w in (layer.wqkv, layer.wo, layer.w13, layer.w2))
+    assert layer.router.dtype == model.lm_head.dtype == layer.input_norm.dtype == BF16
+    assert np.array_equal(layer.router, plain.layers[0].router)
+    wqkv = dense_weights(layer.wqkv)
+    assert wqkv.dtype == np.float32 and wqkv.shape == plain.layers[0].wqkv.shape
+    assert rel_l2(wqkv, _f64(plain.layers[0].wqkv)) < 0.05  # e4m3: 3 mantissa bits
+    assert dense_weights(layer.w13, "w13").shape == plain.layers[0].w13.shape
+    tokens = np.array([3, 4, 5])
+    b = decode_step(model, tokens, new_state(model, [0, 7, 40], mode="bf16", seed=1))
+    a = decode_step(model, tokens, new_state(model, [0, 7, 40], mode="fp64", seed=1))
+    assert rel_l2(b.hidden, a.hidden) < 2e-2 and rel_l2(b.logits, a.logits) < 2e-2
+    ref = decode_step(plain, tokens, new_state(plain, [0, 7, 40], mode="fp64", seed=1))
+    assert rel_l2(a.hidden, ref.hidden) > 1e-2  # FP8 moves the model itself (and its routing: 0.68 at this seed)
+    with pytest.raises(ValueError, match="weight_format must be one of"):
+        make_model("tiny", weight_format="fp8")
+
+
+def test_attention_split_is_a_step_argument() -> None:
+    """Contexts within one chunk give the same bits at any split; a 300-position one, split three ways, stays as
+    close to the oracle; the default is ATTENTION_SPLIT."""
+    model = make_model("tiny", seed=0, layers=2)
+    short = new_state(model, [0, 7, 20], mode="bf16", seed=1)
+    tokens = np.array([3, 4, 5])
+    r32, r64 = decode_step(model, tokens, short.copy(), split=32), decode_step(model, tokens, short.copy())
+    assert ATTENTION_SPLIT == 64 and np.array_equal(r32.logits, r64.logits)
+    long = new_state(model, [300], mode="bf16", seed=1)
+    parts = [decode_step(model, [3], long.copy(), split=split) for split in (32, 64, 256)]
+    oracle = decode_step(model, [3], long.to_mode("fp64"))
+    assert all(rel_l2(p.hidden, oracle.hidden) < 2e-2 for p in parts)  # bf16 outputs: the splits rarely differ
+    for bad in (0, 48):
+        with pytest.raises(ValueError, match="split must be"):
+            decode_step(model, tokens, short.copy(), split=bad)
 
 
 # -- batch independence ---------------------------------------------------------------------------------------------

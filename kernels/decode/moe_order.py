@@ -48,27 +48,31 @@ def strict_params(dims: Dims, params: dict[str, int] | None = None) -> dict[str,
 
 
 def strict_gate_up(x: np.ndarray, w13: Any, topk_ids: np.ndarray, params: dict[str, int]) -> np.ndarray:
-    """The intermediate [T, K, I] bf16 of ``moe_gate_up_3d_batched`` (resolved ``params``)."""
+    """The intermediate [T, K, I] bf16 of ``moe_gate_up_3d_batched`` (resolved ``params``): each expert's rows once,
+    for the pairs routed to it (every pair's sums are its own)."""
     tokens, top_k = topk_ids.shape
     inter = w13.shape[1] // 2
     elems, unroll, outs = params["GU_BYTES"] // 2, params["GU_UNROLL"], params["GU_OUTS"]
-    rows = as_f32(w13[topk_ids.reshape(-1)])  # [P, 2I, H] each pair's expert rows
-    xs = as_f32(x)[np.repeat(np.arange(tokens), top_k)]  # [P, H]
-    wc = lane_chunks(rows, elems, unroll)  # [P, 2I, R, U, 32, e]
-    xc = lane_chunks(xs, elems, unroll)[:, None]  # [P, 1, R, U, 32, e]
-    acc = np.zeros(wc.shape[:2] + (LANES,), np.float32)  # [P, 2I, 32]: gate rows then up rows
+    chunks = w13.shape[2] // elems
+    xc = lane_chunks(as_f32(x), elems, unroll)  # [T, R, U, 32, e]
     first = np.zeros(2 * inter, bool)
     first[:inter:outs] = True  # gate_acc[0]: each warp's first neuron's gate accumulator
-    chunks = w13.shape[2] // elems
-    for r in range(wc.shape[2]):
-        acc[:, first] = acc[:, first] + np.float32(0.0)
-        for j in range(unroll):
-            if (r * unroll + j) * LANES >= chunks:  # every lane's chunk past H: +0 products, as one + 0.0f
-                acc = acc + np.float32(0.0)
-                break
-            for e in range(elems):
-                acc = acc + wc[:, :, r, j, :, e] * xc[:, :, r, j, :, e]
-    sums = warp_sum(acc)  # [P, 2I]
+    sums = np.empty((tokens * top_k, 2 * inter), np.float32)
+    flat = topk_ids.reshape(-1)
+    for expert in np.unique(flat):
+        pairs = np.flatnonzero(flat == expert)
+        wc = lane_chunks(as_f32(w13[expert]), elems, unroll)[None]  # [1, 2I, R, U, 32, e]: gate rows, up rows
+        xs = xc[pairs // top_k][:, None]  # [n, 1, R, U, 32, e]
+        acc = np.zeros((len(pairs), 2 * inter, LANES), np.float32)
+        for r in range(wc.shape[2]):
+            acc[:, first] = acc[:, first] + np.float32(0.0)
+            for j in range(unroll):
+                if (r * unroll + j) * LANES >= chunks:  # every lane's chunk past H: +0 products, as one + 0.0f
+                    acc = acc + np.float32(0.0)
+                    break
+                for e in range(elems):
+                    acc = acc + wc[:, :, r, j, :, e] * xs[:, :, r, j, :, e]
+        sums[pairs] = warp_sum(acc)
     gate, up = sums[:, :inter], sums[:, inter:]
     return round_bf16(silu_f32(gate) * up).reshape(tokens, top_k, inter)
 
