@@ -16,7 +16,8 @@ step's bf16 mode gives the step's MoE bit for bit:
 
 Not reproduced: CUDA's ``expf`` in SiLU (at most 2 ulp from e^x, its own rounding). Here e^-g is float64's exp
 rounded to float32 (glibc's ``expf`` in the g++ emulation agrees but for rare near-ties); where CUDA's differs by an
-ulp the quotient may move an ulp, and the bf16 intermediate flips in ~1 of 2^15 such cases. ``fmaf`` of the down
+ulp the quotient may move an ulp, and the bf16 intermediate flips where it lies that close to a bf16 tie
+(~2^-15 of values, an estimate). ``fmaf`` of the down
 kernel (bf16 x float32: not exact in float32) is emulated exactly (:func:`kernels.numerics.fma_f32`: the float64 sum
 corrected where it is a float32 tie). Bitwise for bf16 weights; float32 weights (a dequantized format's) take the
 same order without a promise.
