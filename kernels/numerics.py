@@ -117,3 +117,107 @@ def min_cosine(result: np.ndarray, oracle: np.ndarray) -> float:
     dots = np.einsum("th,th->t", result, oracle)
     norms = np.linalg.norm(result, axis=1) * np.linalg.norm(oracle, axis=1)
     return float(np.min(dots / np.where(norms > 0, norms, 1.0)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The decode step's order contract (issue #59) in NumPy float32: what the decode kernels compute, bit for bit.
+# ---------------------------------------------------------------------------------------------------
+_EXP_COEFFS = tuple(np.float32(c) for c in (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0))
+
+
+def exp_rn(x: np.ndarray) -> np.ndarray:
+    """exp in float32 from correctly rounded multiplies and adds only, bitwise the kernels' ``exp_rn``
+    (kernels/decode/device.py): 0 below -87, x clamped to 88 (``fmin``: NaN becomes 88, as ``fminf``), n =
+    rint(x log2 e), r = x - n ln2 (two parts), a degree-6 Horner polynomial in r, times 2^n."""
+    f32 = np.float32
+    x = np.asarray(x, f32)
+    with np.errstate(invalid="ignore"):  # -inf: NaN on the way, 0 in the end
+        y = np.fmin(x, f32(88.0))
+        n = np.rint(y * f32(1.44269504))
+        r = y - n * f32(0.693145751953125)
+        r = r - n * f32(1.42860677e-06)
+        p = np.full_like(r, _EXP_COEFFS[0])
+        for c in _EXP_COEFFS[1:]:
+            p = p * r + c
+        out = np.ldexp(p, np.where(np.isfinite(n), n, 0).astype(np.int32)).astype(f32)
+    return np.where(x < f32(-87.0), f32(0.0), out).astype(f32)
+
+
+def lane_butterfly(acc: np.ndarray) -> np.ndarray:
+    """The warp butterfly (``warp_sum``: ``v += shfl_xor(v, off)`` for off 16 .. 1) over the last axis (32 lanes'
+    float32 partials): every lane ends with the same value, this one."""
+    acc = np.asarray(acc, np.float32)
+    for off in (16, 8, 4, 2, 1):
+        acc = acc[..., :off] + acc[..., off : 2 * off]
+    return acc[..., 0]
+
+
+def head_dot(products: np.ndarray) -> np.ndarray:
+    """The head lane chain over the last axis (D, a multiple of 32) of exact float32 products (bf16 x bf16):
+    element i in lane i % 32, register i // 32, each lane's chain in register order, then the butterfly."""
+    products = np.asarray(products, np.float32)
+    regs = products.reshape(products.shape[:-1] + (-1, 32))
+    acc = np.zeros(regs.shape[:-2] + (32,), np.float32)
+    for r in range(regs.shape[-2]):
+        acc = acc + regs[..., r, :]
+    return lane_butterfly(acc)
+
+
+def head_norm_rope(x: np.ndarray, weight: np.ndarray, cos: np.ndarray, sin: np.ndarray, eps: float) -> np.ndarray:
+    """Per-head RMSNorm then RoPE of bf16 rows x [rows, D] (weight [D] bf16; cos, sin [rows, D/2] float32, each row
+    its token's position): the contract's item 4, bitwise ``qk_norm_rope_append``. Returns bf16 [rows, D]."""
+    f32 = np.float32
+    xf, g = bf16_to_f32(x), bf16_to_f32(weight)
+    dim = xf.shape[-1]
+    half = dim // 2
+    ss = head_dot(xf * xf)
+    rs = f32(1.0) / np.sqrt(ss / f32(dim) + f32(eps))
+    xn = (xf * rs[..., None]) * g
+    first, second = xn[..., :half], xn[..., half:]
+    return round_bf16(np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1))
+
+
+def chunked_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, split: int) -> np.ndarray:
+    """One sequence's decode attention in the contract's order (item 6), bitwise ``decode_attention`` with SPLIT =
+    ``split``: q [heads, D] bf16 over keys, values [n, kv_heads, D] bf16 (query head j reads KV head j // (heads /
+    kv_heads)) -> [heads, D] bf16. Chunks of ``split`` positions give (m_c, l_c, o_c) each (scores by the head lane
+    chain times (float)(1 / sqrt(D)); weights exp_rn(score - m_c); l_c by the lane chain over positions; o_c in
+    position order), combined in chunk order with a_c = exp_rn(m_c - M); out = bf16(O / L)."""
+    f32 = np.float32
+    heads, dim = q.shape
+    n, kv_heads = keys.shape[:2]
+    if keys.shape != values.shape or keys.shape[2] != dim or n < 1 or heads % kv_heads:
+        raise ValueError(f"keys, values must be [n >= 1, kv_heads | heads, D = {dim}], got {keys.shape}, "
+                         f"{values.shape}")
+    if split < 32 or split % 32:
+        raise ValueError(f"split must be a positive multiple of 32, got {split}")
+    group = heads // kv_heads
+    qf = bf16_to_f32(q).reshape(kv_heads, group, dim)
+    kf, vf = bf16_to_f32(keys), bf16_to_f32(values)
+    scale = f32(1.0 / np.sqrt(np.float64(dim)))
+    ms, ls, os_ = [], [], []
+    for start in range(0, n, split):
+        k_chunk, v_chunk = kf[start : start + split], vf[start : start + split]
+        count = len(k_chunk)
+        scores = head_dot(qf[None] * k_chunk[:, :, None, :]) * scale  # [P, kv, G]
+        m = scores.max(axis=0)
+        w = exp_rn(scores - m)
+        padded = np.zeros((-(-count // 32) * 32,) + w.shape[1:], f32)
+        padded[:count] = w
+        lanes = np.zeros(w.shape[1:] + (32,), f32)
+        for row in padded.reshape(-1, 32, *w.shape[1:]):  # lane j: positions j, j + 32, ... in order
+            lanes = lanes + np.moveaxis(row, 0, -1)
+        o = np.zeros((kv_heads, group, dim), f32)
+        for p in range(count):
+            o = o + w[p][..., None] * v_chunk[p][:, None, :]
+        ms.append(m)
+        ls.append(lane_butterfly(lanes))
+        os_.append(o)
+    big_m = np.max(ms, axis=0)
+    total_l = np.zeros_like(big_m)
+    total_o = np.zeros((kv_heads, group, dim), f32)
+    for m, l_c, o in zip(ms, ls, os_, strict=True):
+        a = exp_rn(m - big_m)
+        total_l = total_l + a * l_c
+        total_o = total_o + a[..., None] * o
+    return round_bf16(total_o / total_l[..., None]).reshape(heads, dim)
