@@ -177,12 +177,10 @@ def head_norm_rope(x: np.ndarray, weight: np.ndarray, cos: np.ndarray, sin: np.n
     return round_bf16(np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1))
 
 
-def chunked_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, split: int) -> np.ndarray:
-    """One sequence's decode attention in the contract's order (item 6), bitwise ``decode_attention`` with SPLIT =
-    ``split``: q [heads, D] bf16 over keys, values [n, kv_heads, D] bf16 (query head j reads KV head j // (heads /
-    kv_heads)) -> [heads, D] bf16. Chunks of ``split`` positions give (m_c, l_c, o_c) each (scores by the head lane
-    chain times (float)(1 / sqrt(D)); weights exp_rn(score - m_c); l_c by the lane chain over positions; o_c in
-    position order), combined in chunk order with a_c = exp_rn(m_c - M); out = bf16(O / L)."""
+def attention_partials(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                       split: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each chunk's (m_c, l_c, o_c) of :func:`chunked_attention` (contract item 6), float32: m and l [chunks, heads],
+    o [chunks, heads, D] -- what ``decode_attention`` writes to its workspace."""
     f32 = np.float32
     heads, dim = q.shape
     n, kv_heads = keys.shape[:2]
@@ -210,14 +208,25 @@ def chunked_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, split
         o = np.zeros((kv_heads, group, dim), f32)
         for p in range(count):
             o = o + w[p][..., None] * v_chunk[p][:, None, :]
-        ms.append(m)
-        ls.append(lane_butterfly(lanes))
-        os_.append(o)
-    big_m = np.max(ms, axis=0)
+        ms.append(m.reshape(heads))
+        ls.append(lane_butterfly(lanes).reshape(heads))
+        os_.append(o.reshape(heads, dim))
+    return np.stack(ms), np.stack(ls), np.stack(os_)
+
+
+def chunked_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, split: int) -> np.ndarray:
+    """One sequence's decode attention in the contract's order (item 6), bitwise ``decode_attention`` with SPLIT =
+    ``split``: q [heads, D] bf16 over keys, values [n, kv_heads, D] bf16 (query head j reads KV head j // (heads /
+    kv_heads)) -> [heads, D] bf16. Chunks of ``split`` positions give (m_c, l_c, o_c) each
+    (:func:`attention_partials`: scores by the head lane chain times (float)(1 / sqrt(D)); weights exp_rn(score -
+    m_c); l_c by the lane chain over positions; o_c in position order), combined in chunk order with a_c =
+    exp_rn(m_c - M); out = bf16(O / L)."""
+    ms, ls, os_ = attention_partials(q, keys, values, split)
+    big_m = ms.max(axis=0)
     total_l = np.zeros_like(big_m)
-    total_o = np.zeros((kv_heads, group, dim), f32)
+    total_o = np.zeros_like(os_[0])
     for m, l_c, o in zip(ms, ls, os_, strict=True):
         a = exp_rn(m - big_m)
         total_l = total_l + a * l_c
         total_o = total_o + a[..., None] * o
-    return round_bf16(total_o / total_l[..., None]).reshape(heads, dim)
+    return round_bf16(total_o / total_l[..., None])

@@ -29,7 +29,7 @@ from kernels.decode.attention import (
 from kernels.decode.device import EXP_RN
 from kernels.decode_reference import gqa_attention, rope
 from kernels.device_helpers import WARP_HELPERS
-from kernels.numerics import bf16_to_f32, chunked_attention, exp_rn, head_norm_rope
+from kernels.numerics import attention_partials, bf16_to_f32, chunked_attention, exp_rn, head_norm_rope
 from tests.warp_checks import EMULATION_LOAD, EMULATION_PRELUDE, FakeCupyArray, build_emulator, run_emulator
 
 EPS = 1e-6
@@ -310,6 +310,8 @@ int main(int argc, char** argv) {
     }
     if (out != first) { fprintf(stderr, "the second launch differs from the first\n"); return 4; }
     FILE* f = fopen((dir + "/out.bin").c_str(), "wb"); fwrite(out.data(), 2, out.size(), f); fclose(f);
+    f = fopen((dir + "/po.bin").c_str(), "wb"); fwrite(po.data(), 4, po.size(), f); fclose(f);
+    f = fopen((dir + "/pml.bin").c_str(), "wb"); fwrite(pml.data(), 4, pml.size(), f); fclose(f);
     return 0;
 }
 """
@@ -352,6 +354,26 @@ def test_emulated_attention_matches_numpy(rng: np.random.Generator, tmp_path: An
     want = _attention_expect(q[:-1], k_cache[:-1], v_cache[:-1], lengths[:-1], split)
     assert np.array_equal(got[:-1].view(np.uint16), want.view(np.uint16))
     assert np.isnan(bf16_to_f32(got[-1])).all()
+    _check_partials(q, k_cache, v_cache, lengths[:-1], split, capacity, tmp_path)
+
+
+def _check_partials(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.ndarray, split: int,
+                    max_length: int, tmp_path: Any) -> None:
+    """The workspace, FP32 bitwise (the bf16 output alone hides most order changes): each chunk's o_c and l_c, and
+    a_c = exp_rn(m_c - M) where m_c was (the combine writes it over m_c)."""
+    _, heads, dim = q.shape
+    chunks = -(-max_length // split)
+    partial_o = np.fromfile(tmp_path / "po.bin", np.float32).reshape(-1, heads, chunks, dim)
+    partial_ml = np.fromfile(tmp_path / "pml.bin", np.float32).reshape(-1, heads, chunks, 2)
+    for t, old in enumerate(lengths):
+        n = int(old) + 1
+        m, l_c, o = attention_partials(q[t], k_cache[t, :, :n].transpose(1, 0, 2), v_cache[t, :, :n].transpose(1, 0, 2),
+                                       split)
+        used = len(m)
+        assert np.array_equal(partial_o[t, :, :used].view(np.uint32), o.transpose(1, 0, 2).view(np.uint32))
+        assert np.array_equal(partial_ml[t, :, :used, 1].view(np.uint32), l_c.T.view(np.uint32))
+        a = exp_rn(m - m.max(axis=0))
+        assert np.array_equal(partial_ml[t, :, :used, 0].view(np.uint32), a.T.view(np.uint32))
 
 
 @pytest.mark.slow
@@ -367,6 +389,7 @@ def test_emulated_attention_qwen3_group_many_chunks(rng: np.random.Generator, tm
     want = _attention_expect(q[:2], k_cache[:2], v_cache[:2], lengths[:2], 64)
     assert np.array_equal(got[:2].view(np.uint16), want.view(np.uint16))
     assert np.isnan(bf16_to_f32(got[2])).all()
+    _check_partials(q[:2], k_cache[:2], v_cache[:2], lengths[:2], 64, 1024, tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------------
