@@ -275,6 +275,43 @@ def head_norm_rope(x: np.ndarray, g: np.ndarray, cos: np.ndarray, sin: np.ndarra
     return round_bf16(np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1))
 
 
+def attention_partials(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                       split: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each chunk's (m_c, l_c, o_c) of :func:`chunked_attention` (contract item 6), float32: m and l [chunks, heads],
+    o [chunks, heads, D] -- what ``decode_attention`` writes to its workspace."""
+    f32 = np.float32
+    heads, dim = q.shape
+    n, kv_heads = keys.shape[:2]
+    if keys.shape != values.shape or keys.shape[2] != dim or n < 1 or heads % kv_heads:
+        raise ValueError(f"keys, values must be [n >= 1, kv_heads | heads, D = {dim}], got {keys.shape}, "
+                         f"{values.shape}")
+    if split < 32 or split % 32:
+        raise ValueError(f"split must be a positive multiple of 32, got {split}")
+    group = heads // kv_heads
+    qf = bf16_to_f32(q).reshape(kv_heads, group, dim)
+    kf, vf = bf16_to_f32(keys), bf16_to_f32(values)
+    scale = f32(1.0 / np.sqrt(np.float64(dim)))
+    ms, ls, os_ = [], [], []
+    for start in range(0, n, split):
+        k_chunk, v_chunk = kf[start : start + split], vf[start : start + split]
+        count = len(k_chunk)
+        scores = head_lane_chain(qf[None], k_chunk[:, :, None, :]) * scale  # [P, kv, G]
+        m = scores.max(axis=0)
+        w = exp_rn(scores - m)
+        padded = np.zeros((-(-count // 32) * 32,) + w.shape[1:], f32)
+        padded[:count] = w
+        lanes = np.zeros(w.shape[1:] + (32,), f32)
+        for row in padded.reshape(-1, 32, *w.shape[1:]):  # lane j: positions j, j + 32, ... in order
+            lanes = lanes + np.moveaxis(row, 0, -1)
+        o = np.zeros((kv_heads, group, dim), f32)
+        for p in range(count):
+            o = o + w[p][..., None] * v_chunk[p][:, None, :]
+        ms.append(m.reshape(heads))
+        ls.append(warp_sum(lanes).reshape(heads))
+        os_.append(o.reshape(heads, dim))
+    return np.stack(ms), np.stack(ls), np.stack(os_)
+
+
 def chunked_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, split: int) -> np.ndarray:
     """One sequence's decode attention in the kernels' order (item 6): q [heads, D] bf16 over keys, values
     [n, kv_heads, D] bf16 -> [heads, D] bf16.

@@ -2,6 +2,19 @@
 
 from __future__ import annotations
 
+from kernels.decode.attention import (
+    ATTENTION,
+    ROPE,
+    AttentionWorkspace,
+    attention_stage,
+    decode_attention,
+    make_attention_workspace,
+    qk_norm_rope_append,
+    qk_rope_stage,
+    rope_tables,
+)
 from kernels.decode.router import ROUTER, RouterWorkspace, fused_router, make_router_workspace
 
-__all__ = ["ROUTER", "RouterWorkspace", "fused_router", "make_router_workspace"]
+__all__ = ["ATTENTION", "ROPE", "ROUTER", "AttentionWorkspace", "RouterWorkspace", "attention_stage",
+           "decode_attention", "fused_router", "make_attention_workspace", "make_router_workspace",
+           "qk_norm_rope_append", "qk_rope_stage", "rope_tables"]
