@@ -117,3 +117,69 @@ def min_cosine(result: np.ndarray, oracle: np.ndarray) -> float:
     dots = np.einsum("th,th->t", result, oracle)
     norms = np.linalg.norm(result, axis=1) * np.linalg.norm(oracle, axis=1)
     return float(np.min(dots / np.where(norms > 0, norms, 1.0)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Twins of the decode-step kernels' FP32 order (/work/spec: the order contract), bit for bit in NumPy float32
+# ---------------------------------------------------------------------------------------------------
+EXP_LOG2E = np.float32(1.44269504)
+EXP_LN2_HI = np.float32(0.693145751953125)
+EXP_LN2_LO = np.float32(1.42860677e-06)
+EXP_COEFFS = tuple(np.float32(1.0) / np.float32(d) for d in (720, 120, 24, 6, 2, 1, 1))  # Horner, highest first
+
+
+def exp_rn(x: np.ndarray) -> np.ndarray:
+    """exp in float32 from correctly rounded multiplies and adds only (no FMA), what the kernels' ``exp_rn`` does
+    op for op: 0 below -87, the argument clamped at 88 (``fminf``: NaN becomes 88), n = rint(x log2 e), a two-part
+    ln 2 reduction, a degree-6 Horner polynomial, ldexp by n."""
+    x = np.asarray(x, np.float32)
+    under = x < np.float32(-87.0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        x = np.fmin(x, np.float32(88.0))
+        n = np.rint(x * EXP_LOG2E)
+        r = x - n * EXP_LN2_HI
+        r = r - n * EXP_LN2_LO
+        p = np.full_like(r, EXP_COEFFS[0])
+        for c in EXP_COEFFS[1:]:
+            p = p * r + c
+        out = np.ldexp(p, n.astype(np.int32)).astype(np.float32)
+    return np.where(under, np.float32(0.0), out).astype(np.float32)
+
+
+def dot_chain(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The kernels' lane chain of two bf16 vectors over the last axis (K % 8 == 0), broadcast over the others:
+    lane l (0..31) sums its 8-element chunks l, l + 32, ... in order from 0.0f (bf16 products are exact in float32,
+    so ``acc + a * b`` is the kernel's ``fmaf``), then the butterfly ``acc += shfl_xor(acc, off)`` for off = 16 ..
+    1. Returns float32 of the broadcast shape without the last axis."""
+    a32, b32 = bf16_to_f32(np.asarray(a, BF16)), bf16_to_f32(np.asarray(b, BF16))
+    a32, b32 = np.broadcast_arrays(a32, b32)
+    k = a32.shape[-1]
+    if k % 8:
+        raise ValueError(f"dot_chain needs a length that is a multiple of 8, got {k}")
+    chunks = k // 8
+    rounds = -(-chunks // 32)
+    pad = rounds * 32 * 8 - k
+    shape = a32.shape[:-1]
+    if pad:
+        zeros = np.zeros(shape + (pad,), np.float32)
+        a32, b32 = np.concatenate([a32, zeros], axis=-1), np.concatenate([b32, zeros], axis=-1)
+    products = (a32 * b32).reshape(shape + (rounds, 32, 8))  # [..., round, lane, element]
+    acc = np.zeros(shape + (32,), np.float32)
+    for r in range(rounds):
+        for i in range(8):
+            acc = acc + products[..., r, :, i]
+    lanes = np.arange(32)
+    for off in (16, 8, 4, 2, 1):
+        acc = acc + acc[..., lanes ^ off]
+    return acc[..., 0].astype(np.float32)
+
+
+def rms_norm_chain(x: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm of bf16 rows x [..., K] with the bf16 weight g [K] in the kernels' order: ss = dot_chain(x, x),
+    rs = 1 / sqrt(ss / K + eps) in float32 (IEEE division and square root), xn = bf16((x * rs) * g). bf16 out."""
+    x = np.asarray(x, BF16)
+    k = x.shape[-1]
+    ss = dot_chain(x, x)
+    rs = np.float32(1.0) / np.sqrt(ss / np.float32(k) + np.float32(eps))
+    xn = (bf16_to_f32(x) * rs[..., None].astype(np.float32)) * bf16_to_f32(np.asarray(g, BF16))
+    return xn.astype(np.float32).astype(BF16)
