@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from kernels.decode.gemv import GEMV, GemvWorkspace, dense_gemv, gemv_launch, make_gemv_workspace
 from kernels.decode.router import ROUTER, RouterWorkspace, fused_router, make_router_workspace
 
-__all__ = ["ROUTER", "RouterWorkspace", "fused_router", "make_router_workspace"]
+__all__ = ["GEMV", "ROUTER", "GemvWorkspace", "RouterWorkspace", "dense_gemv", "fused_router", "gemv_launch",
+           "make_gemv_workspace", "make_router_workspace"]

@@ -56,9 +56,11 @@ KNOBS: dict[str, int] = {
     "TOKENS": 0,  # tokens per pass (0 = auto: min(T, 8)); T beyond it loops over token groups
     "PDL": 0,  # programmatic dependent launch
     "ARGMAX_BLOCKS": 528,  # the argmax mode's grid cap (4 blocks per H200 SM): candidates per token
+    "MAX_REGS": 0,  # __maxnreg__ cap (0: __launch_bounds__ only; fp8 + a prologue at TOKENS > 4 then gets 168)
 }
 LIMITS = {"WARPS": (1, 32), "ROWS": (1, 8), "UNROLL": (1, 16), "TOKENS": (0, 16), "PDL": (0, 1),
-          "ARGMAX_BLOCKS": (1, MAX_ARGMAX_BLOCKS)}
+          "ARGMAX_BLOCKS": (1, MAX_ARGMAX_BLOCKS), "MAX_REGS": (0, 255)}
+FP8_STAGED_REGS = 168  # ptxas left alone spilled 24 bytes at 96 registers (fp8, add + norm, TOKENS 8); 168 none
 # the modes: compile-time macros the entry point sets from its arguments (not knobs)
 MODES: dict[str, int] = {"FP8": 0, "NORM": 0, "ADD": 0, "EPILOGUE": 0}
 EPILOGUES = {"store": 0, "residual": 1, "argmax": 2, "argmax+logits": 3}
@@ -77,6 +79,8 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
     if values["TOKENS"] == 0:
         values["TOKENS"] = min(dims.tokens, AUTO_TOKENS) if dims is not None else AUTO_TOKENS
     registers = min(255, 65536 // (32 * values["WARPS"]))
+    if values["MAX_REGS"]:
+        registers = min(registers, values["MAX_REGS"])
     need = registers_needed(values)
     if need > registers:
         raise ValueError(f"ROWS {values['ROWS']} x UNROLL {values['UNROLL']} with TOKENS {values['TOKENS']} needs "
@@ -103,6 +107,16 @@ def rows_per_block(params: Mapping[str, int]) -> int:
     return params["WARPS"] * params["ROWS"]
 
 
+def with_modes(params: Mapping[str, int], modes: Mapping[str, int], knobs: Mapping[str, int] = ()) -> dict[str, int]:
+    """The resolved knobs plus the mode macros; MAX_REGS left at 0 (not set in ``knobs``) becomes FP8_STAGED_REGS
+    where fp8 weights meet a prologue at TOKENS > 4 (the one default that spills under __launch_bounds__ alone)."""
+    out = {**params, **modes}
+    staged = modes.get("NORM") or modes.get("ADD")
+    if "MAX_REGS" not in dict(knobs) and not out["MAX_REGS"] and modes.get("FP8") and staged and out["TOKENS"] > 4:
+        out["MAX_REGS"] = FP8_STAGED_REGS
+    return out
+
+
 def row_groups(n: int, params: Mapping[str, int]) -> int:
     """Row groups of WARPS * ROWS rows (one block each unless the argmax mode caps the grid)."""
     return -(-n // rows_per_block(params))
@@ -122,6 +136,11 @@ CODE = r"""
 static_assert(WARPS >= 1 && WARPS <= 32, "WARPS must be in [1, 32]");
 static_assert(ROWS >= 1 && UNROLL >= 1, "ROWS and UNROLL must be >= 1");
 static_assert(TOKENS >= 1 && TOKENS <= 32, "TOKENS must be in [1, 32] (lane j stores token j)");
+#if MAX_REGS > 0
+#define GEMV_BOUNDS __maxnreg__(MAX_REGS)
+#else
+#define GEMV_BOUNDS __launch_bounds__(WARPS * 32)
+#endif
 #define STAGED (NORM || ADD)
 #define ARGMAX (EPILOGUE >= 2)
 #if FP8
@@ -208,7 +227,7 @@ __device__ __forceinline__ bool beats(float value, int row, float best, int best
 //   chains into acc[r][j]; the butterfly; lane j stores token t0 + j of each row (or keeps the warp's best for the
 //   argmax in shared memory). ARGMAX: block best per token to the workspace, a ticket, the last block reduces.
 // ------------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_gemv(
+extern "C" __global__ void GEMV_BOUNDS decode_gemv(
     const bf16_t* x,                          // [T, K] (read after the PDL wait)
     const bf16_t* add,                        // [T, K] ADD: summed into x first
     const bf16_t* norm,                       // [K] NORM: the RMSNorm weight
@@ -581,8 +600,8 @@ def gemv_launch(x: Any, w: Any, out: Any = None, *, norm: Any = None, residual_i
                              add=add, argmax=argmax, logits=logits, workspace=workspace)
     if knobs is not None and not isinstance(knobs, Mapping):
         raise TypeError(f"knobs must be a mapping of knob -> int, got {type(knobs).__name__}")
-    params = GEMV.resolve(Dims(call.tokens, call.k, call.n, 1, 1), **dict(knobs or {}))
-    params = {**params, **call.modes}
+    params = with_modes(GEMV.resolve(Dims(call.tokens, call.k, call.n, 1, 1), **dict(knobs or {})), call.modes,
+                        knobs or {})
     staged = call.modes["NORM"] or call.modes["ADD"]
     shared = staged_bytes(call.k, params) if staged else 0
     if shared > SHARED_LIMIT:
@@ -637,7 +656,7 @@ def dense_gemv(x: Any, w: Any, out: Any = None, *, norm: Any = None, residual_in
     [T, N] bf16 = bf16(y), plus ``residual_in`` [T, N] bf16 when given (``out`` may be ``residual_in``); or
     ``argmax`` [T] int32 (the greatest y, ties to the lower row) with optional ``logits`` [T, N] float32, using
     ``workspace`` (:func:`make_gemv_workspace`; one per (device, stream, T) is cached when None). ``knobs``: WARPS,
-    ROWS, UNROLL, TOKENS, PDL (launched programmatically), ARGMAX_BLOCKS. CuPy's current stream, no sync.
+    ROWS, UNROLL, TOKENS, PDL (launched programmatically), ARGMAX_BLOCKS, MAX_REGS. CuPy's current stream, no sync.
     """
     gemv_launch(x, w, out, norm=norm, residual_in=residual_in, residual_out=residual_out, eps=eps, add=add,
                 argmax=argmax, logits=logits, workspace=workspace, knobs=knobs)()
