@@ -13,6 +13,7 @@ from kernels.compile import offline_report
 from kernels.decode import fused_router, make_router_workspace
 from kernels.decode.router import ROUTER, SOURCE, RouterWorkspace, check_router_inputs, row_groups
 from kernels.decode_reference import linear, select_experts
+from kernels.numerics import dot_chain, exp_rn, rms_norm_chain
 from tests.warp_checks import EMULATION_LOAD, EMULATION_PRELUDE, FakeCupyArray, build_emulator, run_emulator
 
 TIE_MARGIN = 1e-4  # ids compared only where the reference's k-th and (k+1)-th logits differ by more (see _check)
@@ -49,15 +50,17 @@ def _check(h: np.ndarray, w: np.ndarray, top_k: int, renormalize: bool, ids: np.
 # ---------------------------------------------------------------------------------------------------
 # Offline compile (NVRTC for sm_90, no GPU)
 # ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("norm", [0, 1], ids=["plain", "norm"])
 @pytest.mark.parametrize("knobs", [{}, {"WARPS": 8, "UNROLL": 2}, {"WARPS": 32, "UNROLL": 4},
-                                   {"WARPS": 8, "UNROLL": 4, "ROWS": 4}],
-                         ids=["defaults", "w8-u2", "w32-u4", "w8-u4-r4"])
-def test_compiles_without_spills(knobs: dict[str, int]) -> None:
-    params = ROUTER.resolve(**knobs)
+                                   {"WARPS": 8, "UNROLL": 4, "ROWS": 4}, {"PDL": 1}],
+                         ids=["defaults", "w8-u2", "w32-u4", "w8-u4-r4", "pdl"])
+def test_compiles_without_spills(knobs: dict[str, int], norm: int) -> None:
+    params = {**ROUTER.resolve(**knobs), "NORM": norm}
     (report,) = offline_report(SOURCE, **params)
     assert report.kernel == "fused_router"
     assert report.spills == 0 and report.stack_bytes == 0, report
-    assert report.shared_bytes == 4 * 512 + 4  # the last block's logits and its flag
+    # the last block's logits and its flag (+ the norm's rs, padded)
+    assert report.shared_bytes == 4 * 512 + 4 + (12 if norm else 0)
 
 
 def test_row_groups_cover_the_experts() -> None:
@@ -97,14 +100,23 @@ inline void __syncwarp() { g_warp->bar.arrive_and_wait(); }
 inline void __threadfence() {}                                  // lanes are fibers of one CPU thread
 inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
 inline float __ldcg(const float* p) { return *p; }
+inline float __fmul_rn(float a, float b) { return a * b; }       // -ffp-contract=off: each rounded once
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+std::vector<uint4> g_smem;
+#define ROUTER_DYNAMIC_SMEM uint4* router_smem = g_smem.data()
 #include "kernel.cu"
 """ + EMULATION_LOAD + r"""
 int main(int argc, char** argv) {
     const int T = atoi(argv[1]), H = atoi(argv[2]), E = atoi(argv[3]), K = atoi(argv[4]), renorm = atoi(argv[5]);
     const std::string dir = argv[6];
     const int groups = atoi(argv[7]);
+    const float eps = (float)atof(argv[8]);
     auto h = load<uint16_t>(dir + "/h.bin", (size_t)T * H);
     auto w = load<uint16_t>(dir + "/w.bin", (size_t)E * H);
+    auto norm = load<uint16_t>(dir + "/norm.bin", (size_t)H);
+    std::vector<uint16_t> moe_in((size_t)T * H, (uint16_t)0x7fc0);
+    g_smem.assign((size_t)H / 8, make_uint4(0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u));
     std::vector<float> logits((size_t)T * E, __uint_as_float(0x7fc00000u));
     std::vector<unsigned> tickets((size_t)T, 0u);
     std::vector<int> ids((size_t)T * K), first_ids;
@@ -131,7 +143,9 @@ int main(int argc, char** argv) {
                 blockIdx.x = (unsigned)t;
                 blockIdx.y = (unsigned)g;
                 fused_router(reinterpret_cast<const bf16_t*>(h.data()), reinterpret_cast<const bf16_t*>(w.data()),
-                             logits.data(), tickets.data(), ids.data(), wts.data(), H, E, K, renorm);
+                             logits.data(), tickets.data(), ids.data(), wts.data(),
+                             reinterpret_cast<const bf16_t*>(norm.data()), reinterpret_cast<bf16_t*>(moe_in.data()),
+                             H, E, K, renorm, eps);
             });
         }
         for (int t = 0; t < T; ++t)
@@ -145,19 +159,22 @@ int main(int argc, char** argv) {
     FILE* f = fopen((dir + "/ids.bin").c_str(), "wb"); fwrite(ids.data(), 4, ids.size(), f); fclose(f);
     f = fopen((dir + "/wts.bin").c_str(), "wb"); fwrite(wts.data(), 4, wts.size(), f); fclose(f);
     f = fopen((dir + "/logits.bin").c_str(), "wb"); fwrite(logits.data(), 4, logits.size(), f); fclose(f);
+    f = fopen((dir + "/moe_in.bin").c_str(), "wb"); fwrite(moe_in.data(), 2, moe_in.size(), f); fclose(f);
     return 0;
 }
 """
 
 
-def _emulate(h: np.ndarray, w: np.ndarray, top_k: int, renormalize: bool, tmp_path: Any,
-             **knobs: int) -> tuple[np.ndarray, np.ndarray]:
-    params = ROUTER.resolve(**knobs)
+def _emulate(h: np.ndarray, w: np.ndarray, top_k: int, renormalize: bool, tmp_path: Any, norm: np.ndarray | None = None,
+             eps: float = 1e-6, **knobs: int) -> tuple[np.ndarray, np.ndarray]:
+    params = {**ROUTER.resolve(**knobs), "NORM": int(norm is not None)}
     binary = build_emulator(SOURCE.render(**params), HARNESS)
     tokens, hidden = h.shape
     h.view(np.uint16).tofile(tmp_path / "h.bin")
     w.view(np.uint16).tofile(tmp_path / "w.bin")
-    run_emulator(binary, tokens, hidden, w.shape[0], top_k, int(renormalize), tmp_path, row_groups(w.shape[0], params))
+    (norm if norm is not None else np.ones(hidden, BF16)).view(np.uint16).tofile(tmp_path / "norm.bin")
+    run_emulator(binary, tokens, hidden, w.shape[0], top_k, int(renormalize), tmp_path, row_groups(w.shape[0], params),
+                 repr(float(np.float32(eps))))
     ids = np.fromfile(tmp_path / "ids.bin", np.int32).reshape(tokens, top_k)
     weights = np.fromfile(tmp_path / "wts.bin", np.float32).reshape(tokens, top_k)
     return ids, weights
@@ -208,6 +225,60 @@ def test_emulated_exact_tie_goes_to_the_lower_id(tmp_path: Any) -> None:
     np.testing.assert_allclose(weights, want_weights, rtol=1e-5)
 
 
+def _twin(h: np.ndarray, w: np.ndarray, top_k: int, renormalize: bool, norm: np.ndarray | None = None,
+          eps: float = 1e-6) -> tuple[np.ndarray, ...]:
+    """The kernel's order in NumPy float32 (the order contract's item 7): (xn, logits, ids, weights), bitwise."""
+    xn = rms_norm_chain(h, norm, eps) if norm is not None else h
+    logits = dot_chain(xn[:, None, :], w[None])
+    tokens, experts = logits.shape
+    ids = np.full((tokens, top_k), -1, np.int32)
+    weights = np.zeros((tokens, top_k), np.float32)
+    for t in range(tokens):
+        top = np.fmax.reduce(logits[t])
+        d = logits[t] - top
+        p = np.where(d == d, exp_rn(d), d)
+        lanes = np.zeros(32, np.float32)
+        for e in range(experts):  # lane e % 32, in order
+            lanes[e % 32] = lanes[e % 32] + p[e]
+        for off in (16, 8, 4, 2, 1):
+            lanes = lanes + lanes[np.arange(32) ^ off]
+        p = (p / lanes[0]).astype(np.float32)
+        chosen = np.float32(0.0)
+        for k in range(top_k):
+            valid = p >= 0
+            best = int(np.argmax(np.where(valid, p, -1.0)))
+            ids[t, k], weights[t, k] = best, p[best]
+            chosen = np.float32(chosen + p[best])
+            p[best] = -1.0
+        if renormalize:
+            weights[t] = weights[t] / chosen
+    return xn, logits, ids, weights
+
+
+@pytest.mark.parametrize(("tokens", "hidden", "experts", "top_k", "norm", "knobs"), [
+    (3, 72, 37, 5, False, {"WARPS": 4, "UNROLL": 1}),
+    (3, 264, 37, 5, True, {"WARPS": 2, "UNROLL": 1, "ROWS": 3}),      # H % 256 != 0: partial rounds
+    (2, 256, 128, 8, True, {"PDL": 1}),                               # qwen3's E and K, the defaults + PDL
+], ids=["h72-e37", "h264-e37-norm-r3", "h256-e128-norm-pdl"])
+def test_emulated_bitwise_twin(rng: np.random.Generator, tmp_path: Any, tokens: int, hidden: int, experts: int,
+                               top_k: int, norm: bool, knobs: dict[str, int]) -> None:
+    """ids, weights and the logits bitwise the NumPy twin's (dot_chain, exp_rn); with the fused norm, h is the
+    residual stream and moe_in holds rms_norm_chain's rows bitwise."""
+    h, w = _inputs(rng, tokens, hidden, experts)
+    g = (1.0 + 0.05 * rng.standard_normal(hidden)).astype(BF16) if norm else None
+    ids, weights = _emulate(h, w, top_k, True, tmp_path, norm=g, **knobs)
+    xn, logits, want_ids, want_weights = _twin(h, w, top_k, True, g)
+    got_logits = np.fromfile(tmp_path / "logits.bin", np.float32).reshape(tokens, experts)
+    np.testing.assert_array_equal(got_logits.view(np.uint32), logits.view(np.uint32))
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(weights.view(np.uint32), want_weights.view(np.uint32))
+    moe_in = np.fromfile(tmp_path / "moe_in.bin", np.uint16).reshape(tokens, hidden)
+    if norm:
+        np.testing.assert_array_equal(moe_in, xn.view(np.uint16))
+    else:
+        assert (moe_in == 0x7FC0).all()  # not written
+
+
 # ---------------------------------------------------------------------------------------------------
 # Input checks (CPU: they run before any device call)
 # ---------------------------------------------------------------------------------------------------
@@ -255,6 +326,24 @@ def test_checks_refuse(change: dict[str, Any], error: type, name: str) -> None:
             "workspace": None, **change}
     with pytest.raises(error, match=name):
         fused_router(**args)
+
+
+@pytest.mark.parametrize(("change", "error", "name"), [
+    ({"norm": FakeCupyArray((63,), BF16)}, ValueError, "norm"),
+    ({"norm": FakeCupyArray((64,), np.float32)}, TypeError, "norm"),
+    ({"moe_in": FakeCupyArray((3, 64), BF16)}, ValueError, "moe_in"),
+    ({"norm": FakeCupyArray((64,), BF16), "moe_in": FakeCupyArray((3, 72), BF16)}, ValueError, "moe_in"),
+    ({"norm": FakeCupyArray((64,), BF16), "moe_in": FakeCupyArray((3, 64), np.float32)}, TypeError, "moe_in"),
+    ({"eps": "x"}, TypeError, "eps"),
+    ({"eps": 2.0}, ValueError, "eps"),
+    ({"knobs": {"PDL": 2}}, ValueError, "PDL"),
+    ({"knobs": {"NORM": 1}}, ValueError, "NORM"),
+    ({"knobs": 3}, TypeError, "knobs"),
+], ids=lambda v: None if isinstance(v, dict | type) else str(v)[:24])
+def test_checks_refuse_norm_arguments(change: dict[str, Any], error: type, name: str) -> None:
+    h, w = _fakes()
+    with pytest.raises(error, match=name):
+        fused_router(h, w, 4, **change)
 
 
 def test_checks_refuse_non_contiguous() -> None:
@@ -333,3 +422,31 @@ def test_gpu_graph_capture_replays_on_new_inputs(cupy_mod: Any, rng: np.random.G
             stream.synchronize()
             _check(h, w, top_k, True, cupy.asnumpy(ids), cupy.asnumpy(weights))
             assert not cupy.asnumpy(workspace.tickets).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [0, 1], ids=["plain", "pdl"])
+@pytest.mark.parametrize("tokens", [1, 4, 64])
+def test_gpu_norm_prologue_bitwise_twin(cupy_mod: Any, rng: np.random.Generator, tokens: int, pdl: int) -> None:
+    """The fused post-attention norm at qwen3-30b (H 2048, E 128, K 8): ids, weights and moe_in bitwise the NumPy
+    twin's, over poisoned outputs, three times; with PDL after a plain launch that writes h (the wait holds)."""
+    cupy, hidden, experts, top_k = cupy_mod, 2048, 128, 8
+    h, w = _inputs(rng, tokens, hidden, experts)
+    g = (1.0 + 0.05 * rng.standard_normal(hidden)).astype(BF16)
+    xn, _, want_ids, want_weights = _twin(h, w, top_k, True, g)
+    h_d, w_d, g_d = cupy.zeros(h.shape, BF16), cupy.asarray(w), cupy.asarray(g)
+    src = cupy.asarray(h)
+    moe_in = cupy.empty((tokens, hidden), BF16)
+    workspace = make_router_workspace(tokens, experts)
+    for _ in range(3):
+        ids, weights = _poisoned(cupy, tokens, top_k)
+        moe_in.view(cupy.uint16).fill(0x7FC0)
+        h_d.view(cupy.uint16).fill(0x7FC0)
+        h_d[...] = src  # the kernel right before the router writes h
+        fused_router(h_d, w_d, top_k, True, ids, weights, workspace, norm=g_d, moe_in=moe_in,
+                     knobs={"PDL": pdl})
+        cupy.cuda.runtime.deviceSynchronize()
+        np.testing.assert_array_equal(cupy.asnumpy(ids), want_ids)
+        np.testing.assert_array_equal(cupy.asnumpy(weights).view(np.uint32), want_weights.view(np.uint32))
+        np.testing.assert_array_equal(cupy.asnumpy(moe_in).view(np.uint16), xn.view(np.uint16))
+        assert not cupy.asnumpy(workspace.tickets).any()

@@ -12,13 +12,18 @@ It writes ``topk_ids`` [T, K] int32 and ``topk_weights`` [T, K] float32 for the 
 with the outputs and a workspace (:func:`make_router_workspace`) passed in nothing is allocated, so a CUDA graph can
 capture it. E <= 512, K <= 16, H a multiple of 8.
 
-The numbers are the bf16 reference step's (:func:`kernels.decode_reference.select_experts` on fp32 logits): only the
-order of the FP32 sums (the dot products, the softmax's denominator) and ``expf`` differ, so ids match wherever no two
-logits lie within a few ulps of the k-th, and weights within ~1e-6 relative.
+The numbers follow the decode step's order contract: the logits are the lane chain
+(:func:`kernels.numerics.dot_chain`) and the softmax's exp is ``exp_rn`` (:func:`kernels.numerics.exp_rn`), so a
+NumPy twin reproduces ids and weights bit for bit; against :func:`kernels.decode_reference.select_experts` on fp32
+logits ids match wherever no two logits lie within a few ulps of the k-th, and weights within ~1e-6 relative. With
+``norm`` the post-attention RMSNorm runs in each block's prologue (h is then the residual stream; the normalized row
+lives in shared memory, and block (t, 0) writes it to ``moe_in`` for the MoE). PDL: the first round of router weights
+is loaded before ``griddepcontrol.wait``, h after it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +32,8 @@ import numpy as np
 from kernels.arrays import BF16, check_aligned
 from kernels.compile import CudaSource, launch_ex
 from kernels.contract import Dims
-from kernels.device_helpers import WARP_HELPERS
+from kernels.decode.device import EXP_RN, NORM_HELPERS
+from kernels.device_helpers import PDL_HELPERS, WARP_HELPERS
 from kernels.family import KernelFamily
 
 KERNEL = "fused_router"
@@ -37,8 +43,10 @@ KNOBS: dict[str, int] = {
     "WARPS": 4,  # warps per block (a block is one token's group of WARPS * ROWS expert rows)
     "UNROLL": 8,  # 16-byte chunks of W (and of h) in flight per lane: all of H = 2048 in one round
     "ROWS": 1,  # expert rows per warp, one after another (fewer, fuller blocks where T * E is large)
+    "PDL": 0,  # programmatic dependent launch: the first round of W loads before griddepcontrol.wait
 }
-LIMITS = {"WARPS": (1, 32), "UNROLL": (1, 16), "ROWS": (1, 8)}
+LIMITS = {"WARPS": (1, 32), "UNROLL": (1, 16), "ROWS": (1, 8), "PDL": (0, 1)}
+SHARED_LIMIT = 227 * 1024  # the H200's dynamic shared memory per block (NORM keeps the normalized row there)
 
 
 def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
@@ -71,8 +79,13 @@ def check_router_dims(hidden: int, experts: int, top_k: int) -> None:
 
 CODE = r"""
 // ==== the fused router (kernels/decode/router.py) ====
-// Knobs: WARPS warps per block, ROWS expert rows per warp, UNROLL 16-byte chunks in flight per lane.
+// Knobs: WARPS warps per block, ROWS expert rows per warp, UNROLL 16-byte chunks in flight per lane, PDL. Mode: NORM
+// (the post-attention RMSNorm of h fused in front, the normalized rows in shared memory and, from block (t, 0),
+// in moe_in).
 #define ROUTER_MAX_EXPERTS 512
+#if NORM && !defined(ROUTER_DYNAMIC_SMEM)
+#define ROUTER_DYNAMIC_SMEM extern __shared__ uint4 router_smem[]
+#endif
 static_assert(WARPS >= 1 && WARPS <= 32, "WARPS must be in [1, 32]");
 static_assert(UNROLL >= 1, "UNROLL must be >= 1");
 static_assert(ROWS >= 1, "ROWS must be >= 1");
@@ -84,20 +97,41 @@ static_assert(ROWS >= 1, "ROWS must be >= 1");
 //   logits[t, e] (global). Ticket: every writer fences, the block syncs, thread 0 fences and takes a ticket on
 //   tickets[t]; the block with the last ticket (gridDim.y - 1) resets the counter, reads the token's logits
 //   back through L2 (__ldcg) into shared memory and goes on with warp 0. Phase 2 (warp 0): the max (exact),
-//   p[e] = expf(logit - max) summed lane-strided then by the butterfly, p[e] /= sum (IEEE); then K rounds of a
+//   p[e] = exp_rn(logit - max) (a NaN difference kept NaN) summed lane-strided then by the butterfly, p[e] /= sum
+//   (IEEE); then K rounds of a
 //   warp argmax over p (greater value, or equal value and lower id: ties to the lower expert id), the chosen p
 //   marked taken (-1). Lane k keeps slot k and writes it, divided by the chosen p's sum (in slot order) when
 //   renormalize. A round that finds no candidate (NaN logits) writes id -1 and a NaN weight, which the MoE
 //   kernels treat as a bad id.
 // ------------------------------------------------------------------------------------------------
+// the W chunks of one round of expert row `row` (chunks past the row's end: zeros, branch-free)
+__device__ __forceinline__ void load_w_round(uint4 (&v)[UNROLL], const uint4* __restrict__ row, int c0, int chunks,
+                                             int lane) {
+    #pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int c = c0 + u * 32 + lane;
+        v[u] = ldg_chunk(row, c, c < chunks);
+    }
+}
+// h chunks the previous kernel may have written: behind the PDL wait (ld_dep), else the read-only path
+__device__ __forceinline__ uint4 load_h(const uint4* row, int c, bool ok) {
+#if PDL
+    return ld_dep_chunk(row, c, ok);
+#else
+    return ldg_chunk(row, c, ok);
+#endif
+}
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32) fused_router(
-    const bf16_t* __restrict__ h,             // [T, H] the post-attention RMSNorm output
+    const bf16_t* h,                          // [T, H] the residual stream (NORM) or its post-attention norm
     const bf16_t* __restrict__ w_router,      // [E, H]
     float* __restrict__ logits,               // [T, E] workspace
     unsigned* __restrict__ tickets,           // [T] workspace: 0 before the launch, 0 after it
     int* __restrict__ topk_ids,               // [T, K]
     float* __restrict__ topk_weights,         // [T, K]
-    int hidden, int experts, int top_k, int renormalize)
+    const bf16_t* norm,                       // [H] NORM: the post-attention RMSNorm weight
+    bf16_t* moe_in,                           // [T, H] NORM: the normalized rows (block (t, 0) writes them), or null
+    int hidden, int experts, int top_k, int renormalize, float eps)
 {
     __shared__ float probs[ROUTER_MAX_EXPERTS];                      // the logits, then the softmax
     __shared__ int last_block;
@@ -106,18 +140,48 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) fused_router(
     const uint4* x = reinterpret_cast<const uint4*>(h + (size_t)t * hidden);
     float* token_logits = logits + (size_t)t * experts;
     const int first = (int)blockIdx.y * (WARPS * ROWS) + warp;
+    uint4 v[2][UNROLL];                                              // [W, h][chunk]
+    load_w_round(v[0], reinterpret_cast<const uint4*>(w_router + (size_t)(first < experts ? first : 0) * hidden), 0,
+                 chunks, lane);                                      // weights: before the PDL wait
+    pdl_wait();                                                      // h: the previous kernel's output
+    pdl_release();
+#if NORM
+    // RMSNorm of h[t] into shared memory (the order contract's item 2): warp 0's lane chain and butterfly -> rs;
+    // every thread normalizes chunks; block (t, 0) also writes them to moe_in[t].
+    ROUTER_DYNAMIC_SMEM;                                             // [H / 8] uint4
+    __shared__ float token_rs;
+    if (warp == 0) {
+        float ss = 0.0f;
+        for (int c = lane; c < chunks; c += 32) ss = bf16x8_sumsq(load_h(x, c, true), ss);
+        ss = warp_sum(ss);
+        if (lane == 0) token_rs = rms_scale(ss, hidden, eps);
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < chunks; c += WARPS * 32) {
+        const uint4 xn = bf16x8_norm(load_h(x, c, true), token_rs,
+                                     load_h(reinterpret_cast<const uint4*>(norm), c, true));
+        router_smem[c] = xn;
+        if (moe_in != nullptr && blockIdx.y == 0) reinterpret_cast<uint4*>(moe_in + (size_t)t * hidden)[c] = xn;
+    }
+    __syncthreads();
+#endif
+    bool loaded = true;                                              // v[0] holds the first row's first round
     for (int r = 0; r < ROWS; ++r) {
         const int e = first + r * WARPS;
         if (e >= experts) break;                                     // warp-uniform
         const uint4* row = reinterpret_cast<const uint4*>(w_router + (size_t)e * hidden);
         float acc = 0.0f;
         for (int c0 = 0; c0 < chunks; c0 += 32 * UNROLL) {
-            uint4 v[2][UNROLL];                                      // [W, h][chunk]
+            if (!loaded) load_w_round(v[0], row, c0, chunks, lane);
+            loaded = false;
             #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const int c = c0 + u * 32 + lane;
-                v[0][u] = ldg_chunk(row, c, c < chunks);
-                v[1][u] = ldg_chunk(x, c, c < chunks);
+#if NORM
+                v[1][u] = zero_unless(c < chunks, router_smem[c < chunks ? c : 0]);
+#else
+                v[1][u] = load_h(x, c, c < chunks);
+#endif
             }
             acc += __uint_as_float(all_loads_arrived(v));            // + 0.0f: the round's loads issue together
             #pragma unroll
@@ -154,9 +218,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) fused_router(
     for (int offset = 16; offset > 0; offset >>= 1) top = fmaxf(top, __shfl_xor_sync(FULL_MASK, top, offset));
     float sum = 0.0f;
     for (int e = lane; e < experts; e += 32) {
-        const float p = expf(probs[e] - top);
+        const float d = __fsub_rn(probs[e], top);
+        const float p = d == d ? exp_rn(d) : d;                      // NaN stays NaN (exp_rn clamps it to 88)
         probs[e] = p;
-        sum += p;
+        sum = __fadd_rn(sum, p);
     }
     sum = warp_sum(sum);
     for (int e = lane; e < experts; e += 32) probs[e] = probs[e] / sum;
@@ -194,13 +259,15 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) fused_router(
 }
 """
 
-SOURCE = CudaSource(name="decode_router", code=WARP_HELPERS + CODE, kernels=(KERNEL,), defaults=dict(KNOBS),
+SOURCE = CudaSource(name="decode_router", code=WARP_HELPERS + PDL_HELPERS + EXP_RN + NORM_HELPERS + CODE,
+                    kernels=(KERNEL,), defaults={**KNOBS, "NORM": 0},
                     variants=[{"WARPS": 8, "UNROLL": 2}, {"WARPS": 32, "UNROLL": 4}, {"WARPS": 16, "UNROLL": 8},
-                              {"WARPS": 4, "UNROLL": 1}, {"WARPS": 8, "UNROLL": 4, "ROWS": 4}],
+                              {"WARPS": 4, "UNROLL": 1}, {"WARPS": 8, "UNROLL": 4, "ROWS": 4}, {"NORM": 1},
+                              {"NORM": 1, "PDL": 1}, {"WARPS": 8, "UNROLL": 4, "ROWS": 4, "NORM": 1}],
                     warps_knobs={KERNEL: "WARPS"},
                     description="the fused router of a decode step: logits (a warp per (token, expert) row over "
                                 "the grid), then softmax and top-k in each token's last block")
-ROUTER = KernelFamily(name="decode-router", source=SOURCE, limits=LIMITS, rules=rules)
+ROUTER = KernelFamily(name="decode-router", source=SOURCE, limits=LIMITS, rules=rules, derived=("NORM",))
 
 
 @dataclass(frozen=True)
@@ -266,7 +333,8 @@ def _check_array(name: str, arr: Any, dtype: Any, shape: tuple[int, ...] | None,
 
 
 def check_router_inputs(h: Any, w_router: Any, top_k: Any, norm_topk_prob: Any = True, topk_ids: Any = None,
-                        topk_weights: Any = None, workspace: Any = None) -> tuple[int, int, int, int]:
+                        topk_weights: Any = None, workspace: Any = None, norm: Any = None, moe_in: Any = None,
+                        eps: Any = 1e-6) -> tuple[int, int, int, int]:
     """Every check of :func:`fused_router` that needs no GPU; returns (T, H, E, K)."""
     _check_array("h", h, BF16, None, "[T, H]")
     _check_array("w_router", w_router, BF16, None, "[E, H]")
@@ -291,34 +359,60 @@ def check_router_inputs(h: Any, w_router: Any, top_k: Any, norm_topk_prob: Any =
                             f"{type(workspace).__name__}")
         _check_array("workspace.logits", workspace.logits, np.float32, (tokens, experts), "[T, E]")
         _check_array("workspace.tickets", workspace.tickets, np.uint32, (tokens,), "[T]")
+    if isinstance(eps, bool) or not isinstance(eps, float | int | np.floating):
+        raise TypeError(f"eps must be a float, got {eps!r}")
+    if not 0 <= float(eps) < 1:
+        raise ValueError(f"eps must be in [0, 1), got {eps!r}")
+    if norm is not None:
+        _check_array("norm", norm, BF16, (hidden,), "[H]")
+        if 2 * hidden > SHARED_LIMIT:
+            raise ValueError(f"norm: the normalized row (H = {hidden}) must fit in {SHARED_LIMIT} bytes of shared "
+                             f"memory")
+    if moe_in is not None:
+        if norm is None:
+            raise ValueError("moe_in (the normalized rows) is written only with norm; pass norm or drop moe_in")
+        _check_array("moe_in", moe_in, BF16, (tokens, hidden), "[T, H]")
     return tokens, hidden, experts, int(top_k)
 
 
 def fused_router(h: Any, w_router: Any, top_k: int, norm_topk_prob: bool = True, topk_ids: Any = None,
-                 topk_weights: Any = None, workspace: RouterWorkspace | None = None) -> tuple[Any, Any]:
+                 topk_weights: Any = None, workspace: RouterWorkspace | None = None, *, norm: Any = None,
+                 moe_in: Any = None, eps: float = 1e-6, knobs: Mapping[str, int] | None = None) -> tuple[Any, Any]:
     """Route T tokens on the GPU in one launch: (topk_ids [T, K] int32, topk_weights [T, K] float32).
 
-    ``h`` [T, H] bf16 (the post-attention RMSNorm output) and ``w_router`` [E, H] bf16, CuPy arrays. Pass
-    ``topk_ids`` / ``topk_weights`` to write into and a ``workspace`` (:func:`make_router_workspace` (T, E)) for
-    the logits and the per-token tickets: nothing is then allocated (graph-capturable). Without one, a workspace
-    cached per (device, stream, T, E) is made on first use (so capture after a first call). The kernel is compiled
-    on first use per device. Launches on CuPy's current stream and never syncs.
+    ``h`` [T, H] bf16 and ``w_router`` [E, H] bf16, CuPy arrays. With ``norm`` [H] bf16, ``h`` is the residual
+    stream and the post-attention RMSNorm (``eps``; the order contract's item 2) runs in each block's prologue;
+    ``moe_in`` [T, H] bf16 then receives the normalized rows the MoE consumes. Without it ``h`` is already
+    normalized. Pass ``topk_ids`` / ``topk_weights`` to write into and a ``workspace``
+    (:func:`make_router_workspace` (T, E)) for the logits and the per-token tickets: nothing is then allocated
+    (graph-capturable). Without one, a workspace cached per (device, stream, T, E) is made on first use (so capture
+    after a first call). ``knobs``: WARPS, UNROLL, ROWS, PDL (launched programmatically: the first round of router
+    weights loads before the wait). Compiled on first use per device; CuPy's current stream, never syncs.
     """
     tokens, hidden, experts, top_k = check_router_inputs(h, w_router, top_k, norm_topk_prob, topk_ids, topk_weights,
-                                                         workspace)
+                                                         workspace, norm, moe_in, eps)
+    if knobs is not None and not isinstance(knobs, Mapping):
+        raise TypeError(f"knobs must be a mapping of knob -> int, got {type(knobs).__name__}")
+    params = {**ROUTER.resolve(Dims(tokens, hidden, 1, experts, top_k), **dict(knobs or {})),
+              "NORM": int(norm is not None)}
     import cupy
 
-    check_aligned(h=h, w_router=w_router)
+    check_aligned(h=h, w_router=w_router, **({"norm": norm} if norm is not None else {}),
+                  **({"moe_in": moe_in} if moe_in is not None else {}))
     if topk_ids is None:
         topk_ids = cupy.empty((tokens, top_k), dtype=np.int32)
     if topk_weights is None:
         topk_weights = cupy.empty((tokens, top_k), dtype=np.float32)
     if workspace is None:
         workspace = _cached_workspace(tokens, experts)
-    params = ROUTER.resolve(Dims(tokens, hidden, 1, experts, top_k))
     kernel = ROUTER.kernels_for(params)[KERNEL]
-    i32 = np.int32
+    shared = 2 * hidden if norm is not None else 0
+    if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
+        kernel.max_dynamic_shared_size_bytes = shared
+    i32, null = np.int32, np.uint64(0)
     launch_ex(kernel, (tokens, row_groups(experts, params)), (32 * params["WARPS"],),
-              (h, w_router, workspace.logits, workspace.tickets, topk_ids, topk_weights, i32(hidden), i32(experts),
-               i32(top_k), i32(bool(norm_topk_prob))))
+              (h, w_router, workspace.logits, workspace.tickets, topk_ids, topk_weights,
+               null if norm is None else norm, null if moe_in is None else moe_in, i32(hidden), i32(experts),
+               i32(top_k), i32(bool(norm_topk_prob)), np.float32(eps)),
+              shared_mem=shared, programmatic=bool(params["PDL"]))
     return topk_ids, topk_weights
