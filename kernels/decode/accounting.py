@@ -80,9 +80,9 @@ def _per_layer_unique(shape: MoEShape, tokens: int, unique_experts: float | Sequ
         values = [float(u) for u in unique_experts]
         if len(values) != layers:
             raise ValueError(f"unique_experts must hold one count per layer ({layers}), got {len(values)}")
-    if any(not 0 < u <= min(shape.experts, tokens * shape.top_k) for u in values):
-        raise ValueError(f"unique_experts must lie in (0, min(E, T*K)] = (0, {min(shape.experts, tokens * shape.top_k)}]"
-                         f", got {unique_experts!r}")
+    most = min(shape.experts, tokens * shape.top_k)
+    if any(not 0 < u <= most for u in values):
+        raise ValueError(f"unique_experts must lie in (0, min(E, T*K)] = (0, {most}], got {unique_experts!r}")
     return values
 
 
