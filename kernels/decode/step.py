@@ -150,7 +150,7 @@ def _make_attention_workspace(tokens: int, heads: int, kv_heads: int, head_dim: 
     return _module("attention").make_attention_workspace(tokens, heads, kv_heads, head_dim, capacity)
 
 
-def _rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin float32 [positions, head_dim / 2] (host): ``kernels.decode.attention.rope_tables``."""
     return _module("attention").rope_tables(positions, head_dim, theta)
 
@@ -541,7 +541,7 @@ def build_step(device_model: DeviceModel, device_state: DeviceState, T: int,  # 
         "topk_weights": cupy.zeros((L, T, K), dtype=np.float32),
         "logits": cupy.empty((T, V), dtype=np.float32) if logits else None,
     }
-    cos, sin = _rope_tables(np.arange(device_state.capacity), D, shape.rope_theta)
+    cos, sin = rope_tables(np.arange(device_state.capacity), D, shape.rope_theta)
     buffers["cos"], buffers["sin"] = _upload(np.asarray(cos, np.float32)), _upload(np.asarray(sin, np.float32))
     buffers["router_workspace"] = _make_router_workspace(T, E)
     buffers["attention_workspace"] = _make_attention_workspace(T, heads, kv_heads, D, device_state.capacity)
