@@ -14,7 +14,7 @@ import pytest
 
 from tools import bench, roofline, sweep
 
-CLIS = ("tools.roofline", "tools.sweep", "tools.accuracy", "tools.report", "tools.dispatch_table")
+CLIS = ("tools.roofline", "tools.sweep", "tools.accuracy", "tools.report", "tools.dispatch_table", "tools.decode")
 
 
 def _last_line(text: str) -> str:
@@ -195,9 +195,9 @@ def test_sweep_lists_the_variants(monkeypatch: pytest.MonkeyPatch, capsys: pytes
 
 
 # -- every CLI's --help: each option says what it does and its default, and the help ends in examples ----------------
-HELP_CLIS = ("tools.accuracy", "tools.bench", "tools.compile_report", "tools.cpu_timings", "tools.dispatch_table",
-             "tools.peers.__main__", "tools.precompile", "tools.report", "tools.roofline", "tools.sass_hashes",
-             "tools.sweep")
+HELP_CLIS = ("tools.accuracy", "tools.bench", "tools.compile_report", "tools.cpu_timings", "tools.decode",
+             "tools.dispatch_table", "tools.peers.__main__", "tools.precompile", "tools.report", "tools.roofline",
+             "tools.sass_hashes", "tools.sweep")
 
 
 class _Parser(Exception):
