@@ -98,7 +98,8 @@ def test_cache_layouts_round_trip_and_cycled_model() -> None:
 def test_kernel_order_rms_norm_is_the_contracts() -> None:
     """dot_chain: lane chains of 8-element chunks then the butterfly; the norm rounds once (within an ulp of the
     reference's numpy order, equal where both orders agree)."""
-    from kernels.decode.step import dot_chain, rms_norm_kernel_order
+    from kernels.numerics import dot_chain
+    from kernels.numerics import rms_norm_chain as rms_norm_kernel_order
 
     rng = np.random.default_rng(0)
     x = round_bf16(rng.standard_normal((3, 328)).astype(np.float32))

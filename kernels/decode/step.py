@@ -37,6 +37,7 @@ prologue) each sit in one function below (``_gemv``, ``_qk_rope``, ``_attention`
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -61,7 +62,7 @@ from kernels.decode_reference import DecodeState, Model, SequenceCache
 from kernels.device_helpers import PDL_HELPERS, WARP_HELPERS
 from kernels.family import KernelFamily
 from kernels.formats import Quantized
-from kernels.numerics import round_bf16
+from kernels.numerics import rms_norm_chain
 
 MOE_PATHS = ("warp-decode", "strict", "expert-centric")
 # moe -> weight format -> the registered variant whose stages run it ("warp-decode": kernels.dispatch.build)
@@ -122,45 +123,43 @@ def _module(name: str) -> Any:
     return importlib.import_module(f"kernels.decode.{name}")
 
 
-def _gemv(x: Any, w: Any, out: Any, **kw: Any) -> Callable[[], None]:
-    """``kernels.decode.gemv.dense_gemv(x, w, out, norm=, residual_in=, residual_out=, eps=, add=, argmax=,
-    logits=, workspace=)`` as a zero-argument launch."""
-    gemv = _module("gemv")
-    return lambda: gemv.dense_gemv(x, w, out, **kw)
+def _gemv(x: Any, w: Any, out: Any, pdl: int, **kw: Any) -> Callable[[], None]:
+    """``kernels.decode.gemv.gemv_launch``: checked and compiled now, the callable only launches."""
+    return _module("gemv").gemv_launch(x, w, out, knobs={"PDL": pdl}, **kw)
 
 
-def _make_gemv_workspace(tokens: int, rows: int) -> Any:
+def _make_gemv_workspace(tokens: int) -> Any:
     """The LM head's workspace (its argmax over the vocabulary's blocks)."""
-    return _module("gemv").make_gemv_workspace(tokens, rows)
+    return _module("gemv").make_gemv_workspace(tokens)
 
 
 def _qk_rope(qkv: Any, q_norm: Any, k_norm: Any, cos: Any, sin: Any, lengths: Any, q_out: Any, k_cache: Any,
-             v_cache: Any, heads: int, kv_heads: int, eps: float) -> Callable[[], None]:
-    attention = _module("attention")
-    return lambda: attention.qk_norm_rope_append(qkv, q_norm, k_norm, cos, sin, lengths, q_out, k_cache, v_cache,
-                                                 heads, kv_heads, eps)
+             v_cache: Any, heads: int, kv_heads: int, eps: float, pdl: int) -> Callable[[], None]:
+    return _module("attention").qk_rope_stage(qkv, q_norm, k_norm, cos, sin, lengths, q_out, k_cache, v_cache,
+                                              heads=heads, kv_heads=kv_heads, eps=eps, PDL=pdl)
 
 
-def _attention(q: Any, k_cache: Any, v_cache: Any, lengths: Any, out: Any, workspace: Any) -> Callable[[], None]:
-    attention = _module("attention")
-    return lambda: attention.decode_attention(q, k_cache, v_cache, lengths, out, workspace)
+def _attention(q: Any, k_cache: Any, v_cache: Any, lengths: Any, out: Any, workspace: Any,
+               pdl: int) -> Callable[[], None]:
+    return _module("attention").attention_stage(q, k_cache, v_cache, lengths, out, workspace, PDL=pdl)
 
 
-def _make_attention_workspace(tokens: int, heads: int, kv_heads: int, head_dim: int, capacity: int) -> Any:
-    return _module("attention").make_attention_workspace(tokens, heads, kv_heads, head_dim, capacity)
+def _make_attention_workspace(tokens: int, heads: int, kv_heads: int, head_dim: int, capacity: int,
+                              pdl: int) -> Any:
+    return _module("attention").make_attention_workspace(tokens, heads, kv_heads, head_dim, capacity, PDL=pdl)
 
 
-def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(positions: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin float32 [positions, head_dim / 2] (host): ``kernels.decode.attention.rope_tables``."""
     return _module("attention").rope_tables(positions, head_dim, theta)
 
 
 def _router(h: Any, w_router: Any, top_k: int, norm_topk_prob: bool, topk_ids: Any, topk_weights: Any,
-            workspace: Any, norm: Any, moe_in: Any, eps: float) -> Callable[[], None]:
+            workspace: Any, norm: Any, moe_in: Any, eps: float, pdl: int) -> Callable[[], None]:
     router = _module("router")
     return lambda: router.fused_router(h, w_router, top_k, norm_topk_prob, topk_ids=topk_ids,
                                        topk_weights=topk_weights, workspace=workspace, norm=norm, moe_in=moe_in,
-                                       eps=eps)
+                                       eps=eps, knobs={"PDL": pdl})
 
 
 def _make_router_workspace(tokens: int, experts: int) -> Any:
@@ -174,9 +173,11 @@ def _upload(arr: np.ndarray) -> Any:
     return cupy.asarray(np.ascontiguousarray(arr))
 
 
-def _dense(w: np.ndarray, weight_format: str) -> Any:
-    """A dense [N, K] bf16 matrix on the device, fp8-block128 as Quantized(uint8 values [N, K], float32 scales
-    [ceil(N/128), ceil(K/128)])."""
+def _dense(w: Any, weight_format: str) -> Any:
+    """A dense [N, K] matrix on the device: bf16, or fp8-block128 as Quantized(uint8 values [N, K], float32 scales
+    [ceil(N/128), ceil(K/128)]) -- quantized here from bf16, or uploaded as the reference model holds it."""
+    if isinstance(w, Quantized):
+        return dataclasses.replace(w, values=_upload(w.values), scales=_upload(w.scales))
     device = _upload(w)
     if weight_format == "bf16":
         return device
@@ -184,6 +185,20 @@ def _dense(w: np.ndarray, weight_format: str) -> Any:
 
     values, scales = quantize_matrix(device[None], "w2")  # one [N, K] "expert", blocked 128 x 128
     return Quantized(values[0], scales[0])
+
+
+def _experts(w13: Any, w2: Any, weight_format: str) -> tuple[Any, Any]:
+    """The experts on the device in ``weight_format``: uploaded as the reference model holds them (bf16 or
+    quantized on the host), or quantized on the device from bf16."""
+    if isinstance(w13, Quantized):
+        return tuple(dataclasses.replace(w, values=_upload(w.values),
+                                         scales=None if w.scales is None else _upload(w.scales)) for w in (w13, w2))
+    w13, w2 = _upload(w13), _upload(w2)
+    if weight_format != "bf16":
+        from kernels import quantize_weights
+
+        w13, w2 = quantize_weights(w13, w2, weight_format)
+    return w13, w2
 
 
 @dataclass
@@ -225,16 +240,16 @@ class DeviceModel:
         larger than the model's (its layers repeated in order: layer l is model layer l % n)."""
         weight_format = check_step_format(weight_format)
         order = cycle_order(model, cycle_to)
-        from kernels import quantize_weights
+        if model.weight_format != "bf16" and model.weight_format != weight_format:
+            raise ValueError(f"model holds {model.weight_format!r} weights: upload them as such, not as "
+                             f"{weight_format!r}")
 
         distinct: list[DeviceLayer] = []
         index: dict[int, int] = {}
         layer_order = []
         for layer in model.layers:
             if id(layer) not in index:  # a model whose layers repeat (cycle_model) is uploaded once per copy
-                w13, w2 = _upload(layer.w13), _upload(layer.w2)
-                if weight_format != "bf16":
-                    w13, w2 = quantize_weights(w13, w2, weight_format)
+                w13, w2 = _experts(layer.w13, layer.w2, weight_format)
                 index[id(layer)] = len(distinct)
                 distinct.append(DeviceLayer(_upload(layer.input_norm), _dense(layer.wqkv, weight_format),
                                             _upload(layer.q_norm), _upload(layer.k_norm),
@@ -369,33 +384,6 @@ class StepOutput:
     topk_ids: np.ndarray | None = None
 
 
-def dot_chain(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The contract's lane chain over the last axis (K % 8 == 0) in float32: lane l takes 8-element chunks l, l + 32,
-    ... in order (``acc = acc + a*b``, exact products), then the butterfly over offsets 16, 8, 4, 2, 1."""
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    k = a.shape[-1]
-    if k % 8:
-        raise ValueError(f"dot_chain needs a length that is a multiple of 8, got {k}")
-    lanes = np.zeros((*a.shape[:-1], 32), np.float32)
-    prod = a * b  # bf16 x bf16 products are exact in float32
-    for chunk in range(k // 8):
-        lane = chunk % 32
-        for i in range(8):
-            lanes[..., lane] = lanes[..., lane] + prod[..., chunk * 8 + i]
-    for offset in (16, 8, 4, 2, 1):
-        lanes = lanes + lanes[..., np.arange(32) ^ offset]
-    return lanes[..., 0]
-
-
-def rms_norm_kernel_order(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """RMSNorm of bf16 rows in the kernels' order (contract item 2), rounded to bf16."""
-    x32 = np.asarray(x).astype(np.float32)
-    g = np.asarray(weight).astype(np.float32)
-    ss = dot_chain(x32, x32)
-    rs = np.float32(1.0) / np.sqrt(ss / np.float32(x32.shape[-1]) + np.float32(eps))
-    return round_bf16((x32 * rs[..., None]) * g)
-
-
 @dataclass
 class Step:
     """One step, built once (:func:`build_step`): :meth:`run` launches it (graph-capturable), :meth:`blocks` its
@@ -453,7 +441,7 @@ class Step:
         if hidden:
             residual = self.buffers["final_residual"].get()
             final_norm = self.device_model.final_norm.get()
-            out.hidden = rms_norm_kernel_order(residual, final_norm, self.device_model.config.rms_norm_eps)
+            out.hidden = rms_norm_chain(residual, final_norm, self.device_model.config.rms_norm_eps)
         if logits:
             if self.buffers.get("logits") is None:
                 raise ValueError("this step keeps no logits: build it with build_step(..., logits=True)")
@@ -527,6 +515,8 @@ def build_step(device_model: DeviceModel, device_state: DeviceState, T: int,  # 
     heads, kv_heads, D = shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim  # noqa: N806
     eps, L = float(shape.rms_norm_eps), device_model.step_layers  # noqa: N806
     fmt = device_model.weight_format
+    params = STEP_KERNELS.for_device(STEP_KERNELS.resolve(None, **(step_knobs or {})))
+    pdl = params["PDL"]  # every kernel of the step: programmatic launches waiting before their dependent reads
 
     bf16 = dict(dtype=BF16)
     buffers: dict[str, Any] = {
@@ -541,16 +531,15 @@ def build_step(device_model: DeviceModel, device_state: DeviceState, T: int,  # 
         "topk_weights": cupy.zeros((L, T, K), dtype=np.float32),
         "logits": cupy.empty((T, V), dtype=np.float32) if logits else None,
     }
-    cos, sin = rope_tables(np.arange(device_state.capacity), D, shape.rope_theta)
+    cos, sin = rope_tables(device_state.capacity, D, shape.rope_theta)
     buffers["cos"], buffers["sin"] = _upload(np.asarray(cos, np.float32)), _upload(np.asarray(sin, np.float32))
     buffers["router_workspace"] = _make_router_workspace(T, E)
-    buffers["attention_workspace"] = _make_attention_workspace(T, heads, kv_heads, D, device_state.capacity)
-    buffers["lm_head_workspace"] = _make_gemv_workspace(T, V)
+    buffers["attention_workspace"] = _make_attention_workspace(T, heads, kv_heads, D, device_state.capacity, pdl)
+    buffers["lm_head_workspace"] = _make_gemv_workspace(T)
     dims = Dims(T, H, shape.intermediate, E, K)
     moe_launch = make_moe_launch(moe, dims, fmt)
     buffers["moe_launch"] = moe_launch
 
-    params = STEP_KERNELS.for_device(STEP_KERNELS.resolve(None, **(step_knobs or {})))
     kernels = STEP_KERNELS.kernels_for(params)
     programmatic, threads = bool(params["PDL"]), params["THREADS"]
     lengths = device_state.lengths
@@ -564,9 +553,9 @@ def build_step(device_model: DeviceModel, device_state: DeviceState, T: int,  # 
     for layer in range(L):
         w = device_model.layers[device_model.order[layer]]
         if layer == 0:
-            qkv = _gemv(residual[0], w.wqkv, buffers["qkv"], norm=w.input_norm, eps=eps)
+            qkv = _gemv(residual[0], w.wqkv, buffers["qkv"], pdl, norm=w.input_norm, eps=eps)
         else:  # h := bf16(h + the previous layer's MoE output), into the other buffer, then the norm
-            qkv = _gemv(residual[current], w.wqkv, buffers["qkv"], norm=w.input_norm, eps=eps,
+            qkv = _gemv(residual[current], w.wqkv, buffers["qkv"], pdl, norm=w.input_norm, eps=eps,
                         add=buffers["moe_out"], residual_out=residual[1 - current])
             current = 1 - current
         h = residual[current]
@@ -575,22 +564,22 @@ def build_step(device_model: DeviceModel, device_state: DeviceState, T: int,  # 
             StepLaunch(ATTENTION_PROJECTIONS, "qkv_gemv", layer, qkv),
             StepLaunch(ATTENTION, "qk_norm_rope_append", layer, _qk_rope(
                 buffers["qkv"], w.q_norm, w.k_norm, buffers["cos"], buffers["sin"], lengths, buffers["q"],
-                device_state.k_cache[layer], device_state.v_cache[layer], heads, kv_heads, eps)),
+                device_state.k_cache[layer], device_state.v_cache[layer], heads, kv_heads, eps, pdl)),
             StepLaunch(ATTENTION, "decode_attention", layer, _attention(
                 buffers["q"], device_state.k_cache[layer], device_state.v_cache[layer], lengths,
-                buffers["attention_out"], buffers["attention_workspace"])),
+                buffers["attention_out"], buffers["attention_workspace"], pdl)),
             StepLaunch(ATTENTION_PROJECTIONS, "o_gemv", layer, _gemv(
-                buffers["attention_out"], w.wo, h, residual_in=h)),
+                buffers["attention_out"], w.wo, h, pdl, residual_in=h)),
             StepLaunch(ROUTER, "fused_router", layer, _router(
                 h, w.router, K, shape.norm_topk_prob, ids, weights, buffers["router_workspace"], w.post_norm,
-                buffers["moe_in"], eps)),
+                buffers["moe_in"], eps, pdl)),
         ]
         for name, fn in _moe_stages(moe_launch, buffers["moe_in"], w.w13, w.w2, ids, weights, buffers["moe_out"]):
             launches.append(StepLaunch(MOE, f"moe:{name}", layer, fn))
     buffers["final_residual"] = residual[1 - current]
     launches += [
         StepLaunch(LM_HEAD, "lm_head_argmax", -1, _gemv(
-            residual[current], device_model.lm_head, None, norm=device_model.final_norm, eps=eps,
+            residual[current], device_model.lm_head, None, pdl, norm=device_model.final_norm, eps=eps,
             add=buffers["moe_out"], residual_out=residual[1 - current], argmax=buffers["tokens"],
             logits=buffers["logits"], workspace=buffers["lm_head_workspace"])),
         StepLaunch(OTHER, "bump_lengths", -1, lambda: launch_ex(
@@ -607,4 +596,4 @@ def moe_stage_names(step: Step) -> list[str]:
 
 __all__ = ["BLOCKS", "MOE_PATHS", "DeviceLayer", "DeviceModel", "DeviceState", "Step", "StepLaunch",
            "StepOutput", "build_step", "cache_from_device_layout", "cache_to_device_layout", "cycle_model",
-           "cycle_order", "dot_chain", "make_moe_launch", "moe_variant", "rms_norm_kernel_order"]
+           "cycle_order", "make_moe_launch", "moe_variant"]
