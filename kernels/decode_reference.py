@@ -67,6 +67,8 @@ from kernels.numerics import (
     dot_chain,
     head_norm_rope,
     rms_norm_chain,
+    rope_angles,
+    rope_tables,
     round_bf16,
     router_chain,
     silu,
@@ -239,8 +241,7 @@ def rope(x: np.ndarray, positions: Any, theta: float) -> np.ndarray:
     if positions.shape != x.shape[:1] or positions.dtype.kind not in "iu" or (positions.size and positions.min() < 0):
         raise ValueError(f"positions must be {x.shape[0]} integers >= 0 (one per token), got {positions!r}")
     half = x.shape[-1] // 2
-    inv_freq = float(theta) ** (-np.arange(half, dtype=np.float64) * 2.0 / x.shape[-1])
-    angles = positions.astype(np.float64)[:, None, None] * inv_freq  # [T, 1, half]
+    angles = rope_angles(positions, x.shape[-1], theta)[:, None, :]  # [T, 1, half]
     cos, sin = np.cos(angles).astype(acc), np.sin(angles).astype(acc)
     first, second = x[..., :half], x[..., half:]
     return np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
@@ -464,15 +465,6 @@ def _check_tokens(tokens: Any, batch: int, vocab: int) -> np.ndarray:
     if tokens.min() < 0 or tokens.max() >= vocab:
         raise ValueError(f"tokens must lie in [0, vocab_size) = [0, {vocab}), found [{tokens.min()}, {tokens.max()}]")
     return tokens.astype(np.int64)
-
-
-def rope_tables(positions: Any, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """The float32 cos / sin tables [T, head_dim / 2] a kernel reads: angles position * theta^(-2i/head_dim) in
-    float64, each rounded once (the same values :func:`rope` uses in float32)."""
-    half = head_dim // 2
-    inv_freq = float(theta) ** (-np.arange(half, dtype=np.float64) * 2.0 / head_dim)
-    angles = np.asarray(positions).astype(np.float64)[:, None] * inv_freq
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
 def decode_step(model: Model, tokens: Any, state: DecodeState, split: int | None = None) -> StepResult:

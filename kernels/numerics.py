@@ -241,6 +241,22 @@ def fma_f32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
         return s.astype(np.float32)
 
 
+def rope_angles(positions: Any, head_dim: int, theta: float) -> np.ndarray:
+    """RoPE's angles [len(positions), head_dim / 2] in float64: position * theta^(-2i / head_dim) (``rotate_half``
+    pairs i, i + head_dim / 2). The reference's oracle takes their cos / sin in float64, the kernels read them as
+    float32 tables (:func:`rope_tables`)."""
+    half = int(head_dim) // 2
+    inv_freq = float(theta) ** (-np.arange(half, dtype=np.float64) * 2.0 / int(head_dim))
+    return np.asarray(positions).astype(np.float64).reshape(-1, 1) * inv_freq
+
+
+def rope_tables(positions: Any, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """The float32 cos / sin tables [len(positions), head_dim / 2] the decode kernels read: :func:`rope_angles`
+    rounded once."""
+    angles = rope_angles(positions, head_dim, theta)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
 def head_lane_chain(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Item 4's head layout: element i in lane i % 32, register i // 32; each lane ``fmaf(a, b, acc)`` over its
     registers in order from 0.0f, then the butterfly. [..., D] (D % 32 == 0, leading axes broadcast) -> [...]."""
@@ -262,7 +278,7 @@ def head_norm_rope(x: np.ndarray, g: np.ndarray, cos: np.ndarray, sin: np.ndarra
     ``ss`` by :func:`head_lane_chain`; ``rs = 1 / sqrt(ss / D + eps)``; ``xn = (x * rs) * g`` kept in FP32; with
     half = D / 2: ``out[i] = xn[i] cos[i] - xn[i + half] sin[i]``, ``out[i + half] = xn[i + half] cos[i] + xn[i]
     sin[i]`` (each product rounded, then the add), rounded once to bf16. ``cos``, ``sin``: float32 [..., half]
-    broadcasting against x[..., :half] (the host's table, :func:`kernels.decode_reference.rope_tables`).
+    broadcasting against x[..., :half] (the host's table, :func:`rope_tables`).
     """
     xf = as_f32(x)
     d = xf.shape[-1]

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from kernels import numerics
 from kernels.arrays import BF16, check_aligned
 from kernels.compile import CudaSource, launch_ex
 from kernels.contract import Dims
@@ -458,10 +459,7 @@ def rope_tables(max_positions: int, head_dim: int, theta: float) -> tuple[np.nda
         raise ValueError(f"max_positions must be a positive int, got {max_positions!r}")
     if isinstance(head_dim, bool) or not isinstance(head_dim, int | np.integer) or head_dim < 2 or head_dim % 2:
         raise ValueError(f"head_dim must be a positive even int, got {head_dim!r}")
-    half = int(head_dim) // 2
-    inv_freq = float(theta) ** (-np.arange(half, dtype=np.float64) * 2.0 / int(head_dim))
-    angles = np.arange(int(max_positions), dtype=np.float64)[:, None] * inv_freq
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    return numerics.rope_tables(np.arange(int(max_positions)), int(head_dim), theta)
 
 
 @dataclass(frozen=True)
