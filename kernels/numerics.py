@@ -207,18 +207,20 @@ EXP_POLY = tuple(_F32(c) for c in (1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0, 
 
 def exp_rn(x: np.ndarray) -> np.ndarray:
     """e^x in float32 with correctly rounded mul / add only (the kernels' ``exp_rn``, reproducible bit for bit):
-    0 below -87; x = fminf(x, 88) (a NaN becomes 88, as fminf does); n = rint(x * log2 e); r = x - n ln2_hi -
-    n ln2_lo; the degree-6 Taylor polynomial in r by Horner; ldexp(p, n). Within 3 ulp of e^x on [-87, 88]
-    (2.96 at most, 0.5 % of inputs beyond 2: the Taylor tail alone is ~1.7 ulp at r = -ln2 / 2)."""
+    0 below -87; x = min(x, 88) by a compare (a NaN stays NaN, and so does the result); n = rint(x * log2 e);
+    r = x - n ln2_hi - n ln2_lo; the degree-6 Taylor polynomial in r by Horner; ldexp(p, n). Within 3 ulp of e^x
+    on [-87, 88] (2.96 at most, 0.5 % of inputs beyond 2: the Taylor tail alone is ~1.7 ulp at r = -ln2 / 2)."""
     x = np.asarray(x, np.float32)
     small = x < _F32(-87.0)
-    x = np.where(small, _F32(0.0), np.fmin(x, _F32(88.0)))  # -inf: no inf - inf on the way to its 0
+    with np.errstate(invalid="ignore"):
+        x = np.where(small, _F32(0.0), np.where(x > _F32(88.0), _F32(88.0), x))  # -inf: no inf - inf on the way
     n = np.rint(x * EXP_LOG2E)
     r = (x - n * EXP_LN2_HI) - n * EXP_LN2_LO
     p = np.full_like(r, EXP_POLY[0])
     for c in EXP_POLY[1:]:
         p = p * r + c
-    out = np.ldexp(p, n.astype(np.int32)).astype(np.float32, copy=False)
+    with np.errstate(invalid="ignore"):
+        out = np.ldexp(p, np.where(np.isnan(n), _F32(0.0), n).astype(np.int32)).astype(np.float32, copy=False)
     return np.where(small, _F32(0.0), out)
 
 

@@ -692,3 +692,14 @@ def test_gpu_pdl_chain_rope_then_attention(cupy_mod: Any, rng: np.random.Generat
 
 def test_scale_is_the_float64_one() -> None:
     assert np.float32(1.0 / math.sqrt(128)) == np.float32(1.0 / np.sqrt(np.float64(128)))
+
+
+def test_a_nan_query_gives_a_nan_head_not_a_finite_one() -> None:
+    """exp_rn keeps a NaN (a compare, not fminf): a NaN score makes its head's output NaN rather than weights of
+    e^88; the other heads are untouched."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((4, 32)).astype(BF16)
+    q[1, 5] = np.nan
+    keys, values = (rng.standard_normal((40, 2, 32)).astype(BF16) for _ in range(2))
+    out = bf16_to_f32(chunked_attention(q, keys, values, 32))
+    assert np.isnan(out[1]).all() and np.isfinite(out[[0, 2, 3]]).all()

@@ -26,7 +26,7 @@ EXP_RN = rf"""
 #define DECODE_EXP_RN
 __device__ __forceinline__ float exp_rn(float x) {{
     if (x < -87.0f) return 0.0f;
-    x = fminf(x, 88.0f);
+    x = x > 88.0f ? 88.0f : x;  // not fminf: a NaN stays NaN (a NaN score must not turn into a weight)
     const float n = rintf(__fmul_rn(x, {_f32(EXP_LOG2E)}));
     float r = __fsub_rn(x, __fmul_rn(n, {_f32(EXP_LN2_HI)}));
     r = __fsub_rn(r, __fmul_rn(n, {_f32(EXP_LN2_LO)}));
