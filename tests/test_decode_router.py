@@ -336,9 +336,9 @@ def test_checks_refuse(change: dict[str, Any], error: type, name: str) -> None:
     ({"norm": FakeCupyArray((64,), BF16), "moe_in": FakeCupyArray((3, 64), np.float32)}, TypeError, "moe_in"),
     ({"eps": "x"}, TypeError, "eps"),
     ({"eps": 2.0}, ValueError, "eps"),
-    ({"knobs": {"PDL": 2}}, ValueError, "PDL"),
-    ({"knobs": {"NORM": 1}}, ValueError, "NORM"),
-    ({"knobs": 3}, TypeError, "knobs"),
+    ({"PDL": 2}, ValueError, "PDL"),
+    ({"NORM": 1}, ValueError, "NORM"),
+    ({"UNROLL": 2.5}, TypeError, "UNROLL"),
 ], ids=lambda v: None if isinstance(v, dict | type) else str(v)[:24])
 def test_checks_refuse_norm_arguments(change: dict[str, Any], error: type, name: str) -> None:
     h, w = _fakes()
@@ -444,7 +444,7 @@ def test_gpu_norm_prologue_bitwise_twin(cupy_mod: Any, rng: np.random.Generator,
         h_d.view(cupy.uint16).fill(0x7FC0)
         h_d[...] = src  # the kernel right before the router writes h
         fused_router(h_d, w_d, top_k, True, ids, weights, workspace, norm=g_d, moe_in=moe_in,
-                     knobs={"PDL": pdl})
+                     PDL=pdl)
         cupy.cuda.runtime.deviceSynchronize()
         np.testing.assert_array_equal(cupy.asnumpy(ids), want_ids)
         np.testing.assert_array_equal(cupy.asnumpy(weights).view(np.uint32), want_weights.view(np.uint32))

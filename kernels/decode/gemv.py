@@ -592,16 +592,13 @@ def _check_no_overlap(written: dict[str, Any], read: dict[str, Any]) -> None:
 
 def gemv_launch(x: Any, w: Any, out: Any = None, *, norm: Any = None, residual_in: Any = None,
                 residual_out: Any = None, eps: float = 1e-6, add: Any = None, argmax: Any = None, logits: Any = None,
-                workspace: GemvWorkspace | None = None, knobs: Mapping[str, int] | None = None) -> Callable[[], None]:
+                workspace: GemvWorkspace | None = None, **knobs: int) -> Callable[[], None]:
     """Check, resolve and compile once; returns a zero-argument callable that launches the GEMV on CuPy's current
     stream with these arrays (allocates nothing, never syncs: capture it in a CUDA graph, then change the arrays'
     contents and replay). Arguments as :func:`dense_gemv`."""
     call = check_gemv_inputs(x, w, out, norm=norm, residual_in=residual_in, residual_out=residual_out, eps=eps,
                              add=add, argmax=argmax, logits=logits, workspace=workspace)
-    if knobs is not None and not isinstance(knobs, Mapping):
-        raise TypeError(f"knobs must be a mapping of knob -> int, got {type(knobs).__name__}")
-    params = with_modes(GEMV.resolve(Dims(call.tokens, call.k, call.n, 1, 1), **dict(knobs or {})), call.modes,
-                        knobs or {})
+    params = with_modes(GEMV.resolve(Dims(call.tokens, call.k, call.n, 1, 1), **knobs), call.modes, knobs)
     staged = call.modes["NORM"] or call.modes["ADD"]
     shared = staged_bytes(call.k, params) if staged else 0
     if shared > SHARED_LIMIT:
@@ -647,7 +644,7 @@ def gemv_launch(x: Any, w: Any, out: Any = None, *, norm: Any = None, residual_i
 
 def dense_gemv(x: Any, w: Any, out: Any = None, *, norm: Any = None, residual_in: Any = None,
                residual_out: Any = None, eps: float = 1e-6, add: Any = None, argmax: Any = None, logits: Any = None,
-               workspace: GemvWorkspace | None = None, knobs: Mapping[str, int] | None = None) -> Any:
+               workspace: GemvWorkspace | None = None, **knobs: int) -> Any:
     """y = x . W^T for the step's T tokens in one launch; returns ``out`` (or ``argmax``).
 
     ``x`` [T, K] bf16 (T <= 64); ``add`` [T, K] bf16: x := bf16(x + add) first, written to ``residual_out`` [T, K];
@@ -659,5 +656,5 @@ def dense_gemv(x: Any, w: Any, out: Any = None, *, norm: Any = None, residual_in
     ROWS, UNROLL, TOKENS, PDL (launched programmatically), ARGMAX_BLOCKS, MAX_REGS. CuPy's current stream, no sync.
     """
     gemv_launch(x, w, out, norm=norm, residual_in=residual_in, residual_out=residual_out, eps=eps, add=add,
-                argmax=argmax, logits=logits, workspace=workspace, knobs=knobs)()
+                argmax=argmax, logits=logits, workspace=workspace, **knobs)()
     return argmax if argmax is not None else out

@@ -23,7 +23,6 @@ is loaded before ``griddepcontrol.wait``, h after it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -377,7 +376,7 @@ def check_router_inputs(h: Any, w_router: Any, top_k: Any, norm_topk_prob: Any =
 
 def fused_router(h: Any, w_router: Any, top_k: int, norm_topk_prob: bool = True, topk_ids: Any = None,
                  topk_weights: Any = None, workspace: RouterWorkspace | None = None, *, norm: Any = None,
-                 moe_in: Any = None, eps: float = 1e-6, knobs: Mapping[str, int] | None = None) -> tuple[Any, Any]:
+                 moe_in: Any = None, eps: float = 1e-6, **knobs: int) -> tuple[Any, Any]:
     """Route T tokens on the GPU in one launch: (topk_ids [T, K] int32, topk_weights [T, K] float32).
 
     ``h`` [T, H] bf16 and ``w_router`` [E, H] bf16, CuPy arrays. With ``norm`` [H] bf16, ``h`` is the residual
@@ -391,9 +390,7 @@ def fused_router(h: Any, w_router: Any, top_k: int, norm_topk_prob: bool = True,
     """
     tokens, hidden, experts, top_k = check_router_inputs(h, w_router, top_k, norm_topk_prob, topk_ids, topk_weights,
                                                          workspace, norm, moe_in, eps)
-    if knobs is not None and not isinstance(knobs, Mapping):
-        raise TypeError(f"knobs must be a mapping of knob -> int, got {type(knobs).__name__}")
-    params = {**ROUTER.resolve(Dims(tokens, hidden, 1, experts, top_k), **dict(knobs or {})),
+    params = {**ROUTER.resolve(Dims(tokens, hidden, 1, experts, top_k), **knobs),
               "NORM": int(norm is not None)}
     import cupy
 

@@ -125,7 +125,7 @@ def _module(name: str) -> Any:
 
 def _gemv(x: Any, w: Any, out: Any, pdl: int, **kw: Any) -> Callable[[], None]:
     """``kernels.decode.gemv.gemv_launch``: checked and compiled now, the callable only launches."""
-    return _module("gemv").gemv_launch(x, w, out, knobs={"PDL": pdl}, **kw)
+    return _module("gemv").gemv_launch(x, w, out, PDL=pdl, **kw)
 
 
 def _make_gemv_workspace(tokens: int) -> Any:
@@ -159,7 +159,7 @@ def _router(h: Any, w_router: Any, top_k: int, norm_topk_prob: bool, topk_ids: A
     router = _module("router")
     return lambda: router.fused_router(h, w_router, top_k, norm_topk_prob, topk_ids=topk_ids,
                                        topk_weights=topk_weights, workspace=workspace, norm=norm, moe_in=moe_in,
-                                       eps=eps, knobs={"PDL": pdl})
+                                       eps=eps, PDL=pdl)
 
 
 def _make_router_workspace(tokens: int, experts: int) -> Any:
