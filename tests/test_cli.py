@@ -14,7 +14,8 @@ import pytest
 
 from tools import bench, roofline, sweep
 
-CLIS = ("tools.roofline", "tools.sweep", "tools.accuracy", "tools.report", "tools.dispatch_table", "tools.decode")
+CLIS = ("tools.roofline", "tools.sweep", "tools.accuracy", "tools.report", "tools.dispatch_table", "tools.decode",
+        "tools.peers.decode")
 
 
 def _last_line(text: str) -> str:

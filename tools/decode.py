@@ -2,7 +2,8 @@
 roofline and the step's own read floor measured in the same run.
 
     python -m tools.decode --model qwen3-30b-a3b --tokens 1,4 --context 2048,8192 --moe warp-decode,strict
-    python -m tools.decode --format fp8-block128 --moe warp-decode,expert-centric,triton-peer --torch --json run.json
+    python -m tools.decode --format fp8-block128 --moe warp-decode,expert-centric --json run.json
+    python -m tools.peers.decode --moe warp-decode,triton-peer --torch   # the peers extra: the Triton MoE, PyTorch
 
 Per point (model, format, T, C, MoE path) on a GPU: the step (:mod:`kernels.decode.step`) is built once on a model of
 ``--layers`` distinct generated layer copies cycled through the preset's layer count (the bytes a step reads are the
@@ -12,10 +13,11 @@ outside, each sample ``--inner`` replays between CUDA events after the lengths a
 within C .. C + inner), median and min-max over ``--repeats`` samples. Each block (attention projections, attention,
 router, MoE, LM head, norms/other) is timed alone the same way. The streaming-read roofline (``tools.roofline``) and
 the step's read floor -- its kernels reduced to their reads: a streaming read (16-byte loads, no PDL) per launch of
-the step with that launch's bytes, chained in one graph -- are measured in the same process. ``--torch`` adds the
-PyTorch-composed step (``tools/peers/torch_step.py``: cuBLAS, SDPA, torch top-k, the Triton peer's MoE; the peers
-extra). Without a GPU it runs the reference step at ``tiny`` (fp64 oracle vs the bf16 mode, rel-L2 per step), prints
-the bytes of every requested point, and says NO TIMING TAKEN and why.
+the step with that launch's bytes, chained in one graph -- are measured in the same process. The peers extra runs
+this tool as ``python -m tools.peers.decode`` (:class:`Extras`): the MoE path "triton-peer" and ``--torch``, the
+PyTorch-composed step (``tools/peers/torch_step.py``: cuBLAS, SDPA, torch top-k, the Triton peer's MoE), in the same
+tables; nothing here imports them. Without a GPU it runs the reference step at ``tiny`` (fp64 oracle vs the bf16
+mode, rel-L2 per step), prints the bytes of every requested point, and says NO TIMING TAKEN and why.
 
 JSON (``--json``; name runs as results/ does: ``results/h200-<date>-decode-<what>.json``): the environment, the
 rooflines, per point the samples, blocks, bytes and floor; or the CPU checks.
@@ -29,6 +31,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +42,26 @@ from kernels.shapes import PRESETS, get_shape
 from tools.cli import examples, int_list, positive_int
 
 SCHEMA = "warp-decode-decode/1"
-MOES = ("warp-decode", "strict", "expert-centric", "triton-peer")
+MOES = ("warp-decode", "strict", "expert-centric")
 DECODER_MODELS = tuple(name for name, shape in PRESETS.items() if shape.has_attention)
 DEFAULT_LAYERS = 4  # distinct layer copies generated (cycled through the preset's layers)
 CPU_MODEL = "tiny"
 CPU_STEPS = 4
 HEADROOM = 64  # cache positions past C + the replays of one sample
+
+
+@dataclass(frozen=True)
+class Extras:
+    """What another program adds to this one (``tools.peers.decode``): its ``prog`` name, MoE paths by name (each a
+    function giving the step's ``moe`` hook, or None and why it cannot run) and a composed step
+    (``composed(device_model, model, tokens, context, repeats, inner, seed) -> row``, behind ``--torch``)."""
+
+    prog: str = "python -m tools.decode"
+    moes: dict[str, Callable[[], tuple[Any, str | None]]] = field(default_factory=dict)
+    composed: Callable[..., dict[str, Any]] | None = None
+
+
+NO_EXTRAS = Extras()
 
 
 def _now() -> float:
@@ -69,24 +86,25 @@ def model_list(text: str) -> list[str]:
     return _names(text, DECODER_MODELS, "decoder presets")
 
 
-def moe_list(text: str) -> list[str]:
-    """A comma list of MoE paths (:data:`MOES`)."""
-    return _names(text, MOES, "MoE paths")
+def moe_list(text: str, extras: Extras = NO_EXTRAS) -> list[str]:
+    """A comma list of MoE paths (:data:`MOES` and the extras')."""
+    return _names(text, (*MOES, *extras.moes), "MoE paths")
 
 
 def format_list(text: str) -> list[str]:
     return _names(text, WEIGHT_FORMATS, "weight formats")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(extras: Extras = NO_EXTRAS) -> argparse.ArgumentParser:
+    moes = (*MOES, *extras.moes)
     parser = argparse.ArgumentParser(
-        prog="python -m tools.decode", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=extras.prog, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Time a whole decode step (one CUDA graph) against the roofline and the step's read floor "
                     "(without a GPU: the reference step at tiny, no timing).",
         epilog=examples(
             "python -m tools.decode                                   # qwen3-30b-a3b, T=1, C=2048, bf16, warp-decode",
             "python -m tools.decode --tokens 1,4 --context 2048,8192 --moe warp-decode,strict,expert-centric",
-            "python -m tools.decode --format fp8-block128 --moe warp-decode,triton-peer --torch --json run.json",
+            "python -m tools.peers.decode --format fp8-block128 --moe warp-decode,triton-peer --torch   # peers extra",
             "python -m tools.decode --model qwen3-235b-a22b --layers 8   # 8 distinct copies cycled through 94"))
     parser.add_argument("--model", type=model_list, default=["qwen3-30b-a3b"],
                         help="comma list of decoder presets (default qwen3-30b-a3b); known: "
@@ -98,11 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "default 2048)")
     parser.add_argument("--format", type=format_list, default=["bf16"], metavar="FMT,...",
                         help=f"weight formats ({', '.join(WEIGHT_FORMATS)}; default bf16)")
-    parser.add_argument("--moe", type=moe_list, default=["warp-decode"], metavar="PATH,...",
-                        help=f"MoE paths in the step ({', '.join(MOES)}; default warp-decode; triton-peer needs the "
-                             "peers extra)")
-    parser.add_argument("--torch", action="store_true",
-                        help="also time the PyTorch-composed step (peers extra: PyTorch + Triton)")
+    parser.add_argument("--moe", type=lambda text: moe_list(text, extras), default=["warp-decode"], metavar="PATH,...",
+                        help=f"MoE paths in the step ({', '.join(moes)}; default warp-decode)")
+    if extras.composed is not None:
+        parser.add_argument("--torch", action="store_true",
+                            help="also time the PyTorch-composed step (default: not)")
     parser.add_argument("--layers", type=positive_int, default=None, metavar="N",
                         help=f"distinct layer copies generated, cycled through the preset's layers (default "
                              f"{DEFAULT_LAYERS}, at most the preset's)")
@@ -156,7 +174,7 @@ def bytes_rows(models: Sequence[str], tokens: Sequence[int], contexts: Sequence[
 # ------------------------------------------------------------------------------------------------
 # On a GPU
 # ------------------------------------------------------------------------------------------------
-def _summary(samples: list[float]) -> dict[str, float]:
+def summary(samples: list[float]) -> dict[str, float]:
     return {"median_us": statistics.median(samples), "min_us": min(samples), "max_us": max(samples)}
 
 
@@ -233,34 +251,21 @@ def read_floor(plan: Sequence[Any], repeats: int, inner: int, source_bytes: int 
         del source
 
 
-def _moe_hook(moe: str) -> Any:
-    """The step's ``moe`` argument for a path name: the name, or for "triton-peer" a hook building the peer's variant
-    (None with the reason when the peers extra cannot run)."""
-    if moe != "triton-peer":
-        return moe, None
-    from tools import peers
-
-    if peers.WHY_NOT is not None:
-        return None, peers.WHY_NOT
-
-    def triton_peer(dims: Any, weight_format: str) -> Any:
-        from kernels.variants import REGISTRY
-
-        name = peers.PEER if weight_format == "bf16" else peers.PEER_W8A8
-        return REGISTRY[name].make(dims)
-
-    return triton_peer, None
+def _moe_hook(moe: str, extras: Extras) -> tuple[Any, str | None]:
+    """The step's ``moe`` argument for a path name: the name, or an extra's hook (None and why when it cannot run)."""
+    return extras.moes[moe]() if moe in extras.moes else (moe, None)
 
 
 def measure_point(device_model: Any, model: Any, tokens: int, context: int, moe: str, repeats: int, inner: int,
-                  roof_tbps: float | None, seed: int, progress: Callable[[str], None]) -> dict[str, Any]:
+                  roof_tbps: float | None, seed: int, progress: Callable[[str], None],
+                  extras: Extras = NO_EXTRAS) -> dict[str, Any]:
     """One (T, C, MoE) point on an uploaded model: smoke check, step and blocks timed, read floor, bytes."""
     import cupy
 
     from kernels.decode.step import DeviceState, build_step, moe_stage_names
 
     row: dict[str, Any] = {"tokens": tokens, "context": context, "moe": moe, "status": "ok"}
-    hook, why_not = _moe_hook(moe)
+    hook, why_not = _moe_hook(moe, extras)
     if hook is None:
         return {**row, "status": "skipped", "error": why_not}
     capacity = context + inner + HEADROOM
@@ -288,7 +293,7 @@ def measure_point(device_model: Any, model: Any, tokens: int, context: int, moe:
     row["bytes"] = sb.as_dict()
     progress(f"  T={tokens} C={context} {moe}: timing the step ({repeats} x {inner} replays)")
     samples = time_graph(step.run, repeats, inner, reset)
-    row.update(samples_us=samples, **_summary(samples), kernels=len(step.launches),
+    row.update(samples_us=samples, **summary(samples), kernels=len(step.launches),
                kernels_per_layer=step.kernels_per_layer())
     row["tokens_per_s"] = tokens / (row["median_us"] * 1e-6)
     row["blocks"] = {}
@@ -297,13 +302,13 @@ def measure_point(device_model: Any, model: Any, tokens: int, context: int, moe:
         block_samples = time_graph(fn, repeats, inner, reset)
         nbytes = sb.blocks[block]
         median = statistics.median(block_samples)
-        row["blocks"][block] = {"samples_us": block_samples, **_summary(block_samples), "bytes": nbytes,
+        row["blocks"][block] = {"samples_us": block_samples, **summary(block_samples), "bytes": nbytes,
                                 "pct_roof": _pct(nbytes, median, roof_tbps)}
     progress(f"  T={tokens} C={context} {moe}: the read floor ({len(step.launches)} streaming reads in one graph)")
     plan = launch_plan(model.config, tokens, context, moe_stage_names(step), device_model.weight_format, unique,
                        device_model.step_layers)
     floor = read_floor(plan, repeats, inner)
-    row["read_floor"] = {"samples_us": floor, **_summary(floor), "kernels": len(plan)}
+    row["read_floor"] = {"samples_us": floor, **summary(floor), "kernels": len(plan)}
     row["pct_roof"] = _pct(sb.total, row["median_us"], roof_tbps)
     row["pct_floor"] = 100.0 * statistics.median(floor) / row["median_us"]
     return row
@@ -315,24 +320,8 @@ def _pct(nbytes: float, us: float, roof_tbps: float | None) -> float | None:
     return 100.0 * nbytes / (us * 1e-6) / 1e12 / roof_tbps
 
 
-def measure_torch(device_model: Any, model: Any, tokens: int, context: int, repeats: int, inner: int,
-                  seed: int) -> dict[str, Any]:
-    """The PyTorch-composed step at one point (tools/peers/torch_step.py), timed the same way."""
-    from tools.peers import torch_step
-
-    row: dict[str, Any] = {"tokens": tokens, "context": context, "moe": "torch", "status": "ok"}
-    if torch_step.WHY_NOT is not None:
-        return {**row, "status": "skipped", "error": torch_step.WHY_NOT}
-    composed = torch_step.TorchStep.build(device_model, tokens, context, capacity=context + inner + HEADROOM,
-                                          seed=seed)
-    samples = composed.time(repeats, inner)
-    row.update(samples_us=samples, **_summary(samples))
-    row["tokens_per_s"] = tokens / (row["median_us"] * 1e-6)
-    return row
-
-
 def gpu_run(args: argparse.Namespace, data: dict[str, Any], progress: Callable[[str], None],
-            checkpoint: Callable[[], None]) -> None:
+            checkpoint: Callable[[], None], extras: Extras = NO_EXTRAS) -> None:
     import cupy
 
     from kernels.decode.step import DeviceModel
@@ -358,19 +347,19 @@ def gpu_run(args: argparse.Namespace, data: dict[str, Any], progress: Callable[[
                                  "step_layers": shape.layers}
                         try:
                             row = measure_point(device_model, model, tokens, context, moe, args.repeats, args.inner,
-                                                roof, args.seed, progress)
+                                                roof, args.seed, progress, extras)
                         except Exception as exc:  # noqa: BLE001 - one point's failure is reported, the run goes on
                             row = {"tokens": tokens, "context": context, "moe": moe, "status": "error",
                                    "error": f"{type(exc).__name__}: {exc}"}
                         data["points"].append({**point, **row})
                         progress(_point_line(data["points"][-1]))
                         checkpoint()
-                    if args.torch:
+                    if getattr(args, "torch", False) and extras.composed is not None:
                         point = {"model": name, "weight_format": fmt, "distinct_layers": distinct,
                                  "step_layers": shape.layers}
                         try:
-                            row = measure_torch(device_model, model, tokens, context, args.repeats, args.inner,
-                                                args.seed)
+                            row = extras.composed(device_model, model, tokens, context, args.repeats, args.inner,
+                                                  args.seed)
                         except Exception as exc:  # noqa: BLE001
                             row = {"tokens": tokens, "context": context, "moe": "torch", "status": "error",
                                    "error": f"{type(exc).__name__}: {exc}"}
@@ -448,20 +437,20 @@ def renderables(data: dict[str, Any]) -> list[Any]:
 # ------------------------------------------------------------------------------------------------
 # Main
 # ------------------------------------------------------------------------------------------------
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, extras: Extras = NO_EXTRAS) -> int:
+    parser = build_parser(extras)
     args = parser.parse_args(argv)
     if args.seed < 0:
         parser.error(f"--seed must be an int >= 0, got {args.seed}")
     for name in args.model:
         if args.layers is not None and args.layers > get_shape(name).layers:
             parser.error(f"--layers {args.layers}: {name} has {get_shape(name).layers} layers")
-    _progress("python -m tools.decode: looking for a CUDA GPU")
+    _progress(f"{extras.prog}: looking for a CUDA GPU")
     from tools import display, harness
 
     gpu, why = harness.gpu_available()
     config = {"models": args.model, "tokens": args.tokens, "contexts": args.context, "formats": args.format,
-              "moe": args.moe, "torch": args.torch, "layers": args.layers, "repeats": args.repeats,
+              "moe": args.moe, "torch": getattr(args, "torch", False), "layers": args.layers, "repeats": args.repeats,
               "inner": args.inner, "seed": args.seed}
     data: dict[str, Any] = {"schema": SCHEMA, "environment": harness.environment(gpu), "config": config,
                             "rooflines": None, "points": [], "complete": False}
@@ -477,7 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         data["cpu"] = {"reason": why, "reference": cpu_checks(seed=args.seed),
                        "bytes": bytes_rows(args.model, args.tokens, args.context, args.format)}
     else:
-        gpu_run(args, data, _progress, checkpoint)
+        gpu_run(args, data, _progress, checkpoint, extras)
     data["complete"] = True
     checkpoint()
     console = display.console()
