@@ -102,10 +102,11 @@ def build_parser(extras: Extras = NO_EXTRAS) -> argparse.ArgumentParser:
         description="Time a whole decode step (one CUDA graph) against the roofline and the step's read floor "
                     "(without a GPU: the reference step at tiny, no timing).",
         epilog=examples(
-            "python -m tools.decode                                   # qwen3-30b-a3b, T=1, C=2048, bf16, warp-decode",
-            "python -m tools.decode --tokens 1,4 --context 2048,8192 --moe warp-decode,strict,expert-centric",
-            "python -m tools.peers.decode --format fp8-block128 --moe warp-decode,triton-peer --torch   # peers extra",
-            "python -m tools.decode --model qwen3-235b-a22b --layers 8   # 8 distinct copies cycled through 94"))
+            f"{extras.prog}                          # qwen3-30b-a3b, T=1, C=2048, bf16, warp-decode",
+            f"{extras.prog} --tokens 1,4 --context 2048,8192 --moe {','.join(moes)}",
+            f"{extras.prog} --format fp8-block128 --json run.json"
+            + (" --torch" if extras.composed is not None else ""),
+            f"{extras.prog} --model qwen3-235b-a22b --layers 8   # 8 distinct copies cycled through 94"))
     parser.add_argument("--model", type=model_list, default=["qwen3-30b-a3b"],
                         help="comma list of decoder presets (default qwen3-30b-a3b); known: "
                              + ", ".join(DECODER_MODELS))
