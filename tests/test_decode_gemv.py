@@ -500,10 +500,10 @@ def test_gpu_bf16_bitwise_and_repeats(cupy_mod: Any, rng: np.random.Generator, s
     n, k = QWEN3_30B[shape]
     inputs = _inputs(rng, tokens, n, k)
     d = _device(cupy, inputs)
-    first = _run_gpu(cupy, d, mode, False, {})
+    first = _run_gpu(cupy, d, mode, False, {"MMA": -1})  # T = 13: the FMA kernel, bitwise (auto: tensor cores)
     _check_gpu_bf16(inputs, mode, first)
     for _ in range(2):
-        again = _run_gpu(cupy, d, mode, False, {})
+        again = _run_gpu(cupy, d, mode, False, {"MMA": -1})
         for name, value in first.items():
             assert np.array_equal(_bits(value) if value.dtype != np.int32 else value,
                                   _bits(again[name]) if value.dtype != np.int32 else again[name])
@@ -530,7 +530,7 @@ def test_gpu_lm_head_argmax(cupy_mod: Any, rng: np.random.Generator, tokens: int
     inputs = _inputs(rng, tokens, n, k)
     workspace = make_gemv_workspace(tokens)
     d = _device(cupy, inputs)
-    got = _run_gpu(cupy, d, "argmax-logits", False, {}, workspace)
+    got = _run_gpu(cupy, d, "argmax-logits", False, {"MMA": -1}, workspace)  # the FMA kernel at every T
     _check_gpu_bf16(inputs, "argmax-logits", got)
     assert not cupy.asnumpy(workspace.ticket).any()
     again = _run_gpu(cupy, d, "argmax", False, {"WARPS": 8, "ROWS": 4, "UNROLL": 4}, workspace)

@@ -4,6 +4,7 @@
 (:func:`kernels.numerics.exp_rn`) reproduces it bit for bit; the router's and the attention's softmax use it.
 ``NORM_HELPERS``: the RMSNorm pieces of the order contract (the lane chain's sum of squares of a bf16 row, the
 reciprocal RMS, the normalized bf16 chunk, the bf16 residual sum), twins of :func:`kernels.numerics.rms_norm_chain`.
+``GEMV_SHARED``: what the two decode GEMVs share (x loads, the norm prologue, the argmax's block tail).
 """
 
 from __future__ import annotations
@@ -83,4 +84,115 @@ __device__ __forceinline__ uint4 bf16x8_norm(const uint4& x, float rs, const uin
     return make_uint4(out[0], out[1], out[2], out[3]);
 }
 #endif
+"""
+
+# ``GEMV_SHARED``: the device code both decode GEMVs share (kernels/decode/gemv.py, FMA; gemv_mma.py, tensor cores):
+# the x loads, the prologue (the rs pass, a chunk of the row the GEMV multiplies) and the argmax's block tail. Reads
+# the macros WARPS, PDL, NORM, ADD.
+GEMV_SHARED = r"""
+// ==== the decode GEMVs' shared device code (kernels/decode/device.py) ====
+#define GEMV_MAX_TOKENS 64
+// x chunks the previous kernel may have written: behind the PDL wait (ld_dep), else the read-only path
+__device__ __forceinline__ uint4 load_x(const uint4* row, int c, bool ok) {
+#if PDL
+    return ld_dep_chunk(row, c, ok);
+#else
+    return ldg_chunk(row, c, ok);
+#endif
+}
+
+// (value, row) a beats (best, best_row): greater value, or the same value and a lower row (NaN never wins)
+__device__ __forceinline__ bool beats(float value, int row, float best, int best_row) {
+    return value > best || (value == best && row < best_row);
+}
+
+// NORM: warp w writes the rs of token t0 + j to token_rs[j] for j = w, w + WARPS, ... < count (t clamped to T - 1:
+// past T, unused): the lane chain of the (summed) row's squares, the butterfly
+__device__ __forceinline__ void token_rs_pass(float* token_rs, const bf16_t* x, const bf16_t* add, int t0, int count,
+                                              int tokens, int k, float eps, int warp, int lane) {
+    const int xchunks = k / 8;
+    for (int j = warp; j < count; j += WARPS) {
+        const int t = min(t0 + j, tokens - 1);
+        const uint4* x_row = reinterpret_cast<const uint4*>(x + (size_t)t * k);
+        float ss = 0.0f;
+        for (int c = lane; c < xchunks; c += 32) {
+            uint4 v = load_x(x_row, c, true);
+#if ADD
+            v = bf16x8_add(v, load_x(reinterpret_cast<const uint4*>(add + (size_t)t * k), c, true));
+#endif
+            ss = bf16x8_sumsq(v, ss);
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) token_rs[j] = rms_scale(ss, k, eps);
+    }
+}
+
+// chunk c of token t's row as the GEMV multiplies it: x (ADD: + add, rounded, written to residual_out where `write`;
+// NORM: normalized with rs)
+__device__ __forceinline__ uint4 prologue_chunk(const bf16_t* x, const bf16_t* add, const bf16_t* norm,
+                                                bf16_t* residual_out, float rs, int t, int c, int k, bool write) {
+    uint4 v = load_x(reinterpret_cast<const uint4*>(x + (size_t)t * k), c, true);
+#if ADD
+    v = bf16x8_add(v, load_x(reinterpret_cast<const uint4*>(add + (size_t)t * k), c, true));
+    if (write) reinterpret_cast<uint4*>(residual_out + (size_t)t * k)[c] = v;
+#else
+    (void)add; (void)residual_out; (void)write;
+#endif
+#if NORM
+    v = bf16x8_norm(v, rs, load_x(reinterpret_cast<const uint4*>(norm), c, true));
+#else
+    (void)norm; (void)rs;
+#endif
+    return v;
+}
+
+// The argmax's tail: the block's best per token (its warps' bests, warps in order) to the workspace, a ticket, and
+// the block with the last ticket reduces every block's candidates (warp w: tokens w, w + WARPS, ...) and resets the
+// ticket. Every thread of the block calls it.
+__device__ __forceinline__ void argmax_tail(const float (&warp_best)[WARPS][GEMV_MAX_TOKENS],
+                                            const int (&warp_best_row)[WARPS][GEMV_MAX_TOKENS], int& last_block,
+                                            float* best_values, int* best_rows, unsigned* ticket, int* argmax,
+                                            int tokens, int n, int warp, int lane) {
+    __syncthreads();
+    for (int t = threadIdx.x; t < tokens; t += WARPS * 32) {   // the block's best per token, warps in order
+        float best = warp_best[0][t];
+        int best_row = warp_best_row[0][t];
+        for (int v = 1; v < WARPS; ++v)
+            if (beats(warp_best[v][t], warp_best_row[v][t], best, best_row)) {
+                best = warp_best[v][t];
+                best_row = warp_best_row[v][t];
+            }
+        best_values[(size_t)t * gridDim.x + blockIdx.x] = best;
+        best_rows[(size_t)t * gridDim.x + blockIdx.x] = best_row;
+    }
+    __threadfence();                                          // this thread's candidates visible device-wide
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const unsigned taken = atomicAdd(ticket, 1u);
+        last_block = taken == gridDim.x - 1;
+        if (last_block) {
+            *ticket = 0u;                                     // every block has taken its ticket
+            __threadfence();                                  // the others' candidates before the reads below
+        }
+    }
+    __syncthreads();
+    if (!last_block) return;
+    for (int t = warp; t < tokens; t += WARPS) {
+        float best = __int_as_float(0xff800000);
+        int best_row = 0x7fffffff;
+        for (int b = lane; b < (int)gridDim.x; b += 32) {
+            const float v = __ldcg(best_values + (size_t)t * gridDim.x + b);   // L2: not a stale L1 line
+            const int row = __ldcg(best_rows + (size_t)t * gridDim.x + b);
+            if (beats(v, row, best, best_row)) { best = v; best_row = row; }
+        }
+        #pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            const float other = __shfl_xor_sync(FULL_MASK, best, offset);
+            const int other_row = __shfl_xor_sync(FULL_MASK, best_row, offset);
+            if (beats(other, other_row, best, best_row)) { best = other; best_row = other_row; }
+        }
+        if (lane == 0) argmax[t] = best_row < n ? best_row : -1;
+    }
+}
 """

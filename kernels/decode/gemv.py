@@ -23,6 +23,10 @@ Modes are compile-time macros chosen by :func:`dense_gemv` from its arguments (n
   to ``logits`` [T, N] float32: each block leaves its best (value, row) per token in the workspace, takes a ticket,
   and the block with the last ticket reduces the candidates (warp w: tokens w, w + WARPS, ...) and resets the ticket.
 
+Tensor cores: at T >= 9 (bf16 weights) :func:`gemv_launch` runs :mod:`kernels.decode.gemv_mma` instead (the knob
+``MMA``, :func:`select_path`): the same arguments, modes and epilogues, sums in the tensor core's order (within a
+tolerance of the lane chain, not bitwise). T <= 8, fp8 weights and ``MMA=-1`` keep this kernel.
+
 PDL (knob PDL=1, launched with ``programmatic=True``): the first round of weight loads is issued before
 ``griddepcontrol.wait``; x, add, norm and residual_in are read after it (``ld_dep`` or plain loads, never ``__ldg``),
 and every thread executes the wait before it can exit.
@@ -39,7 +43,7 @@ import numpy as np
 from kernels.arrays import BF16, check_aligned
 from kernels.compile import CudaSource, launch_ex
 from kernels.contract import Dims
-from kernels.decode.device import NORM_HELPERS
+from kernels.decode.device import GEMV_SHARED, NORM_HELPERS
 from kernels.device_helpers import FP8_HELPERS, PDL_HELPERS, WARP_HELPERS
 from kernels.family import KernelFamily
 from kernels.formats import BLOCK, Quantized, quantize_blocks
@@ -91,6 +95,30 @@ def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
     return values
 
 
+MMA_MIN_TOKENS = 9  # MMA auto: the tensor-core kernel from this T on
+FMA_ONLY_KNOBS = ("ROWS", "TOKENS", "MAX_REGS")
+
+
+def select_path(call: GemvCall, mma: Any, knobs: Mapping[str, Any]) -> str:
+    """Which kernel :func:`gemv_launch` runs, by its ``MMA`` argument: 0 (auto) tensor cores
+    (:mod:`kernels.decode.gemv_mma`, "mma") for bf16 weights at T >= 9 unless a knob only the FMA kernel has (ROWS,
+    TOKENS, MAX_REGS) is set, else the FMA kernel ("fma": T <= 8 always, bitwise the order contract); 1 tensor
+    cores (ValueError for fp8 weights or an FMA-only knob); -1 the FMA kernel. The other knobs go to the kernel
+    chosen (the tensor-core one: WARPS, KSPLIT, UNROLL, PDL, ARGMAX_BLOCKS)."""
+    if isinstance(mma, bool) or not isinstance(mma, int | np.integer) or int(mma) not in (-1, 0, 1):
+        raise ValueError(f"MMA must be -1 (FMA), 0 (auto: tensor cores at T >= {MMA_MIN_TOKENS}) or 1, got {mma!r}")
+    fma_only = sorted(set(knobs) & set(FMA_ONLY_KNOBS))
+    if mma == 1:
+        if call.modes["FP8"]:
+            raise ValueError("MMA 1: the tensor-core GEMV takes bf16 weights only (fp8-block128: MMA -1 or 0)")
+        if fma_only:
+            raise ValueError(f"MMA 1: {fma_only} are the FMA kernel's knobs (the tensor-core one has WARPS, KSPLIT, "
+                             f"UNROLL, PDL, ARGMAX_BLOCKS)")
+        return "mma"
+    auto = mma == 0 and call.tokens >= MMA_MIN_TOKENS and not call.modes["FP8"] and not fma_only
+    return "mma" if auto else "fma"
+
+
 def check_gemv_dims(tokens: int, k: int, n: int, fp8: bool) -> None:
     """ValueError for dims the kernel refuses: T in [1, 64], K a positive multiple of 8 (16 for fp8), N >= 1."""
     if not 1 <= tokens <= MAX_TOKENS:
@@ -132,7 +160,6 @@ CODE = r"""
 // Knobs: WARPS warps per block, ROWS rows per warp, UNROLL 16-byte chunks per row in flight, TOKENS tokens per pass,
 // PDL. Modes: FP8 (e4m3 weights + 128 x 128 block scales), NORM / ADD (the prologue), EPILOGUE (0 store, 1 residual,
 // 2 argmax, 3 argmax and logits).
-#define GEMV_MAX_TOKENS 64
 static_assert(WARPS >= 1 && WARPS <= 32, "WARPS must be in [1, 32]");
 static_assert(ROWS >= 1 && UNROLL >= 1, "ROWS and UNROLL must be >= 1");
 static_assert(TOKENS >= 1 && TOKENS <= 32, "TOKENS must be in [1, 32] (lane j stores token j)");
@@ -152,15 +179,6 @@ static_assert(TOKENS >= 1 && TOKENS <= 32, "TOKENS must be in [1, 32] (lane j st
 #if STAGED && !defined(GEMV_DYNAMIC_SMEM)
 #define GEMV_DYNAMIC_SMEM extern __shared__ uint4 gemv_smem[]
 #endif
-
-// x chunks the previous kernel may have written: behind the PDL wait (ld_dep), else the read-only path
-__device__ __forceinline__ uint4 load_x(const uint4* row, int c, bool ok) {
-#if PDL
-    return ld_dep_chunk(row, c, ok);
-#else
-    return ldg_chunk(row, c, ok);
-#endif
-}
 
 // acc = fmaf(w, x, acc) over one weight chunk's values in order (x: its XPER 16-byte chunks)
 __device__ __forceinline__ float chunk_fma(float acc, const uint4& w, float scale, const uint4 (&x)[XPER]) {
@@ -211,11 +229,6 @@ __device__ __forceinline__ void load_round(uint4 (&wv)[ROWS][UNROLL], float (&sc
         }
     }
 #endif
-}
-
-// (value, row) a beats (best, best_row): greater value, or the same value and a lower row (NaN never wins)
-__device__ __forceinline__ bool beats(float value, int row, float best, int best_row) {
-    return value > best || (value == best && row < best_row);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -272,33 +285,14 @@ extern "C" __global__ void GEMV_BOUNDS decode_gemv(
 #if STAGED
         __syncthreads();                                      // the previous pass's readers are done
 #if NORM
-        for (int j = warp; j < TOKENS; j += WARPS) {          // rs of token t0 + j (clamped: past T, unused)
-            const int t = min(t0 + j, tokens - 1);
-            const uint4* x_row = reinterpret_cast<const uint4*>(x + (size_t)t * k);
-            float ss = 0.0f;
-            for (int c = lane; c < xchunks; c += 32) {
-                uint4 v = load_x(x_row, c, true);
-#if ADD
-                v = bf16x8_add(v, load_x(reinterpret_cast<const uint4*>(add + (size_t)t * k), c, true));
-#endif
-                ss = bf16x8_sumsq(v, ss);
-            }
-            ss = warp_sum(ss);
-            if (lane == 0) token_rs[j] = rms_scale(ss, k, eps);
-        }
+        token_rs_pass(token_rs, x, add, t0, TOKENS, tokens, k, eps, warp, lane);
         __syncthreads();
 #endif
         for (int i = threadIdx.x; i < TOKENS * xchunks; i += WARPS * 32) {
             const int j = i / xchunks, c = i - j * xchunks;
             const int t = min(t0 + j, tokens - 1);
-            uint4 v = load_x(reinterpret_cast<const uint4*>(x + (size_t)t * k), c, true);
-#if ADD
-            v = bf16x8_add(v, load_x(reinterpret_cast<const uint4*>(add + (size_t)t * k), c, true));
-            if (blockIdx.x == 0 && t0 + j < tokens) reinterpret_cast<uint4*>(residual_out + (size_t)t * k)[c] = v;
-#endif
-#if NORM
-            v = bf16x8_norm(v, token_rs[j], load_x(reinterpret_cast<const uint4*>(norm), c, true));
-#endif
+            const uint4 v = prologue_chunk(x, add, norm, residual_out, token_rs[j], t, c, k,
+                                           blockIdx.x == 0 && t0 + j < tokens);
             gemv_smem[i] = v;
         }
         __syncthreads();
@@ -363,53 +357,15 @@ extern "C" __global__ void GEMV_BOUNDS decode_gemv(
     }
 
 #if ARGMAX
-    __syncthreads();
-    for (int t = threadIdx.x; t < tokens; t += WARPS * 32) {   // the block's best per token, warps in order
-        float best = warp_best[0][t];
-        int best_row = warp_best_row[0][t];
-        for (int v = 1; v < WARPS; ++v)
-            if (beats(warp_best[v][t], warp_best_row[v][t], best, best_row)) {
-                best = warp_best[v][t];
-                best_row = warp_best_row[v][t];
-            }
-        best_values[(size_t)t * gridDim.x + blockIdx.x] = best;
-        best_rows[(size_t)t * gridDim.x + blockIdx.x] = best_row;
-    }
-    __threadfence();                                          // this thread's candidates visible device-wide
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        const unsigned taken = atomicAdd(ticket, 1u);
-        last_block = taken == gridDim.x - 1;
-        if (last_block) {
-            *ticket = 0u;                                     // every block has taken its ticket
-            __threadfence();                                  // the others' candidates before the reads below
-        }
-    }
-    __syncthreads();
-    if (!last_block) return;
-    for (int t = warp; t < tokens; t += WARPS) {
-        float best = __int_as_float(0xff800000);
-        int best_row = 0x7fffffff;
-        for (int b = lane; b < (int)gridDim.x; b += 32) {
-            const float v = __ldcg(best_values + (size_t)t * gridDim.x + b);   // L2: not a stale L1 line
-            const int row = __ldcg(best_rows + (size_t)t * gridDim.x + b);
-            if (beats(v, row, best, best_row)) { best = v; best_row = row; }
-        }
-        #pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            const float other = __shfl_xor_sync(FULL_MASK, best, offset);
-            const int other_row = __shfl_xor_sync(FULL_MASK, best_row, offset);
-            if (beats(other, other_row, best, best_row)) { best = other; best_row = other_row; }
-        }
-        if (lane == 0) argmax[t] = best_row < n ? best_row : -1;
-    }
+    argmax_tail(warp_best, warp_best_row, last_block, best_values, best_rows, ticket, argmax, tokens, n, warp,
+                lane);
 #endif
 }
 """
 
 SOURCE = CudaSource(
-    name="decode_gemv", code=WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + NORM_HELPERS + CODE, kernels=(KERNEL,),
+    name="decode_gemv", code=WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + NORM_HELPERS + GEMV_SHARED + CODE,
+    kernels=(KERNEL,),
     defaults={**KNOBS, "TOKENS": AUTO_TOKENS, **MODES},
     variants=[{"TOKENS": 1}, {"TOKENS": 4}, {"TOKENS": 1, "FP8": 1}, {"TOKENS": 4, "FP8": 1},
               {"TOKENS": 1, "NORM": 1}, {"TOKENS": 4, "NORM": 1, "ADD": 1}, {"TOKENS": 1, "EPILOGUE": 1},
@@ -598,25 +554,34 @@ def gemv_launch(x: Any, w: Any, out: Any = None, *, norm: Any = None, residual_i
     contents and replay). Arguments as :func:`dense_gemv`."""
     call = check_gemv_inputs(x, w, out, norm=norm, residual_in=residual_in, residual_out=residual_out, eps=eps,
                              add=add, argmax=argmax, logits=logits, workspace=workspace)
-    params = with_modes(GEMV.resolve(Dims(call.tokens, call.k, call.n, 1, 1), **knobs), call.modes, knobs)
-    staged = call.modes["NORM"] or call.modes["ADD"]
-    shared = staged_bytes(call.k, params) if staged else 0
-    if shared > SHARED_LIMIT:
-        raise ValueError(f"TOKENS {params['TOKENS']} x K {call.k} bf16 rows need {shared} bytes of shared memory "
-                         f"(at most {SHARED_LIMIT}): lower TOKENS")
     fp8 = bool(call.modes["FP8"])
     weights = w.values if fp8 else w
     arrays = {"x": x, "w": weights, "out": out, "residual_in": residual_in, "norm": norm, "add": add,
               "residual_out": residual_out, "logits": logits, "argmax": argmax}
+    knobs = dict(knobs)
+    from kernels.decode import gemv_mma  # here: gemv_mma imports this module
+
+    tensor_cores = select_path(call, knobs.pop("MMA", 0), knobs) == "mma"
+    if tensor_cores:
+        params = gemv_mma.resolve_call(call, knobs)
+        shared, groups = gemv_mma.shared_bytes(params, params["NT"]), gemv_mma.row_groups(call.n, params)
+    else:
+        params = with_modes(GEMV.resolve(Dims(call.tokens, call.k, call.n, 1, 1), **knobs), call.modes, knobs)
+        staged = call.modes["NORM"] or call.modes["ADD"]
+        shared = staged_bytes(call.k, params) if staged else 0
+        if shared > SHARED_LIMIT:
+            raise ValueError(f"TOKENS {params['TOKENS']} x K {call.k} bf16 rows need {shared} bytes of shared "
+                             f"memory (at most {SHARED_LIMIT}): lower TOKENS")
+        groups = row_groups(call.n, params)
     check_aligned(**{name: arr for name, arr in arrays.items() if arr is not None})
     _check_no_overlap({"out": out, "residual_out": residual_out, "logits": logits, "argmax": argmax},
                       {"x": x, "w": weights, "norm": norm, "add": add, "residual_in": residual_in})
+    family, name = (gemv_mma.GEMV_MMA, gemv_mma.KERNEL) if tensor_cores else (GEMV, KERNEL)
+    kernel = family.kernels_for(params)[name]
     argmax_mode = call.modes["EPILOGUE"] >= 2
-    groups = row_groups(call.n, params)
     grid = min(groups, params["ARGMAX_BLOCKS"]) if argmax_mode else groups
     if argmax_mode and workspace is None:
         workspace = _cached_workspace(call.tokens)
-    kernel = GEMV.kernels_for(params)[KERNEL]
     if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
         kernel.max_dynamic_shared_size_bytes = shared
     null = np.uint64(0)
@@ -652,8 +617,10 @@ def dense_gemv(x: Any, w: Any, out: Any = None, *, norm: Any = None, residual_in
     (values [N, K] uint8 e4m3fn bits, scales [ceil(N/128), ceil(K/128)] float32 on the device). Epilogue: ``out``
     [T, N] bf16 = bf16(y), plus ``residual_in`` [T, N] bf16 when given (``out`` may be ``residual_in``); or
     ``argmax`` [T] int32 (the greatest y, ties to the lower row) with optional ``logits`` [T, N] float32, using
-    ``workspace`` (:func:`make_gemv_workspace`; one per (device, stream, T) is cached when None). ``knobs``: WARPS,
-    ROWS, UNROLL, TOKENS, PDL (launched programmatically), ARGMAX_BLOCKS, MAX_REGS. CuPy's current stream, no sync.
+    ``workspace`` (:func:`make_gemv_workspace`; one per (device, stream, T) is cached when None). ``knobs``: MMA
+    (:func:`select_path`: 0 auto = tensor cores for bf16 at T >= 9, 1, -1 = FMA), then the chosen kernel's: WARPS,
+    ROWS, UNROLL, TOKENS, PDL (launched programmatically), ARGMAX_BLOCKS, MAX_REGS (FMA); WARPS, KSPLIT, UNROLL,
+    PDL, ARGMAX_BLOCKS (:mod:`kernels.decode.gemv_mma`). CuPy's current stream, no sync.
     """
     gemv_launch(x, w, out, norm=norm, residual_in=residual_in, residual_out=residual_out, eps=eps, add=add,
                 argmax=argmax, logits=logits, workspace=workspace, **knobs)()
