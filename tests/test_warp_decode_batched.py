@@ -42,6 +42,7 @@ from kernels.shapes import PRESETS, MoEShape
 from tests.warp_checks import (
     EMULATION_LOAD,
     EMULATION_PRELUDE,
+    MMA_EMULATION,
     ODD_SHAPES,
     ROUTINGS,
     FakeCupyArray,
@@ -479,31 +480,7 @@ inline unsigned __match_any_sync(unsigned, int v) {
     for (int l = 0; l < 32; ++l) mask |= (unsigned)(exchange(v, l) == v) << l;
     return mask;
 }
-// mma.sync.m16n8k16 (bf16 in, fp32 accumulate) for the tensor-core kernels: every lane publishes its six fragment
-// registers (a0..a3, b0, b1) in the warp's frags, then lane (g, q) computes D rows g, g+8 x columns 2q, 2q+1 from
-// the PTX ISA layout: A[m][k] in lane (m%8)*4 + (k%8)/2, register (m >= 8) + 2 (k >= 8); B[k][n] in lane
-// n*4 + (k%8)/2, register (k >= 8); the low half of a register is the even k
-inline void emulated_mma_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
-                               unsigned b1) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    uint32_t* mine = g_warp->frags[lane];
-    mine[0] = a0; mine[1] = a1; mine[2] = a2; mine[3] = a3; mine[4] = b0; mine[5] = b1;
-    g_warp->bar.arrive_and_wait();
-    auto half = [](unsigned w, int k) { return __uint_as_float(k % 2 ? (w & 0xffff0000u) : (w << 16)); };
-    auto a_el = [&](int m, int k) {
-        return half(g_warp->frags[(m % 8) * 4 + (k % 8) / 2][(m < 8 ? 0 : 1) + (k < 8 ? 0 : 2)], k);
-    };
-    auto b_el = [&](int k, int n) { return half(g_warp->frags[n * 4 + (k % 8) / 2][4 + (k < 8 ? 0 : 1)], k); };
-    float sums[4];
-    for (int r = 0; r < 4; ++r) {
-        const int m = g + (r >= 2 ? 8 : 0), n = 2 * q + (r & 1);
-        float sum = 0.0f;
-        for (int k = 0; k < 16; ++k) sum = fmaf(a_el(m, k), b_el(k, n), sum);
-        sums[r] = sum;
-    }
-    g_warp->bar.arrive_and_wait();  // every lane has read the fragments before any lane's next mma writes
-    for (int r = 0; r < 4; ++r) d[r] += sums[r];
-}
+""" + MMA_EMULATION + r"""
 #include "kernel.cu"
 
 template <class F> void launch(long long blocks, int threads, F body) {
