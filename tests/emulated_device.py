@@ -1,6 +1,6 @@
 """An emulated CuPy device for tests: the lab's GPU code (``kernels``) runs unchanged on the CPU.
 
-Inside :func:`emulated_device` (a context manager; the ``emulated`` fixture of the tests that use it):
+Inside :func:`emulated_device` (a context manager; ``emulated``, the fixture of tests/conftest.py, for one test):
 
 * ``import cupy`` gives :data:`cupy`-like module of NumPy-backed arrays (:class:`ndarray`: 256-byte aligned host
   memory whose address is ``.data.ptr``; ``cupy.empty`` poisons its bytes with 0xFF, NaN in every float format) --
@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import pytest
 
 from kernels.arrays import BF16
 from tests.warp_checks import BLOCK_EMULATION, EMULATION_PRELUDE, build_library
@@ -572,13 +571,13 @@ class EmulatedKernel:
     """A kernel of a CUDA C text: called as a ``cupy.RawKernel`` (``kernel(grid, block, args, shared_mem=)``) it runs
     the g++ build of that text on the arguments' host memory."""
 
-    def __init__(self, device: EmulatedDevice, text: str, name: str, names: tuple[str, ...]) -> None:
+    def __init__(self, text: str, name: str, names: tuple[str, ...]) -> None:
         signatures = kernel_signatures(text)
         missing = [n for n in names if n not in signatures]
         if missing:
             raise ValueError(f"no extern \"C\" __global__ signature for {missing} in the kernel text")
-        self.device, self.name, self.params = device, name, signatures[name]
-        self.library = device.library(text, names)
+        self.name, self.params = name, signatures[name]
+        self.library = _library(text, names)
         self.entry = getattr(self.library, f"emu_launch_{name}")
         self.entry.restype = ctypes.c_int
         self.max_dynamic_shared_size_bytes = DEFAULT_SHARED
@@ -603,12 +602,15 @@ class EmulatedKernel:
             raise TypeError(f"{self.name}: args must be a tuple, got {type(args).__name__}")
         if len(args) != len(self.params):
             raise TypeError(f"{self.name} takes {len(self.params)} arguments, got {len(args)}")
+        if not _ACTIVE:
+            raise RuntimeError(f"{self.name}: an emulated kernel launched outside emulated_device()")
+        device = _ACTIVE[-1]
         keep = [self._value(index, param, arg, programmatic) for index, (param, arg) in
                 enumerate(zip(self.params, args, strict=True))]
         pointers = (ctypes.c_void_p * max(1, len(keep)))(*[k.ctypes.data for k in keep])
-        self.device.launches.append(Launch(self.name, grid3, block3, shared_mem, programmatic))
+        device.launches.append(Launch(self.name, grid3, block3, shared_mem, programmatic))
         done = self.entry((ctypes.c_uint * 3)(*grid3), (ctypes.c_uint * 3)(*block3), ctypes.c_ulonglong(shared_mem),
-                          ctypes.c_int(int(self.device.reverse_blocks)), pointers)
+                          ctypes.c_int(int(device.reverse_blocks)), pointers)
         if done != 0:
             raise RuntimeError(f"{self.name}: the emulated launch failed ({done})")
 
@@ -637,6 +639,20 @@ class EmulatedKernel:
         return np.array([arg])
 
 
+_LIBRARIES: dict[tuple[str, tuple[str, ...]], Any] = {}  # (text, kernels) -> the loaded library, for the process
+_ACTIVE: list[EmulatedDevice] = []  # the emulated devices entered (the last one records the launches)
+
+
+def _library(text: str, names: tuple[str, ...]) -> Any:
+    """The g++ build of ``text`` with an entry point per kernel of ``names``, loaded once per process (kernel
+    families keep their kernels between tests: the emulated device's id keys them)."""
+    key = (text, names)
+    if key not in _LIBRARIES:
+        path = build_library(emulation_text(text), library_text(names))
+        _LIBRARIES[key] = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+    return _LIBRARIES[key]
+
+
 def _dim3(what: str, dims: Any) -> tuple[int, int, int]:
     dims = (int(dims),) if isinstance(dims, int | np.integer) else tuple(int(d) for d in dims)
     if not 1 <= len(dims) <= 3 or min(dims) < 1:
@@ -652,14 +668,6 @@ class EmulatedDevice:
     cupy: types.ModuleType
     launches: list[Launch] = field(default_factory=list)
     reverse_blocks: bool = False
-    _libraries: dict[tuple[str, tuple[str, ...]], Any] = field(default_factory=dict)
-
-    def library(self, text: str, names: tuple[str, ...]) -> Any:
-        key = (text, names)
-        if key not in self._libraries:
-            path = build_library(emulation_text(text), library_text(names))
-            self._libraries[key] = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
-        return self._libraries[key]
 
     def get_kernel(self, source: Any, kernel: str, **defines: int) -> EmulatedKernel:
         """:func:`kernels.compile.get_kernel` on this device."""
@@ -668,7 +676,7 @@ class EmulatedDevice:
         names = tuple(source.compiled_kernels(**defines))
         if kernel not in names:
             raise ValueError(f"{source.name}: kernel {kernel!r} is not compiled with {defines}")
-        return EmulatedKernel(self, source.render(**defines), kernel, names)
+        return EmulatedKernel(source.render(**defines), kernel, names)
 
     def launch_ex(self, kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...], *,
                   shared_mem: int = 0, programmatic: bool = False, cooperative: bool = False) -> None:
@@ -714,9 +722,11 @@ def emulated_device() -> Iterator[EmulatedDevice]:
     patched = {name: getattr(device, name) for name in _PATCHED}  # one bound method each: found again by id
     sys.modules.update(modules)
     undo = _swap({id(originals[name]): patched[name] for name in _PATCHED})
+    _ACTIVE.append(device)
     try:
         yield device
     finally:
+        _ACTIVE.remove(device)
         for module, name, value in reversed(undo):
             setattr(module, name, value)
         _swap({id(patched[name]): originals[name] for name in _PATCHED})  # modules imported inside the context
@@ -725,10 +735,3 @@ def emulated_device() -> Iterator[EmulatedDevice]:
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = module
-
-
-@pytest.fixture
-def emulated() -> Iterator[EmulatedDevice]:
-    """The emulated device for one test (:func:`emulated_device`)."""
-    with emulated_device() as device:
-        yield device
