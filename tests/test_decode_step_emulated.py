@@ -89,10 +89,29 @@ def _check_strict(emulated: EmulatedDevice, steps: int, seed: int) -> None:
     assert launches[len(step.launches) - 1].kernel == "bump_lengths"
 
 
-def test_strict_step_matches_the_reference_bitwise(emulated: EmulatedDevice) -> None:
+@pytest.mark.parametrize("reverse", [False, True], ids=["blocks-in-order", "blocks-reversed"])
+def test_strict_step_matches_the_reference_bitwise(emulated: EmulatedDevice, reverse: bool) -> None:
     """3 greedy steps of 3 sequences (prompts of 3, 7 and 1 tokens): tokens, routing, hidden and caches bitwise;
-    every launch programmatic (PDL on sm_90), one step's launches in the step's order."""
+    every launch programmatic (PDL on sm_90), one step's launches in the step's order. Blocks run in grid order,
+    or reversed (another block takes each ticket's last turn)."""
+    emulated.reverse_blocks = reverse
     _check_strict(emulated, 3, seed=0)
+
+
+def test_cycled_model_step_matches_the_cycled_reference(emulated: EmulatedDevice) -> None:
+    """A DeviceModel of tiny's 4 layers cycled to 6 step layers (layer l runs model layer l % 4, its own cache)
+    equals the reference on cycle_model's 6 layers: tokens, routing, hidden and caches bitwise over 2 steps."""
+    from kernels.decode.step import DeviceModel, DeviceState, build_step, cycle_model
+
+    model = make_model("tiny", 2)
+    cycled = cycle_model(model, 6)
+    state, first = prefill(cycled, PROMPTS[:2], mode="bf16")
+    step = build_step(DeviceModel.from_model(model, "bf16", cycle_to=6), DeviceState.from_state(state), 2,
+                      moe="strict")
+    reference = state.copy()
+    want = generate(cycled, reference, first.next_tokens, 2)
+    _assert_bitwise(_run_greedy(step, first.next_tokens, 2), want)
+    _assert_caches_equal(step.device_state.to_state(), reference)
 
 
 @pytest.mark.slow
@@ -100,6 +119,30 @@ def test_strict_step_64_greedy_steps(emulated: EmulatedDevice) -> None:
     """Issue #59's bar: greedy tokens identical to the reference's over 64 steps at tiny (and everything else
     bitwise: routing, hidden state, KV caches)."""
     _check_strict(emulated, 64, seed=3)
+
+
+@pytest.mark.slow
+def test_strict_step_long_contexts_logits_and_step_knobs(emulated: EmulatedDevice) -> None:
+    """Caches of 62, 127, 3 and 191 positions (new_state) stepped across the attention's 64-position chunk
+    boundaries, the LM head's logits kept (build_step(logits=True)), the step's own kernels at THREADS 256 without
+    PDL: tokens, logits, routing, hidden and caches bitwise over 4 steps."""
+    from kernels.decode.step import DeviceModel, DeviceState, build_step
+
+    model = make_model("tiny", 5)
+    state = new_state(model, [62, 127, 3, 191], mode="bf16", capacity=200, seed=5)
+    step = build_step(DeviceModel.from_model(model), DeviceState.from_state(state), 4, moe="strict", logits=True,
+                      step_knobs={"THREADS": 256, "PDL": 0})
+    tokens = np.array([1, 2, 3, 4])
+    reference = state.copy()
+    want = generate(model, reference, tokens, 4)
+    step.set_tokens(tokens)
+    for index in range(4):
+        step.run()
+        got = step.read_back(hidden=True, logits=True, routing=True)
+        _assert_bitwise([got], [want[index]])
+        assert np.array_equal(got.logits.view(np.uint32), want[index].logits.astype(np.float32).view(np.uint32))
+    _assert_caches_equal(step.device_state.to_state(), reference)
+    assert not any(launch.programmatic for launch in emulated.launches if launch.kernel == "embed_tokens")
 
 
 def _assert_close(outputs: list[Any], want: list[StepResult], tolerance: float) -> None:
