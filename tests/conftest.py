@@ -130,3 +130,13 @@ def rng(request: pytest.FixtureRequest):
     import numpy as np
 
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def emulated():
+    """The emulated CuPy device (tests/emulated_device.py) for one test: ``import cupy`` and the lab's kernels run on
+    the CPU inside it; yields the :class:`~tests.emulated_device.EmulatedDevice` (its launches)."""
+    from tests.emulated_device import emulated_device
+
+    with emulated_device() as device:
+        yield device

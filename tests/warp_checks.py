@@ -207,10 +207,10 @@ ODD_SHAPES = {
 # file adds its kernels' extras (block barrier, shared memory, ...) after EMULATION_PRELUDE, then
 # '#include "kernel.cu"', then its launch and main. WD_HOST_EMULATION swaps the sources' inline PTX for plain C++
 # (kernels/device_helpers.py).
-# Lanes are fibers of one OS thread (ucontext): a lane that waits at a barrier switches straight to the next lane
-# that can run. With one std::thread per lane (the form under AddressSanitizer, WD_EMU_OS_THREADS) each barrier was
-# a round of kernel context switches: 70 % of an emulation's time went to the system (4 million switches in 9 s
-# for one tensor-core case).
+# Lanes are fibers of one OS thread (their own stack switch on x86-64, else ucontext): a lane that waits at a barrier
+# switches straight to the next lane that can run. With one std::thread per lane (the form under AddressSanitizer,
+# WD_EMU_OS_THREADS) each barrier was a round of kernel context switches: 70 % of an emulation's time went to the
+# system (4 million switches in 9 s for one tensor-core case).
 # ------------------------------------------------------------------------------------------------
 EMULATION_HEADERS = r"""
 #include <barrier>
@@ -252,9 +252,38 @@ template <class F> void run_lanes(int n, F body) {  // body(l) for l in 0 .. n-1
 }
 #else
 // Lanes as fibers: each has its own stack and its own threadIdx / blockIdx / g_warp, swapped in when it resumes.
+// On x86-64 a switch pushes the callee-saved registers on the stack it leaves and pops the other's (glibc's
+// swapcontext also saves the signal mask: a system call per switch, half of an emulation's time); elsewhere ucontext.
+#if defined(__x86_64__)
+struct EmuContext { void* sp = nullptr; };
+extern "C" __attribute__((visibility("hidden"))) void emu_switch(void** save_sp, void* load_sp);
+asm(".text\n.p2align 4\n.type emu_switch, @function\nemu_switch:\n"
+    "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+    "  movq %rsp, (%rdi)\n  movq %rsi, %rsp\n"
+    "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n  ret\n"
+    ".size emu_switch, .-emu_switch\n");
+inline void emu_swap(EmuContext* from, EmuContext* to) { emu_switch(&from->sp, to->sp); }
+inline void emu_make(EmuContext* c, char* stack, size_t size, void (*fn)()) {  // fn runs from the first switch in
+    void** sp = reinterpret_cast<void**>(reinterpret_cast<uintptr_t>(stack + size) & ~uintptr_t(15));
+    *--sp = nullptr;                               // fn's return address (it never returns): entered as if called
+    *--sp = reinterpret_cast<void*>(fn);           // where emu_switch's ret goes
+    for (int i = 0; i < 6; ++i) *--sp = nullptr;   // rbp, rbx, r12 .. r15
+    c->sp = sp;
+}
+#else
+struct EmuContext { ucontext_t uc; };
+inline void emu_swap(EmuContext* from, EmuContext* to) { swapcontext(&from->uc, &to->uc); }
+inline void emu_make(EmuContext* c, char* stack, size_t size, void (*fn)()) {
+    getcontext(&c->uc);
+    c->uc.uc_stack.ss_sp = stack;
+    c->uc.uc_stack.ss_size = size;
+    c->uc.uc_link = nullptr;
+    makecontext(&c->uc, fn, 0);
+}
+#endif
 struct EmuBarrier;
 struct Lane {
-    ucontext_t ctx;
+    EmuContext ctx;
     std::unique_ptr<char[]> stack;
     Dim3 tid, bid;
     WarpCtx* warp = nullptr;
@@ -265,7 +294,7 @@ struct Lane {
 struct Lanes {
     std::vector<Lane> lanes;
     int current = -1;
-    ucontext_t main_ctx;
+    EmuContext main_ctx;
     void (*entry)(void*, int) = nullptr;
     void* body = nullptr;
 };
@@ -277,13 +306,13 @@ struct EmuBarrier {
     unsigned long long phase = 0;
 };
 inline bool lane_runnable(const Lane& f) { return !f.done && (!f.waiting || f.waiting->phase != f.phase); }
-inline void resume_lane(int j, ucontext_t* from) {  // switch to lane j, its CUDA registers restored
+inline void resume_lane(int j, EmuContext* from) {  // switch to lane j, its CUDA registers restored
     Lane& f = g_lanes.lanes[j];
     g_lanes.current = j;
     threadIdx = f.tid;
     blockIdx = f.bid;
     g_warp = f.warp;
-    swapcontext(from, &f.ctx);
+    emu_swap(from, &f.ctx);
 }
 inline int next_runnable(int after) {
     const int n = (int)g_lanes.lanes.size();
@@ -311,28 +340,32 @@ inline void EmuBarrier::arrive_and_wait() {
     }
     self.waiting = nullptr;
 }
-inline void lane_entry(int l) {
+inline void lane_entry() {  // a fiber's first frame: its lane's body, then back to run_lanes for good
+    const int l = g_lanes.current;
     g_lanes.entry(g_lanes.body, l);
-    g_lanes.lanes[l].done = true;  // back to run_lanes (uc_link)
+    g_lanes.lanes[l].done = true;
+    EmuContext finished;
+    emu_swap(&finished, &g_lanes.main_ctx);
 }
 template <class F> void run_lanes(int n, F body) {  // body(l) for l in 0 .. n-1, cooperatively
     constexpr size_t kStack = 256 * 1024;
-    g_lanes.lanes = std::vector<Lane>(n);
+    g_lanes.lanes.resize(n);  // the last call's lanes kept with their stacks: a block allocates none
     g_lanes.body = &body;
     g_lanes.entry = [](void* b, int l) { (*static_cast<F*>(b))(l); };
     for (int l = 0; l < n; ++l) {
         Lane& f = g_lanes.lanes[l];
-        f.stack.reset(new char[kStack]);
-        getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = f.stack.get();
-        f.ctx.uc_stack.ss_size = kStack;
-        f.ctx.uc_link = &g_lanes.main_ctx;
-        makecontext(&f.ctx, reinterpret_cast<void (*)()>(lane_entry), 1, l);
+        if (!f.stack) f.stack.reset(new char[kStack]);
+        f.tid = Dim3{};
+        f.bid = Dim3{};
+        f.warp = nullptr;
+        f.waiting = nullptr;
+        f.phase = 0;
+        f.done = false;
+        emu_make(&f.ctx, f.stack.get(), kStack, lane_entry);
     }
     for (int j = n - 1; (j = next_runnable(j)) >= 0;) resume_lane(j, &g_lanes.main_ctx);  // till every lane ends
     for (const Lane& f : g_lanes.lanes)
         if (!f.done) { fprintf(stderr, "emulation deadlock: a lane never finished\n"); abort(); }
-    g_lanes.lanes.clear();
 }
 #endif
 struct WarpCtx { EmuBarrier bar{32}; uint32_t slots[32]; uint32_t frags[32][6]; };  // frags: emulated mma
@@ -350,9 +383,17 @@ template <class T> inline T exchange(T v, int src) {
 }
 template <class T> inline T __shfl_sync(unsigned, T v, int src) { return exchange(v, src); }
 template <class T> inline T __shfl_xor_sync(unsigned, T v, int m) { return exchange(v, (int)(threadIdx.x & 31) ^ m); }
+template <class T> inline void exchange_all(T v, T (&all)[32]) {  // every lane's v, in one round of the warp
+    std::memcpy(&g_warp->slots[threadIdx.x & 31], &v, 4);
+    g_warp->bar.arrive_and_wait();
+    for (int l = 0; l < 32; ++l) std::memcpy(&all[l], &g_warp->slots[l], 4);
+    g_warp->bar.arrive_and_wait();
+}
 inline bool __any_sync(unsigned, bool p) {
+    int all[32];
+    exchange_all((int)p, all);
     int any = 0;
-    for (int l = 0; l < 32; ++l) any |= exchange((int)p, l);
+    for (int l = 0; l < 32; ++l) any |= all[l];
     return any != 0;
 }
 using std::min;
@@ -386,6 +427,69 @@ inline void emulated_mma_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned
     for (int r = 0; r < 4; ++r) d[r] += sums[r];
 }
 """
+
+# After EMULATION_PRELUDE, for a whole-block emulation of any kernel (tests/emulated_device.py): the block barrier,
+# static and dynamic shared memory (blocks run one at a time, so a static __shared__ is one array, and every block's
+# dynamic shared memory is g_dynamic_smem, 256 KiB: more than a block may have), atomics (lanes are fibers of one CPU
+# thread: plain read-modify-write), the rounding intrinsics (-ffp-contract=off: each operation rounded once), the
+# warp votes and the tensor-core mma. The sources that hide their dynamic shared array from the host emulation read
+# wdb_dynamic_shared instead.
+BLOCK_EMULATION = r"""
+#define __shared__ static
+#define __maxnreg__(...)
+struct float4 { float x, y, z, w; };
+struct float2 { float x, y; };
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline float2 make_float2(float a, float b) { return {a, b}; }
+Dim3 blockDim;  // set by the launch, as gridDim
+EmuBarrier* g_block = nullptr;
+inline void __syncthreads() { g_block->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { g_warp->bar.arrive_and_wait(); }
+inline void __threadfence() {}
+inline void __threadfence_block() {}
+inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
+inline int atomicAdd(int* p, int v) { const int old = *p; *p = old + v; return old; }
+inline float atomicAdd(float* p, float v) { const float old = *p; *p = old + v; return old; }
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+    const unsigned long long old = *p; *p = old + v; return old;
+}
+inline unsigned atomicSub(unsigned* p, unsigned v) { const unsigned old = *p; *p = old - v; return old; }
+inline int atomicSub(int* p, int v) { const int old = *p; *p = old - v; return old; }
+template <class T> inline T atomicExch(T* p, T v) { const T old = *p; *p = v; return old; }
+template <class T> inline T atomicCAS(T* p, T cmp, T v) { const T old = *p; if (old == cmp) *p = v; return old; }
+template <class T> inline T atomicMax(T* p, T v) { const T old = *p; if (v > old) *p = v; return old; }
+template <class T> inline T atomicMin(T* p, T v) { const T old = *p; if (v < old) *p = v; return old; }
+template <class T> inline T __ldcg(const T* p) { return *p; }
+template <class T> inline T __ldcs(const T* p) { return *p; }
+template <class T> inline T __ldlu(const T* p) { return *p; }
+template <class T> inline void __stcg(T* p, T v) { *p = v; }
+template <class T> inline void __stcs(T* p, T v) { *p = v; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return sqrtf(a); }
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __clz(int v) { return v == 0 ? 32 : __builtin_clz((unsigned)v); }
+inline int __ffs(int v) { return __builtin_ffs(v); }
+inline unsigned __ballot_sync(unsigned, int p) {
+    int all[32];
+    exchange_all((int)(p != 0), all);
+    unsigned mask = 0;
+    for (int l = 0; l < 32; ++l) mask |= (unsigned)all[l] << l;
+    return mask;
+}
+inline bool __all_sync(unsigned, int p) { return __ballot_sync(0xffffffffu, p) == 0xffffffffu; }
+inline unsigned __match_any_sync(unsigned, int v) {
+    int all[32];
+    exchange_all(v, all);
+    unsigned mask = 0;
+    for (int l = 0; l < 32; ++l) mask |= (unsigned)(all[l] == v) << l;
+    return mask;
+}
+alignas(256) inline unsigned char g_dynamic_smem[256 * 1024];
+float* const wdb_dynamic_shared = reinterpret_cast<float*>(g_dynamic_smem);
+""" + EMULATED_MMA
 
 # after '#include "kernel.cu"': reading the inputs the Python side wrote
 EMULATION_LOAD = r"""
@@ -429,7 +533,8 @@ EMULATION_FLAGS = ("-std=c++20", "-Og", "-ffp-contract=off", "-pthread",
 # (outside pytest) a folder of this process's own, removed at exit.
 EMULATOR_CACHE_ENV = "WD_EMULATOR_CACHE"
 _EMULATORS: dict[tuple[str, ...], str] = {}
-_PRECOMPILED: list[tuple[str, ...]] = []  # [g++ flags that use the precompiled EMULATION_HEADERS] once built
+_PRECOMPILED: dict[tuple[str, ...], tuple[str, ...]] = {}  # build flags -> the g++ flags that use the precompiled
+# EMULATION_HEADERS, once built
 _OWN_FOLDER: list[str] = []
 
 
@@ -469,32 +574,48 @@ def _built_once(key: tuple[str, ...], build: Any) -> str:
     return final
 
 
-def _precompiled_headers() -> tuple[str, ...]:
-    """EMULATION_HEADERS precompiled once per test run (g++ then skips parsing ~80k lines of the standard library
-    per build, ~0.5 s of 1.2); ``()`` if that fails (every build then parses the headers itself, same binary)."""
-    if not _PRECOMPILED:
+def _precompiled_headers(flags: tuple[str, ...] = EMULATION_FLAGS) -> tuple[str, ...]:
+    """EMULATION_HEADERS precompiled once per test run and set of g++ ``flags`` (g++ then skips parsing ~80k lines
+    of the standard library per build, ~0.5 s of 1.2); ``()`` if that fails (every build then parses the headers
+    itself, same binary)."""
+    if flags not in _PRECOMPILED:
         def build(folder: str) -> None:
             with open(f"{folder}/emu_headers.h", "w") as f:
                 f.write(EMULATION_HEADERS)
-            command = ["g++", *EMULATION_FLAGS, "-x", "c++-header", "emu_headers.h", "-o", "emu_headers.h.gch"]
+            command = ["g++", *flags, "-x", "c++-header", "emu_headers.h", "-o", "emu_headers.h.gch"]
             subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=300)
 
-        folder = _built_once(("pch", EMULATION_HEADERS, *EMULATION_FLAGS), build)
+        folder = _built_once(("pch", EMULATION_HEADERS, *flags), build)
         usable = os.path.exists(f"{folder}/emu_headers.h.gch")
-        _PRECOMPILED.append(("-include", f"{folder}/emu_headers.h") if usable else ())
-    return _PRECOMPILED[0]
+        _PRECOMPILED[flags] = ("-include", f"{folder}/emu_headers.h") if usable else ()
+    return _PRECOMPILED[flags]
 
 
 def build_emulator(kernel_text: str, harness: str, *defines: str) -> str:
     """The path of the g++-built emulator: ``harness`` (which ``#include "kernel.cu"``) with ``kernel_text`` as
     kernel.cu and ``defines`` (``-DNAME=value``) on the command line. Built once per distinct input per test run
     (however many workers ask), removed at its end; the test is skipped where g++ is missing."""
-    key = (kernel_text, harness, *defines)
+    return _build(kernel_text, harness, defines, EMULATION_FLAGS, "emu")
+
+
+# a shared library loaded into the test's process (tests/emulated_device.py): position-independent, its symbols
+# hidden but the entry points (each library keeps its own emulation state), no process-wide unique symbols
+LIBRARY_FLAGS = (*EMULATION_FLAGS, "-fPIC", "-fvisibility=hidden", "-fno-gnu-unique")
+
+
+def build_library(kernel_text: str, harness: str, *defines: str) -> str:
+    """:func:`build_emulator`, but a shared library (``-shared``) for ctypes: the path of ``libemu.so``."""
+    return _build(kernel_text, harness, defines, LIBRARY_FLAGS, "libemu.so", ("-shared",))
+
+
+def _build(kernel_text: str, harness: str, defines: tuple[str, ...], flags: tuple[str, ...], output: str,
+           link: tuple[str, ...] = ()) -> str:
+    key = (kernel_text, harness, *defines, *flags, *link, output)
     binary = _EMULATORS.get(key)
     if binary is None:
         if shutil.which("g++") is None:
             pytest.skip("needs g++ (to run the CUDA C on the CPU)")
-        headers = _precompiled_headers()
+        headers = _precompiled_headers(flags)
 
         def build(folder: str) -> None:
             with open(f"{folder}/kernel.cu", "w") as f:
@@ -502,12 +623,12 @@ def build_emulator(kernel_text: str, harness: str, *defines: str) -> str:
             with open(f"{folder}/harness.cpp", "w") as f:
                 f.write(harness)
             done = subprocess.run(  # timeouts here and in run_emulator guard against hangs only (~1 s idle)
-                ["g++", *EMULATION_FLAGS, *headers, *defines, "harness.cpp", "-o", "emu"],
+                ["g++", *flags, *headers, *defines, *link, "harness.cpp", "-o", output],
                 cwd=folder, capture_output=True, text=True, timeout=300,
             )
             assert done.returncode == 0, done.stderr[-3000:]
 
-        binary = _EMULATORS[key] = f"{_built_once(('emulator', *key, *EMULATION_FLAGS), build)}/emu"
+        binary = _EMULATORS[key] = f"{_built_once(('emulator', *key), build)}/{output}"
     return binary
 
 

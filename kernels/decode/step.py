@@ -173,11 +173,19 @@ def _upload(arr: np.ndarray) -> Any:
     return cupy.asarray(np.ascontiguousarray(arr))
 
 
+def _upload_values(values: np.ndarray) -> Any:
+    """Quantized values on the device: CuPy has no float8 dtype, the kernels read the e4m3fn bit patterns as uint8."""
+    values = np.asarray(values)
+    if values.dtype.itemsize != 1:
+        raise TypeError(f"fp8-block128 values must be float8_e4m3fn or their uint8 bits, got {values.dtype}")
+    return _upload(values.view(np.uint8))
+
+
 def _dense(w: Any, weight_format: str) -> Any:
     """A dense [N, K] matrix on the device: bf16, or fp8-block128 as Quantized(uint8 values [N, K], float32 scales
     [ceil(N/128), ceil(K/128)]) -- quantized here from bf16, or uploaded as the reference model holds it."""
     if isinstance(w, Quantized):
-        return dataclasses.replace(w, values=_upload(w.values), scales=_upload(w.scales))
+        return dataclasses.replace(w, values=_upload_values(w.values), scales=_upload(w.scales))
     device = _upload(w)
     if weight_format == "bf16":
         return device
@@ -191,7 +199,7 @@ def _experts(w13: Any, w2: Any, weight_format: str) -> tuple[Any, Any]:
     """The experts on the device in ``weight_format``: uploaded as the reference model holds them (bf16 or
     quantized on the host), or quantized on the device from bf16."""
     if isinstance(w13, Quantized):
-        return tuple(dataclasses.replace(w, values=_upload(w.values),
+        return tuple(dataclasses.replace(w, values=_upload_values(w.values),
                                          scales=None if w.scales is None else _upload(w.scales)) for w in (w13, w2))
     w13, w2 = _upload(w13), _upload(w2)
     if weight_format != "bf16":
