@@ -15,23 +15,42 @@ A launch checks what the GPU's would: one argument per parameter of the kernel's
 signature, a CuPy array or an ``np.uint64`` address for a pointer, a NumPy scalar of the parameter's size and kind
 for a value (CuPy passes a Python int as 8 bytes, so the GPU would read garbage for an ``int``), only the types
 ``launch_ex`` packs for a programmatic launch, the block's threads a multiple of 32 and at most 1024, and dynamic
-shared memory past 48 KiB only where the kernel's ``max_dynamic_shared_size_bytes`` allows it. Every launch is
-recorded in :attr:`EmulatedDevice.launches`.
+shared memory past 48 KiB only where the kernel's ``max_dynamic_shared_size_bytes`` allows it, every pointer (but
+null) inside a live allocation. Every launch that runs (a graph's at each replay) is recorded in
+:attr:`EmulatedDevice.launches`.
+
+Streams and graphs, as the tools time a step (tools/decode.py, tools/roofline.py): work runs when it is issued, in
+order, so nothing is ever pending (``synchronize`` waits for nothing); ``with stream`` makes a stream the current
+one. Between ``begin_capture`` and ``end_capture`` a stream records its kernel launches (the arguments' bytes as they
+were), ``memcpyAsync`` device copies, fills and stores into a :class:`Graph` whose ``launch`` replays them, each
+kernel pointer checked to lie in a live allocation (a graph holds no arrays, as on a GPU). What a GPU refuses in a
+capture is refused and invalidates it: synchronizing the stream or the device, a copy to or from the host, work on
+the legacy stream while a blocking stream captures, a capture on the legacy stream. An operation that makes a new
+array of device values (arithmetic, ``copy``) is not emulated in a capture (NotImplementedError). Events stamp the
+host's clock at ``record``: ``get_elapsed_time`` is wall-clock between records, a number for the code path, no GPU
+timing.
 
 The device reports compute capability 9.0, the name "NVIDIA H200" (the dispatch picks the H200's paths) and 132
 SMs; its id (:data:`DEVICE_ID`) is one no machine has, so the caches keyed by device (kernel families, workspaces)
-never hand emulated objects to a real GPU. An out-of-bounds access in a kernel is a real one here (a crash, or
-silently wrong bytes), as is a deadlocked barrier (the emulation aborts the process).
+never hand emulated objects to a real GPU. Its memory is ``emulated_device(memory=)`` bytes of the host's
+(:data:`DEVICE_MEMORY`, 64 MiB, by default: what the tools size from ``memGetInfo`` stays small); an allocation past
+it raises OutOfMemoryError, and the live emulated arrays are what ``memGetInfo`` counts as used. No clocks, no
+driver (its versions are 0). An out-of-bounds access in a kernel is a real one here (a crash, or silently wrong
+bytes), as is a deadlocked barrier (the emulation aborts the process).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
+import itertools
 import re
 import sys
+import time
 import types
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +63,8 @@ DEVICE_ID = 97  # no real device has it: caches keyed by the device id keep emul
 DEVICE_NAME = "NVIDIA H200"
 COMPUTE_CAPABILITY = "90"
 SM_COUNT = 132
+L2_BYTES = 50 * 1024 * 1024
+DEVICE_MEMORY = 64 * 1024 * 1024  # the memory an emulated device lends (host memory; memGetInfo says it)
 MAX_THREADS = 1024
 DEFAULT_SHARED = 48 * 1024  # dynamic shared memory a launch may use without raising the kernel's attribute
 MAX_SHARED = 227 * 1024  # sm_90's opt-in limit per block
@@ -60,12 +81,49 @@ def _device_dtype(dtype: Any) -> np.dtype:
     return dtype
 
 
+# The live allocations (start address -> bytes; _STARTS sorted), each dropped when its memory is freed: what a
+# pointer a kernel or a copy is handed must lie in, and what the device's memory (memGetInfo) is charged with.
+_ALLOCATIONS: dict[int, int] = {}
+_STARTS: list[int] = []
+
+
+def _release(start: int) -> None:
+    del _ALLOCATIONS[start]
+    del _STARTS[bisect.bisect_left(_STARTS, start)]
+
+
+def used_bytes() -> int:
+    """The bytes of the emulated arrays alive (allocated and not yet freed), every device's together."""
+    return sum(_ALLOCATIONS.values())
+
+
 def _aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     dtype = _device_dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if _ACTIVE and used_bytes() + nbytes > _ACTIVE[-1].memory:
+        raise OutOfMemoryError(f"Out of memory allocating {nbytes:,} bytes (allocated so far: {used_bytes():,} "
+                               f"bytes of the emulated device's {_ACTIVE[-1].memory:,})")
     raw = np.empty(nbytes + ALIGNMENT, np.uint8)
     start = (-raw.ctypes.data) % ALIGNMENT
+    _ALLOCATIONS[raw.ctypes.data + start] = nbytes
+    bisect.insort(_STARTS, raw.ctypes.data + start)
+    weakref.finalize(raw, _release, raw.ctypes.data + start)
     return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def check_live(address: int, nbytes: int, what: str) -> None:
+    """RuntimeError unless ``[address, address + nbytes)`` lies inside one live allocation (a freed buffer's memory
+    is another array's, or nobody's, on a GPU: here it is a crash)."""
+    index = bisect.bisect_right(_STARTS, address) - 1
+    if index < 0 or address + nbytes > _STARTS[index] + _ALLOCATIONS[_STARTS[index]]:
+        raise RuntimeError(f"{what}: {nbytes} bytes at {address:#x} lie in no live allocation (freed memory, or "
+                           "not device memory)")
+
+
+class OutOfMemoryError(MemoryError):
+    """cupy.cuda.memory.OutOfMemoryError: an allocation past the emulated device's memory."""
+
+    __module__ = "cupy.cuda.memory"
 
 
 def _device_copy(host: np.ndarray, dtype: Any = None) -> np.ndarray:
@@ -135,13 +193,19 @@ class ndarray:  # noqa: N801 - cupy's name
 
     def __getitem__(self, key: Any) -> ndarray:
         got = self._a[_host(key)]
-        return ndarray(got if isinstance(got, np.ndarray) else np.array(got))
+        if not isinstance(got, np.ndarray):  # one element: a 0-d view of it, as in CuPy
+            got = self._a[(*_host(key if isinstance(key, tuple) else (key,)), Ellipsis)]
+        return ndarray(got)
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        self._a[_host(key)] = _host(value)
+        # a device value or a scalar: a copy kernel on the stream (captured); a host array: a copy from the host first
+        on_device = isinstance(value, ndarray | int | float | bool | np.generic)
+        hkey, hvalue = _host(key), _host(value)
+        _stream_work("an assignment (__setitem__)", lambda: self._a.__setitem__(hkey, hvalue), on_device)
 
     # host transfers and copies
     def get(self, stream: Any = None, order: str = "C", out: np.ndarray | None = None) -> np.ndarray:
+        _stream_work("a copy to the host (get)", None, False, stream)
         if out is not None:
             out[...] = self._a
             return out
@@ -152,14 +216,17 @@ class ndarray:  # noqa: N801 - cupy's name
         if arr.shape != self._a.shape or arr.dtype != self._a.dtype:
             raise ValueError(f"set: shape / dtype mismatch ({arr.shape} {arr.dtype} into {self._a.shape} "
                              f"{self._a.dtype})")
+        _stream_work("a copy from the host (set)", None, False, stream)
         self._a[...] = arr
 
     def copy(self, order: str = "C") -> ndarray:
+        _stream_work("copy", None, None)
         return ndarray(_device_copy(self._a))
 
     def astype(self, dtype: Any, copy: bool = True) -> ndarray:
         if not copy and np.dtype(dtype) == self._a.dtype:
             return self
+        _stream_work("astype", None, None)
         return ndarray(_device_copy(self._a, dtype))
 
     def view(self, dtype: Any) -> ndarray:
@@ -175,27 +242,32 @@ class ndarray:  # noqa: N801 - cupy's name
         return ndarray(self._a.transpose(*axes))
 
     def fill(self, value: Any) -> None:
-        self._a.fill(value)
+        _stream_work("fill", lambda: self._a.fill(value), True)
+
+    def _read(self, what: str) -> np.ndarray:
+        _stream_work(f"a read to the host ({what})", None, False)
+        return self._a
 
     def tolist(self) -> Any:
-        return self._a.tolist()
+        return self._read("tolist").tolist()
 
     def item(self) -> Any:
-        return self._a.item()
+        return self._read("item").item()
 
     def __int__(self) -> int:
-        return int(self._a)
+        return int(self._read("int"))
 
     def __float__(self) -> float:
-        return float(self._a)
+        return float(self._read("float"))
 
     def __bool__(self) -> bool:
-        return bool(self._a)
+        return bool(self._read("bool"))
 
     def __index__(self) -> int:
-        return self._a.__index__()
+        return self._read("index").__index__()
 
     def _reduce(self, name: str, *args: Any, **kwargs: Any) -> ndarray:
+        _stream_work(name, None, None)
         return _wrap(getattr(self._a, name)(*args, **kwargs))
 
     def sum(self, *args: Any, **kwargs: Any) -> ndarray:
@@ -221,6 +293,7 @@ def _wrap(value: Any) -> ndarray:
 
 def _binary(name: str) -> Any:
     def op(self: ndarray, other: Any) -> Any:
+        _stream_work(name, None, None)
         result = getattr(self._a, name)(_host(other))
         return NotImplemented if result is NotImplemented else _wrap(result)
 
@@ -230,6 +303,7 @@ def _binary(name: str) -> Any:
 
 def _unary(name: str) -> Any:
     def op(self: ndarray) -> ndarray:
+        _stream_work(name, None, None)
         return _wrap(getattr(self._a, name)())
 
     op.__name__ = name
@@ -256,9 +330,7 @@ def empty(shape: Any, dtype: Any = np.float64, order: str = "C") -> ndarray:
 
 
 def zeros(shape: Any, dtype: Any = np.float64, order: str = "C") -> ndarray:
-    out = _aligned_empty(_shape(shape), dtype)
-    out.view(np.uint8).reshape(-1)[...] = 0
-    return ndarray(out)
+    return full(shape, 0, np.float64 if dtype is None else dtype)
 
 
 def ones(shape: Any, dtype: Any = np.float64) -> ndarray:
@@ -267,9 +339,9 @@ def ones(shape: Any, dtype: Any = np.float64) -> ndarray:
 
 def full(shape: Any, fill_value: Any, dtype: Any = None) -> ndarray:
     dtype = np.asarray(fill_value).dtype if dtype is None else dtype
-    out = _aligned_empty(_shape(shape), dtype)
-    out[...] = fill_value
-    return ndarray(out)
+    out = empty(shape, dtype)
+    out.fill(fill_value)  # a memset / fill kernel on the stream: captured in a graph
+    return out
 
 
 def empty_like(a: ndarray, dtype: Any = None) -> ndarray:
@@ -284,12 +356,14 @@ def asarray(a: Any, dtype: Any = None) -> ndarray:
     """A device array of ``a``: ``a`` itself where it is one already (of ``dtype``), else a copy to the device."""
     if isinstance(a, ndarray):
         return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
+    _stream_work("a copy from the host (asarray)", None, False)
     return ndarray(_device_copy(np.asarray(a), dtype))
 
 
 def array(a: Any, dtype: Any = None, copy: bool = True) -> ndarray:
     if isinstance(a, ndarray):
         return a.astype(a.dtype if dtype is None else dtype)
+    _stream_work("a copy from the host (array)", None, False)
     return ndarray(_device_copy(np.asarray(a), dtype))
 
 
@@ -299,6 +373,7 @@ def ascontiguousarray(a: Any, dtype: Any = None) -> ndarray:
 
 
 def arange(*args: Any, dtype: Any = None) -> ndarray:
+    _stream_work("arange", None, None)
     return ndarray(_device_copy(np.arange(*args, dtype=dtype)))
 
 
@@ -307,10 +382,12 @@ def asnumpy(a: Any, stream: Any = None) -> np.ndarray:
 
 
 def isfinite(a: ndarray) -> ndarray:
+    _stream_work("isfinite", None, None)
     return _wrap(np.isfinite(a._a))
 
 
 def array_equal(a: ndarray, b: ndarray) -> ndarray:
+    _stream_work("array_equal", None, None)
     return _wrap(np.array_equal(_host(a), _host(b)))
 
 
@@ -319,41 +396,180 @@ class _Generator:
         self._rng = np.random.default_rng(seed)
 
     def standard_normal(self, size: Any = None, dtype: Any = np.float64) -> ndarray:
+        _stream_work("standard_normal", None, None)
         return ndarray(_device_copy(self._rng.standard_normal(_shape(size), dtype=dtype)))
 
     def random(self, size: Any = None, dtype: Any = np.float64) -> ndarray:
+        _stream_work("random", None, None)
         return ndarray(_device_copy(self._rng.random(_shape(size), dtype=dtype)))
 
 
 # -- cupy.cuda -------------------------------------------------------------------------------------------------------
+class CUDARuntimeError(RuntimeError):
+    """CuPy's CUDARuntimeError: what the CUDA runtime refuses (its error's name first, as CuPy says it)."""
+
+    __module__ = "cupy_backends.cuda.api.runtime"
+
+
+def _device() -> EmulatedDevice:
+    if not _ACTIVE:
+        raise RuntimeError("the emulated CUDA runtime used outside emulated_device()")
+    return _ACTIVE[-1]
+
+
+def _current_stream() -> Stream:
+    return _ACTIVE[-1].current if _ACTIVE else Stream.null
+
+
+def _nothing() -> None:
+    pass
+
+
+def _stream_work(what: str, fn: Callable[[], None] | None, capturable: bool | None, stream: Any = None) -> None:
+    """Work CuPy issues on ``stream`` (default the current one): ``fn`` run now, or on a capturing stream recorded
+    (``capturable`` True: a kernel, a device copy, a fill or store) or refused: False where the GPU refuses it (a
+    synchronous copy to or from the host), None where the emulation cannot replay it (an operation that makes a new
+    array of device values: its result would be computed at the capture, not at the replays)."""
+    if not _ACTIVE:
+        if fn is not None:
+            fn()
+        return
+    _ACTIVE[-1].submit(_current_stream() if stream is None else stream, fn or _nothing, what, capturable)
+
+
+_STREAMS: weakref.WeakValueDictionary[int, Stream] = weakref.WeakValueDictionary()  # ptr -> stream, for copies
+
+
 class Stream:
-    """A stream: launches run at once, in order, so it never has work pending; no graph capture."""
+    """A stream: work on it runs when it is issued, in order, so nothing is ever pending; ``with stream`` / ``use``
+    make it the current one. Between ``begin_capture`` and ``end_capture`` its kernel launches, device copies, fills
+    and stores are recorded into the :class:`Graph` (the arguments' values as they were), not run; what the GPU
+    refuses in a capture is refused and invalidates it (``end_capture`` then raises, as CUDA's does): synchronizing
+    the stream or the device, a copy to or from the host, work on the legacy stream while a blocking stream
+    captures; a capture cannot begin on the legacy stream."""
 
     null: Stream
+    _ptrs = itertools.count(0x5EED00, 0x100)
 
-    def __init__(self, non_blocking: bool = False, ptr: int = 0x5EED) -> None:
-        self.ptr = ptr
+    def __init__(self, null: bool = False, non_blocking: bool = False, ptr: int | None = None,
+                 priority: int | None = None) -> None:
+        self.ptr = 0 if null else next(Stream._ptrs) if ptr is None else int(ptr)
+        self.non_blocking = bool(non_blocking)
+        self._capture: list[Callable[[], None]] | None = None
+        self._invalid: str | None = None
+        if self.ptr:
+            _STREAMS[self.ptr] = self
+
+    def __repr__(self) -> str:
+        return f"<emulated cupy.cuda.Stream {self.ptr:#x}{' (capturing)' if self._capture is not None else ''}>"
+
+    def synchronize(self) -> None:
+        _device().sync(self, "synchronize")
+
+    def is_capturing(self) -> bool:
+        return self._capture is not None
+
+    def use(self) -> Stream:
+        _device().current = self
+        return self
+
+    def __enter__(self) -> Stream:
+        device = _device()
+        device.saved.append(device.current)
+        device.current = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        device = _device()
+        device.current = device.saved.pop()
+
+    def begin_capture(self, mode: Any = None) -> None:
+        device = _device()
+        if self.ptr == 0:
+            raise CUDARuntimeError("cudaErrorStreamCaptureUnsupported: a capture cannot begin on the legacy stream")
+        if self._capture is not None:
+            raise CUDARuntimeError("cudaErrorIllegalState: the stream is capturing already")
+        self._capture, self._invalid = [], None
+        device.capturing.append(self)
+
+    def end_capture(self) -> Graph:
+        device = _device()
+        if self._capture is None:
+            raise CUDARuntimeError("cudaErrorIllegalState: the stream is not capturing")
+        nodes, self._capture = self._capture, None
+        device.capturing.remove(self)
+        if self._invalid is not None:
+            # CUDA's words: the cause was the error of the call that invalidated the capture
+            raise CUDARuntimeError("cudaErrorStreamCaptureInvalidated: operation failed due to a previous error "
+                                   "during capture")
+        return Graph(tuple(nodes), device)
+
+    def _invalidate(self, why: str) -> None:
+        if self._invalid is None:
+            self._invalid = why
+
+
+Stream.null = Stream(null=True)
+
+
+class Graph:
+    """A captured graph: ``launch`` runs its recorded work in order on a stream (a kernel's pointers must still lie
+    in live allocations: a graph holds no arrays, as on a GPU)."""
+
+    __module__ = "cupy.cuda.graph"
+
+    def __init__(self, nodes: tuple[Callable[[], None], ...], device: EmulatedDevice) -> None:
+        self._nodes, self._device = nodes, device
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def launch(self, stream: Any = None) -> None:
+        device = _device()
+        if device is not self._device:
+            raise RuntimeError("a graph launched on another device than the one that captured it")
+        device.submit(_current_stream() if stream is None else stream, self._replay, "a graph launch", None)
+
+    def upload(self, stream: Any = None) -> None:
+        pass
+
+    def _replay(self) -> None:
+        for node in self._nodes:
+            node()
+
+
+class Event:
+    """An event: ``record`` stamps the host's clock (the work before it is done when it returns), so
+    :func:`get_elapsed_time` gives the wall-clock between two records -- a number, not a GPU timing. An event recorded
+    in a capture, never recorded, or made with ``disable_timing`` has no time (as CUDA's)."""
+
+    def __init__(self, block: bool = False, disable_timing: bool = False, interprocess: bool = False) -> None:
+        self.disable_timing = bool(disable_timing)
+        self._at: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        stream = _current_stream() if stream is None else stream
+        if stream.is_capturing():
+            self._at = None  # a dependency inside the capture, no timestamp
+            return
+        _device().check_legacy(stream, "an event record")
+        self._at = time.perf_counter()
 
     def synchronize(self) -> None:
         pass
 
-    def is_capturing(self) -> bool:
-        return False
-
-    def use(self) -> Stream:
-        return self
-
-    def __enter__(self) -> Stream:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        pass
-
-    def begin_capture(self, *args: Any) -> None:
-        raise NotImplementedError("the emulated device captures no CUDA graphs")
+    @property
+    def done(self) -> bool:
+        return True
 
 
-Stream.null = Stream(ptr=0)
+def get_elapsed_time(start: Event, stop: Event) -> float:
+    """Milliseconds between the records of ``start`` and ``stop`` (host wall-clock)."""
+    for event in (start, stop):
+        if event.disable_timing or event._at is None:
+            raise CUDARuntimeError("cudaErrorInvalidResourceHandle: an event without a time (made with "
+                                   "disable_timing, never recorded, or recorded in a capture)")
+    return (stop._at - start._at) * 1e3  # type: ignore[operator]
 
 
 class Device:
@@ -367,7 +583,7 @@ class Device:
         pass
 
     def synchronize(self) -> None:
-        pass
+        _device().sync_all("Device.synchronize")
 
     def __enter__(self) -> Device:
         return self
@@ -376,21 +592,77 @@ class Device:
         pass
 
 
+class MemoryPool:
+    """The default pool: an array's memory goes back when the array is freed, so there are no blocks to free."""
+
+    def free_all_blocks(self, stream: Any = None) -> None:
+        pass
+
+    def used_bytes(self) -> int:
+        return used_bytes()
+
+    def total_bytes(self) -> int:
+        return used_bytes()
+
+
+_POOL = MemoryPool()
+
+
+def _stream_at(ptr: int) -> Stream:
+    if int(ptr) == 0:
+        return Stream.null
+    stream = _STREAMS.get(int(ptr))
+    if stream is None:
+        raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: no stream {int(ptr):#x}")
+    return stream
+
+
+def _check_device(device: int) -> None:
+    if int(device) != DEVICE_ID:
+        raise CUDARuntimeError(f"cudaErrorInvalidDevice: the emulated device is device {DEVICE_ID}, got {device}")
+
+
 def _runtime() -> types.ModuleType:
     runtime = types.ModuleType("cupy.cuda.runtime")
-    runtime.cudaDevAttrMultiProcessorCount = 16  # the CUDA runtime's value
+    runtime.CUDARuntimeError = CUDARuntimeError
+    runtime.cudaDevAttrMultiProcessorCount = 16  # the CUDA runtime's values
+    runtime.memcpyHostToDevice, runtime.memcpyDeviceToHost, runtime.memcpyDeviceToDevice = 1, 2, 3
     runtime.getDevice = lambda: DEVICE_ID
     runtime.getDeviceCount = lambda: 1
-    runtime.deviceSynchronize = lambda: None
+    runtime.deviceSynchronize = lambda: _device().sync_all("deviceSynchronize")
+    runtime.driverGetVersion = lambda: 0  # no CUDA driver: the kernels run on the host
+    runtime.runtimeGetVersion = lambda: 0
+    runtime.memGetInfo = lambda: (_device().memory - used_bytes(), _device().memory)
 
     def device_attribute(attribute: int, device: int) -> int:
+        _check_device(device)
         if attribute == runtime.cudaDevAttrMultiProcessorCount:
             return SM_COUNT
         raise NotImplementedError(f"the emulated device knows no attribute {attribute}")
 
+    def properties(device: int) -> dict[str, Any]:
+        # no clocks or bus width: an emulation has none (the tools' readers fall back to None)
+        _check_device(device)
+        return {"name": DEVICE_NAME.encode(), "multiProcessorCount": SM_COUNT, "major": 9, "minor": 0,
+                "l2CacheSize": L2_BYTES, "totalGlobalMem": _device().memory}
+
+    def memcpy_async(dst: int, src: int, size: int, kind: int, stream: int) -> None:
+        if kind != runtime.memcpyDeviceToDevice:
+            raise NotImplementedError(f"the emulated device copies device to device only, got kind {kind}")
+        dst, src, size = int(dst), int(src), int(size)
+
+        def copy() -> None:
+            check_live(dst, size, "memcpyAsync's destination")
+            check_live(src, size, "memcpyAsync's source")
+            ctypes.memmove(dst, src, size)
+
+        check_live(dst, size, "memcpyAsync's destination")
+        check_live(src, size, "memcpyAsync's source")
+        _device().submit(_stream_at(stream), copy, "memcpyAsync", True)
+
     runtime.deviceGetAttribute = device_attribute
-    runtime.getDeviceProperties = lambda device: {"name": DEVICE_NAME.encode(), "multiProcessorCount": SM_COUNT,
-                                                  "major": 9, "minor": 0}
+    runtime.getDeviceProperties = properties
+    runtime.memcpyAsync = memcpy_async
     return runtime
 
 
@@ -410,12 +682,23 @@ def make_cupy() -> dict[str, types.ModuleType]:
     cuda.runtime = runtime
     cuda.Device = Device
     cuda.Stream = Stream
-    cuda.get_current_stream = lambda: Stream.null
+    cuda.Event = Event
+    cuda.get_elapsed_time = get_elapsed_time
+    cuda.get_current_stream = _current_stream
+    memory = types.ModuleType("cupy.cuda.memory")
+    memory.OutOfMemoryError = OutOfMemoryError
+    memory.MemoryPool = MemoryPool
+    cuda.memory = memory
+    graph = types.ModuleType("cupy.cuda.graph")
+    graph.Graph = Graph
+    cuda.graph = graph
     cupy.cuda = cuda
+    cupy.get_default_memory_pool = lambda: _POOL
     random = types.ModuleType("cupy.random")
     random.default_rng = _Generator
     cupy.random = random
-    return {"cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.runtime": runtime, "cupy.random": random}
+    return {"cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.runtime": runtime, "cupy.cuda.memory": memory,
+            "cupy.cuda.graph": graph, "cupy.random": random}
 
 
 # -- kernels ---------------------------------------------------------------------------------------------------------
@@ -604,13 +887,22 @@ class EmulatedKernel:
             raise TypeError(f"{self.name} takes {len(self.params)} arguments, got {len(args)}")
         if not _ACTIVE:
             raise RuntimeError(f"{self.name}: an emulated kernel launched outside emulated_device()")
-        device = _ACTIVE[-1]
         keep = [self._value(index, param, arg, programmatic) for index, (param, arg) in
                 enumerate(zip(self.params, args, strict=True))]
+        launch = Launch(self.name, grid3, block3, shared_mem, programmatic)
+        addresses = [(i, int(k[0])) for i, (param, k) in enumerate(zip(self.params, keep, strict=True))
+                     if param.pointer and int(k[0]) != 0]
+        _stream_work(f"the launch of {self.name}", lambda: self._run(launch, keep, addresses), True)
+
+    def _run(self, launch: Launch, keep: list[np.ndarray], addresses: list[tuple[int, int]]) -> None:
+        """The launch with the arguments' bytes ``keep`` (now, or replayed by a graph: the same values)."""
+        device = _device()
+        for index, address in addresses:
+            check_live(address, 0, f"{self.name} argument {index} ({self.params[index].text})")
         pointers = (ctypes.c_void_p * max(1, len(keep)))(*[k.ctypes.data for k in keep])
-        device.launches.append(Launch(self.name, grid3, block3, shared_mem, programmatic))
-        done = self.entry((ctypes.c_uint * 3)(*grid3), (ctypes.c_uint * 3)(*block3), ctypes.c_ulonglong(shared_mem),
-                          ctypes.c_int(int(device.reverse_blocks)), pointers)
+        device.launches.append(launch)
+        done = self.entry((ctypes.c_uint * 3)(*launch.grid), (ctypes.c_uint * 3)(*launch.block),
+                          ctypes.c_ulonglong(launch.shared_mem), ctypes.c_int(int(device.reverse_blocks)), pointers)
         if done != 0:
             raise RuntimeError(f"{self.name}: the emulated launch failed ({done})")
 
@@ -668,6 +960,48 @@ class EmulatedDevice:
     cupy: types.ModuleType
     launches: list[Launch] = field(default_factory=list)
     reverse_blocks: bool = False
+    memory: int = DEVICE_MEMORY
+    current: Stream = field(default_factory=lambda: Stream.null)  # the current stream, and those `with` replaced
+    saved: list[Stream] = field(default_factory=list)
+    capturing: list[Stream] = field(default_factory=list)
+
+    def submit(self, stream: Stream, fn: Callable[[], None], what: str, capturable: bool | None) -> None:
+        """``fn``, work issued on ``stream``: run now, recorded into the stream's capture, or refused
+        (:func:`_stream_work`)."""
+        if stream.is_capturing():
+            if capturable:
+                stream._capture.append(fn)  # type: ignore[union-attr]
+                return
+            if capturable is None:
+                raise NotImplementedError(f"{what} on a capturing stream: the emulated device records kernel "
+                                          "launches, device copies, fills and stores in a graph, nothing that makes "
+                                          "a new array")
+            stream._invalidate(what)
+            raise CUDARuntimeError(f"cudaErrorStreamCaptureUnsupported: {what} is not permitted on a capturing "
+                                   "stream")
+        self.check_legacy(stream, what)
+        fn()
+
+    def check_legacy(self, stream: Stream, what: str) -> None:
+        """Work on the legacy stream waits for every blocking stream: refused while one captures."""
+        blocking = [s for s in self.capturing if not s.non_blocking]
+        if stream.ptr == 0 and blocking:
+            for s in blocking:
+                s._invalidate(f"{what} on the legacy stream")
+            raise CUDARuntimeError(f"cudaErrorStreamCaptureImplicit: {what} on the legacy stream while a blocking "
+                                   "stream captures")
+
+    def sync(self, stream: Stream, what: str) -> None:
+        if stream.is_capturing():
+            stream._invalidate(what)
+            raise CUDARuntimeError(f"cudaErrorStreamCaptureUnsupported: {what} on a capturing stream")
+        self.check_legacy(stream, what)
+
+    def sync_all(self, what: str) -> None:
+        if self.capturing:
+            for s in self.capturing:
+                s._invalidate(what)
+            raise CUDARuntimeError(f"cudaErrorStreamCaptureUnsupported: {what} while a stream captures")
 
     def get_kernel(self, source: Any, kernel: str, **defines: int) -> EmulatedKernel:
         """:func:`kernels.compile.get_kernel` on this device."""
@@ -710,13 +1044,14 @@ def _swap(replacements: dict[int, Any]) -> list[tuple[Any, str, Any]]:
 
 
 @contextlib.contextmanager
-def emulated_device() -> Iterator[EmulatedDevice]:
+def emulated_device(memory: int = DEVICE_MEMORY) -> Iterator[EmulatedDevice]:
     """The emulated device installed: ``import cupy`` gives the fake module and the lab's kernels run through g++;
-    everything is put back on exit (sys.modules' ``cupy`` entries, the patched names)."""
+    everything is put back on exit (sys.modules' ``cupy`` entries, the patched names). ``memory``: the bytes it
+    lends (allocations past them raise OutOfMemoryError; memGetInfo counts every live emulated array)."""
     import kernels.compile as compile_module
 
     modules = make_cupy()
-    device = EmulatedDevice(modules["cupy"])
+    device = EmulatedDevice(modules["cupy"], memory=int(memory))
     saved = {name: sys.modules.get(name) for name in modules}
     originals = {name: getattr(compile_module, name) for name in _PATCHED}
     patched = {name: getattr(device, name) for name in _PATCHED}  # one bound method each: found again by id
