@@ -7,6 +7,7 @@ programs call) and ``tools.roofline`` both build on it, and neither imports the 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 
@@ -58,11 +59,15 @@ def gpu_available() -> tuple[bool, str]:
 
 
 def capture(stream: Any, fn: Any) -> Any:
-    """``fn()``'s launches on ``stream`` captured as a CUDA graph (capture ends even when ``fn`` raises)."""
+    """``fn()``'s launches on ``stream`` captured as a CUDA graph. The capture ends even when ``fn`` raises, and then
+    ``fn``'s error is the one raised: ending a capture that the error invalidated raises only
+    cudaErrorStreamCaptureInvalidated, which says nothing of the cause."""
     stream.begin_capture()
     try:
         with stream:
             fn()
-    finally:
-        graph = stream.end_capture()
-    return graph
+    except BaseException:
+        with contextlib.suppress(Exception):
+            stream.end_capture()
+        raise
+    return stream.end_capture()
