@@ -66,9 +66,9 @@ def test_rules_and_selection() -> None:
     bf16, fp8 = _call(13, 64, 40, {}), GemvCall(13, 64, 40, {"FP8": 1, "NORM": 0, "ADD": 0, "EPILOGUE": 0})
     assert select_path(bf16, 0, {}) == "mma" and select_path(_call(8, 64, 40, {}), 0, {}) == "fma"
     assert select_path(bf16, -1, {}) == "fma" and select_path(_call(1, 64, 40, {}), 1, {}) == "mma"
-    assert select_path(fp8, 0, {}) == "fma" and select_path(bf16, 0, {"TOKENS": 8}) == "fma"
-    for bad, match in [((fp8, 1, {}), "bf16"), ((bf16, 1, {"ROWS": 2}), "ROWS"), ((bf16, 2, {}), "MMA"),
-                       ((bf16, True, {}), "MMA")]:
+    assert select_path(fp8, 0, {}) == "mma" and select_path(bf16, 0, {"TOKENS": 8}) == "fma"
+    for bad, match in [((fp8, 1, {"MAX_REGS": 96}), "MAX_REGS"), ((bf16, 1, {"ROWS": 2}), "ROWS"),
+                       ((bf16, 2, {}), "MMA"), ((bf16, True, {}), "MMA")]:
         with pytest.raises(ValueError, match=match):
             select_path(*bad)
 
@@ -81,7 +81,7 @@ HARNESS = (FMA_HARNESS
                     "#define GEMV_MMA_SMEM uint4* mma_smem = g_smem.data()\n" + EMULATED_MMA)
            .replace("g_smem.assign((size_t)TOKENS * K / 8,", "g_smem.assign((size_t)atoi(argv[7]),")
            .replace("decode_gemv(reinterpret_cast", "decode_gemv_mma(reinterpret_cast")
-           .replace("w.data(), scales.data(),", "reinterpret_cast<const bf16_t*>(w.data()), scales.data(),"))
+           .replace("w.data(), scales.data(),", "reinterpret_cast<const weight_t*>(w.data()), scales.data(),"))
 
 
 def _emulate(inputs: dict[str, np.ndarray], modes: dict[str, int], tmp_path: Any, **knobs: int) -> dict[str, Any]:

@@ -242,9 +242,10 @@ __device__ __forceinline__ void fp8_flush(float (&acc)[4], float (&part)[4], flo
     acc[3] = fmaf(part[3] * FP8_UNSCALE, s_hi, acc[3]);
     part[0] = part[1] = part[2] = part[3] = 0.0f;
 }
-template <int UNROLL, int RT, int N>
-__device__ __forceinline__ void apply_block_scales(const float (&s_lo)[UNROLL][RT], const float (&s_hi)[UNROLL][RT],
-                                                   const bool (&flush)[UNROLL], int j, float (&acc)[N][4],
+// (ROUND, not UNROLL: a kernel text after the loader may define UNROLL as a macro, as the decode GEMV's knob)
+template <int ROUND, int RT, int N>
+__device__ __forceinline__ void apply_block_scales(const float (&s_lo)[ROUND][RT], const float (&s_hi)[ROUND][RT],
+                                                   const bool (&flush)[ROUND], int j, float (&acc)[N][4],
                                                    float (&part)[N][4]) {
     constexpr int NB = N / RT;
     if (flush[j]) {                                                  // warp-uniform

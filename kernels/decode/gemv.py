@@ -23,9 +23,10 @@ Modes are compile-time macros chosen by :func:`dense_gemv` from its arguments (n
   to ``logits`` [T, N] float32: each block leaves its best (value, row) per token in the workspace, takes a ticket,
   and the block with the last ticket reduces the candidates (warp w: tokens w, w + WARPS, ...) and resets the ticket.
 
-Tensor cores: at T >= 9 (bf16 weights) :func:`gemv_launch` runs :mod:`kernels.decode.gemv_mma` instead (the knob
-``MMA``, :func:`select_path`): the same arguments, modes and epilogues, sums in the tensor core's order (within a
-tolerance of the lane chain, not bitwise). T <= 8, fp8 weights and ``MMA=-1`` keep this kernel.
+Tensor cores: at T >= 9 (bf16 or fp8-block128 weights) :func:`gemv_launch` runs :mod:`kernels.decode.gemv_mma`
+instead (the knob ``MMA``, :func:`select_path`): the same arguments, modes and epilogues, sums in the tensor core's
+order (within a tolerance of the lane chain, or for fp8 of fp64, not bitwise). T <= 8 and ``MMA=-1`` keep this
+kernel.
 
 PDL (knob PDL=1, launched with ``programmatic=True``): the first round of weight loads is issued before
 ``griddepcontrol.wait``; x, add, norm and residual_in are read after it (``ld_dep`` or plain loads, never ``__ldg``),
@@ -101,21 +102,19 @@ FMA_ONLY_KNOBS = ("ROWS", "TOKENS", "MAX_REGS")
 
 def select_path(call: GemvCall, mma: Any, knobs: Mapping[str, Any]) -> str:
     """Which kernel :func:`gemv_launch` runs, by its ``MMA`` argument: 0 (auto) tensor cores
-    (:mod:`kernels.decode.gemv_mma`, "mma") for bf16 weights at T >= 9 unless a knob only the FMA kernel has (ROWS,
-    TOKENS, MAX_REGS) is set, else the FMA kernel ("fma": T <= 8 always, bitwise the order contract); 1 tensor
-    cores (ValueError for fp8 weights or an FMA-only knob); -1 the FMA kernel. The other knobs go to the kernel
+    (:mod:`kernels.decode.gemv_mma`, "mma", bf16 or fp8-block128 weights) at T >= 9 unless a knob only the FMA kernel
+    has (ROWS, TOKENS, MAX_REGS) is set, else the FMA kernel ("fma": T <= 8 always; bitwise the order contract for
+    bf16); 1 tensor cores (ValueError for an FMA-only knob); -1 the FMA kernel. The other knobs go to the kernel
     chosen (the tensor-core one: WARPS, KSPLIT, UNROLL, PDL, ARGMAX_BLOCKS)."""
     if isinstance(mma, bool) or not isinstance(mma, int | np.integer) or int(mma) not in (-1, 0, 1):
         raise ValueError(f"MMA must be -1 (FMA), 0 (auto: tensor cores at T >= {MMA_MIN_TOKENS}) or 1, got {mma!r}")
     fma_only = sorted(set(knobs) & set(FMA_ONLY_KNOBS))
     if mma == 1:
-        if call.modes["FP8"]:
-            raise ValueError("MMA 1: the tensor-core GEMV takes bf16 weights only (fp8-block128: MMA -1 or 0)")
         if fma_only:
             raise ValueError(f"MMA 1: {fma_only} are the FMA kernel's knobs (the tensor-core one has WARPS, KSPLIT, "
                              f"UNROLL, PDL, ARGMAX_BLOCKS)")
         return "mma"
-    auto = mma == 0 and call.tokens >= MMA_MIN_TOKENS and not call.modes["FP8"] and not fma_only
+    auto = mma == 0 and call.tokens >= MMA_MIN_TOKENS and not fma_only
     return "mma" if auto else "fma"
 
 
@@ -576,7 +575,8 @@ def gemv_launch(x: Any, w: Any, out: Any = None, *, norm: Any = None, residual_i
     check_aligned(**{name: arr for name, arr in arrays.items() if arr is not None})
     _check_no_overlap({"out": out, "residual_out": residual_out, "logits": logits, "argmax": argmax},
                       {"x": x, "w": weights, "norm": norm, "add": add, "residual_in": residual_in})
-    family, name = (gemv_mma.GEMV_MMA, gemv_mma.KERNEL) if tensor_cores else (GEMV, KERNEL)
+    mma_family = gemv_mma.GEMV_MMA_FP8 if fp8 else gemv_mma.GEMV_MMA
+    family, name = (mma_family, gemv_mma.KERNEL) if tensor_cores else (GEMV, KERNEL)
     kernel = family.kernels_for(params)[name]
     argmax_mode = call.modes["EPILOGUE"] >= 2
     grid = min(groups, params["ARGMAX_BLOCKS"]) if argmax_mode else groups
@@ -618,7 +618,7 @@ def dense_gemv(x: Any, w: Any, out: Any = None, *, norm: Any = None, residual_in
     [T, N] bf16 = bf16(y), plus ``residual_in`` [T, N] bf16 when given (``out`` may be ``residual_in``); or
     ``argmax`` [T] int32 (the greatest y, ties to the lower row) with optional ``logits`` [T, N] float32, using
     ``workspace`` (:func:`make_gemv_workspace`; one per (device, stream, T) is cached when None). ``knobs``: MMA
-    (:func:`select_path`: 0 auto = tensor cores for bf16 at T >= 9, 1, -1 = FMA), then the chosen kernel's: WARPS,
+    (:func:`select_path`: 0 auto = tensor cores at T >= 9, 1, -1 = FMA), then the chosen kernel's: WARPS,
     ROWS, UNROLL, TOKENS, PDL (launched programmatically), ARGMAX_BLOCKS, MAX_REGS (FMA); WARPS, KSPLIT, UNROLL,
     PDL, ARGMAX_BLOCKS (:mod:`kernels.decode.gemv_mma`). CuPy's current stream, no sync.
     """
