@@ -140,3 +140,18 @@ def emulated():
 
     with emulated_device() as device:
         yield device
+
+
+@pytest.fixture
+def cupy_mod():
+    """CuPy on a CUDA GPU for a GPU test (skipped without one); afterwards the device synchronized and CuPy's memory
+    pool emptied, so one test's buffers do not crowd the next."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("needs a CUDA GPU")
+    except Exception:  # noqa: BLE001 - no driver: no GPU
+        pytest.skip("needs a CUDA GPU")
+    yield cupy
+    cupy.cuda.runtime.deviceSynchronize()
+    cupy.get_default_memory_pool().free_all_blocks()

@@ -482,15 +482,6 @@ def test_rope_checks_refuse(change: dict[str, Any], error: type, name: str) -> N
 # ---------------------------------------------------------------------------------------------------
 # GPU (H200)
 # ---------------------------------------------------------------------------------------------------
-@pytest.fixture
-def cupy_mod() -> Any:
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("needs a CUDA GPU")
-    except Exception:  # noqa: BLE001 - no driver: no GPU
-        pytest.skip("needs a CUDA GPU")
-    return cupy
 
 
 def _poisoned(cupy: Any, *shape: int) -> Any:

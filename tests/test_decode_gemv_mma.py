@@ -25,7 +25,6 @@ from tests.test_decode_gemv import (
     _inputs,
     _poisoned,
     _prologue,
-    cupy_mod,  # noqa: F401 - the fixture
 )
 from tests.warp_checks import EMULATED_MMA, build_emulator, run_emulator
 

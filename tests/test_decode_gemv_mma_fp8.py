@@ -55,7 +55,6 @@ from tests.test_decode_gemv import (
     _inputs,
     _poisoned,
     _prologue,
-    cupy_mod,  # noqa: F401 - the fixture
 )
 from tests.test_decode_gemv_mma import HARNESS, MODES
 from tests.warp_checks import build_emulator, run_emulator

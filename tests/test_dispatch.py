@@ -663,12 +663,6 @@ def test_harness_honours_launch_reference_mode(monkeypatch: pytest.MonkeyPatch) 
 # ---------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------
-@pytest.fixture
-def cupy_mod():
-    import cupy
-
-    yield cupy
-    cupy.get_default_memory_pool().free_all_blocks()
 
 
 def _path_call(choice: str) -> Any:

@@ -170,12 +170,6 @@ def test_poisoned_routing_leaves_tokens_untouched(rng: np.random.Generator) -> N
 # ---------------------------------------------------------------------------------------------------
 # The GPU paths
 # ---------------------------------------------------------------------------------------------------
-@pytest.fixture
-def cupy_mod():
-    import cupy
-
-    yield cupy
-    cupy.get_default_memory_pool().free_all_blocks()
 
 
 def _runs(cupy: Any, call: Any, tokens: int, hidden: int) -> list[np.ndarray]:

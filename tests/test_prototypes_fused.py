@@ -113,13 +113,6 @@ def test_compiles_without_local_memory() -> None:
 # ---------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------
-@pytest.fixture
-def cupy_mod():
-    import cupy
-
-    yield cupy
-    cupy.cuda.runtime.deviceSynchronize()
-    cupy.get_default_memory_pool().free_all_blocks()
 
 
 def _run_and_check(cupy: Any, problem: Problem, what: str, out_dtype: Any = BF16, **params: Any) -> np.ndarray:

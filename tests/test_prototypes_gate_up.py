@@ -370,13 +370,6 @@ def test_bad_ids_emulated_on_cpu(rng: np.random.Generator) -> None:
 # ---------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------
-@pytest.fixture
-def cupy_mod():
-    import cupy
-
-    yield cupy
-    cupy.cuda.runtime.deviceSynchronize()
-    cupy.get_default_memory_pool().free_all_blocks()
 
 
 def _run_variant(cupy: Any, variant: Any, problem: Problem, point: dict[str, int], ids: Any = None) -> np.ndarray:

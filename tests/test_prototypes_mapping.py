@@ -415,13 +415,6 @@ GPU_SHAPES = [  # (shape, tokens, routing): small and odd
 ]
 
 
-@pytest.fixture
-def cupy_mod():
-    import cupy
-
-    yield cupy
-    cupy.cuda.runtime.deviceSynchronize()
-    cupy.get_default_memory_pool().free_all_blocks()
 
 
 def _dims(problem: Problem) -> Dims:

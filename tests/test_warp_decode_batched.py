@@ -856,12 +856,6 @@ def test_bf16_tiles_refused_where_they_cannot_run() -> None:
 # ---------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------
-@pytest.fixture
-def cupy_mod():
-    import cupy
-
-    yield cupy
-    cupy.get_default_memory_pool().free_all_blocks()
 
 
 def _poison(cupy: Any, ws: Workspace) -> None:

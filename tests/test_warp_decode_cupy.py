@@ -360,13 +360,6 @@ def test_bad_ids_emulated_on_cpu(rng: np.random.Generator) -> None:
 # ---------------------------------------------------------------------------------------------------
 # GPU helpers
 # ---------------------------------------------------------------------------------------------------
-@pytest.fixture
-def cupy_mod():
-    import cupy
-
-    yield cupy
-    cupy.cuda.runtime.deviceSynchronize()
-    cupy.get_default_memory_pool().free_all_blocks()
 
 
 

@@ -187,12 +187,6 @@ def test_inputs_must_be_fp8_weights() -> None:
 # ---------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------
-@pytest.fixture
-def cupy_mod():
-    import cupy
-
-    yield cupy
-    cupy.get_default_memory_pool().free_all_blocks()
 
 
 def _device_fp8(cupy: Any, *weights: Quantized) -> tuple[Quantized, ...]:
