@@ -30,7 +30,14 @@ from kernels.decode.device import EXP_RN
 from kernels.decode_reference import gqa_attention, rope
 from kernels.device_helpers import WARP_HELPERS
 from kernels.numerics import attention_partials, bf16_to_f32, chunked_attention, exp_rn, head_norm_rope
-from tests.warp_checks import EMULATION_LOAD, EMULATION_PRELUDE, FakeCupyArray, build_emulator, run_emulator
+from tests.warp_checks import (
+    BLOCK_EMULATION,
+    EMULATION_LOAD,
+    EMULATION_PRELUDE,
+    FakeCupyArray,
+    build_emulator,
+    run_emulator,
+)
 
 EPS = 1e-6
 
@@ -140,20 +147,7 @@ def test_sources_are_registered_for_the_compile_report() -> None:
 # ---------------------------------------------------------------------------------------------------
 # CPU: the CUDA C emulated (g++; every thread of a block a lane, blocks one after another)
 # ---------------------------------------------------------------------------------------------------
-EMULATION_EXTRAS = r"""
-#define __shared__ static
-struct float4 { float x, y, z, w; };
-inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
-inline float __fmul_rn(float a, float b) { return a * b; }   // -ffp-contract=off: each rounded
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
-EmuBarrier* g_block = nullptr;
-inline void __syncthreads() { g_block->arrive_and_wait(); }
-inline void __syncwarp() { g_warp->bar.arrive_and_wait(); }
-inline void __threadfence() {}                                  // lanes are fibers of one CPU thread
-inline void __threadfence_block() {}
-inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
-template <class T> inline T __ldcg(const T* p) { return *p; }
+EMULATION_EXTRAS = BLOCK_EMULATION + r"""
 static uint4 attn_smem[256 * 1024 / 16];
 """
 

@@ -27,7 +27,14 @@ from kernels.decode.gemv import (
 )
 from kernels.formats import dequantize_blocks
 from kernels.numerics import bf16_to_f32, dot_chain, rms_norm_chain
-from tests.warp_checks import EMULATION_LOAD, EMULATION_PRELUDE, FakeCupyArray, build_emulator, run_emulator
+from tests.warp_checks import (
+    BLOCK_EMULATION,
+    EMULATION_LOAD,
+    EMULATION_PRELUDE,
+    FakeCupyArray,
+    build_emulator,
+    run_emulator,
+)
 
 QWEN3_30B = {"qkv": (5120, 2048), "o": (2048, 4096), "lm_head": (151936, 2048)}  # (N, K)
 
@@ -131,18 +138,7 @@ def test_source_is_registered_for_the_compile_report() -> None:
 # ---------------------------------------------------------------------------------------------------
 # CPU: the CUDA C emulated (g++; a block's threads as lanes, blocks one after another in a chosen order)
 # ---------------------------------------------------------------------------------------------------
-HARNESS = EMULATION_PRELUDE + r"""
-#define __shared__ static
-EmuBarrier* g_block = nullptr;
-inline void __syncthreads() { g_block->arrive_and_wait(); }
-inline void __syncwarp() { g_warp->bar.arrive_and_wait(); }
-inline void __threadfence() {}                                  // lanes are fibers of one CPU thread
-inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
-inline float __ldcg(const float* p) { return *p; }
-inline int __ldcg(const int* p) { return *p; }
-inline float __fmul_rn(float a, float b) { return a * b; }       // -ffp-contract=off: each rounded once
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
+HARNESS = EMULATION_PRELUDE + BLOCK_EMULATION + r"""
 std::vector<uint4> g_smem;
 #define GEMV_DYNAMIC_SMEM uint4* gemv_smem = g_smem.data()
 #include "kernel.cu"

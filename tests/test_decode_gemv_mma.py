@@ -1,5 +1,5 @@
 """The decode GEMV on tensor cores (kernels/decode/gemv_mma.py): offline compile at qwen3-30b's shapes, the CUDA C
-emulated on the CPU (mma.sync through tests.warp_checks.EMULATED_MMA) against the lane-chain twin within the FP32
+emulated on the CPU (mma.sync through tests.warp_checks.EMULATED_MMA, part of BLOCK_EMULATION) against the lane-chain twin within the FP32
 summation's tolerance, the path selection, and GPU tests (H200)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from tests.test_decode_gemv import (
     _poisoned,
     _prologue,
 )
-from tests.warp_checks import EMULATED_MMA, build_emulator, run_emulator
+from tests.warp_checks import build_emulator, run_emulator
 
 MODES = {"store": {}, "residual": {"EPILOGUE": 1}, "norm": {"NORM": 1}, "add-norm": {"NORM": 1, "ADD": 1},
          "argmax": {"NORM": 1, "EPILOGUE": 2}, "argmax-logits": {"NORM": 1, "ADD": 1, "EPILOGUE": 3}}
@@ -77,7 +77,7 @@ def test_rules_and_selection() -> None:
 # ---------------------------------------------------------------------------------------------------
 HARNESS = (FMA_HARNESS
            .replace("#define GEMV_DYNAMIC_SMEM uint4* gemv_smem = g_smem.data()\n",
-                    "#define GEMV_MMA_SMEM uint4* mma_smem = g_smem.data()\n" + EMULATED_MMA)
+                    "#define GEMV_MMA_SMEM uint4* mma_smem = g_smem.data()\n")  # the mma: BLOCK_EMULATION's
            .replace("g_smem.assign((size_t)TOKENS * K / 8,", "g_smem.assign((size_t)atoi(argv[7]),")
            .replace("decode_gemv(reinterpret_cast", "decode_gemv_mma(reinterpret_cast")
            .replace("w.data(), scales.data(),", "reinterpret_cast<const weight_t*>(w.data()), scales.data(),"))

@@ -14,7 +14,14 @@ from kernels.decode import fused_router, make_router_workspace
 from kernels.decode.router import ROUTER, SOURCE, RouterWorkspace, check_router_inputs, row_groups
 from kernels.decode_reference import linear, select_experts
 from kernels.numerics import dot_chain, exp_rn, rms_norm_chain
-from tests.warp_checks import EMULATION_LOAD, EMULATION_PRELUDE, FakeCupyArray, build_emulator, run_emulator
+from tests.warp_checks import (
+    BLOCK_EMULATION,
+    EMULATION_LOAD,
+    EMULATION_PRELUDE,
+    FakeCupyArray,
+    build_emulator,
+    run_emulator,
+)
 
 TIE_MARGIN = 1e-4  # ids compared only where the reference's k-th and (k+1)-th logits differ by more (see _check)
 
@@ -91,18 +98,7 @@ def test_source_is_registered_for_the_compile_report() -> None:
 # ---------------------------------------------------------------------------------------------------
 # CPU: the CUDA C emulated (g++; every thread of the block a lane, barriers for warps and the block)
 # ---------------------------------------------------------------------------------------------------
-HARNESS = EMULATION_PRELUDE + r"""
-#define __shared__ static
-#define INFINITY HUGE_VALF
-EmuBarrier* g_block = nullptr;
-inline void __syncthreads() { g_block->arrive_and_wait(); }
-inline void __syncwarp() { g_warp->bar.arrive_and_wait(); }
-inline void __threadfence() {}                                  // lanes are fibers of one CPU thread
-inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
-inline float __ldcg(const float* p) { return *p; }
-inline float __fmul_rn(float a, float b) { return a * b; }       // -ffp-contract=off: each rounded once
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
+HARNESS = EMULATION_PRELUDE + BLOCK_EMULATION + r"""
 std::vector<uint4> g_smem;
 #define ROUTER_DYNAMIC_SMEM uint4* router_smem = g_smem.data()
 #include "kernel.cu"
