@@ -21,11 +21,15 @@ fp32 / bf16 weights, :func:`fp8_experts_from_checkpoint` assembles a checkpoint'
 k block: 1 KB contiguous instead of 16 pieces a row apart, 1-5 % faster on the H200 (notes/FINDINGS.md).
 ``bf16-t16`` puts bf16 values in the same tiles (16 rows x 32 values: 64 bytes a row, the tensor-core bf16 kernels' k
 block), without scales. ``Quantized.layout`` names the order, and each format's check refuses the other's.
+``mxfp4`` (gpt-oss's checkpoints) and ``nvfp4`` (:class:`Fp4Format`) hold e2m1 values two a byte along k (w13 [E, 2I,
+H/2], w2 [E, H, I/2] uint8, layout "rows-e2m1x2") and a scale byte per 32 (e8m0) or 16 (e4m3, with a float32
+``Quantized.global_scale`` per expert) values along k; their arithmetic and its sources: :mod:`kernels.formats_fp4`.
 
 The weights' own checks are here, beside the formats they consult: :func:`check_weight_dims` (w13 and w2's shapes,
 whatever the format) and :func:`check_weights` (weights about to be converted). ``kernels.contract`` re-exports both
-and builds its input check on this module; this module builds on :mod:`kernels.arrays` and :mod:`kernels.geometry`
-(and, on first use, the on-device quantizer ``kernels.quantize_cuda``), never on ``kernels.contract``.
+and builds its input check on this module; this module builds on :mod:`kernels.arrays`, :mod:`kernels.geometry` and
+:mod:`kernels.formats_fp4` (and, on first use, the on-device quantizer ``kernels.quantize_cuda``), never on
+``kernels.contract``.
 """
 
 from __future__ import annotations
