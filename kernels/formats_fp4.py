@@ -22,8 +22,8 @@ rows, so never share a block):
            this global scale and ``weight_scale`` the block scales): global = amax(w[e]) / (448 x 6) (a matrix of
            zeros: 1); block scale = amax(block) / 6 / global rounded to the nearest e4m3 (ties to even, at most 448);
            values = x / (block scale x global) rounded to the nearest e2m1, ties to even, saturating at +-6 (the
-           rounded block scale can sit below amax / 6). A block whose scale rounds to 0 (amax below 2^-10 x 6 x
-           global) stores zeros.
+           rounded block scale can sit below amax / 6). A block whose scale rounds to 0 (amax at most 2^-10 x 6 x
+           global: half e4m3's smallest) stores zeros.
 
 Dequantized (:func:`dequantize_rows`, what the reference reads): mxfp4 value x 2^(s - 127), exact in float32 (a 2-bit
 significand times a power of two; the quantizer's largest is 6 x 2^125); nvfp4 (value x block scale) x global in
