@@ -35,6 +35,9 @@ def warp_decode(
     if get_format(format_of(w13)).tiled:
         raise ValueError(f"strict warp decode reads row-major weights; w13 is {format_of(w13)} (tiles: run "
                          "kernels.moe_decode, whose tensor-core paths read them)")
+    if format_of(w13) not in ("bf16", "fp8-block128"):
+        raise ValueError(f"no strict warp decode kernel reads {format_of(w13)} weights yet (kernels.reference."
+                         "moe_decode does)")
     if isinstance(w13, Quantized) or isinstance(w2, Quantized):
         fp8 = importlib.import_module(FP8_BACKENDS[backend])
         return fp8.warp_decode_fp8(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace, **params)

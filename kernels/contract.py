@@ -24,8 +24,10 @@ in them propagates IEEE-style to exactly the outputs it feeds, in every path and
 token's row as it would be without it; one in expert e's weights reaches only the tokens routed to e (w13's: their
 whole rows; ``w2[e, h, :]``'s: their column h). In the fp8-block128 formats a weight is value x block scale, so a
 non-finite weight is a non-finite scale (its whole block); e4m3fn's NaN codes (0x7F, 0xFF) are not values these
-formats hold -- the tensor-core paths widen them as +-480 -- and nothing here writes them. The offline constructors
-refuse non-finite values, a ValueError naming the matrix and where: ``kernels.quantize_weights``
+formats hold -- the tensor-core paths widen them as +-480 -- and nothing here writes them. In the 4-bit formats
+(:mod:`kernels.formats_fp4`) e2m1 values are finite; a non-finite weight is a NaN scale byte (e8m0's 0xFF, e4m3's
+0x7F / 0xFF: its block of one row) or nvfp4's non-finite global scale (its expert's whole matrix). The offline
+constructors refuse non-finite values, a ValueError naming the matrix and where: ``kernels.quantize_weights``
 (:func:`check_weights`: a block scale cannot represent them) and ``kernels.fp8_experts_from_checkpoint`` (NaN codes,
 non-finite scales).
 
@@ -86,7 +88,8 @@ def check_inputs(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, *,
     Raises ``TypeError`` for a wrong array kind or dtype and ``ValueError`` for a wrong shape or value,
     naming the argument and what was expected. ``check_values`` reads ``topk_ids`` / ``topk_weights``
     (skipped automatically during CUDA-graph capture). ``weight_format`` (a name or a
-    ``kernels.formats.WeightFormat``) checks w13 / w2 as that format stores them; their values keep the layouts.
+    ``kernels.formats.WeightFormat``) checks w13 / w2 as that format stores them; their values keep the layouts (the
+    4-bit formats' two a byte along k: ``WeightFormat.matrix_shape`` gives the contract's shapes).
     """
     xp = array_module(x)
     check_array("x", x, xp, BF16, 2, "[T, H]")
@@ -99,7 +102,8 @@ def check_inputs(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, *,
     tokens = int(x.shape[0])
     if tokens < 1:
         raise ValueError(f"x must hold at least one token (T >= 1), got shape {tuple(x.shape)}")
-    experts, hidden, intermediate = check_weight_dims(w13.shape, w2.shape, hidden=int(x.shape[1]))
+    experts, hidden, intermediate = check_weight_dims(fmt.matrix_shape("w13", w13.shape),
+                                                      fmt.matrix_shape("w2", w2.shape), hidden=int(x.shape[1]))
     if int(topk_ids.shape[0]) != tokens:
         raise ValueError(f"topk_ids must be [T, K] with T = {tokens} (from x), got shape {tuple(topk_ids.shape)}")
     top_k = int(topk_ids.shape[1])

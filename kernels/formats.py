@@ -21,11 +21,15 @@ fp32 / bf16 weights, :func:`fp8_experts_from_checkpoint` assembles a checkpoint'
 k block: 1 KB contiguous instead of 16 pieces a row apart, 1-5 % faster on the H200 (notes/FINDINGS.md).
 ``bf16-t16`` puts bf16 values in the same tiles (16 rows x 32 values: 64 bytes a row, the tensor-core bf16 kernels' k
 block), without scales. ``Quantized.layout`` names the order, and each format's check refuses the other's.
+``mxfp4`` (gpt-oss's checkpoints) and ``nvfp4`` (:class:`Fp4Format`) hold e2m1 values two a byte along k (w13 [E, 2I,
+H/2], w2 [E, H, I/2] uint8, layout "rows-e2m1x2") and a scale byte per 32 (e8m0) or 16 (e4m3, with a float32
+``Quantized.global_scale`` per expert) values along k; their arithmetic and its sources: :mod:`kernels.formats_fp4`.
 
 The weights' own checks are here, beside the formats they consult: :func:`check_weight_dims` (w13 and w2's shapes,
 whatever the format) and :func:`check_weights` (weights about to be converted). ``kernels.contract`` re-exports both
-and builds its input check on this module; this module builds on :mod:`kernels.arrays` and :mod:`kernels.geometry`
-(and, on first use, the on-device quantizer ``kernels.quantize_cuda``), never on ``kernels.contract``.
+and builds its input check on this module; this module builds on :mod:`kernels.arrays`, :mod:`kernels.geometry` and
+:mod:`kernels.formats_fp4` (and, on first use, the on-device quantizer ``kernels.quantize_cuda``), never on
+``kernels.contract``.
 """
 
 from __future__ import annotations
@@ -38,9 +42,11 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from kernels import formats_fp4 as fp4
 from kernels.arrays import BF16, array_module, check_array
 from kernels.geometry import BLOCK, TILE_ROWS, tile_k
 from kernels.geometry import TILE_ROW_BYTES as TILE_ROW_BYTES  # the geometry's every name, here as before
+from kernels.geometry import FormatDimsError as FormatDimsError
 
 
 @dataclass(frozen=True)
@@ -48,15 +54,17 @@ class Quantized:
     """One matrix (w13 or w2) of a format other than plain bf16: ``values`` with the bf16 layout's shape, and their
     ``scales`` (None for ``bf16-t16``, which has none); ``layout`` says how the values are ordered in that shape
     ("rows": the contract's row-major layout; "t16": the 16-row tiles of ``fp8-block128-t16`` and ``bf16-t16``), so
-    that no kernel reads one layout as the other."""
+    that no kernel reads one layout as the other; ``global_scale``: a format's one float32 scale per expert on top
+    of the block scales ([E]: nvfp4's, :mod:`kernels.formats_fp4`), None for every other format.
+
+    The global scale is a field here rather than a subclass: everything that takes a format's weights (the entry
+    points, :func:`format_of`, the reference, ``WeightFormat.host``) already knows a Quantized as "this format's
+    arrays", and an optional field leaves every other format's Quantized, and every call making one, as it was."""
 
     values: Any
     scales: Any
     layout: str = "rows"
-
-
-class FormatDimsError(ValueError):
-    """Dims a weight format cannot store (a tiled format's H and I not whole tiles)."""
+    global_scale: Any = None
 
 
 def _host(arr: Any) -> np.ndarray:
@@ -78,6 +86,11 @@ class WeightFormat:
         return self.scale_bytes(256, 256) > 0
 
     @property
+    def global_scaled(self) -> bool:
+        """Whether the format carries a float32 global scale per expert and matrix (``Quantized.global_scale``)."""
+        return False
+
+    @property
     def tiled(self) -> bool:
         """Whether its values are in 16-row tiles (the batched kernels read them through its loader)."""
         return getattr(self, "layout", "rows") == "t16"
@@ -86,7 +99,13 @@ class WeightFormat:
         """Whether ``weights`` (w13 or w2 as an entry point got them) claim to be this format: plain arrays for
         bf16, a :class:`Quantized` of this format's layout, with or without scales as it has them."""
         return (isinstance(weights, Quantized) and weights.layout == getattr(self, "layout", "rows")
-                and (weights.scales is not None) == self.scaled)
+                and (weights.scales is not None) == self.scaled
+                and (weights.global_scale is not None) == self.global_scaled)
+
+    def matrix_shape(self, name: str, values_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """``name``'s shape in the contract's terms (w13 [E, 2I, H], w2 [E, H, I]) given the shape of the values this
+        format stores for it: the same, but in the packed 4-bit formats (two values a byte along k)."""
+        return tuple(int(d) for d in values_shape)
 
     def check_dims(self, hidden: int, intermediate: int, what: str = "") -> None:
         """:class:`FormatDimsError` unless this format can store experts of these H and I (a tiled format: whole
@@ -145,7 +164,8 @@ class WeightFormat:
         """``weights`` with every array on the host (anything else unchanged: :meth:`check` then says what is wrong)."""
         if not isinstance(weights, Quantized):
             return weights
-        return dataclasses.replace(weights, values=_host(weights.values), scales=_host(weights.scales))
+        return dataclasses.replace(weights, values=_host(weights.values), scales=_host(weights.scales),
+                                   global_scale=_host(weights.global_scale))
 
     def expert(self, weights: Any, expert: int, matrix: str) -> np.ndarray:
         """One expert's ``matrix`` ("w13" or "w2") on the host for the reference: float32 dequantized (bf16
@@ -448,11 +468,91 @@ class Bf16T16(WeightFormat):
         return weights.values
 
 
+@dataclass(frozen=True)
+class Fp4Format(WeightFormat):
+    """``mxfp4`` / ``nvfp4``: e2m1 values two a byte along k ([E, 2I, H/2], [E, H, I/2] uint8, the even value in the
+    low nibble), one scale byte per ``block`` values along k ([E, rows, ceil(k/block)]: e8m0, or e4m3 with a float32
+    global scale per expert and matrix when ``e4m3``). Their arithmetic, layouts and sources (the OCP MX v1.0 spec,
+    NVIDIA's NVFP4 recipe): :mod:`kernels.formats_fp4`."""
+
+    block: int = 32
+    e4m3: bool = False
+    layout: str = fp4.LAYOUT
+
+    @property
+    def global_scaled(self) -> bool:
+        return self.e4m3
+
+    def matrix_shape(self, name: str, values_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (*tuple(int(d) for d in values_shape[:-1]), 2 * int(values_shape[-1]))
+
+    def scale_bytes(self, hidden: int, intermediate: int) -> int:
+        """A byte per block of each row (w13: 2I rows of H, w2: H rows of I), and nvfp4's two float32 globals."""
+        blocks = 2 * intermediate * -(-hidden // self.block) + hidden * -(-intermediate // self.block)
+        return blocks + (2 * 4 if self.e4m3 else 0)
+
+    def check_dims(self, hidden: int, intermediate: int, what: str = "") -> None:
+        """:class:`FormatDimsError` unless H (w13's k) and I (w2's k) are even: two values a byte."""
+        for dim, value, matrix in (("H", hidden, "w13"), ("I", intermediate, "w2")):
+            if value % 2:
+                raise FormatDimsError(f"{self.name} packs two e2m1 values a byte along k: {dim} ({matrix}'s k) must "
+                                      f"be even, got {dim} = {value}" + (f" ({what})" if what else ""))
+
+    def quantize(self, w13: Any, w2: Any) -> tuple[Quantized, Quantized]:
+        check_weights(w13, w2, self)
+        return self._quantize(w13), self._quantize(w2)
+
+    def _quantize(self, w: Any) -> Quantized:
+        """One matrix [E, R, k], an expert at a time on the host (bounded host memory at real model sizes); the
+        result lives where ``w`` did."""
+        experts, rows, k = (int(d) for d in w.shape)
+        values = np.empty((experts, rows, k // 2), np.uint8)
+        scales = np.empty((experts, rows, -(-k // self.block)), np.uint8)
+        globals_ = np.empty(experts, np.float32) if self.e4m3 else None
+        for e in range(experts):
+            values[e], scales[e], g = fp4.quantize_expert(_host(w[e]).astype(np.float32), self.block, self.e4m3)
+            if globals_ is not None:
+                globals_[e] = g
+        xp = array_module(w)
+        if xp is not np:
+            values, scales = xp.asarray(values), xp.asarray(scales)
+            globals_ = None if globals_ is None else xp.asarray(globals_)
+        return Quantized(values, scales, self.layout, globals_)
+
+    def _expert(self, weights: Quantized, expert: int, matrix: str) -> Any:
+        if matrix not in ("w13", "w2"):
+            raise ValueError(f"matrix must be 'w13' or 'w2', got {matrix!r}")
+        gs = None if weights.global_scale is None else weights.global_scale[expert]
+        return fp4.dequantize_rows(weights.values[expert], weights.scales[expert], gs, self.block, self.e4m3)
+
+    def dequantize(self, weights: Any, matrix: str) -> np.ndarray:
+        host = self.host(weights)
+        return np.stack([self._expert(host, e, matrix) for e in range(host.values.shape[0])])
+
+    def expert(self, weights: Any, expert: int, matrix: str) -> np.ndarray:
+        return self._expert(self.host(weights), expert, matrix)
+
+    def expert_here(self, weights: Any, expert: int, matrix: str) -> Any:
+        return self._expert(weights, expert, matrix)
+
+    def check(self, name: str, weights: Any, xp: Any, what: str) -> Any:
+        values = super().check(name, weights, xp, what)
+        if weights.layout != self.layout:
+            raise ValueError(f"{name} holds {weights.layout!r}-ordered values, {self.name} weights are "
+                             f"{self.layout!r} (quantize_weights(w13, w2, {self.name!r}) makes them)")
+        fp4.check_arrays(self.name, name, weights, xp, self.block, self.e4m3)
+        return values
+
+
 BF16_FORMAT = Bf16("bf16", "bfloat16 values, no scales (the data contract)", 2)
 BF16_T16 = Bf16T16("bf16-t16", "bf16 with its values in 16-row x 32-value tiles", 2)
 FP8_BLOCK128 = Fp8Block128("fp8-block128", "float8 e4m3fn values, a float32 scale per 128 x 128 block", 1)
 FP8_BLOCK128_T16 = Fp8Block128T16("fp8-block128-t16", "fp8-block128 with its values in 16-row x 64-value tiles", 1)
-FORMATS: dict[str, WeightFormat] = {f.name: f for f in (BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16)}
+MXFP4 = Fp4Format("mxfp4", "e2m1 values two a byte, an e8m0 scale per 32 values along k (OCP MX)", 0.5)
+NVFP4 = Fp4Format("nvfp4", "e2m1 values two a byte, an e4m3 scale per 16 values along k, a float32 scale per "
+                  "expert matrix (NVIDIA NVFP4)", 0.5, block=16, e4m3=True)
+FORMATS: dict[str, WeightFormat] = {f.name: f for f in (BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, MXFP4,
+                                                        NVFP4)}
 DEFAULT_FORMAT = BF16_FORMAT.name
 
 
@@ -476,8 +576,9 @@ def format_of(w13: Any) -> str:
             return fmt.name
     layouts = sorted({getattr(fmt, "layout", "rows") for fmt in FORMATS.values()})
     scales = "with" if w13.scales is not None else "without"
-    raise ValueError(f"w13 holds {w13.layout!r}-ordered values {scales} scales; the formats know {', '.join(layouts)} "
-                     f"({', '.join(FORMATS)})")
+    extra = " and a global scale" if w13.global_scale is not None else ""
+    raise ValueError(f"w13 holds {w13.layout!r}-ordered values {scales} scales{extra}; the formats know "
+                     f"{', '.join(layouts)} ({', '.join(FORMATS)})")
 
 
 def check_weight_dims(w13_shape: Any, w2_shape: Any, hidden: int | None = None) -> tuple[int, int, int]:

@@ -79,7 +79,8 @@ def weights_format(w13: Any, weight_format: Any = None) -> Any:
     if fmt.stores(w13):
         return fmt
     if isinstance(w13, Quantized):
-        held = f"{w13.layout!r}-ordered values {'with' if w13.scales is not None else 'without'} scales"
+        held = (f"{w13.layout!r}-ordered values {'with' if w13.scales is not None else 'without'} scales"
+                + (" and a global scale" if w13.global_scale is not None else ""))
         try:
             held = f"{format_of(w13)} weights ({held})"
         except ValueError:
@@ -87,7 +88,7 @@ def weights_format(w13: Any, weight_format: Any = None) -> Any:
     else:
         held = f"a plain {type(w13).__name__} (bf16 weights)"
     want = (f"{getattr(fmt, 'layout', 'rows')!r}-ordered values {'with' if fmt.scaled else 'without'} scales"
-            if fmt.name != "bf16" else "a plain array")
+            + (" and a global scale" if fmt.global_scaled else "") if fmt.name != "bf16" else "a plain array")
     raise ValueError(f"weight_format {fmt.name!r} disagrees with the weights: w13 holds {held}, {fmt.name} weights "
                      f"are {want} (leave weight_format out: the format is read from the weights)")
 

@@ -547,7 +547,8 @@ def test_tiled_values() -> None:
     # what an entry point given these weights runs: the format their layout names
     assert [formats.format_of(w) for w in (w13.astype(BF16), rows13, t13)] == ["bf16", FP8_BLOCK128.name,
                                                                               FP8_BLOCK128_T16.name]
-    with pytest.raises(ValueError, match="w13 holds 'cols'-ordered values with scales; the formats know rows, t16"):
+    with pytest.raises(ValueError, match="w13 holds 'cols'-ordered values with scales; the formats know rows, "
+                                         "rows-e2m1x2, t16"):
         formats.format_of(dataclasses.replace(t13, layout="cols"))
     x = rng.standard_normal((3, hidden)).astype(BF16)
     ids = rng.integers(0, experts, (3, 2)).astype(np.int32)

@@ -15,7 +15,7 @@ import pytest
 
 import kernels
 from kernels.contract import BF16, array_module, check_inputs
-from kernels.formats import BF16_T16, FORMATS, FP8_BLOCK128, FP8_BLOCK128_T16, get_format
+from kernels.formats import BF16_T16, FORMATS, FP8_BLOCK128, FP8_BLOCK128_T16, MXFP4, NVFP4, get_format
 from kernels.problem import make_problem
 from kernels.reference import moe_decode
 from kernels.shapes import PRESETS, MoEShape
@@ -62,9 +62,23 @@ def poison_x(x: Any) -> Any:
 def in_format(fmt: str, w13: Any, w2: Any, poison: bool) -> tuple[Any, Any, list[int]]:
     """``(w13, w2, rows)``: bf16 weights (NumPy or CuPy, copied) in ``fmt``; with ``poison`` HIT's w13 holds an inf,
     DOWN's w2 a NaN in output rows ``rows``, MISS's both. On bf16 values one value each; on the fp8 formats one block
-    scale each (a weight is value x scale): DOWN's w2 block row 1 (rows 128..255)."""
+    scale each (a weight is value x scale): DOWN's w2 block row 1 (rows 128..255); on the 4-bit formats one scale
+    byte each (e8m0's NaN 0xFF, e4m3's 0x7F), nvfp4's HIT through its global scale (inf: its whole w13)."""
     w13, w2 = w13.copy(), w2.copy()
     hidden, inter = int(w2.shape[1]), int(w2.shape[2])
+    if fmt in (MXFP4.name, NVFP4.name):
+        q13, q2 = kernels.quantize_weights(w13, w2, fmt)
+        rows = [hidden // 2 + 3]
+        if poison:
+            nan = 0x7F if fmt == NVFP4.name else 0xFF
+            if fmt == NVFP4.name:
+                q13.global_scale[HIT] = np.inf
+            else:
+                q13.scales[HIT, 3, 0] = nan  # gate row 3, values 0..31
+            q13.scales[MISS, 2 * inter - 1, -1] = nan  # an up row's last block
+            q2.scales[DOWN, rows[0], 0] = nan
+            q2.scales[MISS, 0, 0] = nan
+        return q13, q2, rows
     if fmt in ("bf16", BF16_T16.name):
         rows = [hidden // 2 + 3]
         if poison:
@@ -215,6 +229,8 @@ def test_moe_decode_propagates_to_exactly_the_outputs_fed(cupy_mod: Any, rng: np
     this GPU): the reference's propagation, bitwise outside the poisoned outputs."""
     from kernels import dispatch
 
+    if fmt not in dispatch.FORMAT_CANDIDATES:
+        pytest.skip(f"no kernel reads {fmt} weights yet (the reference does: the CPU test above)")
     cupy = cupy_mod
     p = _gpu_problem(cupy, rng, tokens)
     clean13, clean2, rows = in_format(fmt, p.w13, p.w2, poison=False)
