@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from kernels.api import expert_centric, moe_decode, warp_decode
     from kernels.arrays import BF16
     from kernels.contract import check_inputs
-    from kernels.formats import fp8_experts_from_checkpoint, quantize_weights
+    from kernels.formats import fp8_experts_from_checkpoint, gpt_oss_experts_from_checkpoint, quantize_weights
     from kernels.problem import Problem, make_problem, make_weights
     from kernels.routing import ROUTINGS, make_routing, route
     from kernels.shapes import DEFAULT_MODEL, PRESETS, Dims, MoEShape, get_shape
@@ -29,6 +29,7 @@ _HOMES = {
     "BF16": "kernels.arrays",
     "check_inputs": "kernels.contract",
     "fp8_experts_from_checkpoint": "kernels.formats",
+    "gpt_oss_experts_from_checkpoint": "kernels.formats",
     "quantize_weights": "kernels.formats",
     "Problem": "kernels.problem",
     "make_problem": "kernels.problem",
@@ -55,6 +56,7 @@ __all__ = [
     "expert_centric",
     "fp8_experts_from_checkpoint",
     "get_shape",
+    "gpt_oss_experts_from_checkpoint",
     "make_problem",
     "make_routing",
     "make_weights",

@@ -12,6 +12,23 @@
 
 H and I must be multiples of 8: the kernels load 16 bytes (8 bf16) per lane.
 
+The model's own expert layer (``kernels.reference.moe_decode``'s keywords; the kernels implement the default). Two
+optional bias arrays and an activation variant, all data (:mod:`kernels.activation`), never a fork of the formula:
+
+    b13           [E, 2I]     bf16     per expert: added to gate_up = w13[e] @ x[t], in w13's row order
+    b2            [E, H]      bf16     per expert: added to w2[e] @ hidden, before the routing weight
+    activation    "silu" (default) | "gpt-oss" | an Activation: how gate / up sit in w13's rows and hidden = f(gate, up)
+
+    out[t] = sum_k topk_weights[t, k] * (w2[e] @ act(w13[e] @ x[t] + b13[e]) + b2[e])
+
+so b2 is weighted by the routing weight like the rest of its expert's output, as gpt-oss's MoE does (openai/gpt-oss
+gpt_oss/torch/model.py MLPBlock: ``t += mlp2_bias`` before the ``expert_weights`` einsum). Biases are bf16 because
+that is what gpt-oss's checkpoints ship (MLPBlock's ``mlp1_bias`` / ``mlp2_bias`` are bfloat16, and
+``kernels.gpt_oss_experts_from_checkpoint`` passes them through bit for bit); a kernel widens them exactly, as it
+widens bf16 weights, and they cost (2I + H) x 2 bytes per expert beside its weights. Either may be given alone.
+They are data like the weights: never inspected on the hot path; one NaN in b13[e] or b2[e] reaches only the tokens
+routed to e.
+
 Arrays may be NumPy or CuPy (all of one kind). Checks that need the *values* of ``topk_ids`` and
 ``topk_weights`` (ids in range, weights finite) read them back; on a GPU that is a host sync, so they are
 skipped while a CUDA graph is being captured, and the kernels instead guard every expert id (an
@@ -45,6 +62,7 @@ from typing import Any
 
 import numpy as np
 
+from kernels.activation import ACTIVATIONS, Activation, get_activation
 from kernels.arrays import (
     BF16,
     FP8_E4M3,
@@ -60,13 +78,16 @@ from kernels.formats import check_weight_dims, check_weights, get_format
 from kernels.shapes import Dims
 
 __all__ = [
+    "ACTIVATIONS",
     "BF16",
     "FP8_E4M3",
     "OUT_DTYPES",
+    "Activation",
     "Dims",
     "array_module",
     "check_aligned",
     "check_array",
+    "check_biases",
     "check_inputs",
     "check_int",
     "check_out",
@@ -74,6 +95,7 @@ __all__ = [
     "check_weight_dims",
     "check_weights",
     "check_xp",
+    "get_activation",
     "is_capturing",
     "require_cupy",
 ]
@@ -82,7 +104,7 @@ OUT_DTYPES = (BF16, np.dtype(np.float32))
 
 
 def check_inputs(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, *, check_values: bool = True,
-                 weight_format: Any = "bf16") -> Dims:
+                 weight_format: Any = "bf16", b13: Any = None, b2: Any = None) -> Dims:
     """Validate the five inputs of an MoE decode call against the contract; return their sizes.
 
     Raises ``TypeError`` for a wrong array kind or dtype and ``ValueError`` for a wrong shape or value,
@@ -90,6 +112,7 @@ def check_inputs(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, *,
     (skipped automatically during CUDA-graph capture). ``weight_format`` (a name or a
     ``kernels.formats.WeightFormat``) checks w13 / w2 as that format stores them; their values keep the layouts (the
     4-bit formats' two a byte along k: ``WeightFormat.matrix_shape`` gives the contract's shapes).
+    ``b13`` / ``b2``, when given, are checked by :func:`check_biases` against the weights' E, 2I and H.
     """
     xp = array_module(x)
     check_array("x", x, xp, BF16, 2, "[T, H]")
@@ -122,7 +145,23 @@ def check_inputs(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, *,
             raise ValueError(f"topk_ids must lie in [0, E) = [0, {experts}), found values in [{low}, {high}]")
         if not bool(xp.isfinite(topk_weights).all()):
             raise ValueError("topk_weights must be finite, found NaN or inf")
-    return Dims(tokens, hidden, intermediate, experts, top_k)
+    dims = Dims(tokens, hidden, intermediate, experts, top_k)
+    check_biases(b13, b2, dims, xp)
+    return dims
+
+
+def check_biases(b13: Any, b2: Any, dims: Dims, xp: Any) -> None:
+    """The optional expert biases against the weights' sizes: ``b13`` [E, 2I] and ``b2`` [E, H], bf16 ``xp`` arrays,
+    C-contiguous (None: no bias). TypeError / ValueError name the argument and the shape expected."""
+    want = {"b13": (dims.experts, 2 * dims.intermediate), "b2": (dims.experts, dims.hidden)}
+    what = {"b13": "[E, 2I]", "b2": "[E, H]"}
+    for name, bias in (("b13", b13), ("b2", b2)):
+        if bias is None:
+            continue
+        check_array(name, bias, xp, BF16, 2, what[name])
+        if tuple(int(d) for d in bias.shape) != want[name]:
+            raise ValueError(f"{name} must be {what[name]} = {list(want[name])} to match the weights, got shape "
+                             f"{tuple(bias.shape)}")
 
 
 def check_out(out: Any, dims: Dims, xp: Any, name: str = "out") -> None:

@@ -25,6 +25,11 @@ block), without scales. ``Quantized.layout`` names the order, and each format's 
 H/2], w2 [E, H, I/2] uint8, layout "rows-e2m1x2") and a scale byte per 32 (e8m0) or 16 (e4m3, with a float32
 ``Quantized.global_scale`` per expert) values along k; their arithmetic and its sources: :mod:`kernels.formats_fp4`.
 
+gpt-oss ships MXFP4 experts (e2m1 values two a byte, one e8m0 power-of-two scale per 32 along k):
+:func:`gpt_oss_experts_from_checkpoint` turns one layer's tensors into ``Quantized(values=uint8 [E, rows, k/2],
+scales=uint8 [E, rows, k/32])`` -- the layout of the ``mxfp4`` format -- and the layer's bf16 biases, w13's rows
+interleaved as gpt-oss's activation reads them (:mod:`kernels.activation`).
+
 The weights' own checks are here, beside the formats they consult: :func:`check_weight_dims` (w13 and w2's shapes,
 whatever the format) and :func:`check_weights` (weights about to be converted). ``kernels.contract`` re-exports both
 and builds its input check on this module; this module builds on :mod:`kernels.arrays`, :mod:`kernels.geometry` and
@@ -739,3 +744,117 @@ def fp8_experts_from_checkpoint(experts: Sequence[Mapping[str, Any]]) -> tuple[Q
         w2.values[e], w2.scales[e] = got["down_proj.weight"], got["down_proj.weight_scale_inv"]
     return w13, w2
 
+
+
+# gpt-oss's expert tensors, one layer: Hugging Face's names (model.layers.{n}.mlp.experts.<name>) and the original
+# checkpoint's (original/*.safetensors: block.{n}.mlp.<name>); transformers' convert_gpt_oss_weights_to_hf.py maps
+# mlp1_weight.blocks -> gate_up_proj_blocks and so on, the arrays unchanged
+GPT_OSS_TENSORS = ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
+                   "down_proj_blocks", "down_proj_scales", "down_proj_bias")
+GPT_OSS_ORIGINAL_TENSORS = ("mlp1_weight.blocks", "mlp1_weight.scales", "mlp1_bias",
+                            "mlp2_weight.blocks", "mlp2_weight.scales", "mlp2_bias")
+MX_BLOCK = 32  # values per e8m0 scale along k (OCP MX); a checkpoint block holds them in 16 bytes
+E8M0_NAN = 255  # the e8m0 code that is NaN (OCP MX spec): no scale
+
+
+def gpt_oss_experts_from_checkpoint(
+    tensors: Mapping[str, Any], prefix: str = ""
+) -> tuple[Quantized, Quantized, np.ndarray, np.ndarray]:
+    """``(w13, w2, b13, b2)`` on the host from one layer of a gpt-oss checkpoint, keyed ``prefix + name`` for the
+    names of :data:`GPT_OSS_TENSORS` (Hugging Face's, e.g. ``prefix="model.layers.3.mlp.experts."``) or of
+    :data:`GPT_OSS_ORIGINAL_TENSORS` (the original checkpoint's, ``prefix="block.3.mlp."``):
+
+    ======================  ==================  =====  =========================================================
+    gate_up_proj_blocks     [E, 2I, H/32, 16]   uint8  e2m1 pairs, low nibble = the even k (gpt_oss/torch/weights.py)
+    gate_up_proj_scales     [E, 2I, H/32]       uint8  e8m0: 2^(s - 127) per 32 values along k
+    gate_up_proj_bias       [E, 2I]             bf16   (or its uint16 bits: safetensors' NumPy loader has no bf16)
+    down_proj_blocks        [E, H, I/32, 16]    uint8
+    down_proj_scales        [E, H, I/32]        uint8
+    down_proj_bias          [E, H]              bf16
+    ======================  ==================  =====  =========================================================
+
+    Returns the lab's mxfp4 (:data:`MXFP4`): ``Quantized(values=uint8 [E, rows, k/2], scales=uint8 [E, rows,
+    k/32])``, two e2m1 a byte, low nibble the even element: the blocks' last two axes merged, bytes unchanged (views where the
+    inputs are C-contiguous) -- and the biases as bf16 [E, 2I] / [E, H]. w13's rows stay as the checkpoint orders
+    them, gate and up interleaved (gate j = row 2j): read them with ``activation="gpt-oss"``
+    (``kernels.reference.moe_decode(..., activation="gpt-oss", b13=b13, b2=b2)``: the format is the lab's mxfp4).
+
+    ValueError / TypeError name the tensor and what was expected: a missing tensor, a dtype, a shape (E, 2I, H and I
+    must agree across the six; 2I even), an e8m0 NaN scale (255) or a NaN / inf bias (refused as
+    ``fp8_experts_from_checkpoint`` refuses them: the NaN policy of kernels/contract.py).
+    """
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"tensors must be a mapping of tensor name -> array, got {type(tensors).__name__}")
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+    names = GPT_OSS_TENSORS
+    if prefix + GPT_OSS_TENSORS[0] not in tensors and prefix + GPT_OSS_ORIGINAL_TENSORS[0] in tensors:
+        names = GPT_OSS_ORIGINAL_TENSORS
+    missing = [prefix + name for name in names if prefix + name not in tensors]
+    if missing:
+        other = GPT_OSS_ORIGINAL_TENSORS if names is GPT_OSS_TENSORS else GPT_OSS_TENSORS
+        raise ValueError(f"tensors lacks {', '.join(repr(m) for m in missing)} (one layer's gpt-oss experts: "
+                         f"{', '.join(prefix + n for n in names)}; or the original checkpoint's "
+                         f"{', '.join(prefix + n for n in other)})")
+    got = {}
+    for role, name in zip(GPT_OSS_TENSORS, names, strict=True):
+        arr = _host(tensors[prefix + name])
+        if not isinstance(arr, np.ndarray):
+            raise TypeError(f"{prefix + name!r} must be a NumPy array, got {type(arr).__name__}")
+        got[role] = (prefix + name, arr)
+
+    def shape_error(role: str, want: str, values: tuple[int, ...], why: str = "") -> ValueError:
+        key, arr = got[role]
+        return ValueError(f"{key!r} must be {want} = {list(values)}{why}, got {list(arr.shape)}")
+
+    for role in ("gate_up_proj_blocks", "down_proj_blocks", "gate_up_proj_scales", "down_proj_scales"):
+        key, arr = got[role]
+        if arr.dtype != np.uint8:
+            what = "packed e2m1 pairs" if role.endswith("blocks") else "e8m0 exponents"
+            raise TypeError(f"{key!r} must be uint8 ({what}), got {arr.dtype}")
+    key, gu = got["gate_up_proj_blocks"]
+    if gu.ndim != 4 or gu.shape[-1] != MX_BLOCK // 2:
+        raise ValueError(f"{key!r} must be [E, 2I, H/32, 16] (16 bytes = 32 e2m1 values a block), got {list(gu.shape)}")
+    experts, two_i, h_blocks, _ = (int(d) for d in gu.shape)
+    if experts < 1 or two_i < 2 or h_blocks < 1:
+        raise ValueError(f"{key!r} must be [E, 2I, H/32, 16] with E >= 1, 2I >= 2 and H >= 32, got {list(gu.shape)}")
+    if two_i % 2:
+        raise ValueError(f"{key!r} is [E, 2I, H/32, 16]: its second dimension is 2I (gate and up rows "
+                         f"interleaved), must be even, got {two_i}")
+    hidden, inter = h_blocks * MX_BLOCK, two_i // 2
+    key, dn = got["down_proj_blocks"]
+    if dn.ndim != 4 or dn.shape[-1] != MX_BLOCK // 2 or int(dn.shape[0]) != experts or int(dn.shape[1]) != hidden:
+        raise ValueError(f"{key!r} must be [E, H, I/32, 16] = [{experts}, {hidden}, {inter / MX_BLOCK:g}, 16] (E, H "
+                         f"and 2I from {got['gate_up_proj_blocks'][0]!r}), got {list(dn.shape)}")
+    if int(dn.shape[2]) * MX_BLOCK != inter:
+        raise ValueError(f"{key!r} is [E, H, I/32, 16] with I = {inter} ({got['gate_up_proj_blocks'][0]!r}'s 2I / 2): "
+                         f"I must be a multiple of 32 and dn.shape[2] = I/32 = {inter / MX_BLOCK:g}, got "
+                         f"{list(dn.shape)}")
+    for role, blocks_role in (("gate_up_proj_scales", "gate_up_proj_blocks"), ("down_proj_scales", "down_proj_blocks")):
+        want = tuple(int(d) for d in got[blocks_role][1].shape[:3])
+        key, scales = got[role]
+        if tuple(int(d) for d in scales.shape) != want:
+            raise shape_error(role, f"{got[blocks_role][0]!r}'s shape less its last axis", want)
+        bad = scales == E8M0_NAN
+        if bad.any():
+            raise ValueError(f"{key!r} must be finite scales: {int(bad.sum())} e8m0 NaN codes (255), the first at "
+                             f"{[int(i) for i in np.argwhere(bad)[0]]}")
+    biases = {}
+    for role, want, what in (("gate_up_proj_bias", (experts, two_i), "[E, 2I]"),
+                             ("down_proj_bias", (experts, hidden), "[E, H]")):
+        key, bias = got[role]
+        if bias.dtype not in (BF16, np.dtype(np.uint16)):
+            raise TypeError(f"{key!r} must be bfloat16 (or its uint16 bit patterns), got {bias.dtype}")
+        if tuple(int(d) for d in bias.shape) != want:
+            raise shape_error(role, what, want)
+        bias = np.ascontiguousarray(bias).view(BF16)
+        bad = (bias.view(np.uint16) & 0x7F80) == 0x7F80
+        if bad.any():
+            raise ValueError(f"{key!r} must be finite: {int(bad.sum())} NaN/inf values, the first at "
+                             f"{[int(i) for i in np.argwhere(bad)[0]]}")
+        biases[role] = bias
+    w13 = Quantized(np.ascontiguousarray(gu).reshape(experts, two_i, hidden // 2),
+                    np.ascontiguousarray(got["gate_up_proj_scales"][1]), MXFP4.layout)
+    w2 = Quantized(np.ascontiguousarray(dn).reshape(experts, hidden, inter // 2),
+                   np.ascontiguousarray(got["down_proj_scales"][1]), MXFP4.layout)
+    return w13, w2, biases["gate_up_proj_bias"], biases["down_proj_bias"]

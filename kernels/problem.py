@@ -3,6 +3,14 @@
 Weights are random normal scaled like trained checkpoints (std 1/sqrt(fan-in): ``w13`` ~ N(0, 1/H),
 ``w2`` ~ N(0, 1/I)), activations ~ N(0, 1); never zeros. NumPy problems are generated on the CPU; CuPy
 problems are generated on the GPU directly (a 20 GB layer takes milliseconds there, minutes here).
+
+A shape whose experts carry biases (``MoEShape.bias``: gpt-oss's) also gets ``b13`` [E, 2I] and ``b2`` [E, H] in
+bf16, at the scale of one weight row's contribution: N(0, 1/H) and N(0, 1/I), PyTorch's ``nn.Linear`` bias scale
+(bound 1/sqrt(fan-in)); no trained checkpoint's bias statistics are cited here. They come from their own random
+stream, so x, w13 and w2 are the same bits with or without them. ``Problem.arrays`` stays the contract's five (what
+the kernels compute); ``Problem.layer`` holds the keywords that make ``kernels.reference.moe_decode`` compute the
+model's own layer: ``moe_decode(*p.arrays, **p.layer)``. With gpt-oss's activation, gate_up ~ N(0, 1 + 1/H) reaches
+its clamp at 7 about never: a test of the clamps builds its own inputs.
 """
 
 from __future__ import annotations
@@ -31,6 +39,14 @@ class Problem:
     topk_ids: Any  # [T, K] int32
     topk_weights: Any  # [T, K] float32
     meta: dict = field(default_factory=dict)
+    b13: Any = None  # [E, 2I] bf16, when the shape's experts carry biases
+    b2: Any = None  # [E, H] bf16
+
+    @property
+    def layer(self) -> dict[str, Any]:
+        """``kernels.reference.moe_decode``'s keywords for the model's own layer: the shape's activation and the
+        biases (None where it has none), so ``moe_decode(*p.arrays, **p.layer)`` works for every problem."""
+        return {"activation": self.shape.activation, "b13": self.b13, "b2": self.b2}
 
     @property
     def arrays(self) -> tuple[Any, Any, Any, Any, Any]:
@@ -68,6 +84,8 @@ class Problem:
             remapped.reshape(ids.shape).astype(np.int32),
             _to_numpy(self.topk_weights),
             meta={**self.meta, "experts_touched": touched},
+            b13=None if self.b13 is None else _to_numpy(self.b13[index]),
+            b2=None if self.b2 is None else _to_numpy(self.b2[index]),
         )
 
     def to_numpy(self) -> Problem:
@@ -88,6 +106,8 @@ class Problem:
             self.routing,
             *(convert(a) for a in self.arrays),
             meta=dict(self.meta),
+            b13=None if self.b13 is None else convert(self.b13),
+            b2=None if self.b2 is None else convert(self.b2),
         )
 
 
@@ -168,8 +188,21 @@ def make_problem(
     rng = np.random.default_rng([seed, 0])
     x = _normal_bf16_numpy(rng, (tokens, shape.hidden), 1.0)
     w13, w2 = make_weights(shape, seed, xp)
+    b13, b2 = make_biases(shape, seed) if shape.bias else (None, None)
     if xp is not np:
         x, topk_ids, topk_weights = (xp.asarray(a) for a in (x, topk_ids, topk_weights))
+        b13, b2 = (None if b is None else xp.asarray(b) for b in (b13, b2))
         xp.cuda.get_current_stream().synchronize()  # see make_weights: the copies must land before use
     name = routing if isinstance(routing, str) else "fixed"
-    return Problem(shape, tokens, seed, name, x, w13, w2, topk_ids, topk_weights)
+    return Problem(shape, tokens, seed, name, x, w13, w2, topk_ids, topk_weights, b13=b13, b2=b2)
+
+
+def make_biases(shape: MoEShape | str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``(b13 [E, 2I], b2 [E, H])`` in bf16 on the host, deterministic by seed (a stream of their own):
+    N(0, 1/H) and N(0, 1/I), the scale of one weight row's contribution (the module docstring). Small: a host copy
+    is all a GPU problem needs (E x (2I + H) values)."""
+    shape = get_shape(shape)
+    seed = check_int("seed", seed, 0)
+    rng = np.random.default_rng([seed, 2])
+    E, H, I = shape.experts, shape.hidden, shape.intermediate
+    return _normal_bf16_numpy(rng, (E, 2 * I), H**-0.5), _normal_bf16_numpy(rng, (E, H), I**-0.5)

@@ -3,6 +3,15 @@
     out[t] = sum_k  topk_weights[t, k] * w2[e] @ (SiLU(gate) * up),   e = topk_ids[t, k]
     gate   = w13[e, :I] @ x[t],   up = w13[e, I:] @ x[t]
 
+and the model's own layer when asked (``activation=``, ``b13=``, ``b2=``: kernels/contract.py, kernels/activation.py)::
+
+    out[t] = sum_k  topk_weights[t, k] * (w2[e] @ act(gate, up) + b2[e])
+    (gate, up) = act.split(w13[e] @ x[t] + b13[e])
+
+(gpt-oss: ``activation="gpt-oss"``, its interleaved rows and clamped SwiGLU). Every mode adds a bias where the dot
+product it follows ends: to the fp64 sum, to the fp32 sum (warp_decode: one fp32 add after the dot product, before the
+activation / the routing weight), or in the GEMM's epilogue before its bf16 store (classical).
+
 Modes (all read the same inputs; weights in any registered format, read from the weights as ``kernels.moe_decode``
 reads it, one expert at a time through it):
 
@@ -27,8 +36,9 @@ from typing import Any
 
 import numpy as np
 
+from kernels.activation import get_activation
 from kernels.contract import BF16, check_inputs
-from kernels.numerics import QUANT_MODES, bf16_to_f32, quantize, round_bf16, silu, through_bf16
+from kernels.numerics import QUANT_MODES, bf16_to_f32, quantize, round_bf16, through_bf16
 
 MODES = ("fp64", "warp_decode", "classical")
 
@@ -103,6 +113,10 @@ def moe_decode(
     quant: str | None = None,
     out_dtype: Any = None,
     weight_format: Any = None,
+    *,
+    activation: Any = "silu",
+    b13: Any = None,
+    b2: Any = None,
 ) -> np.ndarray:
     """One MoE decode layer on the host. Returns [T, H]: float64 for ``"fp64"``, else bf16.
 
@@ -111,7 +125,11 @@ def moe_decode(
     ``weight_format`` (a name or a ``WeightFormat``, e.g. one no registry holds) names it instead, and a format w13
     is not in is a ValueError naming both. Each touched expert is read through it.
     ``quant`` quantizes activations only (mode ``"classical"``). CuPy inputs are copied to the host first.
-    A NaN or inf in x or the weights reaches exactly the outputs it feeds, as in the kernels (kernels/contract.py).
+    ``activation`` (a name in ``kernels.activation.ACTIVATIONS`` or an ``Activation``) says how gate and up sit in
+    w13's rows and what the activation is; ``b13`` [E, 2I] / ``b2`` [E, H] (bf16, None: none) are the experts'
+    biases (kernels/contract.py). The defaults are the contract's layer, which the kernels compute.
+    A NaN or inf in x or the weights reaches exactly the outputs it feeds, as in the kernels (kernels/contract.py);
+    a clamped activation (gpt-oss's) makes an inf it clamps finite.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -119,11 +137,13 @@ def moe_decode(
         raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
     if quant is not None and mode != "classical":
         raise ValueError(f"quant={quant!r} applies to mode='classical' only, got mode={mode!r}")
+    act = get_activation(activation)
     fmt = weights_format(w13, weight_format)
     x, topk_ids, topk_weights = (_host(a) for a in (x, topk_ids, topk_weights))
+    b13, b2 = (None if b is None else _host(b) for b in (b13, b2))
     w13, w2 = fmt.host(w13), fmt.host(w2)
-    dims = check_inputs(x, w13, w2, topk_ids, topk_weights, weight_format=fmt)
-    T, H, I, K = dims.tokens, dims.hidden, dims.intermediate, dims.top_k
+    dims = check_inputs(x, w13, w2, topk_ids, topk_weights, weight_format=fmt, b13=b13, b2=b2)
+    T, H, K = dims.tokens, dims.hidden, dims.top_k
 
     if mode == "fp64":
         acc = np.float64
@@ -142,19 +162,24 @@ def moe_decode(
             activations = quantize(activations, quant)
         activations = activations.astype(acc)
 
+        # the biases widened exactly (bf16 -> f32 -> the accumulator's type), added once where their dot products end
+        bias13, bias2 = (None if b is None else bf16_to_f32(b).astype(acc) for b in (b13, b2))
         per_pair = np.empty((T * K, H), acc)  # each (token, slot)'s expert output, before the routing weight
         for expert, pairs in expert_groups(topk_ids):
             tokens_of_pairs = pairs // K
             gate_up = matmul_bf16_t(activations[tokens_of_pairs], fmt.expert(w13, expert, "w13"), acc)  # [n, 2I]
-            gate, up = gate_up[:, :I], gate_up[:, I:]
-            if mode == "fp64":
-                hidden = silu(gate) * up
-            elif mode == "warp_decode":
-                hidden = through_bf16(silu(gate) * up)
-            else:  # classical: every GEMM output and the activation pass through bf16 buffers
-                gate, up = through_bf16(gate), through_bf16(up)
-                hidden = quantize(through_bf16(silu(gate) * up), quant)
+            if bias13 is not None:
+                gate_up += bias13[expert]
+            if mode == "classical":  # every GEMM output and the activation pass through bf16 buffers
+                gate_up = through_bf16(gate_up)
+            hidden = act(*act.split(gate_up))
+            if mode == "warp_decode":
+                hidden = through_bf16(hidden)
+            elif mode == "classical":
+                hidden = quantize(through_bf16(hidden), quant)
             down = matmul_bf16_t(hidden.astype(acc, copy=False), fmt.expert(w2, expert, "w2"), acc)  # [n, H]
+            if bias2 is not None:
+                down += bias2[expert]
             per_pair[pairs] = through_bf16(down) if mode == "classical" else down
 
         per_pair = per_pair.reshape(T, K, H)
@@ -167,9 +192,14 @@ def moe_decode(
     return out.astype(out_dtype)
 
 
-def expert_ffn(x: np.ndarray, w13_e: np.ndarray, w2_e: np.ndarray) -> np.ndarray:
-    """One expert's FFN on [T, H] bf16 tokens in float64: w2_e @ (SiLU(gate) * up). For tests."""
-    I = w13_e.shape[0] // 2
+def expert_ffn(x: np.ndarray, w13_e: np.ndarray, w2_e: np.ndarray, activation: Any = "silu",
+               b13_e: np.ndarray | None = None, b2_e: np.ndarray | None = None) -> np.ndarray:
+    """One expert's FFN on [T, H] bf16 tokens in float64: w2_e @ act(w13_e @ x + b13_e) + b2_e (the biases bf16,
+    optional; SiLU(gate) * up by default). For tests."""
+    act = get_activation(activation)
     xs = bf16_to_f32(x).astype(np.float64)
     gate_up = xs @ bf16_to_f32(w13_e).astype(np.float64).T
-    return (silu(gate_up[:, :I]) * gate_up[:, I:]) @ bf16_to_f32(w2_e).astype(np.float64).T
+    if b13_e is not None:
+        gate_up = gate_up + bf16_to_f32(b13_e).astype(np.float64)
+    out = act.apply(gate_up) @ bf16_to_f32(w2_e).astype(np.float64).T
+    return out if b2_e is None else out + bf16_to_f32(b2_e).astype(np.float64)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from kernels.activation import ACTIVATIONS, Activation, get_activation
 from kernels.arrays import check_int
 
 BF16_BYTES = 2
@@ -45,7 +46,11 @@ class MoEShape:
     shared_experts: int = 0
     shared_intermediate: int = 0  # intermediate size of each shared expert
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
-    activation: str = "silu"  # the model's own activation; the kernels implement SiLU(gate) * up
+    # the experts' activation, a name in kernels.activation.ACTIVATIONS ("silu": SiLU(gate) * up, gate rows then up
+    # rows, what every kernel implements; "gpt-oss": the clamped, interleaved SwiGLU), and whether the experts carry
+    # biases (b13 [E, 2I] on gate_up, b2 [E, H] on down: kernels.reference.moe_decode's b13= / b2=)
+    activation: str = "silu"
+    bias: bool = False
     source: str = ""  # where the numbers come from
     # the rest of the decoder (config.json names): all six set, or none (an MoE layer alone)
     num_attention_heads: int | None = None  # query heads
@@ -59,6 +64,11 @@ class MoEShape:
     def __post_init__(self) -> None:
         for field in ("hidden", "intermediate", "experts", "top_k", "layers"):  # NumPy ints become ints
             object.__setattr__(self, field, check_int(f"MoEShape.{field}", getattr(self, field), 1))
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"MoEShape.activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
+        if not isinstance(self.bias, bool | np.bool_):
+            raise TypeError(f"MoEShape.bias must be a bool, got {self.bias!r}")
+        object.__setattr__(self, "bias", bool(self.bias))
         if self.hidden % 8 or self.intermediate % 8:
             raise ValueError(
                 f"MoEShape hidden ({self.hidden}) and intermediate ({self.intermediate}) must be multiples of 8 "
@@ -108,6 +118,17 @@ class MoEShape:
     def layer_bytes(self) -> int:
         """bf16 bytes of all routed experts of one layer (what must sit in HBM)."""
         return self.experts * self.expert_bytes
+
+    @property
+    def expert_activation(self) -> Activation:
+        """The :class:`kernels.activation.Activation` named by :attr:`activation`."""
+        return get_activation(self.activation)
+
+    @property
+    def bias_bytes(self) -> int:
+        """bf16 bytes of one routed expert's biases (b13's 2I and b2's H values; 0 without biases). Not counted in
+        :attr:`expert_bytes`: that is what today's kernels read, and they read no biases."""
+        return (2 * self.intermediate + self.hidden) * BF16_BYTES if self.bias else 0
 
     @property
     def shared_bytes(self) -> int:
@@ -276,8 +297,12 @@ PRESETS: dict[str, MoEShape] = {
             source="deepseek-ai/DeepSeek-V3 config.json",
         ),
         # openai/gpt-oss-120b config.json: hidden_size 2880, intermediate_size 2880, num_local_experts 128,
-        # experts_per_token 4, num_hidden_layers 36. Its experts use a clamped SwiGLU with biases and ship
-        # as MXFP4; here the shape is measured with bf16 weights and SiLU(gate)*up (same bytes per bf16).
+        # experts_per_token 4, num_hidden_layers 36, swiglu_limit 7.0 (its original/config.json: num_experts 128;
+        # openai/gpt-oss gpt_oss/torch/model.py ModelConfig has the same defaults). Its experts: gate_up and down
+        # biases (MLPBlock's mlp1_bias [E, 2I], mlp2_bias [E, H], bf16) and the clamped SwiGLU with gate / up rows
+        # interleaved (kernels.activation.GPT_OSS: limit 7.0, alpha 1.702, up + 1); the checkpoints ship MXFP4
+        # experts. The kernels implement SiLU(gate) * up without biases: the bench measures the shape on them (the
+        # same bytes as bf16 weights), the reference computes the model's own layer (kernels.problem.Problem.layer).
         MoEShape(
             "gpt-oss-120b",
             2880,
@@ -285,8 +310,22 @@ PRESETS: dict[str, MoEShape] = {
             128,
             4,
             layers=36,
-            activation="swiglu-oai",
+            activation="gpt-oss",
+            bias=True,
             source="openai/gpt-oss-120b config.json",
+        ),
+        # openai/gpt-oss-20b config.json: hidden_size 2880, intermediate_size 2880, num_local_experts 32,
+        # experts_per_token 4, num_hidden_layers 24, swiglu_limit 7.0; the experts as gpt-oss-120b's.
+        MoEShape(
+            "gpt-oss-20b",
+            2880,
+            2880,
+            32,
+            4,
+            layers=24,
+            activation="gpt-oss",
+            bias=True,
+            source="openai/gpt-oss-20b config.json",
         ),
         # Small enough for the CUDA simulator and the CPU tests; H not a multiple of 256 on purpose. Its decoder:
         # heads * head_dim = 128 != H = 136 (as at both Qwen3 MoE presets, q_proj changes the width), two query

@@ -1,6 +1,6 @@
 """The decode GEMV on tensor cores (kernels/decode/gemv_mma.py): offline compile at qwen3-30b's shapes, the CUDA C
-emulated on the CPU (mma.sync through tests.warp_checks.EMULATED_MMA, part of BLOCK_EMULATION) against the lane-chain twin within the FP32
-summation's tolerance, the path selection, and GPU tests (H200)."""
+emulated on the CPU (mma.sync through tests.warp_checks.EMULATED_MMA, part of BLOCK_EMULATION) against the lane-chain
+twin within the FP32 summation's tolerance, the path selection, and GPU tests (H200)."""
 
 from __future__ import annotations
 

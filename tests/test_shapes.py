@@ -15,6 +15,7 @@ EXPECTED = {  # (H, I, E, K, layers, shared experts, shared I) from each model's
     "mixtral-8x7b": (4096, 14336, 8, 2, 32, 0, 0),
     "deepseek-v3": (7168, 2048, 256, 8, 61, 1, 2048),
     "gpt-oss-120b": (2880, 2880, 128, 4, 36, 0, 0),
+    "gpt-oss-20b": (2880, 2880, 32, 4, 24, 0, 0),
 }
 
 
@@ -87,3 +88,28 @@ def test_lookup_errors() -> None:
     with pytest.raises(ValueError, match="tokens"):
         PRESETS["tiny"].flops(0)
     assert isinstance(PRESETS["tiny"], MoEShape)
+
+
+def test_expert_layers_of_the_presets() -> None:
+    """gpt-oss's experts carry biases and the clamped, interleaved SwiGLU (config.json: swiglu_limit 7.0; the alpha
+    1.702 of openai/gpt-oss's swiglu()); every other preset is the contract's SiLU(gate) * up without biases."""
+    from kernels.activation import GPT_OSS, SILU
+
+    for name, shape in PRESETS.items():
+        gpt_oss = name.startswith("gpt-oss")
+        assert shape.activation == ("gpt-oss" if gpt_oss else "silu"), name
+        assert shape.bias is gpt_oss, name
+        assert shape.expert_activation is (GPT_OSS if gpt_oss else SILU), name
+    assert (GPT_OSS.interleaved, GPT_OSS.limit, GPT_OSS.alpha, GPT_OSS.up_offset) == (True, 7.0, 1.702, 1.0)
+    assert (SILU.interleaved, SILU.limit, SILU.alpha, SILU.up_offset) == (False, None, 1.0, 0.0)
+    oss = PRESETS["gpt-oss-120b"]
+    assert oss.bias_bytes == (2 * 2880 + 2880) * 2 and PRESETS["tiny"].bias_bytes == 0
+    assert oss.expert_bytes == 3 * 2880 * 2880 * 2  # the weights the kernels read: biases apart
+
+
+def test_bad_expert_layer_fields() -> None:
+    with pytest.raises(ValueError, match=r"MoEShape.activation must be one of silu, gpt-oss, got 'gelu'"):
+        PRESETS["tiny"].with_(activation="gelu")
+    with pytest.raises(TypeError, match="MoEShape.bias must be a bool"):
+        PRESETS["tiny"].with_(bias="yes")
+    assert PRESETS["tiny"].with_(bias=np.bool_(True)).bias is True
