@@ -773,10 +773,10 @@ def gpt_oss_experts_from_checkpoint(
     down_proj_bias          [E, H]              bf16
     ======================  ==================  =====  =========================================================
 
-    Returns the lab's mxfp4 (:data:`MXFP4`): ``Quantized(values=uint8 [E, rows, k/2], scales=uint8 [E, rows,
-    k/32])``, two e2m1 a byte, low nibble the even element: the blocks' last two axes merged, bytes unchanged (views
-    where the inputs are C-contiguous) -- and the biases as bf16 [E, 2I] / [E, H]. w13's rows stay as the checkpoint orders
-    them, gate and up interleaved (gate j = row 2j): read them with ``activation="gpt-oss"``
+    Returns the lab's mxfp4 (:data:`MXFP4`): ``Quantized(values=uint8 [E, rows, k/2], scales=uint8 [E, rows, k/32])``,
+    two e2m1 a byte, low nibble the even element: the blocks' last two axes merged, bytes unchanged (views where the
+    inputs are C-contiguous) -- and the biases as bf16 [E, 2I] / [E, H]. w13's rows stay as the checkpoint orders them,
+    gate and up interleaved (gate j = row 2j): read them with ``activation="gpt-oss"``
     (``kernels.reference.moe_decode(..., activation="gpt-oss", b13=b13, b2=b2)``: the format is the lab's mxfp4).
 
     ValueError / TypeError name the tensor and what was expected: a missing tensor, a dtype, a shape (E, 2I, H and I
