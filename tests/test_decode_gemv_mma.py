@@ -176,10 +176,12 @@ def test_emulated_argmax_ties_and_nan(tmp_path: Any) -> None:
 # GPU (H200)
 # ---------------------------------------------------------------------------------------------------
 def _run(cupy: Any, d: dict[str, Any], mode: str, workspace: Any = None, **knobs: int) -> dict[str, np.ndarray]:
+    """One launch of ``mode`` over poisoned outputs (``d["w"]`` bf16 or an fp8 Quantized on the device); the outputs
+    on the host."""
     from kernels.decode.gemv import dense_gemv
 
     tokens, k = d["x"].shape
-    n = d["w"].shape[0]
+    n = (d["w"].values if hasattr(d["w"], "values") else d["w"]).shape[0]
     modes, kw, outs = MODES[mode], dict(knobs), {}
     if modes.get("NORM"):
         kw["norm"] = d["norm"]

@@ -56,7 +56,7 @@ from tests.test_decode_gemv import (
     _poisoned,
     _prologue,
 )
-from tests.test_decode_gemv_mma import HARNESS, MODES
+from tests.test_decode_gemv_mma import HARNESS, MODES, _run
 from tests.warp_checks import build_emulator, run_emulator
 
 
@@ -239,34 +239,6 @@ def _gpu_weights(cupy: Any, inputs: dict[str, np.ndarray]) -> tuple[dict[str, An
     d = _device(cupy, inputs)
     d["w"] = Quantized(cupy.asarray(q.values.view(np.uint8)), cupy.asarray(q.scales))
     return d, q
-
-
-def _run(cupy: Any, d: dict[str, Any], mode: str, workspace: Any = None, **knobs: int) -> dict[str, np.ndarray]:
-    """One launch of ``mode`` over poisoned outputs (d["w"]: the Quantized on the device); the outputs (host)."""
-    from kernels.decode.gemv import dense_gemv
-
-    tokens, k = d["x"].shape
-    n = d["w"].values.shape[0]
-    modes, kw, outs = MODES[mode], dict(knobs), {}
-    if modes.get("NORM"):
-        kw["norm"] = d["norm"]
-    if modes.get("ADD"):
-        kw["add"] = d["add"]
-        kw["residual_out"] = outs["residual_out"] = _poisoned(cupy, (tokens, k), BF16)
-    if modes.get("EPILOGUE", 0) >= 2:
-        kw["argmax"] = outs["argmax"] = _poisoned(cupy, (tokens,), np.int32)
-        kw["workspace"] = workspace
-        if modes["EPILOGUE"] == 3:
-            kw["logits"] = outs["logits"] = _poisoned(cupy, (tokens, n), np.float32)
-        dense_gemv(d["x"], d["w"], None, **kw)
-    else:
-        out = outs["out"] = _poisoned(cupy, (tokens, n), BF16)
-        if modes.get("EPILOGUE") == 1:
-            out[...] = d["residual_in"]
-            kw["residual_in"] = out
-        dense_gemv(d["x"], d["w"], out, **kw)
-    cupy.cuda.runtime.deviceSynchronize()
-    return {name: cupy.asnumpy(arr) for name, arr in outs.items()}
 
 
 @pytest.mark.gpu
