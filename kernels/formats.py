@@ -183,6 +183,25 @@ class WeightFormat:
 
 
 @dataclass(frozen=True)
+class ExpertWise(WeightFormat):
+    """A format whose values are read one expert at a time (``_expert(weights, e, matrix)``: float32 on the host, or
+    where the weights live): :meth:`dequantize` stacks the experts, :meth:`expert` and :meth:`expert_here` read one."""
+
+    def _expert(self, weights: Any, expert: int, matrix: str) -> Any:
+        raise NotImplementedError
+
+    def dequantize(self, weights: Any, matrix: str) -> np.ndarray:
+        host = self.host(weights)
+        return np.stack([self._expert(host, e, matrix) for e in range(host.values.shape[0])])
+
+    def expert(self, weights: Any, expert: int, matrix: str) -> np.ndarray:
+        return self._expert(self.host(weights), expert, matrix)
+
+    def expert_here(self, weights: Any, expert: int, matrix: str) -> Any:
+        return self._expert(weights, expert, matrix)
+
+
+@dataclass(frozen=True)
 class Bf16(WeightFormat):
     """The contract's bf16 weights: values only, rounded to nearest even from fp32."""
 
@@ -254,7 +273,7 @@ def dequantize_blocks(values: Any, scales: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class Fp8Block128(WeightFormat):
+class Fp8Block128(ExpertWise):
     """float8 e4m3fn values, one float32 scale per 128 x 128 block (gate and up blocked apart in w13). On the
     device (CuPy has no float8 dtype) the values are uint8 arrays of the same bit patterns."""
 
@@ -301,16 +320,6 @@ class Fp8Block128(WeightFormat):
         if xp is np:
             return Quantized(values, scales)
         return Quantized(xp.asarray(values.view(np.uint8)), xp.asarray(scales))  # float32 on the device: via host
-
-    def dequantize(self, weights: Any, matrix: str) -> np.ndarray:
-        host = self.host(weights)
-        return np.stack([self._expert(host, e, matrix) for e in range(host.values.shape[0])])
-
-    def expert(self, weights: Any, expert: int, matrix: str) -> np.ndarray:
-        return self._expert(self.host(weights), expert, matrix)
-
-    def expert_here(self, weights: Any, expert: int, matrix: str) -> Any:
-        return self._expert(weights, expert, matrix)
 
     @staticmethod
     def _expert(weights: Quantized, expert: int, matrix: str) -> Any:
@@ -474,7 +483,7 @@ class Bf16T16(WeightFormat):
 
 
 @dataclass(frozen=True)
-class Fp4Format(WeightFormat):
+class Fp4Format(ExpertWise):
     """``mxfp4`` / ``nvfp4``: e2m1 values two a byte along k ([E, 2I, H/2], [E, H, I/2] uint8, the even value in the
     low nibble), one scale byte per ``block`` values along k ([E, rows, ceil(k/block)]: e8m0, or e4m3 with a float32
     global scale per expert and matrix when ``e4m3``). Their arithmetic, layouts and sources (the OCP MX v1.0 spec,
@@ -529,16 +538,6 @@ class Fp4Format(WeightFormat):
             raise ValueError(f"matrix must be 'w13' or 'w2', got {matrix!r}")
         gs = None if weights.global_scale is None else weights.global_scale[expert]
         return fp4.dequantize_rows(weights.values[expert], weights.scales[expert], gs, self.block, self.e4m3)
-
-    def dequantize(self, weights: Any, matrix: str) -> np.ndarray:
-        host = self.host(weights)
-        return np.stack([self._expert(host, e, matrix) for e in range(host.values.shape[0])])
-
-    def expert(self, weights: Any, expert: int, matrix: str) -> np.ndarray:
-        return self._expert(self.host(weights), expert, matrix)
-
-    def expert_here(self, weights: Any, expert: int, matrix: str) -> Any:
-        return self._expert(weights, expert, matrix)
 
     def check(self, name: str, weights: Any, xp: Any, what: str) -> Any:
         values = super().check(name, weights, xp, what)
