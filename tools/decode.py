@@ -186,6 +186,7 @@ def time_graph(fn: Callable[[], None], repeats: int, inner: int,
     import cupy
 
     from tools.gpu import capture
+    from tools.roofline import time_graph_replays
 
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
@@ -193,25 +194,7 @@ def time_graph(fn: Callable[[], None], repeats: int, inner: int,
             reset()
         fn()  # compile, first touch: outside the graph
     stream.synchronize()
-    graph = capture(stream, fn)
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    with stream:
-        if reset:
-            reset()
-        graph.launch(stream)  # warm-up
-    stream.synchronize()
-    samples = []
-    for _ in range(repeats):
-        if reset:
-            with stream:
-                reset()
-        start.record(stream)
-        for _ in range(inner):
-            graph.launch(stream)
-        stop.record(stream)
-        stop.synchronize()
-        samples.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / inner)
-    return samples
+    return time_graph_replays(capture(stream, fn), stream, repeats, inner, reset)
 
 
 def read_floor(plan: Sequence[Any], repeats: int, inner: int, source_bytes: int = 4 << 30) -> list[float]:

@@ -21,7 +21,7 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -122,15 +122,24 @@ def bar(pct: float | None, width: int = 20) -> str:
 # ------------------------------------------------------------------------------------------------
 # Measurement (GPU)
 # ------------------------------------------------------------------------------------------------
-def _time_graph(graph: Any, stream: Any, repeats: int, inner: int) -> list[float]:
-    """Per-replay microseconds of ``graph``: ``repeats`` samples of ``inner`` back-to-back replays."""
+def time_graph_replays(graph: Any, stream: Any, repeats: int, inner: int,
+                       reset: Callable[[], None] | None = None) -> list[float]:
+    """Per-replay microseconds of ``graph``: a warm-up replay, then ``repeats`` samples of ``inner`` back-to-back
+    replays between CUDA events; ``reset`` (on ``stream``, outside the events) before the warm-up and each sample."""
     import cupy
 
+    def prepare() -> None:
+        if reset is not None:
+            with stream:
+                reset()
+
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    prepare()
     graph.launch(stream)  # warm-up
     stream.synchronize()
     samples = []
     for _ in range(repeats):
+        prepare()
         start.record(stream)
         for _ in range(inner):
             graph.launch(stream)
@@ -146,7 +155,7 @@ def _ptr(arr: Any) -> int:
 
 def time_launches(launches: list[Any], repeats: int = 20, inner: int = 5) -> list[float]:
     """Microseconds per launch: the callables in ``launches`` run once (compile, first touch), then captured as one
-    CUDA graph and timed by :func:`_time_graph` (``repeats`` samples of ``inner`` replays, warm-up outside)."""
+    CUDA graph and timed by :func:`time_graph_replays` (``repeats`` samples of ``inner`` replays, warm-up outside)."""
     import cupy
 
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -155,7 +164,7 @@ def time_launches(launches: list[Any], repeats: int = 20, inner: int = 5) -> lis
             fn()
     stream.synchronize()
     graph = capture(stream, lambda: [fn() for fn in launches])
-    return [sample / len(launches) for sample in _time_graph(graph, stream, repeats, inner)]
+    return [sample / len(launches) for sample in time_graph_replays(graph, stream, repeats, inner)]
 
 
 def window_read_buffers(total: int = 4 << 30) -> tuple[Any, Any, Any]:
@@ -196,7 +205,7 @@ def window_read_samples(read: Any, grid: int, block: int, source: Any, sink: Any
     with stream:
         body()  # compile + first touch outside the graph
     stream.synchronize()
-    return [s / layers for s in _time_graph(capture(stream, body), stream, repeats, 1)]
+    return [s / layers for s in time_graph_replays(capture(stream, body), stream, repeats, 1)]
 
 
 def measure(repeats: int = 10, read_bytes: int = READ_BYTES_TARGET, copy_bytes: int = COPY_BYTES_TARGET) -> dict:
@@ -228,7 +237,7 @@ def measure(repeats: int = 10, read_bytes: int = READ_BYTES_TARGET, copy_bytes: 
         read_kernel((grid,), (block,), (src, n16, sink))  # compile + first touch outside timing
     stream.synchronize()
     graph = capture(stream, lambda: read_kernel((grid,), (block,), (src, n16, sink)))
-    samples = _time_graph(graph, stream, repeats, 2)
+    samples = time_graph_replays(graph, stream, repeats, 2)
     record["read_samples_us"] = samples
     record["read_tbps"] = tbps(read_bytes, statistics.median(samples))
     record["read_best_tbps"] = tbps(read_bytes, min(samples))
@@ -239,14 +248,14 @@ def measure(repeats: int = 10, read_bytes: int = READ_BYTES_TARGET, copy_bytes: 
     a.fill(7)
     kind = runtime.memcpyDeviceToDevice
     graph = capture(stream, lambda: runtime.memcpyAsync(_ptr(b), _ptr(a), copy_bytes, kind, stream.ptr))
-    samples = _time_graph(graph, stream, repeats, 4)
+    samples = time_graph_replays(graph, stream, repeats, 4)
     record["d2d_memcpy_samples_us"] = samples
     record["d2d_memcpy_tbps"] = tbps(2 * copy_bytes, statistics.median(samples))
 
     copy_kernel = get_kernel(ROOFLINE_SOURCE, "copy16")
     c16 = cupy.uint64(copy_bytes // 16)
     graph = capture(stream, lambda: copy_kernel((grid,), (block,), (a, b, c16)))
-    samples = _time_graph(graph, stream, repeats, 4)
+    samples = time_graph_replays(graph, stream, repeats, 4)
     record["copy16_samples_us"] = samples
     record["copy16_tbps"] = tbps(2 * copy_bytes, statistics.median(samples))
     if not bool((b[:: max(1, b.size // 4096)] == 7).all()):
