@@ -6,6 +6,7 @@ steps, graph replay, and the PyTorch-composed step (peers extra)."""
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import numpy as np
 import pytest
@@ -272,3 +273,32 @@ def test_torch_step_follows_the_reference_at_tiny() -> None:
 
 def test_blocks_are_the_issue_blocks() -> None:
     assert accounting.BLOCKS == ("attention projections", "attention", "router", "moe", "lm head", "norms/other")
+
+
+def test_markdown_of_a_recorded_run_and_its_errors(tmp_path: Any, capsys: Any) -> None:
+    """--markdown RUN.json prints a record's tables (rows, speedups over the other MoE paths, blocks) and exits 0;
+    a missing file or another tool's JSON exit 2 naming the file."""
+    import json
+
+    from tools import decode
+
+    point = {"model": "qwen3-30b-a3b", "weight_format": "bf16", "tokens": 1, "context": 2048, "status": "ok",
+             "median_us": 1600.0, "min_us": 1590.0, "max_us": 1620.0, "pct_roof": 86.0, "pct_floor": 99.0,
+             "kernels_per_layer": 7}
+    record = {"schema": decode.SCHEMA, "environment": {"gpu": {"name": "NVIDIA H200"}}, "rooflines": {"read_tbps": 4.4},
+              "config": {"layers": 4}, "points": [
+                  {**point, "moe": "warp-decode", "tokens_per_s": 625.0,
+                   "blocks": {"moe": {"bytes": 3.6e9, "median_us": 900.0, "pct_roof": 91.0}}},
+                  {**point, "moe": "expert-centric", "tokens_per_s": 312.5, "median_us": 3200.0}]}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(record))
+    assert decode.main(["--markdown", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| qwen3-30b-a3b | bf16 | 1 | 2048 | warp-decode | 1600.0 (1590.0-1620.0) | 625 | 86 | 99 | 7 |" in out
+    assert "| qwen3-30b-a3b | bf16 | 1 | 2048 | 2.00x |" in out and "| moe | 3600.0 | 900.0 | 91 |" in out
+    for bad in (tmp_path / "missing.json", tmp_path / "other.json"):
+        if bad.name == "other.json":
+            bad.write_text(json.dumps({"schema": "warp-decode-bench/1"}))
+        with pytest.raises(SystemExit) as stop:
+            decode.main(["--markdown", str(bad)])
+        assert stop.value.code == 2 and bad.name in capsys.readouterr().err

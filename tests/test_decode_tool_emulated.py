@@ -84,6 +84,9 @@ def test_decode_tool_gpu_path_runs_end_to_end(tmp_path: Path, capsys: pytest.Cap
         what = f"tiny bf16 T={point['tokens']} C=40"
         assert f"{what} MoE {point['moe']}: " in text and f"{what} {point['moe']}: " in text  # table, progress
     assert "NO TIMING TAKEN" not in text and "ERROR" not in text
+    report = decode.markdown(data)  # what --markdown prints for results/REPORT.md
+    assert report.startswith("NVIDIA H200, streaming-read roofline") and report.count("| tiny | bf16 |") == 4 + 2
+    assert "| strict |" in report and "Blocks, tiny bf16 T=3 C=40" in report
 
 
 @pytest.mark.slow

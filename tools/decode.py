@@ -131,6 +131,9 @@ def build_parser(extras: Extras = NO_EXTRAS) -> argparse.ArgumentParser:
                         help="graph replays per sample (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, caches and tokens (default 0)")
     parser.add_argument("--json", metavar="PATH", help="write the run's record here (default: not written)")
+    parser.add_argument("--markdown", metavar="RUN.json",
+                        help="print a recorded run's tables as markdown (for results/REPORT.md) and exit (default: "
+                             "measure)")
     return parser
 
 
@@ -418,12 +421,70 @@ def renderables(data: dict[str, Any]) -> list[Any]:
     return out
 
 
+def _cell(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(data: dict[str, Any]) -> str:
+    """A run's record as the markdown results/REPORT.md holds: one row per point (µs per step with its spread,
+    tokens/s, % of the roofline and of the step's read floor), the end-to-end speedup of the lab's step (MoE
+    "warp-decode") over each other MoE path and the PyTorch-composed step at the same (model, format, T, C), and
+    the blocks of each warp-decode point."""
+    env = data.get("environment", {})
+    roof = (data.get("rooflines") or {}).get("read_tbps")
+    gpu = env.get("gpu") or {}
+    lines = [f"{gpu.get('name', 'no GPU')}, streaming-read roofline {_cell(roof, '.2f')} TB/s (same run); "
+             f"{data.get('config', {}).get('layers') or DEFAULT_LAYERS} distinct layer copies cycled through each "
+             "model's layers", "",
+             "| model | format | T | C | MoE | µs / step (min-max) | tok/s | % roof | % read floor | kernels / layer |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+    ok = [p for p in data.get("points", []) if p.get("status") == "ok" and "median_us" in p]
+    for p in ok:
+        lines.append(f"| {p['model']} | {p['weight_format']} | {p['tokens']} | {p['context']} | {p['moe']} | "
+                     f"{p['median_us']:.1f} ({p['min_us']:.1f}-{p['max_us']:.1f}) | {p['tokens_per_s']:.0f} | "
+                     f"{_cell(p.get('pct_roof'), '.0f')} | {_cell(p.get('pct_floor'), '.0f')} | "
+                     f"{p.get('kernels_per_layer', '-')} |")
+    for p in data.get("points", []):
+        if p.get("status") != "ok":
+            lines.append(f"\n{p.get('model')} {p.get('weight_format')} T={p.get('tokens')} C={p.get('context')} "
+                         f"{p.get('moe')}: {p.get('status')} ({p.get('error', '')})")
+    groups: dict[tuple[Any, ...], dict[str, float]] = {}
+    for p in ok:
+        groups.setdefault((p["model"], p["weight_format"], p["tokens"], p["context"]), {})[p["moe"]] = p["tokens_per_s"]
+    others = sorted({moe for g in groups.values() for moe in g} - {"warp-decode"})
+    if others and any("warp-decode" in g for g in groups.values()):
+        lines += ["", "End to end, the lab's step (warp-decode MoE) over:", "",
+                  "| model | format | T | C | " + " | ".join(others) + " |",
+                  "|---|---|---:|---:|" + "---:|" * len(others)]
+        for (model, fmt, tokens, context), g in groups.items():
+            if "warp-decode" in g:
+                ratios = [_cell(g["warp-decode"] / g[o] if o in g else None, ".2f") + ("x" if o in g else "")
+                          for o in others]
+                lines.append(f"| {model} | {fmt} | {tokens} | {context} | " + " | ".join(ratios) + " |")
+    for p in ok:
+        if p["moe"] == "warp-decode" and p.get("blocks"):
+            lines += ["", f"Blocks, {p['model']} {p['weight_format']} T={p['tokens']} C={p['context']} (each timed "
+                      "alone):", "", "| block | MB | µs | % roof |", "|---|---:|---:|---:|"]
+            lines += [f"| {name} | {b['bytes'] / 1e6:.1f} | {b['median_us']:.1f} | {_cell(b.get('pct_roof'), '.0f')} |"
+                      for name, b in p["blocks"].items()]
+    return "\n".join(lines) + "\n"
+
+
 # ------------------------------------------------------------------------------------------------
 # Main
 # ------------------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None, extras: Extras = NO_EXTRAS) -> int:
     parser = build_parser(extras)
     args = parser.parse_args(argv)
+    if args.markdown:
+        try:
+            record = json.loads(Path(args.markdown).read_text())
+        except (OSError, ValueError) as exc:
+            parser.error(f"--markdown {args.markdown}: {exc}")
+        if record.get("schema") != SCHEMA:
+            parser.error(f"--markdown {args.markdown}: not a {SCHEMA} record (schema {record.get('schema')!r})")
+        print(markdown(record), end="")
+        return 0
     if args.seed < 0:
         parser.error(f"--seed must be an int >= 0, got {args.seed}")
     for name in args.model:
