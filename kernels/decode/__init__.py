@@ -9,11 +9,11 @@ fuses into the LM head's GEMV, whose argmax epilogue writes the next tokens. Eve
 ``PDL`` knob (programmatic launches that wait before reading what the kernel before them wrote) and a zero-argument
 stage function for graph capture.
 
-The order contract: each kernel's FP32 operations run in an order the NumPy twins of ``kernels.numerics``
-(``dot_chain``, ``rms_norm_chain``, ``head_norm_rope``, ``chunked_attention``, ``router_chain``, ``exp_rn``) and
-``kernels.decode.moe_order`` reproduce bit for bit -- a lane's chain of 16-byte chunks then the warp butterfly for
-every dot product, explicit ``__fmul_rn`` / ``__fadd_rn`` where a product of non-bf16 values is summed, ``exp_rn``
-(correctly rounded multiplies and adds only) instead of ``expf`` -- so the reference's bf16 mode
+The order contract (its numbered items: notes/decode-step.md): each kernel's FP32 operations run in an order the NumPy
+twins of ``kernels.numerics`` (``dot_chain``, ``rms_norm_chain``, ``head_norm_rope``, ``chunked_attention``,
+``router_chain``, ``exp_rn``) and ``kernels.decode.moe_order`` reproduce bit for bit -- a lane's chain of 16-byte chunks
+then the warp butterfly for every dot product, explicit ``__fmul_rn`` / ``__fadd_rn`` where a product of non-bf16 values
+is summed, ``exp_rn`` (correctly rounded multiplies and adds only) instead of ``expf`` -- so the reference's bf16 mode
 (``kernels.decode_reference``) is the step's bitwise target (the tensor-core GEMV, T >= 9, within a tolerance).
 """
 

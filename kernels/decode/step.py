@@ -118,7 +118,7 @@ STEP_KERNELS = KernelFamily(name="decode-step", source=SOURCE, limits={"THREADS"
                             device_needs={"PDL": 90})
 
 
-# -- the calls into the other decode kernels: one place each (issue #59's contract) --------------------------------
+# -- the calls into the other decode kernels: one place each ----------------------------------------------------
 def _module(name: str) -> Any:
     return importlib.import_module(f"kernels.decode.{name}")
 
