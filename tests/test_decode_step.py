@@ -200,8 +200,8 @@ def _tiny_step(moe: str, lengths: list[int], seed: int = 0):
 
 @pytest.mark.gpu
 def test_step_matches_the_reference_bf16_mode_over_64_greedy_steps() -> None:
-    """moe="strict": the reference's bf16 mode reproduces the kernels' order (the order contract, notes/decode-step.md): tokens identical
-    at every step, the hidden state bitwise, the caches bitwise at the end."""
+    """moe="strict": the reference's bf16 mode reproduces the kernels' order (the order contract,
+    notes/decode-step.md): tokens identical at every step, the hidden state bitwise, the caches bitwise at the end."""
     import cupy
 
     model, state, step = _tiny_step("strict", [5, 17, 1])
