@@ -863,7 +863,7 @@ def test_bf16_tiles_refused_where_they_cannot_run() -> None:
             _resolve(path, Dims(2, 48, 64, 4, 2), BF16_T16.name)
         assert _resolve(path, Dims(2, 64, 64, 4, 2), BF16_T16.name) == _resolve(path, Dims(2, 64, 64, 4, 2))
     with pytest.raises(ValueError, match=r"no fma loader for weight format 'bf16-t16'; formats with one: \['bf16', "
-                                         r"'fp8-block128'\]"):
+                                         r"'fp8-block128', 'mxfp4'\]"):
         batched.family("fma", BF16_T16.name)
 
 

@@ -195,19 +195,18 @@ __device__ __forceinline__ const scale_t* w2_scale_row(const scale_t* s, int e, 
 __device__ __forceinline__ float e8m0_to_f32(u32 s) {
     return __uint_as_float((s << 23) | (s == 0u || s == 255u ? 0x00400000u : 0u));
 }
-// a lane past the row's end (ok false) loads block 0's byte and takes 1: its values are zeros, and a NaN scale
-// there would make them NaN
+// a lane past the row's end (ok false) reads block 0's byte (its values are zeros; were that scale NaN, the row's
+// dot product is NaN anyway, as in the reference)
 template <int ACT_BYTES>
 __device__ __forceinline__ float chunk_scale(const scale_t* scales, int c, bool ok) {
     static_assert(MX_BLOCK % (ACT_BYTES / 2) == 0, "a chunk lies in one scale block");
-    const u32 s = __ldg(scales + (ok ? c * (ACT_BYTES / 2) / MX_BLOCK : 0));
-    return ok ? e8m0_to_f32(s) : 1.0f;
+    return e8m0_to_f32(__ldg(scales + (ok ? c * (ACT_BYTES / 2) / MX_BLOCK : 0)));
 }
 // the nibble at bits 3..0 of n as value x 2^-126 (float32 bits: sign 31, magnitude 24..22)
 __device__ __forceinline__ float e2m1_times_2m126(u32 n) {
     return __uint_as_float(((n & 0x7u) << 22) | ((n & 0x8u) << 28));
 }
-#define E2M1_UNBIAS 8.507059173023462e37f   // 2^126
+#define E2M1_UNBIAS __uint_as_float(0x7e800000u)   // 2^126
 template <typename W>
 __device__ __forceinline__ void weight_pair(const W& wv, int w, float scale, float& lo, float& hi) {
     const u32 byte = word(wv, w / 4) >> (8 * (w % 4));               // values 2w (low nibble) and 2w + 1
