@@ -322,6 +322,7 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
     }
 
     const int chunks = hidden / (GB_BYTES / 2);                      // H % 8 == 0: whole chunks only
+    const scale_geometry_t sgeo = scale_geometry(hidden, inter);     // the loader's (scale rows)
     const wvec_t* gate_row[GB_OUTS];
     const wvec_t* up_row[GB_OUTS];
     const scale_t* gate_scale[GB_OUTS];
@@ -332,8 +333,8 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
         const size_t row = ((size_t)e * 2 * inter + i) * (size_t)hidden / VALUES_PER_WEIGHT;
         gate_row[o] = reinterpret_cast<const wvec_t*>(w13 + row);
         up_row[o] = reinterpret_cast<const wvec_t*>(w13 + row + (size_t)inter * hidden / VALUES_PER_WEIGHT);
-        gate_scale[o] = w13_scale_row(s13, e, i, false, hidden, inter);
-        up_scale[o] = w13_scale_row(s13, e, i, true, hidden, inter);
+        gate_scale[o] = w13_scale_row(s13, sgeo, e, i, false);
+        up_scale[o] = w13_scale_row(s13, sgeo, e, i, true);
     }
 
     for (int tile = 0; tile < count; tile += GB_TILE) {              // usually ONE pass (count <= GB_TILE)
@@ -416,6 +417,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
     down_prologue(mine, tokens * DB_OUTS, lane);
 
     const int chunks = inter / (DB_BYTES / 2);                       // I % 8 == 0: whole chunks only
+    const scale_geometry_t sgeo = scale_geometry(hidden, inter);     // the loader's (scale rows)
     const int used = __ldg(lists);
     for (int a = warp; a < used; a += DB_WARPS) {
         const int e = __ldg(list_expert(lists) + a);
@@ -428,7 +430,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
         for (int o = 0; o < DB_OUTS; ++o) {
             const int h = min(h0 + o, hidden - 1);                   // past-the-end columns re-read the last row
             rows[o] = reinterpret_cast<const wvec_t*>(w2 + ((size_t)e * hidden + h) * inter / VALUES_PER_WEIGHT);
-            row_scale[o] = w2_scale_row(s2, e, h, hidden, inter);
+            row_scale[o] = w2_scale_row(s2, sgeo, e, h);
         }
         for (int tile = 0; tile < count; tile += DB_TILE) {
             const int n = min(DB_TILE, count - tile);

@@ -9,9 +9,12 @@ batched paths is one :class:`~kernels.formats.WeightFormat` (data: layout, quant
 
 * ``weight_t``: one stored element, ``VALUES_PER_WEIGHT`` values each (2 for two e2m1 a byte, else 1);
   ``WEIGHT_CHUNK_BYTES(act_bytes)``: the bytes of weights holding the values of an activation chunk of ``act_bytes``;
-* ``scale_t``: one stored scale; ``w13_scale_row(s13, e, i, up, hidden, inter)`` / ``w2_scale_row(s2, e, h, hidden,
-  inter)``: where the scales of expert ``e``'s gate (``up``: up) row ``i`` / down row ``h`` start (the pointer as
-  given where the format has none: never read);
+* ``scale_t``: one stored scale; ``scale_geometry_t`` and ``scale_geometry(hidden, inter)``: what the scale rows'
+  addresses need (computed once by a kernel, where it computed fp8's block counts); ``w13_scale_row(s13, g, e, i,
+  up)`` / ``w2_scale_row(s2, g, e, h)``: where the scales of expert ``e``'s gate (``up``: up) row ``i`` / down row
+  ``h`` start (the pointer as given where the format has none: never read). A function or a function-like macro:
+  fp8-block128's w13 rows are a macro, as their expression stood in the kernel before it moved here -- as a
+  function, the same addresses compiled to other (equivalent) machine code;
 * ``chunk_scale<ACT_BYTES>(scales, c, ok)``: the scale of chunk ``c`` of a row whose scale row is ``scales``
   (1.0f where the format has none: no load);
 * ``weight_pair(chunk, w, scale, lo, hi)``: value pair ``w`` of a loaded weight chunk widened to FP32, dequantized.
@@ -100,13 +103,17 @@ def loader_for(fmt: WeightFormat | str, kind: str) -> str:
 FMA_NO_SCALES = r"""
 // no scales: the kernels' scale pointers pass through unread, every chunk's scale is 1 (no load)
 typedef float scale_t;
-__device__ __forceinline__ const scale_t* w13_scale_row(const scale_t* s, int e, int i, bool up, int hidden,
-                                                         int inter) {
-    (void)e; (void)i; (void)up; (void)hidden; (void)inter;
+struct scale_geometry_t {};
+__device__ __forceinline__ scale_geometry_t scale_geometry(int hidden, int inter) {
+    (void)hidden; (void)inter;
+    return {};
+}
+__device__ __forceinline__ const scale_t* w13_scale_row(const scale_t* s, scale_geometry_t g, int e, int i, bool up) {
+    (void)g; (void)e; (void)i; (void)up;
     return s;
 }
-__device__ __forceinline__ const scale_t* w2_scale_row(const scale_t* s, int e, int h, int hidden, int inter) {
-    (void)e; (void)h; (void)hidden; (void)inter;
+__device__ __forceinline__ const scale_t* w2_scale_row(const scale_t* s, scale_geometry_t g, int e, int h) {
+    (void)g; (void)e; (void)h;
     return s;
 }
 template <int ACT_BYTES>
@@ -139,14 +146,14 @@ typedef unsigned char weight_t;
 // scales: float32 [E, 2 ceil(I/128), ceil(H/128)] (gate row i's at block row i / 128, up row i's ceil(I/128) after)
 // and [E, ceil(H/128), ceil(I/128)]
 typedef float scale_t;
-__device__ __forceinline__ const scale_t* w13_scale_row(const scale_t* s, int e, int i, bool up, int hidden,
-                                                         int inter) {
-    const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
-    return scale_row(s, (long long)e * 2 * iblocks + (up ? iblocks : 0) + i / FP8_BLOCK, hblocks);
+struct scale_geometry_t { int hblocks, iblocks; };                      // scale blocks along H and I
+__device__ __forceinline__ scale_geometry_t scale_geometry(int hidden, int inter) {
+    return {(hidden + FP8_BLOCK - 1) / FP8_BLOCK, (inter + FP8_BLOCK - 1) / FP8_BLOCK};
 }
-__device__ __forceinline__ const scale_t* w2_scale_row(const scale_t* s, int e, int h, int hidden, int inter) {
-    const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
-    return scale_row(s, (long long)e * hblocks + h / FP8_BLOCK, iblocks);
+#define w13_scale_row(s, g, e, i, up)                                                                            \
+    scale_row(s, (long long)(e) * 2 * (g).iblocks + ((up) ? (g).iblocks : 0) + (i) / FP8_BLOCK, (g).hblocks)
+__device__ __forceinline__ const scale_t* w2_scale_row(const scale_t* s, scale_geometry_t g, int e, int h) {
+    return scale_row(s, (long long)e * g.hblocks + h / FP8_BLOCK, g.iblocks);
 }
 template <int ACT_BYTES>
 __device__ __forceinline__ float chunk_scale(const scale_t* scales, int c, bool ok) {
@@ -184,12 +191,15 @@ typedef unsigned char weight_t;
 // scales: uint8 [E, 2I, ceil(H/32)] (w13's gate rows, then its up rows) and [E, H, ceil(I/32)]: a row of blocks per
 // weight row
 typedef unsigned char scale_t;
-__device__ __forceinline__ const scale_t* w13_scale_row(const scale_t* s, int e, int i, bool up, int hidden,
-                                                         int inter) {
-    return s + ((size_t)e * 2 * inter + (up ? inter : 0) + i) * (size_t)((hidden + MX_BLOCK - 1) / MX_BLOCK);
+struct scale_geometry_t { int hidden, inter, hblocks, iblocks; };      // the dims, a row's blocks along H and I
+__device__ __forceinline__ scale_geometry_t scale_geometry(int hidden, int inter) {
+    return {hidden, inter, (hidden + MX_BLOCK - 1) / MX_BLOCK, (inter + MX_BLOCK - 1) / MX_BLOCK};
 }
-__device__ __forceinline__ const scale_t* w2_scale_row(const scale_t* s, int e, int h, int hidden, int inter) {
-    return s + ((size_t)e * hidden + h) * (size_t)((inter + MX_BLOCK - 1) / MX_BLOCK);
+__device__ __forceinline__ const scale_t* w13_scale_row(const scale_t* s, scale_geometry_t g, int e, int i, bool up) {
+    return s + ((size_t)e * 2 * g.inter + (up ? g.inter : 0) + i) * (size_t)g.hblocks;
+}
+__device__ __forceinline__ const scale_t* w2_scale_row(const scale_t* s, scale_geometry_t g, int e, int h) {
+    return s + ((size_t)e * g.hidden + h) * (size_t)g.iblocks;
 }
 // e8m0 byte -> float32: 2^(s - 127) as the exponent field, 2^-127 (s = 0) as the subnormal 0x00400000, NaN (255)
 __device__ __forceinline__ float e8m0_to_f32(u32 s) {
