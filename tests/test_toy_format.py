@@ -59,19 +59,15 @@ __device__ __forceinline__ u32 swap_halves(u32 w) { return (w >> 16) | (w << 16)
 """
 FMA_LOADER = SWAP + r"""
 typedef bf16_t weight_t;
+#define VALUES_PER_WEIGHT 1
 #define WEIGHT_CHUNK_BYTES(act_bytes) (act_bytes)
-template <int ACT_BYTES>
-__device__ __forceinline__ float chunk_scale(const float* scales, int c, bool ok) {
-    (void)scales; (void)c; (void)ok;
-    return 1.0f;
-}
 template <typename W>
 __device__ __forceinline__ void weight_pair(const W& wv, int w, float scale, float& lo, float& hi) {
     (void)scale;
     lo = bf16_lo(swap_halves(word(wv, w)));
     hi = bf16_hi(swap_halves(word(wv, w)));
 }
-"""
+""" + loaders.FMA_NO_SCALES
 MMA_LOADER = SWAP + r"""
 typedef bf16_t weight_t;
 typedef uint4 a_chunk_t;

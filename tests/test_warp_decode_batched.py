@@ -506,7 +506,8 @@ template <class T> void save(const std::string& path, const std::vector<T>& v) {
     fclose(f);
 }
 // The family this binary emulates comes from the harness's own macros (prepended by the test: _harness):
-// EMU_PATH_FMA / EMU_PATH_MMA / EMU_PATH_PAIRS, and EMU_SCALED for a scaled weight format (bytes + block scales).
+// EMU_PATH_FMA / EMU_PATH_MMA / EMU_PATH_PAIRS, and EMU_SCALED for a scaled weight format: 1 fp8-block128 (bytes +
+// float32 block scales), 2 mxfp4 (e2m1 pairs + e8m0 bytes; the FMA family only).
 // The family's macros (DB_GROUPED) are the rendered kernel text's; the list kernel's threads and the dynamic shared
 // memory come on the command line, from the resolved knobs.
 int main(int argc, char** argv) {
@@ -517,7 +518,14 @@ int main(int argc, char** argv) {
     long long shared_floats = atoll(argv[12]);
     std::string dir = argv[13];
     auto x = load<uint16_t>(dir + "/x.bin", (size_t)T * H);
-#if EMU_SCALED  // fp8-block128: e4m3fn bytes and the block scales
+#if EMU_SCALED == 2  // mxfp4: e2m1 values two a byte along k, an e8m0 byte per 32 values a row
+    auto w13 = load<uint8_t>(dir + "/w13.bin", (size_t)E * 2 * I * H / 2);
+    auto w2 = load<uint8_t>(dir + "/w2.bin", (size_t)E * H * I / 2);
+    auto s13v = load<uint8_t>(dir + "/s13.bin", (size_t)E * 2 * I * ((H + 31) / 32));
+    auto s2v = load<uint8_t>(dir + "/s2.bin", (size_t)E * H * ((I + 31) / 32));
+    const uint8_t* s13 = s13v.data();
+    const uint8_t* s2 = s2v.data();
+#elif EMU_SCALED  // fp8-block128: e4m3fn bytes and the block scales
     auto w13 = load<uint8_t>(dir + "/w13.bin", (size_t)E * 2 * I * H);
     auto w2 = load<uint8_t>(dir + "/w2.bin", (size_t)E * H * I);
     const size_t HB = (H + 127) / 128, IB = (I + 127) / 128;
@@ -602,9 +610,14 @@ int main(int argc, char** argv) {
 """
 
 
-def _harness(path: str, scaled: bool) -> str:
+def _scale_mode(fmt: Any) -> int:
+    """The harness's EMU_SCALED for ``fmt``: 0 unscaled, 1 fp8-block128's float32 block scales, 2 mxfp4's bytes."""
+    return 0 if not fmt.scaled else 2 if fmt.name == "mxfp4" else 1
+
+
+def _harness(path: str, scaled: int) -> str:
     """EMULATION_HARNESS with its own macros for the family it emulates in front (its main launches that family's
-    kernels and reads that format's weights)."""
+    kernels and reads that format's weights: ``scaled``, :func:`_scale_mode`)."""
     if path not in STAGE_MODULES:
         raise ValueError(f"path must be one of {sorted(STAGE_MODULES)}, got {path!r}")
     own = [f"#define EMU_PATH_{name.upper()} {int(name == path)}" for name in STAGE_MODULES]
@@ -618,8 +631,9 @@ def _write_inputs(tmp: str, problem: Problem, ids: np.ndarray | None) -> None:
         weights = getattr(problem, name)
         if isinstance(weights, Quantized):
             weights.values.view(np.uint8).tofile(f"{tmp}/{name}.bin")
-            if weights.scales is not None:
-                weights.scales.astype(np.float32).tofile(f"{tmp}/{name.replace('w', 's')}.bin")
+            if weights.scales is not None:  # float32 block scales, or scale bytes (mxfp4's e8m0) as they are
+                scales = weights.scales if weights.scales.itemsize == 1 else weights.scales.astype(np.float32)
+                scales.tofile(f"{tmp}/{name.replace('w', 's')}.bin")
         else:
             weights.tofile(f"{tmp}/{name}.bin")
     np.ascontiguousarray(problem.topk_ids if ids is None else ids, np.int32).tofile(f"{tmp}/ids.bin")
@@ -655,7 +669,7 @@ def _emulate(problem: Problem, ids: np.ndarray | None = None, out_dtype: Any = B
     fmt = get_format(format_of(problem.w13))
     family = batched.family(path, fmt.name)
     resolved = _resolve_with_derived(family, dims, knobs)
-    binary = build_emulator(family.source.render(**resolved), _harness(path, fmt.scaled))
+    binary = build_emulator(family.source.render(**resolved), _harness(path, _scale_mode(fmt)))
     f32 = int(np.dtype(out_dtype) == np.float32)
     stages = STAGE_MODULES[path]
     with tempfile.TemporaryDirectory() as tmp:
@@ -849,7 +863,7 @@ def test_bf16_tiles_refused_where_they_cannot_run() -> None:
             _resolve(path, Dims(2, 48, 64, 4, 2), BF16_T16.name)
         assert _resolve(path, Dims(2, 64, 64, 4, 2), BF16_T16.name) == _resolve(path, Dims(2, 64, 64, 4, 2))
     with pytest.raises(ValueError, match=r"no fma loader for weight format 'bf16-t16'; formats with one: \['bf16', "
-                                         r"'fp8-block128'\]"):
+                                         r"'fp8-block128', 'mxfp4'\]"):
         batched.family("fma", BF16_T16.name)
 
 

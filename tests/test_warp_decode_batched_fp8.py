@@ -208,7 +208,8 @@ def test_weights_and_knobs_must_agree() -> None:
     the FMA family on fp8-block128 needs 8- or 16-byte activation chunks; the variants say their format and path."""
     from kernels.variants import get_variant
 
-    with pytest.raises(ValueError, match="fp8-block128 weights load GB_BYTES / 2 bytes"):
+    with pytest.raises(ValueError, match="fp8-block128 weights load GB_BYTES x 0.5 bytes per activation chunk "
+                                         r"\(at least 4\): GB_BYTES must be 8 or 16"):
         _resolve(None, "fma", GB_BYTES=4)
     assert _resolve(None, "fma", "bf16", GB_BYTES=4)["GB_BYTES"] == 4
     for path in batched.FAMILIES:

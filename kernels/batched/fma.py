@@ -16,7 +16,7 @@ routed to n tokens has its weights streamed n times. Here the work is grouped by
 Sized from (T, K, E) only, no host sync, no allocation per call: CUDA-graph capturable, bitwise deterministic.
 Numerics = ``reference.moe_decode(mode="warp_decode")`` up to the sum order over a token's K slots (by warp, then by
 expert id): within ~1 bf16 ulp, mostly bitwise. One family per weight format with an FMA loader
-(:mod:`kernels.batched.loaders`: bf16, fp8-block128). Knobs: :data:`KNOBS` (0 = chosen from the dims by
+(:mod:`kernels.batched.loaders`: bf16, fp8-block128, mxfp4). Knobs: :data:`KNOBS` (0 = chosen from the dims by
 :func:`rules`); the measurements behind them: notes/FINDINGS.md ("Batched warp decode").
 """
 
@@ -32,7 +32,7 @@ from kernels.compile import CudaSource
 from kernels.contract import Dims
 from kernels.device_helpers import BATCHED_HELPERS, BLOCK_OUTPUTS, FP8_HELPERS, PDL_HELPERS, WARP_HELPERS
 from kernels.family import Compiled, KernelFamily, Stage
-from kernels.formats import BF16_FORMAT, FP8_BLOCK128, WeightFormat
+from kernels.formats import BF16_FORMAT, FP8_BLOCK128, MXFP4, WeightFormat
 
 GATE_UP, DOWN = "moe_gate_up_batched", "moe_down_batched"
 KERNELS = (lists.KERNEL, GATE_UP, DOWN)
@@ -58,6 +58,9 @@ LIMITS = {
     "DB_WARPS": (1, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (-1, 255),
     "PDL": (0, 1), "GB_BYTES": (4, 16),
 }
+# The knobs' defaults where a format's own differ from KNOBS (the family's defaults on that format). mxfp4: 8 values
+# (4 bytes) a weight chunk, the narrowest the loader contract allows -- GB_BYTES 16
+FORMAT_DEFAULTS: dict[str, dict[str, int]] = {MXFP4.name: {"GB_BYTES": 16}}
 # fp8-block128: 8-value chunks (GB_BYTES 16: the gate_up's intermediate is then bitwise the strict FP8 kernel's), the
 # down capped at 160 registers, which its scales and widening need to stay spill-free at the qwen3 shapes from T = 1
 # to 64 (128 spills at qwen3-235b T = 16, launch bounds alone at qwen3-30b T = 1)
@@ -100,6 +103,14 @@ def max_tokens(**knobs: Any) -> int:
     return lists.OPT_IN_SHARED_LIMIT // (values["DB_WARPS"] * values["DB_OUTS"] * 4)
 
 
+ALLOWED_BYTES = {4: (4, 8, 16), 8: (8, 16), 16: (16,)}
+
+
+def min_act_bytes(fmt: WeightFormat) -> int:
+    """The narrowest activation chunk whose weights are a 4-byte load: 4 bytes on bf16, 8 on fp8, 16 on 4-bit."""
+    return max(4, int(8 / fmt.value_bytes))
+
+
 def make_rules(fmt: WeightFormat) -> Any:
     def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         """Fill the auto knobs from ``dims``; ValueError for what these kernels cannot run (load widths, register
@@ -107,9 +118,11 @@ def make_rules(fmt: WeightFormat) -> Any:
         for key in ("GB_BYTES",):
             if values[key] not in (4, 8, 16):
                 raise ValueError(f"{key} must be 4, 8 or 16, got {values[key]}")
-            if fmt.scaled and values[key] < 8:
-                raise ValueError(f"{fmt.name} weights load {key} / 2 bytes per activation chunk: {key} must be 8 or "
-                                 f"16, got {values[key]}")
+            least = min_act_bytes(fmt)
+            if values[key] < least:
+                raise ValueError(f"{fmt.name} weights load {key} x {fmt.value_bytes / 2:g} bytes per activation "
+                                 f"chunk (at least 4): {key} must be {' or '.join(map(str, ALLOWED_BYTES[least]))}, "
+                                 f"got {values[key]}")
         check_register_caps(values)
         lists.list_rules(dims, values)
         if dims is None:
@@ -162,7 +175,8 @@ def make_family(fmt: WeightFormat) -> KernelFamily:
     code = (WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + FAMILY_DEFINES + BATCHED_HELPERS + BLOCK_OUTPUTS
             + loader_for(fmt, "fma") + lists.CODE + CODE)
     suffix = "" if fmt.name == BF16_FORMAT.name else f"[{fmt.name}]"
-    source = CudaSource(name=f"batched_fma{suffix}", code=code, kernels=KERNELS, defaults={**KNOBS, **DERIVED},
+    defaults = {**KNOBS, **FORMAT_DEFAULTS.get(fmt.name, {}), **DERIVED}
+    source = CudaSource(name=f"batched_fma{suffix}", code=code, kernels=KERNELS, defaults=defaults,
                         warps_knobs={GATE_UP: "GB_WARPS", DOWN: "DB_WARPS"},
                         knob_prefixes={GATE_UP: "GB_", DOWN: "DB_", lists.KERNEL: "LIST_"},
                         description=f"batched warp decode on the CUDA cores, {fmt.name} weights: expert lists, gate_up "
@@ -207,8 +221,8 @@ __device__ __forceinline__ void gate_up_load_round(W (&wg)[GB_UNROLL][GB_OUTS], 
                                                    float (&sg)[GB_UNROLL][GB_OUTS], float (&su)[GB_UNROLL][GB_OUTS],
                                                    const W* const (&gate_row)[GB_OUTS],
                                                    const W* const (&up_row)[GB_OUTS],
-                                                   const float* const (&gate_scale)[GB_OUTS],
-                                                   const float* const (&up_scale)[GB_OUTS], int base, int chunks,
+                                                   const scale_t* const (&gate_scale)[GB_OUTS],
+                                                   const scale_t* const (&up_scale)[GB_OUTS], int base, int chunks,
                                                    int lane) {
     #pragma unroll
     for (int j = 0; j < GB_UNROLL; ++j) {
@@ -279,7 +293,7 @@ __device__ __forceinline__ void gate_up_round(const W (&wg)[GB_UNROLL][GB_OUTS],
 extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
     const bf16_t* __restrict__ x,             // [T, H]
     const weight_t* __restrict__ w13,         // [E, 2I, H]
-    const float* __restrict__ s13,            // scaled formats: [E, 2 ceil(I/128), ceil(H/128)]
+    const scale_t* __restrict__ s13,          // scaled formats: the loader's scales (w13_scale_row)
     const int* __restrict__ lists,            // from moe_expert_lists
     bf16_t* __restrict__ intermediate,        // [T, K, I]
     int hidden, int inter, int experts, int top_k, int slots, int n_pairs)
@@ -308,19 +322,19 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
     }
 
     const int chunks = hidden / (GB_BYTES / 2);                      // H % 8 == 0: whole chunks only
-    const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
+    const scale_geometry_t sgeo = scale_geometry(hidden, inter);     // the loader's (scale rows)
     const wvec_t* gate_row[GB_OUTS];
     const wvec_t* up_row[GB_OUTS];
-    const float* gate_scale[GB_OUTS];
-    const float* up_scale[GB_OUTS];
+    const scale_t* gate_scale[GB_OUTS];
+    const scale_t* up_scale[GB_OUTS];
     #pragma unroll
     for (int o = 0; o < GB_OUTS; ++o) {
         const int i = min(i0 + o, inter - 1);                        // past-the-end neurons re-read the last row
-        const size_t row = ((size_t)e * 2 * inter + i) * (size_t)hidden;
+        const size_t row = ((size_t)e * 2 * inter + i) * (size_t)hidden / VALUES_PER_WEIGHT;
         gate_row[o] = reinterpret_cast<const wvec_t*>(w13 + row);
-        up_row[o] = reinterpret_cast<const wvec_t*>(w13 + row + (size_t)inter * hidden);
-        gate_scale[o] = scale_row(s13, (long long)e * 2 * iblocks + i / FP8_BLOCK, hblocks);
-        up_scale[o] = scale_row(s13, (long long)e * 2 * iblocks + iblocks + i / FP8_BLOCK, hblocks);
+        up_row[o] = reinterpret_cast<const wvec_t*>(w13 + row + (size_t)inter * hidden / VALUES_PER_WEIGHT);
+        gate_scale[o] = w13_scale_row(s13, sgeo, e, i, false);
+        up_scale[o] = w13_scale_row(s13, sgeo, e, i, true);
     }
 
     for (int tile = 0; tile < count; tile += GB_TILE) {              // usually ONE pass (count <= GB_TILE)
@@ -381,7 +395,7 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
 extern "C" __global__ void DB_BOUNDS moe_down_batched(
     const bf16_t* __restrict__ intermediate,  // [T, K, I]
     const weight_t* __restrict__ w2,          // [E, H, I]
-    const float* __restrict__ s2,             // scaled formats: [E, ceil(H/128), ceil(I/128)]
+    const scale_t* __restrict__ s2,           // scaled formats: the loader's scales (w2_scale_row)
     const int* __restrict__ topk_ids,         // [T, K]
     const float* __restrict__ topk_weights,   // [T, K]
     const int* __restrict__ lists,            // from moe_expert_lists
@@ -403,8 +417,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
     down_prologue(mine, tokens * DB_OUTS, lane);
 
     const int chunks = inter / (DB_BYTES / 2);                       // I % 8 == 0: whole chunks only
-    const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
-    (void)hblocks;
+    const scale_geometry_t sgeo = scale_geometry(hidden, inter);     // the loader's (scale rows)
     const int used = __ldg(lists);
     for (int a = warp; a < used; a += DB_WARPS) {
         const int e = __ldg(list_expert(lists) + a);
@@ -412,12 +425,12 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
         const int count = __ldg(list_count(lists, slots) + a);
         const int* pairs = sorted_pairs(lists, slots) + __ldg(list_offset(lists, slots) + a);
         const wvec_t* rows[DB_OUTS];
-        const float* row_scale[DB_OUTS];
+        const scale_t* row_scale[DB_OUTS];
         #pragma unroll
         for (int o = 0; o < DB_OUTS; ++o) {
             const int h = min(h0 + o, hidden - 1);                   // past-the-end columns re-read the last row
-            rows[o] = reinterpret_cast<const wvec_t*>(w2 + ((size_t)e * hidden + h) * inter);
-            row_scale[o] = scale_row(s2, (long long)e * hblocks + h / FP8_BLOCK, iblocks);
+            rows[o] = reinterpret_cast<const wvec_t*>(w2 + ((size_t)e * hidden + h) * inter / VALUES_PER_WEIGHT);
+            row_scale[o] = w2_scale_row(s2, sgeo, e, h);
         }
         for (int tile = 0; tile < count; tile += DB_TILE) {
             const int n = min(DB_TILE, count - tile);
@@ -501,4 +514,4 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
 }
 
 """
-FMA = FormatFamilies(make_family, (BF16_FORMAT.name, FP8_BLOCK128.name))
+FMA = FormatFamilies(make_family, (BF16_FORMAT.name, FP8_BLOCK128.name, MXFP4.name))

@@ -7,11 +7,19 @@ batched paths is one :class:`~kernels.formats.WeightFormat` (data: layout, quant
 
 **FMA loader** (``Loader.fma``, for the FMA family, ``kernels/batched/fma.py``):
 
-* ``weight_t``: one stored value; ``WEIGHT_CHUNK_BYTES(act_bytes)``: the bytes of weights holding the values of an
-  activation chunk of ``act_bytes``;
+* ``weight_t``: one stored element, ``VALUES_PER_WEIGHT`` values each (2 for two e2m1 a byte, else 1);
+  ``WEIGHT_CHUNK_BYTES(act_bytes)``: the bytes of weights holding the values of an activation chunk of ``act_bytes``;
+* ``scale_t``: one stored scale; ``scale_geometry_t`` and ``scale_geometry(hidden, inter)``: what the scale rows'
+  addresses need (computed once by a kernel, where it computed fp8's block counts); ``w13_scale_row(s13, g, e, i,
+  up)`` / ``w2_scale_row(s2, g, e, h)``: where the scales of expert ``e``'s gate (``up``: up) row ``i`` / down row
+  ``h`` start (the pointer as given where the format has none: never read). A function or a function-like macro:
+  fp8-block128's w13 rows are a macro, as their expression stood in the kernel before it moved here -- as a
+  function, the same addresses compiled to other (equivalent) machine code;
 * ``chunk_scale<ACT_BYTES>(scales, c, ok)``: the scale of chunk ``c`` of a row whose scale row is ``scales``
   (1.0f where the format has none: no load);
 * ``weight_pair(chunk, w, scale, lo, hi)``: value pair ``w`` of a loaded weight chunk widened to FP32, dequantized.
+
+An unscaled format's FMA loader ends with :data:`FMA_NO_SCALES` (``scale_t``, the rows, ``chunk_scale``).
 
 **Tensor-core loader** (``Loader.mma``, for the tensor-core and per-pair families):
 
@@ -37,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernels.formats import BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, WeightFormat, tile_k
+from kernels.formats import BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, MXFP4, WeightFormat, tile_k
 
 
 @dataclass(frozen=True)
@@ -92,31 +100,63 @@ def loader_for(fmt: WeightFormat | str, kind: str) -> str:
 # ---------------------------------------------------------------------------------------------------
 # FMA loaders
 # ---------------------------------------------------------------------------------------------------
-BF16_FMA = r"""
-// ---- weight loader: bf16 values (kernels/batched/loaders.py) ----
-typedef bf16_t weight_t;
-#define WEIGHT_CHUNK_BYTES(act_bytes) (act_bytes)
+FMA_NO_SCALES = r"""
+// no scales: the kernels' scale pointers pass through unread, every chunk's scale is 1 (no load)
+typedef float scale_t;
+struct scale_geometry_t {};
+__device__ __forceinline__ scale_geometry_t scale_geometry(int hidden, int inter) {
+    (void)hidden; (void)inter;
+    return {};
+}
+__device__ __forceinline__ const scale_t* w13_scale_row(const scale_t* s, scale_geometry_t g, int e, int i, bool up) {
+    (void)g; (void)e; (void)i; (void)up;
+    return s;
+}
+__device__ __forceinline__ const scale_t* w2_scale_row(const scale_t* s, scale_geometry_t g, int e, int h) {
+    (void)g; (void)e; (void)h;
+    return s;
+}
 template <int ACT_BYTES>
-__device__ __forceinline__ float chunk_scale(const float* scales, int c, bool ok) {
+__device__ __forceinline__ float chunk_scale(const scale_t* scales, int c, bool ok) {
     (void)scales; (void)c; (void)ok;
     return 1.0f;
 }
+"""
+
+BF16_FMA = r"""
+// ---- weight loader: bf16 values (kernels/batched/loaders.py) ----
+typedef bf16_t weight_t;
+#define VALUES_PER_WEIGHT 1
+#define WEIGHT_CHUNK_BYTES(act_bytes) (act_bytes)
 template <typename W>
 __device__ __forceinline__ void weight_pair(const W& wv, int w, float scale, float& lo, float& hi) {
     (void)scale;
     lo = bf16_lo(word(wv, w));
     hi = bf16_hi(word(wv, w));
 }
-"""
+""" + FMA_NO_SCALES
 
 FP8_FMA = r"""
 // ---- weight loader: fp8-block128 (kernels/batched/loaders.py) ----
 // e4m3fn bytes (a chunk holds the values of an activation chunk of twice the bytes), each widened and multiplied by
 // its 128 x 128 block's scale (rounded once in FP32, as the reference reads it)
 typedef unsigned char weight_t;
+#define VALUES_PER_WEIGHT 1
 #define WEIGHT_CHUNK_BYTES(act_bytes) ((act_bytes) / 2)
+// scales: float32 [E, 2 ceil(I/128), ceil(H/128)] (gate row i's at block row i / 128, up row i's ceil(I/128) after)
+// and [E, ceil(H/128), ceil(I/128)]
+typedef float scale_t;
+struct scale_geometry_t { int hblocks, iblocks; };                      // scale blocks along H and I
+__device__ __forceinline__ scale_geometry_t scale_geometry(int hidden, int inter) {
+    return {(hidden + FP8_BLOCK - 1) / FP8_BLOCK, (inter + FP8_BLOCK - 1) / FP8_BLOCK};
+}
+#define w13_scale_row(s, g, e, i, up)                                                                            \
+    scale_row(s, (long long)(e) * 2 * (g).iblocks + ((up) ? (g).iblocks : 0) + (i) / FP8_BLOCK, (g).hblocks)
+__device__ __forceinline__ const scale_t* w2_scale_row(const scale_t* s, scale_geometry_t g, int e, int h) {
+    return scale_row(s, (long long)e * g.hblocks + h / FP8_BLOCK, g.iblocks);
+}
 template <int ACT_BYTES>
-__device__ __forceinline__ float chunk_scale(const float* scales, int c, bool ok) {
+__device__ __forceinline__ float chunk_scale(const scale_t* scales, int c, bool ok) {
     return __ldg(scales + (ok ? c * (ACT_BYTES / 2) / FP8_BLOCK : 0));
 }
 template <typename W>
@@ -124,6 +164,64 @@ __device__ __forceinline__ void weight_pair(const W& wv, int w, float scale, flo
     e4m3x2_to_f32(word(wv, w / 2) >> (16 * (w % 2)), lo, hi);
     lo = __fmul_rn(lo, scale);
     hi = __fmul_rn(hi, scale);
+}
+"""
+
+MXFP4_FMA = r"""
+// ---- weight loader: mxfp4 (kernels/batched/loaders.py) ----
+// e2m1 values two a byte along k, the even one in the low nibble (kernels/formats_fp4.py): a weight chunk holds the
+// values of an activation chunk in a quarter of its bytes (GB_BYTES / DB_BYTES 16: 8 values in a 4-byte load), which
+// lie in one 32-value block of the row, so a chunk has one e8m0 scale, 2^(s - 127) (s = 0: 2^-127, a float32
+// subnormal; s = 255: NaN), read as a byte per chunk.
+//
+// Widening: bit tricks, no lookup. A nibble's magnitude bits (e e m) go to float32 bits 24..22 -- the exponent's two
+// low bits and the mantissa's top bit -- and its sign to bit 31: the float is then exactly value x 2^-126 for every
+// code (0.5's code 001 is float32's subnormal 2^-127, as it is e2m1's subnormal); x 2^126 makes it the e2m1 value and
+// x the block scale the weight (both products exact wherever the reference's float32 product is finite and normal,
+// and IEEE's there -- subnormal, infinite, NaN -- exactly as the reference rounds value x scale: the weight is
+// bitwise the reference's dequantized float32, which is a bf16 whenever it is finite and normal). Why not a lookup:
+// a 16-entry table indexed per lane cannot live in registers (no indexed registers), and in constant memory
+// divergent indices serialize; the bit form costs three integer operations and two FP32 multiplies a value,
+// amortized over a tile's pairs. (One multiply by 2^(s - 1) would do for s <= 128 only; the GPU comparison of the
+// widenings, with PRMT lookups, is a later prototype.)
+typedef unsigned char weight_t;
+#define VALUES_PER_WEIGHT 2
+#define WEIGHT_CHUNK_BYTES(act_bytes) ((act_bytes) / 4)
+#define MX_BLOCK 32
+// scales: uint8 [E, 2I, ceil(H/32)] (w13's gate rows, then its up rows) and [E, H, ceil(I/32)]: a row of blocks per
+// weight row
+typedef unsigned char scale_t;
+struct scale_geometry_t { int hidden, inter, hblocks, iblocks; };      // the dims, a row's blocks along H and I
+__device__ __forceinline__ scale_geometry_t scale_geometry(int hidden, int inter) {
+    return {hidden, inter, (hidden + MX_BLOCK - 1) / MX_BLOCK, (inter + MX_BLOCK - 1) / MX_BLOCK};
+}
+__device__ __forceinline__ const scale_t* w13_scale_row(const scale_t* s, scale_geometry_t g, int e, int i, bool up) {
+    return s + ((size_t)e * 2 * g.inter + (up ? g.inter : 0) + i) * (size_t)g.hblocks;
+}
+__device__ __forceinline__ const scale_t* w2_scale_row(const scale_t* s, scale_geometry_t g, int e, int h) {
+    return s + ((size_t)e * g.hidden + h) * (size_t)g.iblocks;
+}
+// e8m0 byte -> float32: 2^(s - 127) as the exponent field, 2^-127 (s = 0) as the subnormal 0x00400000, NaN (255)
+__device__ __forceinline__ float e8m0_to_f32(u32 s) {
+    return __uint_as_float((s << 23) | (s == 0u || s == 255u ? 0x00400000u : 0u));
+}
+// a lane past the row's end (ok false) reads block 0's byte (its values are zeros; were that scale NaN, the row's
+// dot product is NaN anyway, as in the reference)
+template <int ACT_BYTES>
+__device__ __forceinline__ float chunk_scale(const scale_t* scales, int c, bool ok) {
+    static_assert(MX_BLOCK % (ACT_BYTES / 2) == 0, "a chunk lies in one scale block");
+    return e8m0_to_f32(__ldg(scales + (ok ? c * (ACT_BYTES / 2) / MX_BLOCK : 0)));
+}
+// the nibble at bits 3..0 of n as value x 2^-126 (float32 bits: sign 31, magnitude 24..22)
+__device__ __forceinline__ float e2m1_times_2m126(u32 n) {
+    return __uint_as_float(((n & 0x7u) << 22) | ((n & 0x8u) << 28));
+}
+#define E2M1_UNBIAS __uint_as_float(0x7e800000u)   // 2^126
+template <typename W>
+__device__ __forceinline__ void weight_pair(const W& wv, int w, float scale, float& lo, float& hi) {
+    const u32 byte = word(wv, w / 4) >> (8 * (w % 4));               // values 2w (low nibble) and 2w + 1
+    lo = __fmul_rn(__fmul_rn(e2m1_times_2m126(byte), E2M1_UNBIAS), scale);
+    hi = __fmul_rn(__fmul_rn(e2m1_times_2m126(byte >> 4), E2M1_UNBIAS), scale);
 }
 """
 
@@ -283,5 +381,6 @@ __device__ __forceinline__ auto mma_sums(float (&acc)[N][4], float (&part)[N][4]
 BF16_LOADER = register_loader(Loader(BF16_FORMAT.name, BF16_FMA, BF16_VALUES + ROW_ADDRESSING + NO_SCALES))
 BF16_T16_LOADER = register_loader(Loader(BF16_T16.name, None, BF16_VALUES + TILE_ADDRESSING + NO_SCALES))
 FP8_LOADER = register_loader(Loader(FP8_BLOCK128.name, FP8_FMA, FP8_VALUES + ROW_ADDRESSING + BLOCK_SCALES))
+MXFP4_LOADER = register_loader(Loader(MXFP4.name, MXFP4_FMA, None))
 FP8_T16_LOADER = register_loader(Loader(FP8_BLOCK128_T16.name, None, FP8_VALUES + TILE_ADDRESSING + BLOCK_SCALES,
                                         needs={"FP8_LOAD16": 1}))
