@@ -208,7 +208,7 @@ def _run(cupy: Any, d: dict[str, Any], mode: str, workspace: Any = None, **knobs
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("tokens", [9, 16, 33, 64])
 @pytest.mark.parametrize("shape", list(QWEN3_30B))
-def test_gpu_within_tolerance_and_repeats(cupy_mod: Any, rng: np.random.Generator, shape: str,  # noqa: F811
+def test_gpu_within_tolerance_and_repeats(cupy_mod: Any, rng: np.random.Generator, shape: str,
                                           tokens: int, mode: str) -> None:
     cupy = cupy_mod
     n, k = QWEN3_30B[shape]
@@ -225,7 +225,7 @@ def test_gpu_within_tolerance_and_repeats(cupy_mod: Any, rng: np.random.Generato
 @pytest.mark.parametrize("knobs", [{"WARPS": 4, "KSPLIT": 1, "UNROLL": 1}, {"WARPS": 8, "KSPLIT": 8, "UNROLL": 4},
                                    {"WARPS": 16, "KSPLIT": 2, "PDL": 1}], ids=["w4-k1-u1", "w8-k8-u4", "w16-k2-pdl"])
 @pytest.mark.parametrize("mode", ["add-norm", "residual", "argmax-logits"])
-def test_gpu_knobs_odd_shape(cupy_mod: Any, rng: np.random.Generator, mode: str,  # noqa: F811
+def test_gpu_knobs_odd_shape(cupy_mod: Any, rng: np.random.Generator, mode: str,
                              knobs: dict[str, int]) -> None:
     cupy, tokens = cupy_mod, 13
     n, k = 3000, 4104
@@ -234,7 +234,7 @@ def test_gpu_knobs_odd_shape(cupy_mod: Any, rng: np.random.Generator, mode: str,
 
 
 @pytest.mark.gpu
-def test_gpu_fma_path_kept(cupy_mod: Any, rng: np.random.Generator) -> None:  # noqa: F811
+def test_gpu_fma_path_kept(cupy_mod: Any, rng: np.random.Generator) -> None:
     """MMA=-1 at T = 16 is the FMA kernel: bitwise the lane chain."""
     cupy = cupy_mod
     inputs = _inputs(rng, 16, 512, 1024)
@@ -243,7 +243,7 @@ def test_gpu_fma_path_kept(cupy_mod: Any, rng: np.random.Generator) -> None:  # 
 
 
 @pytest.mark.gpu
-def test_gpu_graph_capture_and_pdl_chain(cupy_mod: Any, rng: np.random.Generator) -> None:  # noqa: F811
+def test_gpu_graph_capture_and_pdl_chain(cupy_mod: Any, rng: np.random.Generator) -> None:
     """QKV-like add + norm then an O-like residual GEMV reading its output, PDL=1, captured and replayed on new
     contents: bitwise the eager PDL=0 launches every replay."""
     from kernels.decode.gemv import gemv_launch
@@ -268,7 +268,13 @@ def test_gpu_graph_capture_and_pdl_chain(cupy_mod: Any, rng: np.random.Generator
     want = cupy.asnumpy(out).view(np.uint16).copy()
     expect_within_tolerance({**inputs}, MODES["add-norm"], {"out": cupy.asnumpy(mid),
                                                             "residual_out": cupy.asnumpy(summed)})
-    graph_launches = launches(1)
+    replays_bitwise(cupy, launches(1), [mid, summed], out, inputs["x"], want)
+
+
+def replays_bitwise(cupy: Any, graph_launches: list[Any], poisoned: list[Any], out: Any, initial: np.ndarray,
+                    want: np.ndarray) -> None:
+    """``graph_launches`` captured in one CUDA graph and replayed 3 times, ``poisoned`` refilled with NaN and ``out``
+    reset to ``initial`` before each: ``out``'s bits equal ``want`` every time."""
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
@@ -276,9 +282,9 @@ def test_gpu_graph_capture_and_pdl_chain(cupy_mod: Any, rng: np.random.Generator
             launch()
         graph = stream.end_capture()
         for _ in range(3):
-            mid.view(cupy.uint16).fill(0x7FC0)
-            summed.view(cupy.uint16).fill(0x7FC0)
-            out.set(inputs["x"])
+            for arr in poisoned:
+                arr.view(cupy.uint16).fill(0x7FC0)
+            out.set(initial)
             graph.launch(stream)
             stream.synchronize()
             assert np.array_equal(cupy.asnumpy(out).view(np.uint16), want)

@@ -56,7 +56,7 @@ from tests.test_decode_gemv import (
     _poisoned,
     _prologue,
 )
-from tests.test_decode_gemv_mma import HARNESS, MODES, _run
+from tests.test_decode_gemv_mma import HARNESS, MODES, _run, replays_bitwise
 from tests.warp_checks import build_emulator, run_emulator
 
 
@@ -245,7 +245,7 @@ def _gpu_weights(cupy: Any, inputs: dict[str, np.ndarray]) -> tuple[dict[str, An
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("tokens", [9, 16, 33, 64])
 @pytest.mark.parametrize("shape", ["qkv", "o"])
-def test_gpu_within_the_bound_and_repeats(cupy_mod: Any, rng: np.random.Generator, shape: str,  # noqa: F811
+def test_gpu_within_the_bound_and_repeats(cupy_mod: Any, rng: np.random.Generator, shape: str,
                                           tokens: int, mode: str) -> None:
     cupy = cupy_mod
     n, k = QWEN3_30B[shape]
@@ -263,7 +263,7 @@ def test_gpu_within_the_bound_and_repeats(cupy_mod: Any, rng: np.random.Generato
 @pytest.mark.parametrize("knobs", [{"WARPS": 4, "KSPLIT": 1, "UNROLL": 1}, {"WARPS": 8, "KSPLIT": 8, "UNROLL": 3},
                                    {"WARPS": 16, "KSPLIT": 2, "PDL": 1}], ids=["w4-k1-u1", "w8-k8-u3", "w16-k2-pdl"])
 @pytest.mark.parametrize("mode", ["add-norm", "residual", "argmax-logits"])
-def test_gpu_knobs_odd_shape(cupy_mod: Any, rng: np.random.Generator, mode: str,  # noqa: F811
+def test_gpu_knobs_odd_shape(cupy_mod: Any, rng: np.random.Generator, mode: str,
                              knobs: dict[str, int]) -> None:
     """N = 3000 (not of 16 or 128), K = 4112 (of 16, not of 128: a 16-wide last scale block)."""
     cupy, tokens = cupy_mod, 13
@@ -276,7 +276,7 @@ def test_gpu_knobs_odd_shape(cupy_mod: Any, rng: np.random.Generator, mode: str,
 
 
 @pytest.mark.gpu
-def test_gpu_fma_path_kept_at_small_t(cupy_mod: Any, rng: np.random.Generator) -> None:  # noqa: F811
+def test_gpu_fma_path_kept_at_small_t(cupy_mod: Any, rng: np.random.Generator) -> None:
     """T = 8: auto is the FMA kernel (bitwise MMA=-1); T = 16: auto is this one (within its bound) and MMA=-1 the FMA
     kernel (within its own, K 2^-24 S)."""
     from kernels.decode.gemv import dense_gemv
@@ -300,7 +300,7 @@ def test_gpu_fma_path_kept_at_small_t(cupy_mod: Any, rng: np.random.Generator) -
 
 
 @pytest.mark.gpu
-def test_gpu_graph_capture_and_pdl_chain(cupy_mod: Any, rng: np.random.Generator) -> None:  # noqa: F811
+def test_gpu_graph_capture_and_pdl_chain(cupy_mod: Any, rng: np.random.Generator) -> None:
     """qwen3-30b's QKV (add + norm) then O (residual) on fp8 weights at T = 32, PDL=1, captured and replayed on new
     contents: bitwise the eager PDL=0 launches every replay."""
     from kernels.decode.gemv import gemv_launch
@@ -325,17 +325,4 @@ def test_gpu_graph_capture_and_pdl_chain(cupy_mod: Any, rng: np.random.Generator
     ksplit = resolve_call(_call(tokens, k1, n1, MODES["add-norm"]), {})["KSPLIT"]
     expect_fp8(inputs, q, MODES["add-norm"], {"out": cupy.asnumpy(mid), "residual_out": cupy.asnumpy(summed)},
                ksplit)
-    graph_launches = launches(1)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        for launch in graph_launches:
-            launch()
-        graph = stream.end_capture()
-        for _ in range(3):
-            mid.view(cupy.uint16).fill(0x7FC0)
-            summed.view(cupy.uint16).fill(0x7FC0)
-            out.set(inputs["x"])
-            graph.launch(stream)
-            stream.synchronize()
-            assert np.array_equal(cupy.asnumpy(out).view(np.uint16), want)
+    replays_bitwise(cupy, launches(1), [mid, summed], out, inputs["x"], want)
