@@ -37,7 +37,8 @@ scales a row. k itself must be even (two values a byte): ``Fp4Format.check_dims`
 This module is their arithmetic, on plain arrays (it builds on :mod:`kernels.arrays` and :mod:`kernels.geometry`
 only); the formats themselves -- ``kernels.formats.Fp4Format``, ``MXFP4`` and ``NVFP4`` in ``FORMATS`` -- are in
 :mod:`kernels.formats`, which builds on this. The reference reads them; of the kernels, the batched FMA family reads
-mxfp4 (its loader: kernels/batched/loaders.py), nothing reads nvfp4 yet, and ``kernels.moe_decode`` refuses both (no
+mxfp4 and nvfp4 (their loaders: kernels/batched/loaders.py; nvfp4's global scales as the FMA kernels' last
+argument), and ``kernels.moe_decode`` refuses both (no
 dispatch candidates).
 """
 

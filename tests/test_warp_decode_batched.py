@@ -507,7 +507,8 @@ template <class T> void save(const std::string& path, const std::vector<T>& v) {
 }
 // The family this binary emulates comes from the harness's own macros (prepended by the test: _harness):
 // EMU_PATH_FMA / EMU_PATH_MMA / EMU_PATH_PAIRS, and EMU_SCALED for a scaled weight format: 1 fp8-block128 (bytes +
-// float32 block scales), 2 mxfp4 (e2m1 pairs + e8m0 bytes; the FMA family only).
+// float32 block scales), 2 mxfp4 (e2m1 pairs + e8m0 bytes; the FMA family only), 3 nvfp4 (e2m1 pairs + e4m3 bytes
+// + a float32 global scale per expert and matrix, the FMA kernels' last arguments; the FMA family only).
 // The family's macros (DB_GROUPED) are the rendered kernel text's; the list kernel's threads and the dynamic shared
 // memory come on the command line, from the resolved knobs.
 int main(int argc, char** argv) {
@@ -518,13 +519,23 @@ int main(int argc, char** argv) {
     long long shared_floats = atoll(argv[12]);
     std::string dir = argv[13];
     auto x = load<uint16_t>(dir + "/x.bin", (size_t)T * H);
-#if EMU_SCALED == 2  // mxfp4: e2m1 values two a byte along k, an e8m0 byte per 32 values a row
+    const float* g13 = nullptr;  // global-scaled weights' scale per expert (nvfp4), else never read
+    const float* g2 = nullptr;
+    (void)g13; (void)g2;         // the tensor-core families take none
+#if EMU_SCALED >= 2  // mxfp4 / nvfp4: e2m1 values two a byte along k, an e8m0 / e4m3 byte per 32 / 16 values a row
+    const int SB = EMU_SCALED == 2 ? 32 : 16;
     auto w13 = load<uint8_t>(dir + "/w13.bin", (size_t)E * 2 * I * H / 2);
     auto w2 = load<uint8_t>(dir + "/w2.bin", (size_t)E * H * I / 2);
-    auto s13v = load<uint8_t>(dir + "/s13.bin", (size_t)E * 2 * I * ((H + 31) / 32));
-    auto s2v = load<uint8_t>(dir + "/s2.bin", (size_t)E * H * ((I + 31) / 32));
+    auto s13v = load<uint8_t>(dir + "/s13.bin", (size_t)E * 2 * I * ((H + SB - 1) / SB));
+    auto s2v = load<uint8_t>(dir + "/s2.bin", (size_t)E * H * ((I + SB - 1) / SB));
     const uint8_t* s13 = s13v.data();
     const uint8_t* s2 = s2v.data();
+#if EMU_SCALED == 3
+    auto g13v = load<float>(dir + "/g13.bin", (size_t)E);
+    auto g2v = load<float>(dir + "/g2.bin", (size_t)E);
+    g13 = g13v.data();
+    g2 = g2v.data();
+#endif
 #elif EMU_SCALED  // fp8-block128: e4m3fn bytes and the block scales
     auto w13 = load<uint8_t>(dir + "/w13.bin", (size_t)E * 2 * I * H);
     auto w2 = load<uint8_t>(dir + "/w2.bin", (size_t)E * H * I);
@@ -559,12 +570,15 @@ int main(int argc, char** argv) {
 #if EMU_PATH_MMA
 #define GATE_UP_KERNEL moe_gate_up_mma
 #define DOWN_KERNEL moe_down_mma
+#define GLOBAL_SCALES(g)
 #else
 #define GATE_UP_KERNEL moe_gate_up_batched
 #define DOWN_KERNEL moe_down_batched
+#define GLOBAL_SCALES(g) , g  // the FMA kernels' last argument
 #endif
     launch(gu_blocks, GB_WARPS * 32,
-           [&] { GATE_UP_KERNEL(x.data(), w13.data(), s13, lists.data(), inter.data(), H, I, E, K, slots, T * K); });
+           [&] { GATE_UP_KERNEL(x.data(), w13.data(), s13, lists.data(), inter.data(), H, I, E, K, slots, T * K
+                                GLOBAL_SCALES(g13)); });
 #if EMU_PATH_MMA && DB_GROUPED
     std::vector<float> pair_out((size_t)T * K * H, __uint_as_float(0x7fc00000u));
     launch(dn_blocks, DB_WARPS * 32, [&] {
@@ -576,7 +590,7 @@ int main(int argc, char** argv) {
 #else
     launch(dn_blocks, DB_WARPS * 32, [&] {
         DOWN_KERNEL(inter.data(), w2.data(), s2, ids.data(), wts.data(), lists.data(), out.data(), f32, T, H, I, E, K,
-                    slots);
+                    slots GLOBAL_SCALES(g2));
     });
 #endif
 #endif  // EMU_PATH_PAIRS
@@ -611,8 +625,9 @@ int main(int argc, char** argv) {
 
 
 def _scale_mode(fmt: Any) -> int:
-    """The harness's EMU_SCALED for ``fmt``: 0 unscaled, 1 fp8-block128's float32 block scales, 2 mxfp4's bytes."""
-    return 0 if not fmt.scaled else 2 if fmt.name == "mxfp4" else 1
+    """The harness's EMU_SCALED for ``fmt``: 0 unscaled, 1 fp8-block128's float32 block scales, 2 mxfp4's bytes, 3
+    nvfp4's bytes and global scales."""
+    return 0 if not fmt.scaled else {"mxfp4": 2, "nvfp4": 3}.get(fmt.name, 1)
 
 
 def _harness(path: str, scaled: int) -> str:
@@ -634,6 +649,8 @@ def _write_inputs(tmp: str, problem: Problem, ids: np.ndarray | None) -> None:
             if weights.scales is not None:  # float32 block scales, or scale bytes (mxfp4's e8m0) as they are
                 scales = weights.scales if weights.scales.itemsize == 1 else weights.scales.astype(np.float32)
                 scales.tofile(f"{tmp}/{name.replace('w', 's')}.bin")
+            if weights.global_scale is not None:  # nvfp4's float32 scale per expert
+                np.asarray(weights.global_scale, np.float32).tofile(f"{tmp}/{name.replace('w', 'g')}.bin")
         else:
             weights.tofile(f"{tmp}/{name}.bin")
     np.ascontiguousarray(problem.topk_ids if ids is None else ids, np.int32).tofile(f"{tmp}/ids.bin")
@@ -863,7 +880,7 @@ def test_bf16_tiles_refused_where_they_cannot_run() -> None:
             _resolve(path, Dims(2, 48, 64, 4, 2), BF16_T16.name)
         assert _resolve(path, Dims(2, 64, 64, 4, 2), BF16_T16.name) == _resolve(path, Dims(2, 64, 64, 4, 2))
     with pytest.raises(ValueError, match=r"no fma loader for weight format 'bf16-t16'; formats with one: \['bf16', "
-                                         r"'fp8-block128', 'mxfp4'\]"):
+                                         r"'fp8-block128', 'mxfp4', 'nvfp4'\]"):
         batched.family("fma", BF16_T16.name)
 
 

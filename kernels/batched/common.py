@@ -100,6 +100,12 @@ def weight_args(w: Any, fmt: WeightFormat) -> tuple[Any, Any]:
     return values, (w.scales if fmt.scaled else NO_SCALES)
 
 
+def global_arg(w: Any, fmt: WeightFormat) -> Any:
+    """A weight matrix's float32 scale per expert as the FMA kernels take it (their last argument): a null pointer for
+    a format without one."""
+    return w.global_scale if fmt.global_scaled else NO_SCALES
+
+
 @dataclass
 class Workspace:
     """The buffers a batched family needs, allocated once per dims (and knob set: the grouped down's rows)."""
@@ -115,12 +121,14 @@ class Workspace:
 
 def list_stages(compiled: Any, fmt: WeightFormat, kernels: tuple[Any, Any, Any], gate_up_blocks: int,
                 down_blocks: int, down_shared: int, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any,
-                out: Any) -> list[tuple[str, Any]]:
+                out: Any, global_scales: bool = False) -> list[tuple[str, Any]]:
     """The three launches the FMA pair and the tensor-core pair's balanced down share -- the lists, a gate_up from the
-    lists into the intermediate, a down from the intermediate into ``out`` (the kernels take the same arguments) --
-    as named zero-argument callables on ``compiled``'s workspace."""
+    lists into the intermediate, a down from the intermediate into ``out`` (the kernels take the same arguments; with
+    ``global_scales``, the FMA pair's, one more: the matrix's scale per expert, :func:`global_arg`) -- as named
+    zero-argument callables on ``compiled``'s workspace."""
     params, d, ws = compiled.params, compiled.dims, compiled.workspace
     lists_k, gate_up_k, down_k = kernels
+    g13, g2 = ((global_arg(w13, fmt),), (global_arg(w2, fmt),)) if global_scales else ((), ())
     w13, s13 = weight_args(w13, fmt)
     w2, s2 = weight_args(w2, fmt)
     i32, n_slots, programmatic = np.int32, lists.slots(d), bool(params["PDL"])
@@ -129,13 +137,14 @@ def list_stages(compiled: Any, fmt: WeightFormat, kernels: tuple[Any, Any, Any],
     def gate_up() -> None:
         launch_ex(gate_up_k, (gate_up_blocks,), (params["GB_WARPS"] * 32,),
                   (x, w13, s13, ws.lists, ws.intermediate, i32(d.hidden), i32(d.intermediate), i32(d.experts),
-                   i32(d.top_k), i32(n_slots), i32(d.tokens * d.top_k)), programmatic=programmatic)
+                   i32(d.top_k), i32(n_slots), i32(d.tokens * d.top_k), *g13), programmatic=programmatic)
 
     def down() -> None:
         launch_ex(down_k, (down_blocks,), (params["DB_WARPS"] * 32,),
                   (ws.intermediate, w2, s2, topk_ids, topk_weights, ws.lists, out,
                    i32(1 if out.dtype == np.float32 else 0), i32(d.tokens), i32(d.hidden), i32(d.intermediate),
-                   i32(d.experts), i32(d.top_k), i32(n_slots)), shared_mem=down_shared, programmatic=programmatic)
+                   i32(d.experts), i32(d.top_k), i32(n_slots), *g2), shared_mem=down_shared,
+                  programmatic=programmatic)
 
     return [("expert_lists", lists.lists_stage(lists_k, d, params, topk_ids, ws.lists)), ("gate_up", gate_up),
             ("down", down)]

@@ -16,7 +16,7 @@ routed to n tokens has its weights streamed n times. Here the work is grouped by
 Sized from (T, K, E) only, no host sync, no allocation per call: CUDA-graph capturable, bitwise deterministic.
 Numerics = ``reference.moe_decode(mode="warp_decode")`` up to the sum order over a token's K slots (by warp, then by
 expert id): within ~1 bf16 ulp, mostly bitwise. One family per weight format with an FMA loader
-(:mod:`kernels.batched.loaders`: bf16, fp8-block128, mxfp4). Knobs: :data:`KNOBS` (0 = chosen from the dims by
+(:mod:`kernels.batched.loaders`: bf16, fp8-block128, mxfp4, nvfp4). Knobs: :data:`KNOBS` (0 = chosen from the dims by
 :func:`rules`); the measurements behind them: notes/FINDINGS.md ("Batched warp decode").
 """
 
@@ -32,7 +32,7 @@ from kernels.compile import CudaSource
 from kernels.contract import Dims
 from kernels.device_helpers import BATCHED_HELPERS, BLOCK_OUTPUTS, FP8_HELPERS, PDL_HELPERS, WARP_HELPERS
 from kernels.family import Compiled, KernelFamily, Stage
-from kernels.formats import BF16_FORMAT, FP8_BLOCK128, MXFP4, WeightFormat
+from kernels.formats import BF16_FORMAT, FP8_BLOCK128, MXFP4, NVFP4, WeightFormat
 
 GATE_UP, DOWN = "moe_gate_up_batched", "moe_down_batched"
 KERNELS = (lists.KERNEL, GATE_UP, DOWN)
@@ -58,9 +58,12 @@ LIMITS = {
     "DB_WARPS": (1, 32), "DB_OUTS": (1, 32), "DB_TILE": (0, 32), "DB_UNROLL": (0, 64), "DB_MAX_REGS": (-1, 255),
     "PDL": (0, 1), "GB_BYTES": (4, 16),
 }
-# The knobs' defaults where a format's own differ from KNOBS (the family's defaults on that format). mxfp4: 8 values
-# (4 bytes) a weight chunk, the narrowest the loader contract allows -- GB_BYTES 16
-FORMAT_DEFAULTS: dict[str, dict[str, int]] = {MXFP4.name: {"GB_BYTES": 16}}
+# The knobs' defaults where a format's own differ from KNOBS (the family's defaults on that format). mxfp4, nvfp4: 8
+# values (4 bytes) a weight chunk, the narrowest the loader contract allows -- GB_BYTES 16
+# -- and nvfp4's down capped at 160 registers: with its second scale (the expert's global) and third multiply a value,
+# 128 spills at the dims-free defaults (DB_TILE 8; the qwen3-30b and gpt-oss-120b presets, T = 1..64, fit in 128)
+FORMAT_DEFAULTS: dict[str, dict[str, int]] = {MXFP4.name: {"GB_BYTES": 16},
+                                              NVFP4.name: {"GB_BYTES": 16, "DB_MAX_REGS": 160}}
 # fp8-block128: 8-value chunks (GB_BYTES 16: the gate_up's intermediate is then bitwise the strict FP8 kernel's), the
 # down capped at 160 registers, which its scales and widening need to stay spill-free at the qwen3 shapes from T = 1
 # to 64 (128 spills at qwen3-235b T = 16, launch bounds alone at qwen3-30b T = 1)
@@ -165,7 +168,7 @@ def make_stages(fmt: WeightFormat) -> Any:
         d, params = compiled.dims, compiled.params
         kernels = tuple(compiled.kernels[name] for name in KERNELS)
         return list_stages(compiled, fmt, kernels, gate_up_blocks(d, params), down_blocks(d, params),
-                           down_shared_bytes(d, params), x, w13, w2, topk_ids, topk_weights, out)
+                           down_shared_bytes(d, params), x, w13, w2, topk_ids, topk_weights, out, global_scales=True)
 
     return stages
 
@@ -218,11 +221,12 @@ static_assert(PDL == 0 || PDL == 1, "PDL must be 0 or 1");
 // and each chunk's scale (the loader's chunk_scale: 1 for unscaled weights, no load), sg / su
 template <typename W>
 __device__ __forceinline__ void gate_up_load_round(W (&wg)[GB_UNROLL][GB_OUTS], W (&wu)[GB_UNROLL][GB_OUTS],
-                                                   float (&sg)[GB_UNROLL][GB_OUTS], float (&su)[GB_UNROLL][GB_OUTS],
+                                                   chunk_scale_t (&sg)[GB_UNROLL][GB_OUTS],
+                                                   chunk_scale_t (&su)[GB_UNROLL][GB_OUTS],
                                                    const W* const (&gate_row)[GB_OUTS],
                                                    const W* const (&up_row)[GB_OUTS],
-                                                   const scale_t* const (&gate_scale)[GB_OUTS],
-                                                   const scale_t* const (&up_scale)[GB_OUTS], int base, int chunks,
+                                                   const scale_row_t (&gate_scale)[GB_OUTS],
+                                                   const scale_row_t (&up_scale)[GB_OUTS], int base, int chunks,
                                                    int lane) {
     #pragma unroll
     for (int j = 0; j < GB_UNROLL; ++j) {
@@ -240,8 +244,8 @@ __device__ __forceinline__ void gate_up_load_round(W (&wg)[GB_UNROLL][GB_OUTS], 
 
 template <typename V, typename W>
 __device__ __forceinline__ void gate_up_round(const W (&wg)[GB_UNROLL][GB_OUTS], const W (&wu)[GB_UNROLL][GB_OUTS],
-                                              const float (&sg)[GB_UNROLL][GB_OUTS],
-                                              const float (&su)[GB_UNROLL][GB_OUTS],
+                                              const chunk_scale_t (&sg)[GB_UNROLL][GB_OUTS],
+                                              const chunk_scale_t (&su)[GB_UNROLL][GB_OUTS],
                                               const V* const (&x_row)[GB_TILE], int n, int base, int chunks, int lane,
                                               float zero, float (&gate_acc)[GB_TILE][GB_OUTS],
                                               float (&up_acc)[GB_TILE][GB_OUTS]) {
@@ -296,7 +300,8 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
     const scale_t* __restrict__ s13,          // scaled formats: the loader's scales (w13_scale_row)
     const int* __restrict__ lists,            // from moe_expert_lists
     bf16_t* __restrict__ intermediate,        // [T, K, I]
-    int hidden, int inter, int experts, int top_k, int slots, int n_pairs)
+    int hidden, int inter, int experts, int top_k, int slots, int n_pairs,
+    const float* __restrict__ g13)            // global-scaled formats: a float32 scale per expert (scale_geometry)
 {
     (void)n_pairs;                                                   // the tensor-core gate_up's tile table
     typedef typename Vec<GB_BYTES>::T vec_t;
@@ -322,11 +327,11 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
     }
 
     const int chunks = hidden / (GB_BYTES / 2);                      // H % 8 == 0: whole chunks only
-    const scale_geometry_t sgeo = scale_geometry(hidden, inter);     // the loader's (scale rows)
+    const scale_geometry_t sgeo = scale_geometry(hidden, inter, g13);  // the loader's (scale rows)
     const wvec_t* gate_row[GB_OUTS];
     const wvec_t* up_row[GB_OUTS];
-    const scale_t* gate_scale[GB_OUTS];
-    const scale_t* up_scale[GB_OUTS];
+    scale_row_t gate_scale[GB_OUTS];
+    scale_row_t up_scale[GB_OUTS];
     #pragma unroll
     for (int o = 0; o < GB_OUTS; ++o) {
         const int i = min(i0 + o, inter - 1);                        // past-the-end neurons re-read the last row
@@ -355,7 +360,7 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
         for (int base = 0; base < chunks; base += STEP) {
             // 1) every weight load of the round (2 * GB_OUTS * GB_UNROLL per lane): read once for the tile
             wvec_t wg[GB_UNROLL][GB_OUTS], wu[GB_UNROLL][GB_OUTS];
-            float sg[GB_UNROLL][GB_OUTS], su[GB_UNROLL][GB_OUTS];
+            chunk_scale_t sg[GB_UNROLL][GB_OUTS], su[GB_UNROLL][GB_OUTS];
             gate_up_load_round(wg, wu, sg, su, gate_row, up_row, gate_scale, up_scale, base, chunks, lane);
             const float zero = __uint_as_float(all_loads_arrived(wg) | all_loads_arrived(wu));
             // 2) per pair of the tile: its x chunks (L1 hits), FMAs in the strict kernel's order
@@ -400,7 +405,8 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
     const float* __restrict__ topk_weights,   // [T, K]
     const int* __restrict__ lists,            // from moe_expert_lists
     void* __restrict__ out,                   // [T, H] bf16, or float32 when out_f32
-    int out_f32, int tokens, int hidden, int inter, int experts, int top_k, int slots)
+    int out_f32, int tokens, int hidden, int inter, int experts, int top_k, int slots,
+    const float* __restrict__ g2)             // global-scaled formats: a float32 scale per expert (scale_geometry)
 {
     typedef typename Vec<DB_BYTES>::T vec_t;
     typedef typename Vec<WEIGHT_CHUNK_BYTES(DB_BYTES)>::T wvec_t;    // the weights' chunk (the loader's bytes)
@@ -417,7 +423,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
     down_prologue(mine, tokens * DB_OUTS, lane);
 
     const int chunks = inter / (DB_BYTES / 2);                       // I % 8 == 0: whole chunks only
-    const scale_geometry_t sgeo = scale_geometry(hidden, inter);     // the loader's (scale rows)
+    const scale_geometry_t sgeo = scale_geometry(hidden, inter, g2);  // the loader's (scale rows)
     const int used = __ldg(lists);
     for (int a = warp; a < used; a += DB_WARPS) {
         const int e = __ldg(list_expert(lists) + a);
@@ -425,7 +431,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
         const int count = __ldg(list_count(lists, slots) + a);
         const int* pairs = sorted_pairs(lists, slots) + __ldg(list_offset(lists, slots) + a);
         const wvec_t* rows[DB_OUTS];
-        const scale_t* row_scale[DB_OUTS];
+        scale_row_t row_scale[DB_OUTS];
         #pragma unroll
         for (int o = 0; o < DB_OUTS; ++o) {
             const int h = min(h0 + o, hidden - 1);                   // past-the-end columns re-read the last row
@@ -447,7 +453,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
             for (int c0 = 0; c0 < chunks; c0 += 32 * DB_UNROLL) {
                 // 1) all DB_UNROLL x DB_OUTS w2 loads of the round (once for the whole tile)
                 wvec_t wv[DB_UNROLL][DB_OUTS];
-                float sv[DB_UNROLL][DB_OUTS];                        // each chunk's scale (chunk_scale)
+                chunk_scale_t sv[DB_UNROLL][DB_OUTS];                // each chunk's scale (chunk_scale)
                 #pragma unroll
                 for (int r = 0; r < DB_UNROLL; ++r) {
                     const int c = c0 + r * 32 + lane;
@@ -514,4 +520,4 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
 }
 
 """
-FMA = FormatFamilies(make_family, (BF16_FORMAT.name, FP8_BLOCK128.name, MXFP4.name))
+FMA = FormatFamilies(make_family, (BF16_FORMAT.name, FP8_BLOCK128.name, MXFP4.name, NVFP4.name))

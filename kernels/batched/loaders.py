@@ -9,17 +9,22 @@ batched paths is one :class:`~kernels.formats.WeightFormat` (data: layout, quant
 
 * ``weight_t``: one stored element, ``VALUES_PER_WEIGHT`` values each (2 for two e2m1 a byte, else 1);
   ``WEIGHT_CHUNK_BYTES(act_bytes)``: the bytes of weights holding the values of an activation chunk of ``act_bytes``;
-* ``scale_t``: one stored scale; ``scale_geometry_t`` and ``scale_geometry(hidden, inter)``: what the scale rows'
-  addresses need (computed once by a kernel, where it computed fp8's block counts); ``w13_scale_row(s13, g, e, i,
-  up)`` / ``w2_scale_row(s2, g, e, h)``: where the scales of expert ``e``'s gate (``up``: up) row ``i`` / down row
-  ``h`` start (the pointer as given where the format has none: never read). A function or a function-like macro:
+* ``scale_t``: one stored scale; ``scale_geometry_t`` and ``scale_geometry(hidden, inter, globals)``: what the scale
+  rows need (computed once by a kernel, where it computed fp8's block counts; ``globals``: the kernel's last argument,
+  a float32 scale per expert for a global-scaled format -- nvfp4 -- else null, never read); ``scale_row_t``: a row's
+  scales as the kernels hold them (``const scale_t*``, or nvfp4's pointer and its expert's global scale);
+  ``w13_scale_row(s13, g, e, i, up)`` / ``w2_scale_row(s2, g, e, h)``: the scales of expert ``e``'s gate (``up``: up)
+  row ``i`` / down row ``h`` (the pointer as given where the format has none: never read). A function or a
+  function-like macro:
   fp8-block128's w13 rows are a macro, as their expression stood in the kernel before it moved here -- as a
   function, the same addresses compiled to other (equivalent) machine code;
-* ``chunk_scale<ACT_BYTES>(scales, c, ok)``: the scale of chunk ``c`` of a row whose scale row is ``scales``
-  (1.0f where the format has none: no load);
+* ``chunk_scale_t`` and ``chunk_scale<ACT_BYTES>(scales, c, ok)``: the scale of chunk ``c`` of a row whose scale row
+  is ``scales`` (a float, 1.0f where the format has none: no load; nvfp4: the block's and the expert's, two floats);
 * ``weight_pair(chunk, w, scale, lo, hi)``: value pair ``w`` of a loaded weight chunk widened to FP32, dequantized.
 
-An unscaled format's FMA loader ends with :data:`FMA_NO_SCALES` (``scale_t``, the rows, ``chunk_scale``).
+An unscaled format's FMA loader ends with :data:`FMA_NO_SCALES` (``scale_t``, the rows, ``chunk_scale``); a format
+with one scale per chunk (fp8-block128, mxfp4) declares :data:`FMA_FLOAT_SCALES` (``scale_row_t`` a pointer,
+``chunk_scale_t`` a float: with them the kernels are the machine code they were before the two types existed).
 
 **Tensor-core loader** (``Loader.mma``, for the tensor-core and per-pair families):
 
@@ -45,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernels.formats import BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, MXFP4, WeightFormat, tile_k
+from kernels.formats import BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, MXFP4, NVFP4, WeightFormat, tile_k
 
 
 @dataclass(frozen=True)
@@ -100,12 +105,17 @@ def loader_for(fmt: WeightFormat | str, kind: str) -> str:
 # ---------------------------------------------------------------------------------------------------
 # FMA loaders
 # ---------------------------------------------------------------------------------------------------
+FMA_FLOAT_SCALES = r"""typedef const scale_t* scale_row_t;   // a row's scales: where they start
+typedef float chunk_scale_t;          // a chunk's scale
+"""
+
 FMA_NO_SCALES = r"""
 // no scales: the kernels' scale pointers pass through unread, every chunk's scale is 1 (no load)
 typedef float scale_t;
+""" + FMA_FLOAT_SCALES + r"""
 struct scale_geometry_t {};
-__device__ __forceinline__ scale_geometry_t scale_geometry(int hidden, int inter) {
-    (void)hidden; (void)inter;
+__device__ __forceinline__ scale_geometry_t scale_geometry(int hidden, int inter, const float* globals) {
+    (void)hidden; (void)inter; (void)globals;
     return {};
 }
 __device__ __forceinline__ const scale_t* w13_scale_row(const scale_t* s, scale_geometry_t g, int e, int i, bool up) {
@@ -146,8 +156,10 @@ typedef unsigned char weight_t;
 // scales: float32 [E, 2 ceil(I/128), ceil(H/128)] (gate row i's at block row i / 128, up row i's ceil(I/128) after)
 // and [E, ceil(H/128), ceil(I/128)]
 typedef float scale_t;
+""" + FMA_FLOAT_SCALES + r"""
 struct scale_geometry_t { int hblocks, iblocks; };                      // scale blocks along H and I
-__device__ __forceinline__ scale_geometry_t scale_geometry(int hidden, int inter) {
+__device__ __forceinline__ scale_geometry_t scale_geometry(int hidden, int inter, const float* globals) {
+    (void)globals;
     return {(hidden + FP8_BLOCK - 1) / FP8_BLOCK, (inter + FP8_BLOCK - 1) / FP8_BLOCK};
 }
 #define w13_scale_row(s, g, e, i, up)                                                                            \
@@ -165,6 +177,13 @@ __device__ __forceinline__ void weight_pair(const W& wv, int w, float scale, flo
     lo = __fmul_rn(lo, scale);
     hi = __fmul_rn(hi, scale);
 }
+"""
+
+E2M1_WIDENING = r"""// the nibble at bits 3..0 of n as value x 2^-126 (float32 bits: sign 31, magnitude 24..22)
+__device__ __forceinline__ float e2m1_times_2m126(u32 n) {
+    return __uint_as_float(((n & 0x7u) << 22) | ((n & 0x8u) << 28));
+}
+#define E2M1_UNBIAS __uint_as_float(0x7e800000u)   // 2^126
 """
 
 MXFP4_FMA = r"""
@@ -191,8 +210,10 @@ typedef unsigned char weight_t;
 // scales: uint8 [E, 2I, ceil(H/32)] (w13's gate rows, then its up rows) and [E, H, ceil(I/32)]: a row of blocks per
 // weight row
 typedef unsigned char scale_t;
+""" + FMA_FLOAT_SCALES + r"""
 struct scale_geometry_t { int hidden, inter, hblocks, iblocks; };      // the dims, a row's blocks along H and I
-__device__ __forceinline__ scale_geometry_t scale_geometry(int hidden, int inter) {
+__device__ __forceinline__ scale_geometry_t scale_geometry(int hidden, int inter, const float* globals) {
+    (void)globals;
     return {hidden, inter, (hidden + MX_BLOCK - 1) / MX_BLOCK, (inter + MX_BLOCK - 1) / MX_BLOCK};
 }
 __device__ __forceinline__ const scale_t* w13_scale_row(const scale_t* s, scale_geometry_t g, int e, int i, bool up) {
@@ -212,16 +233,72 @@ __device__ __forceinline__ float chunk_scale(const scale_t* scales, int c, bool 
     static_assert(MX_BLOCK % (ACT_BYTES / 2) == 0, "a chunk lies in one scale block");
     return e8m0_to_f32(__ldg(scales + (ok ? c * (ACT_BYTES / 2) / MX_BLOCK : 0)));
 }
-// the nibble at bits 3..0 of n as value x 2^-126 (float32 bits: sign 31, magnitude 24..22)
-__device__ __forceinline__ float e2m1_times_2m126(u32 n) {
-    return __uint_as_float(((n & 0x7u) << 22) | ((n & 0x8u) << 28));
-}
-#define E2M1_UNBIAS __uint_as_float(0x7e800000u)   // 2^126
-template <typename W>
+""" + E2M1_WIDENING + r"""template <typename W>
 __device__ __forceinline__ void weight_pair(const W& wv, int w, float scale, float& lo, float& hi) {
     const u32 byte = word(wv, w / 4) >> (8 * (w % 4));               // values 2w (low nibble) and 2w + 1
     lo = __fmul_rn(__fmul_rn(e2m1_times_2m126(byte), E2M1_UNBIAS), scale);
     hi = __fmul_rn(__fmul_rn(e2m1_times_2m126(byte >> 4), E2M1_UNBIAS), scale);
+}
+"""
+
+NVFP4_FMA = r"""
+// ---- weight loader: nvfp4 (kernels/batched/loaders.py) ----
+// e2m1 values as mxfp4's (two a byte along k, the even one in the low nibble; a 4-byte chunk of 8 values at GB_BYTES
+// / DB_BYTES 16), an e4m3fn block scale per 16 values along k (a chunk lies in one block: one byte a chunk), and a
+// float32 global scale per expert and matrix (w13's gate and up rows share theirs). The reference's weight is
+// (value x block scale) x global in float32: the first product exact (2 x 4 significant bits), the second rounded
+// once. So the global scale is applied per weight, after the block scale, never folded into it (block x global would
+// round first and value x that round again: a 1.5 or 3 value would differ in the last bit). The global scales come as
+// the kernels' last argument (scale_geometry's globals, [E] float32); each scale row carries its expert's (one load
+// per row, where the rows are set up), each chunk's scale is the pair (block, global).
+//
+// Widening: the nibble as mxfp4's (value x 2^-126 by bit placement, x 2^126: the e2m1 value, exact); the e4m3 byte
+// through the fp8 path's exact conversion (e4m3x2_to_f32: cvt e4m3 -> f16 -> f32 on the GPU, every e4m3 an f16, its
+// subnormals included; 0x7f / 0xff NaN); then x block scale (exact: at least 0.5 x 2^-9, at most 6 x 448) and x
+// global (the one rounding): bitwise the reference's dequantized float32 weight for every byte, block scale and
+// global. Three FP32 multiplies a value. (value x 2^-126 x (block x 2^119) is exact and would save one, x (global x
+// 2^7) then rounding once -- exact unless the global is above 2^121; a later measurement.)
+typedef unsigned char weight_t;
+#define VALUES_PER_WEIGHT 2
+#define WEIGHT_CHUNK_BYTES(act_bytes) ((act_bytes) / 4)
+#define NV_BLOCK 16
+// scales: uint8 e4m3fn bytes [E, 2I, ceil(H/16)] (w13's gate rows, then its up rows) and [E, H, ceil(I/16)]; globals
+// float32 [E] per matrix
+typedef unsigned char scale_t;
+struct scale_row_t { const scale_t* blocks; float global; };        // a row's block scales and its expert's global
+struct chunk_scale_t { float block, global; };                      // a chunk's
+struct scale_geometry_t { const float* globals; int hidden, inter, hblocks, iblocks; };
+__device__ __forceinline__ scale_geometry_t scale_geometry(int hidden, int inter, const float* globals) {
+    return {globals, hidden, inter, (hidden + NV_BLOCK - 1) / NV_BLOCK, (inter + NV_BLOCK - 1) / NV_BLOCK};
+}
+__device__ __forceinline__ scale_row_t w13_scale_row(const scale_t* s, scale_geometry_t g, int e, int i, bool up) {
+    return {s + ((size_t)e * 2 * g.inter + (up ? g.inter : 0) + i) * (size_t)g.hblocks, __ldg(g.globals + e)};
+}
+__device__ __forceinline__ scale_row_t w2_scale_row(const scale_t* s, scale_geometry_t g, int e, int h) {
+    return {s + ((size_t)e * g.hidden + h) * (size_t)g.iblocks, __ldg(g.globals + e)};
+}
+// e4m3fn byte -> float32, exact (NaN for 0x7f / 0xff)
+__device__ __forceinline__ float e4m3_to_f32(u32 b) {
+    float lo, hi;
+    e4m3x2_to_f32(b & 0xFFu, lo, hi);
+    return lo;
+}
+// a lane past the row's end (ok false) reads block 0's byte (its values are zeros; were that scale NaN, the row's
+// dot product is NaN anyway, as in the reference)
+template <int ACT_BYTES>
+__device__ __forceinline__ chunk_scale_t chunk_scale(const scale_row_t& row, int c, bool ok) {
+    static_assert(NV_BLOCK % (ACT_BYTES / 2) == 0, "a chunk lies in one scale block");
+    return {e4m3_to_f32(__ldg(row.blocks + (ok ? c * (ACT_BYTES / 2) / NV_BLOCK : 0))), row.global};
+}
+""" + E2M1_WIDENING + r"""// value x block scale (exact), x global (the one rounding)
+__device__ __forceinline__ float nvfp4_weight(u32 nibble, const chunk_scale_t& s) {
+    return __fmul_rn(__fmul_rn(__fmul_rn(e2m1_times_2m126(nibble), E2M1_UNBIAS), s.block), s.global);
+}
+template <typename W>
+__device__ __forceinline__ void weight_pair(const W& wv, int w, const chunk_scale_t& scale, float& lo, float& hi) {
+    const u32 byte = word(wv, w / 4) >> (8 * (w % 4));               // values 2w (low nibble) and 2w + 1
+    lo = nvfp4_weight(byte, scale);
+    hi = nvfp4_weight(byte >> 4, scale);
 }
 """
 
@@ -382,5 +459,6 @@ BF16_LOADER = register_loader(Loader(BF16_FORMAT.name, BF16_FMA, BF16_VALUES + R
 BF16_T16_LOADER = register_loader(Loader(BF16_T16.name, None, BF16_VALUES + TILE_ADDRESSING + NO_SCALES))
 FP8_LOADER = register_loader(Loader(FP8_BLOCK128.name, FP8_FMA, FP8_VALUES + ROW_ADDRESSING + BLOCK_SCALES))
 MXFP4_LOADER = register_loader(Loader(MXFP4.name, MXFP4_FMA, None))
+NVFP4_LOADER = register_loader(Loader(NVFP4.name, NVFP4_FMA, None))
 FP8_T16_LOADER = register_loader(Loader(FP8_BLOCK128_T16.name, None, FP8_VALUES + TILE_ADDRESSING + BLOCK_SCALES,
                                         needs={"FP8_LOAD16": 1}))
