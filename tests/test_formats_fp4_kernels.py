@@ -24,7 +24,7 @@ import pytest
 from kernels import batched
 from kernels.batched import fma, loaders
 from kernels.contract import BF16, Dims
-from kernels.formats import MXFP4, Quantized, quantize_weights
+from kernels.formats import MXFP4, NVFP4, Quantized, quantize_weights
 from kernels.formats_fp4 import E2M1_VALUES, E8M0_VALUES
 from kernels.problem import Problem, make_problem
 from kernels.reference import moe_decode
@@ -41,9 +41,10 @@ def _mxfp4(problem: Problem) -> Problem:
     return dataclasses.replace(problem, w13=q13, w2=q2)
 
 
-def _dequantized_bf16(problem: Problem) -> Problem:
-    """The mxfp4 problem with its weights dequantized and stored as bf16 (exact: each is a bf16)."""
-    w13, w2 = (MXFP4.dequantize(getattr(problem, name), name) for name in ("w13", "w2"))
+def _dequantized_bf16(problem: Problem, fmt: Any = MXFP4) -> Problem:
+    """The 4-bit problem with its weights dequantized and stored as bf16 (exact, asserted: mxfp4's always are, nvfp4's
+    with power-of-two global scales)."""
+    w13, w2 = (fmt.dequantize(getattr(problem, name), name) for name in ("w13", "w2"))
     as_bf16 = [w.astype(BF16) for w in (w13, w2)]
     for w, b in zip((w13, w2), as_bf16, strict=True):
         assert np.array_equal(b.astype(np.float32), w)  # the premise: no rounding
@@ -53,21 +54,26 @@ def _dequantized_bf16(problem: Problem) -> Problem:
 # ---------------------------------------------------------------------------------------------------
 # the family and its rules
 # ---------------------------------------------------------------------------------------------------
-def test_the_mxfp4_family_is_the_bf16_family_with_its_loader() -> None:
-    family = batched.family("fma", FMT)
+FOUR_BIT = [(MXFP4, "MXFP4_FMA"), (NVFP4, "NVFP4_FMA")]
+
+
+@pytest.mark.parametrize(("fmt", "loader"), FOUR_BIT, ids=["mxfp4", "nvfp4"])
+def test_the_4bit_family_is_the_bf16_family_with_its_loader(fmt: Any, loader: str) -> None:
+    family = batched.family("fma", fmt.name)
     reference = batched.family("fma", "bf16")
-    assert family.name == f"warp-decode-batched[{FMT}]" and FMT in fma.FMA.families
+    assert family.name == f"warp-decode-batched[{fmt.name}]" and fmt.name in fma.FMA.families
     assert family.source.code == reference.source.code.replace(loaders.loader_for("bf16", "fma"),
-                                                               loaders.MXFP4_FMA)
-    for path in ("mma", "pairs"):  # the tensor-core families have no mxfp4 loader yet
-        with pytest.raises(ValueError, match="no mma loader for weight format 'mxfp4'"):
-            batched.family(path, FMT)
+                                                               getattr(loaders, loader))
+    for path in ("mma", "pairs"):  # the tensor-core families have no 4-bit loader yet
+        with pytest.raises(ValueError, match=f"no mma loader for weight format '{fmt.name}'"):
+            batched.family(path, fmt.name)
 
 
-def test_mxfp4_chunks_are_8_values() -> None:
-    """GB_BYTES 16 by default (8 values, a 4-byte weight load); narrower activation chunks are refused (their
-    weights would be under 4 bytes)."""
-    family = batched.family("fma", FMT)
+@pytest.mark.parametrize("fmt", [MXFP4, NVFP4], ids=["mxfp4", "nvfp4"])
+def test_4bit_chunks_are_8_values(fmt: Any) -> None:
+    """GB_BYTES 16 by default (8 values, a 4-byte weight load, inside one 32- or 16-value scale block); narrower
+    activation chunks are refused (their weights would be under 4 bytes)."""
+    family = batched.family("fma", fmt.name)
     assert family.resolve()["GB_BYTES"] == 16 and family.resolve()["DB_BYTES"] == 16
     assert batched.family("fma", "bf16").resolve()["GB_BYTES"] == 8  # the other formats' defaults stand
     for narrow in (4, 8):

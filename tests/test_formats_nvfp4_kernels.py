@@ -23,13 +23,14 @@ import numpy as np
 import pytest
 
 from kernels import batched
-from kernels.batched import fma, loaders
+from kernels.batched import fma
 from kernels.contract import BF16, Dims
 from kernels.formats import NVFP4, quantize_weights
 from kernels.formats_fp4 import E2M1_VALUES, E4M3_VALUES
 from kernels.problem import Problem, make_problem
 from kernels.reference import moe_decode
 from kernels.shapes import PRESETS, MoEShape
+from tests.test_formats_fp4_kernels import _dequantized_bf16 as dequantized_bf16
 from tests.test_warp_decode_batched import EMULATION_HARNESS, _emulate
 from tests.warp_checks import _assert_matches, _seed, build_emulator, run_emulator, slow_except
 
@@ -48,35 +49,7 @@ def _nvfp4(problem: Problem, pow2_globals: bool = False) -> Problem:
 
 
 def _dequantized_bf16(problem: Problem) -> Problem:
-    """The nvfp4 problem with its weights dequantized and stored as bf16 (exact: asserted)."""
-    w13, w2 = (NVFP4.dequantize(getattr(problem, name), name) for name in ("w13", "w2"))
-    as_bf16 = [w.astype(BF16) for w in (w13, w2)]
-    for w, b in zip((w13, w2), as_bf16, strict=True):
-        assert np.array_equal(b.astype(np.float32), w)  # the premise: no rounding
-    return dataclasses.replace(problem, w13=as_bf16[0], w2=as_bf16[1])
-
-
-# ---------------------------------------------------------------------------------------------------
-# the family and its rules
-# ---------------------------------------------------------------------------------------------------
-def test_the_nvfp4_family_is_the_bf16_family_with_its_loader() -> None:
-    family = batched.family("fma", FMT)
-    reference = batched.family("fma", "bf16")
-    assert family.name == f"warp-decode-batched[{FMT}]" and FMT in fma.FMA.families
-    assert family.source.code == reference.source.code.replace(loaders.loader_for("bf16", "fma"),
-                                                               loaders.NVFP4_FMA)
-    for path in ("mma", "pairs"):  # the tensor-core families have no nvfp4 loader yet
-        with pytest.raises(ValueError, match="no mma loader for weight format 'nvfp4'"):
-            batched.family(path, FMT)
-
-
-def test_nvfp4_chunks_are_8_values() -> None:
-    """GB_BYTES 16 by default (8 values, a 4-byte weight load, inside one 16-value block); narrower refused."""
-    family = batched.family("fma", FMT)
-    assert family.resolve()["GB_BYTES"] == 16 and family.resolve()["DB_BYTES"] == 16
-    for narrow in (4, 8):
-        with pytest.raises(ValueError, match="GB_BYTES must be 16, got"):
-            family.resolve(None, GB_BYTES=narrow)
+    return dequantized_bf16(problem, NVFP4)
 
 
 # ---------------------------------------------------------------------------------------------------
