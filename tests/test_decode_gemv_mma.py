@@ -13,7 +13,7 @@ from kernels.arrays import BF16
 from kernels.compile import offline_report
 from kernels.contract import Dims
 from kernels.decode.gemv import GemvCall, select_path
-from kernels.decode.gemv_mma import GEMV_MMA, SOURCE, resolve_call, row_groups, shared_bytes
+from kernels.decode.gemv_mma import FP8_SOURCE, GEMV_MMA, SOURCE, resolve_call, row_groups, shared_bytes
 from kernels.numerics import bf16_to_f32
 from tests.test_decode_gemv import HARNESS as FMA_HARNESS
 from tests.test_decode_gemv import (
@@ -32,24 +32,30 @@ MODES = {"store": {}, "residual": {"EPILOGUE": 1}, "norm": {"NORM": 1}, "add-nor
          "argmax": {"NORM": 1, "EPILOGUE": 2}, "argmax-logits": {"NORM": 1, "ADD": 1, "EPILOGUE": 3}}
 
 
-def _call(tokens: int, k: int, n: int, modes: dict[str, int]) -> GemvCall:
-    return GemvCall(tokens, k, n, {"FP8": 0, "NORM": 0, "ADD": 0, "EPILOGUE": 0, **modes})
+def _call(tokens: int, k: int, n: int, modes: dict[str, int], fp8: int = 0) -> GemvCall:
+    return GemvCall(tokens, k, n, {"FP8": fp8, "NORM": 0, "ADD": 0, "EPILOGUE": 0, **modes})
 
 
 # ---------------------------------------------------------------------------------------------------
 # Offline compile (NVRTC for sm_90, no GPU)
 # ---------------------------------------------------------------------------------------------------
-QUICK = {("qkv", 64, "add-norm"), ("lm_head", 64, "argmax-logits")}
+QUICK = {(0, "qkv", 64, "add-norm"), (0, "lm_head", 64, "argmax-logits"), (1, "qkv", 64, "add-norm"),
+         (1, "o", 64, "residual")}
 
 
-@pytest.mark.parametrize(("shape", "tokens", "mode"), [
-    pytest.param(shape, tokens, mode, id=f"{shape}-t{tokens}-{mode}",
-                 marks=() if (shape, tokens, mode) in QUICK else pytest.mark.slow)
-    for shape in QWEN3_30B for tokens in (16, 32, 64) for mode in MODES])
-def test_compiles_without_spills(shape: str, tokens: int, mode: str) -> None:
+@pytest.mark.parametrize(("fp8", "shape", "tokens", "mode"), [
+    pytest.param(fp8, shape, tokens, mode, id=f"{'fp8' if fp8 else 'bf16'}-{shape}-t{tokens}-{mode}",
+                 marks=() if (fp8, shape, tokens, mode) in QUICK else pytest.mark.slow)
+    for fp8 in (0, 1) for shape in (("qkv", "o") if fp8 else QWEN3_30B) for tokens in (16, 32, 64)
+    for mode in MODES])
+def test_compiles_without_spills(fp8: int, shape: str, tokens: int, mode: str) -> None:
+    """Each format's compile (fp8-block128: the batched fp8 loader's 16-value loads and byte permutes) at qwen3-30b's
+    shapes: no spills, no stack, shared memory within the SM's."""
     n, k = QWEN3_30B[shape]
-    params = resolve_call(_call(tokens, k, n, MODES[mode]), {})
-    (report,) = offline_report(SOURCE, **params)
+    params = resolve_call(_call(tokens, k, n, MODES[mode], fp8), {})
+    if fp8:
+        assert (params["FP8_LOAD16"], params["FP8_PRMT"]) == (1, 1)
+    (report,) = offline_report(FP8_SOURCE if fp8 else SOURCE, **params)
     assert report.kernel == "decode_gemv_mma"
     assert report.spills == 0 and report.stack_bytes == 0, report
     assert shared_bytes(params, params["NT"]) + report.shared_bytes <= 227 * 1024

@@ -31,7 +31,6 @@ import pytest
 
 from kernels.arrays import BF16
 from kernels.batched.loaders import loader_for
-from kernels.compile import offline_report
 from kernels.contract import Dims
 from kernels.decode.gemv import GemvCall, quantize_matrix, select_path
 from kernels.decode.gemv_mma import (
@@ -57,33 +56,17 @@ from tests.test_decode_gemv import (
     _prologue,
 )
 from tests.test_decode_gemv_mma import HARNESS, MODES, _run, replays_bitwise
+from tests.test_decode_gemv_mma import _call as mma_call
 from tests.warp_checks import build_emulator, run_emulator
 
 
 def _call(tokens: int, k: int, n: int, modes: dict[str, int]) -> GemvCall:
-    return GemvCall(tokens, k, n, {"FP8": 1, "NORM": 0, "ADD": 0, "EPILOGUE": 0, **modes})
+    return mma_call(tokens, k, n, modes, fp8=1)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Offline compile (NVRTC for sm_90, no GPU), the rules and the path
+# The rules and the path (the offline compiles of both formats: tests/test_decode_gemv_mma.py)
 # ---------------------------------------------------------------------------------------------------
-QUICK = {("qkv", 64, "add-norm"), ("o", 64, "residual")}
-
-
-@pytest.mark.parametrize(("shape", "tokens", "mode"), [
-    pytest.param(shape, tokens, mode, id=f"{shape}-t{tokens}-{mode}",
-                 marks=() if (shape, tokens, mode) in QUICK else pytest.mark.slow)
-    for shape in ("qkv", "o") for tokens in (16, 32, 64) for mode in MODES])
-def test_compiles_without_spills(shape: str, tokens: int, mode: str) -> None:
-    n, k = QWEN3_30B[shape]
-    params = resolve_call(_call(tokens, k, n, MODES[mode]), {})
-    assert (params["FP8_LOAD16"], params["FP8_PRMT"]) == (1, 1)
-    (report,) = offline_report(FP8_SOURCE, **params)
-    assert report.kernel == "decode_gemv_mma"
-    assert report.spills == 0 and report.stack_bytes == 0, report
-    assert shared_bytes(params, params["NT"]) + report.shared_bytes <= 227 * 1024
-
-
 def test_the_format_is_the_batched_loader() -> None:
     """One kernel text, two compiles: the sources differ by the loader alone (the batched families' tensor-core
     loader of each format), and the kernel text names no format."""
