@@ -15,12 +15,14 @@ its clamp at 7 about never: a test of the clamps builds its own inputs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from kernels.contract import BF16, check_int, check_xp
+from kernels.formats import Quantized
 from kernels.routing import make_routing, unique_experts
 from kernels.shapes import MoEShape, get_shape
 
@@ -99,12 +101,18 @@ class Problem:
         return self._with_arrays(cupy.asarray)
 
     def _with_arrays(self, convert: Any) -> Problem:
+        def each(arr: Any) -> Any:  # a Quantized weight: each of its arrays (values, scales, a global scale)
+            if not isinstance(arr, Quantized):
+                return convert(arr)
+            return dataclasses.replace(arr, **{name: convert(getattr(arr, name)) for name in
+                                               ("values", "scales", "global_scale") if getattr(arr, name) is not None})
+
         return Problem(
             self.shape,
             self.tokens,
             self.seed,
             self.routing,
-            *(convert(a) for a in self.arrays),
+            *(each(a) for a in self.arrays),
             meta=dict(self.meta),
             b13=None if self.b13 is None else convert(self.b13),
             b2=None if self.b2 is None else convert(self.b2),

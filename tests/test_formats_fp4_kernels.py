@@ -24,7 +24,7 @@ import pytest
 from kernels import batched
 from kernels.batched import fma, loaders
 from kernels.contract import BF16, Dims
-from kernels.formats import MXFP4, NVFP4, Quantized, quantize_weights
+from kernels.formats import MXFP4, NVFP4, quantize_weights
 from kernels.formats_fp4 import E2M1_VALUES, E8M0_VALUES
 from kernels.problem import Problem, make_problem
 from kernels.reference import moe_decode
@@ -250,17 +250,6 @@ def test_emulated_nan_scales_and_bad_ids(rng: np.random.Generator) -> None:
 # ---------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------
-def _on_device(cupy: Any, problem: Problem) -> Problem:
-    def weights(w: Any) -> Any:
-        if isinstance(w, Quantized):
-            return dataclasses.replace(w, values=cupy.asarray(w.values), scales=cupy.asarray(w.scales))
-        return cupy.asarray(w)
-
-    return dataclasses.replace(problem, x=cupy.asarray(problem.x), w13=weights(problem.w13), w2=weights(problem.w2),
-                               topk_ids=cupy.asarray(problem.topk_ids),
-                               topk_weights=cupy.asarray(problem.topk_weights))
-
-
 def _run(cupy: Any, problem: Problem, **knobs: Any) -> np.ndarray:
     """One FMA layer into a NaN-poisoned out (and intermediate)."""
     from tests.warp_checks import _poisoned_out
@@ -295,13 +284,13 @@ def test_gpu_mxfp4_fma(model: Any, tokens: int, routing: Any) -> None:
     shape = get_shape(model)
     shape = shape.with_(experts=min(shape.experts, 16))  # the host quantizes every expert for the reference
     host = _mxfp4(make_problem(shape, tokens, seed=tokens + 7, routing=routing))
-    device = _on_device(cupy, host)
+    device = host.to_cupy()
     first = _run(cupy, device)
     faithful = moe_decode(*host.arrays, mode="warp_decode")
     oracle = moe_decode(*host.arrays, mode="fp64")
     _assert_matches(first, faithful, oracle, f"mxfp4 fma {shape.name} T={tokens}")
     assert np.array_equal(_run(cupy, device).view(np.uint16), first.view(np.uint16))
-    bf16 = _run(cupy, _on_device(cupy, _dequantized_bf16(host)), GB_BYTES=16)
+    bf16 = _run(cupy, _dequantized_bf16(host).to_cupy(), GB_BYTES=16)
     assert np.array_equal(bf16.view(np.uint16), first.view(np.uint16))
     dims = Dims(tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k)
     ws = batched.make_workspace(dims, "fma", FMT)

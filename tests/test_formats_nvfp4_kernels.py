@@ -240,16 +240,6 @@ def test_emulated_nan_scales_inf_global_and_bad_ids(rng: np.random.Generator) ->
 # ---------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------
-def _on_device(cupy: Any, problem: Problem) -> Problem:
-    def weights(w: Any) -> Any:
-        return dataclasses.replace(w, values=cupy.asarray(w.values), scales=cupy.asarray(w.scales),
-                                   global_scale=cupy.asarray(w.global_scale))
-
-    return dataclasses.replace(problem, x=cupy.asarray(problem.x), w13=weights(problem.w13), w2=weights(problem.w2),
-                               topk_ids=cupy.asarray(problem.topk_ids),
-                               topk_weights=cupy.asarray(problem.topk_weights))
-
-
 GPU_CASES = [(model, t, routing) for model in MODELS for t, routing in ((1, "uniform"), (8, "zipf"), (64, "uniform"))]
 GPU_CASES += [(MULTI_SHAPE, 9, "zipf"), ("tiny", 5, "same")]
 
@@ -268,7 +258,7 @@ def test_gpu_nvfp4_fma(model: Any, tokens: int, routing: Any) -> None:
     shape = get_shape(model)
     shape = shape.with_(experts=min(shape.experts, 16))  # the host quantizes every expert for the reference
     host = _nvfp4(make_problem(shape, tokens, seed=tokens + 7, routing=routing))
-    device = _on_device(cupy, host)
+    device = host.to_cupy()
     first = _run(cupy, device)
     faithful = moe_decode(*host.arrays, mode="warp_decode")
     oracle = moe_decode(*host.arrays, mode="fp64")
