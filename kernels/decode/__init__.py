@@ -32,9 +32,9 @@ from kernels.decode.attention import (
 )
 from kernels.decode.gemv import GEMV, GemvWorkspace, dense_gemv, gemv_launch, make_gemv_workspace
 from kernels.decode.gemv_mma import GEMV_MMA
-from kernels.decode.router import ROUTER, RouterWorkspace, fused_router, make_router_workspace
+from kernels.decode.router import ROUTER, RouterWorkspace, fused_router, make_router_workspace, router_stage
 
 __all__ = ["ATTENTION", "GEMV", "GEMV_MMA", "ROPE", "ROUTER", "AttentionWorkspace", "GemvWorkspace", "RouterWorkspace",
            "attention_stage", "decode_attention", "dense_gemv", "fused_router", "gemv_launch",
            "make_attention_workspace", "make_gemv_workspace", "make_router_workspace", "qk_norm_rope_append",
-           "qk_rope_stage", "rope_tables"]
+           "qk_rope_stage", "rope_tables", "router_stage"]

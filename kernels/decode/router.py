@@ -23,6 +23,7 @@ is loaded before ``griddepcontrol.wait``, h after it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -388,18 +389,36 @@ def fused_router(h: Any, w_router: Any, top_k: int, norm_topk_prob: bool = True,
     after a first call). ``knobs``: WARPS, UNROLL, ROWS, PDL (launched programmatically: the first round of router
     weights loads before the wait). Compiled on first use per device; CuPy's current stream, never syncs.
     """
+    launch, topk_ids, topk_weights = _prepare(h, w_router, top_k, norm_topk_prob, topk_ids, topk_weights, workspace,
+                                              norm, moe_in, eps, knobs)
+    launch()
+    return topk_ids, topk_weights
+
+
+def router_stage(h: Any, w_router: Any, top_k: int, norm_topk_prob: bool, topk_ids: Any, topk_weights: Any,
+                 workspace: RouterWorkspace | None = None, *, norm: Any = None, moe_in: Any = None, eps: float = 1e-6,
+                 **knobs: int) -> Callable[[], None]:
+    """:func:`fused_router` into given outputs as a zero-argument launch: checked, resolved and compiled now (the
+    workspace made now when None); the callable only launches (graph-capturable, allocation-free)."""
+    return _prepare(h, w_router, top_k, norm_topk_prob, topk_ids, topk_weights, workspace, norm, moe_in, eps, knobs)[0]
+
+
+def _prepare(h: Any, w_router: Any, top_k: Any, norm_topk_prob: Any, topk_ids: Any, topk_weights: Any,
+             workspace: RouterWorkspace | None, norm: Any, moe_in: Any, eps: Any,
+             knobs: dict[str, int]) -> tuple[Callable[[], None], Any, Any]:
+    """Checks, knobs, outputs (made when None, after every check), workspace and kernel, once: (launch, topk_ids,
+    topk_weights)."""
     tokens, hidden, experts, top_k = check_router_inputs(h, w_router, top_k, norm_topk_prob, topk_ids, topk_weights,
                                                          workspace, norm, moe_in, eps)
     params = {**ROUTER.resolve(Dims(tokens, hidden, 1, experts, top_k), **knobs),
               "NORM": int(norm is not None)}
-    import cupy
-
     check_aligned(h=h, w_router=w_router, **({"norm": norm} if norm is not None else {}),
                   **({"moe_in": moe_in} if moe_in is not None else {}))
-    if topk_ids is None:
-        topk_ids = cupy.empty((tokens, top_k), dtype=np.int32)
-    if topk_weights is None:
-        topk_weights = cupy.empty((tokens, top_k), dtype=np.float32)
+    if topk_ids is None or topk_weights is None:
+        import cupy
+
+        topk_ids = cupy.empty((tokens, top_k), dtype=np.int32) if topk_ids is None else topk_ids
+        topk_weights = cupy.empty((tokens, top_k), dtype=np.float32) if topk_weights is None else topk_weights
     if workspace is None:
         workspace = _cached_workspace(tokens, experts)
     kernel = ROUTER.kernels_for(params)[KERNEL]
@@ -407,9 +426,10 @@ def fused_router(h: Any, w_router: Any, top_k: int, norm_topk_prob: bool = True,
     if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
         kernel.max_dynamic_shared_size_bytes = shared
     i32, null = np.int32, np.uint64(0)
-    launch_ex(kernel, (tokens, row_groups(experts, params)), (32 * params["WARPS"],),
-              (h, w_router, workspace.logits, workspace.tickets, topk_ids, topk_weights,
-               null if norm is None else norm, null if moe_in is None else moe_in, i32(hidden), i32(experts),
-               i32(top_k), i32(bool(norm_topk_prob)), np.float32(eps)),
-              shared_mem=shared, programmatic=bool(params["PDL"]))
-    return topk_ids, topk_weights
+    grid, block = (tokens, row_groups(experts, params)), (32 * params["WARPS"],)
+    args = (h, w_router, workspace.logits, workspace.tickets, topk_ids, topk_weights,
+            null if norm is None else norm, null if moe_in is None else moe_in, i32(hidden), i32(experts),
+            i32(top_k), i32(bool(norm_topk_prob)), np.float32(eps))
+    programmatic = bool(params["PDL"])
+    return (lambda: launch_ex(kernel, grid, block, args, shared_mem=shared, programmatic=programmatic),
+            topk_ids, topk_weights)

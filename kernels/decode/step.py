@@ -156,10 +156,8 @@ def rope_tables(positions: int, head_dim: int, theta: float) -> tuple[np.ndarray
 
 def _router(h: Any, w_router: Any, top_k: int, norm_topk_prob: bool, topk_ids: Any, topk_weights: Any,
             workspace: Any, norm: Any, moe_in: Any, eps: float, pdl: int) -> Callable[[], None]:
-    router = _module("router")
-    return lambda: router.fused_router(h, w_router, top_k, norm_topk_prob, topk_ids=topk_ids,
-                                       topk_weights=topk_weights, workspace=workspace, norm=norm, moe_in=moe_in,
-                                       eps=eps, PDL=pdl)
+    return _module("router").router_stage(h, w_router, top_k, norm_topk_prob, topk_ids, topk_weights, workspace,
+                                          norm=norm, moe_in=moe_in, eps=eps, PDL=pdl)
 
 
 def _make_router_workspace(tokens: int, experts: int) -> Any:
