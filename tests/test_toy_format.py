@@ -70,6 +70,7 @@ __device__ __forceinline__ void weight_pair(const W& wv, int w, float scale, flo
 """ + loaders.FMA_NO_SCALES
 MMA_LOADER = SWAP + r"""
 typedef bf16_t weight_t;
+#define VALUES_PER_WEIGHT 1
 typedef uint4 a_chunk_t;
 typedef uint4 a_load_t;
 #define MMA_HALVES 1

@@ -203,7 +203,8 @@ def test_resolve_validates() -> None:
     # given
     assert [_resolve("mma", Dims(64, 2048, 768, 128, 8), DB_GROUPED=0, **cap)["DB_WARPS"]
             for cap in ({}, {"DB_MAX_REGS": 128})] == [mma.MMA_WIDE_DOWN_WARPS, mma.MMA_DOWN_WARPS]
-    switches = ("MAX_REGS", "PDL", "GROUPED", "FP8_", "WHOLE_RANGES", "RANGE_FLUSH", "PAIRS_INNER", "HOT_", "SHARE")
+    switches = ("MAX_REGS", "PDL", "GROUPED", "FP8_", "FP4_", "WHOLE_RANGES", "RANGE_FLUSH", "PAIRS_INNER", "HOT_",
+                "SHARE")
     for path in batched.FAMILIES:
         family = batched.family(path)
         resolved = family.resolve(dims)

@@ -28,12 +28,18 @@ with one scale per chunk (fp8-block128, mxfp4) declares :data:`FMA_FLOAT_SCALES`
 
 **Tensor-core loader** (``Loader.mma``, for the tensor-core and per-pair families):
 
-* ``weight_t``; ``a_chunk_t`` (a lane's 8 values of an A row), ``a_load_t`` (its load per A row and k block),
-  ``MMA_HALVES`` (chunks per load: a k block is 32 values wide, or 64 with two);
-* ``a_fragment(load, h)``: half ``h`` of a lane's A load as a bf16 m16n8k16 fragment; ``b_fragment<PRE>(chunk)``:
-  a lane's 8 bf16 activations as its B fragment; ``intermediate_value(v)``: what the gate_up writes for ``v``;
+* ``weight_t`` and ``VALUES_PER_WEIGHT``; ``a_chunk_t`` (a lane's 8 values of an A row), ``a_load_t`` (its load per
+  A row and k block), ``MMA_HALVES`` (chunks per load: a k block is 32 values wide times this -- 2 with fp8's
+  16-value loads, 4 with mxfp4's 32-value ones);
+* ``a_fragment(load, h)``: half ``h`` of a lane's A load as a bf16 m16n8k16 fragment -- or, for a format that scales
+  each lane's values before the mma (mxfp4), ``a_fragment(load, h, scale)`` with ``A_SCALE(j, t, row)``, the scale
+  its round loaded for k block ``j``, row tile ``t`` and rows g / g + 8; ``b_fragment<PRE>(chunk)``: a lane's 8 bf16
+  activations as its B fragment; ``intermediate_value(v)``: what the gate_up writes for ``v``;
 * ``w13_gate_offset(i, hidden)``, ``w13_up_offset(gate, i, hidden, inter)``, ``w2_row_offset(h, inter)``: where a
-  row starts inside its expert (values), and ``a_index(idx)``: the 16-byte index of a row's ``idx``-th load;
+  row starts inside its expert (values), and ``a_index(idx)``: the index of a row's ``idx``-th load;
+* ``mma_scale_t`` (one stored scale), ``MMA_SCALE_GEOMETRY(hidden, inter)`` and ``mma_w13_scale_row(s, e, i, up)`` /
+  ``mma_w2_scale_row(s, e, h)``: a row's scales (macros read in the core's row setup; the pointer as given where the
+  format has none);
 * ``ROUND_SCALES(UNROLL, RT)``, ``LOAD_ROUND_SCALES(j, first)``, ``APPLY_ROUND_SCALES(j)``: a round's scales --
   declared, loaded after the A loads of k block ``j``, applied after its mma (macros read in the round's scope) --
   and ``mma_sums(acc, part)``: where the mma accumulate (``acc``, or a scaled format's partial that the apply scales
@@ -41,8 +47,9 @@ with one scale per chunk (fp8-block128, mxfp4) declares :data:`FMA_FLOAT_SCALES`
 * ``FORMAT_WHOLE_ROUNDS``: 1 where unmasked whole rounds pay at every k range (fp8: its widening is most of a
   round), 0 where the family's own choice stands.
 
-Both may read the family's derived macros: ``FP8_LOAD16`` (16 e4m3 values per load: H and I multiples of 16) and
-``FP8_PRMT`` (the e4m3 widening, kernels/device_helpers.py; 3: the intermediate written x 2^8).
+Both may read the family's derived macros: ``FP8_LOAD16`` (16 e4m3 values per load: H and I multiples of 16),
+``FP8_PRMT`` (the e4m3 widening, kernels/device_helpers.py; 3: the intermediate written x 2^8) and ``FP4_HALVES``
+(4-bit loads: :func:`loader_macros`). The 4-bit formats' loaders live in :mod:`kernels.batched.loaders_fp4`.
 """
 
 from __future__ import annotations
@@ -50,7 +57,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernels.formats import BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, MXFP4, NVFP4, WeightFormat, tile_k
+from kernels.formats import (
+    BF16_FORMAT,
+    BF16_T16,
+    FP8_BLOCK128,
+    FP8_BLOCK128_T16,
+    Fp4Format,
+    WeightFormat,
+    tile_k,
+)
 
 
 @dataclass(frozen=True)
@@ -75,20 +90,32 @@ def register_loader(loader: Loader) -> Loader:
 
 
 def loader_macros(dims: Any, values: dict[str, int], fmt: WeightFormat, widening: int) -> None:
-    """The tensor-core loaders' derived macros in ``values``: ``FP8_LOAD16`` (fp8 where H and I are multiples of 16)
-    and ``FP8_PRMT`` (``widening`` on fp8: 2 for the tensor-core pair, 3 for the per-pair pair); ValueError where
+    """The tensor-core loaders' derived macros in ``values``: ``FP8_LOAD16`` (fp8 where H and I are multiples of 16),
+    ``FP8_PRMT`` (``widening`` on fp8: 2 for the tensor-core pair, 3 for the per-pair pair) and ``FP4_HALVES`` (4-bit
+    formats: chunks of 8 values per A load, 4 where H and I are multiples of 32, 2 of 16, else 1); ValueError where
     the dims cannot hold the format's tiles (checked first: it names what the tiles need) or the format needs a
     macro these dims cannot give."""
     width = tile_k(1 if fmt.scaled else 2)
     if fmt.tiled and dims is not None and (dims.hidden % width or dims.intermediate % width):
         raise ValueError(f"{fmt.name} holds {width}-value tiles: H and I must be multiples of {width}, got "
                          f"H = {dims.hidden}, I = {dims.intermediate}")
-    fits16 = dims is None or (dims.hidden % 16 == 0 and dims.intermediate % 16 == 0)
-    values["FP8_LOAD16"] = int(fmt.scaled and fits16)
-    values["FP8_PRMT"] = widening if fmt.scaled else 0
+
+    def fits(k: int) -> bool:
+        return dims is None or (dims.hidden % k == 0 and dims.intermediate % k == 0)
+
+    four_bit = isinstance(fmt, Fp4Format)
+    values["FP8_LOAD16"] = int(fmt.scaled and not four_bit and fits(16))
+    values["FP8_PRMT"] = widening if fmt.scaled and not four_bit else 0
+    values["FP4_HALVES"] = (4 if fits(32) else 2 if fits(16) else 1) if four_bit else 0
     for macro, need in LOADERS[fmt.name].needs.items():
         if values[macro] != need:
             raise ValueError(f"{fmt.name} weights need {macro} {need} (H and I multiples of 16)")
+
+
+def mma_halves(values: dict[str, int]) -> int:
+    """Chunks of 8 values per lane A load (``MMA_HALVES``) under a tensor-core family's resolved macros: a k block is
+    32 values wide times this."""
+    return values.get("FP4_HALVES") or (2 if values.get("FP8_LOAD16") else 1)
 
 
 def loader_for(fmt: WeightFormat | str, kind: str) -> str:
@@ -179,135 +206,13 @@ __device__ __forceinline__ void weight_pair(const W& wv, int w, float scale, flo
 }
 """
 
-E2M1_WIDENING = r"""// the nibble at bits 3..0 of n as value x 2^-126 (float32 bits: sign 31, magnitude 24..22)
-__device__ __forceinline__ float e2m1_times_2m126(u32 n) {
-    return __uint_as_float(((n & 0x7u) << 22) | ((n & 0x8u) << 28));
-}
-#define E2M1_UNBIAS __uint_as_float(0x7e800000u)   // 2^126
-"""
-
-MXFP4_FMA = r"""
-// ---- weight loader: mxfp4 (kernels/batched/loaders.py) ----
-// e2m1 values two a byte along k, the even one in the low nibble (kernels/formats_fp4.py): a weight chunk holds the
-// values of an activation chunk in a quarter of its bytes (GB_BYTES / DB_BYTES 16: 8 values in a 4-byte load), which
-// lie in one 32-value block of the row, so a chunk has one e8m0 scale, 2^(s - 127) (s = 0: 2^-127, a float32
-// subnormal; s = 255: NaN), read as a byte per chunk.
-//
-// Widening: bit tricks, no lookup. A nibble's magnitude bits (e e m) go to float32 bits 24..22 -- the exponent's two
-// low bits and the mantissa's top bit -- and its sign to bit 31: the float is then exactly value x 2^-126 for every
-// code (0.5's code 001 is float32's subnormal 2^-127, as it is e2m1's subnormal); x 2^126 makes it the e2m1 value and
-// x the block scale the weight (both products exact wherever the reference's float32 product is finite and normal,
-// and IEEE's there -- subnormal, infinite, NaN -- exactly as the reference rounds value x scale: the weight is
-// bitwise the reference's dequantized float32, which is a bf16 whenever it is finite and normal). Why not a lookup:
-// a 16-entry table indexed per lane cannot live in registers (no indexed registers), and in constant memory
-// divergent indices serialize; the bit form costs three integer operations and two FP32 multiplies a value,
-// amortized over a tile's pairs. (One multiply by 2^(s - 1) would do for s <= 128 only; the GPU comparison of the
-// widenings, with PRMT lookups, is a later prototype.)
-typedef unsigned char weight_t;
-#define VALUES_PER_WEIGHT 2
-#define WEIGHT_CHUNK_BYTES(act_bytes) ((act_bytes) / 4)
-#define MX_BLOCK 32
-// scales: uint8 [E, 2I, ceil(H/32)] (w13's gate rows, then its up rows) and [E, H, ceil(I/32)]: a row of blocks per
-// weight row
-typedef unsigned char scale_t;
-""" + FMA_FLOAT_SCALES + r"""
-struct scale_geometry_t { int hidden, inter, hblocks, iblocks; };      // the dims, a row's blocks along H and I
-__device__ __forceinline__ scale_geometry_t scale_geometry(int hidden, int inter, const float* globals) {
-    (void)globals;
-    return {hidden, inter, (hidden + MX_BLOCK - 1) / MX_BLOCK, (inter + MX_BLOCK - 1) / MX_BLOCK};
-}
-__device__ __forceinline__ const scale_t* w13_scale_row(const scale_t* s, scale_geometry_t g, int e, int i, bool up) {
-    return s + ((size_t)e * 2 * g.inter + (up ? g.inter : 0) + i) * (size_t)g.hblocks;
-}
-__device__ __forceinline__ const scale_t* w2_scale_row(const scale_t* s, scale_geometry_t g, int e, int h) {
-    return s + ((size_t)e * g.hidden + h) * (size_t)g.iblocks;
-}
-// e8m0 byte -> float32: 2^(s - 127) as the exponent field, 2^-127 (s = 0) as the subnormal 0x00400000, NaN (255)
-__device__ __forceinline__ float e8m0_to_f32(u32 s) {
-    return __uint_as_float((s << 23) | (s == 0u || s == 255u ? 0x00400000u : 0u));
-}
-// a lane past the row's end (ok false) reads block 0's byte (its values are zeros; were that scale NaN, the row's
-// dot product is NaN anyway, as in the reference)
-template <int ACT_BYTES>
-__device__ __forceinline__ float chunk_scale(const scale_t* scales, int c, bool ok) {
-    static_assert(MX_BLOCK % (ACT_BYTES / 2) == 0, "a chunk lies in one scale block");
-    return e8m0_to_f32(__ldg(scales + (ok ? c * (ACT_BYTES / 2) / MX_BLOCK : 0)));
-}
-""" + E2M1_WIDENING + r"""template <typename W>
-__device__ __forceinline__ void weight_pair(const W& wv, int w, float scale, float& lo, float& hi) {
-    const u32 byte = word(wv, w / 4) >> (8 * (w % 4));               // values 2w (low nibble) and 2w + 1
-    lo = __fmul_rn(__fmul_rn(e2m1_times_2m126(byte), E2M1_UNBIAS), scale);
-    hi = __fmul_rn(__fmul_rn(e2m1_times_2m126(byte >> 4), E2M1_UNBIAS), scale);
-}
-"""
-
-NVFP4_FMA = r"""
-// ---- weight loader: nvfp4 (kernels/batched/loaders.py) ----
-// e2m1 values as mxfp4's (two a byte along k, the even one in the low nibble; a 4-byte chunk of 8 values at GB_BYTES
-// / DB_BYTES 16), an e4m3fn block scale per 16 values along k (a chunk lies in one block: one byte a chunk), and a
-// float32 global scale per expert and matrix (w13's gate and up rows share theirs). The reference's weight is
-// (value x block scale) x global in float32: the first product exact (2 x 4 significant bits), the second rounded
-// once. So the global scale is applied per weight, after the block scale, never folded into it (block x global would
-// round first and value x that round again: a 1.5 or 3 value would differ in the last bit). The global scales come as
-// the kernels' last argument (scale_geometry's globals, [E] float32); each scale row carries its expert's (one load
-// per row, where the rows are set up), each chunk's scale is the pair (block, global).
-//
-// Widening: the nibble as mxfp4's (value x 2^-126 by bit placement, x 2^126: the e2m1 value, exact); the e4m3 byte
-// through the fp8 path's exact conversion (e4m3x2_to_f32: cvt e4m3 -> f16 -> f32 on the GPU, every e4m3 an f16, its
-// subnormals included; 0x7f / 0xff NaN); then x block scale (exact: at least 0.5 x 2^-9, at most 6 x 448) and x
-// global (the one rounding): bitwise the reference's dequantized float32 weight for every byte, block scale and
-// global. Three FP32 multiplies a value. (value x 2^-126 x (block x 2^119) is exact and would save one, x (global x
-// 2^7) then rounding once -- exact unless the global is above 2^121; a later measurement.)
-typedef unsigned char weight_t;
-#define VALUES_PER_WEIGHT 2
-#define WEIGHT_CHUNK_BYTES(act_bytes) ((act_bytes) / 4)
-#define NV_BLOCK 16
-// scales: uint8 e4m3fn bytes [E, 2I, ceil(H/16)] (w13's gate rows, then its up rows) and [E, H, ceil(I/16)]; globals
-// float32 [E] per matrix
-typedef unsigned char scale_t;
-struct scale_row_t { const scale_t* blocks; float global; };        // a row's block scales and its expert's global
-struct chunk_scale_t { float block, global; };                      // a chunk's
-struct scale_geometry_t { const float* globals; int hidden, inter, hblocks, iblocks; };
-__device__ __forceinline__ scale_geometry_t scale_geometry(int hidden, int inter, const float* globals) {
-    return {globals, hidden, inter, (hidden + NV_BLOCK - 1) / NV_BLOCK, (inter + NV_BLOCK - 1) / NV_BLOCK};
-}
-__device__ __forceinline__ scale_row_t w13_scale_row(const scale_t* s, scale_geometry_t g, int e, int i, bool up) {
-    return {s + ((size_t)e * 2 * g.inter + (up ? g.inter : 0) + i) * (size_t)g.hblocks, __ldg(g.globals + e)};
-}
-__device__ __forceinline__ scale_row_t w2_scale_row(const scale_t* s, scale_geometry_t g, int e, int h) {
-    return {s + ((size_t)e * g.hidden + h) * (size_t)g.iblocks, __ldg(g.globals + e)};
-}
-// e4m3fn byte -> float32, exact (NaN for 0x7f / 0xff)
-__device__ __forceinline__ float e4m3_to_f32(u32 b) {
-    float lo, hi;
-    e4m3x2_to_f32(b & 0xFFu, lo, hi);
-    return lo;
-}
-// a lane past the row's end (ok false) reads block 0's byte (its values are zeros; were that scale NaN, the row's
-// dot product is NaN anyway, as in the reference)
-template <int ACT_BYTES>
-__device__ __forceinline__ chunk_scale_t chunk_scale(const scale_row_t& row, int c, bool ok) {
-    static_assert(NV_BLOCK % (ACT_BYTES / 2) == 0, "a chunk lies in one scale block");
-    return {e4m3_to_f32(__ldg(row.blocks + (ok ? c * (ACT_BYTES / 2) / NV_BLOCK : 0))), row.global};
-}
-""" + E2M1_WIDENING + r"""// value x block scale (exact), x global (the one rounding)
-__device__ __forceinline__ float nvfp4_weight(u32 nibble, const chunk_scale_t& s) {
-    return __fmul_rn(__fmul_rn(__fmul_rn(e2m1_times_2m126(nibble), E2M1_UNBIAS), s.block), s.global);
-}
-template <typename W>
-__device__ __forceinline__ void weight_pair(const W& wv, int w, const chunk_scale_t& scale, float& lo, float& hi) {
-    const u32 byte = word(wv, w / 4) >> (8 * (w % 4));               // values 2w (low nibble) and 2w + 1
-    lo = nvfp4_weight(byte, scale);
-    hi = nvfp4_weight(byte >> 4, scale);
-}
-"""
-
 # ---------------------------------------------------------------------------------------------------
 # Tensor-core loaders: values, addressing, scales
 # ---------------------------------------------------------------------------------------------------
 BF16_VALUES = r"""
 // ---- weight loader: bf16 values (kernels/batched/loaders.py) ----
 typedef bf16_t weight_t;
+#define VALUES_PER_WEIGHT 1
 typedef uint4 a_chunk_t;
 typedef uint4 a_load_t;
 #define MMA_HALVES 1
@@ -323,6 +228,7 @@ FP8_VALUES = r"""
 // 8 e4m3fn values (8 bytes) per chunk, widened to a bf16 fragment in registers (value x 2^-112, exact; FP8_PRMT 2 / 3
 // leave 2^8 of it to the B fragments); 16 per load with FP8_LOAD16 (64-wide k blocks). Whole rounds at every range.
 typedef unsigned char weight_t;
+#define VALUES_PER_WEIGHT 1
 typedef uint2 a_chunk_t;
 #if FP8_LOAD16
 typedef uint4 a_load_t;
@@ -394,8 +300,25 @@ __device__ __forceinline__ size_t w2_row_offset(int h, int inter) { return tile_
 __device__ __forceinline__ int a_index(int idx) { return idx + (idx / TILE_CHUNKS) * (TILE_LOADS - TILE_CHUNKS); }
 """
 
+BLOCK128_SCALE_ROWS = r"""
+// scale rows: fp8-block128's float32 [E, 2 ceil(I/128), ceil(H/128)] (gate row i's at block row i / 128, up row i's
+// ceil(I/128) after) and [E, ceil(H/128), ceil(I/128)] Macros read in the core's
+// w13_rows / w2_rows, after MMA_SCALE_GEOMETRY declared the blocks along H and I: the expressions the core computed
+// before they moved here, in the same order, so the machine code stays the same.
+typedef float mma_scale_t;
+#define MMA_SCALE_GEOMETRY(hidden, inter)                                                                          \
+    const int hblocks = ((hidden) + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = ((inter) + FP8_BLOCK - 1) / FP8_BLOCK
+#define mma_w13_scale_row(s, e, i, up)                                                                             \
+    scale_row(s, (long long)(e) * 2 * iblocks + ((up) ? iblocks : 0) + (i) / FP8_BLOCK, hblocks)
+#define mma_w2_scale_row(s, e, h) scale_row(s, (long long)(e) * hblocks + (h) / FP8_BLOCK, iblocks)
+"""
+
 NO_SCALES = r"""
-// no scales: the mma accumulate into acc directly
+// no scales: no scale rows (the kernels' scale pointers pass through unread), the mma accumulate into acc directly
+typedef float mma_scale_t;
+#define MMA_SCALE_GEOMETRY(hidden, inter) (void)0
+#define mma_w13_scale_row(s, e, i, up) (s)
+#define mma_w2_scale_row(s, e, h) (s)
 #define ROUND_SCALES(UNROLL, RT) (void)part
 #define LOAD_ROUND_SCALES(j, first) (void)0
 #define APPLY_ROUND_SCALES(j) (void)0
@@ -455,10 +378,15 @@ __device__ __forceinline__ auto mma_sums(float (&acc)[N][4], float (&part)[N][4]
 }
 """
 
-BF16_LOADER = register_loader(Loader(BF16_FORMAT.name, BF16_FMA, BF16_VALUES + ROW_ADDRESSING + NO_SCALES))
-BF16_T16_LOADER = register_loader(Loader(BF16_T16.name, None, BF16_VALUES + TILE_ADDRESSING + NO_SCALES))
-FP8_LOADER = register_loader(Loader(FP8_BLOCK128.name, FP8_FMA, FP8_VALUES + ROW_ADDRESSING + BLOCK_SCALES))
-MXFP4_LOADER = register_loader(Loader(MXFP4.name, MXFP4_FMA, None))
-NVFP4_LOADER = register_loader(Loader(NVFP4.name, NVFP4_FMA, None))
-FP8_T16_LOADER = register_loader(Loader(FP8_BLOCK128_T16.name, None, FP8_VALUES + TILE_ADDRESSING + BLOCK_SCALES,
+
+BF16_LOADER = register_loader(Loader(BF16_FORMAT.name, BF16_FMA,
+                                     BF16_VALUES + ROW_ADDRESSING + NO_SCALES))
+BF16_T16_LOADER = register_loader(Loader(BF16_T16.name, None,
+                                         BF16_VALUES + TILE_ADDRESSING + NO_SCALES))
+FP8_LOADER = register_loader(Loader(FP8_BLOCK128.name, FP8_FMA,
+                                    FP8_VALUES + ROW_ADDRESSING + BLOCK128_SCALE_ROWS + BLOCK_SCALES))
+FP8_T16_LOADER = register_loader(Loader(FP8_BLOCK128_T16.name, None,
+                                        FP8_VALUES + TILE_ADDRESSING + BLOCK128_SCALE_ROWS + BLOCK_SCALES,
                                         needs={"FP8_LOAD16": 1}))
+
+from kernels.batched import loaders_fp4  # noqa: E402,F401 (registers the 4-bit formats' loaders)

@@ -35,14 +35,14 @@ from kernels.batched.common import (
     sample_variants,
     weight_args,
 )
-from kernels.batched.loaders import loader_for, loader_macros
+from kernels.batched.loaders import loader_for, loader_macros, mma_halves
 from kernels.batched.mma_core import CODE as CORE
 from kernels.batched.mma_cuda import CODE, DOWN, DOWN_GROUPED, FAMILY_DEFINES, GATE_UP, SUM_SLOTS
 from kernels.compile import CudaSource, launch_ex
 from kernels.contract import Dims
 from kernels.device_helpers import BATCHED_HELPERS, BLOCK_OUTPUTS, FP8_HELPERS, PDL_HELPERS, WARP_HELPERS
 from kernels.family import Compiled, KernelFamily, Stage
-from kernels.formats import BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, WeightFormat
+from kernels.formats import BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, MXFP4, WeightFormat
 
 SUM_THREADS = 256  # threads of a moe_sum_slots block (its __launch_bounds__), 4 columns each
 KNOBS: dict[str, int] = {
@@ -68,6 +68,7 @@ DERIVED = {  # set by the rules from the format and the dims, not knobs
     "DB_WHOLE_RANGES": 0,  # the bf16 grouped down without a masked round, where its range is whole rounds
     "FP8_LOAD16": 0,  # fp8 loaders: 16 values per load (H and I multiples of 16)
     "FP8_PRMT": 0,  # fp8 loaders: the byte-permute widening with its multiply on B (2)
+    "FP4_HALVES": 0,  # 4-bit loaders: chunks of 8 values per A load (4, 2 or 1: loaders.loader_macros)
 }
 AUTO_KNOBS = ("GB_UNROLL", "DB_WARPS", "DB_UNROLL", "DB_ROW_TILES")
 LIMITS = {
@@ -193,7 +194,7 @@ def range_flush(dims: Dims, values: dict[str, int], fmt: WeightFormat) -> int:
     2-4 % faster (H200, results/sweep-2026-12-02-range-flush-grouped-*.json), else 0."""
     if values["GB_KSPLIT"] == 1:
         return 0
-    block = 8 if values["FP8_LOAD16"] else 4  # chunks per k block (MMA_KB)
+    block = 4 * mma_halves(values)  # chunks per k block (MMA_KB)
     per_range = -(-(dims.hidden // 8) // values["GB_KSPLIT"])
     size = -(-per_range // block) * block
     scale_ok = not fmt.scaled or size % 16 == 0
@@ -221,8 +222,8 @@ def takes_pass_regs(dims: Dims, values: dict[str, int], fmt: WeightFormat, stage
 def auto_row_tiles(dims: Dims, values: dict[str, int], fmt: WeightFormat) -> int:
     """DB_ROW_TILES: 2 on the FP8 grouped down at I >= 1536 with DB_UNROLL >= 2 where T*K >= 2E, else 1. H200
     (results/sweep-2026-12-03-fp8-widening-row-tiles-*.json): qwen3-235b T = 32 / 64 527.5 / 604.0 -> 523.7 / 591.3
-    us."""
-    wide = values["DB_GROUPED"] and wide_fp8(dims, fmt) and values["DB_UNROLL"] >= 2
+    us. 4-bit weights: 1 (two tiles of 128-wide k blocks spill at gpt-oss-120b T = 64)."""
+    wide = values["DB_GROUPED"] and wide_fp8(dims, fmt) and values["DB_UNROLL"] >= 2 and not values["FP4_HALVES"]
     return 2 if wide and experts_average(dims, GROUPED_FROM_PAIRS_PER_EXPERT) else 1
 
 
@@ -240,7 +241,7 @@ def share_unmet(values: dict[str, int], stage: str, share: int) -> str | None:
                 f"{warps}")
     unroll = values[f"{stage}_UNROLL"] if values["HOT_NBLK"] <= 1 else (
         values[f"{stage}_HOT_UNROLL"] or max(1, values[f"{stage}_UNROLL"] // values["HOT_NBLK"]))
-    halves = 2 if values["FP8_LOAD16"] else 1
+    halves = mma_halves(values)
     row_tiles = values["DB_ROW_TILES"] if stage == "DB" else 1
     buffers = warps // 2 * 2 * unroll * halves * row_tiles * 2 * 32 * 16
     if buffers > SHARED_LIMIT:
@@ -273,8 +274,12 @@ def make_rules(fmt: WeightFormat) -> Any:
         auto_caps = {stage for stage in ("GB", "DB") if values[f"{stage}_MAX_REGS"] == -1}
         check_register_caps(values)
         gate_up_unroll_auto, down_unroll_auto = values["GB_UNROLL"] == 0, values["DB_UNROLL"] == 0
-        values["GB_UNROLL"] = values["GB_UNROLL"] or MMA_UNROLL
-        values["DB_UNROLL"] = values["DB_UNROLL"] or (MMA_UNROLL // 2 if values["FP8_LOAD16"] else MMA_UNROLL)
+        halves = mma_halves(values)  # 64- and 128-wide k blocks: fewer in flight (their B fragments' registers)
+        values["GB_UNROLL"] = values["GB_UNROLL"] or (MMA_UNROLL // 2 if halves == 4 else MMA_UNROLL)
+        values["DB_UNROLL"] = values["DB_UNROLL"] or (MMA_UNROLL // 2 if halves > 1 else MMA_UNROLL)
+        if values["FP4_HALVES"] and max(values["GB_SHARE"], values["DB_SHARE"]) > 1:
+            raise ValueError(f"GB_SHARE / DB_SHARE share widened A fragments between warps; {fmt.name}'s fragments are "
+                             "scaled per lane before the mma: they take 0 or 1 (-1: auto)")
         lists.list_rules(dims, values)
         if dims is None:
             values["DB_ROW_TILES"] = values["DB_ROW_TILES"] or 1
@@ -403,4 +408,5 @@ def make_workspace(dims: Dims, params: dict[str, int]) -> Any:
     return allocate(dims, lists=True, pair_out=bool(params["DB_GROUPED"]))
 
 
-MMA = FormatFamilies(make_family, (BF16_FORMAT.name, BF16_T16.name, FP8_BLOCK128.name, FP8_BLOCK128_T16.name))
+MMA = FormatFamilies(make_family, (BF16_FORMAT.name, BF16_T16.name, FP8_BLOCK128.name, FP8_BLOCK128_T16.name,
+                                   MXFP4.name))

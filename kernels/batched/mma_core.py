@@ -25,31 +25,43 @@ CODE = r"""
 """ + MMA_HELPERS + r"""
 #define MMA_KB (4 * MMA_HALVES)                      // chunks of 8 values per k block: 32- or 64-wide
 
-// A tensor-core warp's two A rows of one expert (rows g and g + 8 of its 16) and their block scales along k: w13's
+// A tensor-core warp's two A rows of one expert (rows g and g + 8 of its 16) and their scale rows along k: w13's
 // gate row i and up row i (w13_rows), or w2's rows h_lo and h_hi (w2_rows)
-struct ARows { const a_chunk_t* lo; const a_chunk_t* hi; const float* scale_lo; const float* scale_hi; };
-// A row's pointer in its expert: the loader's offsets (rows, or 16-row tiles), and its scale rows
-__device__ __forceinline__ ARows w13_rows(const weight_t* w13, const float* s13, int e, int i, int hidden, int inter) {
-    const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
+struct ARows { const a_chunk_t* lo; const a_chunk_t* hi; const mma_scale_t* scale_lo; const mma_scale_t* scale_hi; };
+// A row's pointer in its expert: the loader's offsets (rows, or 16-row tiles; in values, VALUES_PER_WEIGHT a stored
+// element), and its scale rows (the loader's)
+__device__ __forceinline__ ARows w13_rows(const weight_t* w13, const mma_scale_t* s13, int e, int i, int hidden,
+                                          int inter) {
+    MMA_SCALE_GEOMETRY(hidden, inter);                               // the loader's: its scale blocks along H and I
     const size_t expert = (size_t)e * 2 * inter * hidden;
     const size_t gate = expert + w13_gate_offset(i, hidden);
     const size_t up = w13_up_offset(gate, i, hidden, inter);
-    return {reinterpret_cast<const a_chunk_t*>(w13 + gate),
-            reinterpret_cast<const a_chunk_t*>(w13 + up),
-            scale_row(s13, (long long)e * 2 * iblocks + i / FP8_BLOCK, hblocks),
-            scale_row(s13, (long long)e * 2 * iblocks + iblocks + i / FP8_BLOCK, hblocks)};
+    return {reinterpret_cast<const a_chunk_t*>(w13 + gate / VALUES_PER_WEIGHT),
+            reinterpret_cast<const a_chunk_t*>(w13 + up / VALUES_PER_WEIGHT),
+            mma_w13_scale_row(s13, e, i, false), mma_w13_scale_row(s13, e, i, true)};
 }
 __device__ __forceinline__ size_t w2_row(int e, int h, int hidden, int inter) {
     return (size_t)e * hidden * inter + w2_row_offset(h, inter);
 }
-__device__ __forceinline__ ARows w2_rows(const weight_t* w2, const float* s2, int e, int h_lo, int h_hi, int hidden,
-                                         int inter) {
-    const int hblocks = (hidden + FP8_BLOCK - 1) / FP8_BLOCK, iblocks = (inter + FP8_BLOCK - 1) / FP8_BLOCK;
-    return {reinterpret_cast<const a_chunk_t*>(w2 + w2_row(e, h_lo, hidden, inter)),
-            reinterpret_cast<const a_chunk_t*>(w2 + w2_row(e, h_hi, hidden, inter)),
-            scale_row(s2, (long long)e * hblocks + h_lo / FP8_BLOCK, iblocks),
-            scale_row(s2, (long long)e * hblocks + h_hi / FP8_BLOCK, iblocks)};
+__device__ __forceinline__ ARows w2_rows(const weight_t* w2, const mma_scale_t* s2, int e, int h_lo, int h_hi,
+                                         int hidden, int inter) {
+    MMA_SCALE_GEOMETRY(hidden, inter);
+    return {reinterpret_cast<const a_chunk_t*>(w2 + w2_row(e, h_lo, hidden, inter) / VALUES_PER_WEIGHT),
+            reinterpret_cast<const a_chunk_t*>(w2 + w2_row(e, h_hi, hidden, inter) / VALUES_PER_WEIGHT),
+            mma_w2_scale_row(s2, e, h_lo), mma_w2_scale_row(s2, e, h_hi)};
 }
+// A format whose A fragments take no scale (bf16; fp8 scales the mma's partials): the core's a_fragment(load, h,
+// scale) is the loader's a_fragment(load, h). A format that scales each lane's A values before the mma (mxfp4) defines
+// A_SCALE(j, t, row) -- the scale of k block j, row tile t, rows g (row 0) or g + 8 (1), loaded by LOAD_ROUND_SCALES
+// -- and its own three-argument a_fragment.
+#ifndef A_SCALE
+#define A_SCALE(j, t, row) 0u
+template <typename L>
+__device__ __forceinline__ uint4 a_fragment(const L& load, int h, u32 scale) {
+    (void)scale;
+    return a_fragment(load, h);
+}
+#endif
 
 // Range r of GB_KSPLIT over `chunks` chunks of 8 values: whole k blocks, ceil(chunks / GB_KSPLIT) rounded up to
 // MMA_KB chunks each (the last ranges may be short or empty); H (and the knobs) alone fix it.
@@ -146,8 +158,9 @@ __device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part
             for (int h = 0; h < MMA_HALVES; ++h)
                 #pragma unroll
                 for (int t = 0; t < RT; ++t) {
-                    shared_a[(((j * MMA_HALVES + h) * RT + t) * 2) * 32 + lane] = a_fragment(lo[i][t], h);
-                    shared_a[(((j * MMA_HALVES + h) * RT + t) * 2 + 1) * 32 + lane] = a_fragment(hi[i][t], h);
+                    const int at = (((j * MMA_HALVES + h) * RT + t) * 2) * 32 + lane;
+                    shared_a[at] = a_fragment(lo[i][t], h, A_SCALE(j, t, 0));
+                    shared_a[at + 32] = a_fragment(hi[i][t], h, A_SCALE(j, t, 1));
                 }
         }
         __syncthreads();  // the group's fragments are in; the other buffer's last readers have passed this barrier
@@ -169,8 +182,8 @@ __device__ __forceinline__ void mma_round(float (&acc)[RT * NB][4], float (&part
                     a_lo = shared_a[at];
                     a_hi = shared_a[at + 32];
                 } else {
-                    a_lo = a_fragment(lo[j][t], h);
-                    a_hi = a_fragment(hi[j][t], h);
+                    a_lo = a_fragment(lo[j][t], h, A_SCALE(j, t, 0));
+                    a_hi = a_fragment(hi[j][t], h, A_SCALE(j, t, 1));
                 }
                 #pragma unroll
                 for (int nb = 0; nb < NB; ++nb) {
@@ -222,8 +235,8 @@ __device__ __forceinline__ void mma_tiles_by_columns(float (&acc)[RT * NB][4], c
 }
 template <int UNROLL, int NB, bool COLS_DEP, int ROUNDS = WHOLE_ROUNDS, bool SHARED = false>
 __device__ __forceinline__ void mma_rows_by_columns(float (&acc)[NB][4], const a_chunk_t* rows_lo,
-                                                    const a_chunk_t* rows_hi, const float* scale_lo,
-                                                    const float* scale_hi, const uint4* const (&cols)[NB],
+                                                    const a_chunk_t* rows_hi, const mma_scale_t* scale_lo,
+                                                    const mma_scale_t* scale_hi, const uint4* const (&cols)[NB],
                                                     int c_begin, int c_end, int q, bool& waited,
                                                     AShare* share = nullptr) {
     const ARows tiles[1] = {{rows_lo, rows_hi, scale_lo, scale_hi}};

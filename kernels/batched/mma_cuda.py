@@ -192,7 +192,7 @@ __device__ __forceinline__ void gate_up_passes(const ARows& rows, const bf16_t* 
 extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
     const bf16_t* __restrict__ x,             // [T, H]
     const weight_t* __restrict__ w13,         // [E, 2I, H]
-    const float* __restrict__ s13,            // scaled formats: [E, 2 ceil(I/128), ceil(H/128)]
+    const mma_scale_t* __restrict__ s13,      // scaled formats: the loader's scale rows
     const int* __restrict__ lists,            // from moe_expert_lists
     bf16_t* __restrict__ intermediate,        // [T, K, I]
     int hidden, int inter, int experts, int top_k, int slots, int n_pairs)
@@ -260,7 +260,7 @@ struct DownLists {
 // adds in the same order.
 __device__ __forceinline__ void down_mma_pairs(const DownLists& m, int e, const int* pairs, int count, int c_begin,
                                                int c_end, const bf16_t* __restrict__ intermediate,
-                                               const weight_t* __restrict__ w2, const float* __restrict__ s2,
+                                               const weight_t* __restrict__ w2, const mma_scale_t* __restrict__ s2,
                                                float* mine, int hidden, int inter, int top_k, int h_lo, int h_hi,
                                                int g, int q, bool& waited) {
     const ARows rows = w2_rows(w2, s2, e, h_lo, h_hi, hidden, inter);
@@ -334,7 +334,7 @@ __device__ __forceinline__ void down_mma_pairs(const DownLists& m, int e, const 
 extern "C" __global__ void DB_BOUNDS moe_down_mma(
     const bf16_t* __restrict__ intermediate,  // [T, K, I]
     const weight_t* __restrict__ w2,          // [E, H, I]
-    const float* __restrict__ s2,             // scaled formats: [E, ceil(H/128), ceil(I/128)]
+    const mma_scale_t* __restrict__ s2,       // scaled formats: the loader's scale rows
     const int* __restrict__ topk_ids,         // [T, K]
     const float* __restrict__ topk_weights,   // [T, K]
     const int* __restrict__ lists,            // from moe_expert_lists
@@ -434,7 +434,7 @@ __device__ __forceinline__ void down_grouped_passes(const ARows (&tiles)[RT], co
 extern "C" __global__ void DB_BOUNDS moe_down_grouped(
     const bf16_t* __restrict__ intermediate,  // [T, K, I]
     const weight_t* __restrict__ w2,          // [E, H, I]
-    const float* __restrict__ s2,             // scaled formats: [E, ceil(H/128), ceil(I/128)]
+    const mma_scale_t* __restrict__ s2,       // scaled formats: the loader's scale rows
     const float* __restrict__ topk_weights,   // [T, K]
     const int* __restrict__ lists,            // from moe_expert_lists (the tile table)
     float* __restrict__ pair_out,             // [T*K, H] FP32: each pair's weighted expert output

@@ -25,7 +25,7 @@ from kernels.compile import CudaSource, launch_ex
 from kernels.contract import Dims
 from kernels.device_helpers import BATCHED_HELPERS, FP8_HELPERS, PDL_HELPERS, WARP_HELPERS
 from kernels.family import Compiled, KernelFamily, Stage
-from kernels.formats import BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, WeightFormat
+from kernels.formats import BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, MXFP4, WeightFormat
 
 GATE_UP, DOWN = "moe_gate_up_pair", "moe_down_token"
 KERNELS = (GATE_UP, DOWN)
@@ -39,7 +39,8 @@ KNOBS: dict[str, int] = {
     # -1 = auto_pairs_inner
     "PDL": 1,  # programmatic dependent launch (sm_90+: device_needs turns it off before)
 }
-DERIVED = {"FP8_LOAD16": 0, "FP8_PRMT": 0}  # as the tensor-core pair's; FP8_PRMT 3: the intermediate written x 2^8
+DERIVED = {"FP8_LOAD16": 0, "FP8_PRMT": 0, "FP4_HALVES": 0}  # as the tensor-core pair's; FP8_PRMT 3: the
+# intermediate written x 2^8
 AUTO_KNOBS = ("GB_KSPLIT", "GB_WARPS", "GB_UNROLL", "DB_UNROLL")
 LIMITS = {"GB_KSPLIT": (0, 8), "GB_WARPS": (0, 32), "GB_UNROLL": (0, 64), "GB_MAX_REGS": (-1, 255),
           "DB_UNROLL": (0, 64), "PAIRS_INNER": (-1, 1), "PDL": (0, 1)}
@@ -177,7 +178,7 @@ __device__ __forceinline__ int2 pair_block(unsigned b, int count, int per) {   /
 extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
     const bf16_t* __restrict__ x,             // [T, H]
     const weight_t* __restrict__ w13,         // [E, 2I, H]
-    const float* __restrict__ s13,            // scaled formats: [E, 2 ceil(I/128), ceil(H/128)]
+    const mma_scale_t* __restrict__ s13,      // scaled formats: the loader's scale rows
     const int* __restrict__ topk_ids,         // [T, K]
     bf16_t* __restrict__ intermediate,        // [T, K, I]
     int hidden, int inter, int experts, int top_k, int pairs)
@@ -264,7 +265,7 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
 extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K <= 16 warps: <= 128 registers
     const bf16_t* __restrict__ intermediate,  // [T, K, I]
     const weight_t* __restrict__ w2,          // [E, H, I]
-    const float* __restrict__ s2,             // scaled formats: [E, ceil(H/128), ceil(I/128)]
+    const mma_scale_t* __restrict__ s2,       // scaled formats: the loader's scale rows
     const int* __restrict__ topk_ids,         // [T, K]
     const float* __restrict__ topk_weights,   // [T, K]
     void* __restrict__ out,                   // [T, H] bf16, or float32 when out_f32
@@ -306,4 +307,5 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K <= 1
     }
 }
 """
-PAIRS = FormatFamilies(make_family, (BF16_FORMAT.name, BF16_T16.name, FP8_BLOCK128.name, FP8_BLOCK128_T16.name))
+PAIRS = FormatFamilies(make_family, (BF16_FORMAT.name, BF16_T16.name, FP8_BLOCK128.name, FP8_BLOCK128_T16.name,
+                                     MXFP4.name))

@@ -1,0 +1,238 @@
+"""The 4-bit formats' device loaders (``mxfp4``, ``nvfp4``: :mod:`kernels.formats_fp4`), registered with the batched
+families as :mod:`kernels.batched.loaders`' others are, whose docstring states the contract they implement.
+
+e2m1 values two a byte along k, the even one in the low nibble; every loader widens them by bit placement, never a
+lookup (why: ``MXFP4_FMA``'s comment). The FMA loaders read mxfp4 and nvfp4; the tensor-core loader (``MXFP4_MMA``, for
+the tensor-core and per-pair families) reads mxfp4, scaling each lane's values before the mma.
+"""
+
+from __future__ import annotations
+
+from kernels.batched.loaders import FMA_FLOAT_SCALES, ROW_ADDRESSING, Loader, register_loader
+from kernels.formats import MXFP4, NVFP4
+
+E2M1_WIDENING = r"""// the nibble at bits 3..0 of n as value x 2^-126 (float32 bits: sign 31, magnitude 24..22)
+__device__ __forceinline__ float e2m1_times_2m126(u32 n) {
+    return __uint_as_float(((n & 0x7u) << 22) | ((n & 0x8u) << 28));
+}
+#define E2M1_UNBIAS __uint_as_float(0x7e800000u)   // 2^126
+"""
+
+MXFP4_FMA = r"""
+// ---- weight loader: mxfp4 (kernels/batched/loaders.py) ----
+// e2m1 values two a byte along k, the even one in the low nibble (kernels/formats_fp4.py): a weight chunk holds the
+// values of an activation chunk in a quarter of its bytes (GB_BYTES / DB_BYTES 16: 8 values in a 4-byte load), which
+// lie in one 32-value block of the row, so a chunk has one e8m0 scale, 2^(s - 127) (s = 0: 2^-127, a float32
+// subnormal; s = 255: NaN), read as a byte per chunk.
+//
+// Widening: bit tricks, no lookup. A nibble's magnitude bits (e e m) go to float32 bits 24..22 -- the exponent's two
+// low bits and the mantissa's top bit -- and its sign to bit 31: the float is then exactly value x 2^-126 for every
+// code (0.5's code 001 is float32's subnormal 2^-127, as it is e2m1's subnormal); x 2^126 makes it the e2m1 value and
+// x the block scale the weight (both products exact wherever the reference's float32 product is finite and normal,
+// and IEEE's there -- subnormal, infinite, NaN -- exactly as the reference rounds value x scale: the weight is
+// bitwise the reference's dequantized float32, which is a bf16 whenever it is finite and normal). Why not a lookup:
+// a 16-entry table indexed per lane cannot live in registers (no indexed registers), and in constant memory
+// divergent indices serialize; the bit form costs three integer operations and two FP32 multiplies a value,
+// amortized over a tile's pairs. (One multiply by 2^(s - 1) would do for s <= 128 only; the GPU comparison of the
+// widenings, with PRMT lookups, is a later prototype.)
+typedef unsigned char weight_t;
+#define VALUES_PER_WEIGHT 2
+#define WEIGHT_CHUNK_BYTES(act_bytes) ((act_bytes) / 4)
+#define MX_BLOCK 32
+// scales: uint8 [E, 2I, ceil(H/32)] (w13's gate rows, then its up rows) and [E, H, ceil(I/32)]: a row of blocks per
+// weight row
+typedef unsigned char scale_t;
+""" + FMA_FLOAT_SCALES + r"""
+struct scale_geometry_t { int hidden, inter, hblocks, iblocks; };      // the dims, a row's blocks along H and I
+__device__ __forceinline__ scale_geometry_t scale_geometry(int hidden, int inter, const float* globals) {
+    (void)globals;
+    return {hidden, inter, (hidden + MX_BLOCK - 1) / MX_BLOCK, (inter + MX_BLOCK - 1) / MX_BLOCK};
+}
+__device__ __forceinline__ const scale_t* w13_scale_row(const scale_t* s, scale_geometry_t g, int e, int i, bool up) {
+    return s + ((size_t)e * 2 * g.inter + (up ? g.inter : 0) + i) * (size_t)g.hblocks;
+}
+__device__ __forceinline__ const scale_t* w2_scale_row(const scale_t* s, scale_geometry_t g, int e, int h) {
+    return s + ((size_t)e * g.hidden + h) * (size_t)g.iblocks;
+}
+// e8m0 byte -> float32: 2^(s - 127) as the exponent field, 2^-127 (s = 0) as the subnormal 0x00400000, NaN (255)
+__device__ __forceinline__ float e8m0_to_f32(u32 s) {
+    return __uint_as_float((s << 23) | (s == 0u || s == 255u ? 0x00400000u : 0u));
+}
+// a lane past the row's end (ok false) reads block 0's byte (its values are zeros; were that scale NaN, the row's
+// dot product is NaN anyway, as in the reference)
+template <int ACT_BYTES>
+__device__ __forceinline__ float chunk_scale(const scale_t* scales, int c, bool ok) {
+    static_assert(MX_BLOCK % (ACT_BYTES / 2) == 0, "a chunk lies in one scale block");
+    return e8m0_to_f32(__ldg(scales + (ok ? c * (ACT_BYTES / 2) / MX_BLOCK : 0)));
+}
+""" + E2M1_WIDENING + r"""template <typename W>
+__device__ __forceinline__ void weight_pair(const W& wv, int w, float scale, float& lo, float& hi) {
+    const u32 byte = word(wv, w / 4) >> (8 * (w % 4));               // values 2w (low nibble) and 2w + 1
+    lo = __fmul_rn(__fmul_rn(e2m1_times_2m126(byte), E2M1_UNBIAS), scale);
+    hi = __fmul_rn(__fmul_rn(e2m1_times_2m126(byte >> 4), E2M1_UNBIAS), scale);
+}
+"""
+
+NVFP4_FMA = r"""
+// ---- weight loader: nvfp4 (kernels/batched/loaders.py) ----
+// e2m1 values as mxfp4's (two a byte along k, the even one in the low nibble; a 4-byte chunk of 8 values at GB_BYTES
+// / DB_BYTES 16), an e4m3fn block scale per 16 values along k (a chunk lies in one block: one byte a chunk), and a
+// float32 global scale per expert and matrix (w13's gate and up rows share theirs). The reference's weight is
+// (value x block scale) x global in float32: the first product exact (2 x 4 significant bits), the second rounded
+// once. So the global scale is applied per weight, after the block scale, never folded into it (block x global would
+// round first and value x that round again: a 1.5 or 3 value would differ in the last bit). The global scales come as
+// the kernels' last argument (scale_geometry's globals, [E] float32); each scale row carries its expert's (one load
+// per row, where the rows are set up), each chunk's scale is the pair (block, global).
+//
+// Widening: the nibble as mxfp4's (value x 2^-126 by bit placement, x 2^126: the e2m1 value, exact); the e4m3 byte
+// through the fp8 path's exact conversion (e4m3x2_to_f32: cvt e4m3 -> f16 -> f32 on the GPU, every e4m3 an f16, its
+// subnormals included; 0x7f / 0xff NaN); then x block scale (exact: at least 0.5 x 2^-9, at most 6 x 448) and x
+// global (the one rounding): bitwise the reference's dequantized float32 weight for every byte, block scale and
+// global. Three FP32 multiplies a value. (value x 2^-126 x (block x 2^119) is exact and would save one, x (global x
+// 2^7) then rounding once -- exact unless the global is above 2^121; a later measurement.)
+typedef unsigned char weight_t;
+#define VALUES_PER_WEIGHT 2
+#define WEIGHT_CHUNK_BYTES(act_bytes) ((act_bytes) / 4)
+#define NV_BLOCK 16
+// scales: uint8 e4m3fn bytes [E, 2I, ceil(H/16)] (w13's gate rows, then its up rows) and [E, H, ceil(I/16)]; globals
+// float32 [E] per matrix
+typedef unsigned char scale_t;
+struct scale_row_t { const scale_t* blocks; float global; };        // a row's block scales and its expert's global
+struct chunk_scale_t { float block, global; };                      // a chunk's
+struct scale_geometry_t { const float* globals; int hidden, inter, hblocks, iblocks; };
+__device__ __forceinline__ scale_geometry_t scale_geometry(int hidden, int inter, const float* globals) {
+    return {globals, hidden, inter, (hidden + NV_BLOCK - 1) / NV_BLOCK, (inter + NV_BLOCK - 1) / NV_BLOCK};
+}
+__device__ __forceinline__ scale_row_t w13_scale_row(const scale_t* s, scale_geometry_t g, int e, int i, bool up) {
+    return {s + ((size_t)e * 2 * g.inter + (up ? g.inter : 0) + i) * (size_t)g.hblocks, __ldg(g.globals + e)};
+}
+__device__ __forceinline__ scale_row_t w2_scale_row(const scale_t* s, scale_geometry_t g, int e, int h) {
+    return {s + ((size_t)e * g.hidden + h) * (size_t)g.iblocks, __ldg(g.globals + e)};
+}
+// e4m3fn byte -> float32, exact (NaN for 0x7f / 0xff)
+__device__ __forceinline__ float e4m3_to_f32(u32 b) {
+    float lo, hi;
+    e4m3x2_to_f32(b & 0xFFu, lo, hi);
+    return lo;
+}
+// a lane past the row's end (ok false) reads block 0's byte (its values are zeros; were that scale NaN, the row's
+// dot product is NaN anyway, as in the reference)
+template <int ACT_BYTES>
+__device__ __forceinline__ chunk_scale_t chunk_scale(const scale_row_t& row, int c, bool ok) {
+    static_assert(NV_BLOCK % (ACT_BYTES / 2) == 0, "a chunk lies in one scale block");
+    return {e4m3_to_f32(__ldg(row.blocks + (ok ? c * (ACT_BYTES / 2) / NV_BLOCK : 0))), row.global};
+}
+""" + E2M1_WIDENING + r"""// value x block scale (exact), x global (the one rounding)
+__device__ __forceinline__ float nvfp4_weight(u32 nibble, const chunk_scale_t& s) {
+    return __fmul_rn(__fmul_rn(__fmul_rn(e2m1_times_2m126(nibble), E2M1_UNBIAS), s.block), s.global);
+}
+template <typename W>
+__device__ __forceinline__ void weight_pair(const W& wv, int w, const chunk_scale_t& scale, float& lo, float& hi) {
+    const u32 byte = word(wv, w / 4) >> (8 * (w % 4));               // values 2w (low nibble) and 2w + 1
+    lo = nvfp4_weight(byte, scale);
+    hi = nvfp4_weight(byte >> 4, scale);
+}
+"""
+
+MXFP4_MMA = r"""
+// ---- weight loader: mxfp4 on tensor cores (kernels/batched/loaders.py) ----
+// e2m1 values two a byte along k (the even one in the low nibble). A lane's A load holds FP4_HALVES chunks of 8 values
+// (4: 16 bytes, where H and I are multiples of 32; 2: 8 bytes, multiples of 16; 1: 4 bytes), which lie in one
+// 32-value scale block of its row: the lane scales its own values before the mma, so each A fragment IS the
+// reference's dequantized weight, e2m1 x 2^(s - 127) -- exact in bf16 wherever that float32 is finite (two
+// significant bits, 2^-128 at the least; an overflow is infinity in both) -- and the mma sums what the bf16
+// tensor-core path sums on the dequantized weights. Nothing is applied after the mma (mma_sums: acc).
+// Widening, per byte (two values): one integer multiply places the low nibble's bits at 9..6 and the high one's at
+// 25..22, a mask keeps both magnitudes (bf16 bits 8..6 and 24..22) and a shifted copy the signs (15, 31): each half is
+// then value x 2^-126 exactly (0.5 is bf16's subnormal 2^-127); two bf16x2 multiplies, exact, make it the value (x
+// 2^126) and the weight (x the scale: 2^(s - 127); s = 0 the subnormal 2^-127, 255 NaN). The tensor cores take
+// subnormal bf16 exactly (notes/diag_mma_subnormals.py).
+typedef unsigned char weight_t;
+#define VALUES_PER_WEIGHT 2
+typedef u32 a_chunk_t;
+#if FP4_HALVES == 4
+typedef uint4 a_load_t;
+#elif FP4_HALVES == 2
+typedef uint2 a_load_t;
+#else
+typedef u32 a_load_t;
+#endif
+#define MMA_HALVES FP4_HALVES
+#define FORMAT_WHOLE_ROUNDS 1
+#define MX_BLOCK 32
+static_assert(FP4_HALVES == 1 || FP4_HALVES == 2 || FP4_HALVES == 4, "FP4_HALVES is 1, 2 or 4");
+__device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
+#ifdef WD_HOST_EMULATION
+    u32 out = 0;
+    for (int half = 0; half < 2; ++half) {  // the float32 product of two bf16s, rounded to bf16 (exact here)
+        const float p = __uint_as_float(((a >> (16 * half)) & 0xFFFFu) << 16)
+                        * __uint_as_float(((b >> (16 * half)) & 0xFFFFu) << 16);
+        out |= (u32)f32_to_bf16(p) << (16 * half);
+    }
+    return out;
+#else
+    u32 out;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out) : "r"(a), "r"(b));
+    return out;
+#endif
+}
+// byte (bits 7..0 of w: two e2m1 values) x the scale in both halves of scale2, as bf16x2
+__device__ __forceinline__ u32 e2m1x2_to_bf16x2(u32 w, u32 scale2) {
+    const u32 v = (w & 0xFFu) * 0x40040u;                            // byte << 6 | byte << 18
+    const u32 bits = (v & 0x01C001C0u) | ((v << 6) & 0x80008000u);  // value x 2^-126, each half
+    return bf16x2_mul(bf16x2_mul(bits, 0x7E807E80u), scale2);        // x 2^126, x the scale
+}
+__device__ __forceinline__ uint4 e2m1x8_to_bf16x8(u32 w, u32 scale2) {
+    return make_uint4(e2m1x2_to_bf16x2(w, scale2), e2m1x2_to_bf16x2(w >> 8, scale2),
+                      e2m1x2_to_bf16x2(w >> 16, scale2), e2m1x2_to_bf16x2(w >> 24, scale2));
+}
+__device__ __forceinline__ uint4 a_fragment(const uint4& v, int h, u32 scale2) {
+    return e2m1x8_to_bf16x8(h == 0 ? v.x : h == 1 ? v.y : h == 2 ? v.z : v.w, scale2);
+}
+__device__ __forceinline__ uint4 a_fragment(const uint2& v, int h, u32 scale2) {
+    return e2m1x8_to_bf16x8(h == 0 ? v.x : v.y, scale2);
+}
+__device__ __forceinline__ uint4 a_fragment(const u32& v, int h, u32 scale2) {
+    (void)h;
+    return e2m1x8_to_bf16x8(v, scale2);
+}
+template <bool PRE_SCALED_B = false>
+__device__ __forceinline__ uint4 b_fragment(const uint4& v) { return v; }
+__device__ __forceinline__ bf16_t intermediate_value(float v) { return f32_to_bf16(v); }  // the one bf16 rounding
+// scale rows: uint8 e8m0 [E, 2I, ceil(H/32)] (gate rows, then up rows) and [E, H, ceil(I/32)]
+typedef unsigned char mma_scale_t;
+#define MMA_SCALE_GEOMETRY(hidden, inter)                                                                          \
+    const int hblocks = ((hidden) + MX_BLOCK - 1) / MX_BLOCK, iblocks = ((inter) + MX_BLOCK - 1) / MX_BLOCK;       \
+    (void)hblocks; (void)iblocks
+#define mma_w13_scale_row(s, e, i, up) ((s) + ((size_t)(e) * 2 * inter + ((up) ? inter : 0) + (i)) * (size_t)hblocks)
+#define mma_w2_scale_row(s, e, h) ((s) + ((size_t)(e) * hidden + (h)) * (size_t)iblocks)
+// e8m0 byte -> 2^(s - 127) as bf16 in both halves (0: the subnormal 2^-127; 255: NaN)
+__device__ __forceinline__ u32 e8m0_bf16x2(u32 s) {
+    const u32 bits = s == 0u ? 0x0040u : s == 255u ? 0x7FC0u : s << 7;
+    return bits | (bits << 16);
+}
+// a round's scales: per k block j, row tile t and rows g / g + 8, the lane's block's (read after the block's A loads;
+// a lane past the range's end reads block 0's: its values are zeros -- were that scale NaN, the row's dot is NaN
+// anyway, as in the reference). A macro read in mma_round's scope (q, CHECKED, c_end, tiles, RT).
+#define ROUND_SCALES(UNROLL, RT) u32 a_scales[UNROLL][RT][2]; (void)part
+#define LOAD_ROUND_SCALES(j, first)                                                                               \
+    do {                                                                                                          \
+        const int c_ = (first) + MMA_HALVES * q;                                                                  \
+        const int block_ = !CHECKED || c_ < c_end ? c_ * 8 / MX_BLOCK : 0;                                        \
+        _Pragma("unroll")                                                                                         \
+        for (int t = 0; t < RT; ++t) {                                                                            \
+            a_scales[j][t][0] = e8m0_bf16x2(__ldg(tiles[t].scale_lo + block_));                                   \
+            a_scales[j][t][1] = e8m0_bf16x2(__ldg(tiles[t].scale_hi + block_));                                   \
+        }                                                                                                         \
+    } while (0)
+#define APPLY_ROUND_SCALES(j) (void)0
+#define A_SCALE(j, t, row) a_scales[j][t][row]
+template <int N>
+__device__ __forceinline__ auto mma_sums(float (&acc)[N][4], float (&part)[N][4]) -> float (&)[N][4] {
+    (void)part;
+    return acc;
+}
+"""
+
+MXFP4_LOADER = register_loader(Loader(MXFP4.name, MXFP4_FMA, MXFP4_MMA + ROW_ADDRESSING))
+NVFP4_LOADER = register_loader(Loader(NVFP4.name, NVFP4_FMA, None))
