@@ -77,7 +77,7 @@ from kernels import warp_decode_cupy as wdc
 from kernels import warp_decode_fp8 as wdf
 from kernels.contract import Dims, array_module, check_inputs
 from kernels.family import Launch
-from kernels.formats import BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, format_of, get_format
+from kernels.formats import BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, MXFP4, NVFP4, format_of, get_format
 from kernels.variants import Variant, get_variant, register
 
 ec = importlib.import_module("kernels.expert_centric_path")
@@ -102,6 +102,11 @@ T16 = BF16_T16.name
 T16_MMA = "cupy:warp-decode-mma-t16"
 T16_MMA_PAIRS = "cupy:warp-decode-mma-pairs-t16"
 T16_MMA_GROUPED = "cupy:warp-decode-mma-grouped-t16"
+MX4, NV4 = MXFP4.name, NVFP4.name
+MX4_BATCHED, NV4_BATCHED = "cupy:warp-decode-batched-mxfp4", "cupy:warp-decode-batched-nvfp4"
+MX4_MMA = "cupy:warp-decode-mma-mxfp4"
+MX4_MMA_PAIRS = "cupy:warp-decode-mma-pairs-mxfp4"
+MX4_MMA_GROUPED = "cupy:warp-decode-mma-grouped-mxfp4"
 # the batch-invariant pair are candidates of the other policies too: the per-pair form, whose pairs sharing an expert
 # read it back to back, led at qwen3-235b T = 2 by the worst case over uniform and Zipf routing, and the grouped path
 # at qwen3-235b T = 4 / 8 / 16 (H200, results/h200-2026-12-02-candidates-*.json)
@@ -115,6 +120,8 @@ FP8_CANDIDATES = (FP8_STRICT, FP8_BATCHED, FP8_MMA, FP8_MMA_PAIRS, FP8_MMA_GROUP
 FP8_T16_CANDIDATES = (FP8_T16_MMA, FP8_T16_MMA_PAIRS, FP8_T16_MMA_GROUPED)
 # bf16-t16 weights: the tensor-core bf16 paths on tiles
 T16_CANDIDATES = (T16_MMA, T16_MMA_PAIRS, T16_MMA_GROUPED)
+# 4-bit weights: mxfp4's FMA, tensor-core and per-pair paths; nvfp4's FMA path (no tensor-core loader reads it yet)
+MX4_CANDIDATES = (MX4_BATCHED, MX4_MMA, MX4_MMA_PAIRS, MX4_MMA_GROUPED)
 BATCHED_PATHS = batched.PATHS  # variant name -> (batched family path, knobs): the batched paths
 FASTEST = "fastest"
 WARP_DECODE = "warp_decode"
@@ -128,11 +135,14 @@ FORMAT_CANDIDATES: dict[str, dict[str, tuple[str, ...]]] = {
     FP8: {FASTEST: FP8_CANDIDATES, WARP_DECODE: FP8_CANDIDATES, BATCH_INVARIANT: (FP8_MMA_PAIRS, FP8_MMA_GROUPED)},
     FP8_T16: {FASTEST: FP8_T16_CANDIDATES, WARP_DECODE: FP8_T16_CANDIDATES,
               BATCH_INVARIANT: (FP8_T16_MMA_PAIRS, FP8_T16_MMA_GROUPED)},
-    T16: {FASTEST: T16_CANDIDATES, WARP_DECODE: T16_CANDIDATES, BATCH_INVARIANT: (T16_MMA_PAIRS, T16_MMA_GROUPED)}}
+    T16: {FASTEST: T16_CANDIDATES, WARP_DECODE: T16_CANDIDATES, BATCH_INVARIANT: (T16_MMA_PAIRS, T16_MMA_GROUPED)},
+    MX4: {FASTEST: MX4_CANDIDATES, WARP_DECODE: MX4_CANDIDATES, BATCH_INVARIANT: (MX4_MMA_PAIRS, MX4_MMA_GROUPED)},
+    NV4: {FASTEST: (NV4_BATCHED,), WARP_DECODE: (NV4_BATCHED,), BATCH_INVARIANT: ()}}
 # the batch-invariant policy's (per-pair, grouped) paths per format: per-pair while pairs are few per expert
 INVARIANT_PATHS: dict[str, tuple[str, str]] = {"bf16": (MMA_PAIRS, MMA_GROUPED), FP8: (FP8_MMA_PAIRS, FP8_MMA_GROUPED),
                                                FP8_T16: (FP8_T16_MMA_PAIRS, FP8_T16_MMA_GROUPED),
-                                               T16: (T16_MMA_PAIRS, T16_MMA_GROUPED)}
+                                               T16: (T16_MMA_PAIRS, T16_MMA_GROUPED),
+                                               MX4: (MX4_MMA_PAIRS, MX4_MMA_GROUPED)}
 # The heuristic's (few pairs, batched, MMA) paths per format, and the strict path any dims can run. FP8: the per-pair
 # tensor-core form where strict would run -- on the H200 it beat strict FP8 at T = 1 / 2 on both qwen3 shapes (30b
 # 18.0 / 27.1 vs 19.2 / 33.0 us, 235b 46.3 / 88.4 vs 53.8 / 104.6: results/h200-2026-12-02-fp8-paths-t1-t2-*.json)
@@ -141,10 +151,15 @@ INVARIANT_PATHS: dict[str, tuple[str, str]] = {"bf16": (MMA_PAIRS, MMA_GROUPED),
 FORMAT_PATHS: dict[str, tuple[str, str, str]] = {"bf16": (STRICT, BATCHED, MMA),
                                                   FP8: (FP8_MMA_PAIRS, FP8_MMA, FP8_MMA),
                                                   FP8_T16: (FP8_T16_MMA_PAIRS, FP8_T16_MMA, FP8_T16_MMA),
-                                                  T16: (T16_MMA_PAIRS, T16_MMA, T16_MMA)}
+                                                  T16: (T16_MMA_PAIRS, T16_MMA, T16_MMA),
+                                                  MX4: (MX4_MMA_PAIRS, MX4_MMA, MX4_MMA),
+                                                  NV4: (NV4_BATCHED, NV4_BATCHED, NV4_BATCHED)}
 # the path that runs any dims, per format; none reads tiles (dims a tiled format's tensor-core paths cannot run -- too
 # many experts for the list kernel, or too many pairs -- raise, naming the row layout, whose strict path runs them)
-FORMAT_STRICT: dict[str, str | None] = {"bf16": STRICT, FP8: FP8_STRICT, FP8_T16: None, T16: None}
+# (4-bit weights, unmeasured: mxfp4 follows FP8's rule -- the per-pair form where strict would run, the tensor-core
+# path elsewhere -- and falls back on its FMA path, which needs no tensor-core limit; nvfp4 has the FMA path alone)
+FORMAT_STRICT: dict[str, str | None] = {"bf16": STRICT, FP8: FP8_STRICT, FP8_T16: None, T16: None, MX4: MX4_BATCHED,
+                                        NV4: NV4_BATCHED}
 ROW_LAYOUT: dict[str, str] = {FP8_T16: FP8, T16: "bf16"}  # a tiled format's row-major counterpart
 TABLE_POINTS = (1, 2, 4, 8, 16, 32, 64)
 TABLE_ROUTINGS = ("uniform", "zipf")  # what tools.dispatch_table measures; the choice is the best worst case
@@ -385,12 +400,17 @@ def heuristic(dims: Dims, policy: str = FASTEST, weight_format: str = "bf16") ->
     check_policy(policy)
     few, batched, mma = FORMAT_PATHS[check_weight_format(weight_format)]
     pairs = dims.tokens * dims.top_k
+    if policy == BATCH_INVARIANT and weight_format not in INVARIANT_PATHS:
+        raise ValueError(f"no batch-invariant path reads {weight_format} weights (the policy needs a format's "
+                         f"tensor-core pair; formats with one: {', '.join(INVARIANT_PATHS)})")
     if policy == BATCH_INVARIANT:  # one numerics either way: per-pair where strict would run (no lists), else grouped
         # (H200, results/h200-2026-12-01-invariant-forms-uniform.json: per-pair 27.5 vs 30.2 us at qwen3-30b T = 1 and
         # 155 vs 167 at qwen3-235b T = 2; from T*K > E/8 the grouped path wins, 68 vs 77 at qwen3-30b T = 4)
         per_pair, grouped = INVARIANT_PATHS[weight_format]
         if pairs <= STRICT_PAIRS_PER_EXPERT * dims.experts and supported(per_pair, dims):
             return per_pair
+        if FORMAT_STRICT[weight_format] in BATCHED_PATHS and not supported(grouped, dims):  # (4-bit: no strict path)
+            get_variant(grouped).resolve(dims)  # the kernels' own reason, a ValueError
         return _runnable(grouped, dims, weight_format)
     few_pairs = dims.tokens == 1 or pairs <= STRICT_PAIRS_PER_EXPERT * dims.experts
     if few_pairs:
@@ -560,4 +580,8 @@ VARIANT_INVARIANT = _auto_variant("cupy:auto-invariant", BATCH_INVARIANT, "auto-
 VARIANT_INVARIANT_FORMATS = {fmt: _auto_variant(f"cupy:auto-invariant-{suffix}", BATCH_INVARIANT,
                                                 f"auto-dispatch, policy batch_invariant, on {fmt} weights: that "
                                                 "format's grouped tensor-core path or its per-pair form", fmt)
-                             for fmt, suffix in ((FP8, "fp8"), (FP8_T16, "fp8-t16"), (T16, "t16"))}
+                             for fmt, suffix in ((FP8, "fp8"), (FP8_T16, "fp8-t16"), (T16, "t16"), (MX4, MX4))}
+VARIANT_FOUR_BIT = {fmt: _auto_variant(f"cupy:auto-{fmt}", FASTEST, f"auto-dispatch on {fmt} weights: its FMA"
+                                       + (", tensor-core and per-pair" if fmt == MX4 else "")
+                                       + " warp decode from the table's entries for the format (or the heuristic)",
+                                       fmt) for fmt in (MX4, NV4)}

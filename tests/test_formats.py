@@ -64,8 +64,8 @@ def test_bench_bytes_follow_the_format() -> None:
 
 
 def test_variants_default_to_bf16() -> None:
-    """Every library variant reads bf16 weights but the FP8 paths, which say so (the bench then gives them fp8
-    copies and counts FP8 bytes)."""
+    """Every library variant reads bf16 weights but the FP8, tiled and 4-bit paths, which say so (the bench then gives
+    them copies in their format and counts that format's bytes)."""
     from kernels.variants import load_builtin
 
     formats = {v.name: v.weight_format for v in load_builtin().values() if not v.prototype}
@@ -76,7 +76,11 @@ def test_variants_default_to_bf16() -> None:
         ["cupy:warp-decode-mma-fp8-t16", "cupy:warp-decode-mma-pairs-fp8-t16", "cupy:warp-decode-mma-grouped-fp8-t16",
          "cupy:auto-fp8-t16", "cupy:auto-invariant-fp8-t16"], "fp8-block128-t16") | dict.fromkeys(
         ["cupy:warp-decode-mma-t16", "cupy:warp-decode-mma-pairs-t16", "cupy:warp-decode-mma-grouped-t16",
-         "cupy:auto-t16", "cupy:auto-invariant-t16"], "bf16-t16")
+         "cupy:auto-t16", "cupy:auto-invariant-t16"], "bf16-t16") | dict.fromkeys(
+        ["cupy:warp-decode-batched-mxfp4", "cupy:warp-decode-mma-mxfp4", "cupy:warp-decode-mma-pairs-mxfp4",
+         "cupy:warp-decode-mma-grouped-mxfp4", "cupy:auto-mxfp4", "cupy:auto-invariant-mxfp4"],
+        "mxfp4") | dict.fromkeys(
+        ["cupy:warp-decode-batched-nvfp4", "cupy:auto-nvfp4"], "nvfp4")
 
 
 class ExpertScaled(WeightFormat):

@@ -30,7 +30,7 @@ from kernels.batched.mma import MMA, grouped_knobs
 from kernels.batched.pairs import PAIRS
 from kernels.contract import BF16, Dims, check_aligned, check_inputs, check_out, require_cupy
 from kernels.family import KernelFamily
-from kernels.formats import BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, Quantized, format_of, get_format
+from kernels.formats import BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, MXFP4, NVFP4, Quantized, format_of, get_format
 from kernels.variants import Variant, register
 
 FAMILIES = {"fma": FMA, "mma": MMA, "pairs": PAIRS}
@@ -112,8 +112,14 @@ VARIANT = _register("cupy:warp-decode-batched", "fma", "bf16", {},
 FP8_VARIANT = _register("cupy:warp-decode-batched-fp8", "fma", FP8_BLOCK128.name, FMA_FP8_KNOBS,
                         "batched warp decode on fp8-block128 weights: e4m3fn chunks widened and scaled in registers",
                         _FMA_GRID)
-_SUFFIX = {"bf16": "", FP8_BLOCK128.name: "-fp8", BF16_T16.name: "-t16", FP8_BLOCK128_T16.name: "-fp8-t16"}
-_ROUNDS = {"bf16": [4, 8], FP8_BLOCK128.name: [2, 4], BF16_T16.name: [4, 8], FP8_BLOCK128_T16.name: [2, 4]}
+FOUR_BIT_VARIANTS = {fmt.name: _register(f"cupy:warp-decode-batched-{fmt.name}", "fma", fmt.name, {},
+                                         f"batched warp decode on {fmt.name} weights: 8 e2m1 values a 4-byte load, "
+                                         "widened and scaled in registers", _FMA_GRID)
+                     for fmt in (MXFP4, NVFP4)}
+_SUFFIX = {"bf16": "", FP8_BLOCK128.name: "-fp8", BF16_T16.name: "-t16", FP8_BLOCK128_T16.name: "-fp8-t16",
+           MXFP4.name: "-mxfp4"}
+_ROUNDS = {"bf16": [4, 8], FP8_BLOCK128.name: [2, 4], BF16_T16.name: [4, 8], FP8_BLOCK128_T16.name: [2, 4],
+           MXFP4.name: [1, 2, 4]}
 for _fmt, _suffix in _SUFFIX.items():
     _rounds = {"GB_UNROLL": _ROUNDS[_fmt], "DB_UNROLL": _ROUNDS[_fmt]}
     _register(f"cupy:warp-decode-mma{_suffix}", "mma", _fmt, {},
