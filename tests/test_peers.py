@@ -47,12 +47,31 @@ def test_cli_rejects_unknown_options() -> None:
 def test_config_selection_by_name_or_index() -> None:
     """--configs names tile configs by name or index (no PyTorch needed), in the order given, each once."""
     from tools.peers.__main__ import select_configs
-    from tools.peers.tile_configs import CONFIGS, W8A8_CONFIGS
+    from tools.peers.tile_configs import CONFIGS, W4A16_CONFIGS, W8A8_CONFIGS
 
     assert select_configs("triton:fused-moe", None) == list(range(len(CONFIGS)))
     assert select_configs("triton:fused-moe-w8a8", f"{W8A8_CONFIGS[1].name}, 0,1") == [1, 0]
     with pytest.raises(ValueError, match="known: M16-N64-K128-G1-w4-s3"):
         select_configs("triton:fused-moe", "M16")
+    assert select_configs("triton:fused-moe-w4a16", None) == list(range(len(W4A16_CONFIGS)))
+    assert select_configs("triton:fused-moe-w4a16", f"2,{W4A16_CONFIGS[0].name}") == [2, 0]
+    with pytest.raises(ValueError, match="triton:fused-moe-w4a16 has no tile config '7'"):
+        select_configs("triton:fused-moe-w4a16", "7")
+
+
+def test_w4a16_peer_names_its_format_configs_and_table_keys() -> None:
+    """The W4A16 peer reads mxfp4; its tile configs step k by whole 32-value scale groups, decode-sized (BLOCK_M 16)
+    and larger; its tuned entries are its own (``-w4a16``). No PyTorch needed."""
+    import tools.peers as peers
+    from tools.peers.tile_configs import W4A16_CONFIGS
+
+    assert peers.PEERS[peers.PEER_W4A16] == "mxfp4" and peers.configs(peers.PEER_W4A16) is W4A16_CONFIGS
+    assert all(c.block_k % 32 == 0 for c in W4A16_CONFIGS)
+    assert {c.block_m for c in W4A16_CONFIGS} >= {16, 64}
+    assert len({c.name for c in W4A16_CONFIGS}) == len(W4A16_CONFIGS)
+    dims = Dims(4, 2048, 768, 128, 8)
+    keys = {peers.shape_key(dims, peer) for peer in peers.PEERS}
+    assert keys == {"2048x768x128x8", "2048x768x128x8-w8a8", "2048x768x128x8-w4a16"}
 
 
 CASES = [("tiny", 3, "uniform"), ("tiny", 5, "zipf"), (MoEShape("odd", 40, 24, 3, 2), 4, "same")]
@@ -324,6 +343,26 @@ def test_gpu_w8a8_peer_through_the_harness(tmp_path: Path) -> None:
     assert len(tuned) == 2
 
 
+@pytest.mark.gpu
+@needs_peers
+def test_gpu_w4a16_peer_through_the_harness(tmp_path: Path) -> None:
+    """--weight-format mxfp4: every W4A16 config benched on mxfp4 copies of the weights and checked against
+    ``reference.moe_decode(mode="classical", weight_format="mxfp4")`` like a lab path; the tuned row recorded."""
+    path = tmp_path / "peers-w4a16.json"
+    done = _run("--weight-format", "mxfp4", "--model", "tiny", "--batch", "1,5", "--repeats", "3", "--json", str(path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    import json
+
+    from tools.peers.tile_configs import W4A16_CONFIGS
+
+    data = json.loads(path.read_text())
+    rows = [r for r in data["results"] if r["variant"].startswith("triton:fused-moe-w4a16[")]
+    assert len(rows) == 2 * len(W4A16_CONFIGS) and all(r["status"] == "ok" and r["check"]["ok"] for r in rows), rows
+    assert all(r["bytes"]["weight_format"] == "mxfp4" and r.get("quant") is None for r in rows)
+    tuned = [r for r in data["results"] if r["variant"] == "triton:fused-moe-w4a16"]
+    assert len(tuned) == 2 and all(r["tuned_from"].startswith("triton:fused-moe-w4a16[") for r in tuned)
+
+
 def test_tuned_config_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import tools.peers as peers
 
@@ -336,3 +375,6 @@ def test_tuned_config_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert peers.tuned_config(Dims(13, 2048, 768, 128, 8), "some-gpu") == 5
     assert peers.tuned_config(Dims(1, 4096, 1536, 128, 8), "some-gpu") == 0  # another shape
     assert peers.tuned_config(dims, "some-gpu", peers.PEER_W8A8) == 0  # the W8A8 peer: its own entries
+    (tmp_path / "some-gpu.json").write_text('{"2048x768x128x8": {"1": 2}, "2048x768x128x8-w4a16": {"1": 3}}')
+    assert peers.tuned_config(dims, "some-gpu", peers.PEER_W4A16) == 3  # the W4A16 peer: likewise
+    assert peers.tuned_config(dims, "some-gpu") == 2
