@@ -77,6 +77,8 @@ def files(tmp_path: Path) -> dict[str, str]:
         ("tools.peers.__main__", ["--configs", "M99"], "--configs: triton:fused-moe has no tile config 'M99'"),
         ("tools.peers.__main__", ["--weight-format", "fp8-block128", "--configs", "0,5"],
          "--configs: triton:fused-moe-w8a8 has no tile config '5'"),
+        ("tools.peers.__main__", ["--weight-format", "mxfp4", "--configs", "0,7"],
+         "--configs: triton:fused-moe-w4a16 has no tile config '7'"),
         ("tools.peers.__main__", ["--configs", "0", "--tune"], "--tune picks the fastest of every tile config"),
         ("tools.report", [], "the following arguments are required: JSON"),
         ("tools.report", ["{missing}"], "cannot read"),

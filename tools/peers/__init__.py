@@ -2,8 +2,10 @@
 
 An optional extra (``pip install ".[peers]"``: PyTorch and Triton); the lab itself stays PyTorch-free. Importing
 this package registers ``triton:fused-moe`` (:mod:`tools.peers.triton_fused_moe`, the fused-MoE design of vLLM and
-SGLang, written here) and ``triton:fused-moe-w8a8`` (the same design on fp8-block128 weights with both activation
-quantizations: what serving engines run on FP8 checkpoints) when torch, triton and a CUDA device are present;
+SGLang, written here), ``triton:fused-moe-w8a8`` (the same design on fp8-block128 weights with both activation
+quantizations: what serving engines run on FP8 checkpoints) and ``triton:fused-moe-w4a16`` (the same design on mxfp4
+weights widened to bf16 in registers, bf16 activations: what they run on MXFP4 checkpoints on Hopper) when torch,
+triton and a CUDA device are present;
 otherwise it registers nothing and :data:`WHY_NOT` says why in one sentence ("the peers need ..."). Their knob
 ``CONFIG`` indexes the peer's tile configs (:data:`PEERS`); -1 (the default) takes the tile config
 ``python -m tools.peers --tune`` measured fastest for the shape and the nearest batch
@@ -21,8 +23,12 @@ from kernels.contract import Dims
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 PEER = "triton:fused-moe"
 PEER_W8A8 = "triton:fused-moe-w8a8"
-# peer -> the weight format it reads (its tile configs: tools.peers.tile_configs.CONFIGS / W8A8_CONFIGS)
-PEERS = {PEER: "bf16", PEER_W8A8: "fp8-block128"}
+PEER_W4A16 = "triton:fused-moe-w4a16"
+# peer -> the weight format it reads (its tile configs: tools.peers.tile_configs.CONFIGS / W8A8_CONFIGS /
+# W4A16_CONFIGS)
+PEERS = {PEER: "bf16", PEER_W8A8: "fp8-block128", PEER_W4A16: "mxfp4"}
+# the tuned table's key suffix of each quantized peer's entries (the bf16 peer's have none)
+KEY_SUFFIX = {PEER_W8A8: "-w8a8", PEER_W4A16: "-w4a16"}
 
 
 def _why_not() -> str | None:
@@ -47,15 +53,16 @@ def tuned_path(gpu: str) -> Path:
 
 
 def shape_key(dims: Dims, peer: str = PEER) -> str:
-    """How the tuned table names a shape (``HxIxExK``; the W8A8 peer's entries end in ``-w8a8``)."""
-    return f"{dims.hidden}x{dims.intermediate}x{dims.experts}x{dims.top_k}" + ("-w8a8" if peer == PEER_W8A8 else "")
+    """How the tuned table names a shape (``HxIxExK``; the W8A8 / W4A16 peers' entries end in ``-w8a8`` /
+    ``-w4a16``)."""
+    return f"{dims.hidden}x{dims.intermediate}x{dims.experts}x{dims.top_k}" + KEY_SUFFIX.get(peer, "")
 
 
 def configs(peer: str = PEER) -> tuple[Any, ...]:
     """The tile configs ``peer`` is tuned over."""
-    from tools.peers.tile_configs import CONFIGS, W8A8_CONFIGS
+    from tools.peers.tile_configs import CONFIGS, W4A16_CONFIGS, W8A8_CONFIGS
 
-    return W8A8_CONFIGS if peer == PEER_W8A8 else CONFIGS
+    return {PEER_W8A8: W8A8_CONFIGS, PEER_W4A16: W4A16_CONFIGS}.get(peer, CONFIGS)
 
 
 def tuned_config(dims: Dims, gpu: str, peer: str = PEER) -> int:
@@ -93,7 +100,8 @@ def _register() -> None:
             if isinstance(CONFIG, bool) or not isinstance(CONFIG, int) or not -1 <= CONFIG < len(tiles):
                 raise ValueError(f"CONFIG must be -1 (tuned) or 0..{len(tiles) - 1}, got {CONFIG!r}")
             index = tuned_config(dims, current_gpu(), peer) if CONFIG == -1 else CONFIG
-            return launch_of(FusedMoE(dims, tiles[index], w8a8=peer == PEER_W8A8), index, tiles[index].name)
+            layer = FusedMoE(dims, tiles[index], w8a8=peer == PEER_W8A8, w4a16=peer == PEER_W4A16)
+            return launch_of(layer, index, tiles[index].name)
 
         return build
 
@@ -130,6 +138,13 @@ def _register() -> None:
         grid={"CONFIG": list(range(len(configs(PEER_W8A8))))},
         description="the serving engines' W8A8 block-FP8 fused-MoE design in Triton, re-implemented here: x and the "
                     "activation quantized per token and 128 channels, e4m3 x e4m3 tensor-core GEMMs",
+    ), prototype=False)
+    register(Variant(
+        name=PEER_W4A16, backend="triton", family="fused-moe-peer", build=make_build(PEER_W4A16),
+        reference_mode="classical", weight_format=PEERS[PEER_W4A16], params={"CONFIG": -1},
+        grid={"CONFIG": list(range(len(configs(PEER_W4A16))))},
+        description="the serving engines' W4A16 fused-MoE design on mxfp4 weights in Triton, re-implemented here: "
+                    "e2m1 x e8m0 widened to bf16 in registers, bf16 activations, bf16 tensor-core GEMMs",
     ), prototype=False)
 
 

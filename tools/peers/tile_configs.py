@@ -42,3 +42,14 @@ W8A8_CONFIGS: tuple[TileConfig, ...] = (
     TileConfig(32, 64, 128, 1, 4, 4),
     TileConfig(64, 128, 128, 16, 8, 3),
 )
+# The W4A16 tilings (mxfp4 weights): BLOCK_K a multiple of the 32-value scale groups; a tile of packed weights is
+# half the bytes of a bf16 one, so decode-sized M16 tiles with wide N or K, and the larger ones for big batches
+W4A16_CONFIGS: tuple[TileConfig, ...] = (
+    TileConfig(16, 64, 128, 1, 4, 3),
+    TileConfig(16, 128, 128, 1, 4, 3),
+    TileConfig(16, 64, 256, 1, 4, 3),
+    TileConfig(16, 32, 256, 1, 4, 4),
+    TileConfig(32, 64, 128, 1, 4, 4),
+    TileConfig(64, 64, 64, 1, 4, 4),
+    TileConfig(64, 128, 128, 16, 8, 3),
+)

@@ -22,6 +22,13 @@ SiLU*up activation likewise before the down GEMM (fused into ``silu_mul``), each
 scale amax / 448 per group; both GEMMs multiply e4m3 by e4m3 on the tensor cores in 128-wide k blocks and scale each
 block's fp32 partial by the activation's and the weight block's scales: ``reference.moe_decode(mode="classical",
 quant="fp8", weight_format="fp8-block128")`` up to the summation order and the routing weight's place.
+The W4A16 form (``w4a16=True``: mxfp4 weights, what serving engines run on MXFP4 checkpoints on Hopper, whose tensor
+cores have no 4-bit inputs) keeps x and the activation bf16 and widens the weights in registers: each k step loads
+the packed bytes of a [BLOCK_K/2, BLOCK_N] tile (byte j of a row holds k = 2j in its low nibble, 2j + 1 in its high
+one), widens both nibbles to e2m1 values times their 32-group's e8m0 scale (exact: a 2-bit significand times a power
+of two is a bf16), and multiplies them on the tensor cores by x's even and odd k columns, bf16 x bf16 into the fp32
+accumulators: ``reference.moe_decode(mode="classical", weight_format="mxfp4")`` up to the summation order and the
+routing weight's place.
 Every buffer is allocated at build time and every launch goes on CuPy's current stream, so the layer is captured in
 the bench's CUDA graph like the lab's paths.
 """
@@ -37,9 +44,10 @@ import triton
 import triton.language as tl
 
 from kernels.contract import Dims
-from tools.peers.tile_configs import CONFIGS, DEFAULT_CONFIG, W8A8_CONFIGS, TileConfig  # noqa: F401
+from tools.peers.tile_configs import CONFIGS, DEFAULT_CONFIG, W4A16_CONFIGS, W8A8_CONFIGS, TileConfig  # noqa: F401
 
 GROUP = 128  # activation and weight scale blocks along k
+MX_GROUP = 32  # mxfp4's values per e8m0 scale along k
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (the CPU tests)
 
 
@@ -78,6 +86,70 @@ def _quant_rows(src_ptr, q_ptr, scale_ptr, k, groups, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _e2m1(code):
+    """e2m1 codes (int32, 0..15: 3 magnitude bits, bit 3 the sign) -> their values in fp32. The magnitudes 0, 0.5,
+    1, 1.5, 2, 3, 4, 6 of codes 0..7 are three lines, code / 2, code - 2 and 2 code - 8: exact float arithmetic on
+    small integers, where placing the bits in a float's exponent and mantissa would make code 1 (0.5) a subnormal
+    pattern that needs a flush-free multiply to come out right; a few ALU operations a value, beside the memory
+    that decode waits on."""
+    mag = (code & 7).to(tl.float32)
+    v = tl.where(mag < 4.0, mag * 0.5, tl.where(mag < 6.0, mag - 2.0, mag * 2.0 - 8.0))
+    return tl.where((code & 8) != 0, -v, v)
+
+
+@triton.jit
+def _e8m0(s):
+    """e8m0 scale bytes (int32) -> 2^(s - 127) in fp32, by its bits: s << 23 is that float for s in 1..254; s = 0 is
+    the subnormal 2^-127 (bits 0x400000), s = 255 NaN."""
+    bits = tl.where(s == 0, 0x400000, tl.where(s == 255, 0x7FC00000, s << 23))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _widen_mxfp4(packed, s, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A [BLOCK_K/2, BLOCK_N] tile of packed bytes (int32; row j: k = 2j low nibble, 2j + 1 high) and its
+    [BLOCK_K/32, BLOCK_N] scale bytes -> the bf16 weights at the even and the odd k, each value times its 32-group's
+    scale (exact: a 2-bit significand times a power of two), the scale broadcast over the group's 16 bytes."""
+    scale = _e8m0(s)
+    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 16, BLOCK_N)), (BLOCK_K // 2, BLOCK_N))
+    even = (_e2m1(packed & 15) * scale).to(tl.bfloat16)
+    odd = (_e2m1(packed >> 4) * scale).to(tl.bfloat16)
+    return even, odd
+
+
+@triton.jit
+def _mxfp4_k_loop(acc, a_rows, live, w_ptr, w_scale_ptr, offs_n, n, k, stride_wn, stride_wsn, DOT_F32: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``acc`` + A[rows, :k] @ W.T for one expert's mxfp4 W (``w_ptr``: its packed [n, k/2] bytes, ``w_scale_ptr``
+    its [n, ceil(k/32)] e8m0 bytes): per k step, the weight tile widened in registers and two bf16 dots, x's even k
+    columns by the low nibbles, its odd ones by the high. Past k (a partial last tile or scale group) the bytes read
+    as 0 and x as 0."""
+    offs_b = tl.arange(0, BLOCK_K // 2)
+    offs_g = tl.arange(0, BLOCK_K // 32)  # the tile's scale groups (32 values, 16 bytes each)
+    n_ok = (offs_n < n)[None, :]
+    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
+    s_cols = w_scale_ptr + offs_n.to(tl.int64)[None, :] * stride_wsn
+    for k0 in range(0, tl.cdiv(k, BLOCK_K)):
+        kb = k0 * (BLOCK_K // 2) + offs_b  # byte index along the row: k = 2 kb and 2 kb + 1
+        kg = k0 * (BLOCK_K // 32) + offs_g
+        packed = tl.load(w_cols + kb[:, None], mask=(kb[:, None] < k // 2) & n_ok, other=0).to(tl.int32)
+        s = tl.load(s_cols + kg[:, None], mask=(kg[:, None] < tl.cdiv(k, 32)) & n_ok, other=127).to(tl.int32)
+        w_even, w_odd = _widen_mxfp4(packed, s, BLOCK_K, BLOCK_N)
+        # x's even and odd k columns loaded apart: x is BLOCK_M rows, the weight tile the bulk of the bytes, which so
+        # stays one contiguous load and is never interleaved in registers
+        a_mask = live[:, None] & (kb[None, :] < k // 2)
+        a_even = tl.load(a_rows + 2 * kb[None, :], mask=a_mask, other=0.0)
+        a_odd = tl.load(a_rows + 2 * kb[None, :] + 1, mask=a_mask, other=0.0)
+        if DOT_F32:  # Triton's CPU interpreter reads bf16 dot operands as integers: widen them there
+            acc = tl.dot(a_even.to(tl.float32), w_even.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(a_odd.to(tl.float32), w_odd.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a_even, w_even, acc)
+            acc = tl.dot(a_odd, w_odd, acc)
+    return acc
+
+
+@triton.jit
 def _align(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, pairs, experts,
            BLOCK_M: tl.constexpr, PAIRS_P2: tl.constexpr, EXPERTS_P2: tl.constexpr):
     """Program e: expert e's pairs, in pair order, at its padded offset; its blocks' expert id; program 0 the
@@ -110,14 +182,15 @@ def _grouped_gemm(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, total_ptr, 
                   n, k, pairs, top_k, stride_a, stride_we, stride_wn, stride_c,
                   a_scale_ptr, w_scale_ptr, a_groups, stride_wse, stride_wsn, split_n,
                   GATHER_TOKENS: tl.constexpr, MUL_WEIGHT: tl.constexpr, DOT_F32: tl.constexpr,
-                  W8A8: tl.constexpr,
+                  W8A8: tl.constexpr, W4A16: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """C[pair, :] = A[row] @ W[e].T for the sorted pairs of each M block (row = the pair's token when
     GATHER_TOKENS, else the pair), times the pair's routing weight when MUL_WEIGHT; W[e] is [n, k] row-major.
     W8A8: A and W are e4m3 (BLOCK_K = 128); each k block's product is scaled by A's per-row group scale
     (``a_scale`` [rows, a_groups]) and W's block scale (``w_scale`` [E, block rows, ceil(k/128)]): rows below
     ``split_n`` in block row n // 128, the rest (w13's up rows, blocked apart from gate's) in block row
-    ceil(split_n / 128) + (n - split_n) // 128."""
+    ceil(split_n / 128) + (n - split_n) // 128. W4A16: W is mxfp4 (packed bytes [E, n, k/2], e8m0 scales ``w_scale``
+    [E, n, ceil(k/32)]), A bf16: :func:`_mxfp4_k_loop`."""
     pid = tl.program_id(0)
     m_blocks = tl.cdiv(tl.load(total_ptr), BLOCK_M)
     n_blocks = tl.cdiv(n, BLOCK_N)
@@ -144,24 +217,29 @@ def _grouped_gemm(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, total_ptr, 
     a_rows = a_ptr + row.to(tl.int64)[:, None] * stride_a
     w_cols = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(k, BLOCK_K)):
-        kk = k0 * BLOCK_K + offs_k
-        a = tl.load(a_rows + kk[None, :], mask=live[:, None] & (kk[None, :] < k), other=0.0)
-        w = tl.load(w_cols + kk[:, None], mask=(kk[:, None] < k) & (offs_n[None, :] < n), other=0.0)
-        if W8A8:
-            a_scale = tl.load(a_scale_ptr + row.to(tl.int64) * a_groups + k0, mask=live, other=0.0)
-            block_row = tl.where(offs_n < split_n, offs_n // 128, (split_n + 127) // 128 + (offs_n - split_n) // 128)
-            w_scale = tl.load(w_scale_ptr + expert * stride_wse + block_row * stride_wsn + k0, mask=offs_n < n,
-                              other=0.0)
-            if DOT_F32:
-                part = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    if W4A16:
+        acc = _mxfp4_k_loop(acc, a_rows, live, w_ptr + expert * stride_we, w_scale_ptr + expert * stride_wse, offs_n, n,
+                            k, stride_wn, stride_wsn, DOT_F32, BLOCK_K, BLOCK_N)
+    else:
+        for k0 in range(0, tl.cdiv(k, BLOCK_K)):
+            kk = k0 * BLOCK_K + offs_k
+            a = tl.load(a_rows + kk[None, :], mask=live[:, None] & (kk[None, :] < k), other=0.0)
+            w = tl.load(w_cols + kk[:, None], mask=(kk[:, None] < k) & (offs_n[None, :] < n), other=0.0)
+            if W8A8:
+                a_scale = tl.load(a_scale_ptr + row.to(tl.int64) * a_groups + k0, mask=live, other=0.0)
+                block_row = tl.where(offs_n < split_n, offs_n // 128,
+                                     (split_n + 127) // 128 + (offs_n - split_n) // 128)
+                w_scale = tl.load(w_scale_ptr + expert * stride_wse + block_row * stride_wsn + k0, mask=offs_n < n,
+                                  other=0.0)
+                if DOT_F32:
+                    part = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+                else:
+                    part = tl.dot(a, w)
+                acc += part * a_scale[:, None] * w_scale[None, :]
+            elif DOT_F32:  # Triton's CPU interpreter reads bf16 dot operands as integers: widen them there
+                acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
             else:
-                part = tl.dot(a, w)
-            acc += part * a_scale[:, None] * w_scale[None, :]
-        elif DOT_F32:  # Triton's CPU interpreter reads bf16 dot operands as integers: widen them there
-            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
+                acc = tl.dot(a, w, acc)
     if MUL_WEIGHT:
         acc = acc * tl.load(weights_ptr + pair, mask=live, other=0.0)[:, None]
     c = c_ptr + pair.to(tl.int64)[:, None] * stride_c + offs_n[None, :]
@@ -231,14 +309,20 @@ def fp8_view(tensor: torch.Tensor) -> torch.Tensor:
 class FusedMoE:
     """One layer of the design for fixed dims and one tile config: buffers allocated once, launches only. ``w8a8``:
     fp8-block128 weights (``stages`` then takes each weight as its (values, scales) tensors) and the two
-    activation quantizations."""
+    activation quantizations; ``w4a16``: mxfp4 weights (likewise (packed values, e8m0 scales), uint8), bf16
+    activations."""
 
     def __init__(self, dims: Dims, config: TileConfig = DEFAULT_CONFIG, device: str = "cuda",
-                 w8a8: bool = False) -> None:
+                 w8a8: bool = False, w4a16: bool = False) -> None:
+        if w8a8 and w4a16:
+            raise ValueError("w8a8 and w4a16 are two forms of the layer: choose one")
         if w8a8 and config.block_k != GROUP:
             raise ValueError(f"the W8A8 GEMMs step k by the {GROUP}-wide scale blocks: block_k must be {GROUP}, got "
                              f"{config.block_k} ({config.name})")
-        self.dims, self.config, self.w8a8 = dims, config, w8a8
+        if w4a16 and config.block_k % MX_GROUP:
+            raise ValueError(f"the W4A16 GEMMs step k by whole {MX_GROUP}-value scale groups: block_k must be a "
+                             f"multiple of {MX_GROUP}, got {config.block_k} ({config.name})")
+        self.dims, self.config, self.w8a8, self.w4a16 = dims, config, w8a8, w4a16
         pairs = dims.tokens * dims.top_k
         slots = pairs + dims.experts * (config.block_m - 1)
         self.m_blocks = triton.cdiv(slots, config.block_m)
@@ -262,14 +346,18 @@ class FusedMoE:
 
     def stages(self, x: torch.Tensor, w13: Any, w2: Any, ids: torch.Tensor, weights: torch.Tensor,
                out: torch.Tensor) -> list[tuple[str, Any]]:
-        """The layer's launches, named. ``w13`` / ``w2``: bf16 tensors, or with ``w8a8`` (values, scales) pairs."""
+        """The layer's launches, named. ``w13`` / ``w2``: bf16 tensors, or with ``w8a8`` / ``w4a16`` (values, scales)
+        pairs."""
         d, c = self.dims, self.config
         pairs, inter = d.tokens * d.top_k, d.intermediate
-        tiles = dict(DOT_F32=INTERPRETED, W8A8=self.w8a8, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-                     GROUP_M=c.group_m, num_warps=c.num_warps, num_stages=c.num_stages)
+        tiles = dict(DOT_F32=INTERPRETED, W8A8=self.w8a8, W4A16=self.w4a16, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+                     BLOCK_K=c.block_k, GROUP_M=c.group_m, num_warps=c.num_warps, num_stages=c.num_stages)
         if self.w8a8:
             (w13, s13), (w2, s2) = (fp8_view(w13[0]), w13[1]), (fp8_view(w2[0]), w2[1])
             a_gate_up, a_down = self.x_q, self.act
+        elif self.w4a16:  # the packed bytes and their e8m0 scales, both uint8; x and the activation stay bf16
+            (w13, s13), (w2, s2) = w13, w2
+            a_gate_up, a_down = x, self.act
         else:
             s13 = s2 = self.x_scale  # never read
             a_gate_up, a_down = x, self.act
