@@ -66,7 +66,8 @@ PREFERRED_FP8 = {"warp_decode": "cupy:warp-decode-fp8", "classical+fp8": "cupy:e
 # kernel-only rows (source "kernels"): numerics no reference mode spells -- the batch-invariant policy's tensor-core
 # grouped sums (warp decode's roundings in the tensor core's order), per weight format
 KERNEL_ROWS = {"batch_invariant": {"bf16": "cupy:warp-decode-mma-grouped",
-                                   "fp8-block128": "cupy:warp-decode-mma-grouped-fp8"}}
+                                   "fp8-block128": "cupy:warp-decode-mma-grouped-fp8",
+                                   "mxfp4": "cupy:warp-decode-mma-grouped-mxfp4"}}
 DEFAULT_BATCH = (1, 8, 32)
 GPU_SEEDS, CPU_SEEDS = 16, 2
 CPU_EXPERTS = 8  # CPU default: routed experts per model capped at max(8, top_k) (weights cost ~2 s / 100M values)

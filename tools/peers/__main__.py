@@ -11,8 +11,8 @@ config's row is also recorded as ``triton:fused-moe`` (the tuned peer, ``tuned_f
 ``--configs`` runs only the named configs (a quicker comparison where the fastest are known; not with ``--tune``).
 ``--weight-format fp8-block128`` does the same for the W8A8 peer ``triton:fused-moe-w8a8`` (its own tile configs)
 beside the lab's FP8 auto-dispatch on both layouts (``cupy:auto-fp8``, ``cupy:auto-fp8-t16``);
-``--weight-format mxfp4`` for the W4A16 peer ``triton:fused-moe-w4a16`` (its own tile configs), alone unless
-``--lab`` names lab paths to measure beside it (no registered lab path reads mxfp4 yet). Without PyTorch,
+``--weight-format mxfp4`` for the W4A16 peer ``triton:fused-moe-w4a16`` (its own tile configs) beside the lab's
+mxfp4 auto-dispatch (``cupy:auto-mxfp4``). Without PyTorch,
 Triton or a GPU it says so in one line and exits 0 (after checking its arguments: a bad one exits 2).
 """
 
@@ -29,9 +29,9 @@ from kernels.shapes import PRESETS
 from tools import peers, report
 from tools.cli import examples, int_list, positive_int
 
-# what each peer is measured beside: the lab's auto-dispatch for its weights (FP8: both layouts'; mxfp4: none, no
-# registered lab path reads it)
-LAB_DEFAULT = {"bf16": "cupy:auto,cupy:auto-t16", "fp8-block128": "cupy:auto-fp8,cupy:auto-fp8-t16", "mxfp4": ""}
+# what each peer is measured beside: the lab's auto-dispatch for its weights (FP8: both layouts')
+LAB_DEFAULT = {"bf16": "cupy:auto,cupy:auto-t16", "fp8-block128": "cupy:auto-fp8,cupy:auto-fp8-t16",
+               "mxfp4": "cupy:auto-mxfp4"}
 DEFAULT_BATCHES = (1, 8, 16, 32, 64)
 
 
@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
                              "(default %(default)s)")
     parser.add_argument("--lab", default=None, metavar="VARIANT,...",
                         help="lab variants measured beside the peer (default: cupy:auto,cupy:auto-t16; FP8: "
-                             "cupy:auto-fp8,cupy:auto-fp8-t16; mxfp4: none)")
+                             "cupy:auto-fp8,cupy:auto-fp8-t16; mxfp4: cupy:auto-mxfp4)")
     parser.add_argument("--configs", default=None,
                         help="comma list of the peer's tile configs to run, by name (M16-N64-K128-G1-w4-s3) or "
                              "index (default: all; the tuned peer is the fastest of those run)")
