@@ -72,6 +72,9 @@ def moe_decode(
     out: Any = None,
     workspace: Any = None,
     policy: str = "fastest",
+    activation: str = "silu",
+    b13: Any = None,
+    b2: Any = None,
 ) -> Any:
     """The path for (shape, T) on this GPU with the least worst slowdown over uniform and Zipf routing, from the
     committed table measured on this GPU (it cannot see the routing when it picks), else a documented heuristic
@@ -79,7 +82,10 @@ def moe_decode(
     tensor-core MMA) or the expert-centric path; ``policy="warp_decode"``: the warp-decode paths only (warp
     decode's numerics); ``policy="batch_invariant"``: a token's output bitwise the same whatever batch it rides in
     (the tensor-core path's grouped numerics at every T). fp8-block128 weights (``kernels.quantize_weights``) run
-    the FP8 paths, fp8-block128-t16 (bf16-t16) weights the tensor-core FP8 (bf16) paths on tiles. ``workspace``:
-    ``kernels.dispatch.make_workspace(dims, policy=policy, weight_format=...)``. Never syncs inside a graph."""
+    the FP8 paths, fp8-block128-t16 (bf16-t16) weights the tensor-core FP8 (bf16) paths on tiles, mxfp4 / nvfp4
+    weights their 4-bit paths. ``activation`` and the biases ``b13`` / ``b2`` give the model's own layer (gpt-oss's:
+    ``activation="gpt-oss"``), on the batched paths. ``workspace``: ``kernels.dispatch.make_workspace(dims,
+    policy=policy, weight_format=..., activation=..., biases=...)``. Never syncs inside a graph."""
     module = importlib.import_module("kernels.dispatch")
-    return module.moe_decode(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace, policy=policy)
+    return module.moe_decode(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace, policy=policy,
+                             activation=activation, b13=b13, b2=b2)

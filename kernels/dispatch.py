@@ -38,6 +38,13 @@ the tensor-core kernels' limits (too many experts or pairs for the list kernel) 
 batch-invariant policy's variant is ``cupy:auto-invariant`` on bf16 and ``cupy:auto-invariant-fp8``, ``-fp8-t16`` and
 ``-t16`` on the other formats.
 
+mxfp4 weights choose among mxfp4's FMA, tensor-core, per-pair and grouped paths (``cupy:auto-mxfp4``; the
+batch-invariant pair ``cupy:auto-invariant-mxfp4``), nvfp4 weights take their FMA path (``cupy:auto-nvfp4``; no
+batch-invariant path reads them yet); neither has a measured table entry yet, so the heuristic decides
+(:data:`FORMAT_PATHS`). A call with the model's own layer (``activation=``, ``b13=`` / ``b2=``: gpt-oss's) runs where
+the choice is batched and takes the format's FMA path where it is strict or expert-centric (:func:`layer_choice`):
+only the batched families compile a layer.
+
 The choice depends only on the shape (H, I, E, K), T, the GPU and the policy -- never on ``topk_ids``' values -- so
 it never syncs with the host and a captured CUDA graph stays valid for any routing:
 
@@ -75,6 +82,7 @@ from typing import Any
 from kernels import batched
 from kernels import warp_decode_cupy as wdc
 from kernels import warp_decode_fp8 as wdf
+from kernels.activation import CONTRACT_LAYER, ExpertLayer, expert_layer, get_activation
 from kernels.contract import Dims, array_module, check_inputs
 from kernels.family import Launch
 from kernels.formats import BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, MXFP4, NVFP4, format_of, get_format
@@ -467,26 +475,45 @@ class Workspace:
     inner: Any
     policy: str = FASTEST
     weight_format: str = "bf16"
+    layer: ExpertLayer = CONTRACT_LAYER
+
+
+# A layer other than the contract's (gpt-oss's activation, biases) runs on the batched families only: where the
+# choice is strict or expert-centric, the format's FMA path -- strict's numerics, each expert read once.
+LAYER_PATHS: dict[str, str] = {"bf16": BATCHED, FP8: FP8_BATCHED, MX4: MX4_BATCHED, NV4: NV4_BATCHED}
+
+
+def layer_choice(choice: str, weight_format: str, layer: ExpertLayer) -> str:
+    """``choice``, or for a layer other than the contract's a batched path (:data:`LAYER_PATHS`) in its place."""
+    if layer.contract or choice in BATCHED_PATHS:
+        return choice
+    if weight_format not in LAYER_PATHS:
+        raise ValueError(f"no batched path computes {layer.activation.name}'s layer on {weight_format} weights")
+    return LAYER_PATHS[weight_format]
 
 
 def make_workspace(dims: Dims, gpu: str | None = None, policy: str = FASTEST,
-                   table_dir: str | Path = TABLE_DIR, weight_format: str = "bf16") -> Workspace:
-    """Decide the path for ``dims`` under ``policy`` among those reading ``weight_format`` and allocate its
-    workspace (CuPy, current device)."""
+                   table_dir: str | Path = TABLE_DIR, weight_format: str = "bf16", activation: str = "silu",
+                   biases: bool = False) -> Workspace:
+    """Decide the path for ``dims`` under ``policy`` among those reading ``weight_format`` (and computing the layer
+    ``activation`` / ``biases`` ask for: :func:`layer_choice`) and allocate its workspace (CuPy, current device)."""
     weight_format = check_weight_format(weight_format)
+    layer = ExpertLayer(get_activation(activation), bool(biases))
     choice, source = choose(dims, gpu, table_dir, policy, weight_format)
+    choice = layer_choice(choice, weight_format, layer)
     if choice == EXPERT_CENTRIC:
         inner = ec.make_workspace(dims, None)
     elif choice in BATCHED_PATHS:
         path, knobs = BATCHED_PATHS[choice]
-        inner = batched.make_workspace(dims, path, weight_format, **knobs)
+        inner = batched.make_workspace(dims, path, weight_format, layer.activation, layer.bias, **knobs)
     else:
         inner = wdc.make_workspace(dims.tokens, dims.top_k, dims.intermediate)  # strict's [T, K, I] (FP8's too)
-    return Workspace(dims, choice, source, inner, policy, weight_format)
+    return Workspace(dims, choice, source, inner, policy, weight_format, layer)
 
 
 def moe_decode(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any = None,
-               workspace: Workspace | None = None, policy: str = FASTEST) -> Any:
+               workspace: Workspace | None = None, policy: str = FASTEST, activation: str = "silu",
+               b13: Any = None, b2: Any = None) -> Any:
     """One MoE decode layer by the fastest path of ``policy`` for this shape and T; returns ``out`` [T, H].
 
     ``policy="fastest"``: strict, batched, MMA, the invariant pair or expert-centric (the last reproduces
@@ -502,9 +529,12 @@ def moe_decode(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out:
         raise TypeError("x must be a cupy.ndarray (moe_decode runs on the GPU; reference.moe_decode is the host "
                         "version)")
     weight_format = format_of(w13)
-    dims = check_inputs(x, w13, w2, topk_ids, topk_weights, check_values=False, weight_format=weight_format)
+    layer = expert_layer(activation, b13, b2)
+    dims = check_inputs(x, w13, w2, topk_ids, topk_weights, check_values=False, weight_format=weight_format, b13=b13,
+                        b2=b2)
     if workspace is None:
-        workspace = make_workspace(dims, policy=policy, weight_format=weight_format)
+        workspace = make_workspace(dims, policy=policy, weight_format=weight_format, activation=layer.activation,
+                                   biases=layer.bias)
     elif not isinstance(workspace, Workspace):
         raise TypeError(f"workspace must come from kernels.dispatch.make_workspace(), got {type(workspace).__name__}")
     elif workspace.dims != dims:
@@ -515,12 +545,17 @@ def moe_decode(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out:
     elif workspace.weight_format != weight_format:
         raise ValueError(f"workspace was made for {workspace.weight_format} weights, this call passes "
                          f"{weight_format} weights: make it with make_workspace(dims, weight_format={weight_format!r})")
+    elif workspace.layer != layer:
+        raise ValueError(f"workspace was made for the layer {workspace.layer.activation.name!r} "
+                         f"{'with' if workspace.layer.bias else 'without'} biases, this call asks for "
+                         f"{layer.activation.name!r} {'with' if layer.bias else 'without'}: make it with "
+                         f"make_workspace(dims, activation={layer.activation.name!r}, biases={layer.bias})")
     if workspace.choice == EXPERT_CENTRIC:
         return ec.expert_centric(x, w13, w2, topk_ids, topk_weights, quant=None, out=out, workspace=workspace.inner)
     if workspace.choice in BATCHED_PATHS:
         path, knobs = BATCHED_PATHS[workspace.choice]
         return batched.warp_decode_batched(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace.inner,
-                                           path=path, **knobs)
+                                           path=path, activation=layer.activation, b13=b13, b2=b2, **knobs)
     if workspace.choice == FP8_STRICT:
         return wdf.warp_decode_fp8(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace.inner)
     return wdc.warp_decode(x, w13, w2, topk_ids, topk_weights, out=out, workspace=workspace.inner)

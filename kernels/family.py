@@ -43,13 +43,16 @@ class Compiled:
     kernels: dict[str, Any]  # kernel name -> cupy.RawKernel (empty for a family without CUDA C)
     workspace: Any
 
-    def stage_list(self, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> list[Stage]:
+    def stage_list(self, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any,
+                   **layer: Any) -> list[Stage]:
+        """The stages on these arrays; ``layer``: a family's own extra arrays (the batched families' ``b13`` /
+        ``b2`` biases), passed through."""
         if self.family.stages is None:
             raise TypeError(f"kernel family {self.family.name!r} declares no stages")
-        return self.family.stages(self, x, w13, w2, topk_ids, topk_weights, out)
+        return self.family.stages(self, x, w13, w2, topk_ids, topk_weights, out, **layer)
 
-    def run(self, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any) -> None:
-        for _, stage in self.stage_list(x, w13, w2, topk_ids, topk_weights, out):
+    def run(self, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any, **layer: Any) -> None:
+        for _, stage in self.stage_list(x, w13, w2, topk_ids, topk_weights, out, **layer):
             stage()
 
     def launch(self) -> Launch:

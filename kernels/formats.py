@@ -28,7 +28,7 @@ H/2], w2 [E, H, I/2] uint8, layout "rows-e2m1x2") and a scale byte per 32 (e8m0)
 gpt-oss ships MXFP4 experts (e2m1 values two a byte, one e8m0 power-of-two scale per 32 along k):
 :func:`gpt_oss_experts_from_checkpoint` turns one layer's tensors into ``Quantized(values=uint8 [E, rows, k/2],
 scales=uint8 [E, rows, k/32])`` -- the layout of the ``mxfp4`` format -- and the layer's bf16 biases, w13's rows
-interleaved as gpt-oss's activation reads them (:mod:`kernels.activation`).
+(and b13) gathered from the checkpoint's interleaved order into the contract's (:mod:`kernels.activation`).
 
 The weights' own checks are here, beside the formats they consult: :func:`check_weight_dims` (w13 and w2's shapes,
 whatever the format) and :func:`check_weights` (weights about to be converted). ``kernels.contract`` re-exports both
@@ -48,6 +48,7 @@ import ml_dtypes
 import numpy as np
 
 from kernels import formats_fp4 as fp4
+from kernels.activation import deinterleave
 from kernels.arrays import BF16, array_module, check_array
 from kernels.geometry import BLOCK, TILE_ROWS, tile_k
 from kernels.geometry import TILE_ROW_BYTES as TILE_ROW_BYTES  # the geometry's every name, here as before
@@ -773,10 +774,11 @@ def gpt_oss_experts_from_checkpoint(
     ======================  ==================  =====  =========================================================
 
     Returns the lab's mxfp4 (:data:`MXFP4`): ``Quantized(values=uint8 [E, rows, k/2], scales=uint8 [E, rows, k/32])``,
-    two e2m1 a byte, low nibble the even element: the blocks' last two axes merged, bytes unchanged (views where the
-    inputs are C-contiguous) -- and the biases as bf16 [E, 2I] / [E, H]. w13's rows stay as the checkpoint orders them,
-    gate and up interleaved (gate j = row 2j): read them with ``activation="gpt-oss"``
-    (``kernels.reference.moe_decode(..., activation="gpt-oss", b13=b13, b2=b2)``: the format is the lab's mxfp4).
+    two e2m1 a byte, low nibble the even element: the blocks' last two axes merged, bytes unchanged -- and the biases
+    as bf16 [E, 2I] / [E, H]. The checkpoint interleaves gate and up in w13's rows (gate j = row 2j); w13's rows, their
+    scales and b13 come back in the contract's order, gate rows then up rows (``kernels.activation.deinterleave``), as
+    every path reads them: ``kernels.reference.moe_decode(..., activation="gpt-oss", b13=b13, b2=b2)`` or
+    ``kernels.moe_decode(...)`` with the same keywords (the format is the lab's mxfp4).
 
     ValueError / TypeError name the tensor and what was expected: a missing tensor, a dtype, a shape (E, 2I, H and I
     must agree across the six; 2I even), an e8m0 NaN scale (255) or a NaN / inf bias (refused as
@@ -852,8 +854,8 @@ def gpt_oss_experts_from_checkpoint(
             raise ValueError(f"{key!r} must be finite: {int(bad.sum())} NaN/inf values, the first at "
                              f"{[int(i) for i in np.argwhere(bad)[0]]}")
         biases[role] = bias
-    w13 = Quantized(np.ascontiguousarray(gu).reshape(experts, two_i, hidden // 2),
-                    np.ascontiguousarray(got["gate_up_proj_scales"][1]), MXFP4.layout)
+    w13 = Quantized(deinterleave(gu.reshape(experts, two_i, hidden // 2)),
+                    deinterleave(got["gate_up_proj_scales"][1]), MXFP4.layout)
     w2 = Quantized(np.ascontiguousarray(dn).reshape(experts, hidden, inter // 2),
                    np.ascontiguousarray(got["down_proj_scales"][1]), MXFP4.layout)
-    return w13, w2, biases["gate_up_proj_bias"], biases["down_proj_bias"]
+    return w13, w2, deinterleave(biases["gate_up_proj_bias"], axis=-1), biases["down_proj_bias"]

@@ -47,8 +47,8 @@ class MoEShape:
     shared_intermediate: int = 0  # intermediate size of each shared expert
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
     # the experts' activation, a name in kernels.activation.ACTIVATIONS ("silu": SiLU(gate) * up, gate rows then up
-    # rows, what every kernel implements; "gpt-oss": the clamped, interleaved SwiGLU), and whether the experts carry
-    # biases (b13 [E, 2I] on gate_up, b2 [E, H] on down: kernels.reference.moe_decode's b13= / b2=)
+    # rows, what every kernel implements; "gpt-oss": the clamped SwiGLU, which the batched families implement too),
+    # and whether the experts carry biases (b13 [E, 2I] on gate_up, b2 [E, H] on down: the b13= / b2= keywords)
     activation: str = "silu"
     bias: bool = False
     source: str = ""  # where the numbers come from
@@ -299,10 +299,11 @@ PRESETS: dict[str, MoEShape] = {
         # openai/gpt-oss-120b config.json: hidden_size 2880, intermediate_size 2880, num_local_experts 128,
         # experts_per_token 4, num_hidden_layers 36, swiglu_limit 7.0 (its original/config.json: num_experts 128;
         # openai/gpt-oss gpt_oss/torch/model.py ModelConfig has the same defaults). Its experts: gate_up and down
-        # biases (MLPBlock's mlp1_bias [E, 2I], mlp2_bias [E, H], bf16) and the clamped SwiGLU with gate / up rows
-        # interleaved (kernels.activation.GPT_OSS: limit 7.0, alpha 1.702, up + 1); the checkpoints ship MXFP4
-        # experts. The kernels implement SiLU(gate) * up without biases: the bench measures the shape on them (the
-        # same bytes as bf16 weights), the reference computes the model's own layer (kernels.problem.Problem.layer).
+        # biases (MLPBlock's mlp1_bias [E, 2I], mlp2_bias [E, H], bf16) and the clamped SwiGLU (kernels.activation.
+        # GPT_OSS: limit 7.0, alpha 1.702, up + 1; the checkpoints' interleaved gate / up rows gathered into the
+        # contract's order by their loader); the checkpoints ship MXFP4 experts. The bench measures the shape's
+        # contract layer (SiLU, no biases: the same weight bytes, 0.1 % fewer bias bytes); the batched families and
+        # the reference compute the model's own layer (kernels.problem.Problem.layer).
         MoEShape(
             "gpt-oss-120b",
             2880,

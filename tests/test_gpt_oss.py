@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kernels import BF16, gpt_oss_experts_from_checkpoint, make_problem
-from kernels.activation import GPT_OSS, SILU, Activation, get_activation
+from kernels.activation import GPT_OSS, SILU, Activation, deinterleave, get_activation
 from kernels.formats import Quantized
 from kernels.numerics import bf16_to_f32, quantize, rel_l2, silu, through_bf16
 from kernels.problem import make_biases
@@ -25,6 +25,9 @@ from kernels.shapes import get_shape
 # gpt-oss's layer at a size the CPU runs in milliseconds (I a multiple of 32: the MXFP4 blocks)
 OSS = get_shape("tiny").with_(name="oss-small", hidden=64, intermediate=32, experts=5, top_k=4,
                               activation="gpt-oss", bias=True)
+# gpt-oss's activation reading the checkpoints' own row order (gate j = row 2j, up j = row 2j + 1): what the loader's
+# de-interleaving must be equivalent to
+OSS_INTERLEAVED = Activation("gpt-oss-interleaved", interleaved=True, limit=7.0, alpha=1.702, up_offset=1.0)
 MODES = [("fp64", None), ("warp_decode", None), ("classical", None), ("classical", "fp8"), ("classical", "mxfp8")]
 
 
@@ -68,15 +71,21 @@ def test_silu_activation_is_the_contracts_bitwise() -> None:
 
 
 def test_interleaved_split() -> None:
-    gate_up = np.arange(12.0).reshape(2, 6)  # [g0 u0 g1 u1 g2 u2] per row under gpt-oss
-    gate, up = GPT_OSS.split(gate_up)
+    """The lab's gpt-oss activation reads the contract's order; an interleaved activation (the checkpoints' order)
+    splits rows 2j / 2j + 1, and deinterleave gathers those rows into the contract's order."""
+    gate_up = np.arange(12.0).reshape(2, 6)  # [g0 u0 g1 u1 g2 u2] per row in a gpt-oss checkpoint
+    gate, up = OSS_INTERLEAVED.split(gate_up)
     assert gate.tolist() == [[0, 2, 4], [6, 8, 10]] and up.tolist() == [[1, 3, 5], [7, 9, 11]]
-    gate, up = SILU.split(gate_up)
-    assert gate.tolist() == [[0, 1, 2], [6, 7, 8]] and up.tolist() == [[3, 4, 5], [9, 10, 11]]
-    assert GPT_OSS.gate_rows(3).tolist() == [0, 2, 4] and GPT_OSS.up_rows(3).tolist() == [1, 3, 5]
-    assert SILU.gate_rows(3).tolist() == [0, 1, 2] and SILU.up_rows(3).tolist() == [3, 4, 5]
+    for act in (SILU, GPT_OSS):
+        gate, up = act.split(gate_up)
+        assert gate.tolist() == [[0, 1, 2], [6, 7, 8]] and up.tolist() == [[3, 4, 5], [9, 10, 11]]
+        assert act.gate_rows(3).tolist() == [0, 1, 2] and act.up_rows(3).tolist() == [3, 4, 5]
+    assert OSS_INTERLEAVED.gate_rows(3).tolist() == [0, 2, 4] and OSS_INTERLEAVED.up_rows(3).tolist() == [1, 3, 5]
+    assert deinterleave(gate_up, axis=-1).tolist() == [[0, 2, 4, 1, 3, 5], [6, 8, 10, 7, 9, 11]]
     with pytest.raises(ValueError, match="must be even"):
-        GPT_OSS.split(np.zeros((1, 5)))
+        OSS_INTERLEAVED.split(np.zeros((1, 5)))
+    with pytest.raises(ValueError, match="axis -1 must be even"):
+        deinterleave(np.zeros((1, 5)), axis=-1)
 
 
 def test_activation_lookup_and_fields() -> None:
@@ -151,12 +160,13 @@ def test_biases_and_gpt_oss_in_every_mode(mode: str, quant: str | None) -> None:
     p = oss_problem(routing=[[0, 1, 1, 4], [4, 2, 0, 3], [3, 3, 3, 3], [1, 0, 2, 4], [2, 4, 1, 0]])
     got = moe_decode(*p.arrays, **p.layer, mode=mode, quant=quant,
                      out_dtype=np.float64 if mode == "fp64" else np.float32)
-    want = plain_layer(*p.arrays, p.b13, p.b2, mode, quant)
+    want = plain_layer(*p.arrays, p.b13, p.b2, mode, quant, interleaved=False)
     # fp32 sums in BLAS order vs np.dot order: a few ulps; an intermediate bf16 rounding may flip
     assert rel_l2(got, want) < (1e-12 if mode == "fp64" else 2e-3)
     # the inputs reach the clamps, and without biases (or with SiLU) the answer is another
     gate_up = np.einsum("th,rh->tr", bf16_to_f32(p.x).astype(np.float64), bf16_to_f32(p.w13[0]).astype(np.float64))
-    assert (gate_up[:, 0::2] > 7).any() and (gate_up[:, 1::2] < -7).any() and (gate_up[:, 1::2] > 7).any()
+    I = OSS.intermediate
+    assert (gate_up[:, :I] > 7).any() and (gate_up[:, I:] < -7).any() and (gate_up[:, I:] > 7).any()
     for other in ({"activation": "gpt-oss", "b13": p.b13}, {"activation": "gpt-oss", "b2": p.b2},
                   {"activation": "silu", "b13": p.b13, "b2": p.b2}):
         assert rel_l2(moe_decode(*p.arrays, **other, mode=mode, quant=quant, out_dtype=got.dtype), got) > 1e-2
@@ -183,16 +193,14 @@ def test_b2_is_weighted_by_the_routing_weight() -> None:
 
 
 def test_interleaved_rows_are_the_halves_permuted() -> None:
-    """gpt-oss's interleaved w13 (and b13) with its rows gathered into halves is the same layer read as halves."""
+    """A checkpoint's interleaved w13 (and b13) read by the interleaved activation is the same layer as its rows
+    de-interleaved read by the lab's gpt-oss activation."""
     p = oss_problem()
-    I = OSS.intermediate
-    order = np.concatenate([GPT_OSS.gate_rows(I), GPT_OSS.up_rows(I)])
-    halves = Activation("gpt-oss-halves", interleaved=False, limit=7.0, alpha=1.702, up_offset=1.0)
-    w13h, b13h = np.ascontiguousarray(p.w13[:, order]), np.ascontiguousarray(p.b13[:, order])
+    w13h, b13h = deinterleave(p.w13), deinterleave(p.b13, axis=-1)
     for mode in ("fp64", "warp_decode", "classical"):
-        a = moe_decode(*p.arrays, activation="gpt-oss", b13=p.b13, b2=p.b2, mode=mode, out_dtype=np.float64
-                       if mode == "fp64" else np.float32)
-        b = moe_decode(p.x, w13h, p.w2, p.topk_ids, p.topk_weights, activation=halves, b13=b13h, b2=p.b2,
+        a = moe_decode(*p.arrays, activation=OSS_INTERLEAVED, b13=p.b13, b2=p.b2, mode=mode,
+                       out_dtype=np.float64 if mode == "fp64" else np.float32)
+        b = moe_decode(p.x, w13h, p.w2, p.topk_ids, p.topk_weights, activation="gpt-oss", b13=b13h, b2=p.b2,
                        mode=mode, out_dtype=a.dtype)
         assert rel_l2(a, b) < (1e-13 if mode == "fp64" else 2e-3), mode
 
@@ -311,11 +319,14 @@ def test_loader_round_trip() -> None:
     assert w2.values.dtype == np.uint8 and w2.values.shape == (3, 64, 16) and w2.scales.shape == (3, 64, 1)
     assert w13.scales.dtype == np.uint8 and w2.scales.dtype == np.uint8
     assert b13.dtype == BF16 and b13.shape == (3, 64) and b2.dtype == BF16 and b2.shape == (3, 64)
-    np.testing.assert_array_equal(dequantize_mxfp4(w13), dense["w13"])
+    np.testing.assert_array_equal(dequantize_mxfp4(w13), deinterleave(dense["w13"]))  # gate rows, then up rows
     np.testing.assert_array_equal(dequantize_mxfp4(w2), dense["w2"])
-    # the bytes are the checkpoint's, reshaped: no copy of contiguous inputs
-    assert np.shares_memory(w13.values, tensors["gate_up_proj_blocks"])
-    assert np.array_equal(w13.values.ravel(), tensors["gate_up_proj_blocks"].ravel())
+    # the bytes are the checkpoint's: w13's rows (and their scales, and b13) gathered, w2's reshaped
+    blocks = tensors["gate_up_proj_blocks"].reshape(3, 64, 32)
+    assert np.array_equal(w13.values, np.concatenate([blocks[:, 0::2], blocks[:, 1::2]], axis=1))
+    assert np.array_equal(w13.scales, deinterleave(tensors["gate_up_proj_scales"]))
+    assert np.array_equal(b13.view(np.uint16), deinterleave(tensors["gate_up_proj_bias"], axis=-1).view(np.uint16))
+    assert np.shares_memory(w2.values, tensors["down_proj_blocks"])
     assert np.array_equal(b2.view(np.uint16), tensors["down_proj_bias"].view(np.uint16))
 
 
@@ -328,22 +339,23 @@ def test_loader_reads_as_gpt_oss_reads_the_blocks() -> None:
     sub = np.empty((*blocks.shape[:-1], 32))
     sub[..., 0::2], sub[..., 1::2] = E2M1[blocks & 0x0F], E2M1[blocks >> 4]
     theirs = np.ldexp(sub, scales[..., None]).reshape(*blocks.shape[:2], -1)
-    np.testing.assert_array_equal(dequantize_mxfp4(w13), theirs)
+    np.testing.assert_array_equal(dequantize_mxfp4(w13), deinterleave(theirs))
 
 
 def test_loaded_layer_through_the_reference() -> None:
     """The loaded experts (dequantized here: e2m1 x 2^k is exact in bf16) through the reference's gpt-oss layer equal
-    gpt-oss's MLPBlock written in float64 on the dense weights: interleaved rows, biases, the weighted b2."""
+    gpt-oss's MLPBlock written in float64 on the checkpoint's dense weights (interleaved rows), biases, the weighted
+    b2."""
     tensors, dense = checkpoint(seed=2)
     w13q, w2q, b13, b2 = gpt_oss_experts_from_checkpoint(tensors)
     w13, w2 = dequantize_mxfp4(w13q).astype(BF16), dequantize_mxfp4(w2q).astype(BF16)
-    assert np.array_equal(w13.astype(np.float64), dense["w13"])
+    assert np.array_equal(w13.astype(np.float64), deinterleave(dense["w13"]))
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((4, 64)) * 0.5).astype(BF16)
     ids = np.array([[0, 1, 2, 0], [2, 2, 1, 0], [1, 0, 2, 1], [0, 0, 0, 0]], np.int32)
     wts = rng.dirichlet(np.ones(4), 4).astype(np.float32)
     got = moe_decode(x, w13, w2, ids, wts, activation="gpt-oss", b13=b13, b2=b2)
-    xs, bias13, bias2 = (bf16_to_f32(a).astype(np.float64) for a in (x, b13, b2))
+    xs, bias13, bias2 = (bf16_to_f32(a).astype(np.float64) for a in (x, tensors["gate_up_proj_bias"], b2))
     want = np.zeros((4, 64))
     for t in range(4):
         for k in range(4):

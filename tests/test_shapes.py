@@ -100,7 +100,7 @@ def test_expert_layers_of_the_presets() -> None:
         assert shape.activation == ("gpt-oss" if gpt_oss else "silu"), name
         assert shape.bias is gpt_oss, name
         assert shape.expert_activation is (GPT_OSS if gpt_oss else SILU), name
-    assert (GPT_OSS.interleaved, GPT_OSS.limit, GPT_OSS.alpha, GPT_OSS.up_offset) == (True, 7.0, 1.702, 1.0)
+    assert (GPT_OSS.interleaved, GPT_OSS.limit, GPT_OSS.alpha, GPT_OSS.up_offset) == (False, 7.0, 1.702, 1.0)
     assert (SILU.interleaved, SILU.limit, SILU.alpha, SILU.up_offset) == (False, None, 1.0, 0.0)
     oss = PRESETS["gpt-oss-120b"]
     assert oss.bias_bytes == (2 * 2880 + 2880) * 2 and PRESETS["tiny"].bias_bytes == 0

@@ -94,7 +94,7 @@ def toy(monkeypatch: pytest.MonkeyPatch) -> PairSwapped:
     monkeypatch.setitem(FORMATS, NAME, TOY)
     monkeypatch.setitem(loaders.LOADERS, NAME, loaders.Loader(NAME, FMA_LOADER, MMA_LOADER))
     for families in batched.FAMILIES.values():
-        monkeypatch.setattr(families, "_families", dict(families.families))
+        monkeypatch.setattr(families, "_families", dict(families._families))
     for kind in ("fma", "mma", "pairs"):
         monkeypatch.setitem(SOURCES, f"batched_{kind}[{NAME}]", None)  # undone: the toy sources leave the registry
     return TOY

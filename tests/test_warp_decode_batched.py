@@ -30,6 +30,7 @@ import pytest
 
 from kernels import batched
 from kernels import warp_decode_cupy as wdc
+from kernels.activation import CONTRACT_LAYER, expert_layer
 from kernels.batched import fma, lists, mma, pairs
 from kernels.batched.common import Workspace
 from kernels.contract import BF16, Dims
@@ -553,6 +554,14 @@ int main(int argc, char** argv) {
 #endif
     auto ids = load<int>(dir + "/ids.bin", (size_t)T * K);
     auto wts = load<float>(dir + "/wts.bin", (size_t)T * K);
+    // the experts' biases, for a family compiled with them (EXPERT_BIAS), else null: never read
+    std::vector<uint16_t> b13v, b2v;
+    if (EXPERT_BIAS) {
+        b13v = load<uint16_t>(dir + "/b13.bin", (size_t)E * 2 * I);
+        b2v = load<uint16_t>(dir + "/b2.bin", (size_t)E * H);
+    }
+    const uint16_t* b13 = EXPERT_BIAS ? b13v.data() : nullptr;
+    const uint16_t* b2 = EXPERT_BIAS ? b2v.data() : nullptr;
     std::vector<int> lists(lists_size, -12345);
     std::vector<uint16_t> inter((size_t)T * K * I, 0x7fc0);
     std::vector<uint32_t> out((size_t)T * H, 0x7fc07fc0u);  // NaN poison in either view
@@ -562,9 +571,9 @@ int main(int argc, char** argv) {
 #if EMU_PATH_PAIRS  // no lists: a pair per gate_up block row, a token per down block (a warp per slot)
     (void)slots; (void)list_threads;
     launch(gu_blocks, GB_WARPS * 32,
-           [&] { moe_gate_up_pair(x.data(), w13.data(), s13, ids.data(), inter.data(), H, I, E, K, T * K); });
+           [&] { moe_gate_up_pair(x.data(), w13.data(), s13, ids.data(), inter.data(), H, I, E, K, T * K, b13); });
     launch(dn_blocks, 32 * K, [&] {
-        moe_down_token(inter.data(), w2.data(), s2, ids.data(), wts.data(), out.data(), f32, T, H, I, E, K);
+        moe_down_token(inter.data(), w2.data(), s2, ids.data(), wts.data(), out.data(), f32, T, H, I, E, K, b2);
     });
 #else
     launch(1, list_threads, [&] { moe_expert_lists(ids.data(), T * K, E, slots, lists.data()); });
@@ -579,19 +588,19 @@ int main(int argc, char** argv) {
 #endif
     launch(gu_blocks, GB_WARPS * 32,
            [&] { GATE_UP_KERNEL(x.data(), w13.data(), s13, lists.data(), inter.data(), H, I, E, K, slots, T * K
-                                GLOBAL_SCALES(g13)); });
+                                GLOBAL_SCALES(g13), b13); });
 #if EMU_PATH_MMA && DB_GROUPED
     std::vector<float> pair_out((size_t)T * K * H, __uint_as_float(0x7fc00000u));
     launch(dn_blocks, DB_WARPS * 32, [&] {
         moe_down_grouped(inter.data(), w2.data(), s2, wts.data(), lists.data(), pair_out.data(), H, I, E, K, slots,
-                         T * K);
+                         T * K, b2);
     });
     launch((T * (H / 4) + 255) / 256, 256,
            [&] { moe_sum_slots(pair_out.data(), ids.data(), out.data(), f32, T, H, E, K); });
 #else
     launch(dn_blocks, DB_WARPS * 32, [&] {
         DOWN_KERNEL(inter.data(), w2.data(), s2, ids.data(), wts.data(), lists.data(), out.data(), f32, T, H, I, E, K,
-                    slots GLOBAL_SCALES(g2));
+                    slots GLOBAL_SCALES(g2), b2);
     });
 #endif
 #endif  // EMU_PATH_PAIRS
@@ -656,6 +665,9 @@ def _write_inputs(tmp: str, problem: Problem, ids: np.ndarray | None) -> None:
             weights.tofile(f"{tmp}/{name}.bin")
     np.ascontiguousarray(problem.topk_ids if ids is None else ids, np.int32).tofile(f"{tmp}/ids.bin")
     problem.topk_weights.tofile(f"{tmp}/wts.bin")
+    for name in ("b13", "b2"):  # the experts' biases, where the problem has them (read by a family with biases)
+        if getattr(problem, name) is not None:
+            np.ascontiguousarray(getattr(problem, name)).view(np.uint16).tofile(f"{tmp}/{name}.bin")
 
 
 def _shared_floats(path: str, dims: Dims, params: dict[str, int]) -> int:
@@ -674,7 +686,7 @@ def _resolve_with_derived(family: Any, dims: Dims, knobs: dict[str, Any]) -> dic
 
 
 def _emulate(problem: Problem, ids: np.ndarray | None = None, out_dtype: Any = BF16, *, path: str = "fma",
-             **knobs: int) -> dict[str, Any]:
+             model_layer: bool = False, **knobs: int) -> dict[str, Any]:
     """Run ``path``'s kernels ("fma", "mma" or "pairs") as CUDA C on the CPU with the CuPy path's geometry, on the
     family of the problem's weight format (a Quantized w13 names it, as for the entry point): out, intermediate,
     lists (untouched for "pairs") and params, the macros the kernels were rendered with.
@@ -682,10 +694,12 @@ def _emulate(problem: Problem, ids: np.ndarray | None = None, out_dtype: Any = B
     ``knobs`` are the family's; among them a derived macro of the family (GB_RANGE_FLUSH, DB_WHOLE_RANGES,
     FP8_LOAD16, FP8_PRMT, ...), which no caller of the library may set, overrides the rules' value after they ran:
     the emulation then compiles the other form of the same kernels at the same dims (0 is always a form that runs;
-    1 only where the rules would pick it)."""
+    1 only where the rules would pick it). ``model_layer``: the family of the problem's own layer (its shape's
+    activation and the problem's biases, ``Problem.layer``), else the contract's."""
     dims = _dims(problem)
     fmt = get_format(format_of(problem.w13))
-    family = batched.family(path, fmt.name)
+    layer = expert_layer(**problem.layer) if model_layer else CONTRACT_LAYER
+    family = batched.family(path, fmt.name, layer)
     resolved = _resolve_with_derived(family, dims, knobs)
     binary = build_emulator(family.source.render(**resolved), _harness(path, _scale_mode(fmt)))
     f32 = int(np.dtype(out_dtype) == np.float32)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kernels.activation import CONTRACT_LAYER, ExpertLayer, expert_layer, get_activation
+from kernels.batched import loaders_fp4  # noqa: F401 (registers the 4-bit loaders before the families are built)
 from kernels.batched.common import Workspace, check_dims
 from kernels.batched.fma import FMA
 from kernels.batched.fma import FP8_KNOBS as FMA_FP8_KNOBS
@@ -36,39 +38,48 @@ from kernels.variants import Variant, register
 FAMILIES = {"fma": FMA, "mma": MMA, "pairs": PAIRS}
 
 
-def family(path: str, weight_format: str = "bf16") -> KernelFamily:
-    """The kernel family of ``path`` ("fma", "mma" or "pairs") on ``weight_format`` weights."""
+def family(path: str, weight_format: str = "bf16", layer: ExpertLayer = CONTRACT_LAYER) -> KernelFamily:
+    """The kernel family of ``path`` ("fma", "mma" or "pairs") on ``weight_format`` weights computing ``layer``
+    (:func:`kernels.activation.expert_layer`; default the contract's: SiLU, no biases)."""
     if path not in FAMILIES:
         raise ValueError(f"path must be one of {sorted(FAMILIES)}, got {path!r}")
-    return FAMILIES[path](weight_format)
+    if not isinstance(layer, ExpertLayer):
+        raise TypeError(f"layer must be a kernels.activation.ExpertLayer, got {type(layer).__name__}")
+    return FAMILIES[path](weight_format, layer)
 
 
-def make_workspace(dims: Dims, path: str = "fma", weight_format: str = "bf16", **knobs: Any) -> Workspace:
+def make_workspace(dims: Dims, path: str = "fma", weight_format: str = "bf16", activation: str = "silu",
+                   biases: bool = False, **knobs: Any) -> Workspace:
     """The buffers ``path`` needs for ``dims`` with these knobs (CuPy, current device): the intermediate, the lists
-    (not the per-pair path) and the grouped down's per-pair rows."""
+    (not the per-pair path) and the grouped down's per-pair rows (which a layer with ``biases`` always runs)."""
     check_dims(dims)
-    chosen = family(path, weight_format)
+    chosen = family(path, weight_format, ExpertLayer(get_activation(activation), bool(biases)))
     return chosen.workspace(dims, chosen.resolve(dims, **knobs))
 
 
 def warp_decode_batched(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any, out: Any = None,
-                        workspace: Workspace | None = None, path: str = "fma", **knobs: Any) -> Any:
+                        workspace: Workspace | None = None, path: str = "fma", activation: str = "silu",
+                        b13: Any = None, b2: Any = None, **knobs: Any) -> Any:
     """One MoE decode layer by batched warp decode on CuPy arrays; returns ``out`` [T, H] (bf16 unless fp32 given).
 
-    ``path``: "fma", "mma" or "pairs" (the family, on the weights' format); ``knobs``: that family's. With ``out``
-    and ``workspace`` (:func:`make_workspace`, same path and knobs) nothing is allocated and nothing syncs with the
-    host (value checks of ``topk_ids`` are skipped during CUDA-graph capture; the kernels guard every id: a bad id
-    makes that token's output NaN).
+    ``path``: "fma", "mma" or "pairs" (the family, on the weights' format); ``knobs``: that family's. ``activation``
+    (``kernels.activation``: "silu", "gpt-oss") and the experts' bf16 biases ``b13`` [E, 2I] / ``b2`` [E, H] (both or
+    neither) make it the model's own layer, as ``reference.moe_decode`` with the same keywords computes it. With
+    ``out`` and ``workspace`` (:func:`make_workspace`, same path, knobs, activation and ``biases``) nothing is
+    allocated and nothing syncs with the host (value checks of ``topk_ids`` are skipped during CUDA-graph capture;
+    the kernels guard every id: a bad id makes that token's output NaN).
     """
     fmt = get_format(format_of(w13))
+    layer = expert_layer(activation, b13, b2)
     cupy = require_cupy(x=x, topk_ids=topk_ids, topk_weights=topk_weights,
                         **({"w13.values": w13.values} if isinstance(w13, Quantized) else {"w13": w13}),
-                        **({"w2.values": w2.values} if isinstance(w2, Quantized) else {"w2": w2}))
-    dims = check_inputs(x, w13, w2, topk_ids, topk_weights, weight_format=fmt)
+                        **({"w2.values": w2.values} if isinstance(w2, Quantized) else {"w2": w2}),
+                        **({"b13": b13, "b2": b2} if layer.bias else {}))
+    dims = check_inputs(x, w13, w2, topk_ids, topk_weights, weight_format=fmt, b13=b13, b2=b2)
     if out is not None:
         require_cupy(out=out)
         check_out(out, dims, cupy)
-    chosen = family(path, fmt.name)
+    chosen = family(path, fmt.name, layer)
     params = chosen.resolve(dims, **knobs)  # knob errors first (no device call), then the alignment, the compile
     if workspace is not None:
         if not isinstance(workspace, Workspace):
@@ -86,7 +97,7 @@ def warp_decode_batched(x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: 
     compiled = chosen.compile(dims, workspace=workspace, **knobs)
     if out is None:
         out = cupy.empty((dims.tokens, dims.hidden), dtype=BF16)
-    compiled.run(x, w13, w2, topk_ids, topk_weights, out)
+    compiled.run(x, w13, w2, topk_ids, topk_weights, out, **({"b13": b13, "b2": b2} if layer.bias else {}))
     return out
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from kernels.activation import CONTRACT_LAYER, ExpertLayer
 from kernels.batched import lists
 from kernels.batched.lists import lists_size
 from kernels.compile import launch_ex
@@ -26,25 +27,35 @@ NO_SCALES = np.uint64(0)  # the scale pointer of unscaled weights (never read)
 
 
 class FormatFamilies:
-    """One kernel family per weight format, built on first use by ``make(fmt)`` (and for ``formats`` at once, so
-    that the compile report sees them): ``families("fp8-block128")`` is the mechanism on fp8-block128 weights."""
+    """One kernel family per weight format and expert layer for a mechanism, built on first use by ``make(fmt,
+    layer)`` (the contract's layer on ``formats`` at once, so that the compile report sees them):
+    ``families("fp8-block128")`` is the mechanism on fp8-block128 weights, ``families("mxfp4", layer)`` the same with
+    gpt-oss's activation and biases (:class:`~kernels.activation.ExpertLayer`) compiled in."""
 
-    def __init__(self, make: Callable[[WeightFormat], KernelFamily], formats: tuple[str, ...]) -> None:
+    def __init__(self, make: Callable[[WeightFormat, ExpertLayer], KernelFamily], formats: tuple[str, ...]) -> None:
         self._make = make
-        self._families: dict[str, KernelFamily] = {}
+        self._families: dict[tuple[str, ExpertLayer], KernelFamily] = {}
         for name in formats:
             self(name)
 
-    def __call__(self, fmt: WeightFormat | str) -> KernelFamily:
+    def __call__(self, fmt: WeightFormat | str, layer: ExpertLayer = CONTRACT_LAYER) -> KernelFamily:
         fmt = get_format(fmt)
-        family = self._families.get(fmt.name)
+        family = self._families.get((fmt.name, layer))
         if family is None:
-            family = self._families[fmt.name] = self._make(fmt)
+            family = self._families[(fmt.name, layer)] = self._make(fmt, layer)
         return family
 
     @property
     def families(self) -> dict[str, KernelFamily]:
-        return dict(self._families)
+        """The contract layer's families by format name."""
+        return {name: family for (name, layer), family in self._families.items() if layer.contract}
+
+
+def family_suffix(fmt: WeightFormat, layer: ExpertLayer) -> str:
+    """How a family's (and its source's) name says its format and layer: "" for bf16 and the contract's layer."""
+    if fmt.name == "bf16" and layer.contract:
+        return ""
+    return f"[{fmt.name}{layer.suffix}]"
 
 
 def sample_variants(resolve: Callable[..., dict[str, int]], defaults: dict[str, int],
@@ -119,16 +130,22 @@ class Workspace:
         return self.dims == dims
 
 
+def bias_args(b13: Any, b2: Any) -> tuple[Any, Any]:
+    """The experts' biases as the kernels take them (their last arguments): null pointers for a layer without."""
+    return (NO_SCALES if b13 is None else b13), (NO_SCALES if b2 is None else b2)
+
+
 def list_stages(compiled: Any, fmt: WeightFormat, kernels: tuple[Any, Any, Any], gate_up_blocks: int,
                 down_blocks: int, down_shared: int, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any,
-                out: Any, global_scales: bool = False) -> list[tuple[str, Any]]:
+                out: Any, global_scales: bool = False, b13: Any = None, b2: Any = None) -> list[tuple[str, Any]]:
     """The three launches the FMA pair and the tensor-core pair's balanced down share -- the lists, a gate_up from the
     lists into the intermediate, a down from the intermediate into ``out`` (the kernels take the same arguments; with
-    ``global_scales``, the FMA pair's, one more: the matrix's scale per expert, :func:`global_arg`) -- as named
-    zero-argument callables on ``compiled``'s workspace."""
+    ``global_scales``, the FMA pair's, one more: the matrix's scale per expert, :func:`global_arg`; last the biases,
+    :func:`bias_args`) -- as named zero-argument callables on ``compiled``'s workspace."""
     params, d, ws = compiled.params, compiled.dims, compiled.workspace
     lists_k, gate_up_k, down_k = kernels
     g13, g2 = ((global_arg(w13, fmt),), (global_arg(w2, fmt),)) if global_scales else ((), ())
+    g13, g2 = (*g13, bias_args(b13, b2)[0]), (*g2, bias_args(b13, b2)[1])
     w13, s13 = weight_args(w13, fmt)
     w2, s2 = weight_args(w2, fmt)
     i32, n_slots, programmatic = np.int32, lists.slots(d), bool(params["PDL"])

@@ -25,8 +25,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kernels.activation import CONTRACT_LAYER, ExpertLayer
 from kernels.batched import lists
-from kernels.batched.common import FormatFamilies, allocate, check_register_caps, list_stages, sample_variants
+from kernels.batched.common import (
+    FormatFamilies,
+    allocate,
+    check_register_caps,
+    family_suffix,
+    list_stages,
+    sample_variants,
+)
 from kernels.batched.loaders import loader_for
 from kernels.compile import CudaSource
 from kernels.contract import Dims
@@ -163,21 +171,23 @@ def make_workspace(dims: Dims, **knobs: Any) -> Any:
 
 def make_stages(fmt: WeightFormat) -> Any:
     def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any,
-               out: Any) -> list[Stage]:
+               out: Any, b13: Any = None, b2: Any = None) -> list[Stage]:
         """The layer as three launches (expert_lists, gate_up, down) into ``compiled``'s workspace."""
         d, params = compiled.dims, compiled.params
         kernels = tuple(compiled.kernels[name] for name in KERNELS)
         return list_stages(compiled, fmt, kernels, gate_up_blocks(d, params), down_blocks(d, params),
-                           down_shared_bytes(d, params), x, w13, w2, topk_ids, topk_weights, out, global_scales=True)
+                           down_shared_bytes(d, params), x, w13, w2, topk_ids, topk_weights, out, global_scales=True,
+                           b13=b13, b2=b2)
 
     return stages
 
 
-def make_family(fmt: WeightFormat) -> KernelFamily:
-    """The FMA pair on ``fmt`` weights: its loader, then the shared helpers, the lists and the two kernels."""
+def make_family(fmt: WeightFormat, layer: ExpertLayer = CONTRACT_LAYER) -> KernelFamily:
+    """The FMA pair on ``fmt`` weights computing ``layer``: its loader and layer code, then the shared helpers, the
+    lists and the two kernels."""
     code = (WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + FAMILY_DEFINES + BATCHED_HELPERS + BLOCK_OUTPUTS
-            + loader_for(fmt, "fma") + lists.CODE + CODE)
-    suffix = "" if fmt.name == BF16_FORMAT.name else f"[{fmt.name}]"
+            + loader_for(fmt, "fma") + layer.device_code() + lists.CODE + CODE)
+    suffix = family_suffix(fmt, layer)
     defaults = {**KNOBS, **FORMAT_DEFAULTS.get(fmt.name, {}), **DERIVED}
     source = CudaSource(name=f"batched_fma{suffix}", code=code, kernels=KERNELS, defaults=defaults,
                         warps_knobs={GATE_UP: "GB_WARPS", DOWN: "DB_WARPS"},
@@ -282,7 +292,8 @@ __device__ __forceinline__ void gate_up_round(const W (&wg)[GB_UNROLL][GB_OUTS],
 }
 
 // ------------------------------------------------------------------------------------------------
-// moe_gate_up_batched: intermediate[p, i] = bf16(SiLU(w13[e, i, :] . x[t]) * (w13[e, I+i, :] . x[t]))
+// moe_gate_up_batched: intermediate[p, i] = bf16(act(w13[e, i, :] . x[t], w13[e, I+i, :] . x[t])) (SiLU(g) * u:
+//   the contract's activation; the layer's expert_activation, after its biases where it has them)
 //   for every pair p = t*K + k routed to expert e.
 //   Block b owns list slot a = b / ceil(I / (GB_WARPS*GB_OUTS)) (slots past lists[0] exit at once);
 //   its warp w owns neurons i0 .. i0+GB_OUTS-1, i0 = ((b mod that) * GB_WARPS + w) * GB_OUTS, so the
@@ -301,7 +312,8 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
     const int* __restrict__ lists,            // from moe_expert_lists
     bf16_t* __restrict__ intermediate,        // [T, K, I]
     int hidden, int inter, int experts, int top_k, int slots, int n_pairs,
-    const float* __restrict__ g13)            // global-scaled formats: a float32 scale per expert (scale_geometry)
+    const float* __restrict__ g13,            // global-scaled formats: a float32 scale per expert (scale_geometry)
+    const bf16_t* __restrict__ b13)           // EXPERT_BIAS: the gate and up biases [E, 2I] (else never read)
 {
     (void)n_pairs;                                                   // the tensor-core gate_up's tile table
     typedef typename Vec<GB_BYTES>::T vec_t;
@@ -375,9 +387,11 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_batched(
                 for (int o = 0; o < GB_OUTS; ++o) {
                     const float g = warp_sum(gate_acc[tt][o]);
                     const float u = warp_sum(up_acc[tt][o]);
-                    if (lane == o && i0 + o < inter) {
-                        const float silu = g / (1.0f + expf(-g));    // IEEE division (no fast-math)
-                        intermediate[p * inter + i0 + o] = f32_to_bf16(silu * u);  // the one bf16 rounding
+                    if (lane == o && i0 + o < inter) {               // the layer's activation (and biases)
+                        const long long gate_bias = (long long)e * 2 * inter + i0 + o;
+                        const float hidden_value = expert_activation(WITH_BIAS(g, b13, gate_bias),
+                                                                     WITH_BIAS(u, b13, gate_bias + inter));
+                        intermediate[p * inter + i0 + o] = f32_to_bf16(hidden_value);  // the one bf16 rounding
                     }
                 }
             }
@@ -406,7 +420,8 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
     const int* __restrict__ lists,            // from moe_expert_lists
     void* __restrict__ out,                   // [T, H] bf16, or float32 when out_f32
     int out_f32, int tokens, int hidden, int inter, int experts, int top_k, int slots,
-    const float* __restrict__ g2)             // global-scaled formats: a float32 scale per expert (scale_geometry)
+    const float* __restrict__ g2,             // global-scaled formats: a float32 scale per expert (scale_geometry)
+    const bf16_t* __restrict__ b2)            // EXPERT_BIAS: the down biases [E, H] (else never read)
 {
     typedef typename Vec<DB_BYTES>::T vec_t;
     typedef typename Vec<WEIGHT_CHUNK_BYTES(DB_BYTES)>::T wvec_t;    // the weights' chunk (the loader's bytes)
@@ -506,7 +521,8 @@ extern "C" __global__ void DB_BOUNDS moe_down_batched(
                     const int t = p / top_k;
                     #pragma unroll
                     for (int o = 0; o < DB_OUTS; ++o) {
-                        const float dot = warp_sum(acc[tt][o]);
+                        const float dot = WITH_BIAS(warp_sum(acc[tt][o]), b2,    // (+ the row's bias)
+                                                    (long long)e * hidden + min(h0 + o, hidden - 1));
                         if (lane == o) mine[t * DB_OUTS + o] = __fadd_rn(mine[t * DB_OUTS + o], __fmul_rn(weight, dot));
                     }
                 }

@@ -388,5 +388,3 @@ FP8_LOADER = register_loader(Loader(FP8_BLOCK128.name, FP8_FMA,
 FP8_T16_LOADER = register_loader(Loader(FP8_BLOCK128_T16.name, None,
                                         FP8_VALUES + TILE_ADDRESSING + BLOCK128_SCALE_ROWS + BLOCK_SCALES,
                                         needs={"FP8_LOAD16": 1}))
-
-from kernels.batched import loaders_fp4  # noqa: E402,F401 (registers the 4-bit formats' loaders)

@@ -24,13 +24,16 @@ from typing import Any
 
 import numpy as np
 
+from kernels.activation import CONTRACT_LAYER, ExpertLayer
 from kernels.batched import lists
 from kernels.batched.common import (
     FormatFamilies,
     allocate,
+    bias_args,
     block_registers,
     check_register_caps,
     experts_average,
+    family_suffix,
     list_stages,
     sample_variants,
     weight_args,
@@ -261,11 +264,14 @@ def auto_share(dims: Dims, values: dict[str, int], fmt: WeightFormat, stage: str
     return SHARE_GROUP if share_unmet(values, stage, SHARE_GROUP) is None else 0
 
 
-def make_rules(fmt: WeightFormat) -> Any:
+def make_rules(fmt: WeightFormat, layer: ExpertLayer = CONTRACT_LAYER) -> Any:
     def rules(dims: Dims | None, values: dict[str, int]) -> dict[str, int]:
         """Fill the auto knobs and the derived macros from ``dims``; ValueError for what cannot run."""
+        if layer.bias and values["DB_GROUPED"] == 0:
+            raise ValueError("a layer with biases adds b2 to each pair's whole dot, which the balanced down splits "
+                             "between warps: it needs DB_GROUPED 1 (or -1: auto)")
         if values["DB_GROUPED"] == -1:
-            values["DB_GROUPED"] = auto_grouped(dims, fmt)
+            values["DB_GROUPED"] = 1 if layer.bias else auto_grouped(dims, fmt)
         loader_macros(dims, values, fmt, widening=2)  # the byte permute, its multiply on B
         if values["DB_WARPS"] == 0:
             values["DB_WARPS"] = auto_down_warps(dims, values, fmt)
@@ -354,23 +360,24 @@ def sum_blocks(dims: Dims) -> int:
 
 def make_stages(fmt: WeightFormat) -> Any:
     def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any,
-               out: Any) -> list[Stage]:
+               out: Any, b13: Any = None, b2: Any = None) -> list[Stage]:
         """The layer as three launches (expert_lists, gate_up, down), four with DB_GROUPED (the grouped down + sum)."""
         params, d, ws = compiled.params, compiled.dims, compiled.workspace
         lists_k, gate_up_k, down_k, *sum_k = (compiled.kernels[name] for name in kernel_names(params))
         first = list_stages(compiled, fmt, (lists_k, gate_up_k, down_k), gate_up_blocks(d, params),
                             down_blocks(d, params), down_shared_bytes(d, params), x, w13, w2, topk_ids,
-                            topk_weights, out)
+                            topk_weights, out, b13=b13, b2=b2)
         if not sum_k:
             return first
         w2, s2 = weight_args(w2, fmt)
+        bias2 = bias_args(b13, b2)[1]
         i32, programmatic = np.int32, bool(params["PDL"])
 
         def down_grouped() -> None:
             launch_ex(down_k, (down_blocks(d, params),), (params["DB_WARPS"] * 32,),
                       (ws.intermediate, w2, s2, topk_weights, ws.lists, ws.pair_out, i32(d.hidden),
                        i32(d.intermediate), i32(d.experts), i32(d.top_k), i32(lists.slots(d)),
-                       i32(d.tokens * d.top_k)), programmatic=programmatic)
+                       i32(d.tokens * d.top_k), bias2), programmatic=programmatic)
 
         def sum_slots() -> None:
             launch_ex(sum_k[0], (sum_blocks(d),), (SUM_THREADS,),
@@ -382,12 +389,12 @@ def make_stages(fmt: WeightFormat) -> Any:
     return stages
 
 
-def make_family(fmt: WeightFormat) -> KernelFamily:
-    """The tensor-core pair on ``fmt`` weights: the helpers, the family's macros, the lists, the loader, the core
-    and the kernels."""
+def make_family(fmt: WeightFormat, layer: ExpertLayer = CONTRACT_LAYER) -> KernelFamily:
+    """The tensor-core pair on ``fmt`` weights computing ``layer``: the helpers, the family's macros, the lists, the
+    loader and the layer's code, the core and the kernels."""
     code = (WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + FAMILY_DEFINES + BATCHED_HELPERS + BLOCK_OUTPUTS
-            + loader_for(fmt, "mma") + lists.CODE + CORE + CODE)
-    suffix = "" if fmt.name == BF16_FORMAT.name else f"[{fmt.name}]"
+            + loader_for(fmt, "mma") + layer.device_code() + lists.CODE + CORE + CODE)
+    suffix = family_suffix(fmt, layer)
     source = CudaSource(
         name=f"batched_mma{suffix}", code=code, kernels=(lists.KERNEL, GATE_UP, DOWN, DOWN_GROUPED, SUM_SLOTS),
         defaults={**KNOBS, **DERIVED},
@@ -397,7 +404,7 @@ def make_family(fmt: WeightFormat) -> KernelFamily:
         description=f"batched warp decode on tensor cores, {fmt.name} weights: the tile table, mma.sync gate_up, "
                     "balanced or grouped down")
     family = KernelFamily(name=f"warp-decode-mma{suffix}", source=source, limits=LIMITS, auto_knobs=AUTO_KNOBS,
-                          derived=tuple(DERIVED), rules=make_rules(fmt), device_needs={"PDL": 90},
+                          derived=tuple(DERIVED), rules=make_rules(fmt, layer), device_needs={"PDL": 90},
                           kernel_names=kernel_names, workspace=make_workspace, stages=make_stages(fmt))
     source.variants = sample_variants(family.resolve, source.defaults, ({}, grouped_knobs(fmt)))
     return family

@@ -131,7 +131,8 @@ __device__ __forceinline__ GateUpItem read_gate_up_item(const int* lists, int sl
 template <int NB, int UNROLL, bool SHARED = false>
 __device__ __forceinline__ void gate_up_passes(const ARows& rows, const bf16_t* __restrict__ x, const int* pairs,
                                                int count, bf16_t* __restrict__ intermediate, int hidden, int inter,
-                                               int top_k, int i0, int g, int q, AShare* share = nullptr) {
+                                               int top_k, int i0, int g, int q, const bf16_t* b13_row,
+                                               AShare* share = nullptr) {
     const int chunks = hidden / 8;                                   // chunks of 8 values (H % 8 == 0)
     for (int tile = 0; tile < count; tile += 8 * NB) {
         const int n = min(8 * NB, count - tile);
@@ -172,9 +173,9 @@ __device__ __forceinline__ void gate_up_passes(const ARows& rows, const bf16_t* 
                 const int pp = nb * 8 + 2 * q + h;
                 if (pp < n && i0 + g < inter) {
                     const long long p = __ldg(pairs + tile + pp);
-                    const float gate = acc[nb][h], up = acc[nb][2 + h];
-                    const float silu = gate / (1.0f + expf(-gate));  // IEEE division (no fast-math)
-                    intermediate[p * inter + i0 + g] = intermediate_value(silu * up);  // the one bf16 rounding
+                    const float gate = WITH_BIAS(acc[nb][h], b13_row, i0 + g);   // (the layer's biases)
+                    const float up = WITH_BIAS(acc[nb][2 + h], b13_row, inter + i0 + g);
+                    intermediate[p * inter + i0 + g] = intermediate_value(expert_activation(gate, up));  // one rounding
                 }
             }
     }
@@ -184,7 +185,7 @@ __device__ __forceinline__ void gate_up_passes(const ARows& rows, const bf16_t* 
 // moe_gate_up_mma: block b owns work unit a, a tile of one slot's pairs (the tile table); its warp w owns neurons
 //   i0 .. i0+7,
 //   i0 = ((b mod per_slot) * GB_WARPS + w) * 8: A rows 0..7 = gate rows i0+g, rows 8..15 = up rows i0+g, so
-//   lane (g, q) ends with gate AND up of neuron i0+g for pairs 2q, 2q+1 of each 8-pair block -- SiLU(g) * u
+//   lane (g, q) ends with gate AND up of neuron i0+g for pairs 2q, 2q+1 of each 8-pair block -- the activation
 //   and the one bf16 rounding happen in the lane, no shuffle. B column g = x[token of pair g] (L1 hits).
 //   GB_NBLK blocks of 8 pairs per pass (A shared), GB_UNROLL k blocks of loads in flight per lane; with HOT_GB a
 //   tile of more than 8 * GB_NBLK pairs (a hot expert's) in one pass of HOT_NBLK blocks.
@@ -195,7 +196,8 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
     const mma_scale_t* __restrict__ s13,      // scaled formats: the loader's scale rows
     const int* __restrict__ lists,            // from moe_expert_lists
     bf16_t* __restrict__ intermediate,        // [T, K, I]
-    int hidden, int inter, int experts, int top_k, int slots, int n_pairs)
+    int hidden, int inter, int experts, int top_k, int slots, int n_pairs,
+    const bf16_t* __restrict__ b13)           // EXPERT_BIAS: the gate and up biases [E, 2I] (else never read)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int per_slot = (inter + GB_WARPS * 8 - 1) / (GB_WARPS * 8);
@@ -216,9 +218,9 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
         const GateUpItem mine = read_gate_up_item(lists, slots, n_pairs, a - place + seat.member);   // same expert
         const ARows rows = w13_rows(w13, s13, item.expert, min(i0 + g, inter - 1), hidden, inter);
         AShare share{a_share[seat.set], seat.member, members, 0};
-        gate_up_passes<HOT_GB ? HOT_NBLK : GB_NBLK, GB_SHARE_UNROLL, true>(rows, x, mine.pairs, mine.count,
-                                                                           intermediate, hidden, inter, top_k, i0, g,
-                                                                           q, &share);
+        gate_up_passes<HOT_GB ? HOT_NBLK : GB_NBLK, GB_SHARE_UNROLL, true>(
+            rows, x, mine.pairs, mine.count, intermediate, hidden, inter, top_k, i0, g, q,
+            b13 + (size_t)item.expert * 2 * inter, &share);
         return;
     }
 #endif
@@ -238,11 +240,12 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
 #if HOT_GB
     if (count > 8 * GB_NBLK) {                                       // warp-uniform: a hot expert's tile
         gate_up_passes<HOT_NBLK, GB_HOT_ROUNDS>(rows, x, pairs, count, intermediate, hidden, inter, top_k, i0, g,
-                                                q);
+                                                q, b13 + (size_t)e * 2 * inter);
         return;
     }
 #endif
-    gate_up_passes<GB_NBLK, GB_UNROLL>(rows, x, pairs, count, intermediate, hidden, inter, top_k, i0, g, q);
+    gate_up_passes<GB_NBLK, GB_UNROLL>(rows, x, pairs, count, intermediate, hidden, inter, top_k, i0, g, q,
+                                       b13 + (size_t)e * 2 * inter);
 }
 
 // The tensor-core down's view of the routing lists: the slot arrays, the sorted pairs and the routing weights.
@@ -339,8 +342,11 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
     const float* __restrict__ topk_weights,   // [T, K]
     const int* __restrict__ lists,            // from moe_expert_lists
     void* __restrict__ out,                   // [T, H] bf16, or float32 when out_f32
-    int out_f32, int tokens, int hidden, int inter, int experts, int top_k, int slots)
+    int out_f32, int tokens, int hidden, int inter, int experts, int top_k, int slots,
+    const bf16_t* __restrict__ b2)            // (a layer with biases runs the grouped down: never read)
 {
+    static_assert(!EXPERT_BIAS, "the balanced down splits a pair's dot between warps: biases need DB_GROUPED 1");
+    (void)b2;
 #ifdef WD_HOST_EMULATION
     float* partial = wdb_dynamic_shared;                             // the CPU emulation's buffer
 #else
@@ -387,7 +393,8 @@ __device__ __forceinline__ void down_grouped_passes(const ARows (&tiles)[RT], co
                                                     int count, const bf16_t* __restrict__ intermediate,
                                                     const float* __restrict__ topk_weights,
                                                     float* __restrict__ pair_out, int hidden, int inter, int h0, int g,
-                                                    int q, bool& waited, AShare* share = nullptr) {
+                                                    int q, bool& waited, const bf16_t* b2_row,
+                                                    AShare* share = nullptr) {
     const int chunks = inter / 8;                                    // chunks of 8 values (I % 8 == 0)
     for (int sub = 0; sub < count; sub += 8 * NB) {
         const int n = min(8 * NB, count - sub);
@@ -412,8 +419,9 @@ __device__ __forceinline__ void down_grouped_passes(const ARows (&tiles)[RT], co
                     #pragma unroll
                     for (int t = 0; t < RT; ++t) {
                         const int h_t = h0 + 16 * t + g;
-                        if (h_t < hidden) row[h_t] = __fmul_rn(weight, acc[t * NB + nb][h]);
-                        if (h_t + 8 < hidden) row[h_t + 8] = __fmul_rn(weight, acc[t * NB + nb][2 + h]);
+                        if (h_t < hidden) row[h_t] = __fmul_rn(weight, WITH_BIAS(acc[t * NB + nb][h], b2_row, h_t));
+                        if (h_t + 8 < hidden)
+                            row[h_t + 8] = __fmul_rn(weight, WITH_BIAS(acc[t * NB + nb][2 + h], b2_row, h_t + 8));
                     }
                 }
             }
@@ -438,7 +446,8 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
     const float* __restrict__ topk_weights,   // [T, K]
     const int* __restrict__ lists,            // from moe_expert_lists (the tile table)
     float* __restrict__ pair_out,             // [T*K, H] FP32: each pair's weighted expert output
-    int hidden, int inter, int experts, int top_k, int slots, int pairs)
+    int hidden, int inter, int experts, int top_k, int slots, int pairs,
+    const bf16_t* __restrict__ b2)            // EXPERT_BIAS: the down biases [E, H] (else never read)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     constexpr int WARP_ROWS = 16 * DB_ROW_TILES;
@@ -470,7 +479,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
         AShare share{a_share[seat.set], seat.member, members, 0};
         down_grouped_passes<HOT_DB ? HOT_NBLK : DB_NBLK, DB_SHARE_UNROLL, DB_ROW_TILES, true>(
             tiles, tile_pairs, mine_count, intermediate, topk_weights, pair_out, hidden, inter, rows0, g, q, waited,
-            &share);
+            b2 + (size_t)e * hidden, &share);
         down_epilogue_wait();
         return;
     }
@@ -487,11 +496,12 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
         if (count > 8 * DB_NBLK) {                                   // warp-uniform: a hot expert's tile
             down_grouped_passes<HOT_NBLK, DB_HOT_ROUNDS, DB_ROW_TILES>(tiles, tile_pairs, count, intermediate,
                                                                        topk_weights, pair_out, hidden, inter, h0, g,
-                                                                       q, waited);
+                                                                       q, waited, b2 + (size_t)e * hidden);
         } else
 #endif
             down_grouped_passes<DB_NBLK, DB_UNROLL, DB_ROW_TILES>(tiles, tile_pairs, count, intermediate, topk_weights,
-                                                                  pair_out, hidden, inter, h0, g, q, waited);
+                                                                  pair_out, hidden, inter, h0, g, q, waited,
+                                                                  b2 + (size_t)e * hidden);
     }
     down_epilogue_wait();  // warps that never waited (no work) before the grid may end
 }

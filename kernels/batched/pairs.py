@@ -17,7 +17,16 @@ from typing import Any
 
 import numpy as np
 
-from kernels.batched.common import FormatFamilies, allocate, check_register_caps, sample_variants, weight_args
+from kernels.activation import CONTRACT_LAYER, ExpertLayer
+from kernels.batched.common import (
+    FormatFamilies,
+    allocate,
+    bias_args,
+    check_register_caps,
+    family_suffix,
+    sample_variants,
+    weight_args,
+)
 from kernels.batched.loaders import loader_for, loader_macros
 from kernels.batched.mma import invariant_ksplit
 from kernels.batched.mma_core import CODE as CORE
@@ -104,23 +113,24 @@ def down_blocks(dims: Dims, params: dict[str, int]) -> int:
 
 def make_stages(fmt: WeightFormat) -> Any:
     def stages(compiled: Compiled, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any,
-               out: Any) -> list[Stage]:
+               out: Any, b13: Any = None, b2: Any = None) -> list[Stage]:
         """gate_up one pair per block row, the down one block per (token, 16 rows) with a warp per slot."""
         params, d, ws = compiled.params, compiled.dims, compiled.workspace
         w13, s13 = weight_args(w13, fmt)
         w2, s2 = weight_args(w2, fmt)
+        bias13, bias2 = bias_args(b13, b2)
         gate_up_k, down_k = (compiled.kernels[name] for name in KERNELS)
         i32, programmatic = np.int32, bool(params["PDL"])
 
         def gate_up() -> None:
             launch_ex(gate_up_k, (gate_up_blocks(d, params),), (params["GB_WARPS"] * 32,),
                       (x, w13, s13, topk_ids, ws.intermediate, i32(d.hidden), i32(d.intermediate), i32(d.experts),
-                       i32(d.top_k), i32(d.tokens * d.top_k)), programmatic=programmatic)
+                       i32(d.top_k), i32(d.tokens * d.top_k), bias13), programmatic=programmatic)
 
         def down() -> None:
             launch_ex(down_k, (down_blocks(d, params),), (32 * d.top_k,),
                       (ws.intermediate, w2, s2, topk_ids, topk_weights, out, i32(1 if out.dtype == np.float32 else 0),
-                       i32(d.tokens), i32(d.hidden), i32(d.intermediate), i32(d.experts), i32(d.top_k)),
+                       i32(d.tokens), i32(d.hidden), i32(d.intermediate), i32(d.experts), i32(d.top_k), bias2),
                       programmatic=programmatic)
 
         return [("gate_up", gate_up), ("down", down)]
@@ -133,11 +143,12 @@ def make_workspace(dims: Dims, params: dict[str, int] | None = None) -> Any:
     return allocate(dims, lists=False, pair_out=False)
 
 
-def make_family(fmt: WeightFormat) -> KernelFamily:
-    """The per-pair pair on ``fmt`` weights: the helpers, the loader, the tensor-core core and the two kernels."""
+def make_family(fmt: WeightFormat, layer: ExpertLayer = CONTRACT_LAYER) -> KernelFamily:
+    """The per-pair pair on ``fmt`` weights computing ``layer``: the helpers, the loader and the layer's code, the
+    tensor-core core and the two kernels."""
     code = (WARP_HELPERS + FP8_HELPERS + PDL_HELPERS + FAMILY_DEFINES + BATCHED_HELPERS + loader_for(fmt, "mma")
-            + CORE + CODE)
-    suffix = "" if fmt.name == BF16_FORMAT.name else f"[{fmt.name}]"
+            + layer.device_code() + CORE + CODE)
+    suffix = family_suffix(fmt, layer)
     source = CudaSource(name=f"batched_pairs{suffix}", code=code, kernels=KERNELS, defaults={**KNOBS, **DERIVED},
                         warps_knobs={GATE_UP: "GB_WARPS"}, knob_prefixes={GATE_UP: "GB_", DOWN: "DB_"},
                         description=f"the batch-invariant per-pair tensor-core pair on {fmt.name} weights: a pair "
@@ -181,7 +192,8 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
     const mma_scale_t* __restrict__ s13,      // scaled formats: the loader's scale rows
     const int* __restrict__ topk_ids,         // [T, K]
     bf16_t* __restrict__ intermediate,        // [T, K, I]
-    int hidden, int inter, int experts, int top_k, int pairs)
+    int hidden, int inter, int experts, int top_k, int pairs,
+    const bf16_t* __restrict__ b13)           // EXPERT_BIAS: the gate and up biases [E, 2I] (else never read)
 {
 #if GB_KSPLIT == 1  // one chain over H per warp: nothing shared, no barrier
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -204,9 +216,9 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
     mma_rows_by_columns<GB_UNROLL, 1, false>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi, x_row, 0,
                                              hidden / 8, q, unused);
     if (q == 0 && i0 + g < inter) {                                  // column 0: the pair
-        const float gate = acc[0][0], up = acc[0][2];
-        const float silu = gate / (1.0f + expf(-gate));              // IEEE division (no fast-math)
-        intermediate[(long long)p * inter + i0 + g] = intermediate_value(silu * up);  // the one bf16 rounding
+        const long long bias = (long long)e * 2 * inter + i0 + g;    // (the layer's biases, if any)
+        const float gate = WITH_BIAS(acc[0][0], b13, bias), up = WITH_BIAS(acc[0][2], b13, bias + inter);
+        intermediate[(long long)p * inter + i0 + g] = intermediate_value(expert_activation(gate, up));  // one rounding
     }
 #else  // a warp per (8 neurons, k range); the ranges' partials meet in shared memory
     constexpr int GROUPS = GB_WARPS / GB_KSPLIT;
@@ -248,8 +260,9 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
         return;
     }
     if (q == 0 && i0 + g < inter) {
-        const float silu = gate / (1.0f + expf(-gate));              // IEEE division (no fast-math)
-        intermediate[(long long)p * inter + i0 + g] = intermediate_value(silu * up);  // the one bf16 rounding
+        const long long bias = (long long)e * 2 * inter + i0 + g;    // (the layer's biases, if any)
+        const float hidden_value = expert_activation(WITH_BIAS(gate, b13, bias), WITH_BIAS(up, b13, bias + inter));
+        intermediate[(long long)p * inter + i0 + g] = intermediate_value(hidden_value);  // the one bf16 rounding
     }
 #endif
 }
@@ -269,7 +282,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K <= 1
     const int* __restrict__ topk_ids,         // [T, K]
     const float* __restrict__ topk_weights,   // [T, K]
     void* __restrict__ out,                   // [T, H] bf16, or float32 when out_f32
-    int out_f32, int tokens, int hidden, int inter, int experts, int top_k)
+    int out_f32, int tokens, int hidden, int inter, int experts, int top_k,
+    const bf16_t* __restrict__ b2)            // EXPERT_BIAS: the down biases [E, H] (else never read)
 {
     __shared__ float rows[16][16];                                   // [slot][row]: the weighted dots
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, k = threadIdx.x >> 5;
@@ -289,8 +303,9 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K <= 1
                                                 waited);
         if (q == 0) {                                                // column 0: rows g, g + 8 of the pair
             const float weight = __ldg(topk_weights + (long long)t * top_k + k);
-            rows[k][g] = __fmul_rn(weight, acc[0][0]);
-            rows[k][g + 8] = __fmul_rn(weight, acc[0][2]);
+            const long long bias = (long long)e * hidden;            // (the layer's biases, if any)
+            rows[k][g] = __fmul_rn(weight, WITH_BIAS(acc[0][0], b2, bias + min(h0 + g, hidden - 1)));
+            rows[k][g + 8] = __fmul_rn(weight, WITH_BIAS(acc[0][2], b2, bias + min(h0 + g + 8, hidden - 1)));
         }
     }
     down_epilogue_wait();  // warps that never waited (a bad slot) before out is written
