@@ -81,7 +81,7 @@ def _run(cupy: Any, w13: Any, w2: Any, host: tuple[Any, ...], policy: str, graph
 
 CASES = [("qwen3-30b-a3b", "bf16"), ("qwen3-235b-a22b", "bf16"), ("qwen3-30b-a3b", "fp8-block128"),
          ("h200-i136", "bf16"), ("tiny", "fp8-block128"), ("qwen3-235b-a22b", "fp8-block128-t16"),
-         ("qwen3-30b-a3b", "bf16-t16")]
+         ("qwen3-30b-a3b", "bf16-t16"), ("gpt-oss-120b", "mxfp4"), ("h200-i136", "mxfp4")]
 
 
 @pytest.mark.gpu
@@ -117,7 +117,7 @@ def test_batch_invariant_policy_on_the_gpu(model: str, weight_format: str) -> No
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("weight_format", ["bf16", "fp8-block128"])
+@pytest.mark.parametrize("weight_format", ["bf16", "fp8-block128", "mxfp4"])
 def test_invariant_forms_agree_in_any_batch_on_the_gpu(weight_format: str) -> None:
     """Both forms the policy switches between, at their library knobs (GB_KSPLIT ranges: a warp per range in the
     per-pair form, the ranges in turn in the grouped path): the per-pair form alone and in batches up to 8, the

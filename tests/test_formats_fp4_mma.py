@@ -213,6 +213,20 @@ def test_emulated_nan_scales_and_bad_ids(rng: np.random.Generator, path: str) ->
     _assert_matches(got[good].astype(BF16), faithful, oracle, "nan scales: the clean tokens", own_order=True)
 
 
+@pytest.mark.parametrize("shape", [SHAPE_32, pytest.param(SHAPE_8, marks=pytest.mark.slow)], ids=["h256", "h200"])
+def test_emulated_invariant_pair_keeps_a_tokens_bits(rng: np.random.Generator, shape: MoEShape) -> None:
+    """The batch-invariant policy on mxfp4: a token's row from the per-pair form alone (T = 1) is bitwise its row
+    from the grouped path in a batch of 6 under Zipf routing (the same k ranges, invariant_ksplit 4, in both)."""
+    problem = _mxfp4(make_problem(shape, 6, seed=_seed(rng), routing="zipf"))
+    grouped = _emulate(problem, path="mma", **mma.grouped_knobs(MXFP4))["out"].view(np.uint16)
+    for t in (0, 4):
+        alone = dataclasses.replace(problem, tokens=1, x=problem.x[t:t + 1], topk_ids=problem.topk_ids[t:t + 1],
+                                    topk_weights=problem.topk_weights[t:t + 1])
+        got = _emulate(alone, path="pairs")
+        assert got["params"]["GB_KSPLIT"] == mma.invariant_ksplit(MXFP4) == 4
+        assert np.array_equal(got["out"].view(np.uint16)[0], grouped[t]), t
+
+
 # ---------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------
