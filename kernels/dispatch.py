@@ -38,12 +38,11 @@ the tensor-core kernels' limits (too many experts or pairs for the list kernel) 
 batch-invariant policy's variant is ``cupy:auto-invariant`` on bf16 and ``cupy:auto-invariant-fp8``, ``-fp8-t16`` and
 ``-t16`` on the other formats.
 
-mxfp4 weights choose among mxfp4's FMA, tensor-core, per-pair and grouped paths (``cupy:auto-mxfp4``; the
-batch-invariant pair ``cupy:auto-invariant-mxfp4``), nvfp4 weights take their FMA path (``cupy:auto-nvfp4``; no
-batch-invariant path reads them yet); neither has a measured table entry yet, so the heuristic decides
-(:data:`FORMAT_PATHS`). A call with the model's own layer (``activation=``, ``b13=`` / ``b2=``: gpt-oss's) runs where
-the choice is batched and takes the format's FMA path where it is strict or expert-centric (:func:`layer_choice`):
-only the batched families compile a layer.
+mxfp4 (nvfp4) weights choose among that format's FMA, tensor-core, per-pair and grouped paths (``cupy:auto-mxfp4``,
+``cupy:auto-nvfp4``; the batch-invariant pairs ``cupy:auto-invariant-mxfp4`` / ``-nvfp4``); neither has a measured
+table entry yet, so the heuristic decides (:data:`FORMAT_PATHS`). A call with the model's own layer
+(``activation=``, ``b13=`` / ``b2=``: gpt-oss's) runs where the choice is batched and takes the format's FMA path
+where it is strict or expert-centric (:func:`layer_choice`): only the batched families compile a layer.
 
 The choice depends only on the shape (H, I, E, K), T, the GPU and the policy -- never on ``topk_ids``' values -- so
 it never syncs with the host and a captured CUDA graph stays valid for any routing:
@@ -115,6 +114,9 @@ MX4_BATCHED, NV4_BATCHED = "cupy:warp-decode-batched-mxfp4", "cupy:warp-decode-b
 MX4_MMA = "cupy:warp-decode-mma-mxfp4"
 MX4_MMA_PAIRS = "cupy:warp-decode-mma-pairs-mxfp4"
 MX4_MMA_GROUPED = "cupy:warp-decode-mma-grouped-mxfp4"
+NV4_MMA = "cupy:warp-decode-mma-nvfp4"
+NV4_MMA_PAIRS = "cupy:warp-decode-mma-pairs-nvfp4"
+NV4_MMA_GROUPED = "cupy:warp-decode-mma-grouped-nvfp4"
 # the batch-invariant pair are candidates of the other policies too: the per-pair form, whose pairs sharing an expert
 # read it back to back, led at qwen3-235b T = 2 by the worst case over uniform and Zipf routing, and the grouped path
 # at qwen3-235b T = 4 / 8 / 16 (H200, results/h200-2026-12-02-candidates-*.json)
@@ -128,8 +130,9 @@ FP8_CANDIDATES = (FP8_STRICT, FP8_BATCHED, FP8_MMA, FP8_MMA_PAIRS, FP8_MMA_GROUP
 FP8_T16_CANDIDATES = (FP8_T16_MMA, FP8_T16_MMA_PAIRS, FP8_T16_MMA_GROUPED)
 # bf16-t16 weights: the tensor-core bf16 paths on tiles
 T16_CANDIDATES = (T16_MMA, T16_MMA_PAIRS, T16_MMA_GROUPED)
-# 4-bit weights: mxfp4's FMA, tensor-core and per-pair paths; nvfp4's FMA path (no tensor-core loader reads it yet)
+# 4-bit weights: each format's FMA, tensor-core, per-pair and grouped paths
 MX4_CANDIDATES = (MX4_BATCHED, MX4_MMA, MX4_MMA_PAIRS, MX4_MMA_GROUPED)
+NV4_CANDIDATES = (NV4_BATCHED, NV4_MMA, NV4_MMA_PAIRS, NV4_MMA_GROUPED)
 BATCHED_PATHS = batched.PATHS  # variant name -> (batched family path, knobs): the batched paths
 FASTEST = "fastest"
 WARP_DECODE = "warp_decode"
@@ -145,12 +148,13 @@ FORMAT_CANDIDATES: dict[str, dict[str, tuple[str, ...]]] = {
               BATCH_INVARIANT: (FP8_T16_MMA_PAIRS, FP8_T16_MMA_GROUPED)},
     T16: {FASTEST: T16_CANDIDATES, WARP_DECODE: T16_CANDIDATES, BATCH_INVARIANT: (T16_MMA_PAIRS, T16_MMA_GROUPED)},
     MX4: {FASTEST: MX4_CANDIDATES, WARP_DECODE: MX4_CANDIDATES, BATCH_INVARIANT: (MX4_MMA_PAIRS, MX4_MMA_GROUPED)},
-    NV4: {FASTEST: (NV4_BATCHED,), WARP_DECODE: (NV4_BATCHED,), BATCH_INVARIANT: ()}}
+    NV4: {FASTEST: NV4_CANDIDATES, WARP_DECODE: NV4_CANDIDATES, BATCH_INVARIANT: (NV4_MMA_PAIRS, NV4_MMA_GROUPED)}}
 # the batch-invariant policy's (per-pair, grouped) paths per format: per-pair while pairs are few per expert
 INVARIANT_PATHS: dict[str, tuple[str, str]] = {"bf16": (MMA_PAIRS, MMA_GROUPED), FP8: (FP8_MMA_PAIRS, FP8_MMA_GROUPED),
                                                FP8_T16: (FP8_T16_MMA_PAIRS, FP8_T16_MMA_GROUPED),
                                                T16: (T16_MMA_PAIRS, T16_MMA_GROUPED),
-                                               MX4: (MX4_MMA_PAIRS, MX4_MMA_GROUPED)}
+                                               MX4: (MX4_MMA_PAIRS, MX4_MMA_GROUPED),
+                                               NV4: (NV4_MMA_PAIRS, NV4_MMA_GROUPED)}
 # The heuristic's (few pairs, batched, MMA) paths per format, and the strict path any dims can run. FP8: the per-pair
 # tensor-core form where strict would run -- on the H200 it beat strict FP8 at T = 1 / 2 on both qwen3 shapes (30b
 # 18.0 / 27.1 vs 19.2 / 33.0 us, 235b 46.3 / 88.4 vs 53.8 / 104.6: results/h200-2026-12-02-fp8-paths-t1-t2-*.json)
@@ -161,11 +165,11 @@ FORMAT_PATHS: dict[str, tuple[str, str, str]] = {"bf16": (STRICT, BATCHED, MMA),
                                                   FP8_T16: (FP8_T16_MMA_PAIRS, FP8_T16_MMA, FP8_T16_MMA),
                                                   T16: (T16_MMA_PAIRS, T16_MMA, T16_MMA),
                                                   MX4: (MX4_MMA_PAIRS, MX4_MMA, MX4_MMA),
-                                                  NV4: (NV4_BATCHED, NV4_BATCHED, NV4_BATCHED)}
+                                                  NV4: (NV4_MMA_PAIRS, NV4_MMA, NV4_MMA)}
 # the path that runs any dims, per format; none reads tiles (dims a tiled format's tensor-core paths cannot run -- too
 # many experts for the list kernel, or too many pairs -- raise, naming the row layout, whose strict path runs them)
-# (4-bit weights, unmeasured: mxfp4 follows FP8's rule -- the per-pair form where strict would run, the tensor-core
-# path elsewhere -- and falls back on its FMA path, which needs no tensor-core limit; nvfp4 has the FMA path alone)
+# (4-bit weights, unmeasured: FP8's rule -- the per-pair form where strict would run, the tensor-core path
+# elsewhere -- falling back on the format's FMA path, which needs no tensor-core limit)
 FORMAT_STRICT: dict[str, str | None] = {"bf16": STRICT, FP8: FP8_STRICT, FP8_T16: None, T16: None, MX4: MX4_BATCHED,
                                         NV4: NV4_BATCHED}
 ROW_LAYOUT: dict[str, str] = {FP8_T16: FP8, T16: "bf16"}  # a tiled format's row-major counterpart
@@ -615,8 +619,8 @@ VARIANT_INVARIANT = _auto_variant("cupy:auto-invariant", BATCH_INVARIANT, "auto-
 VARIANT_INVARIANT_FORMATS = {fmt: _auto_variant(f"cupy:auto-invariant-{suffix}", BATCH_INVARIANT,
                                                 f"auto-dispatch, policy batch_invariant, on {fmt} weights: that "
                                                 "format's grouped tensor-core path or its per-pair form", fmt)
-                             for fmt, suffix in ((FP8, "fp8"), (FP8_T16, "fp8-t16"), (T16, "t16"), (MX4, MX4))}
-VARIANT_FOUR_BIT = {fmt: _auto_variant(f"cupy:auto-{fmt}", FASTEST, f"auto-dispatch on {fmt} weights: its FMA"
-                                       + (", tensor-core and per-pair" if fmt == MX4 else "")
-                                       + " warp decode from the table's entries for the format (or the heuristic)",
-                                       fmt) for fmt in (MX4, NV4)}
+                             for fmt, suffix in ((FP8, "fp8"), (FP8_T16, "fp8-t16"), (T16, "t16"), (MX4, MX4),
+                                                 (NV4, NV4))}
+VARIANT_FOUR_BIT = {fmt: _auto_variant(f"cupy:auto-{fmt}", FASTEST, f"auto-dispatch on {fmt} weights: its FMA, "
+                                       "tensor-core and per-pair warp decode from the table's entries for the format "
+                                       "(or the heuristic)", fmt) for fmt in (MX4, NV4)}

@@ -1013,23 +1013,18 @@ def test_check_prints_what_each_pick_costs_under_each_routing(tmp_path: Path, ca
 
 
 def test_four_bit_weights_choose_among_their_paths(tmp_path: Path) -> None:
-    """mxfp4 weights (no measured entry): FP8's rule on mxfp4's paths -- the per-pair tensor-core form where strict
-    would run, the tensor-core path elsewhere, the FMA path where the per-pair form cannot run (K > 16); the
-    batch-invariant pair per-pair / grouped. nvfp4 weights: the FMA path under either policy that
-    has one, and the batch-invariant policy refused, naming the formats that have it."""
-    mx = {1: dispatch.MX4_MMA_PAIRS, 2: dispatch.MX4_MMA_PAIRS, 4: dispatch.MX4_MMA, 64: dispatch.MX4_MMA}
-    for tokens, want in mx.items():
-        assert dispatch.heuristic(_dims(QWEN30, tokens), weight_format="mxfp4") == want, tokens
-        assert dispatch.heuristic(_dims(QWEN30, tokens), weight_format="nvfp4") == dispatch.NV4_BATCHED, tokens
-    assert dispatch.heuristic(Dims(1, 2048, 768, 512, 20), weight_format="mxfp4") == dispatch.MX4_BATCHED
-    assert dispatch.heuristic(_dims(QWEN30, 1), dispatch.BATCH_INVARIANT, "mxfp4") == dispatch.MX4_MMA_PAIRS
-    assert dispatch.heuristic(_dims(QWEN30, 64), dispatch.BATCH_INVARIANT, "mxfp4") == dispatch.MX4_MMA_GROUPED
-    with pytest.raises(ValueError, match="no batch-invariant path reads nvfp4 weights .* formats with one: .*mxfp4"):
-        dispatch.heuristic(_dims(QWEN30, 1), dispatch.BATCH_INVARIANT, "nvfp4")
-    assert dispatch.choose(_dims(QWEN30, 8), "Fake GPU", tmp_path, weight_format="mxfp4") == (dispatch.MX4_MMA,
-                                                                                               "heuristic")
-    assert dispatch.key_format("H2880-I2880-E128-K4-mxfp4") == "mxfp4"
-    assert dispatch.key_format("H2880-I2880-E128-K4-nvfp4") == "nvfp4"
-    for name, fmt in ((dispatch.MX4_MMA, "mxfp4"), (dispatch.NV4_BATCHED, "nvfp4"), ("cupy:auto-mxfp4", "mxfp4"),
-                      ("cupy:auto-nvfp4", "nvfp4"), ("cupy:auto-invariant-mxfp4", "mxfp4")):
-        assert get_variant(name).weight_format == fmt, name
+    """mxfp4 and nvfp4 weights (no measured entry): FP8's rule on the format's paths -- the per-pair tensor-core form
+    where strict would run, the tensor-core path elsewhere, the FMA path where the per-pair form cannot run (K > 16);
+    the batch-invariant pair per-pair / grouped."""
+    paths = {"mxfp4": (dispatch.MX4_MMA_PAIRS, dispatch.MX4_MMA, dispatch.MX4_BATCHED, dispatch.MX4_MMA_GROUPED),
+             "nvfp4": (dispatch.NV4_MMA_PAIRS, dispatch.NV4_MMA, dispatch.NV4_BATCHED, dispatch.NV4_MMA_GROUPED)}
+    for fmt, (pairs, mma_path, fma_path, grouped) in paths.items():
+        for tokens, want in {1: pairs, 2: pairs, 4: mma_path, 64: mma_path}.items():
+            assert dispatch.heuristic(_dims(QWEN30, tokens), weight_format=fmt) == want, (fmt, tokens)
+        assert dispatch.heuristic(Dims(1, 2048, 768, 512, 20), weight_format=fmt) == fma_path
+        assert dispatch.heuristic(_dims(QWEN30, 1), dispatch.BATCH_INVARIANT, fmt) == pairs
+        assert dispatch.heuristic(_dims(QWEN30, 64), dispatch.BATCH_INVARIANT, fmt) == grouped
+        assert dispatch.choose(_dims(QWEN30, 8), "Fake GPU", tmp_path, weight_format=fmt) == (mma_path, "heuristic")
+        assert dispatch.key_format(f"H2880-I2880-E128-K4-{fmt}") == fmt
+        for name in (mma_path, pairs, grouped, fma_path, f"cupy:auto-{fmt}", f"cupy:auto-invariant-{fmt}"):
+            assert get_variant(name).weight_format == fmt, name

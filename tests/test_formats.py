@@ -80,7 +80,8 @@ def test_variants_default_to_bf16() -> None:
         ["cupy:warp-decode-batched-mxfp4", "cupy:warp-decode-mma-mxfp4", "cupy:warp-decode-mma-pairs-mxfp4",
          "cupy:warp-decode-mma-grouped-mxfp4", "cupy:auto-mxfp4", "cupy:auto-invariant-mxfp4"],
         "mxfp4") | dict.fromkeys(
-        ["cupy:warp-decode-batched-nvfp4", "cupy:auto-nvfp4"], "nvfp4")
+        ["cupy:warp-decode-batched-nvfp4", "cupy:warp-decode-mma-nvfp4", "cupy:warp-decode-mma-pairs-nvfp4",
+         "cupy:warp-decode-mma-grouped-nvfp4", "cupy:auto-nvfp4", "cupy:auto-invariant-nvfp4"], "nvfp4")
 
 
 class ExpertScaled(WeightFormat):

@@ -509,8 +509,8 @@ template <class T> void save(const std::string& path, const std::vector<T>& v) {
 }
 // The family this binary emulates comes from the harness's own macros (prepended by the test: _harness):
 // EMU_PATH_FMA / EMU_PATH_MMA / EMU_PATH_PAIRS, and EMU_SCALED for a scaled weight format: 1 fp8-block128 (bytes +
-// float32 block scales), 2 mxfp4 (e2m1 pairs + e8m0 bytes; the FMA family only), 3 nvfp4 (e2m1 pairs + e4m3 bytes
-// + a float32 global scale per expert and matrix, the FMA kernels' last arguments; the FMA family only).
+// float32 block scales), 2 mxfp4 (e2m1 pairs + e8m0 bytes), 3 nvfp4 (e2m1 pairs + e4m3 bytes + a float32 global
+// scale per expert and matrix: every batched kernel's argument before the biases).
 // The family's macros (DB_GROUPED) are the rendered kernel text's; the list kernel's threads and the dynamic shared
 // memory come on the command line, from the resolved knobs.
 int main(int argc, char** argv) {
@@ -523,7 +523,6 @@ int main(int argc, char** argv) {
     auto x = load<uint16_t>(dir + "/x.bin", (size_t)T * H);
     const float* g13 = nullptr;  // global-scaled weights' scale per expert (nvfp4), else never read
     const float* g2 = nullptr;
-    (void)g13; (void)g2;         // the tensor-core families take none
 #if EMU_SCALED >= 2  // mxfp4 / nvfp4: e2m1 values two a byte along k, an e8m0 / e4m3 byte per 32 / 16 values a row
     const int SB = EMU_SCALED == 2 ? 32 : 16;
     auto w13 = load<uint8_t>(dir + "/w13.bin", (size_t)E * 2 * I * H / 2);
@@ -571,36 +570,34 @@ int main(int argc, char** argv) {
 #if EMU_PATH_PAIRS  // no lists: a pair per gate_up block row, a token per down block (a warp per slot)
     (void)slots; (void)list_threads;
     launch(gu_blocks, GB_WARPS * 32,
-           [&] { moe_gate_up_pair(x.data(), w13.data(), s13, ids.data(), inter.data(), H, I, E, K, T * K, b13); });
+           [&] { moe_gate_up_pair(x.data(), w13.data(), s13, ids.data(), inter.data(), H, I, E, K, T * K, g13, b13); });
     launch(dn_blocks, 32 * K, [&] {
-        moe_down_token(inter.data(), w2.data(), s2, ids.data(), wts.data(), out.data(), f32, T, H, I, E, K, b2);
+        moe_down_token(inter.data(), w2.data(), s2, ids.data(), wts.data(), out.data(), f32, T, H, I, E, K, g2, b2);
     });
 #else
     launch(1, list_threads, [&] { moe_expert_lists(ids.data(), T * K, E, slots, lists.data()); });
 #if EMU_PATH_MMA
 #define GATE_UP_KERNEL moe_gate_up_mma
 #define DOWN_KERNEL moe_down_mma
-#define GLOBAL_SCALES(g)
 #else
 #define GATE_UP_KERNEL moe_gate_up_batched
 #define DOWN_KERNEL moe_down_batched
-#define GLOBAL_SCALES(g) , g  // the FMA kernels' last argument
 #endif
     launch(gu_blocks, GB_WARPS * 32,
-           [&] { GATE_UP_KERNEL(x.data(), w13.data(), s13, lists.data(), inter.data(), H, I, E, K, slots, T * K
-                                GLOBAL_SCALES(g13), b13); });
+           [&] { GATE_UP_KERNEL(x.data(), w13.data(), s13, lists.data(), inter.data(), H, I, E, K, slots, T * K,
+                                g13, b13); });
 #if EMU_PATH_MMA && DB_GROUPED
     std::vector<float> pair_out((size_t)T * K * H, __uint_as_float(0x7fc00000u));
     launch(dn_blocks, DB_WARPS * 32, [&] {
         moe_down_grouped(inter.data(), w2.data(), s2, wts.data(), lists.data(), pair_out.data(), H, I, E, K, slots,
-                         T * K, b2);
+                         T * K, g2, b2);
     });
     launch((T * (H / 4) + 255) / 256, 256,
            [&] { moe_sum_slots(pair_out.data(), ids.data(), out.data(), f32, T, H, E, K); });
 #else
     launch(dn_blocks, DB_WARPS * 32, [&] {
         DOWN_KERNEL(inter.data(), w2.data(), s2, ids.data(), wts.data(), lists.data(), out.data(), f32, T, H, I, E, K,
-                    slots GLOBAL_SCALES(g2), b2);
+                    slots, g2, b2);
     });
 #endif
 #endif  // EMU_PATH_PAIRS

@@ -128,9 +128,9 @@ FOUR_BIT_VARIANTS = {fmt.name: _register(f"cupy:warp-decode-batched-{fmt.name}",
                                          "widened and scaled in registers", _FMA_GRID)
                      for fmt in (MXFP4, NVFP4)}
 _SUFFIX = {"bf16": "", FP8_BLOCK128.name: "-fp8", BF16_T16.name: "-t16", FP8_BLOCK128_T16.name: "-fp8-t16",
-           MXFP4.name: "-mxfp4"}
+           MXFP4.name: "-mxfp4", NVFP4.name: "-nvfp4"}
 _ROUNDS = {"bf16": [4, 8], FP8_BLOCK128.name: [2, 4], BF16_T16.name: [4, 8], FP8_BLOCK128_T16.name: [2, 4],
-           MXFP4.name: [1, 2, 4]}
+           MXFP4.name: [1, 2, 4], NVFP4.name: [1, 2, 4]}
 for _fmt, _suffix in _SUFFIX.items():
     _rounds = {"GB_UNROLL": _ROUNDS[_fmt], "DB_UNROLL": _ROUNDS[_fmt]}
     _register(f"cupy:warp-decode-mma{_suffix}", "mma", _fmt, {},

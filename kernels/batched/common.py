@@ -112,8 +112,8 @@ def weight_args(w: Any, fmt: WeightFormat) -> tuple[Any, Any]:
 
 
 def global_arg(w: Any, fmt: WeightFormat) -> Any:
-    """A weight matrix's float32 scale per expert as the FMA kernels take it (their last argument): a null pointer for
-    a format without one."""
+    """A weight matrix's float32 scale per expert as the batched kernels take it (before the biases): a null pointer
+    for a format without one."""
     return w.global_scale if fmt.global_scaled else NO_SCALES
 
 
@@ -137,15 +137,15 @@ def bias_args(b13: Any, b2: Any) -> tuple[Any, Any]:
 
 def list_stages(compiled: Any, fmt: WeightFormat, kernels: tuple[Any, Any, Any], gate_up_blocks: int,
                 down_blocks: int, down_shared: int, x: Any, w13: Any, w2: Any, topk_ids: Any, topk_weights: Any,
-                out: Any, global_scales: bool = False, b13: Any = None, b2: Any = None) -> list[tuple[str, Any]]:
+                out: Any, b13: Any = None, b2: Any = None) -> list[tuple[str, Any]]:
     """The three launches the FMA pair and the tensor-core pair's balanced down share -- the lists, a gate_up from the
-    lists into the intermediate, a down from the intermediate into ``out`` (the kernels take the same arguments; with
-    ``global_scales``, the FMA pair's, one more: the matrix's scale per expert, :func:`global_arg`; last the biases,
-    :func:`bias_args`) -- as named zero-argument callables on ``compiled``'s workspace."""
+    lists into the intermediate, a down from the intermediate into ``out`` (the kernels take the same arguments, the
+    last two the matrix's scale per expert, :func:`global_arg`, and the biases, :func:`bias_args`) -- as named
+    zero-argument callables on ``compiled``'s workspace."""
     params, d, ws = compiled.params, compiled.dims, compiled.workspace
     lists_k, gate_up_k, down_k = kernels
-    g13, g2 = ((global_arg(w13, fmt),), (global_arg(w2, fmt),)) if global_scales else ((), ())
-    g13, g2 = (*g13, bias_args(b13, b2)[0]), (*g2, bias_args(b13, b2)[1])
+    bias13, bias2 = bias_args(b13, b2)
+    g13, g2 = (global_arg(w13, fmt), bias13), (global_arg(w2, fmt), bias2)
     w13, s13 = weight_args(w13, fmt)
     w2, s2 = weight_args(w2, fmt)
     i32, n_slots, programmatic = np.int32, lists.slots(d), bool(params["PDL"])

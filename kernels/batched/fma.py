@@ -176,8 +176,7 @@ def make_stages(fmt: WeightFormat) -> Any:
         d, params = compiled.dims, compiled.params
         kernels = tuple(compiled.kernels[name] for name in KERNELS)
         return list_stages(compiled, fmt, kernels, gate_up_blocks(d, params), down_blocks(d, params),
-                           down_shared_bytes(d, params), x, w13, w2, topk_ids, topk_weights, out, global_scales=True,
-                           b13=b13, b2=b2)
+                           down_shared_bytes(d, params), x, w13, w2, topk_ids, topk_weights, out, b13=b13, b2=b2)
 
     return stages
 

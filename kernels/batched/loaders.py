@@ -30,11 +30,11 @@ with one scale per chunk (fp8-block128, mxfp4) declares :data:`FMA_FLOAT_SCALES`
 
 * ``weight_t`` and ``VALUES_PER_WEIGHT``; ``a_chunk_t`` (a lane's 8 values of an A row), ``a_load_t`` (its load per
   A row and k block), ``MMA_HALVES`` (chunks per load: a k block is 32 values wide times this -- 2 with fp8's
-  16-value loads, 4 with mxfp4's 32-value ones);
+  16-value loads, 4 with the 4-bit formats' 32-value ones);
 * ``a_fragment(load, h)``: half ``h`` of a lane's A load as a bf16 m16n8k16 fragment -- or, for a format that scales
-  each lane's values before the mma (mxfp4), ``a_fragment(load, h, scale)`` with ``A_SCALE(j, t, row)``, the scale
-  its round loaded for k block ``j``, row tile ``t`` and rows g / g + 8; ``b_fragment<PRE>(chunk)``: a lane's 8 bf16
-  activations as its B fragment; ``intermediate_value(v)``: what the gate_up writes for ``v``;
+  each lane's values before the mma (the 4-bit formats), ``a_fragment(load, h, scale)`` with ``A_SCALE(j, t, row)``,
+  the scales its round loaded for k block ``j``, row tile ``t`` and rows g / g + 8; ``b_fragment<PRE>(chunk)``: a
+  lane's 8 bf16 activations as its B fragment; ``intermediate_value(v)``: what the gate_up writes for ``v``;
 * ``w13_gate_offset(i, hidden)``, ``w13_up_offset(gate, i, hidden, inter)``, ``w2_row_offset(h, inter)``: where a
   row starts inside its expert (values), and ``a_index(idx)``: the index of a row's ``idx``-th load;
 * ``mma_scale_t`` (one stored scale), ``MMA_SCALE_GEOMETRY(hidden, inter)`` and ``mma_w13_scale_row(s, e, i, up)`` /
@@ -45,7 +45,9 @@ with one scale per chunk (fp8-block128, mxfp4) declares :data:`FMA_FLOAT_SCALES`
   and ``mma_sums(acc, part)``: where the mma accumulate (``acc``, or a scaled format's partial that the apply scales
   into ``acc``);
 * ``FORMAT_WHOLE_ROUNDS``: 1 where unmasked whole rounds pay at every k range (fp8: its widening is most of a
-  round), 0 where the family's own choice stands.
+  round), 0 where the family's own choice stands;
+* optionally ``GLOBAL_OF(g, e)`` / ``WITH_GLOBAL(v, global)``: a float32 scale per expert (nvfp4's), read from the
+  kernel's argument ``g13`` / ``g2`` and multiplied into each finished dot (without them: neither).
 
 Both may read the family's derived macros: ``FP8_LOAD16`` (16 e4m3 values per load: H and I multiples of 16),
 ``FP8_PRMT`` (the e4m3 widening, kernels/device_helpers.py; 3: the intermediate written x 2^8) and ``FP4_HALVES``

@@ -2,8 +2,9 @@
 families as :mod:`kernels.batched.loaders`' others are, whose docstring states the contract they implement.
 
 e2m1 values two a byte along k, the even one in the low nibble; every loader widens them by bit placement, never a
-lookup (why: ``MXFP4_FMA``'s comment). The FMA loaders read mxfp4 and nvfp4; the tensor-core loader (``MXFP4_MMA``, for
-the tensor-core and per-pair families) reads mxfp4, scaling each lane's values before the mma.
+lookup (why: ``MXFP4_FMA``'s comment). The FMA loaders read mxfp4 and nvfp4; the tensor-core loaders (``MXFP4_MMA``,
+``NVFP4_MMA``: the shared ``E2M1_MMA`` after each format's block scales, for the tensor-core and per-pair families)
+scale each lane's values before the mma (nvfp4's global scale after it).
 """
 
 from __future__ import annotations
@@ -134,19 +135,19 @@ __device__ __forceinline__ void weight_pair(const W& wv, int w, const chunk_scal
 }
 """
 
-MXFP4_MMA = r"""
-// ---- weight loader: mxfp4 on tensor cores (kernels/batched/loaders.py) ----
+E2M1_MMA = r"""
+// ---- weight loader: e2m1 values on tensor cores (kernels/batched/loaders_fp4.py) ----
 // e2m1 values two a byte along k (the even one in the low nibble). A lane's A load holds FP4_HALVES chunks of 8 values
-// (4: 16 bytes, where H and I are multiples of 32; 2: 8 bytes, multiples of 16; 1: 4 bytes), which lie in one
-// 32-value scale block of its row: the lane scales its own values before the mma, so each A fragment IS the
-// reference's dequantized weight, e2m1 x 2^(s - 127) -- exact in bf16 wherever that float32 is finite (two
-// significant bits, 2^-128 at the least; an overflow is infinity in both) -- and the mma sums what the bf16
-// tensor-core path sums on the dequantized weights. Nothing is applied after the mma (mma_sums: acc).
+// (4: 16 bytes, where H and I are multiples of 32; 2: 8 bytes, multiples of 16; 1: 4 bytes), each inside one scale
+// block of its row (32 values: mxfp4; 16: nvfp4, whose 16-byte loads hold two blocks, a scale each): the lane scales
+// its own values before the mma (a_fragment(load, h, scale)), so each A fragment is the value times its block scale
+// exactly -- e2m1 has two significant bits, an e8m0 scale none and an e4m3 one four, so the product is a bf16
+// wherever its float32 is finite -- and the mma sums what the bf16 tensor-core path sums on those weights.
 // Widening, per byte (two values): one integer multiply places the low nibble's bits at 9..6 and the high one's at
 // 25..22, a mask keeps both magnitudes (bf16 bits 8..6 and 24..22) and a shifted copy the signs (15, 31): each half is
 // then value x 2^-126 exactly (0.5 is bf16's subnormal 2^-127); two bf16x2 multiplies, exact, make it the value (x
-// 2^126) and the weight (x the scale: 2^(s - 127); s = 0 the subnormal 2^-127, 255 NaN). The tensor cores take
-// subnormal bf16 exactly (notes/diag_mma_subnormals.py).
+// 2^126) and the weight (x the block scale as bf16). The tensor cores take subnormal bf16 exactly
+// (notes/diag_mma_subnormals.py).
 typedef unsigned char weight_t;
 #define VALUES_PER_WEIGHT 2
 typedef u32 a_chunk_t;
@@ -159,7 +160,6 @@ typedef u32 a_load_t;
 #endif
 #define MMA_HALVES FP4_HALVES
 #define FORMAT_WHOLE_ROUNDS 1
-#define MX_BLOCK 32
 static_assert(FP4_HALVES == 1 || FP4_HALVES == 2 || FP4_HALVES == 4, "FP4_HALVES is 1, 2 or 4");
 __device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
 #ifdef WD_HOST_EMULATION
@@ -186,43 +186,47 @@ __device__ __forceinline__ uint4 e2m1x8_to_bf16x8(u32 w, u32 scale2) {
     return make_uint4(e2m1x2_to_bf16x2(w, scale2), e2m1x2_to_bf16x2(w >> 8, scale2),
                       e2m1x2_to_bf16x2(w >> 16, scale2), e2m1x2_to_bf16x2(w >> 24, scale2));
 }
-__device__ __forceinline__ uint4 a_fragment(const uint4& v, int h, u32 scale2) {
-    return e2m1x8_to_bf16x8(h == 0 ? v.x : h == 1 ? v.y : h == 2 ? v.z : v.w, scale2);
+// the lane's scales of k block j as the loader's A_SCALE holds them: two bf16 (halves h 0, 1 of a 16-byte load
+// in the low one, 2, 3 in the high one; one scale for a whole load: the same in both)
+__device__ __forceinline__ u32 half_scale2(u32 scales, int h) {
+    const u32 s = h < 2 ? (scales & 0xFFFFu) : (scales >> 16);
+    return s | (s << 16);
 }
-__device__ __forceinline__ uint4 a_fragment(const uint2& v, int h, u32 scale2) {
-    return e2m1x8_to_bf16x8(h == 0 ? v.x : v.y, scale2);
+__device__ __forceinline__ uint4 a_fragment(const uint4& v, int h, u32 scales) {
+    return e2m1x8_to_bf16x8(h == 0 ? v.x : h == 1 ? v.y : h == 2 ? v.z : v.w, half_scale2(scales, h));
 }
-__device__ __forceinline__ uint4 a_fragment(const u32& v, int h, u32 scale2) {
+__device__ __forceinline__ uint4 a_fragment(const uint2& v, int h, u32 scales) {
+    return e2m1x8_to_bf16x8(h == 0 ? v.x : v.y, scales);
+}
+__device__ __forceinline__ uint4 a_fragment(const u32& v, int h, u32 scales) {
     (void)h;
-    return e2m1x8_to_bf16x8(v, scale2);
+    return e2m1x8_to_bf16x8(v, scales);
 }
 template <bool PRE_SCALED_B = false>
 __device__ __forceinline__ uint4 b_fragment(const uint4& v) { return v; }
 __device__ __forceinline__ bf16_t intermediate_value(float v) { return f32_to_bf16(v); }  // the one bf16 rounding
-// scale rows: uint8 e8m0 [E, 2I, ceil(H/32)] (gate rows, then up rows) and [E, H, ceil(I/32)]
+// scale rows: a byte per block of each row, uint8 [E, 2I, ceil(H/SCALE_BLOCK)] (gate rows, then up rows) and
+// [E, H, ceil(I/SCALE_BLOCK)]
 typedef unsigned char mma_scale_t;
 #define MMA_SCALE_GEOMETRY(hidden, inter)                                                                          \
-    const int hblocks = ((hidden) + MX_BLOCK - 1) / MX_BLOCK, iblocks = ((inter) + MX_BLOCK - 1) / MX_BLOCK;       \
+    const int hblocks = ((hidden) + SCALE_BLOCK - 1) / SCALE_BLOCK;                                                \
+    const int iblocks = ((inter) + SCALE_BLOCK - 1) / SCALE_BLOCK;                                                 \
     (void)hblocks; (void)iblocks
 #define mma_w13_scale_row(s, e, i, up) ((s) + ((size_t)(e) * 2 * inter + ((up) ? inter : 0) + (i)) * (size_t)hblocks)
 #define mma_w2_scale_row(s, e, h) ((s) + ((size_t)(e) * hidden + (h)) * (size_t)iblocks)
-// e8m0 byte -> 2^(s - 127) as bf16 in both halves (0: the subnormal 2^-127; 255: NaN)
-__device__ __forceinline__ u32 e8m0_bf16x2(u32 s) {
-    const u32 bits = s == 0u ? 0x0040u : s == 255u ? 0x7FC0u : s << 7;
-    return bits | (bits << 16);
-}
-// a round's scales: per k block j, row tile t and rows g / g + 8, the lane's block's (read after the block's A loads;
+// a round's scales: per k block j, row tile t and rows g / g + 8, the lane's blocks' (read after the block's A loads;
 // a lane past the range's end reads block 0's: its values are zeros -- were that scale NaN, the row's dot is NaN
-// anyway, as in the reference). A macro read in mma_round's scope (q, CHECKED, c_end, tiles, RT).
+// anyway, as in the reference). A macro read in mma_round's scope (q, CHECKED, c_end, tiles, RT); the format's
+// block_scales(row, c) gives the two bf16 of chunk c's load.
 #define ROUND_SCALES(UNROLL, RT) u32 a_scales[UNROLL][RT][2]; (void)part
 #define LOAD_ROUND_SCALES(j, first)                                                                               \
     do {                                                                                                          \
         const int c_ = (first) + MMA_HALVES * q;                                                                  \
-        const int block_ = !CHECKED || c_ < c_end ? c_ * 8 / MX_BLOCK : 0;                                        \
+        const int chunk_ = !CHECKED || c_ < c_end ? c_ : 0;                                                       \
         _Pragma("unroll")                                                                                         \
         for (int t = 0; t < RT; ++t) {                                                                            \
-            a_scales[j][t][0] = e8m0_bf16x2(__ldg(tiles[t].scale_lo + block_));                                   \
-            a_scales[j][t][1] = e8m0_bf16x2(__ldg(tiles[t].scale_hi + block_));                                   \
+            a_scales[j][t][0] = block_scales(tiles[t].scale_lo, chunk_);                                          \
+            a_scales[j][t][1] = block_scales(tiles[t].scale_hi, chunk_);                                          \
         }                                                                                                         \
     } while (0)
 #define APPLY_ROUND_SCALES(j) (void)0
@@ -234,5 +238,39 @@ __device__ __forceinline__ auto mma_sums(float (&acc)[N][4], float (&part)[N][4]
 }
 """
 
+MXFP4_MMA = r"""
+// ---- weight loader: mxfp4 on tensor cores (kernels/batched/loaders_fp4.py) ----
+// an e8m0 scale per 32 values: 2^(s - 127) as bf16 (s = 0: the subnormal 2^-127; 255: NaN), one per lane load.
+#define SCALE_BLOCK 32
+__device__ __forceinline__ u32 e8m0_bf16x2(u32 s) {
+    const u32 bits = s == 0u ? 0x0040u : s == 255u ? 0x7FC0u : s << 7;
+    return bits | (bits << 16);
+}
+__device__ __forceinline__ u32 block_scales(const unsigned char* row, int c) {   // chunk c's load: one block
+    return e8m0_bf16x2(__ldg(row + c * 8 / SCALE_BLOCK));
+}
+""" + E2M1_MMA
+
+NVFP4_MMA = r"""
+// ---- weight loader: nvfp4 on tensor cores (kernels/batched/loaders_fp4.py) ----
+// an e4m3 scale per 16 values (every e4m3 is a bf16: cvt to f32, the top half), two per 16-byte lane load; the
+// expert's float32 global scale after the mma, where each kernel's dot is complete (GLOBAL_OF / WITH_GLOBAL, its
+// argument g13 / g2): the fragments hold value x block scale exactly and the dot is multiplied once -- the
+// reference rounds each weight after that multiply instead (the tensor-core tolerance covers the difference).
+#define SCALE_BLOCK 16
+#define GLOBAL_OF(g, e) __ldg((g) + (e))
+#define WITH_GLOBAL(v, global) __fmul_rn((v), (global))
+__device__ __forceinline__ u32 e4m3_bf16(u32 b) {
+    float lo, hi;
+    e4m3x2_to_f32(b & 0xFFu, lo, hi);
+    return __float_as_uint(lo) >> 16;
+}
+__device__ __forceinline__ u32 block_scales(const unsigned char* row, int c) {   // chunk c's load: c / 2 (and next)
+    const u32 first = e4m3_bf16(__ldg(row + c / 2));
+    return FP4_HALVES == 4 ? first | (e4m3_bf16(__ldg(row + c / 2 + 1)) << 16) : first | (first << 16);
+}
+""" + E2M1_MMA
+
+
 MXFP4_LOADER = register_loader(Loader(MXFP4.name, MXFP4_FMA, MXFP4_MMA + ROW_ADDRESSING))
-NVFP4_LOADER = register_loader(Loader(NVFP4.name, NVFP4_FMA, None))
+NVFP4_LOADER = register_loader(Loader(NVFP4.name, NVFP4_FMA, NVFP4_MMA + ROW_ADDRESSING))

@@ -34,6 +34,7 @@ from kernels.batched.common import (
     check_register_caps,
     experts_average,
     family_suffix,
+    global_arg,
     list_stages,
     sample_variants,
     weight_args,
@@ -45,7 +46,7 @@ from kernels.compile import CudaSource, launch_ex
 from kernels.contract import Dims
 from kernels.device_helpers import BATCHED_HELPERS, BLOCK_OUTPUTS, FP8_HELPERS, PDL_HELPERS, WARP_HELPERS
 from kernels.family import Compiled, KernelFamily, Stage
-from kernels.formats import BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, MXFP4, WeightFormat
+from kernels.formats import BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, MXFP4, NVFP4, WeightFormat
 
 SUM_THREADS = 256  # threads of a moe_sum_slots block (its __launch_bounds__), 4 columns each
 KNOBS: dict[str, int] = {
@@ -369,15 +370,15 @@ def make_stages(fmt: WeightFormat) -> Any:
                             topk_weights, out, b13=b13, b2=b2)
         if not sum_k:
             return first
+        global2, bias2 = global_arg(w2, fmt), bias_args(b13, b2)[1]
         w2, s2 = weight_args(w2, fmt)
-        bias2 = bias_args(b13, b2)[1]
         i32, programmatic = np.int32, bool(params["PDL"])
 
         def down_grouped() -> None:
             launch_ex(down_k, (down_blocks(d, params),), (params["DB_WARPS"] * 32,),
                       (ws.intermediate, w2, s2, topk_weights, ws.lists, ws.pair_out, i32(d.hidden),
                        i32(d.intermediate), i32(d.experts), i32(d.top_k), i32(lists.slots(d)),
-                       i32(d.tokens * d.top_k), bias2), programmatic=programmatic)
+                       i32(d.tokens * d.top_k), global2, bias2), programmatic=programmatic)
 
         def sum_slots() -> None:
             launch_ex(sum_k[0], (sum_blocks(d),), (SUM_THREADS,),
@@ -416,4 +417,4 @@ def make_workspace(dims: Dims, params: dict[str, int]) -> Any:
 
 
 MMA = FormatFamilies(make_family, (BF16_FORMAT.name, BF16_T16.name, FP8_BLOCK128.name, FP8_BLOCK128_T16.name,
-                                   MXFP4.name))
+                                   MXFP4.name, NVFP4.name))

@@ -54,6 +54,13 @@ __device__ __forceinline__ ARows w2_rows(const weight_t* w2, const mma_scale_t* 
 // scale) is the loader's a_fragment(load, h). A format that scales each lane's A values before the mma (mxfp4) defines
 // A_SCALE(j, t, row) -- the scale of k block j, row tile t, rows g (row 0) or g + 8 (1), loaded by LOAD_ROUND_SCALES
 // -- and its own three-argument a_fragment.
+// A format with a float32 scale per expert (nvfp4) applies it after the mma, where a kernel's dot is complete:
+// GLOBAL_OF(g, e) reads expert e's from the kernel's argument g, WITH_GLOBAL(v, global) multiplies; the others
+// neither read nor multiply.
+#ifndef WITH_GLOBAL
+#define GLOBAL_OF(g, e) 1.0f
+#define WITH_GLOBAL(v, global) (v)
+#endif
 #ifndef A_SCALE
 #define A_SCALE(j, t, row) 0u
 template <typename L>

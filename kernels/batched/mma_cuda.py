@@ -131,8 +131,8 @@ __device__ __forceinline__ GateUpItem read_gate_up_item(const int* lists, int sl
 template <int NB, int UNROLL, bool SHARED = false>
 __device__ __forceinline__ void gate_up_passes(const ARows& rows, const bf16_t* __restrict__ x, const int* pairs,
                                                int count, bf16_t* __restrict__ intermediate, int hidden, int inter,
-                                               int top_k, int i0, int g, int q, const bf16_t* b13_row,
-                                               AShare* share = nullptr) {
+                                               int top_k, int i0, int g, int q, float global13,
+                                               const bf16_t* b13_row, AShare* share = nullptr) {
     const int chunks = hidden / 8;                                   // chunks of 8 values (H % 8 == 0)
     for (int tile = 0; tile < count; tile += 8 * NB) {
         const int n = min(8 * NB, count - tile);
@@ -173,8 +173,9 @@ __device__ __forceinline__ void gate_up_passes(const ARows& rows, const bf16_t* 
                 const int pp = nb * 8 + 2 * q + h;
                 if (pp < n && i0 + g < inter) {
                     const long long p = __ldg(pairs + tile + pp);
-                    const float gate = WITH_BIAS(acc[nb][h], b13_row, i0 + g);   // (the layer's biases)
-                    const float up = WITH_BIAS(acc[nb][2 + h], b13_row, inter + i0 + g);
+                    // (the format's global scale, the layer's biases)
+                    const float gate = WITH_BIAS(WITH_GLOBAL(acc[nb][h], global13), b13_row, i0 + g);
+                    const float up = WITH_BIAS(WITH_GLOBAL(acc[nb][2 + h], global13), b13_row, inter + i0 + g);
                     intermediate[p * inter + i0 + g] = intermediate_value(expert_activation(gate, up));  // one rounding
                 }
             }
@@ -197,6 +198,7 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
     const int* __restrict__ lists,            // from moe_expert_lists
     bf16_t* __restrict__ intermediate,        // [T, K, I]
     int hidden, int inter, int experts, int top_k, int slots, int n_pairs,
+    const float* __restrict__ g13,            // global-scaled formats: a float32 scale per expert (GLOBAL_OF)
     const bf16_t* __restrict__ b13)           // EXPERT_BIAS: the gate and up biases [E, 2I] (else never read)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -220,7 +222,7 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
         AShare share{a_share[seat.set], seat.member, members, 0};
         gate_up_passes<HOT_GB ? HOT_NBLK : GB_NBLK, GB_SHARE_UNROLL, true>(
             rows, x, mine.pairs, mine.count, intermediate, hidden, inter, top_k, i0, g, q,
-            b13 + (size_t)item.expert * 2 * inter, &share);
+            GLOBAL_OF(g13, item.expert), b13 + (size_t)item.expert * 2 * inter, &share);
         return;
     }
 #endif
@@ -240,12 +242,12 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_mma(
 #if HOT_GB
     if (count > 8 * GB_NBLK) {                                       // warp-uniform: a hot expert's tile
         gate_up_passes<HOT_NBLK, GB_HOT_ROUNDS>(rows, x, pairs, count, intermediate, hidden, inter, top_k, i0, g,
-                                                q, b13 + (size_t)e * 2 * inter);
+                                                q, GLOBAL_OF(g13, e), b13 + (size_t)e * 2 * inter);
         return;
     }
 #endif
     gate_up_passes<GB_NBLK, GB_UNROLL>(rows, x, pairs, count, intermediate, hidden, inter, top_k, i0, g, q,
-                                       b13 + (size_t)e * 2 * inter);
+                                       GLOBAL_OF(g13, e), b13 + (size_t)e * 2 * inter);
 }
 
 // The tensor-core down's view of the routing lists: the slot arrays, the sorted pairs and the routing weights.
@@ -264,8 +266,8 @@ struct DownLists {
 __device__ __forceinline__ void down_mma_pairs(const DownLists& m, int e, const int* pairs, int count, int c_begin,
                                                int c_end, const bf16_t* __restrict__ intermediate,
                                                const weight_t* __restrict__ w2, const mma_scale_t* __restrict__ s2,
-                                               float* mine, int hidden, int inter, int top_k, int h_lo, int h_hi,
-                                               int g, int q, bool& waited) {
+                                               const float* __restrict__ g2, float* mine, int hidden, int inter,
+                                               int top_k, int h_lo, int h_hi, int g, int q, bool& waited) {
     const ARows rows = w2_rows(w2, s2, e, h_lo, h_hi, hidden, inter);
     for (int tile = 0; tile < count; tile += 8 * DB_NBLK) {
         const int n = min(8 * DB_NBLK, count - tile);
@@ -284,6 +286,11 @@ __device__ __forceinline__ void down_mma_pairs(const DownLists& m, int e, const 
         float acc[DB_NBLK][4];
         mma_rows_by_columns<DB_UNROLL, DB_NBLK, true>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi, inter_row,
                                                       c_begin, c_end, q, waited);
+        const float global2 = GLOBAL_OF(g2, e);                      // (global-scaled formats: the expert's scale)
+        #pragma unroll
+        for (int nb = 0; nb < DB_NBLK; ++nb)
+            #pragma unroll
+            for (int v = 0; v < 4; ++v) acc[nb][v] = WITH_GLOBAL(acc[nb][v], global2);
         #pragma unroll
         for (int nb = 0; nb < DB_NBLK; ++nb) {
             // lane (g, q) holds columns h0+g, h0+g+8 of pairs 2q, 2q+1 of the block: fetch their ids / weights
@@ -343,6 +350,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
     const int* __restrict__ lists,            // from moe_expert_lists
     void* __restrict__ out,                   // [T, H] bf16, or float32 when out_f32
     int out_f32, int tokens, int hidden, int inter, int experts, int top_k, int slots,
+    const float* __restrict__ g2,             // global-scaled formats: a float32 scale per expert (GLOBAL_OF)
     const bf16_t* __restrict__ b2)            // (a layer with biases runs the grouped down: never read)
 {
     static_assert(!EXPERT_BIAS, "the balanced down splits a pair's dot between warps: biases need DB_GROUPED 1");
@@ -374,7 +382,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_mma(
         const int kb = item - a * kblocks;
         const int kb_end = min(kblocks, kb + (item_end - item));
         down_mma_pairs(m, __ldg(TILE_ARRAY(0) + a), m.pairs + __ldg(TILE_ARRAY(1) + a), __ldg(TILE_ARRAY(2) + a),
-                       MMA_KB * kb, min(MMA_KB * kb_end, chunks), intermediate, w2, s2, mine, hidden, inter, top_k,
+                       MMA_KB * kb, min(MMA_KB * kb_end, chunks), intermediate, w2, s2, g2, mine, hidden, inter, top_k,
                        h_lo, h_hi, g, q, waited);
         item += kb_end - kb;
     }
@@ -393,7 +401,7 @@ __device__ __forceinline__ void down_grouped_passes(const ARows (&tiles)[RT], co
                                                     int count, const bf16_t* __restrict__ intermediate,
                                                     const float* __restrict__ topk_weights,
                                                     float* __restrict__ pair_out, int hidden, int inter, int h0, int g,
-                                                    int q, bool& waited, const bf16_t* b2_row,
+                                                    int q, bool& waited, float global2, const bf16_t* b2_row,
                                                     AShare* share = nullptr) {
     const int chunks = inter / 8;                                    // chunks of 8 values (I % 8 == 0)
     for (int sub = 0; sub < count; sub += 8 * NB) {
@@ -419,9 +427,10 @@ __device__ __forceinline__ void down_grouped_passes(const ARows (&tiles)[RT], co
                     #pragma unroll
                     for (int t = 0; t < RT; ++t) {
                         const int h_t = h0 + 16 * t + g;
-                        if (h_t < hidden) row[h_t] = __fmul_rn(weight, WITH_BIAS(acc[t * NB + nb][h], b2_row, h_t));
-                        if (h_t + 8 < hidden)
-                            row[h_t + 8] = __fmul_rn(weight, WITH_BIAS(acc[t * NB + nb][2 + h], b2_row, h_t + 8));
+                        const float lo = WITH_GLOBAL(acc[t * NB + nb][h], global2);   // (global scale, biases)
+                        const float hi = WITH_GLOBAL(acc[t * NB + nb][2 + h], global2);
+                        if (h_t < hidden) row[h_t] = __fmul_rn(weight, WITH_BIAS(lo, b2_row, h_t));
+                        if (h_t + 8 < hidden) row[h_t + 8] = __fmul_rn(weight, WITH_BIAS(hi, b2_row, h_t + 8));
                     }
                 }
             }
@@ -447,6 +456,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
     const int* __restrict__ lists,            // from moe_expert_lists (the tile table)
     float* __restrict__ pair_out,             // [T*K, H] FP32: each pair's weighted expert output
     int hidden, int inter, int experts, int top_k, int slots, int pairs,
+    const float* __restrict__ g2,             // global-scaled formats: a float32 scale per expert (GLOBAL_OF)
     const bf16_t* __restrict__ b2)            // EXPERT_BIAS: the down biases [E, H] (else never read)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -479,7 +489,7 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
         AShare share{a_share[seat.set], seat.member, members, 0};
         down_grouped_passes<HOT_DB ? HOT_NBLK : DB_NBLK, DB_SHARE_UNROLL, DB_ROW_TILES, true>(
             tiles, tile_pairs, mine_count, intermediate, topk_weights, pair_out, hidden, inter, rows0, g, q, waited,
-            b2 + (size_t)e * hidden, &share);
+            GLOBAL_OF(g2, e), b2 + (size_t)e * hidden, &share);
         down_epilogue_wait();
         return;
     }
@@ -496,12 +506,13 @@ extern "C" __global__ void DB_BOUNDS moe_down_grouped(
         if (count > 8 * DB_NBLK) {                                   // warp-uniform: a hot expert's tile
             down_grouped_passes<HOT_NBLK, DB_HOT_ROUNDS, DB_ROW_TILES>(tiles, tile_pairs, count, intermediate,
                                                                        topk_weights, pair_out, hidden, inter, h0, g,
-                                                                       q, waited, b2 + (size_t)e * hidden);
+                                                                       q, waited, GLOBAL_OF(g2, e),
+                                                                       b2 + (size_t)e * hidden);
         } else
 #endif
             down_grouped_passes<DB_NBLK, DB_UNROLL, DB_ROW_TILES>(tiles, tile_pairs, count, intermediate, topk_weights,
                                                                   pair_out, hidden, inter, h0, g, q, waited,
-                                                                  b2 + (size_t)e * hidden);
+                                                                  GLOBAL_OF(g2, e), b2 + (size_t)e * hidden);
     }
     down_epilogue_wait();  // warps that never waited (no work) before the grid may end
 }

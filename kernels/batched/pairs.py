@@ -24,6 +24,7 @@ from kernels.batched.common import (
     bias_args,
     check_register_caps,
     family_suffix,
+    global_arg,
     sample_variants,
     weight_args,
 )
@@ -34,7 +35,7 @@ from kernels.compile import CudaSource, launch_ex
 from kernels.contract import Dims
 from kernels.device_helpers import BATCHED_HELPERS, FP8_HELPERS, PDL_HELPERS, WARP_HELPERS
 from kernels.family import Compiled, KernelFamily, Stage
-from kernels.formats import BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, MXFP4, WeightFormat
+from kernels.formats import BF16_FORMAT, BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, MXFP4, NVFP4, WeightFormat
 
 GATE_UP, DOWN = "moe_gate_up_pair", "moe_down_token"
 KERNELS = (GATE_UP, DOWN)
@@ -82,8 +83,11 @@ def make_rules(fmt: WeightFormat) -> Any:
         """Fill the auto knobs from the format and ``dims``; ValueError for what cannot run."""
         values["GB_KSPLIT"] = values["GB_KSPLIT"] or invariant_ksplit(fmt)
         values["GB_WARPS"] = values["GB_WARPS"] or values["GB_KSPLIT"]
-        values["DB_UNROLL"] = values["DB_UNROLL"] or (FP8_DOWN_UNROLL if fmt.scaled else BF16_DOWN_UNROLL)
         loader_macros(dims, values, fmt, widening=3)  # ... and the intermediate written x 2^8
+        # (128-wide k blocks -- 4-bit weights in 16-byte loads -- half as many: the same values in flight as fp8's,
+        # and the down's B fragments within its 128 registers)
+        down_unroll = (FP8_DOWN_UNROLL if fmt.scaled else BF16_DOWN_UNROLL) // (2 if values["FP4_HALVES"] == 4 else 1)
+        values["DB_UNROLL"] = values["DB_UNROLL"] or down_unroll
         if values["GB_WARPS"] % values["GB_KSPLIT"]:
             raise ValueError(f"the per-pair gate_up gives each of GB_KSPLIT k ranges a warp: GB_WARPS must be a "
                              f"multiple of GB_KSPLIT, got {values['GB_WARPS']} and {values['GB_KSPLIT']}")
@@ -116,6 +120,7 @@ def make_stages(fmt: WeightFormat) -> Any:
                out: Any, b13: Any = None, b2: Any = None) -> list[Stage]:
         """gate_up one pair per block row, the down one block per (token, 16 rows) with a warp per slot."""
         params, d, ws = compiled.params, compiled.dims, compiled.workspace
+        g13, g2 = global_arg(w13, fmt), global_arg(w2, fmt)
         w13, s13 = weight_args(w13, fmt)
         w2, s2 = weight_args(w2, fmt)
         bias13, bias2 = bias_args(b13, b2)
@@ -125,12 +130,13 @@ def make_stages(fmt: WeightFormat) -> Any:
         def gate_up() -> None:
             launch_ex(gate_up_k, (gate_up_blocks(d, params),), (params["GB_WARPS"] * 32,),
                       (x, w13, s13, topk_ids, ws.intermediate, i32(d.hidden), i32(d.intermediate), i32(d.experts),
-                       i32(d.top_k), i32(d.tokens * d.top_k), bias13), programmatic=programmatic)
+                       i32(d.top_k), i32(d.tokens * d.top_k), g13, bias13), programmatic=programmatic)
 
         def down() -> None:
             launch_ex(down_k, (down_blocks(d, params),), (32 * d.top_k,),
                       (ws.intermediate, w2, s2, topk_ids, topk_weights, out, i32(1 if out.dtype == np.float32 else 0),
-                       i32(d.tokens), i32(d.hidden), i32(d.intermediate), i32(d.experts), i32(d.top_k), bias2),
+                       i32(d.tokens), i32(d.hidden), i32(d.intermediate), i32(d.experts), i32(d.top_k), g2,
+                       bias2),
                       programmatic=programmatic)
 
         return [("gate_up", gate_up), ("down", down)]
@@ -193,6 +199,7 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
     const int* __restrict__ topk_ids,         // [T, K]
     bf16_t* __restrict__ intermediate,        // [T, K, I]
     int hidden, int inter, int experts, int top_k, int pairs,
+    const float* __restrict__ g13,            // global-scaled formats: a float32 scale per expert (GLOBAL_OF)
     const bf16_t* __restrict__ b13)           // EXPERT_BIAS: the gate and up biases [E, 2I] (else never read)
 {
 #if GB_KSPLIT == 1  // one chain over H per warp: nothing shared, no barrier
@@ -216,8 +223,10 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
     mma_rows_by_columns<GB_UNROLL, 1, false>(acc, rows.lo, rows.hi, rows.scale_lo, rows.scale_hi, x_row, 0,
                                              hidden / 8, q, unused);
     if (q == 0 && i0 + g < inter) {                                  // column 0: the pair
-        const long long bias = (long long)e * 2 * inter + i0 + g;    // (the layer's biases, if any)
-        const float gate = WITH_BIAS(acc[0][0], b13, bias), up = WITH_BIAS(acc[0][2], b13, bias + inter);
+        const long long bias = (long long)e * 2 * inter + i0 + g;    // (the global scale, the layer's biases)
+        const float global13 = GLOBAL_OF(g13, e);
+        const float gate = WITH_BIAS(WITH_GLOBAL(acc[0][0], global13), b13, bias);
+        const float up = WITH_BIAS(WITH_GLOBAL(acc[0][2], global13), b13, bias + inter);
         intermediate[(long long)p * inter + i0 + g] = intermediate_value(expert_activation(gate, up));  // one rounding
     }
 #else  // a warp per (8 neurons, k range); the ranges' partials meet in shared memory
@@ -260,8 +269,10 @@ extern "C" __global__ void GB_BOUNDS moe_gate_up_pair(
         return;
     }
     if (q == 0 && i0 + g < inter) {
-        const long long bias = (long long)e * 2 * inter + i0 + g;    // (the layer's biases, if any)
-        const float hidden_value = expert_activation(WITH_BIAS(gate, b13, bias), WITH_BIAS(up, b13, bias + inter));
+        const long long bias = (long long)e * 2 * inter + i0 + g;    // (the global scale, the layer's biases)
+        const float global13 = GLOBAL_OF(g13, e);
+        const float hidden_value = expert_activation(WITH_BIAS(WITH_GLOBAL(gate, global13), b13, bias),
+                                                     WITH_BIAS(WITH_GLOBAL(up, global13), b13, bias + inter));
         intermediate[(long long)p * inter + i0 + g] = intermediate_value(hidden_value);  // the one bf16 rounding
     }
 #endif
@@ -283,6 +294,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K <= 1
     const float* __restrict__ topk_weights,   // [T, K]
     void* __restrict__ out,                   // [T, H] bf16, or float32 when out_f32
     int out_f32, int tokens, int hidden, int inter, int experts, int top_k,
+    const float* __restrict__ g2,             // global-scaled formats: a float32 scale per expert (GLOBAL_OF)
     const bf16_t* __restrict__ b2)            // EXPERT_BIAS: the down biases [E, H] (else never read)
 {
     __shared__ float rows[16][16];                                   // [slot][row]: the weighted dots
@@ -303,9 +315,12 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K <= 1
                                                 waited);
         if (q == 0) {                                                // column 0: rows g, g + 8 of the pair
             const float weight = __ldg(topk_weights + (long long)t * top_k + k);
-            const long long bias = (long long)e * hidden;            // (the layer's biases, if any)
-            rows[k][g] = __fmul_rn(weight, WITH_BIAS(acc[0][0], b2, bias + min(h0 + g, hidden - 1)));
-            rows[k][g + 8] = __fmul_rn(weight, WITH_BIAS(acc[0][2], b2, bias + min(h0 + g + 8, hidden - 1)));
+            const long long bias = (long long)e * hidden;            // (the global scale, the layer's biases)
+            const float global2 = GLOBAL_OF(g2, e);
+            rows[k][g] = __fmul_rn(weight, WITH_BIAS(WITH_GLOBAL(acc[0][0], global2), b2,
+                                                     bias + min(h0 + g, hidden - 1)));
+            rows[k][g + 8] = __fmul_rn(weight, WITH_BIAS(WITH_GLOBAL(acc[0][2], global2), b2,
+                                                         bias + min(h0 + g + 8, hidden - 1)));
         }
     }
     down_epilogue_wait();  // warps that never waited (a bad slot) before out is written
@@ -323,4 +338,4 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_down_token(   // K <= 1
 }
 """
 PAIRS = FormatFamilies(make_family, (BF16_FORMAT.name, BF16_T16.name, FP8_BLOCK128.name, FP8_BLOCK128_T16.name,
-                                     MXFP4.name))
+                                     MXFP4.name, NVFP4.name))
