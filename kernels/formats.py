@@ -518,8 +518,14 @@ class Fp4Format(ExpertWise):
         return self._quantize(w13), self._quantize(w2)
 
     def _quantize(self, w: Any) -> Quantized:
-        """One matrix [E, R, k], an expert at a time on the host (bounded host memory at real model sizes); the
-        result lives where ``w`` did."""
+        """One matrix [E, R, k], where it lives: CuPy bf16 weights on the device (``kernels.quantize_cuda``, bitwise
+        the host's), else an expert at a time on the host (bounded host memory at real model sizes)."""
+        xp = array_module(w)
+        if xp is not np and w.dtype == BF16:
+            from kernels.quantize_cuda import quantize_fp4_matrix
+
+            values, scales, globals_ = quantize_fp4_matrix(w, self.block, self.e4m3)
+            return Quantized(values, scales, self.layout, globals_)
         experts, rows, k = (int(d) for d in w.shape)
         values = np.empty((experts, rows, k // 2), np.uint8)
         scales = np.empty((experts, rows, -(-k // self.block)), np.uint8)
@@ -528,7 +534,6 @@ class Fp4Format(ExpertWise):
             values[e], scales[e], g = fp4.quantize_expert(_host(w[e]).astype(np.float32), self.block, self.e4m3)
             if globals_ is not None:
                 globals_[e] = g
-        xp = array_module(w)
         if xp is not np:
             values, scales = xp.asarray(values), xp.asarray(scales)
             globals_ = None if globals_ is None else xp.asarray(globals_)

@@ -436,8 +436,8 @@ def test_quantize_weights_from_bf16_and_fp32_agree(rng: np.random.Generator, fmt
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS_FP4, ids=lambda f: f.name)
 def test_device_weights_are_the_host_ones(rng: np.random.Generator, fmt: object) -> None:
-    """quantize_weights on CuPy arrays (through the host) gives the host bytes on the device; expert_here reads
-    them there as the host reads its own."""
+    """quantize_weights on CuPy bf16 arrays (the device quantizer) gives the host bytes, scales and global scales on the
+    device; expert_here reads them there as the host reads its own."""
     import cupy
 
     w13 = rng.standard_normal((2, 32, 72)).astype(BF16)
@@ -448,4 +448,68 @@ def test_device_weights_are_the_host_ones(rng: np.random.Generator, fmt: object)
         assert isinstance(d.values, cupy.ndarray) and isinstance(d.scales, cupy.ndarray)
         np.testing.assert_array_equal(cupy.asnumpy(d.values), h.values)
         np.testing.assert_array_equal(cupy.asnumpy(d.scales), h.scales)
+        if fmt.global_scaled:
+            np.testing.assert_array_equal(cupy.asnumpy(d.global_scale), h.global_scale)
         np.testing.assert_array_equal(cupy.asnumpy(fmt.expert_here(d, 1, matrix)), fmt.expert(h, 1, matrix))
+
+
+QUANTIZE_FP4_MAIN = r"""
+#include "kernel.cu"
+int main(int argc, char** argv) {
+    int E = atoi(argv[1]), R = atoi(argv[2]), K = atoi(argv[3]), block = atoi(argv[4]), nv = atoi(argv[5]);
+    std::string dir = argv[6];
+    auto w = load<uint16_t>(dir + "/w.bin", (size_t)E * R * K);
+    auto g = load<float>(dir + "/g.bin", (size_t)E);
+    const int nb = (K + block - 1) / block;
+    std::vector<unsigned char> values((size_t)E * R * K / 2, 0xAB), scales((size_t)E * R * nb, 0xCD);
+    const long long threads = (long long)E * R * nb;
+    for (long long b = 0; b < (threads + 127) / 128; ++b)
+        for (int t = 0; t < 128; ++t) {               // no barriers, no warp operations: one thread after another
+            blockIdx.x = (unsigned)b;
+            threadIdx.x = t;
+            quantize_fp4(w.data(), E, R, K, block, nv, g.data(), values.data(), scales.data());
+        }
+    FILE* f = fopen((dir + "/values.bin").c_str(), "wb"); fwrite(values.data(), 1, values.size(), f); fclose(f);
+    f = fopen((dir + "/scales.bin").c_str(), "wb"); fwrite(scales.data(), 1, scales.size(), f); fclose(f);
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("fmt", FORMATS_FP4, ids=lambda f: f.name)
+def test_device_quantizer_emulated_is_bitwise_the_host_one(rng: np.random.Generator, fmt: object) -> None:
+    """kernels/quantize_cuda.py's quantize_fp4, run on the CPU by g++, gives the host quantizer's bytes and scale
+    bytes (partial last blocks: k = 200 = 6 x 32 + 8; scales spread over 2^-12 .. 2^8 per row; a row of zeros; its
+    global scales -- computed by the CuPy lines of quantize_fp4_matrix, here in NumPy -- the host's)."""
+    import tempfile
+
+    from kernels import quantize_cuda
+    from tests.warp_checks import EMULATION_LOAD, EMULATION_PRELUDE, build_emulator, run_emulator
+
+    experts, rows, k = 3, 20, 200
+    w = (rng.standard_normal((experts, rows, k)) * np.exp(rng.uniform(-8, 6, (experts, rows, 1)))).astype(BF16)
+    w[1, 4] = 0
+    want = [fp4.quantize_expert(w[e].astype(np.float32), fmt.block, fmt.e4m3) for e in range(experts)]
+    bits = (w.view(np.uint16) & 0x7FFF).reshape(experts, -1).max(axis=1).astype(np.uint32)  # the CuPy lines
+    amax = (bits << 16).view(np.float32)
+    globals_ = np.where(amax > 0, amax / np.float32(448.0 * 6.0), np.float32(1.0)).astype(np.float32)
+    if fmt.e4m3:
+        assert np.array_equal(globals_, np.array([g for _, _, g in want], np.float32))
+    binary = build_emulator(quantize_cuda.SOURCE_FP4.render(),
+                            EMULATION_PRELUDE + EMULATION_LOAD + QUANTIZE_FP4_MAIN)
+    with tempfile.TemporaryDirectory() as tmp:
+        w.tofile(f"{tmp}/w.bin")
+        globals_.tofile(f"{tmp}/g.bin")
+        run_emulator(binary, experts, rows, k, fmt.block, int(fmt.e4m3), tmp)
+        values = np.fromfile(f"{tmp}/values.bin", np.uint8).reshape(experts, rows, k // 2)
+        scales = np.fromfile(f"{tmp}/scales.bin", np.uint8).reshape(experts, rows, -(-k // fmt.block))
+    assert np.array_equal(values, np.stack([v for v, _, _ in want]))
+    assert np.array_equal(scales, np.stack([sc for _, sc, _ in want]))
+
+
+def test_device_quantizer_compiles_for_sm90() -> None:
+    from kernels import quantize_cuda
+    from kernels.compile import offline_report
+
+    [report] = offline_report(quantize_cuda.SOURCE_FP4)
+    assert report.kernel == quantize_cuda.QUANTIZE_FP4 and report.spill_stores == report.stack_bytes == 0
