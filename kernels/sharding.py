@@ -62,9 +62,22 @@ class Shard:
         return np.where(owned, topk_ids - first, end - first).astype(np.int32), topk_weights
 
 
-def _check_ranks(ranks: Any, most: int, what: str) -> int:
+def check_ranks(kind: str, ranks: Any, intermediate: int, experts: int, weight_format: str = "bf16") -> int:
+    """``ranks`` if a layer of these I and E in ``weight_format`` splits ``kind`` ("tp" / "ep") over that many, else
+    TypeError / ValueError naming ``ranks`` and the most it can be (TP: I's whole units of the format's block; EP: E)
+    -- what :func:`shard` checks, and what a launcher checks before any rank builds its shard."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if isinstance(ranks, bool) or not isinstance(ranks, int | np.integer):
         raise TypeError(f"ranks must be an int, got {type(ranks).__name__}")
+    if kind == "tp":
+        if weight_format not in UNITS:
+            raise ValueError(f"TP splits {', '.join(UNITS)} weights along I, not {weight_format}")
+        unit = UNITS[weight_format]
+        most = -(-intermediate // unit)
+        what = f"I = {intermediate} holds {most} whole units of {unit} values ({weight_format})"
+    else:
+        most, what = experts, f"E = {experts} experts, at least one a rank"
     if not 1 <= ranks <= most:
         raise ValueError(f"ranks must be 1..{most} ({what}), got {ranks}")
     return int(ranks)
@@ -117,7 +130,7 @@ def shard_tp(w13: Any, w2: Any, ranks: int, b13: Any = None, b2: Any = None) -> 
     experts, two_i, _ = (int(d) for d in fmt.matrix_shape("w13", tuple(_values(w13).shape)))
     inter, unit = two_i // 2, UNITS[fmt.name]
     units = -(-inter // unit)
-    ranks = _check_ranks(ranks, units, f"I = {inter} holds {units} whole units of {unit} values ({fmt.name})")
+    ranks = check_ranks("tp", ranks, inter, experts, fmt.name)  # (at most `units`)
     shards = []
     for rank, (u0, u1) in enumerate(_ranges(units, ranks)):
         i0, i1 = u0 * unit, min(u1 * unit, inter)
@@ -152,7 +165,7 @@ def shard_ep(w13: Any, w2: Any, ranks: int, b13: Any = None, b2: Any = None) -> 
     """The layer's EP shards over ``ranks`` (module docstring): ValueError where E < ranks."""
     fmt = _layer_format(w13, w2)
     experts = int(_values(w13).shape[0])
-    ranks = _check_ranks(ranks, experts, f"E = {experts} experts, at least one a rank")
+    ranks = check_ranks("ep", ranks, 0, experts, fmt.name)
     shards = []
     for rank, (e0, e1) in enumerate(_ranges(experts, ranks)):
         s13, s2 = _with_zero_expert(w13, w2, fmt, e0, e1)

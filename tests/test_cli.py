@@ -199,8 +199,8 @@ def test_sweep_lists_the_variants(monkeypatch: pytest.MonkeyPatch, capsys: pytes
 
 # -- every CLI's --help: each option says what it does and its default, and the help ends in examples ----------------
 HELP_CLIS = ("tools.accuracy", "tools.bench", "tools.compile_report", "tools.cpu_timings", "tools.decode",
-             "tools.dispatch_table", "tools.peers.__main__", "tools.precompile", "tools.report", "tools.roofline",
-             "tools.sass_hashes", "tools.sweep")
+             "tools.dispatch_table", "tools.multi", "tools.peers.__main__", "tools.precompile", "tools.report",
+             "tools.roofline", "tools.sass_hashes", "tools.sweep")
 
 
 class _Parser(Exception):

@@ -111,8 +111,7 @@ EMULATED = [  # (shape, T, weight format, routing, path, knobs)
     (OSS, 5, "mxfp4", "uniform", "fma", {}),
     (OSS, 6, "mxfp4", "zipf", "mma", {}),
     (OSS, 4, "mxfp4", "uniform", "pairs", {}),
-    (OSS, 9, "bf16", "zipf", "mma", {"HOT_NBLK": 2}),
-    (OSS_ODD, 6, "mxfp4", "uniform", "mma", {"GB_KSPLIT": 4}),  # 8-value loads, split chains
+    (OSS_ODD, 6, "bf16", "uniform", "mma", {"GB_KSPLIT": 4, "HOT_NBLK": 2}),  # split chains, hot tiles
     (OSS_ODD, 4, "fp8-block128", "uniform", "pairs", {"GB_KSPLIT": 2, "GB_WARPS": 2}),
 ]
 EMULATED_IDS = [f"{c[0].name}-T{c[1]}-{c[2]}-{c[4]}-{i}" for i, c in enumerate(EMULATED)]
