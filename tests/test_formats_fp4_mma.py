@@ -256,7 +256,9 @@ PATHS = {"mma": ("mma", False, "mma"), "grouped": ("mma", True, "mma-grouped"), 
 GPU_CASES = [(model, t, routing, case) for model in MODELS
              for t, routing, case in ((1, "uniform", "pairs"), (4, "zipf", "mma"), (16, "uniform", "grouped"),
                                       (64, "zipf", "mma"), (64, "uniform", "grouped"))]
-GPU_CASES += [(SHAPE_16, 6, DUPLICATES, "mma"), (SHAPE_8, 5, "zipf", "pairs"), ("tiny", 7, "same", "grouped")]
+GPU_CASES += [(SHAPE_16, 6, DUPLICATES, "mma"), (SHAPE_8, 5, "zipf", "pairs"), ("tiny", 7, "same", "grouped"),
+              ("qwen3-30b-a3b", 8, "correlated", "mma"), ("gpt-oss-120b", 8, "zipf-1", "grouped"),
+              ("qwen3-30b-a3b", 2, "zipf-2", "pairs")]  # with the cases above: every routing generator
 
 
 @pytest.mark.gpu
