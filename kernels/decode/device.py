@@ -92,6 +92,16 @@ __device__ __forceinline__ uint4 bf16x8_norm(const uint4& x, float rs, const uin
 GEMV_SHARED = r"""
 // ==== the decode GEMVs' shared device code (kernels/decode/device.py) ====
 #define GEMV_MAX_TOKENS 64
+// the argmax epilogue's shared memory: each warp's best value and row per token, set to (-inf, INT_MAX) by the block,
+// and the block's ticket (a statement list for the top of a GEMV kernel that has ARGMAX; WARPS: the kernel's)
+#define ARGMAX_SHARED                                                                                              \
+    __shared__ float warp_best[WARPS][GEMV_MAX_TOKENS];                                                           \
+    __shared__ int warp_best_row[WARPS][GEMV_MAX_TOKENS];                                                         \
+    __shared__ int last_block;                                                                                    \
+    for (int i = threadIdx.x; i < WARPS * GEMV_MAX_TOKENS; i += WARPS * 32) {                                     \
+        (&warp_best[0][0])[i] = __int_as_float(0xff800000);   /* -inf */                                          \
+        (&warp_best_row[0][0])[i] = 0x7fffffff;                                                                   \
+    }
 // x chunks the previous kernel may have written: behind the PDL wait (ld_dep), else the read-only path
 __device__ __forceinline__ uint4 load_x(const uint4* row, int c, bool ok) {
 #if PDL

@@ -259,13 +259,7 @@ extern "C" __global__ void GEMV_BOUNDS decode_gemv(
     const int wchunks = k / W_VALUES, xchunks = k / 8;
     const int groups = (n + WARPS * ROWS - 1) / (WARPS * ROWS);
 #if ARGMAX
-    __shared__ float warp_best[WARPS][GEMV_MAX_TOKENS];
-    __shared__ int warp_best_row[WARPS][GEMV_MAX_TOKENS];
-    __shared__ int last_block;
-    for (int i = threadIdx.x; i < WARPS * GEMV_MAX_TOKENS; i += WARPS * 32) {
-        (&warp_best[0][0])[i] = __int_as_float(0xff800000);   // -inf
-        (&warp_best_row[0][0])[i] = 0x7fffffff;
-    }
+    ARGMAX_SHARED;                                            // (kernels/decode/device.py)
     __syncthreads();
 #endif
 #if STAGED

@@ -167,13 +167,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) decode_gemv_mma(
     GEMV_MMA_SMEM;                                            // [8 NT][SROW] uint4: the slice; then the partials
     __shared__ float token_rs[GEMV_MAX_TOKENS];
 #if ARGMAX
-    __shared__ float warp_best[WARPS][GEMV_MAX_TOKENS];
-    __shared__ int warp_best_row[WARPS][GEMV_MAX_TOKENS];
-    __shared__ int last_block;
-    for (int i = threadIdx.x; i < WARPS * GEMV_MAX_TOKENS; i += WARPS * 32) {
-        (&warp_best[0][0])[i] = __int_as_float(0xff800000);   // -inf
-        (&warp_best_row[0][0])[i] = 0x7fffffff;
-    }
+    ARGMAX_SHARED;                                            // (kernels/decode/device.py)
 #endif
 
     // the loader's scope: its scale macros read RT (row tiles: 1), CHECKED (k blocks may pass K), COLS_DEP (0:
