@@ -36,10 +36,9 @@ scales a row. k itself must be even (two values a byte): ``Fp4Format.check_dims`
 
 This module is their arithmetic, on plain arrays (it builds on :mod:`kernels.arrays` and :mod:`kernels.geometry`
 only); the formats themselves -- ``kernels.formats.Fp4Format``, ``MXFP4`` and ``NVFP4`` in ``FORMATS`` -- are in
-:mod:`kernels.formats`, which builds on this. The reference reads them; of the kernels, the batched FMA family reads
-mxfp4 and nvfp4 (their loaders: kernels/batched/loaders.py; nvfp4's global scales as the FMA kernels' last
-argument), and ``kernels.moe_decode`` refuses both (no
-dispatch candidates).
+:mod:`kernels.formats`, which builds on this. The reference reads them; so do the batched FMA, tensor-core and
+per-pair families (their loaders: kernels/batched/loaders_fp4.py; nvfp4's global scales as the kernels' argument) and
+``kernels.moe_decode`` through them; ``kernels/quantize_cuda.py`` quantizes weights already on the GPU.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""nvfp4 weights through the batched FMA family: one loader (kernels/batched/loaders.py ``NVFP4_FMA``) and the
+"""nvfp4 weights through the batched FMA family: one loader (kernels/batched/loaders_fp4.py ``NVFP4_FMA``) and the
 per-expert global scale as the FMA kernels' last argument (``scale_geometry``'s ``globals``).
 
 CPU: the family's text is the bf16 family's with the loader exchanged; the widening, compiled by g++ from the kernel
 text, gives every (e2m1 code, e4m3 block scale) pair under several global scales -- 1, non-powers of two, subnormal,
 huge, infinite, NaN -- bitwise the reference's dequantized float32, (value x block) x global, which folding the global
-into the block scale would not give; the offline compile for sm_90 at qwen3-30b-a3b and gpt-oss-120b shapes at T = 1
-to 64 without spills or stack; the g++ emulation at odd shapes (partial 16-value scale blocks: k % 16 = 8) against
+into the block scale would not give (its offline compile: tests/test_formats_fp4_kernels.py, with mxfp4's); the g++
+emulation at odd shapes (partial 16-value scale blocks: k % 16 = 8) against
 ``reference.moe_decode(mode="warp_decode")`` on the same nvfp4 weights (the bf16 batched tests' tolerance), and, with
 the global scales rounded to powers of two (the dequantized weights are then bf16s), BITWISE against the same family
 on the dequantized weights stored as bf16; NaN block scales, an infinite global scale and bad ids.
@@ -23,13 +23,12 @@ import numpy as np
 import pytest
 
 from kernels import batched
-from kernels.batched import fma
 from kernels.contract import BF16, Dims
 from kernels.formats import NVFP4, quantize_weights
 from kernels.formats_fp4 import E2M1_VALUES, E4M3_VALUES
 from kernels.problem import Problem, make_problem
 from kernels.reference import moe_decode
-from kernels.shapes import PRESETS, MoEShape
+from kernels.shapes import MoEShape
 from tests.test_formats_fp4_kernels import _dequantized_bf16 as dequantized_bf16
 from tests.test_warp_decode_batched import EMULATION_HARNESS, _emulate
 from tests.warp_checks import _assert_matches, _seed, build_emulator, run_emulator, slow_except
@@ -115,32 +114,6 @@ def test_widening_is_the_references_dequantization_bitwise() -> None:
     assert np.isinf(want).any() and (np.abs(want[want != 0]) < np.finfo(np.float32).tiny).any()  # both edges hit
     fin = np.isfinite(want[:, :, :, 0]) & np.isfinite(folded)
     assert (want[:, :, :, 0][fin] != folded[fin]).any()  # the order matters, and the test tells the two apart
-
-
-# ---------------------------------------------------------------------------------------------------
-# offline compile (sm_90): no spills at the presets
-# ---------------------------------------------------------------------------------------------------
-def test_offline_compile_at_the_presets_without_spills() -> None:
-    """qwen3-30b-a3b (H 2048, I 768) and gpt-oss-120b (H = I = 2880) at T = 1, 4, 16, 64 and the dims-free defaults:
-    zero spills, zero stack, within the register caps (the down's 160: 128 spills at the dims-free defaults). Two
-    compiles at a time."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from kernels.compile import offline_report
-
-    family = batched.family("fma", FMT)
-    cases = [family.resolve()]
-    for model in MODELS:
-        s = PRESETS[model]
-        cases += [family.resolve(Dims(t, s.hidden, s.intermediate, s.experts, s.top_k)) for t in (1, 4, 16, 64)]
-    with ThreadPoolExecutor(2) as pool:
-        reports = list(pool.map(lambda params: offline_report(family.source, **params), cases))
-    for params, kernels in zip(cases, reports, strict=True):
-        assert {r.kernel for r in kernels} == set(fma.KERNELS)
-        for r in kernels:
-            assert r.spills == 0 and r.stack_bytes == 0, (params, r)
-            cap = params["GB_MAX_REGS"] if r.kernel == fma.GATE_UP else params["DB_MAX_REGS"]
-            assert r.registers <= (cap if r.kernel in (fma.GATE_UP, fma.DOWN) else 128), (params, r)
 
 
 # ---------------------------------------------------------------------------------------------------
