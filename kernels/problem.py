@@ -101,22 +101,28 @@ class Problem:
         return self._with_arrays(cupy.asarray)
 
     def _with_arrays(self, convert: Any) -> Problem:
-        def each(arr: Any) -> Any:  # a Quantized weight: each of its arrays (values, scales, a global scale)
-            if not isinstance(arr, Quantized):
-                return convert(arr)
-            return dataclasses.replace(arr, **{name: convert(getattr(arr, name)) for name in
-                                               ("values", "scales", "global_scale") if getattr(arr, name) is not None})
-
         return Problem(
             self.shape,
             self.tokens,
             self.seed,
             self.routing,
-            *(each(a) for a in self.arrays),
+            *(convert_array(a, convert) for a in self.arrays),
             meta=dict(self.meta),
-            b13=None if self.b13 is None else convert(self.b13),
-            b2=None if self.b2 is None else convert(self.b2),
+            b13=convert_array(self.b13, convert),
+            b2=convert_array(self.b2, convert),
         )
+
+
+def convert_array(arr: Any, convert: Any) -> Any:
+    """``convert(arr)`` (``cupy.asarray``, say), or for a quantized weight the same :class:`Quantized` with each of its
+    arrays converted (values, scales, a global scale); None stays None."""
+    if arr is None:
+        return None
+    if not isinstance(arr, Quantized):
+        return convert(arr)
+    parts = ("values", "scales", "global_scale")
+    return dataclasses.replace(arr, **{name: convert(getattr(arr, name)) for name in parts
+                                       if getattr(arr, name) is not None})
 
 
 def _to_numpy(arr: Any) -> np.ndarray:

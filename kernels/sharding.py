@@ -34,7 +34,8 @@ from kernels.formats import Quantized, format_of, get_format
 from kernels.numerics import round_bf16
 
 KINDS = ("tp", "ep")
-UNITS = {"bf16": 8, "fp8-block128": 128, "mxfp4": 32, "nvfp4": 16}  # TP: I is split in whole units of these
+# TP: I is split in whole units of these (the quantized formats': their scale blocks along I)
+UNITS = {"bf16": 8, "fp8-block128": 128, "mxfp4": 32, "nvfp4": 16}
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,8 @@ def _tp_w13(w13: Any, fmt: Any, inter: int, i0: int, i1: int) -> Any:
         return np.concatenate([w13[:, i0:i1], w13[:, inter + i0:inter + i1]], axis=1)
     values = np.concatenate([w13.values[:, i0:i1], w13.values[:, inter + i0:inter + i1]], axis=1)
     if fmt.name == "fp8-block128":  # gate's block rows, then up's: blocks of 128 rows
-        half = w13.scales.shape[1] // 2
-        b0, b1 = i0 // 128, -(-i1 // 128)
+        half, unit = w13.scales.shape[1] // 2, UNITS[fmt.name]
+        b0, b1 = i0 // unit, -(-i1 // unit)
         scales = np.concatenate([w13.scales[:, b0:b1], w13.scales[:, half + b0:half + b1]], axis=1)
     else:  # a row of blocks per weight row
         scales = np.concatenate([w13.scales[:, i0:i1], w13.scales[:, inter + i0:inter + i1]], axis=1)
@@ -117,8 +118,7 @@ def _tp_w2(w2: Any, fmt: Any, i0: int, i1: int) -> Any:
     """w2's columns i0 .. i1 - 1 (I), with their scales."""
     if not isinstance(w2, Quantized):
         return np.ascontiguousarray(w2[:, :, i0:i1])
-    per_byte = 2 if fmt.name in ("mxfp4", "nvfp4") else 1
-    block = 128 if fmt.name == "fp8-block128" else fmt.block
+    per_byte, block = round(1 / fmt.value_bytes), UNITS[fmt.name]  # values a stored byte; a scale block along I
     return dataclasses.replace(w2, values=np.ascontiguousarray(w2.values[:, :, i0 // per_byte:i1 // per_byte]),
                                scales=np.ascontiguousarray(w2.scales[:, :, i0 // block:-(-i1 // block)]))
 

@@ -146,6 +146,7 @@ def nccl_rank(rank: int, ranks: int, payload: tuple[Job, Any]) -> np.ndarray | N
     from cupy.cuda import nccl
 
     from kernels import batched
+    from kernels.problem import convert_array
     from kernels.sharding import shard
 
     job, unique_id = payload
@@ -156,12 +157,7 @@ def nccl_rank(rank: int, ranks: int, payload: tuple[Job, Any]) -> np.ndarray | N
     ids, weights = mine.route(p.topk_ids, p.topk_weights)
 
     def device(a: Any) -> Any:
-        from kernels.formats import Quantized
-
-        if isinstance(a, Quantized):
-            return type(a)(*(None if v is None else cupy.asarray(v) for v in (a.values, a.scales)), a.layout,
-                           None if a.global_scale is None else cupy.asarray(a.global_scale))
-        return None if a is None else cupy.asarray(a)
+        return convert_array(a, cupy.asarray)
 
     partial = cupy.empty((job.tokens, p.shape.hidden), dtype=cupy.float32)
     biases = {"b13": device(mine.b13), "b2": device(mine.b2)} if mine.b13 is not None else {}
