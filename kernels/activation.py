@@ -145,10 +145,7 @@ def device_code(activation: str | Activation = "silu", bias: bool = False) -> st
     stays NaN; ``expf`` where the reference has ``np.exp``) and ``EXPERT_BIAS`` with ``WITH_BIAS(v, b, index)``: ``v``
     plus the bf16 bias ``b[index]`` in FP32 (one rounded add, where the reference adds it), or ``v`` itself where the
     layer has no biases -- the SiLU layer without biases is the text the kernels held before (their machine code)."""
-    act = get_activation(activation)
-    if act.interleaved:
-        raise ValueError(f"activation {act.name!r} reads gate and up interleaved; the kernels read the contract's "
-                         "order (gate rows, then up rows): gather the rows with kernels.activation.deinterleave")
+    act = kernel_layer(activation).activation
     body = []
     gate, up = "gate", "up"
     if act.limit is not None:
@@ -196,13 +193,19 @@ class ExpertLayer:
 CONTRACT_LAYER = ExpertLayer()
 
 
+def kernel_layer(activation: str | Activation = "silu", biases: bool = False) -> ExpertLayer:
+    """The layer a batched family compiles for ``activation`` (with ``biases``); ValueError for an activation that reads
+    gate and up interleaved (the kernels read the contract's row order)."""
+    act = get_activation(activation)
+    if act.interleaved:
+        raise ValueError(f"activation {act.name!r} reads gate and up interleaved; the kernels read the contract's "
+                         "order (gate rows, then up rows): gather the rows with kernels.activation.deinterleave")
+    return ExpertLayer(act, bool(biases))
+
+
 def expert_layer(activation: str | Activation = "silu", b13: Any = None, b2: Any = None) -> ExpertLayer:
     """The layer a call asks for: its activation, and biases where it passes both (one alone: ValueError)."""
     if (b13 is None) != (b2 is None):
         raise ValueError(f"b13 and b2 come together (the experts' gate_up and down biases), got only "
                          f"{'b13' if b2 is None else 'b2'}")
-    act = get_activation(activation)
-    if act.interleaved:
-        raise ValueError(f"activation {act.name!r} reads gate and up interleaved; the kernels read the contract's "
-                         "order (gate rows, then up rows): gather the rows with kernels.activation.deinterleave")
-    return ExpertLayer(act, b13 is not None)
+    return kernel_layer(activation, b13 is not None)

@@ -81,7 +81,7 @@ from typing import Any
 from kernels import batched
 from kernels import warp_decode_cupy as wdc
 from kernels import warp_decode_fp8 as wdf
-from kernels.activation import CONTRACT_LAYER, ExpertLayer, expert_layer, get_activation
+from kernels.activation import CONTRACT_LAYER, ExpertLayer, expert_layer, kernel_layer
 from kernels.contract import Dims, array_module, check_inputs
 from kernels.family import Launch
 from kernels.formats import BF16_T16, FP8_BLOCK128, FP8_BLOCK128_T16, MXFP4, NVFP4, format_of, get_format
@@ -502,7 +502,7 @@ def make_workspace(dims: Dims, gpu: str | None = None, policy: str = FASTEST,
     """Decide the path for ``dims`` under ``policy`` among those reading ``weight_format`` (and computing the layer
     ``activation`` / ``biases`` ask for: :func:`layer_choice`) and allocate its workspace (CuPy, current device)."""
     weight_format = check_weight_format(weight_format)
-    layer = ExpertLayer(get_activation(activation), bool(biases))
+    layer = kernel_layer(activation, biases)
     choice, source = choose(dims, gpu, table_dir, policy, weight_format)
     choice = layer_choice(choice, weight_format, layer)
     if choice == EXPERT_CENTRIC:

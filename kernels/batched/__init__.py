@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kernels.activation import CONTRACT_LAYER, ExpertLayer, expert_layer, get_activation
+from kernels.activation import CONTRACT_LAYER, ExpertLayer, expert_layer, kernel_layer
 from kernels.batched import loaders_fp4  # noqa: F401 (registers the 4-bit loaders before the families are built)
 from kernels.batched.common import Workspace, check_dims
 from kernels.batched.fma import FMA
@@ -53,7 +53,7 @@ def make_workspace(dims: Dims, path: str = "fma", weight_format: str = "bf16", a
     """The buffers ``path`` needs for ``dims`` with these knobs (CuPy, current device): the intermediate, the lists
     (not the per-pair path) and the grouped down's per-pair rows (which a layer with ``biases`` always runs)."""
     check_dims(dims)
-    chosen = family(path, weight_format, ExpertLayer(get_activation(activation), bool(biases)))
+    chosen = family(path, weight_format, kernel_layer(activation, biases))
     return chosen.workspace(dims, chosen.resolve(dims, **knobs))
 
 
