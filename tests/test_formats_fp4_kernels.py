@@ -89,7 +89,7 @@ int main(int argc, char** argv) {
     for (int s = 0; s < 256; ++s) scales[s] = (uint8_t)s;
     std::vector<float> out;  // [scale][byte][position][lo, hi]
     for (int s = 0; s < 256; ++s) {
-        const float scale = chunk_scale<16>(scales.data(), 4 * s, true);  // 8 values a chunk: block 4s * 8 / 32
+        const chunk_scale_t scale = chunk_scale<16>(scales.data(), 4 * s, true);  // 8 values a chunk: block 4s * 8 / 32
         for (int b = 0; b < 256; ++b)
             for (int w = 0; w < 4; ++w) {                                  // the byte's place in the 4-byte chunk
                 float lo, hi;
@@ -98,7 +98,7 @@ int main(int argc, char** argv) {
                 out.push_back(hi);
             }
     }
-    out.push_back(chunk_scale<16>(scales.data() + 7, 1000, false));        // past the row: block 0's scale
+    out.push_back(bf16_lo(chunk_scale<16>(scales.data() + 7, 1000, false)));  // past the row: block 0's scale
     FILE* f = fopen((dir + "/widened.bin").c_str(), "wb");
     fwrite(out.data(), 4, out.size(), f);
     fclose(f);

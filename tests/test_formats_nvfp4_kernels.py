@@ -77,7 +77,7 @@ int main(int argc, char** argv) {
     }
     const scale_row_t past = {scales.data() + 9, 2.0f};
     const chunk_scale_t end = chunk_scale<16>(past, 1000, false);          // past the row: block 0's scale
-    out.push_back(end.block);
+    out.push_back(bf16_lo(end.block2));
     out.push_back(end.global);
     FILE* f = fopen((dir + "/widened.bin").c_str(), "wb");
     fwrite(out.data(), 4, out.size(), f);

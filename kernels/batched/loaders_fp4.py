@@ -1,166 +1,26 @@
 """The 4-bit formats' device loaders (``mxfp4``, ``nvfp4``: :mod:`kernels.formats_fp4`), registered with the batched
 families as :mod:`kernels.batched.loaders`' others are, whose docstring states the contract they implement.
 
-e2m1 values two a byte along k, the even one in the low nibble; every loader widens them by bit placement, never a
-lookup (why: ``MXFP4_FMA``'s comment). The FMA loaders read mxfp4 and nvfp4; the tensor-core loaders (``MXFP4_MMA``,
-``NVFP4_MMA``: the shared ``E2M1_MMA`` after each format's block scales, for the tensor-core and per-pair families)
-scale each lane's values before the mma (nvfp4's global scale after it).
+e2m1 values two a byte along k, the even one in the low nibble; every loader widens a byte by bit placement and two
+exact bf16x2 multiplies (``E2M1_BF16``: no FP32 subnormal on the way, which the kernels' FP32 arithmetic would
+flush), never a lookup (why: ``MXFP4_FMA``'s comment). The FMA loaders read mxfp4 and nvfp4; the tensor-core loaders
+(``MXFP4_MMA``, ``NVFP4_MMA``: the shared ``E2M1_MMA`` after each format's block scales, for the tensor-core and
+per-pair families) scale each lane's values before the mma (nvfp4's global scale after it).
 """
 
 from __future__ import annotations
 
-from kernels.batched.loaders import FMA_FLOAT_SCALES, ROW_ADDRESSING, Loader, register_loader
+from kernels.batched.loaders import ROW_ADDRESSING, Loader, register_loader
 from kernels.formats import MXFP4, NVFP4
 
-E2M1_WIDENING = r"""// the nibble at bits 3..0 of n as value x 2^-126 (float32 bits: sign 31, magnitude 24..22)
-__device__ __forceinline__ float e2m1_times_2m126(u32 n) {
-    return __uint_as_float(((n & 0x7u) << 22) | ((n & 0x8u) << 28));
-}
-#define E2M1_UNBIAS __uint_as_float(0x7e800000u)   // 2^126
-"""
-
-MXFP4_FMA = r"""
-// ---- weight loader: mxfp4 (kernels/batched/loaders.py) ----
-// e2m1 values two a byte along k, the even one in the low nibble (kernels/formats_fp4.py): a weight chunk holds the
-// values of an activation chunk in a quarter of its bytes (GB_BYTES / DB_BYTES 16: 8 values in a 4-byte load), which
-// lie in one 32-value block of the row, so a chunk has one e8m0 scale, 2^(s - 127) (s = 0: 2^-127, a float32
-// subnormal; s = 255: NaN), read as a byte per chunk.
-//
-// Widening: bit tricks, no lookup. A nibble's magnitude bits (e e m) go to float32 bits 24..22 -- the exponent's two
-// low bits and the mantissa's top bit -- and its sign to bit 31: the float is then exactly value x 2^-126 for every
-// code (0.5's code 001 is float32's subnormal 2^-127, as it is e2m1's subnormal); x 2^126 makes it the e2m1 value and
-// x the block scale the weight (both products exact wherever the reference's float32 product is finite and normal,
-// and IEEE's there -- subnormal, infinite, NaN -- exactly as the reference rounds value x scale: the weight is
-// bitwise the reference's dequantized float32, which is a bf16 whenever it is finite and normal). Why not a lookup:
-// a 16-entry table indexed per lane cannot live in registers (no indexed registers), and in constant memory
-// divergent indices serialize; the bit form costs three integer operations and two FP32 multiplies a value,
-// amortized over a tile's pairs. (One multiply by 2^(s - 1) would do for s <= 128 only; the GPU comparison of the
-// widenings, with PRMT lookups, is a later prototype.)
-typedef unsigned char weight_t;
-#define VALUES_PER_WEIGHT 2
-#define WEIGHT_CHUNK_BYTES(act_bytes) ((act_bytes) / 4)
-#define MX_BLOCK 32
-// scales: uint8 [E, 2I, ceil(H/32)] (w13's gate rows, then its up rows) and [E, H, ceil(I/32)]: a row of blocks per
-// weight row
-typedef unsigned char scale_t;
-""" + FMA_FLOAT_SCALES + r"""
-struct scale_geometry_t { int hidden, inter, hblocks, iblocks; };      // the dims, a row's blocks along H and I
-__device__ __forceinline__ scale_geometry_t scale_geometry(int hidden, int inter, const float* globals) {
-    (void)globals;
-    return {hidden, inter, (hidden + MX_BLOCK - 1) / MX_BLOCK, (inter + MX_BLOCK - 1) / MX_BLOCK};
-}
-__device__ __forceinline__ const scale_t* w13_scale_row(const scale_t* s, scale_geometry_t g, int e, int i, bool up) {
-    return s + ((size_t)e * 2 * g.inter + (up ? g.inter : 0) + i) * (size_t)g.hblocks;
-}
-__device__ __forceinline__ const scale_t* w2_scale_row(const scale_t* s, scale_geometry_t g, int e, int h) {
-    return s + ((size_t)e * g.hidden + h) * (size_t)g.iblocks;
-}
-// e8m0 byte -> float32: 2^(s - 127) as the exponent field, 2^-127 (s = 0) as the subnormal 0x00400000, NaN (255)
-__device__ __forceinline__ float e8m0_to_f32(u32 s) {
-    return __uint_as_float((s << 23) | (s == 0u || s == 255u ? 0x00400000u : 0u));
-}
-// a lane past the row's end (ok false) reads block 0's byte (its values are zeros; were that scale NaN, the row's
-// dot product is NaN anyway, as in the reference)
-template <int ACT_BYTES>
-__device__ __forceinline__ float chunk_scale(const scale_t* scales, int c, bool ok) {
-    static_assert(MX_BLOCK % (ACT_BYTES / 2) == 0, "a chunk lies in one scale block");
-    return e8m0_to_f32(__ldg(scales + (ok ? c * (ACT_BYTES / 2) / MX_BLOCK : 0)));
-}
-""" + E2M1_WIDENING + r"""template <typename W>
-__device__ __forceinline__ void weight_pair(const W& wv, int w, float scale, float& lo, float& hi) {
-    const u32 byte = word(wv, w / 4) >> (8 * (w % 4));               // values 2w (low nibble) and 2w + 1
-    lo = __fmul_rn(__fmul_rn(e2m1_times_2m126(byte), E2M1_UNBIAS), scale);
-    hi = __fmul_rn(__fmul_rn(e2m1_times_2m126(byte >> 4), E2M1_UNBIAS), scale);
-}
-"""
-
-NVFP4_FMA = r"""
-// ---- weight loader: nvfp4 (kernels/batched/loaders.py) ----
-// e2m1 values as mxfp4's (two a byte along k, the even one in the low nibble; a 4-byte chunk of 8 values at GB_BYTES
-// / DB_BYTES 16), an e4m3fn block scale per 16 values along k (a chunk lies in one block: one byte a chunk), and a
-// float32 global scale per expert and matrix (w13's gate and up rows share theirs). The reference's weight is
-// (value x block scale) x global in float32: the first product exact (2 x 4 significant bits), the second rounded
-// once. So the global scale is applied per weight, after the block scale, never folded into it (block x global would
-// round first and value x that round again: a 1.5 or 3 value would differ in the last bit). The global scales come as
-// the kernels' last argument (scale_geometry's globals, [E] float32); each scale row carries its expert's (one load
-// per row, where the rows are set up), each chunk's scale is the pair (block, global).
-//
-// Widening: the nibble as mxfp4's (value x 2^-126 by bit placement, x 2^126: the e2m1 value, exact); the e4m3 byte
-// through the fp8 path's exact conversion (e4m3x2_to_f32: cvt e4m3 -> f16 -> f32 on the GPU, every e4m3 an f16, its
-// subnormals included; 0x7f / 0xff NaN); then x block scale (exact: at least 0.5 x 2^-9, at most 6 x 448) and x
-// global (the one rounding): bitwise the reference's dequantized float32 weight for every byte, block scale and
-// global. Three FP32 multiplies a value. (value x 2^-126 x (block x 2^119) is exact and would save one, x (global x
-// 2^7) then rounding once -- exact unless the global is above 2^121; a later measurement.)
-typedef unsigned char weight_t;
-#define VALUES_PER_WEIGHT 2
-#define WEIGHT_CHUNK_BYTES(act_bytes) ((act_bytes) / 4)
-#define NV_BLOCK 16
-// scales: uint8 e4m3fn bytes [E, 2I, ceil(H/16)] (w13's gate rows, then its up rows) and [E, H, ceil(I/16)]; globals
-// float32 [E] per matrix
-typedef unsigned char scale_t;
-struct scale_row_t { const scale_t* blocks; float global; };        // a row's block scales and its expert's global
-struct chunk_scale_t { float block, global; };                      // a chunk's
-struct scale_geometry_t { const float* globals; int hidden, inter, hblocks, iblocks; };
-__device__ __forceinline__ scale_geometry_t scale_geometry(int hidden, int inter, const float* globals) {
-    return {globals, hidden, inter, (hidden + NV_BLOCK - 1) / NV_BLOCK, (inter + NV_BLOCK - 1) / NV_BLOCK};
-}
-__device__ __forceinline__ scale_row_t w13_scale_row(const scale_t* s, scale_geometry_t g, int e, int i, bool up) {
-    return {s + ((size_t)e * 2 * g.inter + (up ? g.inter : 0) + i) * (size_t)g.hblocks, __ldg(g.globals + e)};
-}
-__device__ __forceinline__ scale_row_t w2_scale_row(const scale_t* s, scale_geometry_t g, int e, int h) {
-    return {s + ((size_t)e * g.hidden + h) * (size_t)g.iblocks, __ldg(g.globals + e)};
-}
-// e4m3fn byte -> float32, exact (NaN for 0x7f / 0xff)
-__device__ __forceinline__ float e4m3_to_f32(u32 b) {
-    float lo, hi;
-    e4m3x2_to_f32(b & 0xFFu, lo, hi);
-    return lo;
-}
-// a lane past the row's end (ok false) reads block 0's byte (its values are zeros; were that scale NaN, the row's
-// dot product is NaN anyway, as in the reference)
-template <int ACT_BYTES>
-__device__ __forceinline__ chunk_scale_t chunk_scale(const scale_row_t& row, int c, bool ok) {
-    static_assert(NV_BLOCK % (ACT_BYTES / 2) == 0, "a chunk lies in one scale block");
-    return {e4m3_to_f32(__ldg(row.blocks + (ok ? c * (ACT_BYTES / 2) / NV_BLOCK : 0))), row.global};
-}
-""" + E2M1_WIDENING + r"""// value x block scale (exact), x global (the one rounding)
-__device__ __forceinline__ float nvfp4_weight(u32 nibble, const chunk_scale_t& s) {
-    return __fmul_rn(__fmul_rn(__fmul_rn(e2m1_times_2m126(nibble), E2M1_UNBIAS), s.block), s.global);
-}
-template <typename W>
-__device__ __forceinline__ void weight_pair(const W& wv, int w, const chunk_scale_t& scale, float& lo, float& hi) {
-    const u32 byte = word(wv, w / 4) >> (8 * (w % 4));               // values 2w (low nibble) and 2w + 1
-    lo = nvfp4_weight(byte, scale);
-    hi = nvfp4_weight(byte >> 4, scale);
-}
-"""
-
-E2M1_MMA = r"""
-// ---- weight loader: e2m1 values on tensor cores (kernels/batched/loaders_fp4.py) ----
-// e2m1 values two a byte along k (the even one in the low nibble). A lane's A load holds FP4_HALVES chunks of 8 values
-// (4: 16 bytes, where H and I are multiples of 32; 2: 8 bytes, multiples of 16; 1: 4 bytes), each inside one scale
-// block of its row (32 values: mxfp4; 16: nvfp4, whose 16-byte loads hold two blocks, a scale each): the lane scales
-// its own values before the mma (a_fragment(load, h, scale)), so each A fragment is the value times its block scale
-// exactly -- e2m1 has two significant bits, an e8m0 scale none and an e4m3 one four, so the product is a bf16
-// wherever its float32 is finite -- and the mma sums what the bf16 tensor-core path sums on those weights.
-// Widening, per byte (two values): one integer multiply places the low nibble's bits at 9..6 and the high one's at
-// 25..22, a mask keeps both magnitudes (bf16 bits 8..6 and 24..22) and a shifted copy the signs (15, 31): each half is
-// then value x 2^-126 exactly (0.5 is bf16's subnormal 2^-127); two bf16x2 multiplies, exact, make it the value (x
-// 2^126) and the weight (x the block scale as bf16). The tensor cores take subnormal bf16 exactly
-// (notes/diag_mma_subnormals.py).
-typedef unsigned char weight_t;
-#define VALUES_PER_WEIGHT 2
-typedef u32 a_chunk_t;
-#if FP4_HALVES == 4
-typedef uint4 a_load_t;
-#elif FP4_HALVES == 2
-typedef uint2 a_load_t;
-#else
-typedef u32 a_load_t;
-#endif
-#define MMA_HALVES FP4_HALVES
-#define FORMAT_WHOLE_ROUNDS 1
-static_assert(FP4_HALVES == 1 || FP4_HALVES == 2 || FP4_HALVES == 4, "FP4_HALVES is 1, 2 or 4");
+E2M1_BF16 = r"""// ---- e2m1 pairs to bf16 pairs (kernels/batched/loaders_fp4.py) ----
+// Per byte (two values): one integer multiply places the low nibble's bits at 9..6 and the high one's at 25..22, a
+// mask keeps both magnitudes (bf16 bits 8..6 and 24..22) and a shifted copy the signs (15, 31): each half is then
+// value x 2^-126 exactly (0.5 is bf16's subnormal 2^-127); two bf16x2 multiplies, exact, make it the value (x 2^126)
+// and the weight (x the block scale as bf16: an e8m0 scale is a power of two, an e4m3 one has four significant bits,
+// an e2m1 value two, so the product is a bf16 wherever its float32 is finite, subnormals included). Why bf16x2 and
+// not float32: the kernels' FP32 arithmetic flushes subnormals (kernels/compile.py: -ftz=true), and the subnormal
+// 2^-127 is both 0.5's bits and an e8m0 scale of 0; bf16x2 multiplies keep them.
 __device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
 #ifdef WD_HOST_EMULATION
     u32 out = 0;
@@ -182,7 +42,141 @@ __device__ __forceinline__ u32 e2m1x2_to_bf16x2(u32 w, u32 scale2) {
     const u32 bits = (v & 0x01C001C0u) | ((v << 6) & 0x80008000u);  // value x 2^-126, each half
     return bf16x2_mul(bf16x2_mul(bits, 0x7E807E80u), scale2);        // x 2^126, x the scale
 }
-__device__ __forceinline__ uint4 e2m1x8_to_bf16x8(u32 w, u32 scale2) {
+"""
+
+E8M0_BF16 = r"""// an e8m0 scale as bf16 in both halves: 2^(s - 127) (s = 0: the subnormal 2^-127; 255: NaN)
+__device__ __forceinline__ u32 e8m0_bf16x2(u32 s) {
+    const u32 bits = s == 0u ? 0x0040u : s == 255u ? 0x7FC0u : s << 7;
+    return bits | (bits << 16);
+}
+"""
+
+E4M3_BF16 = r"""// an e4m3fn byte as bf16 bits (exact: every e4m3 is a bf16; cvt to f32, the top half; 0x7f / 0xff NaN)
+__device__ __forceinline__ u32 e4m3_bf16(u32 b) {
+    float lo, hi;
+    e4m3x2_to_f32(b & 0xFFu, lo, hi);
+    return __float_as_uint(lo) >> 16;
+}
+"""
+
+MXFP4_FMA = r"""
+// ---- weight loader: mxfp4 (kernels/batched/loaders.py) ----
+// e2m1 values two a byte along k, the even one in the low nibble (kernels/formats_fp4.py): a weight chunk holds the
+// values of an activation chunk in a quarter of its bytes (GB_BYTES / DB_BYTES 16: 8 values in a 4-byte load), which
+// lie in one 32-value block of the row, so a chunk has one e8m0 scale, 2^(s - 127) (s = 0: 2^-127, a subnormal;
+// s = 255: NaN), read as a byte per chunk and held as bf16 in both halves of a word.
+//
+// Widening: bit placement and two exact bf16x2 multiplies per byte (E2M1_BF16 above), no lookup: each weight is
+// value x scale exactly, the reference's dequantized float32 (a bf16 wherever it is finite, NaN and infinity as the
+// reference rounds them). Why not a lookup: a 16-entry table indexed per lane cannot live in registers (no indexed
+// registers), and in constant memory divergent indices serialize. Per two values: one integer multiply, three
+// integer operations, two bf16x2 multiplies and the two halves' unpacking, amortized over a tile's pairs.
+typedef unsigned char weight_t;
+#define VALUES_PER_WEIGHT 2
+#define WEIGHT_CHUNK_BYTES(act_bytes) ((act_bytes) / 4)
+#define MX_BLOCK 32
+// scales: uint8 [E, 2I, ceil(H/32)] (w13's gate rows, then its up rows) and [E, H, ceil(I/32)]: a row of blocks per
+// weight row
+typedef unsigned char scale_t;
+typedef const scale_t* scale_row_t;   // a row's scales: where they start
+typedef u32 chunk_scale_t;            // a chunk's scale as bf16, in both halves
+struct scale_geometry_t { int hidden, inter, hblocks, iblocks; };      // the dims, a row's blocks along H and I
+__device__ __forceinline__ scale_geometry_t scale_geometry(int hidden, int inter, const float* globals) {
+    (void)globals;
+    return {hidden, inter, (hidden + MX_BLOCK - 1) / MX_BLOCK, (inter + MX_BLOCK - 1) / MX_BLOCK};
+}
+__device__ __forceinline__ const scale_t* w13_scale_row(const scale_t* s, scale_geometry_t g, int e, int i, bool up) {
+    return s + ((size_t)e * 2 * g.inter + (up ? g.inter : 0) + i) * (size_t)g.hblocks;
+}
+__device__ __forceinline__ const scale_t* w2_scale_row(const scale_t* s, scale_geometry_t g, int e, int h) {
+    return s + ((size_t)e * g.hidden + h) * (size_t)g.iblocks;
+}
+""" + E8M0_BF16 + r"""// a lane past the row's end (ok false) reads block 0's byte (its values are zeros; were that
+// scale NaN, the row's dot product is NaN anyway, as in the reference)
+template <int ACT_BYTES>
+__device__ __forceinline__ chunk_scale_t chunk_scale(const scale_t* scales, int c, bool ok) {
+    static_assert(MX_BLOCK % (ACT_BYTES / 2) == 0, "a chunk lies in one scale block");
+    return e8m0_bf16x2(__ldg(scales + (ok ? c * (ACT_BYTES / 2) / MX_BLOCK : 0)));
+}
+""" + E2M1_BF16 + r"""template <typename W>
+__device__ __forceinline__ void weight_pair(const W& wv, int w, chunk_scale_t scale2, float& lo, float& hi) {
+    const u32 pair = e2m1x2_to_bf16x2(word(wv, w / 4) >> (8 * (w % 4)), scale2);  // values 2w and 2w + 1, scaled
+    lo = bf16_lo(pair);
+    hi = bf16_hi(pair);
+}
+"""
+
+NVFP4_FMA = r"""
+// ---- weight loader: nvfp4 (kernels/batched/loaders.py) ----
+// e2m1 values as mxfp4's (two a byte along k, the even one in the low nibble; a 4-byte chunk of 8 values at GB_BYTES
+// / DB_BYTES 16), an e4m3fn block scale per 16 values along k (a chunk lies in one block: one byte a chunk), and a
+// float32 global scale per expert and matrix (w13's gate and up rows share theirs). The reference's weight is
+// (value x block scale) x global in float32: the first product exact (2 x 4 significant bits), the second rounded
+// once. So the global scale is applied per weight, after the block scale, never folded into it (block x global would
+// round first and value x that round again: a 1.5 or 3 value would differ in the last bit). The global scales come as
+// the kernels' last argument (scale_geometry's globals, [E] float32); each scale row carries its expert's (one load
+// per row, where the rows are set up), each chunk's scale is the pair (block as bf16 in both halves, global).
+//
+// Widening: value x block scale as mxfp4's (E2M1_BF16: exact, a bf16), then x global in FP32 (the one rounding):
+// bitwise the reference's dequantized float32 weight for every byte, block scale and global.
+typedef unsigned char weight_t;
+#define VALUES_PER_WEIGHT 2
+#define WEIGHT_CHUNK_BYTES(act_bytes) ((act_bytes) / 4)
+#define NV_BLOCK 16
+// scales: uint8 e4m3fn bytes [E, 2I, ceil(H/16)] (w13's gate rows, then its up rows) and [E, H, ceil(I/16)]; globals
+// float32 [E] per matrix
+typedef unsigned char scale_t;
+struct scale_row_t { const scale_t* blocks; float global; };        // a row's block scales and its expert's global
+struct chunk_scale_t { u32 block2; float global; };                 // a chunk's (the block's as bf16, twice)
+struct scale_geometry_t { const float* globals; int hidden, inter, hblocks, iblocks; };
+__device__ __forceinline__ scale_geometry_t scale_geometry(int hidden, int inter, const float* globals) {
+    return {globals, hidden, inter, (hidden + NV_BLOCK - 1) / NV_BLOCK, (inter + NV_BLOCK - 1) / NV_BLOCK};
+}
+__device__ __forceinline__ scale_row_t w13_scale_row(const scale_t* s, scale_geometry_t g, int e, int i, bool up) {
+    return {s + ((size_t)e * 2 * g.inter + (up ? g.inter : 0) + i) * (size_t)g.hblocks, __ldg(g.globals + e)};
+}
+__device__ __forceinline__ scale_row_t w2_scale_row(const scale_t* s, scale_geometry_t g, int e, int h) {
+    return {s + ((size_t)e * g.hidden + h) * (size_t)g.iblocks, __ldg(g.globals + e)};
+}
+""" + E4M3_BF16 + r"""// a lane past the row's end (ok false) reads block 0's byte (its values are zeros; were that
+// scale NaN, the row's dot product is NaN anyway, as in the reference)
+template <int ACT_BYTES>
+__device__ __forceinline__ chunk_scale_t chunk_scale(const scale_row_t& row, int c, bool ok) {
+    static_assert(NV_BLOCK % (ACT_BYTES / 2) == 0, "a chunk lies in one scale block");
+    const u32 block = e4m3_bf16(__ldg(row.blocks + (ok ? c * (ACT_BYTES / 2) / NV_BLOCK : 0)));
+    return {block | (block << 16), row.global};
+}
+""" + E2M1_BF16 + r"""template <typename W>
+__device__ __forceinline__ void weight_pair(const W& wv, int w, const chunk_scale_t& scale, float& lo, float& hi) {
+    const u32 pair = e2m1x2_to_bf16x2(word(wv, w / 4) >> (8 * (w % 4)), scale.block2);  // value x block, exact
+    lo = __fmul_rn(bf16_lo(pair), scale.global);                                       // x global: the rounding
+    hi = __fmul_rn(bf16_hi(pair), scale.global);
+}
+"""
+
+E2M1_MMA = r"""
+// ---- weight loader: e2m1 values on tensor cores (kernels/batched/loaders_fp4.py) ----
+// e2m1 values two a byte along k (the even one in the low nibble). A lane's A load holds FP4_HALVES chunks of 8 values
+// (4: 16 bytes, where H and I are multiples of 32; 2: 8 bytes, multiples of 16; 1: 4 bytes), each inside one scale
+// block of its row (32 values: mxfp4; 16: nvfp4, whose 16-byte loads hold two blocks, a scale each): the lane scales
+// its own values before the mma (a_fragment(load, h, scale)), so each A fragment is the value times its block scale
+// exactly -- e2m1 has two significant bits, an e8m0 scale none and an e4m3 one four, so the product is a bf16
+// wherever its float32 is finite -- and the mma sums what the bf16 tensor-core path sums on those weights. The
+// widening is E2M1_BF16's; the tensor cores take subnormal bf16 exactly (notes/diag_mma_subnormals.py).
+typedef unsigned char weight_t;
+#define VALUES_PER_WEIGHT 2
+typedef u32 a_chunk_t;
+#if FP4_HALVES == 4
+typedef uint4 a_load_t;
+#elif FP4_HALVES == 2
+typedef uint2 a_load_t;
+#else
+typedef u32 a_load_t;
+#endif
+#define MMA_HALVES FP4_HALVES
+#define FORMAT_WHOLE_ROUNDS 1
+static_assert(FP4_HALVES == 1 || FP4_HALVES == 2 || FP4_HALVES == 4, "FP4_HALVES is 1, 2 or 4");
+""" + E2M1_BF16 + r"""__device__ __forceinline__ uint4 e2m1x8_to_bf16x8(u32 w, u32 scale2) {
     return make_uint4(e2m1x2_to_bf16x2(w, scale2), e2m1x2_to_bf16x2(w >> 8, scale2),
                       e2m1x2_to_bf16x2(w >> 16, scale2), e2m1x2_to_bf16x2(w >> 24, scale2));
 }
@@ -240,32 +234,25 @@ __device__ __forceinline__ auto mma_sums(float (&acc)[N][4], float (&part)[N][4]
 
 MXFP4_MMA = r"""
 // ---- weight loader: mxfp4 on tensor cores (kernels/batched/loaders_fp4.py) ----
-// an e8m0 scale per 32 values: 2^(s - 127) as bf16 (s = 0: the subnormal 2^-127; 255: NaN), one per lane load.
+// an e8m0 scale per 32 values (E8M0_BF16), one per lane load.
 #define SCALE_BLOCK 32
-__device__ __forceinline__ u32 e8m0_bf16x2(u32 s) {
-    const u32 bits = s == 0u ? 0x0040u : s == 255u ? 0x7FC0u : s << 7;
-    return bits | (bits << 16);
-}
-__device__ __forceinline__ u32 block_scales(const unsigned char* row, int c) {   // chunk c's load: one block
+""" + E8M0_BF16 + r"""// chunk c's load: one block
+__device__ __forceinline__ u32 block_scales(const unsigned char* row, int c) {
     return e8m0_bf16x2(__ldg(row + c * 8 / SCALE_BLOCK));
 }
 """ + E2M1_MMA
 
 NVFP4_MMA = r"""
 // ---- weight loader: nvfp4 on tensor cores (kernels/batched/loaders_fp4.py) ----
-// an e4m3 scale per 16 values (every e4m3 is a bf16: cvt to f32, the top half), two per 16-byte lane load; the
+// an e4m3 scale per 16 values (E4M3_BF16), two per 16-byte lane load; the
 // expert's float32 global scale after the mma, where each kernel's dot is complete (GLOBAL_OF / WITH_GLOBAL, its
 // argument g13 / g2): the fragments hold value x block scale exactly and the dot is multiplied once -- the
 // reference rounds each weight after that multiply instead (the tensor-core tolerance covers the difference).
 #define SCALE_BLOCK 16
 #define GLOBAL_OF(g, e) __ldg((g) + (e))
 #define WITH_GLOBAL(v, global) __fmul_rn((v), (global))
-__device__ __forceinline__ u32 e4m3_bf16(u32 b) {
-    float lo, hi;
-    e4m3x2_to_f32(b & 0xFFu, lo, hi);
-    return __float_as_uint(lo) >> 16;
-}
-__device__ __forceinline__ u32 block_scales(const unsigned char* row, int c) {   // chunk c's load: c / 2 (and next)
+""" + E4M3_BF16 + r"""// chunk c's load: block c / 2 (and the next)
+__device__ __forceinline__ u32 block_scales(const unsigned char* row, int c) {
     const u32 first = e4m3_bf16(__ldg(row + c / 2));
     return FP4_HALVES == 4 ? first | (e4m3_bf16(__ldg(row + c / 2 + 1)) << 16) : first | (first << 16);
 }
