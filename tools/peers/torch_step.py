@@ -104,7 +104,7 @@ class TorchStep:
         self.v_cache = [as_torch(v) for v in device_state.v_cache]
         self.lengths = as_torch(device_state.lengths)
         self.host_lengths = [int(n) for n in device_state.lengths.get()]
-        cos, sin = rope_tables(np.arange(device_state.capacity), shape.head_dim, shape.rope_theta)
+        cos, sin = rope_tables(int(device_state.capacity), shape.head_dim, shape.rope_theta)
         self.cos = torch.from_numpy(np.asarray(cos, np.float32)).cuda()
         self.sin = torch.from_numpy(np.asarray(sin, np.float32)).cuda()
         self.tokens = torch.zeros(self.T, dtype=torch.int64, device="cuda")
