@@ -386,6 +386,17 @@ def isfinite(a: ndarray) -> ndarray:
     return _wrap(np.isfinite(a._a))
 
 
+def count_nonzero(a: ndarray, axis: Any = None) -> Any:
+    _stream_work("count_nonzero", None, None)
+    result = np.count_nonzero(_host(a), axis=axis)
+    return int(result) if axis is None else _wrap(result)
+
+
+def where(condition: Any, x: Any, y: Any) -> ndarray:
+    _stream_work("where", None, None)
+    return _wrap(np.where(_host(condition), _host(x), _host(y)))
+
+
 def array_equal(a: ndarray, b: ndarray) -> ndarray:
     _stream_work("array_equal", None, None)
     return _wrap(np.array_equal(_host(a), _host(b)))
@@ -672,7 +683,8 @@ def make_cupy() -> dict[str, types.ModuleType]:
     cupy.__doc__ = "The emulated CuPy device of tests/emulated_device.py (NumPy arrays, kernels run by g++ code)."
     cupy.ndarray = ndarray
     for name in ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "asarray", "array",
-                 "ascontiguousarray", "arange", "asnumpy", "isfinite", "array_equal"):
+                 "ascontiguousarray", "arange", "asnumpy", "isfinite", "count_nonzero", "where",
+                 "array_equal"):
         setattr(cupy, name, globals()[name])
     for name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
                  "uint64", "bool_", "dtype"):

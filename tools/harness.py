@@ -413,7 +413,7 @@ class Workbench:
         ``weight_format``: its values as the host reads them, and its scales)."""
         import cupy
 
-        from kernels.formats import FP8, Quantized
+        from kernels.formats import Quantized
 
         key = (copy, weight_format)
         if key not in self._compact:
@@ -423,15 +423,15 @@ class Workbench:
             rows = copy * self.shape.experts + touched
             index = cupy.asarray(rows.astype(np.int64))
 
-            def bits(values: Any) -> np.ndarray:  # fp8 and bf16 values travel as their bit patterns
-                if values.dtype.itemsize == 1:
-                    return _host(values.view(cupy.uint8)[index]).view(np.uint8).view(FP8)
+            def bits(values: Any) -> np.ndarray:  # bf16 values travel as their bit patterns, one-byte ones as uint8
+                if values.dtype.itemsize == 1:  # fp8's e4m3 bytes (the reference reads them as such) or packed e2m1
+                    return _host(values.view(cupy.uint8)[index])
                 return _host(values.view(cupy.uint16)[index]).view(BF16)
 
             def gather(w: Any) -> Any:
                 if isinstance(w, Quantized):
-                    scales = None if w.scales is None else _host(w.scales[index])
-                    return dataclasses.replace(w, values=bits(w.values), scales=scales)
+                    scales, globals_ = (None if a is None else _host(a[index]) for a in (w.scales, w.global_scale))
+                    return dataclasses.replace(w, values=bits(w.values), scales=scales, global_scale=globals_)
                 return bits(w)
 
             w13, w2 = self.pools[weight_format]
