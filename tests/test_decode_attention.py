@@ -16,6 +16,7 @@ from kernels.decode import decode_attention, qk_norm_rope_append, rope_tables
 from kernels.decode.attention import (
     ATTENTION,
     ATTENTION_SOURCE,
+    MAX_SHARED,
     ROPE,
     ROPE_SOURCE,
     AttentionWorkspace,
@@ -514,6 +515,10 @@ def test_gpu_matches_numpy_and_repeats(cupy_mod: Any, rng: np.random.Generator, 
     case = _device_case(cupy, rng, [0, 30, 32, 256, 2047, 700, 63], heads, kv_heads, dim, 2100)
     tokens = len(case["lengths"])
     out = _poisoned(cupy, tokens, heads * dim)
+    if attention_shared_bytes(ATTENTION.resolve(**knobs)["SPLIT"], dim, heads // kv_heads) > MAX_SHARED:
+        with pytest.raises(ValueError, match="lower SPLIT"):  # SPLIT 256 at D 256, G 16: 292 KB of tiles
+            decode_attention(case["q_d"], case["k_d"], case["v_d"], case["lengths_d"], out, **knobs)
+        return
     assert decode_attention(case["q_d"], case["k_d"], case["v_d"], case["lengths_d"], out, **knobs) is out
     cupy.cuda.runtime.deviceSynchronize()
     split = ATTENTION.resolve(**knobs)["SPLIT"]
