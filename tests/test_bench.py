@@ -128,6 +128,42 @@ def test_draw_seeds_are_distinct_per_sample_and_copy():
     assert harness.draw_seed(1, 1, 2) != harness.draw_seed(0, 1, 2)
 
 
+def test_each_copy_carries_its_own_scales(emulated):
+    """A copy's weights, and the reference's compact copy of them, hold that copy's scales and per-expert global
+    scales (nvfp4's): on the H200 every nvfp4 row of the bench was checked wrong while the kernels read copy 0's
+    globals. Pools made here by hand (no kernel runs)."""
+    import cupy
+
+    from kernels.formats import Quantized
+
+    bench = object.__new__(harness.Workbench)  # only what weights() and _compact_copy() read
+    bench.shape, copies = get_shape("tiny"), 3
+    experts = bench.shape.experts
+    rng = np.random.default_rng(5)
+
+    def matrix(rows: int, cols: int) -> Quantized:
+        return Quantized(cupy.asarray(rng.integers(0, 256, (copies * experts, rows, cols // 2), dtype=np.uint8)),
+                         cupy.asarray(rng.integers(0, 256, (copies * experts, rows, cols // 16), dtype=np.uint8)),
+                         global_scale=cupy.asarray(rng.random(copies * experts, dtype=np.float32)))
+
+    pool = (matrix(2 * bench.shape.intermediate, bench.shape.hidden), matrix(bench.shape.hidden, 64))
+    bench.pools, bench._compact = {"nvfp4": pool}, {}
+    bench.check_token_ids = np.arange(2)
+    bench.host = {"x": np.zeros((2, bench.shape.hidden), BF16), "topk_ids": np.array([[3, 1], [0, 3]], np.int32),
+                  "topk_weights": np.ones((2, 2), np.float32)}
+    for copy in range(copies):
+        rows = slice(copy * experts, (copy + 1) * experts)
+        for view, whole in zip(bench.weights(copy, "nvfp4"), pool, strict=True):
+            for part in ("values", "scales", "global_scale"):
+                assert np.array_equal(cupy.asnumpy(getattr(view, part)), cupy.asnumpy(getattr(whole, part)[rows]))
+        compact = bench._compact_copy(copy, "nvfp4")
+        for name, whole in zip(("w13", "w2"), pool, strict=True):
+            touched = copy * experts + np.array([0, 1, 3])
+            assert compact[name].values.dtype == np.uint8
+            for part in ("values", "scales", "global_scale"):
+                assert np.array_equal(getattr(compact[name], part), cupy.asnumpy(getattr(whole, part))[touched])
+
+
 def test_check_tokens_fit_the_host_budget(rng):
     ids = np.stack([rng.permutation(256)[:8] for _ in range(64)]).astype(np.int32)
     assert harness.check_tokens(ids, 1, limit=10**9).size == 64

@@ -399,9 +399,9 @@ class Workbench:
         stop = start + self.shape.experts
 
         def view(w: Any) -> Any:
-            if isinstance(w, Quantized):
-                scales = None if w.scales is None else w.scales[start:stop]
-                return dataclasses.replace(w, values=w.values[start:stop], scales=scales)
+            if isinstance(w, Quantized):  # values, scales and a per-expert global scale: each [E, ...] of the copy
+                scales, globals_ = (None if a is None else a[start:stop] for a in (w.scales, w.global_scale))
+                return dataclasses.replace(w, values=w.values[start:stop], scales=scales, global_scale=globals_)
             return w[start:stop]
 
         w13, w2 = self.pools[weight_format]
