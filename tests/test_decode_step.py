@@ -158,6 +158,11 @@ def test_step_kernels_compile_for_sm90_without_spills() -> None:
     (["--layers", "5", "--model", "tiny"], "--layers 5: tiny has 4 layers"),
     (["--seed", "-1"], "--seed must be an int >= 0, got -1"),
     (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--knob", "atn.SPLIT=32"], "argument --knob: unknown kernel 'atn'; the step's kernels with knobs: qkv, o,"),
+    (["--knob", "attention.PDL=1"], "argument --knob: attention has no knob 'PDL'; its knobs: SPLIT, WARPS"),
+    (["--knob", "attention.SPLIT=16"], "argument --knob: attention.SPLIT: [16] outside [32, 4096]"),
+    (["--knob", "qkv.UNROLL"], "argument --knob: expected KERNEL.KNOB=V1,V2,..., got 'qkv.UNROLL'"),
+    (["--knob", "router.ROWS=2,x"], "argument --knob: router.ROWS: values must be ints, got '2,x'"),
 ])
 def test_cli_rejects_bad_arguments_with_exit_2(argv: list[str], message: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:

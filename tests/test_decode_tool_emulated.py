@@ -60,12 +60,19 @@ def _assert_timed_point(point: dict[str, Any], repeats: int) -> None:
 
 @pytest.mark.slow
 def test_decode_tool_gpu_path_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """T = 1, 3 x MoE strict, warp-decode (T = 3: the tensor-core path, 8 launches a layer): exit 0, the JSON's
-    schema, every point ok with its smoke checks, blocks with their bytes and the read floor; the tables render."""
+    """T = 1, 3 x MoE strict, warp-decode (T = 3: the tensor-core path, 8 launches a layer), the attention's SPLIT
+    set to 32 (--knob): exit 0, the JSON's schema, every point ok with its smoke checks, blocks with their bytes and
+    the read floor, the knob in each point, its label and the attention's grid; the tables render."""
     from tools import decode
 
-    argv = [*ARGS, "--tokens", "1,3", "--moe", "strict,warp-decode"]
-    code, data, text = _run(decode.main, argv, tmp_path, capsys)
+    argv = [*ARGS, "--tokens", "1,3", "--moe", "strict,warp-decode", "--knob", "attention.SPLIT=32"]
+    path = tmp_path / "decode.json"
+    with emulated_device() as device:
+        code = decode.main([*argv, "--json", str(path)])
+    out = capsys.readouterr()
+    data, text = json.loads(path.read_text()), out.out + out.err
+    grids = {launch.grid[0] for launch in device.launches if launch.kernel == "decode_attention"}
+    assert grids == {-(-(40 + 1 + decode.HEADROOM) // 32)}  # ceil(capacity / SPLIT) chunks
     assert code == 0, text
     assert data["schema"] == decode.SCHEMA and data["complete"] is True and "cpu" not in data
     assert data["config"]["models"] == ["tiny"] and data["config"]["repeats"] == 2
@@ -80,13 +87,17 @@ def test_decode_tool_gpu_path_runs_end_to_end(tmp_path: Path, capsys: pytest.Cap
         _assert_timed_point(point, 2)
     assert [p["kernels_per_layer"] for p in data["points"]] == [7, 7, 7, 8]
     assert text.count("streaming reads, one graph)") == 4  # a table per point, the floor in its caption
+    assert all(p["kernel_knobs"] == {"attention": {"SPLIT": 32}} for p in data["points"])
+    assert data["config"]["kernel_knobs"] == [{"attention": {"SPLIT": 32}}]
+    flat = " ".join(text.split())  # the tables' titles wrap
     for point in data["points"]:
-        what = f"tiny bf16 T={point['tokens']} C=40"
-        assert f"{what} MoE {point['moe']}: " in text and f"{what} {point['moe']}: " in text  # table, progress
+        what, label = f"tiny bf16 T={point['tokens']} C=40", f"{point['moe']} [attention.SPLIT=32]"
+        assert f"{what} MoE {label}: " in flat and f"{what} {label}: " in text  # table, progress
     assert "NO TIMING TAKEN" not in text and "ERROR" not in text
     report = decode.markdown(data)  # what --markdown prints for results/REPORT.md
-    assert report.startswith("NVIDIA H200, streaming-read roofline") and report.count("| tiny | bf16 |") == 4 + 2
-    assert "| strict |" in report and "Blocks, tiny bf16 T=3 C=40" in report
+    assert report.startswith("NVIDIA H200, streaming-read roofline") and report.count("| tiny | bf16 |") == 4
+    assert report.count("| tiny [attention.SPLIT=32] | bf16 |") == 2  # warp-decode over strict, at the same knobs
+    assert "| strict [attention.SPLIT=32] |" in report and "Blocks, tiny bf16 T=3 C=40 [attention.SPLIT=32]" in report
 
 
 @pytest.mark.slow

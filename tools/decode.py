@@ -26,6 +26,7 @@ rooflines, per point the samples, blocks, bytes and floor; or the CPU checks.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -95,6 +96,51 @@ def format_list(text: str) -> list[str]:
     return _names(text, WEIGHT_FORMATS, "weight formats")
 
 
+def knob_setting(text: str) -> tuple[str, str, list[int]]:
+    """``ROLE.KNOB=V1,V2,...`` -> (role, knob, values): a kernel of the step (kernels.decode.step.KERNEL_ROLES), one
+    of its knobs (kernel_knob_limits) and ints inside the knob's range."""
+    from kernels.decode.step import KERNEL_ROLES, kernel_knob_limits
+
+    name, sep, values_text = text.partition("=")
+    role, dot, knob = name.partition(".")
+    if not sep or not dot or not knob or not values_text:
+        raise argparse.ArgumentTypeError(f"expected KERNEL.KNOB=V1,V2,..., got {text!r}")
+    if role not in KERNEL_ROLES:
+        raise argparse.ArgumentTypeError(f"unknown kernel {role!r}; the step's kernels with knobs: "
+                                         f"{', '.join(KERNEL_ROLES)}")
+    limits = kernel_knob_limits(role)
+    if knob not in limits:
+        raise argparse.ArgumentTypeError(f"{role} has no knob {knob!r}; its knobs: {', '.join(sorted(limits))}")
+    try:
+        values = [int(v) for v in values_text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{role}.{knob}: values must be ints, got {values_text!r}") from None
+    lo, hi = limits[knob]
+    outside = [v for v in values if not lo <= v <= hi]
+    if outside:
+        raise argparse.ArgumentTypeError(f"{role}.{knob}: {outside} outside [{lo}, {hi}]")
+    return role, knob, list(dict.fromkeys(values))
+
+
+def knob_settings(knobs: Sequence[tuple[str, str, list[int]]]) -> list[dict[str, dict[str, int]]]:
+    """Every combination of the ``--knob`` values, as build_step's kernel_knobs ([{}] without any)."""
+    settings: list[dict[str, dict[str, int]]] = [{}]
+    for role, knob, values in knobs:
+        settings = [{**s, role: {**s.get(role, {}), knob: v}} for s in settings for v in values]
+    return settings
+
+
+def knob_label(kernel_knobs: dict[str, dict[str, int]] | None) -> str:
+    """``attention.SPLIT=32 qkv.UNROLL=4`` for a point's kernel_knobs ('' for the defaults)."""
+    return " ".join(f"{role}.{knob}={v}" for role, knobs in (kernel_knobs or {}).items() for knob, v in knobs.items())
+
+
+def _label(row: dict[str, Any]) -> str:
+    """A point's MoE path and, where set, its kernel knobs."""
+    knobs = knob_label(row.get("kernel_knobs"))
+    return f"{row['moe']} [{knobs}]" if knobs else str(row["moe"])
+
+
 def build_parser(extras: Extras = NO_EXTRAS) -> argparse.ArgumentParser:
     moes = (*MOES, *extras.moes)
     parser = argparse.ArgumentParser(
@@ -122,6 +168,10 @@ def build_parser(extras: Extras = NO_EXTRAS) -> argparse.ArgumentParser:
     if extras.composed is not None:
         parser.add_argument("--torch", action="store_true",
                             help="also time the PyTorch-composed step (default: not)")
+    parser.add_argument("--knob", type=knob_setting, action="append", default=[], metavar="KERNEL.KNOB=V,...",
+                        help="a knob of one of the step's kernels (qkv, o, lm_head, rope, attention, router), with "
+                             "the values to measure; repeatable: every combination is a point (default: the "
+                             "kernels' own choice)")
     parser.add_argument("--layers", type=positive_int, default=None, metavar="N",
                         help=f"distinct layer copies generated, cycled through the preset's layers (default "
                              f"{DEFAULT_LAYERS}, at most the preset's)")
@@ -245,20 +295,24 @@ def _moe_hook(moe: str, extras: Extras) -> tuple[Any, str | None]:
 
 def measure_point(device_model: Any, model: Any, tokens: int, context: int, moe: str, repeats: int, inner: int,
                   roof_tbps: float | None, seed: int, progress: Callable[[str], None],
-                  extras: Extras = NO_EXTRAS) -> dict[str, Any]:
-    """One (T, C, MoE) point on an uploaded model: smoke check, step and blocks timed, read floor, bytes."""
+                  extras: Extras = NO_EXTRAS, kernel_knobs: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
+    """One (T, C, MoE, kernel knobs) point on an uploaded model: smoke check, step and blocks timed, read floor,
+    bytes."""
     import cupy
 
     from kernels.decode.step import DeviceState, build_step, moe_stage_names
 
     row: dict[str, Any] = {"tokens": tokens, "context": context, "moe": moe, "status": "ok"}
+    if kernel_knobs:
+        row["kernel_knobs"] = kernel_knobs
     hook, why_not = _moe_hook(moe, extras)
     if hook is None:
         return {**row, "status": "skipped", "error": why_not}
     capacity = context + inner + HEADROOM
     state = DeviceState.random(device_model, [context] * tokens, capacity, seed)
     lengths0 = state.lengths.copy()
-    step = build_step(device_model, state, tokens, moe=hook)
+    step = build_step(device_model, state, tokens, moe=hook, kernel_knobs=kernel_knobs)
+    moe = _label(row)  # the progress lines' name of the point
     step.set_tokens(np.random.default_rng(seed).integers(0, model.config.vocab_size, size=tokens))
 
     def reset() -> None:
@@ -329,15 +383,17 @@ def gpu_run(args: argparse.Namespace, data: dict[str, Any], progress: Callable[[
             device_model = DeviceModel.from_model(model, fmt, cycle_to=shape.layers)
             for tokens in args.tokens:
                 for context in args.context:
-                    for moe in args.moe:
+                    for moe, knobs in itertools.product(args.moe, knob_settings(args.knob)):
                         point = {"model": name, "weight_format": fmt, "distinct_layers": distinct,
                                  "step_layers": shape.layers}
                         try:
                             row = measure_point(device_model, model, tokens, context, moe, args.repeats, args.inner,
-                                                roof, args.seed, progress, extras)
+                                                roof, args.seed, progress, extras, kernel_knobs=knobs)
                         except Exception as exc:  # noqa: BLE001 - one point's failure is reported, the run goes on
                             row = {"tokens": tokens, "context": context, "moe": moe, "status": "error",
                                    "error": f"{type(exc).__name__}: {exc}"}
+                            if knobs:
+                                row["kernel_knobs"] = knobs
                         data["points"].append({**point, **row})
                         progress(_point_line(data["points"][-1]))
                         checkpoint()
@@ -358,7 +414,7 @@ def gpu_run(args: argparse.Namespace, data: dict[str, Any], progress: Callable[[
 
 
 def _point_line(row: dict[str, Any]) -> str:
-    head = f"{row['model']} {row['weight_format']} T={row['tokens']} C={row['context']} {row['moe']}"
+    head = f"{row['model']} {row['weight_format']} T={row['tokens']} C={row['context']} {_label(row)}"
     if row.get("status") != "ok" or row.get("median_us") is None:
         return f"{head}: {str(row.get('status')).upper()} {row.get('error') or row.get('smoke') or ''}".rstrip()
     extra = ""
@@ -372,17 +428,18 @@ def _point_line(row: dict[str, Any]) -> str:
 # ------------------------------------------------------------------------------------------------
 def renderables(data: dict[str, Any]) -> list[Any]:
     """Rich tables of a run: per timed point its blocks; without a GPU the reference rows and the bytes."""
+    from rich.markup import escape
     from rich.table import Table
 
     out: list[Any] = []
     for row in data.get("points", []):
         if row.get("status") != "ok" or "blocks" not in row:
             continue
-        title = (f"{row['model']} {row['weight_format']} T={row['tokens']} C={row['context']} MoE {row['moe']}: "
+        title = (f"{row['model']} {row['weight_format']} T={row['tokens']} C={row['context']} MoE {_label(row)}: "
                  f"{row['tokens_per_s']:.0f} tok/s, {row['median_us']:.1f} µs per step "
                  f"({row['min_us']:.1f}-{row['max_us']:.1f}); {row['distinct_layers']} distinct layers cycled "
                  f"through {row['step_layers']}")
-        table = Table(title=title)
+        table = Table(title=escape(title))  # a knob label's brackets are text, not markup
         for column in ("block", "MB", "µs alone", "% roof"):
             table.add_column(column, justify="left" if column == "block" else "right")
         for block in BLOCKS:
@@ -440,31 +497,35 @@ def markdown(data: dict[str, Any]) -> str:
              "|---|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     ok = [p for p in data.get("points", []) if p.get("status") == "ok" and "median_us" in p]
     for p in ok:
-        lines.append(f"| {p['model']} | {p['weight_format']} | {p['tokens']} | {p['context']} | {p['moe']} | "
+        lines.append(f"| {p['model']} | {p['weight_format']} | {p['tokens']} | {p['context']} | {_label(p)} | "
                      f"{p['median_us']:.1f} ({p['min_us']:.1f}-{p['max_us']:.1f}) | {p['tokens_per_s']:.0f} | "
                      f"{_cell(p.get('pct_roof'), '.0f')} | {_cell(p.get('pct_floor'), '.0f')} | "
                      f"{p.get('kernels_per_layer', '-')} |")
     for p in data.get("points", []):
         if p.get("status") != "ok":
             lines.append(f"\n{p.get('model')} {p.get('weight_format')} T={p.get('tokens')} C={p.get('context')} "
-                         f"{p.get('moe')}: {p.get('status')} ({p.get('error', '')})")
+                         f"{_label(p)}: {p.get('status')} ({p.get('error', '')})")
     groups: dict[tuple[Any, ...], dict[str, float]] = {}
-    for p in ok:
-        groups.setdefault((p["model"], p["weight_format"], p["tokens"], p["context"]), {})[p["moe"]] = p["tokens_per_s"]
+    for p in ok:  # the MoE paths compared at the same kernel knobs
+        key = (p["model"], p["weight_format"], p["tokens"], p["context"], knob_label(p.get("kernel_knobs")))
+        groups.setdefault(key, {})[p["moe"]] = p["tokens_per_s"]
     others = sorted({moe for g in groups.values() for moe in g} - {"warp-decode"})
     if others and any("warp-decode" in g for g in groups.values()):
         lines += ["", "End to end, the lab's step (warp-decode MoE) over:", "",
                   "| model | format | T | C | " + " | ".join(others) + " |",
                   "|---|---|---:|---:|" + "---:|" * len(others)]
-        for (model, fmt, tokens, context), g in groups.items():
+        for (model, fmt, tokens, context, knobs), g in groups.items():
             if "warp-decode" in g:
                 ratios = [_cell(g["warp-decode"] / g[o] if o in g else None, ".2f") + ("x" if o in g else "")
                           for o in others]
-                lines.append(f"| {model} | {fmt} | {tokens} | {context} | " + " | ".join(ratios) + " |")
+                name = f"{model} [{knobs}]" if knobs else model
+                lines.append(f"| {name} | {fmt} | {tokens} | {context} | " + " | ".join(ratios) + " |")
     for p in ok:
         if p["moe"] == "warp-decode" and p.get("blocks"):
-            lines += ["", f"Blocks, {p['model']} {p['weight_format']} T={p['tokens']} C={p['context']} (each timed "
-                      "alone):", "", "| block | MB | µs | % roof |", "|---|---:|---:|---:|"]
+            knobs = knob_label(p.get("kernel_knobs"))
+            lines += ["", f"Blocks, {p['model']} {p['weight_format']} T={p['tokens']} C={p['context']}"
+                      f"{f' [{knobs}]' if knobs else ''} (each timed alone):", "", "| block | MB | µs | % roof |",
+                      "|---|---:|---:|---:|"]
             lines += [f"| {name} | {b['bytes'] / 1e6:.1f} | {b['median_us']:.1f} | {_cell(b.get('pct_roof'), '.0f')} |"
                       for name, b in p["blocks"].items()]
     return "\n".join(lines) + "\n"
@@ -495,7 +556,8 @@ def main(argv: Sequence[str] | None = None, extras: Extras = NO_EXTRAS) -> int:
 
     gpu, why = harness.gpu_available()
     config = {"models": args.model, "tokens": args.tokens, "contexts": args.context, "formats": args.format,
-              "moe": args.moe, "torch": getattr(args, "torch", False), "layers": args.layers, "repeats": args.repeats,
+              "moe": args.moe, "kernel_knobs": knob_settings(args.knob), "torch": getattr(args, "torch", False),
+              "layers": args.layers, "repeats": args.repeats,
               "inner": args.inner, "seed": args.seed}
     data: dict[str, Any] = {"schema": SCHEMA, "environment": harness.environment(gpu), "config": config,
                             "rooflines": None, "points": [], "complete": False}

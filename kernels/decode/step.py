@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,19 +134,20 @@ def _make_gemv_workspace(tokens: int) -> Any:
 
 
 def _qk_rope(qkv: Any, q_norm: Any, k_norm: Any, cos: Any, sin: Any, lengths: Any, q_out: Any, k_cache: Any,
-             v_cache: Any, heads: int, kv_heads: int, eps: float, pdl: int) -> Callable[[], None]:
+             v_cache: Any, heads: int, kv_heads: int, eps: float, pdl: int, **knobs: int) -> Callable[[], None]:
     return _module("attention").qk_rope_stage(qkv, q_norm, k_norm, cos, sin, lengths, q_out, k_cache, v_cache,
-                                              heads=heads, kv_heads=kv_heads, eps=eps, PDL=pdl)
+                                              heads=heads, kv_heads=kv_heads, eps=eps, PDL=pdl, **knobs)
 
 
 def _attention(q: Any, k_cache: Any, v_cache: Any, lengths: Any, out: Any, workspace: Any,
-               pdl: int) -> Callable[[], None]:
-    return _module("attention").attention_stage(q, k_cache, v_cache, lengths, out, workspace, PDL=pdl)
+               pdl: int, **knobs: int) -> Callable[[], None]:
+    return _module("attention").attention_stage(q, k_cache, v_cache, lengths, out, workspace, PDL=pdl, **knobs)
 
 
 def _make_attention_workspace(tokens: int, heads: int, kv_heads: int, head_dim: int, capacity: int,
-                              pdl: int) -> Any:
-    return _module("attention").make_attention_workspace(tokens, heads, kv_heads, head_dim, capacity, PDL=pdl)
+                              pdl: int, **knobs: int) -> Any:
+    return _module("attention").make_attention_workspace(tokens, heads, kv_heads, head_dim, capacity, PDL=pdl,
+                                                         **knobs)
 
 
 def rope_tables(positions: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -155,13 +156,59 @@ def rope_tables(positions: int, head_dim: int, theta: float) -> tuple[np.ndarray
 
 
 def _router(h: Any, w_router: Any, top_k: int, norm_topk_prob: bool, topk_ids: Any, topk_weights: Any,
-            workspace: Any, norm: Any, moe_in: Any, eps: float, pdl: int) -> Callable[[], None]:
+            workspace: Any, norm: Any, moe_in: Any, eps: float, pdl: int, **knobs: int) -> Callable[[], None]:
     return _module("router").router_stage(h, w_router, top_k, norm_topk_prob, topk_ids, topk_weights, workspace,
-                                          norm=norm, moe_in=moe_in, eps=eps, PDL=pdl)
+                                          norm=norm, moe_in=moe_in, eps=eps, PDL=pdl, **knobs)
 
 
 def _make_router_workspace(tokens: int, experts: int) -> Any:
     return _module("router").make_router_workspace(tokens, experts)
+
+
+# the step's kernels whose knobs build_step's kernel_knobs sets, each by its role: the three GEMVs (knobs of
+# kernels.decode.gemv and gemv_mma, and MMA: which of the two), q/k norm + RoPE + append, attention, the router
+KERNEL_ROLES = ("qkv", "o", "lm_head", "rope", "attention", "router")
+
+
+def kernel_knob_limits(role: str) -> dict[str, tuple[int, int]]:
+    """The knobs ``build_step(kernel_knobs={role: ...})`` takes for ``role`` and the widest range each may hold (the
+    kernel family checks the rest when the step is built); PDL is the whole step's (``step_knobs``)."""
+    if role not in KERNEL_ROLES:
+        raise ValueError(f"unknown kernel {role!r}; the step's kernels with knobs: {', '.join(KERNEL_ROLES)}")
+    if role in ("qkv", "o", "lm_head"):
+        gemv, mma = _module("gemv").GEMV, _module("gemv_mma").GEMV_MMA
+        limits = {"MMA": (-1, 1)}
+        for name in {**gemv.limits, **mma.limits}:
+            ranges = [f.limits[name] for f in (gemv, mma) if name in f.limits]
+            limits[name] = (min(r[0] for r in ranges), max(r[1] for r in ranges))
+    else:
+        family = {"rope": ("attention", "ROPE"), "attention": ("attention", "ATTENTION"),
+                  "router": ("router", "ROUTER")}[role]
+        limits = dict(getattr(_module(family[0]), family[1]).limits)
+    limits.pop("PDL", None)
+    return limits
+
+
+def _kernel_knobs(kernel_knobs: Mapping[str, Mapping[str, int]] | None) -> dict[str, dict[str, int]]:
+    """``kernel_knobs`` checked: known roles, known knob names (values: the families' checks), no PDL."""
+    if kernel_knobs is None:
+        kernel_knobs = {}
+    if not isinstance(kernel_knobs, Mapping):
+        raise TypeError(f"kernel_knobs must be a mapping of kernel role -> knobs, got {type(kernel_knobs).__name__}")
+    out: dict[str, dict[str, int]] = {}
+    for role, knobs in kernel_knobs.items():
+        if role not in KERNEL_ROLES:
+            raise ValueError(f"kernel_knobs: unknown kernel {role!r}; the step's kernels with knobs: "
+                             f"{', '.join(KERNEL_ROLES)}")
+        limits = kernel_knob_limits(role)
+        if not isinstance(knobs, Mapping):
+            raise TypeError(f"kernel_knobs[{role!r}] must be a mapping of knob -> int, got {type(knobs).__name__}")
+        unknown = sorted(set(knobs) - set(limits))
+        if unknown:
+            raise ValueError(f"kernel_knobs[{role!r}]: unknown knob(s) {unknown}; known: {', '.join(sorted(limits))}"
+                             + (" (PDL is the whole step's: step_knobs)" if "PDL" in unknown else ""))
+        out[role] = dict(knobs)
+    return {role: out.get(role, {}) for role in KERNEL_ROLES}
 
 
 # -- the model and the state on the device -------------------------------------------------------------------------
@@ -498,10 +545,13 @@ def _moe_stages(launch: Any, x: Any, w13: Any, w2: Any, ids: Any, weights: Any, 
 
 def build_step(device_model: DeviceModel, device_state: DeviceState, T: int,  # noqa: N803 - the lab's T
                moe: str | Callable[..., Any] = "warp-decode", logits: bool = False,
-               step_knobs: dict[str, int] | None = None) -> Step:
+               step_knobs: dict[str, int] | None = None,
+               kernel_knobs: Mapping[str, Mapping[str, int]] | None = None) -> Step:
     """The step of ``T`` tokens (slot t of ``device_state`` takes token t) on ``device_model``: buffers, workspaces and
     kernels made once; returns the :class:`Step`. ``logits``: also write the LM head's fp32 logits (a [T, V] store
-    the timed step leaves out). ``step_knobs``: the embedding / lengths kernels' knobs (THREADS, PDL)."""
+    the timed step leaves out). ``step_knobs``: the embedding / lengths kernels' knobs (THREADS, PDL), PDL for every
+    kernel. ``kernel_knobs``: knobs of the other kernels by role (:data:`KERNEL_ROLES`, :func:`kernel_knob_limits`),
+    e.g. ``{"attention": {"SPLIT": 32}}``; unset knobs are the families' defaults and rules."""
     import cupy
 
     if not isinstance(device_model, DeviceModel):
@@ -521,6 +571,7 @@ def build_step(device_model: DeviceModel, device_state: DeviceState, T: int,  # 
     heads, kv_heads, D = shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim  # noqa: N806
     eps, L = float(shape.rms_norm_eps), device_model.step_layers  # noqa: N806
     fmt = device_model.weight_format
+    knobs = _kernel_knobs(kernel_knobs)
     params = STEP_KERNELS.for_device(STEP_KERNELS.resolve(None, **(step_knobs or {})))
     pdl = params["PDL"]  # every kernel of the step: programmatic launches waiting before their dependent reads
 
@@ -540,7 +591,8 @@ def build_step(device_model: DeviceModel, device_state: DeviceState, T: int,  # 
     cos, sin = rope_tables(device_state.capacity, D, shape.rope_theta)
     buffers["cos"], buffers["sin"] = _upload(np.asarray(cos, np.float32)), _upload(np.asarray(sin, np.float32))
     buffers["router_workspace"] = _make_router_workspace(T, E)
-    buffers["attention_workspace"] = _make_attention_workspace(T, heads, kv_heads, D, device_state.capacity, pdl)
+    buffers["attention_workspace"] = _make_attention_workspace(T, heads, kv_heads, D, device_state.capacity, pdl,
+                                                               **knobs["attention"])
     buffers["lm_head_workspace"] = _make_gemv_workspace(T)
     dims = Dims(T, H, shape.intermediate, E, K)
     moe_launch = make_moe_launch(moe, dims, fmt)
@@ -559,10 +611,10 @@ def build_step(device_model: DeviceModel, device_state: DeviceState, T: int,  # 
     for layer in range(L):
         w = device_model.layers[device_model.order[layer]]
         if layer == 0:
-            qkv = _gemv(residual[0], w.wqkv, buffers["qkv"], pdl, norm=w.input_norm, eps=eps)
+            qkv = _gemv(residual[0], w.wqkv, buffers["qkv"], pdl, norm=w.input_norm, eps=eps, **knobs["qkv"])
         else:  # h := bf16(h + the previous layer's MoE output), into the other buffer, then the norm
             qkv = _gemv(residual[current], w.wqkv, buffers["qkv"], pdl, norm=w.input_norm, eps=eps,
-                        add=buffers["moe_out"], residual_out=residual[1 - current])
+                        add=buffers["moe_out"], residual_out=residual[1 - current], **knobs["qkv"])
             current = 1 - current
         h = residual[current]
         ids, weights = buffers["topk_ids"][layer], buffers["topk_weights"][layer]
@@ -570,15 +622,15 @@ def build_step(device_model: DeviceModel, device_state: DeviceState, T: int,  # 
             StepLaunch(ATTENTION_PROJECTIONS, "qkv_gemv", layer, qkv),
             StepLaunch(ATTENTION, "qk_norm_rope_append", layer, _qk_rope(
                 buffers["qkv"], w.q_norm, w.k_norm, buffers["cos"], buffers["sin"], lengths, buffers["q"],
-                device_state.k_cache[layer], device_state.v_cache[layer], heads, kv_heads, eps, pdl)),
+                device_state.k_cache[layer], device_state.v_cache[layer], heads, kv_heads, eps, pdl, **knobs["rope"])),
             StepLaunch(ATTENTION, "decode_attention", layer, _attention(
                 buffers["q"], device_state.k_cache[layer], device_state.v_cache[layer], lengths,
-                buffers["attention_out"], buffers["attention_workspace"], pdl)),
+                buffers["attention_out"], buffers["attention_workspace"], pdl, **knobs["attention"])),
             StepLaunch(ATTENTION_PROJECTIONS, "o_gemv", layer, _gemv(
-                buffers["attention_out"], w.wo, h, pdl, residual_in=h)),
+                buffers["attention_out"], w.wo, h, pdl, residual_in=h, **knobs["o"])),
             StepLaunch(ROUTER, "fused_router", layer, _router(
                 h, w.router, K, shape.norm_topk_prob, ids, weights, buffers["router_workspace"], w.post_norm,
-                buffers["moe_in"], eps, pdl)),
+                buffers["moe_in"], eps, pdl, **knobs["router"])),
         ]
         for name, fn in _moe_stages(moe_launch, buffers["moe_in"], w.w13, w.w2, ids, weights, buffers["moe_out"]):
             launches.append(StepLaunch(MOE, f"moe:{name}", layer, fn))
@@ -587,7 +639,7 @@ def build_step(device_model: DeviceModel, device_state: DeviceState, T: int,  # 
         StepLaunch(LM_HEAD, "lm_head_argmax", -1, _gemv(
             residual[current], device_model.lm_head, None, pdl, norm=device_model.final_norm, eps=eps,
             add=buffers["moe_out"], residual_out=residual[1 - current], argmax=buffers["tokens"],
-            logits=buffers["logits"], workspace=buffers["lm_head_workspace"])),
+            logits=buffers["logits"], workspace=buffers["lm_head_workspace"], **knobs["lm_head"])),
         StepLaunch(OTHER, "bump_lengths", -1, lambda: launch_ex(
             kernels[BUMP], (1,), (32,), (lengths, i32(T)), programmatic=programmatic)),
     ]
@@ -600,6 +652,6 @@ def moe_stage_names(step: Step) -> list[str]:
             and launch.block == MOE]
 
 
-__all__ = ["BLOCKS", "MOE_PATHS", "DeviceLayer", "DeviceModel", "DeviceState", "Step", "StepLaunch",
+__all__ = ["BLOCKS", "KERNEL_ROLES", "MOE_PATHS", "DeviceLayer", "DeviceModel", "DeviceState", "Step", "StepLaunch",
            "StepOutput", "build_step", "cache_from_device_layout", "cache_to_device_layout", "cycle_model",
-           "cycle_order", "make_moe_launch", "moe_variant"]
+           "cycle_order", "kernel_knob_limits", "make_moe_launch", "moe_variant"]
