@@ -3,6 +3,7 @@ simulator route really runs the Numba kernels and matches the reference."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -105,3 +106,14 @@ def test_report_accuracy_block_is_generated_by_the_command_it_names(tmp_path: Pa
     monkeypatch.chdir(tmp_path)
     assert accuracy.main([*argv, "--update-readme", document]) == 0
     assert copy.read_text() == text
+
+
+def test_report_decode_block_is_generated_by_the_command_it_names() -> None:
+    """results/REPORT.md's decode-step tables are what the tools.decode command it names prints for its run."""
+    from tools import decode
+
+    text = (ROOT / "results/REPORT.md").read_text()
+    command = re.search(r"`python -m tools\.decode --markdown (\S+\.json)`", text)
+    assert command, "results/REPORT.md names no tools.decode --markdown command"
+    block = text.split("<!-- decode:begin -->\n", 1)[1].split("<!-- decode:end -->", 1)[0]
+    assert block == decode.markdown(json.loads((ROOT / command.group(1)).read_text()))
