@@ -7,9 +7,9 @@
 #   bench="" (the default) skips the bench. jobs=N runs the selected GPU tests in N pytest processes at once: the
 #   test ids are collected first and dealt round-robin, so a big file's tests spread over every process, and each
 #   process gets cores / N BLAS threads -- the host references' fp64 products oversubscribe the cores otherwise
-#   (notes/CONVENTIONS.md has the measurements). Each process logs to gpu-tests-<j>.log (gpu-test-ids.txt holds the
-#   ids); a step that reaches its limit is interrupted (SIGINT), so pytest still prints what passed. The last lines
-#   total the passed and failed tests.
+#   (notes/CONVENTIONS.md has the measurements). Each process logs to gpu-tests-<j>.log, joined into one
+#   gpu-tests.log at the end (gpu-test-ids.txt holds the ids); a step that reaches its limit is interrupted (SIGINT),
+#   so pytest still prints what passed. The last lines total the passed and failed tests and list the failures.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-check}
@@ -55,6 +55,10 @@ elif [ "$tests" != "none" ]; then
   passed=$(printf '%s' "$marks" | tr -cd '.' | wc -c)
   failed=$(printf '%s' "$marks" | tr -cd 'FE' | wc -c)
   echo "gpu tests: $passed passed, $failed failed or errors, of $(wc -l < "$OUT/gpu-test-ids.txt") selected"
+  for log in "${logs[@]}"; do [ "$log" = /dev/null ] || { echo "== $(basename "$log")"; cat "$log"; }; done \
+    > "$OUT/gpu-tests.log"
+  rm -f "$OUT"/gpu-tests-[0-9]*.log
+  grep -E "^(FAILED|ERROR) " "$OUT/gpu-tests.log" || true
 fi
 if [ "$report" -eq 1 ]; then
   timeout 90 python3 -m tools.compile_report > "$OUT/compile_report.txt" 2>&1 || echo "inspect failed (see compile_report.txt)"
