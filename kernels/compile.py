@@ -38,7 +38,8 @@ DEFAULT_ARCH = "sm_90"
 # -ftz=true: CuPy adds it to every NVRTC compile (cupy/cuda/compiler.py), after the caller's options, so the GPU's code
 # flushes FP32 subnormals (inputs and results) to zero. Naming it here makes the offline compile (reports, machine-code
 # hashes) the code the GPU runs; the kernels must not rely on an FP32 subnormal (the 4-bit widening keeps its one in
-# bf16x2: kernels/batched/loaders_fp4.py). The NumPy references and the g++ emulation keep subnormals.
+# bf16x2: kernels/batched/loaders_fp4.py). The g++ emulation flushes as the GPU does (tests/warp_checks.py: EmuFtz);
+# the NumPy references keep subnormals.
 NVRTC_OPTIONS = ("-std=c++17", "-ftz=true")
 
 

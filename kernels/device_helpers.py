@@ -174,6 +174,7 @@ __device__ __forceinline__ u32 sext_byte_pair(u32 w, u32 selector) {
 // bf16x2 bits times 2^8 (exact for |value| < 2^120; subnormals become normals)
 __device__ __forceinline__ u32 bf16x2_times_256(u32 bits2) {
 #ifdef WD_HOST_EMULATION
+    EmuFtz keep(false);  // the GPU's bf16x2 multiply keeps subnormals (tests/warp_checks.py)
     u32 out = 0;
     for (int half = 0; half < 2; ++half) {  // x 2^8 in float, exact, back to the bf16 bits
         const u32 bits = __float_as_uint(__uint_as_float(((bits2 >> (16 * half)) & 0xFFFFu) << 16) * 256.0f);

@@ -197,9 +197,10 @@ def test_emulated_within_the_bound(rng: np.random.Generator, tmp_path: Any, toke
 
 @pytest.mark.slow
 def test_emulated_tiny_activations_and_subnormal_weights(tmp_path: Any) -> None:
-    """A token x 2^-24 (its products e x 2^-112 deep in FP32's subnormal range) and e4m3 subnormals in the weights
-    (a row block whose values span 2^-6 .. 2^-9 of its largest): still within the bound, the tiny token's outputs
-    2^-24 times the plain token's within it."""
+    """A token x 2^-8 (its products e x 2^-120, near FP32's subnormal range) and e4m3 subnormals in the weights (a
+    row block whose values span 2^-6 .. 2^-9 of its largest): still within the bound, the small token's outputs
+    2^-8 times the plain token's within it. Not x 2^-24, as once: its partials fall below 2^-126, and the GPU's FP32
+    (-ftz=true, kernels/compile.py) flushes them -- the emulation does too."""
     rng = np.random.default_rng(11)
     inputs, _ = _fp8_inputs(rng, 10, 37, 144)
     w = bf16_to_f32(inputs["w"])
@@ -207,11 +208,11 @@ def test_emulated_tiny_activations_and_subnormal_weights(tmp_path: Any) -> None:
     w[:, 16] = 1.0
     inputs["w"] = w.astype(BF16)
     q = quantize_matrix(w)
-    inputs["x"][1] = (bf16_to_f32(inputs["x"][0]) * 2.0**-24).astype(BF16)
+    inputs["x"][1] = (bf16_to_f32(inputs["x"][0]) * 2.0**-8).astype(BF16)
     got, params = _emulate(inputs, q, {}, tmp_path, WARPS=2, KSPLIT=2, UNROLL=1)
     expect_fp8(inputs, q, {}, got, params["KSPLIT"])
     tiny, plain = bf16_to_f32(got["out"][1]).astype(np.float64), bf16_to_f32(got["out"][0]).astype(np.float64)
-    assert (np.abs(tiny * 2.0**24 - plain) <= np.abs(plain) * 2.0**-7 + 2.0**-100).all()
+    assert (np.abs(tiny * 2.0**8 - plain) <= np.abs(plain) * 2.0**-7 + 2.0**-100).all()
 
 
 # ---------------------------------------------------------------------------------------------------

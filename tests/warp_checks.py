@@ -225,6 +225,9 @@ EMULATION_HEADERS = r"""
 #include <vector>
 #include <algorithm>
 #include <ucontext.h>
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
 """
 EMULATION_PRELUDE = EMULATION_HEADERS + r"""#define WD_HOST_EMULATION 1
 #define __global__
@@ -243,11 +246,26 @@ thread_local Dim3 threadIdx, blockIdx;
 Dim3 gridDim;  // set by launch() before its threads start
 struct WarpCtx;
 thread_local WarpCtx* g_warp = nullptr;
+// The GPU's FP32 arithmetic flushes subnormals to zero, inputs and results (CuPy compiles every kernel with -ftz=true:
+// kernels/compile.py), so the lanes run with the x86 MXCSR's FTZ and DAZ bits set (EmuFtz(true)), as the GPU's float
+// operations do (double ones flush here too; the kernels' are not in that range). The shims of instructions that keep
+// subnormals on the GPU (the mma, bf16x2 multiplies) run their arithmetic under EmuFtz(false). WD_EMU_NO_FTZ: off.
+struct EmuFtz {
+#if defined(__x86_64__) && !defined(WD_EMU_NO_FTZ)
+    unsigned saved;
+    explicit EmuFtz(bool on) : saved(_mm_getcsr()) { _mm_setcsr(on ? (saved | 0x8040u) : (saved & ~0x8040u)); }
+    ~EmuFtz() { _mm_setcsr(saved); }
+#else
+    explicit EmuFtz(bool) {}
+#endif
+    EmuFtz(const EmuFtz&) = delete;
+    EmuFtz& operator=(const EmuFtz&) = delete;
+};
 #ifdef WD_EMU_OS_THREADS
 using EmuBarrier = std::barrier<>;
 template <class F> void run_lanes(int n, F body) {  // body(l) for l in 0 .. n-1, one std::thread each
     std::vector<std::thread> pool;
-    for (int l = 0; l < n; ++l) pool.emplace_back([&body, l] { body(l); });
+    for (int l = 0; l < n; ++l) pool.emplace_back([&body, l] { EmuFtz ftz(true); body(l); });
     for (auto& t : pool) t.join();
 }
 #else
@@ -349,6 +367,7 @@ inline void lane_entry() {  // a fiber's first frame: its lane's body, then back
 }
 template <class F> void run_lanes(int n, F body) {  // body(l) for l in 0 .. n-1, cooperatively
     constexpr size_t kStack = 256 * 1024;
+    EmuFtz ftz(true);  // the lanes' FP32 as the GPU's (one OS thread: the switches leave the MXCSR alone)
     g_lanes.lanes.resize(n);  // the last call's lanes kept with their stacks: a block allocates none
     g_lanes.body = &body;
     g_lanes.entry = [](void* b, int l) { (*static_cast<F*>(b))(l); };
@@ -417,14 +436,18 @@ inline void emulated_mma_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned
     };
     auto b_el = [&](int k, int n) { return half(g_warp->frags[n * 4 + (k % 8) / 2][4 + (k < 8 ? 0 : 1)], k); };
     float sums[4];
-    for (int r = 0; r < 4; ++r) {
-        const int m = g + (r >= 2 ? 8 : 0), n = 2 * q + (r & 1);
-        float sum = 0.0f;
-        for (int k = 0; k < 16; ++k) sum = fmaf(a_el(m, k), b_el(k, n), sum);
-        sums[r] = sum;
+    {
+        EmuFtz keep(false);  // the tensor cores keep subnormal inputs (notes/diag_mma_subnormals.py)
+        for (int r = 0; r < 4; ++r) {
+            const int m = g + (r >= 2 ? 8 : 0), n = 2 * q + (r & 1);
+            float sum = 0.0f;
+            for (int k = 0; k < 16; ++k) sum = fmaf(a_el(m, k), b_el(k, n), sum);
+            sums[r] = sum;
+        }
+        for (int r = 0; r < 4; ++r) sums[r] = d[r] + sums[r];
     }
     g_warp->bar.arrive_and_wait();  // every lane has read the fragments before any lane's next mma writes
-    for (int r = 0; r < 4; ++r) d[r] += sums[r];
+    for (int r = 0; r < 4; ++r) d[r] = sums[r];
 }
 """
 

@@ -23,6 +23,7 @@ E2M1_BF16 = r"""// ---- e2m1 pairs to bf16 pairs (kernels/batched/loaders_fp4.py
 // 2^-127 is both 0.5's bits and an e8m0 scale of 0; bf16x2 multiplies keep them.
 __device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
 #ifdef WD_HOST_EMULATION
+    EmuFtz keep(false);  // the GPU's bf16x2 multiply keeps subnormals (tests/warp_checks.py)
     u32 out = 0;
     for (int half = 0; half < 2; ++half) {  // the float32 product of two bf16s, rounded to bf16 (exact here)
         const float p = __uint_as_float(((a >> (16 * half)) & 0xFFFFu) << 16)
