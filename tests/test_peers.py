@@ -346,18 +346,21 @@ def test_gpu_w8a8_peer_through_the_harness(tmp_path: Path) -> None:
 @pytest.mark.gpu
 @needs_peers
 def test_gpu_w4a16_peer_through_the_harness(tmp_path: Path) -> None:
-    """--weight-format mxfp4: every W4A16 config benched on mxfp4 copies of the weights and checked against
+    """--weight-format mxfp4: two W4A16 configs (a BLOCK_M 16 and a 64 one: the whole set took past 150 s of Triton
+    compiles on the H200) benched on mxfp4 copies of the weights and checked against
     ``reference.moe_decode(mode="classical", weight_format="mxfp4")`` like a lab path; the tuned row recorded."""
+    from tools.peers.tile_configs import W4A16_CONFIGS
+
+    chosen = [0, next(i for i, c in enumerate(W4A16_CONFIGS) if c.block_m == 64)]
     path = tmp_path / "peers-w4a16.json"
-    done = _run("--weight-format", "mxfp4", "--model", "tiny", "--batch", "1,5", "--repeats", "3", "--json", str(path))
+    done = _run("--weight-format", "mxfp4", "--model", "tiny", "--batch", "1,5", "--repeats", "3",
+                "--configs", ",".join(map(str, chosen)), "--json", str(path))
     assert done.returncode == 0, done.stderr[-3000:]
     import json
 
-    from tools.peers.tile_configs import W4A16_CONFIGS
-
     data = json.loads(path.read_text())
     rows = [r for r in data["results"] if r["variant"].startswith("triton:fused-moe-w4a16[")]
-    assert len(rows) == 2 * len(W4A16_CONFIGS) and all(r["status"] == "ok" and r["check"]["ok"] for r in rows), rows
+    assert len(rows) == 2 * len(chosen) and all(r["status"] == "ok" and r["check"]["ok"] for r in rows), rows
     assert all(r["bytes"]["weight_format"] == "mxfp4" and r.get("quant") is None for r in rows)
     tuned = [r for r in data["results"] if r["variant"] == "triton:fused-moe-w4a16"]
     assert len(tuned) == 2 and all(r["tuned_from"].startswith("triton:fused-moe-w4a16[") for r in tuned)
