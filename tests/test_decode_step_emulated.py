@@ -115,10 +115,11 @@ def test_cycled_model_step_matches_the_cycled_reference(emulated: EmulatedDevice
 
 
 @pytest.mark.slow
-def test_strict_step_64_greedy_steps(emulated: EmulatedDevice) -> None:
-    """Issue #59's bar: greedy tokens identical to the reference's over 64 steps at tiny (and everything else
-    bitwise: routing, hidden state, KV caches)."""
-    _check_strict(emulated, 64, seed=3)
+def test_strict_step_8_greedy_steps(emulated: EmulatedDevice) -> None:
+    """Greedy tokens identical to the reference's over 8 steps at tiny (and everything else bitwise: routing, hidden
+    state, KV caches). Issue #59's 64 steps run on the GPU (tests/test_decode_step.py, passed on the H200); 8 here
+    keep the composition checked on every CI run at a fraction of the time."""
+    _check_strict(emulated, 8, seed=3)
 
 
 @pytest.mark.slow
