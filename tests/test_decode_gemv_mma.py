@@ -110,17 +110,25 @@ def _emulate(inputs: dict[str, np.ndarray], modes: dict[str, int], tmp_path: Any
     }
 
 
+EXACT_PAST = 4_000_000  # outputs (T x N) past which expect_within_tolerance checks against the float64 product
+
+
 def expect_within_tolerance(inputs: dict[str, np.ndarray], modes: dict[str, int], got: dict[str, Any]) -> None:
     """y within K 2^-23 sum |x w| of the lane-chain twin (dot_chain): the logits themselves; a bf16 output within
     that plus one bf16 rounding of the twin's value; the prologue's residual bitwise; every output written (the
     poison gone); argmax equal to the twin's where its top two logits are clear of the bound, and always the
-    argmax of the kernel's own logits."""
+    argmax of the kernel's own logits. Past EXACT_PAST outputs (the LM head at T >= 27) the twin's NumPy chain took
+    ~100 s a test on one BLAS thread: there the float64 product stands in for it, with the bound 1.5x (the chain is
+    within K 2^-24 sum |x w| of the exact dot)."""
     xn, summed = _prologue(inputs["x"], inputs["add"] if modes.get("ADD") else None,
                            inputs["norm"] if modes.get("NORM") else None, 1e-6)
-    twin = _chain(xn, inputs["w"]).astype(np.float64)
+    x64, w64 = bf16_to_f32(xn).astype(np.float64), bf16_to_f32(inputs["w"]).astype(np.float64)
     k = xn.shape[1]
-    bound = (np.abs(bf16_to_f32(xn)).astype(np.float64) @ np.abs(bf16_to_f32(inputs["w"])).astype(np.float64).T
-             ) * k * 2.0**-23
+    bound = (np.abs(x64) @ np.abs(w64).T) * k * 2.0**-23
+    if xn.shape[0] * w64.shape[0] > EXACT_PAST:
+        twin, bound = x64 @ w64.T, 1.5 * bound
+    else:
+        twin = _chain(xn, inputs["w"]).astype(np.float64)
     if summed is not None:
         np.testing.assert_array_equal(_bits(got["residual_out"]), _bits(summed))
     epilogue = modes.get("EPILOGUE", 0)
