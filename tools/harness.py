@@ -36,7 +36,6 @@ How a point (model, batch, variant) is measured:
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import math
 import platform
@@ -389,23 +388,17 @@ class Workbench:
 
     def weights(self, copy: int, weight_format: str = "bf16") -> tuple[Any, Any]:
         """Copy ``copy``'s ``(w13, w2)`` in ``weight_format`` (one of ``weight_formats``): contiguous [E, ...] views
-        into that format's pool (a scaled format: a :class:`kernels.formats.Quantized` of views)."""
-        from kernels.formats import Quantized
+        into that format's pool (a scaled format: a :class:`kernels.formats.Quantized` of views: values, scales and
+        a per-expert global scale, each [E, ...] of the copy)."""
+        from kernels.problem import convert_array
 
         if weight_format not in self.pools:
             raise ValueError(f"weight_format {weight_format!r} has no pool here; this workbench holds "
                              f"{', '.join(self.pools)} (its weight_formats)")
         start = copy * self.shape.experts
         stop = start + self.shape.experts
-
-        def view(w: Any) -> Any:
-            if isinstance(w, Quantized):  # values, scales and a per-expert global scale: each [E, ...] of the copy
-                scales, globals_ = (None if a is None else a[start:stop] for a in (w.scales, w.global_scale))
-                return dataclasses.replace(w, values=w.values[start:stop], scales=scales, global_scale=globals_)
-            return w[start:stop]
-
         w13, w2 = self.pools[weight_format]
-        return view(w13), view(w2)
+        return convert_array(w13, lambda a: a[start:stop]), convert_array(w2, lambda a: a[start:stop])
 
     # -- reference ------------------------------------------------------------------------------
     def _compact_copy(self, copy: int, weight_format: str = "bf16") -> dict[str, Any]:
@@ -413,7 +406,7 @@ class Workbench:
         ``weight_format``: its values as the host reads them, and its scales)."""
         import cupy
 
-        from kernels.formats import Quantized
+        from kernels.problem import convert_array
 
         key = (copy, weight_format)
         if key not in self._compact:
@@ -423,20 +416,17 @@ class Workbench:
             rows = copy * self.shape.experts + touched
             index = cupy.asarray(rows.astype(np.int64))
 
-            def bits(values: Any) -> np.ndarray:  # bf16 values travel as their bit patterns, one-byte ones as uint8
-                if values.dtype.itemsize == 1:  # fp8's e4m3 bytes (the reference reads them as such) or packed e2m1
-                    return _host(values.view(cupy.uint8)[index])
-                return _host(values.view(cupy.uint16)[index]).view(BF16)
-
-            def gather(w: Any) -> Any:
-                if isinstance(w, Quantized):
-                    scales, globals_ = (None if a is None else _host(a[index]) for a in (w.scales, w.global_scale))
-                    return dataclasses.replace(w, values=bits(w.values), scales=scales, global_scale=globals_)
-                return bits(w)
+            def touched_on_host(a: Any) -> np.ndarray:  # the touched experts' rows of one array of a weight
+                if a.dtype.itemsize == 1:  # fp8's e4m3 bytes (the reference reads them as such), packed e2m1, scales
+                    return _host(a.view(cupy.uint8)[index])
+                if a.dtype.itemsize == 2:  # bf16: CuPy moves it as its bit patterns
+                    return _host(a.view(cupy.uint16)[index]).view(BF16)
+                return _host(a[index])  # float32 scales and global scales
 
             w13, w2 = self.pools[weight_format]
             self._compact[key] = {
-                "x": self.host["x"][tokens], "w13": gather(w13), "w2": gather(w2),
+                "x": self.host["x"][tokens], "w13": convert_array(w13, touched_on_host),
+                "w2": convert_array(w2, touched_on_host),
                 "topk_ids": remapped.reshape(ids.shape).astype(np.int32),
                 "topk_weights": self.host["topk_weights"][tokens],
             }
