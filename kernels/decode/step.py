@@ -197,10 +197,10 @@ def _kernel_knobs(kernel_knobs: Mapping[str, Mapping[str, int]] | None) -> dict[
         raise TypeError(f"kernel_knobs must be a mapping of kernel role -> knobs, got {type(kernel_knobs).__name__}")
     out: dict[str, dict[str, int]] = {}
     for role, knobs in kernel_knobs.items():
-        if role not in KERNEL_ROLES:
-            raise ValueError(f"kernel_knobs: unknown kernel {role!r}; the step's kernels with knobs: "
-                             f"{', '.join(KERNEL_ROLES)}")
-        limits = kernel_knob_limits(role)
+        try:
+            limits = kernel_knob_limits(role)
+        except ValueError as exc:
+            raise ValueError(f"kernel_knobs: {exc}") from None
         if not isinstance(knobs, Mapping):
             raise TypeError(f"kernel_knobs[{role!r}] must be a mapping of knob -> int, got {type(knobs).__name__}")
         unknown = sorted(set(knobs) - set(limits))
