@@ -150,6 +150,24 @@ __device__ __forceinline__ void e4m3x2_to_f32(u32 pair, float& lo, float& hi) {
 // cleared and the sign put back at bit 15. The tensor-core kernels multiply each FP32 partial by 2^112
 // (FP8_UNSCALE) and the block scale. e4m3fn's NaN (0x7F / 0xFF) does not survive (the quantizer never writes it).
 #define FP8_UNSCALE 0x1p112f
+// bf16x2 multiply, round to nearest (subnormals kept: mul.rn.bf16x2 has no flush); the 4-bit loaders' widening
+// and FP8_PRMT's x 2^8
+__device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
+#ifdef WD_HOST_EMULATION
+    EmuFtz keep(false);  // the GPU's bf16x2 multiply keeps subnormals (tests/warp_checks.py)
+    u32 out = 0;
+    for (int half = 0; half < 2; ++half) {  // the float32 product of two bf16s, rounded to bf16
+        const float p = __uint_as_float(((a >> (16 * half)) & 0xFFFFu) << 16)
+                        * __uint_as_float(((b >> (16 * half)) & 0xFFFFu) << 16);
+        out |= (u32)f32_to_bf16(p) << (16 * half);
+    }
+    return out;
+#else
+    u32 out;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out) : "r"(a), "r"(b));
+    return out;
+#endif
+}
 #if defined(FP8_PRMT) && FP8_PRMT
 // FP8_PRMT 1: the same bf16 bits in 4 instructions per 2 values instead of 4.5 (the pairs' byte moves are free):
 // bytes 2n and 2n + 1 of w, each sign-extended to 16 bits (prmt.b32: a selector nibble's bit 3 replicates the
@@ -173,19 +191,7 @@ __device__ __forceinline__ u32 sext_byte_pair(u32 w, u32 selector) {
 }
 // bf16x2 bits times 2^8 (exact for |value| < 2^120; subnormals become normals)
 __device__ __forceinline__ u32 bf16x2_times_256(u32 bits2) {
-#ifdef WD_HOST_EMULATION
-    EmuFtz keep(false);  // the GPU's bf16x2 multiply keeps subnormals (tests/warp_checks.py)
-    u32 out = 0;
-    for (int half = 0; half < 2; ++half) {  // x 2^8 in float, exact, back to the bf16 bits
-        const u32 bits = __float_as_uint(__uint_as_float(((bits2 >> (16 * half)) & 0xFFFFu) << 16) * 256.0f);
-        out |= (bits >> 16) << (16 * half);
-    }
-    return out;
-#else
-    u32 out;
-    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out) : "r"(bits2), "r"(0x43804380u));  // 2^8 in both halves
-    return out;
-#endif
+    return bf16x2_mul(bits2, 0x43804380u);  // 2^8 in both halves
 }
 // FP8_PRMT 2: the multiply moves to the B fragments (the activations x 2^8: b_fragment in the tensor-core kernels),
 // the A fragment stays value x 2^-120 -- every product the same number, 3 instructions per 2 weight values and one

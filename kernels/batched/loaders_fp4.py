@@ -20,23 +20,8 @@ E2M1_BF16 = r"""// ---- e2m1 pairs to bf16 pairs (kernels/batched/loaders_fp4.py
 // and the weight (x the block scale as bf16: an e8m0 scale is a power of two, an e4m3 one has four significant bits,
 // an e2m1 value two, so the product is a bf16 wherever its float32 is finite, subnormals included). Why bf16x2 and
 // not float32: the kernels' FP32 arithmetic flushes subnormals (kernels/compile.py: -ftz=true), and the subnormal
-// 2^-127 is both 0.5's bits and an e8m0 scale of 0; bf16x2 multiplies keep them.
-__device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
-#ifdef WD_HOST_EMULATION
-    EmuFtz keep(false);  // the GPU's bf16x2 multiply keeps subnormals (tests/warp_checks.py)
-    u32 out = 0;
-    for (int half = 0; half < 2; ++half) {  // the float32 product of two bf16s, rounded to bf16 (exact here)
-        const float p = __uint_as_float(((a >> (16 * half)) & 0xFFFFu) << 16)
-                        * __uint_as_float(((b >> (16 * half)) & 0xFFFFu) << 16);
-        out |= (u32)f32_to_bf16(p) << (16 * half);
-    }
-    return out;
-#else
-    u32 out;
-    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out) : "r"(a), "r"(b));
-    return out;
-#endif
-}
+// 2^-127 is both 0.5's bits and an e8m0 scale of 0; bf16x2 multiplies keep them (bf16x2_mul:
+// kernels/device_helpers.py).
 // byte (bits 7..0 of w: two e2m1 values) x the scale in both halves of scale2, as bf16x2
 __device__ __forceinline__ u32 e2m1x2_to_bf16x2(u32 w, u32 scale2) {
     const u32 v = (w & 0xFFu) * 0x40040u;                            // byte << 6 | byte << 18
